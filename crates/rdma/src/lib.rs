@@ -1,1 +1,31 @@
-//! placeholder
+//! lwio's RDMA layer: one verbs API ([`verbs`]) and its providers.
+//!
+//! * `soft` — the IETF iWARP stack (MPA/DDP/RDMAP) in user space over TCP;
+//!   runs anywhere and speaks to Linux siw and iWARP NICs.
+//! * `ibv` — libibverbs/librdmacm, loaded at run time, for RDMA NICs and the
+//!   kernel's rxe and siw.
+//!
+//! [`providers`] lists the providers compiled in; a provider that cannot be
+//! used on this host is still listed, with the reason, by `devices()`.
+
+pub mod verbs;
+
+pub use verbs::*;
+
+/// Every provider compiled into this build, in preference order for `auto`.
+pub fn providers() -> Vec<Provider> {
+    #[allow(unused_mut)]
+    let mut v: Vec<Provider> = Vec::new();
+    // provider registrations (one line per provider module):
+    v
+}
+
+/// A provider by name (`soft`, `verbs`).
+pub fn provider(name: &str) -> Result<Provider> {
+    providers()
+        .into_iter()
+        .find(|p| p.name() == name)
+        .ok_or_else(|| {
+            Error::ProviderUnavailable(format!("no provider named {name:?} in this build"))
+        })
+}

@@ -1,0 +1,1081 @@
+//! The provider-neutral RDMA verbs API.
+//!
+//! Every object is a cheap, cloneable (where verbs allow it) handle around a
+//! provider object (`Arc<dyn …Ops>`). Consumers only ever see the handle types
+//! in this module; providers implement the `*Ops` traits in [`ops`].
+//!
+//! The model follows the verbs of InfiniBand/iWARP (and the memory-protection
+//! model of seed 002):
+//!
+//! * a [`Context`] is an opened device of a [`Provider`];
+//! * a [`Pd`] groups memory registrations, windows and queue pairs: a key of one
+//!   PD is never valid on a QP of another;
+//! * an [`Mr`] registers a byte range with [`Access`] rights and has a local key
+//!   and a remote key (STag). Dropping it deregisters it and invalidates its keys
+//!   at once;
+//! * an [`Mw`] (memory window) is a remote key that is *bound* to a byte range of
+//!   a region by a work request posted on a QP ([`Qp::bind_mw`]), possibly
+//!   one-shot, and unbound by local invalidation ([`Qp::invalidate`]) or by the
+//!   peer's Send with Invalidate. Each bind issues a new key byte, so a stale
+//!   key never matches again;
+//! * a [`Cq`] collects [`Wc`] work completions; it can be polled, or armed and
+//!   waited on through a [`CompChannel`] whose file descriptor works with
+//!   `poll(2)`, epoll and tokio's `AsyncFd`;
+//! * a [`Qp`] is a reliable-connected queue pair created by the connection
+//!   manager ([`Context::connect`], [`Listener::accept`]).
+//!
+//! # Memory and `unsafe`
+//! Registered memory may be written by the remote peer at any time while a key
+//! that covers it is valid. Rust references (`&[u8]`, `&mut [u8]`) to such memory
+//! would assert a freedom from concurrent mutation that the network does not
+//! respect, so [`Mr`] offers copy-in/copy-out accessors ([`Mr::read_at`],
+//! [`Mr::write_at`]) and atomic word accessors for polled status words, and only
+//! `unsafe` slice views for callers that can prove no remote access is possible.
+
+use std::any::Any;
+use std::fmt;
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use ops::*;
+
+bitflags::bitflags! {
+    /// Access rights of a memory region or window.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct Access: u32 {
+        /// The local HCA/provider may write (receives, RDMA Read sinks).
+        const LOCAL_WRITE = 1 << 0;
+        /// The peer may RDMA Write into it.
+        const REMOTE_WRITE = 1 << 1;
+        /// The peer may RDMA Read from it.
+        const REMOTE_READ = 1 << 2;
+        /// Memory windows may be bound to this region.
+        const MW_BIND = 1 << 4;
+    }
+}
+
+/// The link layer / transport a device speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// iWARP (RFC 5040/5041/5044) — the soft provider, siw and iWARP NICs.
+    Iwarp,
+    /// RoCE (v1/v2) — rxe and RoCE NICs.
+    Roce,
+    /// InfiniBand.
+    Infiniband,
+    /// Anything else the verbs library reports.
+    Other,
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Transport::Iwarp => "iWARP",
+            Transport::Roce => "RoCE",
+            Transport::Infiniband => "InfiniBand",
+            Transport::Other => "other",
+        })
+    }
+}
+
+/// How memory windows are realised by a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MwKind {
+    /// Real windows bound by a posted work request, no system call (soft, type-2 NICs).
+    Native,
+    /// The device has no windows: each bind registers a fresh region over the
+    /// range (a system call) and each invalidation deregisters it. The remote
+    /// side can still only touch that range, and only until it is invalidated.
+    PerRequestRegistration,
+}
+
+/// Device capabilities that consumers must respect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceCaps {
+    pub max_mr_size: u64,
+    pub max_qp_wr: u32,
+    pub max_cqe: u32,
+    pub max_sge: u32,
+    pub max_inline_data: u32,
+    /// Max outstanding inbound RDMA Reads per QP (IRD).
+    pub max_ird: u32,
+    /// Max outstanding outbound RDMA Reads per QP (ORD).
+    pub max_ord: u32,
+    /// Largest message (send or RDMA) the device moves.
+    pub max_msg_size: u64,
+    pub mw_kind: MwKind,
+    /// A window can be bound one-shot and the provider itself disables it after
+    /// the first remote access completes. When false the consumer must
+    /// invalidate after completion to obtain the same guarantee.
+    pub one_shot_mw: bool,
+    /// RDMA Write with immediate data (RFC 7306 on iWARP, native on IB/RoCE).
+    pub write_with_imm: bool,
+    /// Send with Invalidate.
+    pub send_with_invalidate: bool,
+}
+
+/// One device of a provider, as listed by `lwio devices`.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// Provider name (`"soft"`, `"verbs"`).
+    pub provider: &'static str,
+    /// Device name (`"soft0"`, `"rxe0"`, `"siw0"`, `"mlx5_0"` …).
+    pub name: String,
+    pub transport: Transport,
+    /// IP addresses the device can be reached at, where known.
+    pub addresses: Vec<std::net::IpAddr>,
+    /// `Ok` when usable; otherwise why not.
+    pub usable: Result<(), String>,
+    pub caps: Option<DeviceCaps>,
+}
+
+/// Who drives the protocol engine of a software provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Progress {
+    /// An engine thread per context does all the work; completions arrive
+    /// without the consumer calling into the provider.
+    #[default]
+    Auto,
+    /// The thread that polls a CQ (or waits on a completion channel, or calls
+    /// [`Context::progress`]) does the work. No engine thread, no cross-thread
+    /// wake-up: the lowest latency for a busy-polling consumer.
+    Manual,
+}
+
+/// MPA CRC policy of an iWARP provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CrcPolicy {
+    /// Ask for CRC32c, accept the peer's wish not to use it.
+    Preferred,
+    /// Insist on CRC32c; reject peers that refuse it.
+    Required,
+    /// Do not ask for CRC (the peer may still require it, per RFC 5044 §7.1.2).
+    #[default]
+    Off,
+}
+
+/// Provider configuration. Fields that do not apply to a provider are ignored
+/// by it (documented per field).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Soft provider: engine threading model. Verbs: ignored (hardware progresses).
+    pub progress: Progress,
+    /// Soft provider: bytes of anonymous buffering per QP for sends that arrive
+    /// before a receive is posted (seed 003's indicate window). When full, the
+    /// provider stops reading the socket until receives are posted.
+    pub indicate_window: usize,
+    /// Soft provider: MPA CRC32c policy.
+    pub mpa_crc: CrcPolicy,
+    /// Soft provider: maximum ULPDU (payload per FPDU) we send; 0 = derive from the MSS.
+    pub mulpdu: usize,
+    /// Both: time allowed for connection establishment (MPA / rdma_cm).
+    pub connect_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            progress: Progress::Auto,
+            indicate_window: 256 * 1024,
+            mpa_crc: CrcPolicy::Off,
+            mulpdu: 0,
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Errors of the verbs API.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("not supported by this provider/device: {0}")]
+    NotSupported(String),
+    #[error("provider unavailable: {0}")]
+    ProviderUnavailable(String),
+    #[error("no such device: {0}")]
+    NoSuchDevice(String),
+    #[error("connection rejected by peer")]
+    Rejected {
+        /// The private data the peer sent with its reject.
+        private_data: Vec<u8>,
+    },
+    #[error("peer unreachable: {0}")]
+    Unreachable(String),
+    #[error("timed out: {0}")]
+    Timeout(String),
+    #[error("connection handshake failed: {0}")]
+    Handshake(String),
+    #[error("queue pair is in the error state")]
+    QpError,
+    #[error("work queue full")]
+    QueueFull,
+    #[error("resource limit: {0}")]
+    ResourceExhausted(String),
+    #[error("invalid key or access: {0}")]
+    Protection(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A posting error: which work request of a list failed (those before it were posted).
+#[derive(Debug, thiserror::Error)]
+#[error("work request {index} of the list could not be posted: {error}")]
+pub struct PostError {
+    pub index: usize,
+    #[source]
+    pub error: Error,
+}
+
+/// A scatter/gather element: `length` bytes at `addr`, covered by the local key `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sge {
+    pub addr: u64,
+    pub length: u32,
+    pub lkey: u32,
+}
+
+/// The operation of a send-queue work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    /// Untagged Send into the peer's next posted receive.
+    Send,
+    /// Send with immediate data (IB/RoCE only; iWARP has no such operation).
+    SendWithImm { imm: u32 },
+    /// Send that also invalidates `rkey` at the peer (iWARP SendInv / IB SEND_WITH_INV).
+    SendWithInvalidate { rkey: u32 },
+    /// RDMA Write of the gathered local data to `remote_addr` under `rkey`.
+    Write { remote_addr: u64, rkey: u32 },
+    /// RDMA Write that also consumes a receive at the peer carrying `imm`.
+    WriteWithImm {
+        remote_addr: u64,
+        rkey: u32,
+        imm: u32,
+    },
+    /// RDMA Read of `sum(sge.length)` bytes from `remote_addr` under `rkey` into the local SGEs.
+    Read { remote_addr: u64, rkey: u32 },
+}
+
+/// A send-queue work request.
+#[derive(Debug, Clone, Copy)]
+pub struct SendWr<'a> {
+    pub wr_id: u64,
+    pub op: SendOp,
+    pub sg_list: &'a [Sge],
+    /// Generate a completion on success (errors always complete).
+    pub signaled: bool,
+    /// Do not start until prior RDMA Reads on this QP have completed.
+    pub fence: bool,
+    /// Mark the message solicited (wakes a peer armed with `solicited_only`).
+    pub solicited: bool,
+    /// Copy the payload at post time (≤ `max_inline_data`); the SGE's lkey is then not checked.
+    pub inline: bool,
+}
+
+impl<'a> SendWr<'a> {
+    /// A signalled work request with no flags.
+    pub fn new(wr_id: u64, op: SendOp, sg_list: &'a [Sge]) -> Self {
+        SendWr {
+            wr_id,
+            op,
+            sg_list,
+            signaled: true,
+            fence: false,
+            solicited: false,
+            inline: false,
+        }
+    }
+}
+
+/// A receive-queue work request.
+#[derive(Debug, Clone, Copy)]
+pub struct RecvWr<'a> {
+    pub wr_id: u64,
+    pub sg_list: &'a [Sge],
+}
+
+/// Parameters of a memory-window bind.
+#[derive(Clone, Copy)]
+pub struct MwBind<'a> {
+    pub mr: &'a Mr,
+    /// Byte offset of the window inside the region.
+    pub offset: u64,
+    /// Length in bytes (any granularity).
+    pub length: u64,
+    /// The window's own rights (⊆ REMOTE_READ | REMOTE_WRITE); the region must allow them.
+    pub access: Access,
+    /// Disable the translation once the first remote access through it completes.
+    pub one_shot: bool,
+}
+
+/// Status of a work completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WcStatus {
+    Success,
+    /// Local length error (receive too small for the incoming message, …).
+    LocLenErr,
+    /// Local QP operation error (internal consistency).
+    LocQpOpErr,
+    /// Local protection error (bad lkey / SGE outside the region / missing LOCAL_WRITE).
+    LocProtErr,
+    /// Flushed because the QP entered the error state.
+    WrFlushErr,
+    /// The memory-window bind failed.
+    MwBindErr,
+    /// The peer found the request invalid.
+    RemInvReqErr,
+    /// The peer refused access (bad STag, bounds, rights) — a Terminate on iWARP.
+    RemAccessErr,
+    /// The peer failed to execute the operation.
+    RemOpErr,
+    /// Transport retries exhausted / connection lost.
+    RetryExcErr,
+    /// Receiver not ready retries exhausted.
+    RnrRetryExcErr,
+    /// Fatal provider error.
+    FatalErr,
+    /// Anything else.
+    GeneralErr,
+}
+
+/// What completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WcOpcode {
+    Send,
+    RdmaWrite,
+    RdmaRead,
+    BindMw,
+    LocalInv,
+    /// A receive consumed by a Send.
+    Recv,
+    /// A receive consumed by an RDMA Write with immediate.
+    RecvRdmaWithImm,
+}
+
+/// A work completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wc {
+    pub wr_id: u64,
+    pub status: WcStatus,
+    pub opcode: WcOpcode,
+    /// Bytes received (receives) or transferred (RDMA Read).
+    pub byte_len: u32,
+    pub imm: Option<u32>,
+    /// The key the peer invalidated with a Send with Invalidate.
+    pub invalidated_rkey: Option<u32>,
+    pub qp_num: u32,
+    /// Provider-specific detail (for iWARP Terminates: layer/etype/ecode packed as
+    /// `layer << 12 | etype << 8 | ecode`).
+    pub vendor_err: u32,
+}
+
+impl Wc {
+    pub fn is_ok(&self) -> bool {
+        self.status == WcStatus::Success
+    }
+}
+
+/// Queue pair states visible to the consumer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QpState {
+    /// Connected; work flows.
+    Rts,
+    /// Closing in an orderly way (disconnect requested, sends draining).
+    Closing,
+    /// Error: every outstanding and newly posted request completes with `WrFlushErr`.
+    Error,
+}
+
+/// Queue-pair sizing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCap {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCap {
+    fn default() -> Self {
+        QpCap {
+            max_send_wr: 128,
+            max_recv_wr: 128,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: 64,
+        }
+    }
+}
+
+/// What a new queue pair is made of.
+#[derive(Clone)]
+pub struct QpInit {
+    pub pd: Pd,
+    pub send_cq: Cq,
+    pub recv_cq: Cq,
+    pub cap: QpCap,
+    /// Signal every send WR regardless of `SendWr::signaled`.
+    pub sq_sig_all: bool,
+}
+
+/// Connection parameters offered by one side.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConnParams {
+    /// Opaque bytes delivered to the peer with the request/accept/reject
+    /// (≤ 512 bytes on iWARP minus the enhanced-MPA words; ≤ 56 on RoCE accept).
+    pub private_data: Vec<u8>,
+    /// Inbound RDMA Read depth we grant (IRD, rdma_cm responder_resources).
+    pub ird: u8,
+    /// Outbound RDMA Read depth we want (ORD, rdma_cm initiator_depth).
+    pub ord: u8,
+}
+
+/// What the connection ended up with.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Negotiated {
+    /// The peer's private data.
+    pub peer_private_data: Vec<u8>,
+    pub ird: u8,
+    pub ord: u8,
+    /// iWARP: whether MPA CRC32c is in use. `None` on other transports.
+    pub mpa_crc: Option<bool>,
+}
+
+/// Provider traits. Consumers do not need these; providers implement them.
+pub mod ops {
+    use super::*;
+
+    /// Gives providers a way to downcast handles of their own kind.
+    pub trait AsAny: Any + Send + Sync {
+        fn as_any(&self) -> &dyn Any;
+    }
+    impl<T: Any + Send + Sync> AsAny for T {
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    pub trait ProviderOps: AsAny {
+        fn name(&self) -> &'static str;
+        /// Every device, usable or not (with the reason).
+        fn devices(&self) -> Vec<DeviceInfo>;
+        fn open(&self, device: &str, config: &Config) -> Result<Arc<dyn ContextOps>>;
+    }
+
+    pub trait ContextOps: AsAny {
+        fn device(&self) -> &DeviceInfo;
+        fn alloc_pd(&self) -> Result<Arc<dyn PdOps>>;
+        fn create_comp_channel(&self) -> Result<Arc<dyn CompChannelOps>>;
+        fn create_cq(&self, depth: u32, channel: Option<&CompChannel>) -> Result<Arc<dyn CqOps>>;
+        fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<Arc<dyn ListenerOps>>;
+        fn connect(
+            &self,
+            addr: SocketAddr,
+            init: &QpInit,
+            params: &ConnParams,
+        ) -> Result<Arc<dyn QpOps>>;
+        /// Manual progress: do whatever work is pending without blocking; returns
+        /// the number of events processed. A no-op for hardware providers.
+        fn progress(&self) -> Result<usize>;
+    }
+
+    /// Registered memory as handed to a provider. The provider must keep
+    /// `owner` alive for as long as any key of the registration (or a window
+    /// bound to it) can be used or a work request referencing it is in flight.
+    pub struct MemRegion {
+        pub addr: *mut u8,
+        pub len: usize,
+        pub owner: Option<Arc<dyn Any + Send + Sync>>,
+    }
+    // SAFETY: MemRegion is a description of memory that the registrant
+    // guarantees stays valid (owned buffer kept alive by `owner`, or the caller's
+    // contract of `Pd::register_raw`). Accesses through it are raw-pointer copies
+    // performed by the provider, synchronised with the consumer through
+    // completions, never through Rust references.
+    unsafe impl Send for MemRegion {}
+    unsafe impl Sync for MemRegion {}
+
+    pub trait PdOps: AsAny {
+        fn reg_mr(&self, mem: MemRegion, access: Access) -> Result<Arc<dyn MrOps>>;
+        fn alloc_mw(&self) -> Result<Arc<dyn MwOps>>;
+    }
+
+    pub trait MrOps: AsAny {
+        fn lkey(&self) -> u32;
+        fn rkey(&self) -> u32;
+        /// Invalidate both keys now; later accesses fail. Idempotent.
+        fn deregister(&self);
+    }
+
+    pub trait MwOps: AsAny {
+        /// The key most recently issued for this window (valid only while bound).
+        fn rkey(&self) -> u32;
+        fn kind(&self) -> MwKind;
+        fn deallocate(&self);
+    }
+
+    pub trait CqOps: AsAny {
+        fn poll(&self, out: &mut [Wc]) -> Result<usize>;
+        /// Request an event on the CQ's channel for the next (solicited) completion.
+        fn arm(&self, solicited_only: bool) -> Result<()>;
+    }
+
+    pub trait CompChannelOps: AsAny {
+        /// Readable (POLLIN) when an event is pending, or — for a manual-progress
+        /// software provider — when there may be protocol work to do.
+        fn fd(&self) -> RawFd;
+        /// Block until an event arrives or `timeout` passes (None = forever),
+        /// consuming and acknowledging it. Returns whether an event arrived.
+        /// A manual-progress provider makes progress while it waits.
+        fn wait(&self, timeout: Option<Duration>) -> Result<bool>;
+    }
+
+    pub trait ListenerOps: AsAny {
+        fn local_addr(&self) -> SocketAddr;
+        /// Next connection request, or `None` after `timeout` (None = block).
+        fn get_request(&self, timeout: Option<Duration>)
+            -> Result<Option<Box<dyn ConnRequestOps>>>;
+        /// Readable when a request is (probably) pending.
+        fn fd(&self) -> RawFd;
+    }
+
+    pub trait ConnRequestOps: Send {
+        fn peer_addr(&self) -> SocketAddr;
+        fn private_data(&self) -> &[u8];
+        /// The peer's offered IRD/ORD.
+        fn peer_ird_ord(&self) -> (u8, u8);
+        fn accept(self: Box<Self>, init: &QpInit, params: &ConnParams) -> Result<Arc<dyn QpOps>>;
+        fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()>;
+    }
+
+    pub trait QpOps: AsAny {
+        fn qp_num(&self) -> u32;
+        fn state(&self) -> QpState;
+        fn negotiated(&self) -> Negotiated;
+        fn local_addr(&self) -> SocketAddr;
+        fn peer_addr(&self) -> SocketAddr;
+        fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError>;
+        fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError>;
+        /// Post a bind of `mw`; returns the new remote key (new key byte).
+        fn bind_mw(&self, mw: &Mw, bind: &MwBind<'_>, wr_id: u64, signaled: bool) -> Result<u32>;
+        /// Post a local invalidate of a window key.
+        fn invalidate(&self, rkey: u32, wr_id: u64, signaled: bool) -> Result<()>;
+        /// Orderly disconnect; outstanding work is flushed.
+        fn disconnect(&self) -> Result<()>;
+        /// Move to the error state at once (flushes everything).
+        fn set_error(&self);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Handles.
+
+/// An RDMA provider (`soft`, `verbs`).
+#[derive(Clone)]
+pub struct Provider(pub Arc<dyn ProviderOps>);
+
+impl Provider {
+    pub fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    pub fn devices(&self) -> Vec<DeviceInfo> {
+        self.0.devices()
+    }
+    /// Open a device by name; `None` opens the first usable one.
+    pub fn open(&self, device: Option<&str>, config: &Config) -> Result<Context> {
+        let name = match device {
+            Some(d) => d.to_string(),
+            None => self
+                .devices()
+                .into_iter()
+                .find(|d| d.usable.is_ok())
+                .map(|d| d.name)
+                .ok_or_else(|| {
+                    Error::NoSuchDevice(format!("{} has no usable device", self.name()))
+                })?,
+        };
+        Ok(Context(self.0.open(&name, config)?))
+    }
+}
+
+impl fmt::Debug for Provider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Provider({})", self.name())
+    }
+}
+
+/// An opened device.
+#[derive(Clone)]
+pub struct Context(pub Arc<dyn ContextOps>);
+
+impl Context {
+    pub fn device(&self) -> &DeviceInfo {
+        self.0.device()
+    }
+    pub fn alloc_pd(&self) -> Result<Pd> {
+        Ok(Pd(self.0.alloc_pd()?))
+    }
+    pub fn create_comp_channel(&self) -> Result<CompChannel> {
+        Ok(CompChannel(self.0.create_comp_channel()?))
+    }
+    pub fn create_cq(&self, depth: u32, channel: Option<&CompChannel>) -> Result<Cq> {
+        Ok(Cq(self.0.create_cq(depth, channel)?))
+    }
+    pub fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<Listener> {
+        Ok(Listener(self.0.listen(addr, backlog)?))
+    }
+    /// Connect a new RC queue pair to a listener at `addr`.
+    pub fn connect(&self, addr: SocketAddr, init: &QpInit, params: &ConnParams) -> Result<Qp> {
+        Ok(Qp(self.0.connect(addr, init, params)?))
+    }
+    /// Manual progress (see [`Progress::Manual`]).
+    pub fn progress(&self) -> Result<usize> {
+        self.0.progress()
+    }
+}
+
+/// A protection domain.
+#[derive(Clone)]
+pub struct Pd(pub Arc<dyn PdOps>);
+
+impl Pd {
+    /// Register a library-owned buffer. The region keeps the buffer alive.
+    pub fn register(&self, buf: RegBuf, access: Access) -> Result<Mr> {
+        let buf = Arc::new(buf);
+        let (addr, len) = (buf.ptr, buf.len);
+        let ops = self.0.reg_mr(
+            MemRegion {
+                addr,
+                len,
+                owner: Some(buf.clone()),
+            },
+            access,
+        )?;
+        Ok(Mr {
+            ops,
+            addr,
+            len,
+            _owner: Some(buf),
+        })
+    }
+
+    /// Allocate and register a zeroed, page-aligned buffer of `len` bytes.
+    pub fn alloc_mr(&self, len: usize, access: Access) -> Result<Mr> {
+        self.register(RegBuf::new(len)?, access)
+    }
+
+    /// Register caller-owned memory.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must stay allocated (and not be freed or remapped)
+    /// until the returned [`Mr`] is dropped *and* every work request and window
+    /// that uses it has completed or been invalidated. While a key covering it
+    /// is valid the peer may write to it at any time: the caller must not hold
+    /// Rust references to that memory across such windows.
+    pub unsafe fn register_raw(&self, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
+        let ops = self.0.reg_mr(
+            MemRegion {
+                addr,
+                len,
+                owner: None,
+            },
+            access,
+        )?;
+        Ok(Mr {
+            ops,
+            addr,
+            len,
+            _owner: None,
+        })
+    }
+
+    pub fn alloc_mw(&self) -> Result<Mw> {
+        Ok(Mw(self.0.alloc_mw()?))
+    }
+}
+
+/// A page-aligned, zero-initialised heap buffer for registration.
+pub struct RegBuf {
+    ptr: *mut u8,
+    len: usize,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: RegBuf exclusively owns its allocation; it is plain bytes with no
+// thread affinity.
+unsafe impl Send for RegBuf {}
+unsafe impl Sync for RegBuf {}
+
+impl RegBuf {
+    pub const ALIGN: usize = 4096;
+
+    pub fn new(len: usize) -> Result<RegBuf> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN)
+            .map_err(|e| Error::InvalidArgument(format!("buffer of {len} bytes: {e}")))?;
+        // SAFETY: layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::ResourceExhausted(format!(
+                "cannot allocate {len} bytes"
+            )));
+        }
+        Ok(RegBuf { ptr, len, layout })
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+impl Drop for RegBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout; dropped once.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// A memory region. Dropping it deregisters it (keys become invalid at once).
+pub struct Mr {
+    pub ops: Arc<dyn MrOps>,
+    addr: *mut u8,
+    len: usize,
+    _owner: Option<Arc<RegBuf>>,
+}
+
+// SAFETY: the region describes memory valid for its lifetime (owned buffer or
+// the `register_raw` contract); all access goes through raw-pointer copies or
+// atomics, never through shared references that could alias remote writes.
+unsafe impl Send for Mr {}
+unsafe impl Sync for Mr {}
+
+impl fmt::Debug for Mr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Mr(addr={:#x}, len={}, lkey={:#x}, rkey={:#x})",
+            self.addr(),
+            self.len,
+            self.lkey(),
+            self.rkey()
+        )
+    }
+}
+
+impl Mr {
+    pub fn addr(&self) -> u64 {
+        self.addr as u64
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn lkey(&self) -> u32 {
+        self.ops.lkey()
+    }
+    pub fn rkey(&self) -> u32 {
+        self.ops.rkey()
+    }
+    /// An SGE covering `len` bytes at `offset` of this region.
+    pub fn sge(&self, offset: usize, len: u32) -> Sge {
+        Sge {
+            addr: self.addr() + offset as u64,
+            length: len,
+            lkey: self.lkey(),
+        }
+    }
+
+    fn check(&self, off: usize, len: usize) -> Result<()> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "range {off}+{len} outside region of {} bytes",
+                self.len
+            ))),
+        }
+    }
+
+    /// Copy bytes out of the region.
+    pub fn read_at(&self, off: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(off, dst.len())?;
+        // SAFETY: the range is inside the registered memory, which is valid for
+        // the lifetime of `self`. `dst` is a distinct Rust allocation (it cannot
+        // alias registered memory without an `unsafe` view). Bytes have no
+        // invalid values, so a racing remote write can at worst tear the data;
+        // data covered by a completion is stable (completion = Acquire).
+        unsafe { std::ptr::copy_nonoverlapping(self.addr.add(off), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copy bytes into the region.
+    pub fn write_at(&self, off: usize, src: &[u8]) -> Result<()> {
+        self.check(off, src.len())?;
+        // SAFETY: as in `read_at`; the source is a distinct allocation.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.addr.add(off), src.len()) };
+        Ok(())
+    }
+
+    /// Fill a range with a byte.
+    pub fn fill(&self, off: usize, len: usize, byte: u8) -> Result<()> {
+        self.check(off, len)?;
+        // SAFETY: as in `write_at`.
+        unsafe { std::ptr::write_bytes(self.addr.add(off), byte, len) };
+        Ok(())
+    }
+
+    fn atomic_u32(&self, off: usize) -> Result<&AtomicU32> {
+        self.check(off, 4)?;
+        if !(self.addr as usize + off).is_multiple_of(4) {
+            return Err(Error::InvalidArgument(format!(
+                "offset {off} is not 4-byte aligned"
+            )));
+        }
+        // SAFETY: in bounds and aligned; AtomicU32 has the layout of u32 and
+        // atomic access is exactly how memory shared with a concurrent writer
+        // (the peer, via the provider or DMA) must be read.
+        Ok(unsafe { &*(self.addr.add(off) as *const AtomicU32) })
+    }
+
+    fn atomic_u64(&self, off: usize) -> Result<&AtomicU64> {
+        self.check(off, 8)?;
+        if !(self.addr as usize + off).is_multiple_of(8) {
+            return Err(Error::InvalidArgument(format!(
+                "offset {off} is not 8-byte aligned"
+            )));
+        }
+        // SAFETY: as in `atomic_u32`.
+        Ok(unsafe { &*(self.addr.add(off) as *const AtomicU64) })
+    }
+
+    /// Load a little-endian u32 with Acquire ordering (for polled status words).
+    pub fn load_u32(&self, off: usize) -> Result<u32> {
+        Ok(u32::from_le(self.atomic_u32(off)?.load(Ordering::Acquire)))
+    }
+    /// Store a little-endian u32 with Release ordering.
+    pub fn store_u32(&self, off: usize, v: u32) -> Result<()> {
+        self.atomic_u32(off)?.store(v.to_le(), Ordering::Release);
+        Ok(())
+    }
+    /// Load a little-endian u64 with Acquire ordering.
+    pub fn load_u64(&self, off: usize) -> Result<u64> {
+        Ok(u64::from_le(self.atomic_u64(off)?.load(Ordering::Acquire)))
+    }
+    /// Store a little-endian u64 with Release ordering.
+    pub fn store_u64(&self, off: usize, v: u64) -> Result<()> {
+        self.atomic_u64(off)?.store(v.to_le(), Ordering::Release);
+        Ok(())
+    }
+
+    /// A shared view of the memory.
+    ///
+    /// # Safety
+    /// No remote write may be possible to this memory while the slice lives: no
+    /// valid rkey or bound window covering it may be in the peer's hands, and no
+    /// receive or RDMA Read into it may be outstanding.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.addr, self.len)
+    }
+
+    /// An exclusive view of the memory.
+    ///
+    /// # Safety
+    /// As for [`Mr::as_slice`], and no other view of the region may exist.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.addr, self.len)
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        self.ops.deregister();
+    }
+}
+
+/// A memory window: a remote key bound to a byte range by [`Qp::bind_mw`].
+/// Dropping it deallocates it (and invalidates a bound key).
+pub struct Mw(pub Arc<dyn MwOps>);
+
+impl Mw {
+    pub fn rkey(&self) -> u32 {
+        self.0.rkey()
+    }
+    pub fn kind(&self) -> MwKind {
+        self.0.kind()
+    }
+}
+
+impl Drop for Mw {
+    fn drop(&mut self) {
+        self.0.deallocate();
+    }
+}
+
+/// A completion queue.
+#[derive(Clone)]
+pub struct Cq(pub Arc<dyn CqOps>);
+
+impl Cq {
+    /// Poll up to `out.len()` completions (drives progress under [`Progress::Manual`]).
+    pub fn poll(&self, out: &mut [Wc]) -> Result<usize> {
+        self.0.poll(out)
+    }
+    /// Request a channel event for the next completion.
+    pub fn arm(&self, solicited_only: bool) -> Result<()> {
+        self.0.arm(solicited_only)
+    }
+    /// Poll once; if nothing is there, arm, re-poll (closing the race), and
+    /// block on `channel` until an event or `timeout`. Returns the number of
+    /// completions written to `out` (0 on timeout).
+    pub fn wait(
+        &self,
+        channel: &CompChannel,
+        out: &mut [Wc],
+        timeout: Option<Duration>,
+    ) -> Result<usize> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            self.arm(false)?;
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let left = match deadline {
+                Some(d) => match d.checked_duration_since(std::time::Instant::now()) {
+                    Some(l) if !l.is_zero() => Some(l),
+                    _ => return Ok(0),
+                },
+                None => None,
+            };
+            channel.wait(left)?;
+        }
+    }
+}
+
+/// A completion channel: a pollable file descriptor for CQ events.
+#[derive(Clone)]
+pub struct CompChannel(pub Arc<dyn CompChannelOps>);
+
+impl CompChannel {
+    pub fn fd(&self) -> RawFd {
+        self.0.fd()
+    }
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
+        self.0.wait(timeout)
+    }
+}
+
+/// A connection-manager listener.
+#[derive(Clone)]
+pub struct Listener(pub Arc<dyn ListenerOps>);
+
+impl Listener {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.0.local_addr()
+    }
+    /// The next connection request (blocking up to `timeout`; None = forever).
+    pub fn get_request(&self, timeout: Option<Duration>) -> Result<Option<ConnRequest>> {
+        Ok(self.0.get_request(timeout)?.map(ConnRequest))
+    }
+    pub fn fd(&self) -> RawFd {
+        self.0.fd()
+    }
+}
+
+/// An incoming connection request: accept it with a QP, or reject it.
+pub struct ConnRequest(pub Box<dyn ConnRequestOps>);
+
+impl ConnRequest {
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.0.peer_addr()
+    }
+    pub fn private_data(&self) -> &[u8] {
+        self.0.private_data()
+    }
+    pub fn peer_ird_ord(&self) -> (u8, u8) {
+        self.0.peer_ird_ord()
+    }
+    pub fn accept(self, init: &QpInit, params: &ConnParams) -> Result<Qp> {
+        Ok(Qp(self.0.accept(init, params)?))
+    }
+    pub fn reject(self, private_data: &[u8]) -> Result<()> {
+        self.0.reject(private_data)
+    }
+}
+
+/// A reliable-connected queue pair.
+#[derive(Clone)]
+pub struct Qp(pub Arc<dyn QpOps>);
+
+impl Qp {
+    pub fn qp_num(&self) -> u32 {
+        self.0.qp_num()
+    }
+    pub fn state(&self) -> QpState {
+        self.0.state()
+    }
+    pub fn negotiated(&self) -> Negotiated {
+        self.0.negotiated()
+    }
+    pub fn local_addr(&self) -> SocketAddr {
+        self.0.local_addr()
+    }
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.0.peer_addr()
+    }
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+        self.0.post_send(wrs)
+    }
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        self.0.post_recv(wrs)
+    }
+    /// Bind `mw` to a range of a region; returns the window's new remote key.
+    pub fn bind_mw(&self, mw: &Mw, bind: &MwBind<'_>, wr_id: u64, signaled: bool) -> Result<u32> {
+        self.0.bind_mw(mw, bind, wr_id, signaled)
+    }
+    /// Invalidate a window key locally.
+    pub fn invalidate(&self, rkey: u32, wr_id: u64, signaled: bool) -> Result<()> {
+        self.0.invalidate(rkey, wr_id, signaled)
+    }
+    pub fn disconnect(&self) -> Result<()> {
+        self.0.disconnect()
+    }
+    pub fn set_error(&self) {
+        self.0.set_error()
+    }
+}
+
+/// iWARP STag helpers (RFC 5040 §2.1: a 24-bit index and an 8-bit key).
+pub mod stag {
+    /// The index part.
+    pub fn index(stag: u32) -> u32 {
+        stag >> 8
+    }
+    /// The consumer-owned key byte.
+    pub fn key(stag: u32) -> u8 {
+        stag as u8
+    }
+    pub fn make(index: u32, key: u8) -> u32 {
+        (index << 8) | key as u32
+    }
+    /// The same index with the next key byte (what every re-bind issues).
+    pub fn next_key(stag: u32) -> u32 {
+        make(index(stag), key(stag).wrapping_add(1))
+    }
+}
