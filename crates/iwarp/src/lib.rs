@@ -1,1 +1,5 @@
-//! placeholder
+//! placeholder docs
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod wire;
