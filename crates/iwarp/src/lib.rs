@@ -2,4 +2,5 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod fpdu_rx;
 pub mod wire;
