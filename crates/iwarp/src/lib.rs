@@ -3,4 +3,6 @@
 #![warn(missing_docs)]
 
 pub mod fpdu_rx;
+pub mod rx;
+pub mod tx;
 pub mod wire;
