@@ -320,7 +320,8 @@ pub struct FrameRepr<'a> {
     pub gso: bool,
     /// Revision (1 or 2; 0 is accepted on parse like siw does).
     pub revision: u8,
-    /// RFC 6581 words; `Some` iff the enhanced flag is set.
+    /// RFC 6581 words; `Some` iff the enhanced flag is set in a Rev 2
+    /// frame (emitting sets the flag iff `Some`).
     pub ird_ord: Option<IrdOrd>,
     /// ULP private data (after the IRD/ORD words, if any).
     pub private_data: &'a [u8],
@@ -350,7 +351,8 @@ impl<'a> FrameRepr<'a> {
             let end = FRAME_HEADER_LEN + p.pd_length() as usize;
             buf.get(FRAME_HEADER_LEN..end).ok_or(Error::Truncated)?
         };
-        let (ird_ord, private_data) = if p.enhanced() {
+        // Like siw, the enhanced flag only means something in Rev 2.
+        let (ird_ord, private_data) = if p.enhanced() && p.revision() >= 2 {
             if pd.len() < IRD_ORD_LEN {
                 return Err(Error::Malformed);
             }
