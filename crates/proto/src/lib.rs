@@ -4,6 +4,8 @@
 //! The normative description is `docs/protocol.md`.
 #![forbid(unsafe_code)]
 
+pub mod client;
+pub mod server;
 pub mod sidechannel;
 pub mod status;
 pub mod wire;

@@ -1,0 +1,771 @@
+//! Sans-IO LWIO client state machine (one RDMA connection).
+//!
+//! The caller owns the transport and memory: it carries out
+//! [`ClientAction`]s, feeds received messages (`handle_recv`), RDMA-write
+//! with immediate completions (`handle_immediate`) and polled status block
+//! changes (`status_block_updated`), and reads [`ClientEvent`]s.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use crate::server::CloseReason;
+use crate::status::*;
+use crate::wire::auth::ENDIAN_64;
+use crate::wire::common::{CompletionMode, Opcode, RequestOp};
+use crate::wire::{
+    AuthParamsRepr, FidParamsRepr, Guid, RdmaRegion, RequestRepr, SignatureAlg, SrvResumeKey,
+    StatusResponse, COMMON_HEADER_LEN, LWIO_REV_ID,
+};
+
+/// Client-chosen request id: the Cookie in interrupt mode (never 0).
+pub type ReqId = u64;
+
+/// A remote-accessible buffer of the client (address + rkey).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteBuf {
+    pub addr: u64,
+    pub rkey: u32,
+}
+
+/// Registered memory holding `slots` 8-byte LWIO_IO_STATUS_BLOCKs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusBlockArea {
+    pub base: u64,
+    pub rkey: u32,
+    pub slots: u32,
+}
+
+/// Completion mode requested for an I/O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Interrupt,
+    Polled,
+}
+
+/// Reads local (client) memory; used to fetch the server's AUTH params
+/// that the server RDMA-wrote into the auth buffer.
+pub trait LocalMemory {
+    fn read(&self, addr: u64, len: usize) -> Option<Vec<u8>>;
+}
+
+/// Client configuration.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Key from the negotiate response.
+    pub key: Guid,
+    /// Per-session secret bound to `key` (unused for MD5).
+    pub secret: Vec<u8>,
+    pub signature: SignatureAlg,
+    pub page_size: u16,
+    pub credits_wanted: u16,
+    pub max_rdma_window_size: u32,
+    pub max_send_buffer_size: u32,
+    pub max_recv_buffer_size: u32,
+    pub base_sequence: u16,
+    /// Where the server writes its AUTH params (≥ 256 bytes).
+    pub auth_buffer: RemoteBuf,
+    /// Status blocks for polling mode (None: polling unavailable).
+    pub status_blocks: Option<StatusBlockArea>,
+    /// Tid stamped on requests.
+    pub tid: u32,
+}
+
+impl ClientConfig {
+    pub fn new(key: Guid, secret: Vec<u8>, auth_buffer: RemoteBuf) -> Self {
+        ClientConfig {
+            key,
+            secret,
+            signature: SignatureAlg::HmacSha256,
+            page_size: 4096,
+            credits_wanted: 8,
+            max_rdma_window_size: 64 * 1024,
+            max_send_buffer_size: 8 * 1024,
+            max_recv_buffer_size: 16,
+            base_sequence: 0,
+            auth_buffer,
+            status_blocks: None,
+            tid: 0,
+        }
+    }
+}
+
+/// Transport actions for the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientAction {
+    /// Post a send of these bytes.
+    Send(Vec<u8>),
+    /// Post this many additional receive buffers (≥ 16 bytes each).
+    PostRecv(u32),
+    /// Write the sentinel {0, STATUS_PENDING} into status block `slot` at
+    /// `addr` before the request that follows is sent.
+    ResetStatusBlock { slot: u32, addr: u64 },
+    /// Terminate the connection.
+    CloseConnection(CloseReason),
+}
+
+/// Application events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientEvent {
+    /// Authentication done; `server` are the verified server params.
+    Authenticated {
+        session_id: u64,
+        credits: u16,
+        server: AuthParamsRepr,
+    },
+    /// The server refused AUTH (status) — the connection is closed.
+    AuthFailed { status: NtStatus },
+    /// A request completed. For REGISTER, `information` is the Fid.
+    Completed {
+        req: ReqId,
+        opcode: Opcode,
+        information: u32,
+        status: NtStatus,
+    },
+    /// The credit limit changed.
+    CreditsChanged { credits: u16 },
+}
+
+/// Errors of request-issuing calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientError {
+    /// All credits are in use (or credit messages are waiting): retry after
+    /// a completion.
+    NoCredits,
+    NotAuthenticated,
+    Closed,
+    /// Polling requested but no free status block / no area configured.
+    NoStatusBlock,
+    /// Arguments cannot be encoded or exceed negotiated limits.
+    InvalidArgument,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Idle,
+    AuthSent,
+    Ready,
+    Closed,
+}
+
+#[derive(Debug, Clone)]
+struct Outstanding {
+    opcode: Opcode,
+    slot: Option<u32>,
+    imm: Option<u32>,
+    /// Requested length (reported for immediate completions).
+    length: u32,
+}
+
+/// The LWIO client connection state machine.
+#[derive(Debug)]
+pub struct ClientConn {
+    cfg: ClientConfig,
+    state: State,
+    server: Option<AuthParamsRepr>,
+    session_id: u64,
+    credits: u16,
+    recv_posted: u32,
+    next_cookie: u64,
+    sequence: u16,
+    reqs: HashMap<ReqId, Outstanding>,
+    by_imm: HashMap<u32, ReqId>,
+    by_slot: HashMap<u32, ReqId>,
+    free_slots: Vec<u32>,
+    pending_credit_msgs: VecDeque<i32>,
+    credit_tx: bool,
+    auth_cookie: u64,
+    actions: VecDeque<ClientAction>,
+    events: VecDeque<ClientEvent>,
+}
+
+impl ClientConn {
+    pub fn new(cfg: ClientConfig) -> Self {
+        let free_slots = cfg
+            .status_blocks
+            .map_or(Vec::new(), |a| (0..a.slots).rev().collect());
+        ClientConn {
+            sequence: cfg.base_sequence,
+            cfg,
+            state: State::Idle,
+            server: None,
+            session_id: 0,
+            credits: 1,
+            recv_posted: 0,
+            next_cookie: 1,
+            reqs: HashMap::new(),
+            by_imm: HashMap::new(),
+            by_slot: HashMap::new(),
+            free_slots,
+            pending_credit_msgs: VecDeque::new(),
+            credit_tx: false,
+            auth_cookie: 0,
+            actions: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    pub fn poll_action(&mut self) -> Option<ClientAction> {
+        self.actions.pop_front()
+    }
+    pub fn poll_event(&mut self) -> Option<ClientEvent> {
+        self.events.pop_front()
+    }
+    pub fn is_authenticated(&self) -> bool {
+        self.state == State::Ready
+    }
+    pub fn is_closed(&self) -> bool {
+        self.state == State::Closed
+    }
+    pub fn session_id(&self) -> u64 {
+        self.session_id
+    }
+    pub fn credits(&self) -> u16 {
+        self.credits
+    }
+    pub fn outstanding(&self) -> usize {
+        self.reqs.len()
+    }
+    /// Receives currently posted (target: credits + 1).
+    pub fn posted_recvs(&self) -> u32 {
+        self.recv_posted
+    }
+    pub fn server_params(&self) -> Option<&AuthParamsRepr> {
+        self.server.as_ref()
+    }
+    /// True if an I/O request can be issued now.
+    pub fn can_issue(&self) -> bool {
+        self.state == State::Ready
+            && self.pending_credit_msgs.is_empty()
+            && self.reqs.len() < usize::from(self.credits)
+    }
+    /// Slots of outstanding polled requests (the caller polls these).
+    pub fn polled_slots(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.by_slot.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+    /// Address of a status block slot.
+    pub fn slot_addr(&self, slot: u32) -> Option<u64> {
+        let a = self.cfg.status_blocks?;
+        (slot < a.slots).then(|| a.base + 8 * u64::from(slot))
+    }
+
+    fn close(&mut self, reason: CloseReason) {
+        if self.state != State::Closed {
+            self.state = State::Closed;
+            self.actions
+                .push_back(ClientAction::CloseConnection(reason));
+        }
+    }
+
+    fn top_up_recvs(&mut self) {
+        let target = u32::from(self.credits) + 1;
+        if self.recv_posted < target && self.state != State::Closed {
+            self.actions
+                .push_back(ClientAction::PostRecv(target - self.recv_posted));
+            self.recv_posted = target;
+        }
+    }
+
+    fn alloc_cookie(&mut self) -> u64 {
+        let mut c = self.next_cookie;
+        while c == 0 || self.reqs.contains_key(&c) {
+            c = c.wrapping_add(1);
+        }
+        self.next_cookie = c.wrapping_add(1);
+        c
+    }
+
+    /// Send AUTH; posts the initial receives.
+    pub fn start(&mut self, now: Instant) -> Result<ReqId, ClientError> {
+        let _ = now;
+        if self.state != State::Idle {
+            return Err(ClientError::InvalidArgument);
+        }
+        let params = AuthParamsRepr {
+            rev_id: LWIO_REV_ID,
+            endian: ENDIAN_64,
+            page_size: self.cfg.page_size,
+            base_sequence: self.cfg.base_sequence,
+            max_rdma_window_size: self.cfg.max_rdma_window_size,
+            max_send_buffer_size: self.cfg.max_send_buffer_size,
+            max_recv_buffer_size: self.cfg.max_recv_buffer_size,
+            header_size: COMMON_HEADER_LEN as u16,
+            credits: self.cfg.credits_wanted,
+            rdma_read_supported: 0,
+            key: Some(self.cfg.key),
+            session_id: None,
+            signature: None,
+        };
+        let bytes = params
+            .to_signed_bytes(self.cfg.signature, &self.cfg.secret)
+            .map_err(|_| ClientError::InvalidArgument)?;
+        self.top_up_recvs();
+        let cookie = self.alloc_cookie();
+        self.auth_cookie = cookie;
+        let op = RequestOp::Auth {
+            cookie,
+            data_va: self.cfg.auth_buffer.addr,
+            data_mh: self.cfg.auth_buffer.rkey,
+            params: &bytes,
+        };
+        self.state = State::AuthSent;
+        self.emit_request(op, cookie, Opcode::Auth, None, None)?;
+        Ok(cookie)
+    }
+
+    fn emit_request(
+        &mut self,
+        op: RequestOp<'_>,
+        cookie: ReqId,
+        opcode: Opcode,
+        slot: Option<u32>,
+        imm: Option<u32>,
+    ) -> Result<(), ClientError> {
+        let r = RequestRepr {
+            credits: u8::try_from(self.reqs.len() + 1).unwrap_or(u8::MAX),
+            sequence: self.sequence,
+            tid: self.cfg.tid,
+            op,
+        };
+        let bytes = r.to_bytes().map_err(|_| ClientError::InvalidArgument)?;
+        self.sequence = self.sequence.wrapping_add(1);
+        if let (Some(s), Some(addr)) = (slot, slot.and_then(|s| self.slot_addr(s))) {
+            self.actions
+                .push_back(ClientAction::ResetStatusBlock { slot: s, addr });
+            self.by_slot.insert(s, cookie);
+        }
+        if let Some(i) = imm {
+            self.by_imm.insert(i, cookie);
+        }
+        self.reqs.insert(
+            cookie,
+            Outstanding {
+                opcode,
+                slot,
+                imm,
+                length: 0,
+            },
+        );
+        self.actions.push_back(ClientAction::Send(bytes));
+        Ok(())
+    }
+
+    fn check_issue(&self) -> Result<(), ClientError> {
+        match self.state {
+            State::Closed => Err(ClientError::Closed),
+            State::Idle | State::AuthSent => Err(ClientError::NotAuthenticated),
+            State::Ready if !self.can_issue() => Err(ClientError::NoCredits),
+            State::Ready => Ok(()),
+        }
+    }
+
+    /// Allocate cookie / slot / immediate for an I/O.
+    fn io_mode(
+        &mut self,
+        mode: Mode,
+    ) -> Result<(ReqId, CompletionMode, Option<u32>, Option<u32>), ClientError> {
+        let cookie = self.alloc_cookie();
+        match mode {
+            Mode::Interrupt => {
+                let mut imm = cookie as u32;
+                while imm == 0 || self.by_imm.contains_key(&imm) {
+                    imm = imm.wrapping_add(1);
+                }
+                Ok((
+                    cookie,
+                    CompletionMode::Interrupt {
+                        cookie,
+                        immediate_cookie: imm,
+                    },
+                    None,
+                    Some(imm),
+                ))
+            }
+            Mode::Polled => {
+                let area = self.cfg.status_blocks.ok_or(ClientError::NoStatusBlock)?;
+                let slot = self.free_slots.pop().ok_or(ClientError::NoStatusBlock)?;
+                let ios_va = area.base + 8 * u64::from(slot);
+                Ok((
+                    cookie,
+                    CompletionMode::Polled {
+                        ios_va,
+                        ios_mh: area.rkey,
+                    },
+                    Some(slot),
+                    None,
+                ))
+            }
+        }
+    }
+
+    fn control(
+        &mut self,
+        opcode: Opcode,
+        make: impl FnOnce(u64) -> RequestOp<'static>,
+    ) -> Result<ReqId, ClientError> {
+        self.check_issue()?;
+        let cookie = self.alloc_cookie();
+        self.emit_request(make(cookie), cookie, opcode, None, None)?;
+        Ok(cookie)
+    }
+
+    /// REGISTER a file; completion `information` is the Fid.
+    pub fn register(
+        &mut self,
+        resume_key: SrvResumeKey,
+        flags_and_attributes: u32,
+    ) -> Result<ReqId, ClientError> {
+        let session_id = self.session_id;
+        self.control(Opcode::Register, |cookie| RequestOp::Register {
+            cookie,
+            params: FidParamsRepr {
+                resume_key,
+                session_id,
+                flags_and_attributes,
+            },
+        })
+    }
+
+    pub fn close_file(&mut self, fid: u16) -> Result<ReqId, ClientError> {
+        self.control(Opcode::Close, |cookie| RequestOp::Close { fid, cookie })
+    }
+
+    pub fn cancel(&mut self, fid: u16) -> Result<ReqId, ClientError> {
+        self.control(Opcode::Cancel, |cookie| RequestOp::Cancel { fid, cookie })
+    }
+
+    /// Ask to be woken by the next I/O completion (one at a time).
+    pub fn interrupt(&mut self) -> Result<ReqId, ClientError> {
+        if self.reqs.values().any(|r| r.opcode == Opcode::Interrupt) {
+            return Err(ClientError::InvalidArgument);
+        }
+        self.control(Opcode::Interrupt, |cookie| RequestOp::Interrupt { cookie })
+    }
+
+    fn io(
+        &mut self,
+        mode: Mode,
+        opcode: Opcode,
+        length: u32,
+        make: impl FnOnce(CompletionMode) -> RequestOp<'static>,
+    ) -> Result<ReqId, ClientError> {
+        self.check_issue()?;
+        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
+        let r = self.emit_request(make(cm), cookie, opcode, slot, imm);
+        if let Some(o) = self.reqs.get_mut(&cookie) {
+            o.length = length;
+        }
+        if r.is_err() {
+            if let Some(s) = slot {
+                self.free_slots.push(s);
+            }
+        }
+        r.map(|_| cookie)
+    }
+
+    /// READ `len` bytes at `offset` into `dst`.
+    pub fn read(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        len: u32,
+        dst: RemoteBuf,
+        mode: Mode,
+    ) -> Result<ReqId, ClientError> {
+        self.io(mode, Opcode::Read, len, |m| RequestOp::Read {
+            fid,
+            offset,
+            length: len,
+            data_va: dst.addr,
+            data_mh: dst.rkey,
+            mode: m,
+        })
+    }
+
+    /// VEC_READ `len` bytes at `offset` scattered over `regions`.
+    pub fn vec_read(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        len: u32,
+        page_size: u16,
+        regions: &[RdmaRegion],
+        mode: Mode,
+    ) -> Result<ReqId, ClientError> {
+        if regions.len() > usize::from(u16::MAX) {
+            return Err(ClientError::InvalidArgument);
+        }
+        let regions = regions.to_vec();
+        self.io(mode, Opcode::VecRead, len, move |m| RequestOp::VecRead {
+            fid,
+            offset,
+            length: len,
+            page_size,
+            regions,
+            mode: m,
+        })
+    }
+
+    fn check_payload(&self, len: usize) -> Result<(), ClientError> {
+        let max = self.server.as_ref().map_or(0, |s| s.max_recv_buffer_size);
+        if u32::try_from(len).map_or(true, |l| l > max) {
+            return Err(ClientError::InvalidArgument);
+        }
+        Ok(())
+    }
+
+    /// WRITE `data` at `offset` (inline; ≤ server MaxRecvBufferSize).
+    pub fn write(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        data: &[u8],
+        mode: Mode,
+    ) -> Result<ReqId, ClientError> {
+        self.check_payload(data.len())?;
+        self.check_issue()?;
+        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
+        let op = RequestOp::Write {
+            fid,
+            offset,
+            data,
+            mode: cm,
+        };
+        self.emit_request(op, cookie, Opcode::Write, slot, imm)?;
+        Ok(cookie)
+    }
+
+    /// VEC_WRITE. Without `collapse`, `data` holds all `length` bytes; with
+    /// `collapse`, `data` is the single page repeated over
+    /// ceil(length / page_size) pages.
+    #[allow(clippy::too_many_arguments)]
+    pub fn vec_write(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        page_size: u16,
+        length: u32,
+        data: &[u8],
+        collapse: bool,
+        mode: Mode,
+    ) -> Result<ReqId, ClientError> {
+        self.check_payload(data.len())?;
+        if page_size == 0 {
+            return Err(ClientError::InvalidArgument);
+        }
+        let pages = length.div_ceil(u32::from(page_size));
+        let num_pages = u16::try_from(pages).map_err(|_| ClientError::InvalidArgument)?;
+        let want = if collapse {
+            (length as usize).min(usize::from(page_size))
+        } else {
+            length as usize
+        };
+        if data.len() != want {
+            return Err(ClientError::InvalidArgument);
+        }
+        self.check_issue()?;
+        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
+        let op = RequestOp::VecWrite {
+            fid,
+            offset,
+            length,
+            num_pages,
+            page_size,
+            collapse,
+            data,
+            mode: cm,
+        };
+        self.emit_request(op, cookie, Opcode::VecWrite, slot, imm)?;
+        Ok(cookie)
+    }
+
+    fn consume_recv(&mut self) {
+        self.recv_posted = self.recv_posted.saturating_sub(1);
+    }
+
+    fn finish(&mut self, req: ReqId, information: u32, status: NtStatus) {
+        let Some(o) = self.reqs.remove(&req) else {
+            return;
+        };
+        if let Some(s) = o.slot {
+            self.by_slot.remove(&s);
+            self.free_slots.push(s);
+        }
+        if let Some(i) = o.imm {
+            self.by_imm.remove(&i);
+        }
+        if o.opcode == Opcode::Credit && status == LWIO_NOTIFY_CREDIT {
+            self.credits = self.credits.saturating_sub(1).max(1);
+            self.events.push_back(ClientEvent::CreditsChanged {
+                credits: self.credits,
+            });
+        }
+        if o.opcode == Opcode::Credit
+            && self.pending_credit_msgs.is_empty()
+            && !self.reqs.values().any(|r| r.opcode == Opcode::Credit)
+        {
+            self.credit_tx = false;
+        }
+        if o.opcode != Opcode::Credit {
+            self.events.push_back(ClientEvent::Completed {
+                req,
+                opcode: o.opcode,
+                information,
+                status,
+            });
+        }
+    }
+
+    fn flush_credit_msgs(&mut self) {
+        while self.state == State::Ready
+            && !self.pending_credit_msgs.is_empty()
+            && self.reqs.len() < usize::from(self.credits)
+        {
+            let Some(value) = self.pending_credit_msgs.pop_front() else {
+                break;
+            };
+            let cookie = self.alloc_cookie();
+            if self
+                .emit_request(
+                    RequestOp::Credit { cookie, value },
+                    cookie,
+                    Opcode::Credit,
+                    None,
+                    None,
+                )
+                .is_err()
+            {
+                return self.close(CloseReason::ServerMisbehaved("cannot encode CREDIT"));
+            }
+        }
+    }
+
+    /// A message arrived in one of the posted receive buffers.
+    pub fn handle_recv(&mut self, now: Instant, msg: &[u8], mem: &dyn LocalMemory) {
+        let _ = now;
+        if self.state == State::Closed {
+            return;
+        }
+        self.consume_recv();
+        let s = match StatusResponse::from_bytes(msg) {
+            Ok(s) => s,
+            Err(_) => {
+                return self.close(CloseReason::ServerMisbehaved("malformed status response"))
+            }
+        };
+        if s.is_credit_delta() {
+            self.handle_delta(s.credit_delta());
+        } else if s.cookie == self.auth_cookie && self.state == State::AuthSent {
+            self.handle_auth_done(s, mem);
+        } else if self.reqs.contains_key(&s.cookie)
+            && !self.by_slot.values().any(|&r| r == s.cookie)
+        {
+            self.finish(s.cookie, s.ios.information, s.ios.status);
+        }
+        // Unknown cookies (duplicates) are ignored.
+        self.top_up_recvs();
+        self.flush_credit_msgs();
+    }
+
+    /// An RDMA write with immediate data arrived (consumes a receive).
+    pub fn handle_immediate(&mut self, now: Instant, imm: u32) {
+        let _ = now;
+        if self.state == State::Closed {
+            return;
+        }
+        self.consume_recv();
+        if let Some(req) = self.by_imm.get(&imm).copied() {
+            // Immediate completion is only used for full successful reads.
+            let len = self.reqs.get(&req).map_or(0, |o| o.length);
+            self.finish(req, len, STATUS_SUCCESS);
+        }
+        self.top_up_recvs();
+        self.flush_credit_msgs();
+    }
+
+    /// The caller observed status block `slot` reading (information, status).
+    /// STATUS_PENDING (the sentinel) is ignored.
+    pub fn status_block_updated(
+        &mut self,
+        now: Instant,
+        slot: u32,
+        information: u32,
+        status: NtStatus,
+    ) {
+        let _ = now;
+        if status == STATUS_PENDING || self.state == State::Closed {
+            return;
+        }
+        if let Some(req) = self.by_slot.get(&slot).copied() {
+            self.finish(req, information, status);
+            self.flush_credit_msgs();
+        }
+    }
+
+    fn handle_delta(&mut self, delta: i32) {
+        if self.state != State::Ready || self.credit_tx || delta == 0 {
+            return self.close(CloseReason::ServerMisbehaved("unexpected credit delta"));
+        }
+        let new = i64::from(self.credits) + i64::from(delta);
+        if !(1..=255).contains(&new) {
+            return self.close(CloseReason::ServerMisbehaved("credit delta out of range"));
+        }
+        self.credit_tx = true;
+        if delta > 0 {
+            self.credits = new as u16;
+            self.events.push_back(ClientEvent::CreditsChanged {
+                credits: self.credits,
+            });
+            self.pending_credit_msgs.push_back(0);
+        } else {
+            for v in delta..0 {
+                self.pending_credit_msgs.push_back(v);
+            }
+        }
+    }
+
+    fn handle_auth_done(&mut self, s: StatusResponse, mem: &dyn LocalMemory) {
+        self.reqs.remove(&s.cookie);
+        if s.ios.status != STATUS_SUCCESS {
+            self.events.push_back(ClientEvent::AuthFailed {
+                status: s.ios.status,
+            });
+            return self.close(CloseReason::ServerMisbehaved("authentication refused"));
+        }
+        let len = (s.ios.information as usize).saturating_sub(8);
+        let verified = mem
+            .read(self.cfg.auth_buffer.addr, len)
+            .and_then(|raw| AuthParamsRepr::verify(&raw, &self.cfg.secret).ok());
+        let Some((p, alg)) = verified else {
+            self.events.push_back(ClientEvent::AuthFailed {
+                status: STATUS_ACCESS_DENIED,
+            });
+            return self.close(CloseReason::ServerMisbehaved("server auth params invalid"));
+        };
+        let ok = alg == self.cfg.signature
+            && p.rev_id == LWIO_REV_ID
+            && usize::from(p.header_size) == COMMON_HEADER_LEN
+            && p.key == Some(self.cfg.key)
+            && p.session_id.is_some()
+            && p.credits >= 1
+            && p.credits <= 255
+            && p.page_size.is_power_of_two();
+        if !ok {
+            self.events.push_back(ClientEvent::AuthFailed {
+                status: STATUS_ACCESS_DENIED,
+            });
+            return self.close(CloseReason::ServerMisbehaved("server auth params rejected"));
+        }
+        self.session_id = p.session_id.unwrap_or_default();
+        self.credits = p.credits;
+        self.state = State::Ready;
+        self.server = Some(p.clone());
+        self.events.push_back(ClientEvent::Authenticated {
+            session_id: self.session_id,
+            credits: self.credits,
+            server: p,
+        });
+        self.top_up_recvs();
+    }
+}

@@ -1,0 +1,971 @@
+//! Sans-IO per-connection LWIO server state machine.
+//!
+//! Feed it received message bytes (`handle_recv`), storage completions
+//! (`handle_storage_complete`) and timer expiries (`handle_timeout`); take
+//! the resulting [`ServerAction`]s with [`ServerConn::poll_action`]. It never
+//! touches an RDMA API, a file or a clock itself.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use crate::status::*;
+use crate::wire::auth::{AuthParamsPacket, ENDIAN_64};
+use crate::wire::common::{CompletionMode, RequestOp};
+use crate::wire::{
+    AuthParamsRepr, FidParamsRepr, Guid, IoStatusBlock, RdmaRegion, RequestRepr, SignatureAlg,
+    SrvResumeKey, StatusResponse, COMMON_HEADER_LEN, FILE_NO_INTERMEDIATE_BUFFERING, LWIO_REV_ID,
+};
+
+/// Identifies one storage operation issued by a [`ServerConn`].
+pub type OpId = u64;
+
+/// Server configuration (docs/protocol.md §10 for defaults).
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub page_size: u16,
+    pub max_rdma_window_size: u32,
+    pub max_send_buffer_size: u32,
+    /// Payload bytes accepted after the common header.
+    pub max_recv_buffer_size: u32,
+    /// Upper bound of the initial credit grant.
+    pub max_credits: u16,
+    /// Backend sector size; VEC_READ's last region must be a multiple.
+    pub sector_size: u32,
+    pub rdma_read_supported: bool,
+    /// Complete successful full reads with RDMA write with immediate.
+    pub use_write_with_imm: bool,
+    /// Accept the seed's MD5 signature (compatibility mode).
+    pub allow_md5: bool,
+    pub auth_timeout: Duration,
+    pub credit_timeout: Duration,
+    pub max_fids: usize,
+    /// Session id handed to the client in SESSION_ID.
+    pub session_id: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            page_size: 4096,
+            max_rdma_window_size: 512 * 1024,
+            max_send_buffer_size: 16,
+            max_recv_buffer_size: 8 * 1024,
+            max_credits: 32,
+            sector_size: 512,
+            rdma_read_supported: false,
+            use_write_with_imm: false,
+            allow_md5: false,
+            auth_timeout: Duration::from_secs(10),
+            credit_timeout: Duration::from_secs(10),
+            max_fids: 1024,
+            session_id: 1,
+        }
+    }
+}
+
+/// Callbacks into the embedding server.
+pub trait ServerHooks {
+    /// Per-session secret bound to the negotiate Key, `None` if unknown.
+    fn session_secret(&mut self, key: &Guid) -> Option<Vec<u8>>;
+    /// Validate a resume key and open the file; returns an opaque file
+    /// handle passed back in storage actions, or the failure status.
+    fn open_file(
+        &mut self,
+        resume_key: &SrvResumeKey,
+        flags_and_attributes: u32,
+    ) -> Result<u64, NtStatus>;
+}
+
+/// Where the bytes of an RDMA write come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSource {
+    /// Bytes owned by the action (auth params, status blocks).
+    Inline(Vec<u8>),
+    /// `len` bytes at `offset` of the read buffer the embedder filled for
+    /// storage operation `op` (zero copy).
+    ReadBuffer { op: OpId, offset: u32, len: u32 },
+}
+
+/// Why a connection is terminated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CloseReason {
+    AuthTimeout,
+    AuthFailed,
+    CreditTimeout,
+    /// Client exceeded its credits.
+    CreditOverflow,
+    /// WRITE/VEC_WRITE payload or VEC_READ region count above limits.
+    PayloadTooLarge,
+    /// Malformed message, unknown opcode, bad flags, Cookie 0, …
+    ProtocolViolation(&'static str),
+    /// Client-side: the server misbehaved or authentication failed.
+    ServerMisbehaved(&'static str),
+}
+
+/// Output of the server state machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServerAction {
+    /// Post a send of these bytes.
+    Send(Vec<u8>),
+    /// RDMA write into client memory; `imm` = RDMA write with immediate.
+    RdmaWrite {
+        remote_addr: u64,
+        rkey: u32,
+        data: DataSource,
+        imm: Option<u32>,
+    },
+    /// Read `len` bytes at `offset` of `file` into a buffer kept for `op`;
+    /// answer with `handle_storage_complete(op, Ok(bytes_read))`.
+    FileRead {
+        op: OpId,
+        fid: u16,
+        file: u64,
+        offset: u64,
+        len: u32,
+    },
+    /// Write `data` at `offset`; answer with `Ok(bytes_written)`.
+    FileWrite {
+        op: OpId,
+        fid: u16,
+        file: u64,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    /// Try to cancel `op`; it must still be completed (Err(STATUS_CANCELLED)
+    /// if cancelled).
+    CancelIo { op: OpId },
+    /// The read buffer of `op` is no longer referenced.
+    ReleaseReadBuffer { op: OpId },
+    /// The file registered as `fid` is closed and has no I/O in flight.
+    CloseFile { fid: u16, file: u64 },
+    /// Terminate the connection; nothing more will be produced.
+    CloseConnection(CloseReason),
+}
+
+/// Errors of [`ServerConn::start_credit_delta`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CreditError {
+    NotAuthenticated,
+    TransactionInProgress,
+    /// Delta is 0 or would move credits outside 1..=255.
+    OutOfRange,
+    Closed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    AwaitAuth,
+    Ready,
+    Closed,
+}
+
+#[derive(Debug, Clone)]
+struct FileEntry {
+    file: u64,
+    flags: u32,
+    closing: bool,
+    inflight: usize,
+}
+
+#[derive(Debug, Clone)]
+enum IoKind {
+    Read { data_va: u64, data_mh: u32 },
+    VecRead { regions: Vec<RdmaRegion> },
+    Write,
+}
+
+#[derive(Debug, Clone)]
+struct PendingIo {
+    fid: u16,
+    kind: IoKind,
+    mode: CompletionMode,
+    requested: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum CreditTx {
+    Positive { n: i32, deadline: Instant },
+    Negative { expect: i32, deadline: Instant },
+}
+
+/// Per-connection LWIO server.
+#[derive(Debug)]
+pub struct ServerConn {
+    cfg: ServerConfig,
+    state: State,
+    auth_deadline: Instant,
+    client: Option<AuthParamsRepr>,
+    credits: u16,
+    outstanding: u32,
+    credit_hint: u8,
+    credit_tx: Option<CreditTx>,
+    unused_credits_reported: u32,
+    interrupt: Option<u64>,
+    fids: BTreeMap<u16, FileEntry>,
+    next_fid: u16,
+    ops: HashMap<OpId, PendingIo>,
+    next_op: OpId,
+    actions: VecDeque<ServerAction>,
+}
+
+impl ServerConn {
+    /// A new connection; AUTH must arrive before `now + auth_timeout`.
+    pub fn new(cfg: ServerConfig, now: Instant) -> Self {
+        let auth_deadline = now + cfg.auth_timeout;
+        ServerConn {
+            cfg,
+            state: State::AwaitAuth,
+            auth_deadline,
+            client: None,
+            credits: 1,
+            outstanding: 0,
+            credit_hint: 0,
+            credit_tx: None,
+            unused_credits_reported: 0,
+            interrupt: None,
+            fids: BTreeMap::new(),
+            next_fid: 1,
+            ops: HashMap::new(),
+            next_op: 1,
+            actions: VecDeque::new(),
+        }
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        &self.cfg
+    }
+    pub fn is_authenticated(&self) -> bool {
+        self.client.is_some() && self.state != State::Closed
+    }
+    pub fn is_closed(&self) -> bool {
+        self.state == State::Closed
+    }
+    /// Current credit limit.
+    pub fn credits(&self) -> u16 {
+        self.credits
+    }
+    /// Requests received and not yet completed.
+    pub fn outstanding(&self) -> u32 {
+        self.outstanding
+    }
+    /// Last Credits hint received from the client.
+    pub fn credit_hint(&self) -> u8 {
+        self.credit_hint
+    }
+    pub fn credit_transaction_active(&self) -> bool {
+        self.credit_tx.is_some()
+    }
+    /// Value of the client's last CREDIT reply to a positive delta.
+    pub fn unused_credits_reported(&self) -> u32 {
+        self.unused_credits_reported
+    }
+    /// The client's AUTH params once authenticated.
+    pub fn client_params(&self) -> Option<&AuthParamsRepr> {
+        self.client.as_ref()
+    }
+    /// Number of live (not closing) Fids.
+    pub fn open_fids(&self) -> usize {
+        self.fids.values().filter(|f| !f.closing).count()
+    }
+    /// Storage operations in flight.
+    pub fn pending_ops(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Next action to carry out.
+    pub fn poll_action(&mut self) -> Option<ServerAction> {
+        self.actions.pop_front()
+    }
+
+    /// Earliest time `handle_timeout` must be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            State::AwaitAuth => Some(self.auth_deadline),
+            State::Ready => match self.credit_tx {
+                Some(CreditTx::Positive { deadline, .. })
+                | Some(CreditTx::Negative { deadline, .. }) => Some(deadline),
+                None => None,
+            },
+            State::Closed => None,
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.state {
+            State::AwaitAuth if now >= self.auth_deadline => self.close(CloseReason::AuthTimeout),
+            State::Ready => {
+                if let Some(
+                    CreditTx::Positive { deadline, .. } | CreditTx::Negative { deadline, .. },
+                ) = self.credit_tx
+                {
+                    if now >= deadline {
+                        self.close(CloseReason::CreditTimeout);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn close(&mut self, reason: CloseReason) {
+        if self.state != State::Closed {
+            self.state = State::Closed;
+            self.actions
+                .push_back(ServerAction::CloseConnection(reason));
+        }
+    }
+
+    fn send_status(&mut self, cookie: u64, information: u32, status: NtStatus) {
+        let s = StatusResponse {
+            cookie,
+            ios: IoStatusBlock {
+                information,
+                status,
+            },
+        };
+        self.actions
+            .push_back(ServerAction::Send(s.to_bytes().to_vec()));
+    }
+
+    /// Complete a request: status response, status block, or nothing
+    /// (immediate already sent). Releases its credit.
+    fn complete(
+        &mut self,
+        mode: CompletionMode,
+        information: u32,
+        status: NtStatus,
+        imm_sent: bool,
+    ) {
+        match mode {
+            CompletionMode::Interrupt { cookie, .. } => {
+                if !imm_sent {
+                    self.send_status(cookie, information, status)
+                }
+            }
+            CompletionMode::Polled { ios_va, ios_mh } => {
+                let b = IoStatusBlock {
+                    information,
+                    status,
+                }
+                .to_bytes()
+                .to_vec();
+                self.actions.push_back(ServerAction::RdmaWrite {
+                    remote_addr: ios_va,
+                    rkey: ios_mh,
+                    data: DataSource::Inline(b),
+                    imm: None,
+                });
+            }
+        }
+        self.outstanding = self.outstanding.saturating_sub(1);
+    }
+
+    /// Complete an I/O request, then answer a pending INTERRUPT.
+    fn complete_io(&mut self, mode: CompletionMode, information: u32, status: NtStatus, imm: bool) {
+        self.complete(mode, information, status, imm);
+        if let Some(cookie) = self.interrupt.take() {
+            self.send_status(cookie, 0, STATUS_SUCCESS);
+            self.outstanding = self.outstanding.saturating_sub(1);
+        }
+    }
+
+    /// Start a credit transaction (docs/protocol.md §7).
+    pub fn start_credit_delta(&mut self, now: Instant, delta: i32) -> Result<(), CreditError> {
+        match self.state {
+            State::Closed => return Err(CreditError::Closed),
+            State::AwaitAuth => return Err(CreditError::NotAuthenticated),
+            State::Ready => {}
+        }
+        if self.credit_tx.is_some() {
+            return Err(CreditError::TransactionInProgress);
+        }
+        let new = i64::from(self.credits) + i64::from(delta);
+        if delta == 0 || !(1..=255).contains(&new) {
+            return Err(CreditError::OutOfRange);
+        }
+        let deadline = now + self.cfg.credit_timeout;
+        if delta > 0 {
+            self.credits = new as u16;
+            self.credit_tx = Some(CreditTx::Positive { n: delta, deadline });
+        } else {
+            self.credit_tx = Some(CreditTx::Negative {
+                expect: delta,
+                deadline,
+            });
+        }
+        self.send_status(0, delta as u32, LWIO_NOTIFY_CREDIT);
+        Ok(())
+    }
+
+    /// Process one received message (exactly the bytes received).
+    pub fn handle_recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
+        let _ = now;
+        if self.state == State::Closed {
+            return;
+        }
+        let req = match RequestRepr::parse(msg) {
+            Ok(r) => r,
+            Err(_) => return self.close(CloseReason::ProtocolViolation("malformed message")),
+        };
+        let mode = req.mode();
+        if let CompletionMode::Interrupt { cookie: 0, .. } = mode {
+            return self.close(CloseReason::ProtocolViolation("cookie 0"));
+        }
+        if u32::from(self.credits) <= self.outstanding {
+            return self.close(CloseReason::CreditOverflow);
+        }
+        self.outstanding += 1;
+        self.credit_hint = req.credits;
+        if self.state == State::AwaitAuth {
+            return match req.op {
+                RequestOp::Auth {
+                    cookie,
+                    data_va,
+                    data_mh,
+                    params,
+                } => self.handle_auth(cookie, data_va, data_mh, params, hooks),
+                _ => {
+                    if let CompletionMode::Interrupt { cookie, .. } = mode {
+                        self.send_status(cookie, 0, STATUS_ACCESS_DENIED);
+                    }
+                    self.close(CloseReason::ProtocolViolation("request before AUTH"))
+                }
+            };
+        }
+        match req.op {
+            RequestOp::Auth { .. } => self.close(CloseReason::ProtocolViolation("second AUTH")),
+            RequestOp::Register { cookie, params } => self.handle_register(cookie, params, hooks),
+            RequestOp::Read {
+                fid,
+                offset,
+                length,
+                data_va,
+                data_mh,
+                mode,
+            } => self.start_read(fid, offset, length, IoKind::Read { data_va, data_mh }, mode),
+            RequestOp::VecRead {
+                fid,
+                offset,
+                length,
+                page_size,
+                regions,
+                mode,
+            } => self.handle_vec_read(fid, offset, length, page_size, regions, mode),
+            RequestOp::Write {
+                fid,
+                offset,
+                data,
+                mode,
+            } => {
+                if !self.payload_ok(data.len()) {
+                    return self.close(CloseReason::PayloadTooLarge);
+                }
+                self.start_write(fid, offset, data.to_vec(), mode, false)
+            }
+            RequestOp::VecWrite {
+                fid,
+                offset,
+                length,
+                num_pages,
+                page_size,
+                collapse,
+                data,
+                mode,
+            } => {
+                if !self.payload_ok(data.len()) {
+                    return self.close(CloseReason::PayloadTooLarge);
+                }
+                if !collapse {
+                    return self.start_write(fid, offset, data.to_vec(), mode, false);
+                }
+                match self.expand_collapsed(fid, length, num_pages, page_size, data) {
+                    Ok(buf) => self.start_write(fid, offset, buf, mode, true),
+                    Err(st) => self.complete_io(mode, 0, st, false),
+                }
+            }
+            RequestOp::Close { fid, cookie } => self.handle_close(fid, cookie),
+            RequestOp::Cancel { fid, cookie } => {
+                if !self.fid_valid(fid) {
+                    return self.complete(mode, 0, STATUS_INVALID_HANDLE, false);
+                }
+                let mut ops: Vec<OpId> = self
+                    .ops
+                    .iter()
+                    .filter(|(_, p)| p.fid == fid)
+                    .map(|(o, _)| *o)
+                    .collect();
+                ops.sort_unstable();
+                for op in ops {
+                    self.actions.push_back(ServerAction::CancelIo { op });
+                }
+                self.send_status(cookie, 0, STATUS_SUCCESS);
+                self.outstanding = self.outstanding.saturating_sub(1);
+            }
+            RequestOp::Credit { cookie, value } => self.handle_credit(cookie, value),
+            RequestOp::Interrupt { cookie } => {
+                if self.interrupt.is_some() {
+                    self.complete(mode, 0, STATUS_INVALID_DEVICE_REQUEST, false);
+                } else {
+                    // Answered (and its credit released) by the next I/O completion.
+                    self.interrupt = Some(cookie);
+                }
+            }
+        }
+    }
+
+    fn payload_ok(&self, len: usize) -> bool {
+        u32::try_from(len).is_ok_and(|l| l <= self.cfg.max_recv_buffer_size)
+    }
+
+    fn fid_valid(&self, fid: u16) -> bool {
+        self.fids.get(&fid).is_some_and(|f| !f.closing)
+    }
+
+    fn handle_auth(
+        &mut self,
+        cookie: u64,
+        data_va: u64,
+        data_mh: u32,
+        params: &[u8],
+        hooks: &mut dyn ServerHooks,
+    ) {
+        match self.verify_auth(params, hooks) {
+            Ok((client, alg, secret)) => {
+                let granted = client.credits.clamp(1, self.cfg.max_credits.max(1));
+                let mine = AuthParamsRepr {
+                    rev_id: LWIO_REV_ID,
+                    endian: ENDIAN_64,
+                    page_size: self.cfg.page_size,
+                    base_sequence: client.base_sequence.wrapping_add(1),
+                    max_rdma_window_size: self.cfg.max_rdma_window_size,
+                    max_send_buffer_size: self.cfg.max_send_buffer_size,
+                    max_recv_buffer_size: self.cfg.max_recv_buffer_size,
+                    header_size: COMMON_HEADER_LEN as u16,
+                    credits: granted,
+                    rdma_read_supported: u16::from(self.cfg.rdma_read_supported),
+                    key: client.key,
+                    session_id: Some(self.cfg.session_id),
+                    signature: None,
+                };
+                let bytes = match mine.to_signed_bytes(alg, &secret) {
+                    Ok(b) => b,
+                    Err(_) => return self.close(CloseReason::AuthFailed),
+                };
+                let info = (bytes.len() + 8) as u32;
+                self.actions.push_back(ServerAction::RdmaWrite {
+                    remote_addr: data_va,
+                    rkey: data_mh,
+                    data: DataSource::Inline(bytes),
+                    imm: None,
+                });
+                self.send_status(cookie, info, STATUS_SUCCESS);
+                self.outstanding = 0;
+                self.credits = granted;
+                self.client = Some(client);
+                self.state = State::Ready;
+            }
+            Err(()) => {
+                self.send_status(cookie, 0, STATUS_ACCESS_DENIED);
+                self.close(CloseReason::AuthFailed);
+            }
+        }
+    }
+
+    fn verify_auth(
+        &self,
+        params: &[u8],
+        hooks: &mut dyn ServerHooks,
+    ) -> Result<(AuthParamsRepr, SignatureAlg, Vec<u8>), ()> {
+        let p = AuthParamsPacket::new_checked(params).map_err(|_| ())?;
+        if p.total_len() != Ok(params.len()) {
+            return Err(());
+        }
+        let client = AuthParamsRepr::parse(&p).map_err(|_| ())?;
+        if client.rev_id != LWIO_REV_ID
+            || usize::from(client.header_size) != COMMON_HEADER_LEN
+            || !client.page_size.is_power_of_two()
+        {
+            return Err(());
+        }
+        let key = client.key.ok_or(())?;
+        let secret = hooks.session_secret(&key).ok_or(())?;
+        let (_, alg) = AuthParamsRepr::verify(params, &secret).map_err(|_| ())?;
+        if alg == SignatureAlg::Md5 && !self.cfg.allow_md5 {
+            return Err(());
+        }
+        Ok((client, alg, secret))
+    }
+
+    fn handle_register(&mut self, cookie: u64, p: FidParamsRepr, hooks: &mut dyn ServerHooks) {
+        let mode = CompletionMode::Interrupt {
+            cookie,
+            immediate_cookie: 0,
+        };
+        if p.session_id != self.cfg.session_id {
+            return self.complete(mode, 0, STATUS_ACCESS_DENIED, false);
+        }
+        if self.fids.len() >= self.cfg.max_fids || self.fids.len() >= usize::from(u16::MAX) {
+            return self.complete(mode, 0, STATUS_INSUFFICIENT_RESOURCES, false);
+        }
+        match hooks.open_file(&p.resume_key, p.flags_and_attributes) {
+            Ok(file) => {
+                let mut fid = self.next_fid;
+                while fid == 0 || self.fids.contains_key(&fid) {
+                    fid = fid.wrapping_add(1);
+                }
+                self.next_fid = fid.wrapping_add(1);
+                self.fids.insert(
+                    fid,
+                    FileEntry {
+                        file,
+                        flags: p.flags_and_attributes,
+                        closing: false,
+                        inflight: 0,
+                    },
+                );
+                self.complete(mode, u32::from(fid), STATUS_SUCCESS, false);
+            }
+            Err(st) => {
+                let st = if st == STATUS_SUCCESS {
+                    STATUS_ACCESS_DENIED
+                } else {
+                    st
+                };
+                self.complete(mode, 0, st, false)
+            }
+        }
+    }
+
+    fn handle_close(&mut self, fid: u16, cookie: u64) {
+        let mode = CompletionMode::Interrupt {
+            cookie,
+            immediate_cookie: 0,
+        };
+        match self.fids.get_mut(&fid) {
+            Some(f) if !f.closing => {
+                f.closing = true;
+                self.maybe_finish_close(fid);
+                self.complete(mode, 0, STATUS_SUCCESS, false);
+            }
+            _ => self.complete(mode, 0, STATUS_INVALID_HANDLE, false),
+        }
+    }
+
+    fn maybe_finish_close(&mut self, fid: u16) {
+        if let Some(f) = self.fids.get(&fid) {
+            if f.closing && f.inflight == 0 {
+                let file = f.file;
+                self.fids.remove(&fid);
+                self.actions
+                    .push_back(ServerAction::CloseFile { fid, file });
+            }
+        }
+    }
+
+    fn handle_credit(&mut self, cookie: u64, value: i32) {
+        let mode = CompletionMode::Interrupt {
+            cookie,
+            immediate_cookie: 0,
+        };
+        match self.credit_tx {
+            None => self.close(CloseReason::ProtocolViolation("CREDIT without transaction")),
+            Some(CreditTx::Positive { n, .. }) => {
+                if !(0..=n).contains(&value) {
+                    return self.close(CloseReason::ProtocolViolation("bad CREDIT value"));
+                }
+                self.unused_credits_reported = value as u32;
+                self.credit_tx = None;
+                self.complete(mode, 0, STATUS_SUCCESS, false);
+            }
+            Some(CreditTx::Negative { expect, deadline }) => {
+                if value != expect {
+                    return self.close(CloseReason::ProtocolViolation("CREDIT out of order"));
+                }
+                self.credits = self.credits.saturating_sub(1).max(1);
+                self.credit_tx = if expect == -1 {
+                    None
+                } else {
+                    Some(CreditTx::Negative {
+                        expect: expect + 1,
+                        deadline,
+                    })
+                };
+                self.complete(mode, 0, LWIO_NOTIFY_CREDIT, false);
+            }
+        }
+    }
+
+    /// Common I/O validation: Fid and offset overflow.
+    fn check_io(&self, fid: u16, offset: u64, length: u32) -> Result<u64, NtStatus> {
+        let f = match self.fids.get(&fid) {
+            Some(f) if !f.closing => f,
+            _ => return Err(STATUS_INVALID_HANDLE),
+        };
+        if offset.checked_add(u64::from(length)).is_none() {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        Ok(f.file)
+    }
+
+    fn new_op(&mut self, p: PendingIo) -> OpId {
+        let op = self.next_op;
+        self.next_op = self.next_op.wrapping_add(1).max(1);
+        if let Some(f) = self.fids.get_mut(&p.fid) {
+            f.inflight += 1;
+        }
+        self.ops.insert(op, p);
+        op
+    }
+
+    fn start_read(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        length: u32,
+        kind: IoKind,
+        mode: CompletionMode,
+    ) {
+        let file = match self.check_io(fid, offset, length) {
+            Ok(f) => f,
+            Err(st) => return self.complete_io(mode, 0, st, false),
+        };
+        if length > self.cfg.max_rdma_window_size {
+            return self.complete_io(mode, 0, STATUS_INVALID_PARAMETER, false);
+        }
+        if length == 0 {
+            return self.complete_io(mode, 0, STATUS_SUCCESS, false);
+        }
+        let op = self.new_op(PendingIo {
+            fid,
+            kind,
+            mode,
+            requested: length,
+        });
+        self.actions.push_back(ServerAction::FileRead {
+            op,
+            fid,
+            file,
+            offset,
+            len: length,
+        });
+    }
+
+    fn handle_vec_read(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        length: u32,
+        page_size: u16,
+        regions: Vec<RdmaRegion>,
+        mode: CompletionMode,
+    ) {
+        let max_regions = (self.cfg.max_recv_buffer_size / 16) as usize;
+        if regions.len() > max_regions {
+            return self.close(CloseReason::PayloadTooLarge);
+        }
+        if let Err(st) = self.check_vec_read(length, page_size, &regions) {
+            return self.complete_io(mode, 0, st, false);
+        }
+        self.start_read(fid, offset, length, IoKind::VecRead { regions }, mode)
+    }
+
+    fn check_vec_read(
+        &self,
+        length: u32,
+        page_size: u16,
+        regions: &[RdmaRegion],
+    ) -> Result<(), NtStatus> {
+        let ps = u32::from(page_size);
+        if ps == 0 {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        let want_pages = length.div_ceil(ps) as usize;
+        if regions.len() != want_pages || regions.is_empty() {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        let (last, mids) = regions.split_last().ok_or(STATUS_INVALID_PARAMETER)?;
+        if mids.iter().any(|r| r.length != ps) {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        let sector = self.cfg.sector_size.max(1);
+        if last.length == 0 || last.length > ps || last.length % sector != 0 {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        let total = u64::from(ps) * mids.len() as u64 + u64::from(last.length);
+        if total != u64::from(length) {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        Ok(())
+    }
+
+    fn expand_collapsed(
+        &self,
+        fid: u16,
+        length: u32,
+        num_pages: u16,
+        page_size: u16,
+        page: &[u8],
+    ) -> Result<Vec<u8>, NtStatus> {
+        let f = match self.fids.get(&fid) {
+            Some(f) if !f.closing => f,
+            _ => return Err(STATUS_INVALID_HANDLE),
+        };
+        if f.flags & FILE_NO_INTERMEDIATE_BUFFERING == 0 {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        let client_ps = self.client.as_ref().map_or(0, |c| c.page_size);
+        let (a, b) = (u32::from(client_ps), u32::from(self.cfg.page_size));
+        if a == 0 || b == 0 || (a.max(b) % a.min(b)) != 0 {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        let ps = u32::from(page_size);
+        if ps == 0 || u32::from(num_pages) != length.div_ceil(ps) || length == 0 {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        if length > self.cfg.max_rdma_window_size {
+            return Err(STATUS_INVALID_PARAMETER);
+        }
+        let mut out = Vec::with_capacity(length as usize);
+        while out.len() < length as usize {
+            let take = page.len().min(length as usize - out.len());
+            if take == 0 {
+                return Err(STATUS_INVALID_PARAMETER);
+            }
+            out.extend_from_slice(&page[..take]);
+        }
+        Ok(out)
+    }
+
+    fn start_write(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        data: Vec<u8>,
+        mode: CompletionMode,
+        _collapsed: bool,
+    ) {
+        let len = data.len() as u32;
+        let file = match self.check_io(fid, offset, len) {
+            Ok(f) => f,
+            Err(st) => return self.complete_io(mode, 0, st, false),
+        };
+        if data.is_empty() {
+            return self.complete_io(mode, 0, STATUS_SUCCESS, false);
+        }
+        let op = self.new_op(PendingIo {
+            fid,
+            kind: IoKind::Write,
+            mode,
+            requested: len,
+        });
+        self.actions.push_back(ServerAction::FileWrite {
+            op,
+            fid,
+            file,
+            offset,
+            data,
+        });
+    }
+
+    /// A storage operation finished: `Ok(bytes transferred)` or the failure
+    /// status (STATUS_CANCELLED for a cancelled operation). Unknown ops are
+    /// ignored.
+    pub fn handle_storage_complete(
+        &mut self,
+        now: Instant,
+        op: OpId,
+        result: Result<u32, NtStatus>,
+    ) {
+        let _ = now;
+        let Some(p) = self.ops.remove(&op) else {
+            return;
+        };
+        let closed = self.state == State::Closed;
+        if let Some(f) = self.fids.get_mut(&p.fid) {
+            f.inflight = f.inflight.saturating_sub(1);
+        }
+        let is_read = !matches!(p.kind, IoKind::Write);
+        if !closed {
+            match p.kind {
+                IoKind::Write => match result {
+                    Ok(n) => self.complete_io(p.mode, n.min(p.requested), STATUS_SUCCESS, false),
+                    Err(st) => self.complete_io(p.mode, 0, normalize(st), false),
+                },
+                IoKind::Read { data_va, data_mh } => match read_result(result, p.requested) {
+                    Ok(n) => {
+                        let imm = self.imm_for(&p.mode, n, p.requested);
+                        self.actions.push_back(ServerAction::RdmaWrite {
+                            remote_addr: data_va,
+                            rkey: data_mh,
+                            data: DataSource::ReadBuffer {
+                                op,
+                                offset: 0,
+                                len: n,
+                            },
+                            imm,
+                        });
+                        self.complete_io(p.mode, n, STATUS_SUCCESS, imm.is_some());
+                    }
+                    Err(st) => self.complete_io(p.mode, 0, st, false),
+                },
+                IoKind::VecRead { ref regions } => match read_result(result, p.requested) {
+                    Ok(n) => {
+                        let imm = self.imm_for(&p.mode, n, p.requested);
+                        let mut off = 0u32;
+                        let mut writes = Vec::new();
+                        for r in regions {
+                            if off >= n {
+                                break;
+                            }
+                            let len = r.length.min(n - off);
+                            writes.push((r.data_va, r.data_mh, off, len));
+                            off += len;
+                        }
+                        let last = writes.len().saturating_sub(1);
+                        for (i, (va, mh, o, len)) in writes.into_iter().enumerate() {
+                            self.actions.push_back(ServerAction::RdmaWrite {
+                                remote_addr: va,
+                                rkey: mh,
+                                data: DataSource::ReadBuffer { op, offset: o, len },
+                                imm: if i == last { imm } else { None },
+                            });
+                        }
+                        self.complete_io(p.mode, n, STATUS_SUCCESS, imm.is_some());
+                    }
+                    Err(st) => self.complete_io(p.mode, 0, st, false),
+                },
+            }
+        }
+        if is_read {
+            self.actions
+                .push_back(ServerAction::ReleaseReadBuffer { op });
+        }
+        self.maybe_finish_close(p.fid);
+    }
+
+    fn imm_for(&self, mode: &CompletionMode, n: u32, requested: u32) -> Option<u32> {
+        match *mode {
+            CompletionMode::Interrupt {
+                immediate_cookie, ..
+            } if self.cfg.use_write_with_imm && n == requested && n > 0 => Some(immediate_cookie),
+            _ => None,
+        }
+    }
+}
+
+fn normalize(st: NtStatus) -> NtStatus {
+    // Never complete with a value the client treats specially.
+    if st == STATUS_SUCCESS || st == STATUS_PENDING || st == LWIO_NOTIFY_CREDIT {
+        STATUS_INSUFFICIENT_RESOURCES
+    } else {
+        st
+    }
+}
+
+fn read_result(result: Result<u32, NtStatus>, requested: u32) -> Result<u32, NtStatus> {
+    match result {
+        Ok(0) => Err(STATUS_END_OF_FILE),
+        Ok(n) => Ok(n.min(requested)),
+        Err(st) => Err(normalize(st)),
+    }
+}

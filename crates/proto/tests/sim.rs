@@ -1,0 +1,1177 @@
+//! End-to-end tests: ClientConn and ServerConn wired through a tiny
+//! simulated RDMA transport, an in-memory client address space and an
+//! in-memory storage backend, with a fake clock and fault injection.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use lwio_proto::client::*;
+use lwio_proto::server::*;
+use lwio_proto::status::*;
+use lwio_proto::wire::common::{CompletionMode, Opcode, RequestOp};
+use lwio_proto::wire::{
+    AuthParamsRepr, FidParamsRepr, Guid, IoStatusBlock, RdmaRegion, RequestRepr, SignatureAlg,
+    SrvResumeKey, StatusResponse, FILE_NO_INTERMEDIATE_BUFFERING, LWIO_REV_ID,
+};
+
+const KEY: Guid = Guid::from_u128(0x1111_2222_3333_4444_5555_6666_7777_8888);
+const SECRET: &[u8] = b"negotiated session secret";
+const SESSION: u64 = 0x5e55_1011;
+const AUTH_BUF: RemoteBuf = RemoteBuf {
+    addr: 0x1000,
+    rkey: 1,
+};
+const DATA: RemoteBuf = RemoteBuf {
+    addr: 0x10000,
+    rkey: 2,
+};
+const IOS_BASE: u64 = 0x9_0000;
+const PAGES: u64 = 0xA_0000;
+const RK_PLAIN: SrvResumeKey = SrvResumeKey {
+    resume_key: 77,
+    timestamp: 1,
+    pid: 2,
+};
+const RK_NOBUF: SrvResumeKey = SrvResumeKey {
+    resume_key: 78,
+    timestamp: 1,
+    pid: 2,
+};
+
+struct Region {
+    addr: u64,
+    rkey: u32,
+    bytes: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Mem {
+    regions: Vec<Region>,
+}
+
+impl Mem {
+    fn find(&self, addr: u64, len: usize) -> Option<(usize, usize)> {
+        self.regions.iter().enumerate().find_map(|(i, r)| {
+            let off = addr.checked_sub(r.addr)? as usize;
+            (off + len <= r.bytes.len()).then_some((i, off))
+        })
+    }
+    fn write(&mut self, addr: u64, rkey: u32, data: &[u8]) -> bool {
+        match self.find(addr, data.len()) {
+            Some((i, off)) if self.regions[i].rkey == rkey => {
+                self.regions[i].bytes[off..off + data.len()].copy_from_slice(data);
+                true
+            }
+            _ => false,
+        }
+    }
+    fn read_at(&self, addr: u64, len: usize) -> Vec<u8> {
+        let (i, off) = self.find(addr, len).expect("in range");
+        self.regions[i].bytes[off..off + len].to_vec()
+    }
+}
+
+impl LocalMemory for Mem {
+    fn read(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let (i, off) = self.find(addr, len)?;
+        Some(self.regions[i].bytes[off..off + len].to_vec())
+    }
+}
+
+struct Hooks {
+    secrets: HashMap<Guid, Vec<u8>>,
+}
+
+impl ServerHooks for Hooks {
+    fn session_secret(&mut self, key: &Guid) -> Option<Vec<u8>> {
+        self.secrets.get(key).cloned()
+    }
+    fn open_file(&mut self, rk: &SrvResumeKey, flags: u32) -> Result<u64, NtStatus> {
+        match rk.resume_key {
+            77 => Ok(1),
+            78 if flags & FILE_NO_INTERMEDIATE_BUFFERING != 0 => Ok(1),
+            _ => Err(STATUS_ACCESS_DENIED),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Storage {
+    files: HashMap<u64, Vec<u8>>,
+    read_bufs: HashMap<OpId, Vec<u8>>,
+    defer: bool,
+    held: Vec<ServerAction>,
+    closed_files: Vec<(u16, u64)>,
+}
+
+impl Storage {
+    /// Perform a storage action; returns the completion.
+    fn perform(&mut self, a: &ServerAction) -> (OpId, Result<u32, NtStatus>) {
+        match a {
+            ServerAction::FileRead {
+                op,
+                file,
+                offset,
+                len,
+                ..
+            } => {
+                let f = self.files.get(file).expect("file");
+                let off = *offset as usize;
+                if off >= f.len() {
+                    return (*op, Err(STATUS_END_OF_FILE));
+                }
+                let end = (off + *len as usize).min(f.len());
+                self.read_bufs.insert(*op, f[off..end].to_vec());
+                (*op, Ok((end - off) as u32))
+            }
+            ServerAction::FileWrite {
+                op,
+                file,
+                offset,
+                data,
+                ..
+            } => {
+                let f = self.files.get_mut(file).expect("file");
+                let end = *offset as usize + data.len();
+                if f.len() < end {
+                    f.resize(end, 0);
+                }
+                f[*offset as usize..end].copy_from_slice(data);
+                (*op, Ok(data.len() as u32))
+            }
+            _ => unreachable!(),
+        }
+    }
+}
+
+enum ToClient {
+    Msg(Vec<u8>),
+    Imm(u32),
+}
+
+type MakeMsg = Box<dyn Fn(u16) -> Vec<u8>>;
+type Fault = Box<dyn FnMut(Vec<u8>) -> Vec<Vec<u8>>>;
+
+struct Sim {
+    now: Instant,
+    server: ServerConn,
+    client: ClientConn,
+    mem: Mem,
+    hooks: Hooks,
+    storage: Storage,
+    to_server: VecDeque<Vec<u8>>,
+    to_client: VecDeque<ToClient>,
+    client_recvs: u32,
+    recv_overrun: bool,
+    server_closed: Option<CloseReason>,
+    client_closed: Option<CloseReason>,
+    events: Vec<ClientEvent>,
+    c2s_fault: Option<Fault>,
+    s2c_fault: Option<Fault>,
+}
+
+fn file_pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
+impl Sim {
+    fn with(scfg: ServerConfig, ccfg: ClientConfig) -> Sim {
+        let now = Instant::now();
+        let mut mem = Mem::default();
+        mem.regions.push(Region {
+            addr: AUTH_BUF.addr,
+            rkey: AUTH_BUF.rkey,
+            bytes: vec![0; 512],
+        });
+        mem.regions.push(Region {
+            addr: DATA.addr,
+            rkey: DATA.rkey,
+            bytes: vec![0; 65536],
+        });
+        mem.regions.push(Region {
+            addr: IOS_BASE,
+            rkey: 3,
+            bytes: vec![0; 8 * 16],
+        });
+        mem.regions.push(Region {
+            addr: PAGES,
+            rkey: 4,
+            bytes: vec![0; 65536],
+        });
+        let mut storage = Storage::default();
+        storage.files.insert(1, file_pattern(10_000));
+        Sim {
+            now,
+            server: ServerConn::new(scfg, now),
+            client: ClientConn::new(ccfg),
+            mem,
+            hooks: Hooks {
+                secrets: HashMap::from([(KEY, SECRET.to_vec())]),
+            },
+            storage,
+            to_server: VecDeque::new(),
+            to_client: VecDeque::new(),
+            client_recvs: 0,
+            recv_overrun: false,
+            server_closed: None,
+            client_closed: None,
+            events: Vec::new(),
+            c2s_fault: None,
+            s2c_fault: None,
+        }
+    }
+
+    fn new() -> Sim {
+        Sim::with(server_cfg(), client_cfg())
+    }
+
+    /// Run until nothing moves.
+    fn pump(&mut self) {
+        for _ in 0..10_000 {
+            let mut progress = false;
+            while let Some(a) = self.client.poll_action() {
+                progress = true;
+                match a {
+                    ClientAction::Send(b) => match self.c2s_fault.as_mut() {
+                        Some(f) => self.to_server.extend(f(b)),
+                        None => self.to_server.push_back(b),
+                    },
+                    ClientAction::PostRecv(n) => self.client_recvs += n,
+                    ClientAction::ResetStatusBlock { addr, .. } => {
+                        assert!(self.mem.write(addr, 3, &IoStatusBlock::PENDING.to_bytes()))
+                    }
+                    ClientAction::CloseConnection(r) => self.client_closed = Some(r),
+                }
+            }
+            while let Some(e) = self.client.poll_event() {
+                self.events.push(e);
+            }
+            if let Some(m) = self.to_server.pop_front() {
+                progress = true;
+                if self.client_closed.is_none() {
+                    self.server.handle_recv(self.now, &m, &mut self.hooks);
+                }
+            }
+            let acts: Vec<ServerAction> =
+                std::iter::from_fn(|| self.server.poll_action()).collect();
+            for a in acts {
+                progress = true;
+                self.server_action(a);
+            }
+            if let Some(m) = self.to_client.pop_front() {
+                progress = true;
+                match m {
+                    ToClient::Msg(b) => self.client.handle_recv(self.now, &b, &self.mem),
+                    ToClient::Imm(i) => self.client.handle_immediate(self.now, i),
+                }
+            }
+            for slot in self.client.polled_slots() {
+                let addr = IOS_BASE + 8 * u64::from(slot);
+                let ios = IoStatusBlock::from_bytes(&self.mem.read_at(addr, 8)).unwrap();
+                if ios.status != STATUS_PENDING {
+                    progress = true;
+                    self.client
+                        .status_block_updated(self.now, slot, ios.information, ios.status);
+                }
+            }
+            if !progress {
+                return;
+            }
+        }
+        panic!("simulation did not settle");
+    }
+
+    fn deliver(&mut self, m: ToClient) {
+        if self.client_recvs == 0 {
+            self.recv_overrun = true;
+            return;
+        }
+        self.client_recvs -= 1;
+        self.to_client.push_back(m);
+    }
+
+    fn server_action(&mut self, a: ServerAction) {
+        match a {
+            ServerAction::Send(b) => {
+                assert_eq!(b.len(), 16, "server sends only status responses");
+                let msgs = match self.s2c_fault.as_mut() {
+                    Some(f) => f(b),
+                    None => vec![b],
+                };
+                for m in msgs {
+                    self.deliver(ToClient::Msg(m));
+                }
+            }
+            ServerAction::RdmaWrite {
+                remote_addr,
+                rkey,
+                data,
+                imm,
+            } => {
+                let bytes = match data {
+                    DataSource::Inline(b) => b,
+                    DataSource::ReadBuffer { op, offset, len } => {
+                        let b = &self.storage.read_bufs[&op];
+                        b[offset as usize..(offset + len) as usize].to_vec()
+                    }
+                };
+                assert!(
+                    self.mem.write(remote_addr, rkey, &bytes),
+                    "RDMA write out of bounds"
+                );
+                if let Some(i) = imm {
+                    self.deliver(ToClient::Imm(i));
+                }
+            }
+            a @ (ServerAction::FileRead { .. } | ServerAction::FileWrite { .. }) => {
+                if self.storage.defer {
+                    self.storage.held.push(a);
+                } else {
+                    let (op, r) = self.storage.perform(&a);
+                    self.server.handle_storage_complete(self.now, op, r);
+                }
+            }
+            ServerAction::CancelIo { op } => {
+                let pos = self.storage.held.iter().position(|h| match h {
+                    ServerAction::FileRead { op: o, .. }
+                    | ServerAction::FileWrite { op: o, .. } => *o == op,
+                    _ => false,
+                });
+                if let Some(p) = pos {
+                    self.storage.held.remove(p);
+                    self.server
+                        .handle_storage_complete(self.now, op, Err(STATUS_CANCELLED));
+                }
+            }
+            ServerAction::ReleaseReadBuffer { op } => {
+                self.storage.read_bufs.remove(&op);
+            }
+            ServerAction::CloseFile { fid, file } => self.storage.closed_files.push((fid, file)),
+            ServerAction::CloseConnection(r) => self.server_closed = Some(r),
+        }
+    }
+
+    fn release_held(&mut self) {
+        let held = std::mem::take(&mut self.storage.held);
+        for a in held {
+            let (op, r) = self.storage.perform(&a);
+            self.server.handle_storage_complete(self.now, op, r);
+        }
+        self.pump();
+    }
+
+    fn completion(&self, req: ReqId) -> Option<(u32, NtStatus)> {
+        self.events.iter().find_map(|e| match e {
+            ClientEvent::Completed {
+                req: r,
+                information,
+                status,
+                ..
+            } if *r == req => Some((*information, *status)),
+            _ => None,
+        })
+    }
+
+    fn connect(&mut self) {
+        self.client.start(self.now).unwrap();
+        self.pump();
+        assert!(self.client.is_authenticated(), "events: {:?}", self.events);
+        assert!(self.server.is_authenticated());
+    }
+
+    fn register(&mut self, rk: SrvResumeKey, flags: u32) -> u16 {
+        let r = self.client.register(rk, flags).unwrap();
+        self.pump();
+        let (fid, st) = self.completion(r).unwrap();
+        assert_eq!(st, STATUS_SUCCESS);
+        fid as u16
+    }
+
+    /// Send raw bytes to the server as if from the client.
+    fn inject(&mut self, b: Vec<u8>) {
+        self.to_server.push_back(b);
+        self.pump();
+    }
+}
+
+fn server_cfg() -> ServerConfig {
+    ServerConfig {
+        session_id: SESSION,
+        max_credits: 8,
+        ..ServerConfig::default()
+    }
+}
+
+fn client_cfg() -> ClientConfig {
+    let mut c = ClientConfig::new(KEY, SECRET.to_vec(), AUTH_BUF);
+    c.status_blocks = Some(StatusBlockArea {
+        base: IOS_BASE,
+        rkey: 3,
+        slots: 16,
+    });
+    c.credits_wanted = 4;
+    c
+}
+
+fn raw(op: RequestOp<'_>) -> Vec<u8> {
+    RequestRepr {
+        credits: 1,
+        sequence: 0,
+        tid: 0,
+        op,
+    }
+    .to_bytes()
+    .unwrap()
+}
+
+fn intr(cookie: u64) -> CompletionMode {
+    CompletionMode::Interrupt {
+        cookie,
+        immediate_cookie: cookie as u32,
+    }
+}
+
+// ------------------------------------------------------------------ scenarios
+
+fn run_all_opcodes(mode: Mode, imm: bool) {
+    let mut scfg = server_cfg();
+    scfg.use_write_with_imm = imm;
+    let mut s = Sim::with(scfg, client_cfg());
+    s.connect();
+    assert_eq!(s.client.credits(), 4);
+    assert_eq!(s.client.session_id(), SESSION);
+    assert_eq!(s.client.posted_recvs(), 5);
+    let fid = s.register(RK_NOBUF, FILE_NO_INTERMEDIATE_BUFFERING);
+    assert_eq!(fid, 1);
+    let file = file_pattern(10_000);
+
+    // READ
+    let r = s.client.read(fid, 100, 3000, DATA, mode).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((3000, STATUS_SUCCESS)));
+    assert_eq!(s.mem.read_at(DATA.addr, 3000), file[100..3100]);
+
+    // Short read at the end of the file, then END_OF_FILE.
+    let r = s.client.read(fid, 9_000, 4096, DATA, mode).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((1000, STATUS_SUCCESS)));
+    let r = s.client.read(fid, 20_000, 10, DATA, mode).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((0, STATUS_END_OF_FILE)));
+
+    // WRITE
+    let r = s.client.write(fid, 50, b"hello lwio", mode).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((10, STATUS_SUCCESS)));
+    assert_eq!(&s.storage.files[&1][50..60], b"hello lwio");
+
+    // VEC_READ: 2 full pages + 1024-byte tail into scattered pages.
+    let regions = [
+        RdmaRegion {
+            data_va: PAGES + 8192,
+            data_mh: 4,
+            length: 4096,
+        },
+        RdmaRegion {
+            data_va: PAGES,
+            data_mh: 4,
+            length: 4096,
+        },
+        RdmaRegion {
+            data_va: PAGES + 3 * 4096,
+            data_mh: 4,
+            length: 1024,
+        },
+    ];
+    let r = s
+        .client
+        .vec_read(fid, 0, 9216, 4096, &regions, mode)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((9216, STATUS_SUCCESS)));
+    let f = s.storage.files[&1].clone();
+    assert_eq!(s.mem.read_at(PAGES + 8192, 4096), f[..4096]);
+    assert_eq!(s.mem.read_at(PAGES, 4096), f[4096..8192]);
+    assert_eq!(s.mem.read_at(PAGES + 3 * 4096, 1024), f[8192..9216]);
+
+    // VEC_WRITE without collapse.
+    let data: Vec<u8> = (0..5000u32).map(|i| (i % 13) as u8).collect();
+    let r = s
+        .client
+        .vec_write(fid, 1000, 4096, 5000, &data, false, mode)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((5000, STATUS_SUCCESS)));
+    assert_eq!(s.storage.files[&1][1000..6000], data[..]);
+
+    // VEC_WRITE collapsed: one page repeated, last page partial.
+    let page = vec![0xabu8; 4096];
+    let r = s
+        .client
+        .vec_write(fid, 4096, 4096, 4096 * 2 + 512, &page, true, mode)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((8704, STATUS_SUCCESS)));
+    assert!(s.storage.files[&1][4096..4096 + 8704]
+        .iter()
+        .all(|&b| b == 0xab));
+    assert_eq!(s.storage.files[&1].len(), 12_800);
+
+    // INTERRUPT, answered after the next I/O completes.
+    let irq = s.client.interrupt().unwrap();
+    s.pump();
+    assert_eq!(s.completion(irq), None);
+    let r = s.client.read(fid, 0, 16, DATA, mode).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((16, STATUS_SUCCESS)));
+    assert_eq!(s.completion(irq), Some((0, STATUS_SUCCESS)));
+
+    // CANCEL with a deferred read: it completes with STATUS_CANCELLED.
+    s.storage.defer = true;
+    let r = s.client.read(fid, 0, 512, DATA, mode).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), None);
+    let c = s.client.cancel(fid).unwrap();
+    s.pump();
+    assert_eq!(s.completion(c), Some((0, STATUS_SUCCESS)));
+    assert_eq!(s.completion(r), Some((0, STATUS_CANCELLED)));
+    s.storage.defer = false;
+
+    // Credits: +2 then -3, the full three-way handshake.
+    s.server.start_credit_delta(s.now, 2).unwrap();
+    s.pump();
+    assert_eq!(s.client.credits(), 6);
+    assert_eq!(s.server.credits(), 6);
+    assert!(!s.server.credit_transaction_active());
+    assert_eq!(s.client.posted_recvs(), 7);
+    s.server.start_credit_delta(s.now, -3).unwrap();
+    s.pump();
+    assert_eq!(s.client.credits(), 3);
+    assert_eq!(s.server.credits(), 3);
+    assert!(!s.server.credit_transaction_active());
+
+    // CLOSE: Fid invalid afterwards.
+    let c = s.client.close_file(fid).unwrap();
+    s.pump();
+    assert_eq!(s.completion(c), Some((0, STATUS_SUCCESS)));
+    assert_eq!(s.storage.closed_files, vec![(fid, 1)]);
+    let r = s.client.read(fid, 0, 16, DATA, mode).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((0, STATUS_INVALID_HANDLE)));
+
+    assert_eq!(s.client.outstanding(), 0);
+    assert_eq!(s.server.outstanding(), 0);
+    assert!(!s.recv_overrun);
+    assert!(s.server_closed.is_none() && s.client_closed.is_none());
+    assert!(s.storage.read_bufs.is_empty(), "read buffers released");
+}
+
+#[test]
+fn all_opcodes_interrupt_mode() {
+    run_all_opcodes(Mode::Interrupt, false);
+}
+
+#[test]
+fn all_opcodes_interrupt_mode_with_immediate() {
+    run_all_opcodes(Mode::Interrupt, true);
+}
+
+#[test]
+fn all_opcodes_polling_mode() {
+    run_all_opcodes(Mode::Polled, false);
+}
+
+#[test]
+fn md5_compat_mode() {
+    let mut sc = server_cfg();
+    sc.allow_md5 = true;
+    let mut cc = client_cfg();
+    cc.signature = SignatureAlg::Md5;
+    let mut s = Sim::with(sc, cc);
+    s.connect();
+    // Refused when not allowed.
+    let mut cc = client_cfg();
+    cc.signature = SignatureAlg::Md5;
+    let mut s = Sim::with(server_cfg(), cc);
+    s.client.start(s.now).unwrap();
+    s.pump();
+    assert_eq!(s.server_closed, Some(CloseReason::AuthFailed));
+    assert!(s.events.contains(&ClientEvent::AuthFailed {
+        status: STATUS_ACCESS_DENIED
+    }));
+}
+
+#[test]
+fn auth_wrong_key_and_wrong_secret() {
+    let mut cc = client_cfg();
+    cc.key = Guid::from_u128(99);
+    let mut s = Sim::with(server_cfg(), cc);
+    s.client.start(s.now).unwrap();
+    s.pump();
+    assert_eq!(s.server_closed, Some(CloseReason::AuthFailed));
+    assert!(s.events.contains(&ClientEvent::AuthFailed {
+        status: STATUS_ACCESS_DENIED
+    }));
+    assert!(s.client.is_closed());
+
+    let mut cc = client_cfg();
+    cc.secret = b"wrong".to_vec();
+    let mut s = Sim::with(server_cfg(), cc);
+    s.client.start(s.now).unwrap();
+    s.pump();
+    assert_eq!(s.server_closed, Some(CloseReason::AuthFailed));
+}
+
+#[test]
+fn client_rejects_forged_server_params() {
+    // Params signed with another secret (a spoofing server).
+    let mut s = Sim::new();
+    let cookie = s.client.start(s.now).unwrap();
+    let forged = AuthParamsRepr {
+        rev_id: LWIO_REV_ID,
+        endian: 8,
+        page_size: 4096,
+        header_size: 56,
+        credits: 4,
+        max_recv_buffer_size: 8192,
+        key: Some(KEY),
+        session_id: Some(SESSION),
+        ..AuthParamsRepr::default()
+    }
+    .to_signed_bytes(SignatureAlg::HmacSha256, b"attacker")
+    .unwrap();
+    assert!(s.mem.write(AUTH_BUF.addr, AUTH_BUF.rkey, &forged));
+    let st = StatusResponse {
+        cookie,
+        ios: IoStatusBlock {
+            information: forged.len() as u32 + 8,
+            status: STATUS_SUCCESS,
+        },
+    };
+    s.client.handle_recv(s.now, &st.to_bytes(), &s.mem);
+    assert!(s.client.is_closed());
+    assert!(!s.client.is_authenticated());
+
+    // A truncated params length (Information tampered) is rejected too.
+    let mut s = Sim::new();
+    s.s2c_fault = Some(Box::new(|mut b: Vec<u8>| {
+        b[8] = b[8].wrapping_sub(1);
+        vec![b]
+    }));
+    s.client.start(s.now).unwrap();
+    s.pump();
+    assert!(s.client.is_closed());
+    assert!(matches!(
+        s.client_closed,
+        Some(CloseReason::ServerMisbehaved(_))
+    ));
+}
+
+#[test]
+fn auth_timeout_with_fake_clock() {
+    let mut s = Sim::new();
+    assert_eq!(
+        s.server.poll_timeout(),
+        Some(s.now + Duration::from_secs(10))
+    );
+    s.server.handle_timeout(s.now + Duration::from_secs(9));
+    assert!(!s.server.is_closed());
+    s.server.handle_timeout(s.now + Duration::from_secs(10));
+    s.pump();
+    assert_eq!(s.server_closed, Some(CloseReason::AuthTimeout));
+    assert_eq!(s.server.poll_timeout(), None);
+}
+
+#[test]
+fn register_before_auth_is_denied_and_terminates() {
+    let mut s = Sim::new();
+    let mut seen = Vec::new();
+    let b = raw(RequestOp::Register {
+        cookie: 5,
+        params: FidParamsRepr::default(),
+    });
+    s.server.handle_recv(s.now, &b, &mut s.hooks);
+    while let Some(a) = s.server.poll_action() {
+        seen.push(a);
+    }
+    let st = StatusResponse {
+        cookie: 5,
+        ios: IoStatusBlock {
+            information: 0,
+            status: STATUS_ACCESS_DENIED,
+        },
+    };
+    assert_eq!(seen[0], ServerAction::Send(st.to_bytes().to_vec()));
+    assert_eq!(
+        seen[1],
+        ServerAction::CloseConnection(CloseReason::ProtocolViolation("request before AUTH"))
+    );
+}
+
+#[test]
+fn foreign_session_and_bad_resume_key() {
+    let mut s = Sim::new();
+    s.connect();
+    // Bypass the client to use a foreign session id.
+    let mut statuses = Vec::new();
+    let b = raw(RequestOp::Register {
+        cookie: 900,
+        params: FidParamsRepr {
+            resume_key: RK_PLAIN,
+            session_id: SESSION + 1,
+            flags_and_attributes: 0,
+        },
+    });
+    s.server.handle_recv(s.now, &b, &mut s.hooks);
+    while let Some(a) = s.server.poll_action() {
+        if let ServerAction::Send(b) = a {
+            statuses.push(StatusResponse::from_bytes(&b).unwrap());
+        }
+    }
+    assert_eq!(statuses[0].cookie, 900);
+    assert_eq!(statuses[0].ios.status, STATUS_ACCESS_DENIED);
+
+    let r = s
+        .client
+        .register(
+            SrvResumeKey {
+                resume_key: 1,
+                timestamp: 0,
+                pid: 0,
+            },
+            0,
+        )
+        .unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((0, STATUS_ACCESS_DENIED)));
+}
+
+/// Drive the server directly and collect its status responses.
+fn direct(s: &mut Sim, b: &[u8]) -> (Vec<StatusResponse>, Vec<ServerAction>) {
+    s.server.handle_recv(s.now, b, &mut s.hooks);
+    let mut st = Vec::new();
+    let mut other = Vec::new();
+    while let Some(a) = s.server.poll_action() {
+        match a {
+            ServerAction::Send(b) => st.push(StatusResponse::from_bytes(&b).unwrap()),
+            a @ (ServerAction::FileRead { .. } | ServerAction::FileWrite { .. }) => {
+                let (op, r) = s.storage.perform(&a);
+                s.server.handle_storage_complete(s.now, op, r);
+                let more: Vec<_> = std::iter::from_fn(|| s.server.poll_action()).collect();
+                for m in more {
+                    match m {
+                        ServerAction::Send(b) => st.push(StatusResponse::from_bytes(&b).unwrap()),
+                        m => other.push(m),
+                    }
+                }
+            }
+            a => other.push(a),
+        }
+    }
+    (st, other)
+}
+
+#[test]
+fn validation_statuses() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    let read = |fid, offset, length, cookie| {
+        raw(RequestOp::Read {
+            fid,
+            offset,
+            length,
+            data_va: DATA.addr,
+            data_mh: 2,
+            mode: intr(cookie),
+        })
+    };
+    // Bogus Fid.
+    let (st, _) = direct(&mut s, &read(fid + 10, 0, 16, 11));
+    assert_eq!(
+        (st[0].cookie, st[0].ios.status),
+        (11, STATUS_INVALID_HANDLE)
+    );
+    // Offset + length overflow.
+    let (st, _) = direct(&mut s, &read(fid, u64::MAX - 3, 16, 12));
+    assert_eq!(st[0].ios.status, STATUS_INVALID_PARAMETER);
+    // Above MaxRdmaWindowSize.
+    let (st, _) = direct(&mut s, &read(fid, 0, 512 * 1024 + 1, 13));
+    assert_eq!(st[0].ios.status, STATUS_INVALID_PARAMETER);
+    // Zero-length read succeeds with 0 bytes.
+    let (st, _) = direct(&mut s, &read(fid, 0, 0, 14));
+    assert_eq!(
+        (st[0].ios.information, st[0].ios.status),
+        (0, STATUS_SUCCESS)
+    );
+    // VEC_READ: middle region not a full page, last region not a sector multiple,
+    // count mismatch.
+    let vr = |regions: Vec<RdmaRegion>, length, cookie| {
+        raw(RequestOp::VecRead {
+            fid,
+            offset: 0,
+            length,
+            page_size: 4096,
+            regions,
+            mode: intr(cookie),
+        })
+    };
+    let p = |len| RdmaRegion {
+        data_va: PAGES,
+        data_mh: 4,
+        length: len,
+    };
+    let (st, _) = direct(&mut s, &vr(vec![p(2048), p(1024)], 3072, 15));
+    assert_eq!(st[0].ios.status, STATUS_INVALID_PARAMETER);
+    let (st, _) = direct(&mut s, &vr(vec![p(4096), p(100)], 4196, 16));
+    assert_eq!(st[0].ios.status, STATUS_INVALID_PARAMETER);
+    let (st, _) = direct(&mut s, &vr(vec![p(4096)], 8192, 17));
+    assert_eq!(st[0].ios.status, STATUS_INVALID_PARAMETER);
+    let (st, _) = direct(&mut s, &vr(vec![p(4096), p(512)], 4608, 18));
+    assert_eq!(st[0].ios.status, STATUS_SUCCESS);
+    // COLLAPSE on a file registered without FILE_NO_INTERMEDIATE_BUFFERING.
+    let page = vec![1u8; 4096];
+    let b = raw(RequestOp::VecWrite {
+        fid,
+        offset: 0,
+        length: 8192,
+        num_pages: 2,
+        page_size: 4096,
+        collapse: true,
+        data: &page,
+        mode: intr(19),
+    });
+    let (st, _) = direct(&mut s, &b);
+    assert_eq!(st[0].ios.status, STATUS_INVALID_PARAMETER);
+    // CLOSE / CANCEL of an unknown Fid.
+    let (st, _) = direct(
+        &mut s,
+        &raw(RequestOp::Close {
+            fid: 999,
+            cookie: 20,
+        }),
+    );
+    assert_eq!(st[0].ios.status, STATUS_INVALID_HANDLE);
+    let (st, _) = direct(
+        &mut s,
+        &raw(RequestOp::Cancel {
+            fid: 999,
+            cookie: 21,
+        }),
+    );
+    assert_eq!(st[0].ios.status, STATUS_INVALID_HANDLE);
+    // Second INTERRUPT while one is pending.
+    let (st, _) = direct(&mut s, &raw(RequestOp::Interrupt { cookie: 22 }));
+    assert!(st.is_empty());
+    let (st, _) = direct(&mut s, &raw(RequestOp::Interrupt { cookie: 23 }));
+    assert_eq!(
+        (st[0].cookie, st[0].ios.status),
+        (23, STATUS_INVALID_DEVICE_REQUEST)
+    );
+    // The pending one is answered after the next I/O completion.
+    let (st, _) = direct(&mut s, &read(fid, 0, 8, 24));
+    assert_eq!(
+        st.iter().map(|s| s.cookie).collect::<Vec<_>>(),
+        vec![24, 22]
+    );
+    assert!(!s.server.is_closed());
+    assert_eq!(s.server.outstanding(), 0);
+}
+
+#[test]
+fn fatal_violations_terminate() {
+    let cases: Vec<(&str, MakeMsg, CloseReason)> = vec![
+        (
+            "unknown opcode",
+            Box::new(|_| {
+                let mut b = raw(RequestOp::Close { fid: 1, cookie: 1 });
+                b[4] = 0x0a;
+                b
+            }),
+            CloseReason::ProtocolViolation("malformed message"),
+        ),
+        (
+            "truncated",
+            Box::new(|fid| raw(RequestOp::Close { fid, cookie: 1 })[..40].to_vec()),
+            CloseReason::ProtocolViolation("malformed message"),
+        ),
+        (
+            "write too large",
+            Box::new(|fid| {
+                raw(RequestOp::Write {
+                    fid,
+                    offset: 0,
+                    data: &[0u8; 8193],
+                    mode: intr(1),
+                })
+            }),
+            CloseReason::PayloadTooLarge,
+        ),
+        (
+            "too many regions",
+            Box::new(|fid| {
+                let regions = vec![
+                    RdmaRegion {
+                        data_va: 0,
+                        data_mh: 0,
+                        length: 4096
+                    };
+                    513
+                ];
+                raw(RequestOp::VecRead {
+                    fid,
+                    offset: 0,
+                    length: 513 * 4096,
+                    page_size: 4096,
+                    regions,
+                    mode: intr(1),
+                })
+            }),
+            CloseReason::PayloadTooLarge,
+        ),
+        (
+            "cookie 0",
+            Box::new(|fid| raw(RequestOp::Close { fid, cookie: 0 })),
+            CloseReason::ProtocolViolation("cookie 0"),
+        ),
+        (
+            "credit without transaction",
+            Box::new(|_| {
+                raw(RequestOp::Credit {
+                    cookie: 3,
+                    value: 0,
+                })
+            }),
+            CloseReason::ProtocolViolation("CREDIT without transaction"),
+        ),
+        (
+            "second auth",
+            Box::new(|_| {
+                raw(RequestOp::Auth {
+                    cookie: 3,
+                    data_va: 0,
+                    data_mh: 0,
+                    params: &[0u8; 31],
+                })
+            }),
+            CloseReason::ProtocolViolation("second AUTH"),
+        ),
+    ];
+    for (name, make, reason) in cases {
+        let mut s = Sim::new();
+        s.connect();
+        let fid = s.register(RK_PLAIN, 0);
+        s.inject(make(fid));
+        assert_eq!(s.server_closed, Some(reason), "{name}");
+        // Nothing is processed afterwards.
+        let (st, other) = direct(&mut s, &raw(RequestOp::Close { fid, cookie: 9 }));
+        assert!(st.is_empty() && other.is_empty(), "{name}");
+    }
+}
+
+#[test]
+fn credit_overflow_terminates() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    // 4 credits: four reads in flight are fine...
+    for c in 1..=4u64 {
+        s.inject(raw(RequestOp::Read {
+            fid,
+            offset: 0,
+            length: 8,
+            data_va: DATA.addr,
+            data_mh: 2,
+            mode: intr(100 + c),
+        }));
+    }
+    assert!(s.server_closed.is_none());
+    assert_eq!(s.server.outstanding(), 4);
+    // ...the fifth is a credit overflow.
+    s.inject(raw(RequestOp::Close { fid, cookie: 200 }));
+    assert_eq!(s.server_closed, Some(CloseReason::CreditOverflow));
+}
+
+#[test]
+fn client_respects_credits() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    for _ in 0..4 {
+        s.client.read(fid, 0, 8, DATA, Mode::Interrupt).unwrap();
+    }
+    assert_eq!(
+        s.client.read(fid, 0, 8, DATA, Mode::Interrupt),
+        Err(ClientError::NoCredits)
+    );
+    s.pump();
+    s.release_held();
+    assert_eq!(s.client.outstanding(), 0);
+    assert!(s.client.can_issue());
+}
+
+#[test]
+fn negative_credit_waits_for_free_slots() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    let reqs: Vec<_> = (0..4)
+        .map(|_| s.client.read(fid, 0, 8, DATA, Mode::Interrupt).unwrap())
+        .collect();
+    s.pump();
+    s.server.start_credit_delta(s.now, -2).unwrap();
+    s.pump();
+    // All credits are busy: no CREDIT message could be sent yet.
+    assert!(s.server.credit_transaction_active());
+    assert_eq!(s.client.credits(), 4);
+    assert_eq!(
+        s.client.read(fid, 0, 8, DATA, Mode::Interrupt),
+        Err(ClientError::NoCredits)
+    );
+    s.release_held();
+    for r in reqs {
+        assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
+    }
+    assert!(!s.server.credit_transaction_active());
+    assert_eq!((s.client.credits(), s.server.credits()), (2, 2));
+    assert!(s.server_closed.is_none());
+    // Only one transaction at a time, and bounds.
+    s.server.start_credit_delta(s.now, 1).unwrap();
+    assert_eq!(
+        s.server.start_credit_delta(s.now, 1),
+        Err(CreditError::TransactionInProgress)
+    );
+    s.pump();
+    assert_eq!(
+        s.server.start_credit_delta(s.now, -3),
+        Err(CreditError::OutOfRange)
+    );
+}
+
+#[test]
+fn credit_handshake_violations_and_timeout() {
+    // Out-of-order negative credit values.
+    let mut s = Sim::new();
+    s.connect();
+    s.server.start_credit_delta(s.now, -2).unwrap();
+    s.c2s_fault = Some(Box::new(|b: Vec<u8>| {
+        let mut b = b;
+        if b[4] == Opcode::Credit as u8 {
+            b[20..24].copy_from_slice(&(-1i32).to_le_bytes());
+        }
+        vec![b]
+    }));
+    s.pump();
+    assert_eq!(
+        s.server_closed,
+        Some(CloseReason::ProtocolViolation("CREDIT out of order"))
+    );
+
+    // Dropped CREDIT replies: the server times the transaction out.
+    let mut s = Sim::new();
+    s.connect();
+    s.c2s_fault = Some(Box::new(|b: Vec<u8>| {
+        if b[4] == Opcode::Credit as u8 {
+            vec![]
+        } else {
+            vec![b]
+        }
+    }));
+    s.server.start_credit_delta(s.now, 1).unwrap();
+    s.pump();
+    let t = s.server.poll_timeout().unwrap();
+    assert_eq!(t, s.now + Duration::from_secs(10));
+    s.server.handle_timeout(t);
+    s.pump();
+    assert_eq!(s.server_closed, Some(CloseReason::CreditTimeout));
+}
+
+#[test]
+fn dropped_and_duplicated_messages() {
+    // Duplicated server status responses are ignored by the client.
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.s2c_fault = Some(Box::new(|b: Vec<u8>| vec![b.clone(), b]));
+    let r = s.client.read(fid, 0, 32, DATA, Mode::Interrupt).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((32, STATUS_SUCCESS)));
+    assert_eq!(
+        s.events
+            .iter()
+            .filter(|e| matches!(e, ClientEvent::Completed { req, .. } if *req == r))
+            .count(),
+        1
+    );
+    assert!(!s.client.is_closed());
+
+    // A dropped request leaves it outstanding on the client (no completion).
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.c2s_fault = Some(Box::new(|_b: Vec<u8>| vec![]));
+    let r = s.client.read(fid, 0, 32, DATA, Mode::Interrupt).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), None);
+    assert_eq!(s.client.outstanding(), 1);
+
+    // A duplicated request is executed twice by the server (no dedup), the
+    // client reports one completion.
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.c2s_fault = Some(Box::new(|b: Vec<u8>| vec![b.clone(), b]));
+    let r = s.client.write(fid, 0, b"dup", Mode::Interrupt).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((3, STATUS_SUCCESS)));
+    assert!(!s.client.is_closed() && s.server_closed.is_none());
+
+    // A truncated status response makes the client terminate.
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.s2c_fault = Some(Box::new(|b: Vec<u8>| vec![b[..12].to_vec()]));
+    s.client.read(fid, 0, 32, DATA, Mode::Interrupt).unwrap();
+    s.pump();
+    assert_eq!(
+        s.client_closed,
+        Some(CloseReason::ServerMisbehaved("malformed status response"))
+    );
+}
+
+#[test]
+fn client_rejects_bad_credit_delta() {
+    let mut s = Sim::new();
+    s.connect();
+    let d = StatusResponse {
+        cookie: 0,
+        ios: IoStatusBlock {
+            information: (-10i32) as u32,
+            status: LWIO_NOTIFY_CREDIT,
+        },
+    };
+    s.client.handle_recv(s.now, &d.to_bytes(), &s.mem);
+    assert!(s.client.is_closed());
+}
+
+#[test]
+fn server_auth_params_are_what_the_doc_says() {
+    let mut s = Sim::new();
+    s.connect();
+    let ev = s.events.iter().find_map(|e| match e {
+        ClientEvent::Authenticated { server, .. } => Some(server.clone()),
+        _ => None,
+    });
+    let p: AuthParamsRepr = ev.unwrap();
+    assert_eq!(p.rev_id, LWIO_REV_ID);
+    assert_eq!(p.header_size, 56);
+    assert_eq!(p.base_sequence, 1);
+    assert_eq!(p.max_recv_buffer_size, 8192);
+    assert_eq!(p.credits, 4);
+    assert_eq!(p.key, Some(KEY));
+    assert_eq!(p.session_id, Some(SESSION));
+    assert_eq!(p.signature.as_ref().map(|s| s.len()), Some(32));
+}
