@@ -457,8 +457,8 @@ impl MpaHandshake {
 
     /// Responder: accept with `private_data` and the IRD/ORD the ULP wants.
     /// In enhanced mode ORD is lowered to the peer's IRD and IRD is raised
-    /// to the peer's ORD (up to `max_ird`), as siw's relaxed negotiation
-    /// does. Queues the Reply and returns the negotiated parameters.
+    /// to the peer's ORD (capped at `max_ird`), as siw's relaxed
+    /// negotiation does. Queues the Reply and returns the negotiated parameters.
     pub fn accept(
         &mut self,
         private_data: &[u8],
@@ -482,13 +482,9 @@ impl MpaHandshake {
         let io = match self.req_io {
             Some(peer) => {
                 n_ord = n_ord.min(peer.ird);
-                if n_ird < peer.ord {
-                    if peer.ord <= self.cfg.max_ird {
-                        n_ird = peer.ord;
-                    } else {
-                        return Err(MpaError::Usage("peer ORD exceeds max_ird; reject"));
-                    }
-                }
+                // siw: raise IRD to the peer's ORD, capped at the device
+                // maximum; the initiator then lowers its ORD to our IRD.
+                n_ird = n_ird.max(peer.ord.min(self.cfg.max_ird));
                 let mut io = IrdOrd {
                     ird: n_ird,
                     ord: n_ord,

@@ -279,6 +279,21 @@ fn ird_ord_and_p2p() {
 }
 
 #[test]
+fn responder_caps_ird_like_siw() {
+    let now = Instant::now();
+    let mut ic = MpaConfig::initiator_default();
+    ic.ord = 1000;
+    ic.max_ord = 1000;
+    let mut i = MpaHandshake::initiator(ic, &[], now).unwrap();
+    let mut r = MpaHandshake::responder(MpaConfig::responder_default(), now);
+    r.receive(&i.poll_transmit().unwrap(), now).unwrap();
+    let rn = r.accept(&[], 4, 4).unwrap();
+    assert_eq!(rn.ird, 128);
+    i.receive(&r.poll_transmit().unwrap(), now).unwrap();
+    assert_eq!(i.negotiated().unwrap().ord, 128);
+}
+
+#[test]
 fn rev1_interop() {
     let mut ic = MpaConfig::initiator_default();
     ic.revision = 1;

@@ -75,6 +75,14 @@ impl Placement for Mem {
     }
 }
 
+const RR: ReadRequest = ReadRequest {
+    sink_stag: 1,
+    sink_to: 2,
+    size: 3,
+    src_stag: 4,
+    src_to: 5,
+};
+
 fn build_stream(crc: bool, emss: u32) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
     let cfg = TxConfig::from_emss(emss, crc);
     let mut tx = TxState::new();
@@ -98,17 +106,7 @@ fn build_stream(crc: bool, emss: u32) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
     );
     emit(OutboundMessage::Write { stag: 5, to: 3 }, &write, &mut tx);
     emit(OutboundMessage::Write { stag: 5, to: 0 }, &[], &mut tx);
-    emit(
-        OutboundMessage::ReadRequest(ReadRequest {
-            sink_stag: 1,
-            sink_to: 2,
-            size: 3,
-            src_stag: 4,
-            src_to: 5,
-        }),
-        &[],
-        &mut tx,
-    );
+    emit(OutboundMessage::ReadRequest(RR), &[], &mut tx);
     emit(
         OutboundMessage::Send {
             solicited: false,
@@ -262,49 +260,54 @@ fn ddp_validation_errors() {
     use TermKind::*;
     let s = DdpRxState::new();
     let k = |st: &DdpRxState, h: SegmentHeader, len: u32| st.validate(&h, len).unwrap_err().kind();
-    assert_eq!(
-        k(&s, seg(Opcode::Send, true, ut(3, 1, 0)), 0),
-        Some(DdpUntaggedInvalidQn)
-    );
-    assert_eq!(
-        k(&s, seg(Opcode::Send, true, ut(1, 1, 0)), 0),
-        Some(DdpUntaggedInvalidQn)
-    );
-    assert_eq!(
-        k(&s, seg(Opcode::Send, true, ut(0, 2, 0)), 0),
-        Some(DdpUntaggedMsnRange)
-    );
-    assert_eq!(
-        k(&s, seg(Opcode::Send, true, ut(0, 1, 4)), 0),
-        Some(DdpUntaggedInvalidMo)
-    );
-    assert_eq!(
-        k(&s, seg(Opcode::ReadRequest, true, ut(1, 1, 0)), 4),
-        Some(DdpUntaggedMessageTooLong)
-    );
-    assert_eq!(
-        k(&s, seg(Opcode::ReadRequest, false, ut(1, 1, 0)), 0),
-        Some(DdpUntaggedMessageTooLong)
-    );
-    assert_eq!(
-        k(&s, seg(Opcode::Terminate, true, ut(2, 1, 0)), 100),
-        Some(DdpUntaggedMessageTooLong)
-    );
-    assert_eq!(
-        k(
-            &s,
+    let fresh = [
+        (
+            seg(Opcode::Send, true, ut(3, 1, 0)),
+            0,
+            DdpUntaggedInvalidQn,
+        ),
+        (
+            seg(Opcode::Send, true, ut(1, 1, 0)),
+            0,
+            DdpUntaggedInvalidQn,
+        ),
+        (seg(Opcode::Send, true, ut(0, 2, 0)), 0, DdpUntaggedMsnRange),
+        (
+            seg(Opcode::Send, true, ut(0, 1, 4)),
+            0,
+            DdpUntaggedInvalidMo,
+        ),
+        (
+            seg(Opcode::ReadRequest, true, ut(1, 1, 0)),
+            4,
+            DdpUntaggedMessageTooLong,
+        ),
+        (
+            seg(Opcode::ReadRequest, false, ut(1, 1, 0)),
+            0,
+            DdpUntaggedMessageTooLong,
+        ),
+        (
+            seg(Opcode::Terminate, true, ut(2, 1, 0)),
+            100,
+            DdpUntaggedMessageTooLong,
+        ),
+        (
             seg(
                 Opcode::Write,
                 true,
                 Kind::Tagged {
                     stag: 1,
-                    to: u64::MAX
-                }
+                    to: u64::MAX,
+                },
             ),
-            2
+            2,
+            DdpTaggedToWrap,
         ),
-        Some(DdpTaggedToWrap)
-    );
+    ];
+    for (h, len, want) in fresh {
+        assert_eq!(k(&s, h, len), Some(want), "{h:?}");
+    }
     // In-progress messages.
     let mut s2 = DdpRxState::new();
     let first = s2
@@ -419,17 +422,7 @@ fn receiver_errors_produce_terminates() {
     assert_eq!(e.error.kind(), Some(TermKind::MpaCrc));
     assert!(m.done.is_empty());
     // Protection error on a Read Request copies DDP + RDMAP headers.
-    let rr = one(
-        OutboundMessage::ReadRequest(ReadRequest {
-            sink_stag: 1,
-            sink_to: 2,
-            size: 3,
-            src_stag: 4,
-            src_to: 5,
-        }),
-        &[],
-        false,
-    );
+    let rr = one(OutboundMessage::ReadRequest(RR), &[], false);
     let mut rx = RdmapReceiver::new(FpduConfig::default());
     let mut m = mem();
     m.fail_untagged = Some(TermKind::RdmapProtInvalidStag.into());
