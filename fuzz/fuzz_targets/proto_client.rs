@@ -1,0 +1,49 @@
+#![no_main]
+//! ClientConn fed arbitrary server messages, immediates and status blocks.
+use std::time::Instant;
+
+use libfuzzer_sys::fuzz_target;
+use lwio_proto::client::*;
+use lwio_proto::wire::Guid;
+
+struct Mem<'a>(&'a [u8]);
+impl LocalMemory for Mem<'_> {
+    fn read(&self, _addr: u64, len: usize) -> Option<Vec<u8>> {
+        self.0.get(..len).map(|b| b.to_vec())
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let now = Instant::now();
+    let mut cfg = ClientConfig::new(Guid::from_u128(7), b"fuzz".to_vec(), RemoteBuf { addr: 0, rkey: 1 });
+    cfg.status_blocks = Some(StatusBlockArea { base: 0x1000, rkey: 2, slots: 4 });
+    let mut c = ClientConn::new(cfg);
+    let _ = c.start(now);
+    let mem = Mem(data);
+    let mut rest = data;
+    let mut steps = 0;
+    while let Some((&sel, tail)) = rest.split_first() {
+        steps += 1;
+        if steps > 256 {
+            break;
+        }
+        rest = tail;
+        match sel % 5 {
+            0 | 1 => {
+                let n = if sel % 5 == 0 { 16 } else { usize::from(sel >> 4) };
+                let m = rest.get(..n.min(rest.len())).unwrap_or(&[]);
+                c.handle_recv(now, m, &mem);
+                rest = rest.get(m.len()..).unwrap_or(&[]);
+            }
+            2 => c.handle_immediate(now, u32::from(sel >> 3)),
+            3 => c.status_block_updated(now, u32::from(sel >> 5), 1, u32::from(sel >> 3)),
+            _ => {
+                let _ = c.read(1, 0, 16, RemoteBuf { addr: 0, rkey: 1 }, if sel & 8 != 0 { Mode::Polled } else { Mode::Interrupt });
+                let _ = c.interrupt();
+            }
+        }
+        while c.poll_action().is_some() {}
+        while c.poll_event().is_some() {}
+        assert!(c.outstanding() <= usize::from(c.credits()) + 1);
+    }
+});
