@@ -1,0 +1,872 @@
+//! Exports and confined filesystem access.
+//!
+//! An export maps a name to a directory (`NAME=PATH`). Every path a client
+//! sends is relative to an export root and is resolved so that it can never
+//! leave it:
+//!
+//! * the textual path is checked first: absolute paths and `..` components are
+//!   rejected ([`ErrorCode::OutsideExport`]), empty and `.` components dropped;
+//! * the path is then opened relative to a directory fd of the export root with
+//!   `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`. Symbolic links inside
+//!   the export are followed as long as every step stays beneath the root:
+//!   relative links that stay inside are allowed; absolute links and links that
+//!   climb out fail with `EXDEV`, reported as "outside the export";
+//! * where `openat2` is unavailable (kernels before 5.6, seccomp filters), the
+//!   path is walked component by component with `openat(O_NOFOLLOW)`: then **no**
+//!   symlink is followed at all (stricter than the openat2 policy);
+//! * operations on a name (mkdir, remove, rename, stat of a listing entry) act
+//!   on the final component relative to a confined parent directory fd and
+//!   never follow a final symlink (removing a link removes the link).
+//!
+//! Not prevented: hard links. A hard link inside an export to a file elsewhere
+//! on the same filesystem is indistinguishable from a regular file; whoever can
+//! create links in the export directory is trusted. A directory that a local
+//! user renames out of the export *while* a request holds its fd can be reached
+//! by that one request (the usual limit of fd-based confinement).
+
+pub mod backend;
+pub mod table;
+
+use std::collections::BTreeMap;
+use std::ffi::{CStr, CString};
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use crate::error::{Error, ErrorCode, Result};
+
+pub use backend::{Backend, BackendKind, IoBuf, IoOp, ThreadPoolBackend, UringBackend};
+pub use table::{Denied, OpenFile, OpenFileTable, SessionId, SrvRequestResumeKey, SrvResumeKey};
+
+/// Longest path (bytes) accepted from a client.
+pub const MAX_PATH: usize = 4096;
+/// Longest file-name component (bytes).
+pub const MAX_NAME: usize = 255;
+
+/// `NAME=PATH` plus options, as configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportSpec {
+    pub name: String,
+    pub path: PathBuf,
+    pub read_only: bool,
+}
+
+impl std::str::FromStr for ExportSpec {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (name, path) = s
+            .split_once('=')
+            .ok_or_else(|| format!("invalid export {s:?}: expected NAME=PATH"))?;
+        validate_export_name(name)?;
+        if path.is_empty() {
+            return Err(format!("invalid export {s:?}: empty path"));
+        }
+        Ok(ExportSpec {
+            name: name.to_string(),
+            path: PathBuf::from(path),
+            read_only: false,
+        })
+    }
+}
+
+/// Export names: 1-64 characters of `[A-Za-z0-9._-]`, not `.` or `..`.
+pub fn validate_export_name(name: &str) -> std::result::Result<(), String> {
+    if name.is_empty()
+        || name.len() > 64
+        || name == "."
+        || name == ".."
+        || !name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+    {
+        return Err(format!(
+            "invalid export name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ -"
+        ));
+    }
+    Ok(())
+}
+
+/// How paths are resolved beneath an export root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ResolveMode {
+    /// openat2 when the kernel has it, else the fallback.
+    #[default]
+    Auto,
+    /// `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`.
+    Openat2,
+    /// Component-by-component `openat(O_NOFOLLOW)`; follows no symlink.
+    Fallback,
+}
+
+/// Whether this kernel implements `openat2` (probed once).
+pub fn openat2_available() -> bool {
+    static PROBE: OnceLock<bool> = OnceLock::new();
+    *PROBE.get_or_init(|| {
+        let root = c"/";
+        match sys_openat2(
+            libc::AT_FDCWD,
+            root,
+            libc::O_PATH | libc::O_CLOEXEC,
+            0,
+            libc::RESOLVE_NO_MAGICLINKS,
+        ) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::info!(
+                    errno = e,
+                    "openat2 unavailable; using openat(O_NOFOLLOW) walk"
+                );
+                false
+            }
+        }
+    })
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+fn sys_openat2(
+    dirfd: RawFd,
+    path: &CStr,
+    flags: i32,
+    mode: u32,
+    resolve: u64,
+) -> std::result::Result<OwnedFd, i32> {
+    // SAFETY: open_how is a plain C struct of integers; all-zero is valid.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = flags as u32 as u64;
+    how.mode = if flags & (libc::O_CREAT | libc::O_TMPFILE) != 0 {
+        u64::from(mode & 0o7777)
+    } else {
+        0
+    };
+    how.resolve = resolve;
+    for _ in 0..16 {
+        // SAFETY: `path` is a valid NUL-terminated string and `how` a valid
+        // open_how whose size we pass; the kernel only reads both.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                dirfd,
+                path.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        };
+        if r >= 0 {
+            // SAFETY: the syscall returned a new fd that nobody else owns.
+            return Ok(unsafe { OwnedFd::from_raw_fd(r as RawFd) });
+        }
+        match errno() {
+            // EAGAIN: a concurrent rename/mount raced RESOLVE_BENEATH; retry.
+            libc::EINTR | libc::EAGAIN => continue,
+            e => return Err(e),
+        }
+    }
+    Err(libc::EAGAIN)
+}
+
+fn sys_openat(
+    dirfd: RawFd,
+    name: &CStr,
+    flags: i32,
+    mode: u32,
+) -> std::result::Result<OwnedFd, i32> {
+    loop {
+        // SAFETY: `name` is NUL-terminated; openat does not retain it.
+        let r = unsafe { libc::openat(dirfd, name.as_ptr(), flags, mode & 0o7777) };
+        if r >= 0 {
+            // SAFETY: a fresh fd owned by nobody else.
+            return Ok(unsafe { OwnedFd::from_raw_fd(r) });
+        }
+        let e = errno();
+        if e != libc::EINTR {
+            return Err(e);
+        }
+    }
+}
+
+fn fstat(fd: RawFd) -> std::result::Result<libc::stat, i32> {
+    // SAFETY: stat is plain data; fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid out-pointer for the duration of the call.
+    if unsafe { libc::fstat(fd, &mut st) } == 0 {
+        Ok(st)
+    } else {
+        Err(errno())
+    }
+}
+
+fn fstatat_nofollow(dirfd: RawFd, name: &CStr) -> std::result::Result<libc::stat, i32> {
+    // SAFETY: as in `fstat`.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid NUL-terminated name and out-pointer.
+    let r = unsafe { libc::fstatat(dirfd, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
+    if r == 0 {
+        Ok(st)
+    } else {
+        Err(errno())
+    }
+}
+
+fn cstr(s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::new(ErrorCode::BadRequest, "path contains a NUL byte"))
+}
+
+/// Split and check a client path (relative to the export root).
+///
+/// Rejects absolute paths and `..` ([`ErrorCode::OutsideExport`]), NUL bytes,
+/// over-long paths and names; drops empty and `.` components.
+pub fn split_rel_path(path: &str) -> Result<Vec<&str>> {
+    if path.len() > MAX_PATH {
+        return Err(Error::new(ErrorCode::NameTooLong, "path too long"));
+    }
+    if path.contains('\0') {
+        return Err(Error::new(
+            ErrorCode::BadRequest,
+            "path contains a NUL byte",
+        ));
+    }
+    if path.starts_with('/') {
+        return Err(Error::new(
+            ErrorCode::OutsideExport,
+            format!("{path}: absolute paths are not allowed (paths are relative to the export)"),
+        ));
+    }
+    let mut out = Vec::new();
+    for c in path.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                return Err(Error::new(
+                    ErrorCode::OutsideExport,
+                    format!("{path}: '..' is not allowed (paths cannot leave their export)"),
+                ))
+            }
+            c if c.len() > MAX_NAME => {
+                return Err(Error::new(
+                    ErrorCode::NameTooLong,
+                    format!("{path}: name too long"),
+                ))
+            }
+            c => out.push(c),
+        }
+    }
+    Ok(out)
+}
+
+/// Kind of a directory entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FileKind {
+    File = 1,
+    Dir = 2,
+    Symlink = 3,
+    Other = 4,
+}
+
+impl FileKind {
+    pub fn from_u8(v: u8) -> Option<FileKind> {
+        match v {
+            1 => Some(FileKind::File),
+            2 => Some(FileKind::Dir),
+            3 => Some(FileKind::Symlink),
+            4 => Some(FileKind::Other),
+            _ => None,
+        }
+    }
+    fn from_mode(mode: u32) -> FileKind {
+        match mode & libc::S_IFMT {
+            libc::S_IFREG => FileKind::File,
+            libc::S_IFDIR => FileKind::Dir,
+            libc::S_IFLNK => FileKind::Symlink,
+            _ => FileKind::Other,
+        }
+    }
+}
+
+/// File attributes returned by stat and listings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    pub kind: FileKind,
+    /// Permission bits (`mode & 0o7777`).
+    pub perm: u32,
+    pub size: u64,
+    /// Modification time, nanoseconds since the Unix epoch.
+    pub mtime_ns: i64,
+}
+
+impl Attr {
+    fn from_stat(st: &libc::stat) -> Attr {
+        Attr {
+            kind: FileKind::from_mode(st.st_mode),
+            perm: st.st_mode & 0o7777,
+            size: st.st_size.max(0) as u64,
+            mtime_ns: (st.st_mtime as i64)
+                .saturating_mul(1_000_000_000)
+                .saturating_add(st.st_mtime_nsec as i64),
+        }
+    }
+}
+
+/// One entry of a directory listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    /// File name (non-UTF-8 names are converted lossily).
+    pub name: String,
+    pub attr: Attr,
+}
+
+/// What a client asks for when opening a file.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenOptions {
+    pub read: bool,
+    pub write: bool,
+    /// Create if missing (needs `write`).
+    pub create: bool,
+    /// With `create`: fail if it exists.
+    pub exclusive: bool,
+    /// Truncate to zero (needs `write`).
+    pub truncate: bool,
+    /// FILE_NO_INTERMEDIATE_BUFFERING → `O_DIRECT`.
+    pub no_buffering: bool,
+    /// Write-through → `O_DSYNC`.
+    pub write_through: bool,
+}
+
+/// A file opened beneath an export.
+#[derive(Debug)]
+pub struct OpenedFile {
+    pub file: File,
+    pub size: u64,
+    /// Opened with `O_DIRECT`: offsets, lengths and buffer addresses must be
+    /// multiples of `align`.
+    pub direct: bool,
+    pub align: u32,
+}
+
+/// One export: a name and a directory fd everything is resolved beneath.
+#[derive(Debug)]
+pub struct Export {
+    pub name: String,
+    pub root: PathBuf,
+    pub read_only: bool,
+    root_fd: OwnedFd,
+    openat2: bool,
+}
+
+impl Export {
+    /// Open the export root. `mode` picks the resolver.
+    pub fn open(spec: &ExportSpec, mode: ResolveMode) -> Result<Export> {
+        validate_export_name(&spec.name).map_err(|m| Error::new(ErrorCode::InvalidArgument, m))?;
+        let p = CString::new(spec.path.as_os_str().as_encoded_bytes()).map_err(|_| {
+            Error::new(
+                ErrorCode::InvalidArgument,
+                "export path contains a NUL byte",
+            )
+        })?;
+        let fd = sys_openat(
+            libc::AT_FDCWD,
+            &p,
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            0,
+        )
+        .map_err(|e| {
+            Error::from_errno(e, format!("export {}: {}", spec.name, spec.path.display()))
+        })?;
+        let openat2 = match mode {
+            ResolveMode::Auto => openat2_available(),
+            ResolveMode::Openat2 => {
+                if !openat2_available() {
+                    return Err(Error::new(
+                        ErrorCode::Unsupported,
+                        "openat2 is not available on this kernel",
+                    ));
+                }
+                true
+            }
+            ResolveMode::Fallback => false,
+        };
+        Ok(Export {
+            name: spec.name.clone(),
+            root: spec.path.clone(),
+            read_only: spec.read_only,
+            root_fd: fd,
+            openat2,
+        })
+    }
+
+    /// Which resolver this export uses.
+    pub fn resolve_mode(&self) -> ResolveMode {
+        if self.openat2 {
+            ResolveMode::Openat2
+        } else {
+            ResolveMode::Fallback
+        }
+    }
+
+    fn describe(&self, comps: &[&str]) -> String {
+        format!("{}/{}", self.name, comps.join("/"))
+    }
+
+    fn resolve_error(&self, errno: i32, comps: &[&str], dir: Option<RawFd>) -> Error {
+        let what = self.describe(comps);
+        match errno {
+            libc::EXDEV if self.openat2 => Error::new(
+                ErrorCode::OutsideExport,
+                format!("{what}: resolves outside the export (a symlink leaves it)"),
+            ),
+            libc::ELOOP | libc::ENOTDIR if !self.openat2 => {
+                // Was it a symlink the fallback refused to follow?
+                if let (Some(d), Some(last)) = (dir, comps.last()) {
+                    if let Ok(c) = CString::new(*last) {
+                        if let Ok(st) = fstatat_nofollow(d, &c) {
+                            if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+                                return symlink_refused(&what);
+                            }
+                        }
+                    }
+                }
+                Error::from_errno(errno, what)
+            }
+            _ => Error::from_errno(errno, what),
+        }
+    }
+
+    /// Open `comps` (the export root if empty) with `flags`.
+    fn resolve(&self, comps: &[&str], flags: i32, mode: u32) -> Result<OwnedFd> {
+        let flags = if flags & libc::O_PATH != 0 {
+            // openat2 rejects any other flag with O_PATH (EINVAL).
+            flags & (libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW) | libc::O_CLOEXEC
+        } else {
+            flags | libc::O_CLOEXEC | libc::O_NOCTTY
+        };
+        if self.openat2 {
+            let path = if comps.is_empty() {
+                ".".to_string()
+            } else {
+                comps.join("/")
+            };
+            let c = cstr(&path)?;
+            return sys_openat2(
+                self.root_fd.as_raw_fd(),
+                &c,
+                flags,
+                mode,
+                libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS,
+            )
+            .map_err(|e| self.resolve_error(e, comps, None));
+        }
+        let Some((last, dirs)) = comps.split_last() else {
+            return sys_openat(self.root_fd.as_raw_fd(), c".", flags, mode)
+                .map_err(|e| Error::from_errno(e, self.describe(comps)));
+        };
+        let mut cur: Option<OwnedFd> = None;
+        for (i, d) in dirs.iter().enumerate() {
+            let base = cur
+                .as_ref()
+                .map_or(self.root_fd.as_raw_fd(), |f| f.as_raw_fd());
+            let c = cstr(d)?;
+            let next = sys_openat(
+                base,
+                &c,
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                0,
+            )
+            .map_err(|e| self.resolve_error(e, &comps[..=i], Some(base)))?;
+            cur = Some(next);
+        }
+        let base = cur
+            .as_ref()
+            .map_or(self.root_fd.as_raw_fd(), |f| f.as_raw_fd());
+        let c = cstr(last)?;
+        let fd = sys_openat(base, &c, flags | libc::O_NOFOLLOW, mode)
+            .map_err(|e| self.resolve_error(e, comps, Some(base)))?;
+        if flags & libc::O_PATH != 0 {
+            // O_PATH|O_NOFOLLOW opens a final symlink itself: refuse it.
+            let st =
+                fstat(fd.as_raw_fd()).map_err(|e| Error::from_errno(e, self.describe(comps)))?;
+            if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+                return Err(symlink_refused(&self.describe(comps)));
+            }
+        }
+        Ok(fd)
+    }
+
+    /// The confined parent directory of `comps` and the final name.
+    fn resolve_parent(&self, comps: &[&str]) -> Result<(OwnedFd, CString)> {
+        let (last, dirs) = comps.split_last().ok_or_else(|| {
+            Error::new(
+                ErrorCode::BadRequest,
+                format!("{}: not allowed on the export root", self.name),
+            )
+        })?;
+        let dir = self.resolve(dirs, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+        Ok((dir, cstr(last)?))
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(Error::new(
+                ErrorCode::ReadOnly,
+                format!("export {} is read-only", self.name),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Attributes of a path (symlinks inside the export are followed under
+    /// the openat2 policy; the fallback refuses them).
+    pub fn stat(&self, path: &str) -> Result<Attr> {
+        let comps = split_rel_path(path)?;
+        let fd = self.resolve(&comps, libc::O_PATH, 0)?;
+        let st = fstat(fd.as_raw_fd()).map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
+        Ok(Attr::from_stat(&st))
+    }
+
+    /// List a directory, sorted by name. Entries are not followed: a symlink
+    /// is listed as [`FileKind::Symlink`].
+    pub fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
+        let comps = split_rel_path(path)?;
+        let fd = self.resolve(&comps, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
+        let what = self.describe(&comps);
+        let raw = fd.as_raw_fd();
+        // SAFETY: fdopendir takes ownership of `raw` on success; we released
+        // it from the OwnedFd only after success (below) so it is closed
+        // exactly once (by closedir).
+        let dir = unsafe { libc::fdopendir(raw) };
+        if dir.is_null() {
+            return Err(Error::from_errno(errno(), what));
+        }
+        let _ = std::os::fd::IntoRawFd::into_raw_fd(fd);
+        struct DirGuard(*mut libc::DIR);
+        impl Drop for DirGuard {
+            fn drop(&mut self) {
+                // SAFETY: the DIR came from a successful fdopendir and is
+                // closed once, here.
+                unsafe { libc::closedir(self.0) };
+            }
+        }
+        let guard = DirGuard(dir);
+        let mut out = Vec::new();
+        loop {
+            // SAFETY: errno is thread-local; resetting it lets us tell the end
+            // of the stream from an error, as readdir(3) documents.
+            unsafe { *libc::__errno_location() = 0 };
+            // SAFETY: `guard.0` is a valid open DIR.
+            let ent = unsafe { libc::readdir(guard.0) };
+            if ent.is_null() {
+                let e = errno();
+                if e != 0 {
+                    return Err(Error::from_errno(e, what));
+                }
+                break;
+            }
+            // SAFETY: readdir returned a valid dirent whose d_name is
+            // NUL-terminated; we copy it before the next readdir call.
+            let name = unsafe { CStr::from_ptr((*ent).d_name.as_ptr()) };
+            let bytes = name.to_bytes();
+            if bytes == b"." || bytes == b".." {
+                continue;
+            }
+            let name = name.to_owned();
+            // SAFETY: `guard.0` is a valid DIR; dirfd does not transfer ownership.
+            let dfd = unsafe { libc::dirfd(guard.0) };
+            let attr = match fstatat_nofollow(dfd, &name) {
+                Ok(st) => Attr::from_stat(&st),
+                Err(_) => continue, // removed meanwhile
+            };
+            out.push(DirEntry {
+                name: String::from_utf8_lossy(name.to_bytes()).into_owned(),
+                attr,
+            });
+        }
+        drop(guard);
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Create a directory (and its missing parents with `parents`).
+    pub fn mkdir(&self, path: &str, mode: u32, parents: bool) -> Result<()> {
+        self.check_writable()?;
+        let comps = split_rel_path(path)?;
+        if comps.is_empty() {
+            return if parents {
+                Ok(())
+            } else {
+                Err(Error::new(
+                    ErrorCode::Exists,
+                    format!("{}: export root exists", self.name),
+                ))
+            };
+        }
+        let start = if parents { 1 } else { comps.len() };
+        for n in start..=comps.len() {
+            let (dir, name) = self.resolve_parent(&comps[..n])?;
+            // SAFETY: valid dirfd and NUL-terminated name.
+            let r = unsafe {
+                libc::mkdirat(
+                    dir.as_raw_fd(),
+                    name.as_ptr(),
+                    (mode & 0o7777) as libc::mode_t,
+                )
+            };
+            if r != 0 {
+                let e = errno();
+                let exists_as_dir = e == libc::EEXIST
+                    && fstatat_nofollow(dir.as_raw_fd(), &name)
+                        .map(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR)
+                        .unwrap_or(false);
+                if !(parents && exists_as_dir) {
+                    return Err(Error::from_errno(e, self.describe(&comps[..n])));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Remove a file, a symlink or an empty directory.
+    pub fn remove(&self, path: &str) -> Result<()> {
+        self.check_writable()?;
+        let comps = split_rel_path(path)?;
+        let (dir, name) = self.resolve_parent(&comps)?;
+        let st = fstatat_nofollow(dir.as_raw_fd(), &name)
+            .map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
+        let flag = if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+            libc::AT_REMOVEDIR
+        } else {
+            0
+        };
+        // SAFETY: valid dirfd and NUL-terminated name.
+        if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flag) } != 0 {
+            return Err(Error::from_errno(errno(), self.describe(&comps)));
+        }
+        Ok(())
+    }
+
+    /// Rename within the export. Without `replace`, an existing target fails
+    /// with [`ErrorCode::Exists`].
+    pub fn rename(&self, from: &str, to: &str, replace: bool) -> Result<()> {
+        self.check_writable()?;
+        let fc = split_rel_path(from)?;
+        let tc = split_rel_path(to)?;
+        let (fd, fname) = self.resolve_parent(&fc)?;
+        let (td, tname) = self.resolve_parent(&tc)?;
+        let flags = if replace { 0 } else { libc::RENAME_NOREPLACE };
+        // SAFETY: valid dirfds and NUL-terminated names.
+        let mut r = unsafe {
+            libc::renameat2(
+                fd.as_raw_fd(),
+                fname.as_ptr(),
+                td.as_raw_fd(),
+                tname.as_ptr(),
+                flags,
+            )
+        };
+        if r != 0 && !replace && matches!(errno(), libc::EINVAL | libc::ENOSYS) {
+            // Filesystem without RENAME_NOREPLACE: check, then rename (racy).
+            if fstatat_nofollow(td.as_raw_fd(), &tname).is_ok() {
+                return Err(Error::from_errno(libc::EEXIST, self.describe(&tc)));
+            }
+            // SAFETY: as above.
+            r = unsafe {
+                libc::renameat(
+                    fd.as_raw_fd(),
+                    fname.as_ptr(),
+                    td.as_raw_fd(),
+                    tname.as_ptr(),
+                )
+            };
+        }
+        if r != 0 {
+            let e = errno();
+            if e == libc::EXDEV {
+                return Err(Error::new(
+                    ErrorCode::Unsupported,
+                    format!(
+                        "{} -> {}: cannot rename across filesystems",
+                        self.describe(&fc),
+                        self.describe(&tc)
+                    ),
+                ));
+            }
+            return Err(Error::from_errno(
+                e,
+                format!("{} -> {}", self.describe(&fc), self.describe(&tc)),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Open (or create) a regular file.
+    pub fn open_file(&self, path: &str, o: &OpenOptions, mode: u32) -> Result<OpenedFile> {
+        let comps = split_rel_path(path)?;
+        if o.write || o.create || o.truncate {
+            self.check_writable()?;
+        }
+        if (o.create || o.truncate) && !o.write {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "create and truncate need write access",
+            ));
+        }
+        if !o.read && !o.write {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "open needs read and/or write access",
+            ));
+        }
+        if comps.is_empty() {
+            return Err(Error::new(
+                ErrorCode::IsADirectory,
+                format!("{}: is the export root", self.name),
+            ));
+        }
+        let mut flags = match (o.read, o.write) {
+            (true, true) => libc::O_RDWR,
+            (false, true) => libc::O_WRONLY,
+            _ => libc::O_RDONLY,
+        };
+        if o.create {
+            flags |= libc::O_CREAT;
+            if o.exclusive {
+                flags |= libc::O_EXCL;
+            }
+        }
+        if o.truncate {
+            flags |= libc::O_TRUNC;
+        }
+        if o.no_buffering {
+            flags |= libc::O_DIRECT;
+        }
+        if o.write_through {
+            flags |= libc::O_DSYNC;
+        }
+        // O_NONBLOCK: never hang on a FIFO planted in the export.
+        let fd = match self.resolve(&comps, flags | libc::O_NONBLOCK, mode) {
+            Err(e) if o.no_buffering && e.code == ErrorCode::InvalidArgument => {
+                return Err(Error::new(
+                    ErrorCode::Unsupported,
+                    format!(
+                        "{}: the filesystem does not support unbuffered (O_DIRECT) I/O",
+                        self.describe(&comps)
+                    ),
+                ))
+            }
+            r => r?,
+        };
+        let st = fstat(fd.as_raw_fd()).map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
+        match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => {}
+            libc::S_IFDIR => return Err(Error::from_errno(libc::EISDIR, self.describe(&comps))),
+            _ => {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("{}: not a regular file", self.describe(&comps)),
+                ))
+            }
+        }
+        // SAFETY: fcntl on an fd we own, with integer arguments.
+        unsafe {
+            let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+            if fl >= 0 {
+                libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl & !libc::O_NONBLOCK);
+            }
+        }
+        let align = if o.no_buffering {
+            dio_align(fd.as_raw_fd())
+        } else {
+            1
+        };
+        Ok(OpenedFile {
+            file: File::from(fd),
+            size: st.st_size.max(0) as u64,
+            direct: o.no_buffering,
+            align,
+        })
+    }
+}
+
+fn symlink_refused(what: &str) -> Error {
+    Error::new(
+        ErrorCode::OutsideExport,
+        format!(
+            "{what}: is a symbolic link, which this server does not follow (openat2 unavailable)"
+        ),
+    )
+}
+
+/// O_DIRECT alignment for an open file: statx(STATX_DIOALIGN), else 4096.
+fn dio_align(fd: RawFd) -> u32 {
+    // SAFETY: statx is plain data; all-zero is valid.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: empty path with AT_EMPTY_PATH stats `fd`; `stx` is a valid out-pointer.
+    let r = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if r == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 {
+        let a = stx.stx_dio_offset_align.max(stx.stx_dio_mem_align);
+        if a.is_power_of_two() {
+            return a;
+        }
+    }
+    4096
+}
+
+/// The set of exports, by name.
+#[derive(Debug, Default)]
+pub struct Exports {
+    map: BTreeMap<String, Arc<Export>>,
+}
+
+impl Exports {
+    /// Open every export root; fails on duplicates or unusable roots.
+    pub fn open(specs: &[ExportSpec], mode: ResolveMode) -> Result<Exports> {
+        let mut map = BTreeMap::new();
+        for s in specs {
+            if map.contains_key(&s.name) {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("export {} is defined twice", s.name),
+                ));
+            }
+            map.insert(s.name.clone(), Arc::new(Export::open(s, mode)?));
+        }
+        Ok(Exports { map })
+    }
+
+    /// An export by name, or [`ErrorCode::NoSuchExport`].
+    pub fn get(&self, name: &str) -> Result<&Arc<Export>> {
+        self.map.get(name).ok_or_else(|| {
+            Error::new(
+                ErrorCode::NoSuchExport,
+                format!("no export named {name:?} on this server"),
+            )
+        })
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Export>> {
+        self.map.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests;

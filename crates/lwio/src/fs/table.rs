@@ -1,0 +1,450 @@
+//! The server's open-file table and server request resume keys.
+//!
+//! Opening a file over the side channel creates an entry: a handle (for the
+//! side channel's close/set-size/fsync) and a **server request resume key**
+//! (seed 000 FIG. 3: ResumeKey, Timestamp, Pid, Context). The client later
+//! presents the key in an RDMA REGISTER; the RDMA phase calls
+//! [`OpenFileTable::lookup_resume_key`] with the side-channel session the
+//! RDMA connection authenticated as, and gets the [`OpenFile`] back.
+//!
+//! A resume key is 64 bits from the OS CSPRNG, unique in the table, bound to
+//! the session that opened the file, and accepted only until it expires
+//! (`limits.resume_key_ttl`); the file itself stays open until closed or
+//! until its session ends.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::OpenedFile;
+use crate::error::{Error, ErrorCode, Result};
+
+/// Identifies a side-channel session (assigned at login).
+pub type SessionId = u64;
+
+/// SRV_RESUME_KEY: opaque to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct SrvResumeKey {
+    pub resume_key: u64,
+    pub timestamp: u64,
+    pub pid: u64,
+}
+
+/// SRV_REQUEST_RESUME_KEY: the key plus the server name (Context) the client
+/// uses to reach the LWIO server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SrvRequestResumeKey {
+    pub key: SrvResumeKey,
+    /// Server name; on the wire UTF-16LE without terminator.
+    pub context: String,
+}
+
+impl SrvRequestResumeKey {
+    /// Wire form (docs/protocol.md §2.2): three u64 LE, u16 ContextLength,
+    /// Context as UTF-16LE.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let ctx: Vec<u8> = self
+            .context
+            .encode_utf16()
+            .take(u16::MAX as usize / 2)
+            .flat_map(|u| u.to_le_bytes())
+            .collect();
+        let mut v = Vec::with_capacity(26 + ctx.len());
+        v.extend_from_slice(&self.key.resume_key.to_le_bytes());
+        v.extend_from_slice(&self.key.timestamp.to_le_bytes());
+        v.extend_from_slice(&self.key.pid.to_le_bytes());
+        v.extend_from_slice(&(ctx.len() as u16).to_le_bytes());
+        v.extend_from_slice(&ctx);
+        v
+    }
+
+    /// Parse the wire form; `None` if truncated, odd-length or not UTF-16.
+    pub fn from_bytes(b: &[u8]) -> Option<SrvRequestResumeKey> {
+        let u64_at = |o: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?))
+        };
+        let key = SrvResumeKey {
+            resume_key: u64_at(0)?,
+            timestamp: u64_at(8)?,
+            pid: u64_at(16)?,
+        };
+        let n = usize::from(u16::from_le_bytes(b.get(24..26)?.try_into().ok()?));
+        let ctx = b.get(26..26 + n)?;
+        if n % 2 != 0 {
+            return None;
+        }
+        let units: Vec<u16> = ctx
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        Some(SrvRequestResumeKey {
+            key,
+            context: String::from_utf16(&units).ok()?,
+        })
+    }
+}
+
+/// Access granted on an open file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Rights {
+    pub read: bool,
+    pub write: bool,
+}
+
+/// An open file as the RDMA phase sees it.
+#[derive(Debug, Clone)]
+pub struct OpenFile {
+    /// Side-channel handle.
+    pub handle: u64,
+    pub file: Arc<File>,
+    pub rights: Rights,
+    /// The side-channel session that opened it.
+    pub session: SessionId,
+    pub export: String,
+    pub path: String,
+    /// `O_DIRECT`: I/O must be aligned to `align`.
+    pub direct: bool,
+    pub align: u32,
+    pub key: SrvResumeKey,
+}
+
+/// Why a resume key lookup was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Denied {
+    #[error("unknown resume key (never issued, or the file was closed)")]
+    Unknown,
+    #[error("resume key expired")]
+    Expired,
+    #[error("resume key belongs to another session")]
+    WrongSession,
+}
+
+struct Entry {
+    file: OpenFile,
+    key_expires: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    by_handle: HashMap<u64, Entry>,
+    by_key: HashMap<u64, u64>,
+    per_session: HashMap<SessionId, usize>,
+    next_handle: u64,
+}
+
+/// resume key → (file, rights, owning session, expiry).
+pub struct OpenFileTable {
+    inner: Mutex<Inner>,
+    ttl: Duration,
+    max_per_session: usize,
+    server_name: String,
+    pid: u64,
+}
+
+impl std::fmt::Debug for OpenFileTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenFileTable")
+            .field("open", &self.len())
+            .field("ttl", &self.ttl)
+            .finish()
+    }
+}
+
+/// 8 bytes from the OS CSPRNG.
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    crate::random_bytes(&mut b);
+    u64::from_le_bytes(b)
+}
+
+impl OpenFileTable {
+    /// `ttl`: how long a resume key is accepted; `server_name`: the Context.
+    pub fn new(
+        ttl: Duration,
+        max_per_session: usize,
+        server_name: impl Into<String>,
+    ) -> OpenFileTable {
+        OpenFileTable {
+            inner: Mutex::new(Inner {
+                next_handle: 1,
+                ..Inner::default()
+            }),
+            ttl,
+            max_per_session,
+            server_name: server_name.into(),
+            pid: u64::from(std::process::id()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave the maps inconsistent
+        // in a way that matters more than refusing service; keep going.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Enter a freshly opened file; returns it and its request resume key.
+    pub fn insert(
+        &self,
+        session: SessionId,
+        opened: OpenedFile,
+        rights: Rights,
+        export: &str,
+        path: &str,
+    ) -> Result<(OpenFile, SrvRequestResumeKey)> {
+        let mut g = self.lock();
+        let n = g.per_session.get(&session).copied().unwrap_or(0);
+        if n >= self.max_per_session {
+            return Err(Error::new(
+                ErrorCode::TooManyOpenFiles,
+                format!(
+                    "this session already has {n} open files (limit {})",
+                    self.max_per_session
+                ),
+            ));
+        }
+        let mut rk = random_u64();
+        while rk == 0 || g.by_key.contains_key(&rk) {
+            rk = random_u64();
+        }
+        let timestamp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let key = SrvResumeKey {
+            resume_key: rk,
+            timestamp,
+            pid: self.pid,
+        };
+        let handle = g.next_handle;
+        g.next_handle += 1;
+        let file = OpenFile {
+            handle,
+            file: Arc::new(opened.file),
+            rights,
+            session,
+            export: export.to_string(),
+            path: path.to_string(),
+            direct: opened.direct,
+            align: opened.align,
+            key,
+        };
+        g.by_key.insert(rk, handle);
+        g.by_handle.insert(
+            handle,
+            Entry {
+                file: file.clone(),
+                key_expires: Instant::now() + self.ttl,
+            },
+        );
+        *g.per_session.entry(session).or_insert(0) += 1;
+        let req = SrvRequestResumeKey {
+            key,
+            context: self.server_name.clone(),
+        };
+        Ok((file, req))
+    }
+
+    /// An open file by side-channel handle, for its own session only.
+    pub fn get(&self, handle: u64, session: SessionId) -> Result<OpenFile> {
+        let g = self.lock();
+        match g.by_handle.get(&handle) {
+            Some(e) if e.file.session == session => Ok(e.file.clone()),
+            _ => Err(Error::new(
+                ErrorCode::BadHandle,
+                format!("no open file with handle {handle}"),
+            )),
+        }
+    }
+
+    /// Close a handle of `session`.
+    pub fn close(&self, handle: u64, session: SessionId) -> Result<()> {
+        let mut g = self.lock();
+        match g.by_handle.get(&handle) {
+            Some(e) if e.file.session == session => {}
+            _ => {
+                return Err(Error::new(
+                    ErrorCode::BadHandle,
+                    format!("no open file with handle {handle}"),
+                ))
+            }
+        }
+        if let Some(e) = g.by_handle.remove(&handle) {
+            g.by_key.remove(&e.file.key.resume_key);
+            if let Some(n) = g.per_session.get_mut(&session) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        Ok(())
+    }
+
+    /// Close everything a session opened (its side channel ended).
+    pub fn close_session(&self, session: SessionId) -> usize {
+        let mut g = self.lock();
+        let handles: Vec<u64> = g
+            .by_handle
+            .iter()
+            .filter(|(_, e)| e.file.session == session)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in &handles {
+            if let Some(e) = g.by_handle.remove(h) {
+                g.by_key.remove(&e.file.key.resume_key);
+            }
+        }
+        g.per_session.remove(&session);
+        handles.len()
+    }
+
+    /// For the RDMA phase's REGISTER: the file behind a resume key, if the key
+    /// is known, unexpired, and was issued to `session`. All three fields of
+    /// the key must match.
+    pub fn lookup_resume_key(
+        &self,
+        key: &SrvResumeKey,
+        session: SessionId,
+    ) -> Result<OpenFile, Denied> {
+        let g = self.lock();
+        let h = g.by_key.get(&key.resume_key).ok_or(Denied::Unknown)?;
+        let e = g.by_handle.get(h).ok_or(Denied::Unknown)?;
+        if e.file.key != *key {
+            return Err(Denied::Unknown);
+        }
+        if e.file.session != session {
+            return Err(Denied::WrongSession);
+        }
+        if Instant::now() >= e.key_expires {
+            return Err(Denied::Expired);
+        }
+        Ok(e.file.clone())
+    }
+
+    /// Number of open files.
+    pub fn len(&self) -> usize {
+        self.lock().by_handle.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Open files of one session.
+    pub fn session_len(&self, session: SessionId) -> usize {
+        self.lock().per_session.get(&session).copied().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fs::OpenedFile;
+
+    fn opened() -> OpenedFile {
+        OpenedFile {
+            file: tempfile::tempfile().unwrap(),
+            size: 0,
+            direct: false,
+            align: 1,
+        }
+    }
+
+    const RW: Rights = Rights {
+        read: true,
+        write: true,
+    };
+
+    #[test]
+    fn resume_key_wire_round_trip() {
+        let k = SrvRequestResumeKey {
+            key: SrvResumeKey {
+                resume_key: 0x0102030405060708,
+                timestamp: 9,
+                pid: 10,
+            },
+            context: "\\\\stor1".into(),
+        };
+        let b = k.to_bytes();
+        assert_eq!(b.len(), 26 + 14);
+        assert_eq!(&b[..8], &[8, 7, 6, 5, 4, 3, 2, 1]);
+        assert_eq!(&b[24..26], &[14, 0]);
+        assert_eq!(&b[26..30], &[b'\\', 0, b'\\', 0]);
+        assert_eq!(SrvRequestResumeKey::from_bytes(&b), Some(k));
+        assert_eq!(SrvRequestResumeKey::from_bytes(&b[..30]), None);
+        let mut odd = b.clone();
+        odd[24] = 13;
+        assert_eq!(SrvRequestResumeKey::from_bytes(&odd), None);
+    }
+
+    #[test]
+    fn resume_keys_unique() {
+        let t = OpenFileTable::new(Duration::from_secs(60), 10_000, "srv");
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..2000 {
+            let (f, rk) = t.insert(1, opened(), RW, "e", "p").unwrap();
+            assert_eq!(rk.context, "srv");
+            assert_eq!(rk.key.pid, u64::from(std::process::id()));
+            assert!(seen.insert(rk.key.resume_key));
+            assert_eq!(f.key, rk.key);
+        }
+        assert_eq!(t.len(), 2000);
+    }
+
+    #[test]
+    fn resume_key_session_binding() {
+        let t = OpenFileTable::new(Duration::from_secs(60), 8, "srv");
+        let (f, rk) = t.insert(7, opened(), RW, "e", "a/b").unwrap();
+        let got = t.lookup_resume_key(&rk.key, 7).unwrap();
+        assert_eq!(got.handle, f.handle);
+        assert_eq!(got.path, "a/b");
+        assert_eq!(
+            t.lookup_resume_key(&rk.key, 8).unwrap_err(),
+            Denied::WrongSession
+        );
+        let mut forged = rk.key;
+        forged.timestamp ^= 1;
+        assert_eq!(
+            t.lookup_resume_key(&forged, 7).unwrap_err(),
+            Denied::Unknown
+        );
+        let mut other = rk.key;
+        other.resume_key ^= 1;
+        assert_eq!(t.lookup_resume_key(&other, 7).unwrap_err(), Denied::Unknown);
+        // Handles are per session too.
+        assert_eq!(t.get(f.handle, 8).unwrap_err().code, ErrorCode::BadHandle);
+        assert_eq!(t.close(f.handle, 8).unwrap_err().code, ErrorCode::BadHandle);
+        t.close(f.handle, 7).unwrap();
+        assert_eq!(
+            t.lookup_resume_key(&rk.key, 7).unwrap_err(),
+            Denied::Unknown
+        );
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn resume_key_expiry() {
+        let t = OpenFileTable::new(Duration::from_millis(30), 8, "srv");
+        let (f, rk) = t.insert(1, opened(), RW, "e", "p").unwrap();
+        assert!(t.lookup_resume_key(&rk.key, 1).is_ok());
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(
+            t.lookup_resume_key(&rk.key, 1).unwrap_err(),
+            Denied::Expired
+        );
+        // The handle itself stays usable until closed.
+        assert!(t.get(f.handle, 1).is_ok());
+    }
+
+    #[test]
+    fn per_session_limit_and_session_close() {
+        let t = OpenFileTable::new(Duration::from_secs(60), 2, "srv");
+        t.insert(1, opened(), RW, "e", "p").unwrap();
+        t.insert(1, opened(), RW, "e", "p").unwrap();
+        let e = t.insert(1, opened(), RW, "e", "p").unwrap_err();
+        assert_eq!(e.code, ErrorCode::TooManyOpenFiles);
+        t.insert(2, opened(), RW, "e", "p").unwrap();
+        assert_eq!(t.close_session(1), 2);
+        assert_eq!(t.session_len(1), 0);
+        assert_eq!(t.len(), 1);
+        t.insert(1, opened(), RW, "e", "p").unwrap();
+    }
+}

@@ -1,0 +1,376 @@
+//! Path confinement tests, run for both resolvers where available.
+
+use super::*;
+use std::os::unix::fs::symlink;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    outside: PathBuf,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("export");
+    let outside = dir.path().join("outside");
+    std::fs::create_dir_all(root.join("sub/deeper")).unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(root.join("sub/file.txt"), b"hello").unwrap();
+    std::fs::write(outside.join("secret"), b"secret").unwrap();
+    Fixture {
+        _dir: dir,
+        root,
+        outside,
+    }
+}
+
+fn modes() -> Vec<ResolveMode> {
+    let mut v = vec![ResolveMode::Fallback];
+    if openat2_available() {
+        v.push(ResolveMode::Openat2);
+    } else {
+        eprintln!("openat2 unavailable: testing the fallback resolver only");
+    }
+    v
+}
+
+fn export(f: &Fixture, mode: ResolveMode) -> Export {
+    let spec = ExportSpec {
+        name: "data".into(),
+        path: f.root.clone(),
+        read_only: false,
+    };
+    Export::open(&spec, mode).unwrap()
+}
+
+const RO: OpenOptions = OpenOptions {
+    read: true,
+    write: false,
+    create: false,
+    exclusive: false,
+    truncate: false,
+    no_buffering: false,
+    write_through: false,
+};
+
+#[test]
+fn split_rejects_dotdot_and_absolute() {
+    assert_eq!(split_rel_path("a//b/./c/").unwrap(), vec!["a", "b", "c"]);
+    assert!(split_rel_path("").unwrap().is_empty());
+    for bad in ["..", "a/../b", "a/..", "../x"] {
+        assert_eq!(
+            split_rel_path(bad).unwrap_err().code,
+            ErrorCode::OutsideExport,
+            "{bad}"
+        );
+    }
+    assert_eq!(
+        split_rel_path("/etc/passwd").unwrap_err().code,
+        ErrorCode::OutsideExport
+    );
+    assert_eq!(
+        split_rel_path("a\0b").unwrap_err().code,
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        split_rel_path(&"x".repeat(256)).unwrap_err().code,
+        ErrorCode::NameTooLong
+    );
+    assert_eq!(
+        split_rel_path(&"a/".repeat(3000)).unwrap_err().code,
+        ErrorCode::NameTooLong
+    );
+}
+
+#[test]
+fn export_specs() {
+    let s: ExportSpec = "data=/srv/data".parse().unwrap();
+    assert_eq!(s.name, "data");
+    assert_eq!(s.path, PathBuf::from("/srv/data"));
+    assert!("data".parse::<ExportSpec>().is_err());
+    assert!("=/x".parse::<ExportSpec>().is_err());
+    assert!("a/b=/x".parse::<ExportSpec>().is_err());
+    assert!("..=/x".parse::<ExportSpec>().is_err());
+    assert!("d=".parse::<ExportSpec>().is_err());
+    assert!("with=equals=/x".parse::<ExportSpec>().unwrap().path == PathBuf::from("equals=/x"));
+}
+
+#[test]
+fn missing_root_and_duplicates() {
+    let spec: ExportSpec = "d=/nonexistent/lwio-test".parse().unwrap();
+    let e = Exports::open(&[spec], ResolveMode::Auto).unwrap_err();
+    assert_eq!(e.code, ErrorCode::NotFound);
+    let f = fixture();
+    let s = ExportSpec {
+        name: "d".into(),
+        path: f.root.clone(),
+        read_only: false,
+    };
+    let e = Exports::open(&[s.clone(), s], ResolveMode::Auto).unwrap_err();
+    assert!(e.message.contains("twice"));
+    let ex = Exports::open(&[], ResolveMode::Auto).unwrap();
+    assert_eq!(ex.get("nope").unwrap_err().code, ErrorCode::NoSuchExport);
+}
+
+#[test]
+fn stat_list_open_inside() {
+    let f = fixture();
+    for m in modes() {
+        let e = export(&f, m);
+        assert_eq!(e.resolve_mode(), m);
+        let a = e.stat("sub/file.txt").unwrap();
+        assert_eq!(a.kind, FileKind::File);
+        assert_eq!(a.size, 5);
+        assert_eq!(e.stat("").unwrap().kind, FileKind::Dir);
+        let l = e.list("sub").unwrap();
+        let names: Vec<_> = l.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, vec!["deeper", "file.txt"]);
+        let o = e.open_file("sub/file.txt", &RO, 0).unwrap();
+        assert_eq!(o.size, 5);
+        assert_eq!(e.stat("nope").unwrap_err().code, ErrorCode::NotFound);
+        assert_eq!(
+            e.list("sub/file.txt").unwrap_err().code,
+            ErrorCode::NotADirectory
+        );
+        assert_eq!(
+            e.open_file("sub", &RO, 0).unwrap_err().code,
+            ErrorCode::IsADirectory
+        );
+    }
+}
+
+#[test]
+fn symlink_pointing_outside_is_refused() {
+    let f = fixture();
+    symlink(&f.outside, f.root.join("abs_out")).unwrap();
+    symlink("../outside", f.root.join("rel_out")).unwrap();
+    symlink("../../outside/secret", f.root.join("sub/file_out")).unwrap();
+    for m in modes() {
+        let e = export(&f, m);
+        for p in [
+            "abs_out/secret",
+            "rel_out/secret",
+            "sub/file_out",
+            "abs_out",
+            "rel_out",
+        ] {
+            let err = e.stat(p).unwrap_err();
+            assert_eq!(err.code, ErrorCode::OutsideExport, "{m:?} {p}: {err}");
+            let err = e.open_file(p, &RO, 0).unwrap_err();
+            assert_eq!(err.code, ErrorCode::OutsideExport, "{m:?} {p}: {err}");
+        }
+        // Creating through a link that leaves is refused too.
+        let w = OpenOptions {
+            write: true,
+            create: true,
+            ..RO
+        };
+        assert_eq!(
+            e.open_file("rel_out/new", &w, 0o644).unwrap_err().code,
+            ErrorCode::OutsideExport
+        );
+        assert_eq!(
+            e.mkdir("abs_out/newdir", 0o755, false).unwrap_err().code,
+            ErrorCode::OutsideExport
+        );
+        assert!(!f.outside.join("new").exists());
+        assert!(!f.outside.join("newdir").exists());
+        // Listing shows links as links and removing one removes only the link.
+        let l = e.list("").unwrap();
+        assert!(l
+            .iter()
+            .any(|d| d.name == "abs_out" && d.attr.kind == FileKind::Symlink));
+    }
+    let e = export(&f, ResolveMode::Auto);
+    e.remove("abs_out").unwrap();
+    assert!(f.outside.join("secret").exists());
+}
+
+#[test]
+fn symlink_inside_policy() {
+    let f = fixture();
+    symlink("sub", f.root.join("alias")).unwrap();
+    symlink("file.txt", f.root.join("sub/link.txt")).unwrap();
+    if openat2_available() {
+        let e = export(&f, ResolveMode::Openat2);
+        assert_eq!(e.stat("alias/file.txt").unwrap().size, 5);
+        assert_eq!(e.stat("sub/link.txt").unwrap().size, 5);
+        assert_eq!(e.open_file("alias/link.txt", &RO, 0).unwrap().size, 5);
+    }
+    // Fallback: no symlink is followed, with a clear message.
+    let e = export(&f, ResolveMode::Fallback);
+    for p in ["alias/file.txt", "sub/link.txt", "alias"] {
+        let err = e.stat(p).unwrap_err();
+        assert_eq!(err.code, ErrorCode::OutsideExport, "{p}: {err}");
+        assert!(err.message.contains("symbolic link"), "{err}");
+    }
+}
+
+#[test]
+fn symlink_swapped_in() {
+    let f = fixture();
+    for m in modes() {
+        let e = export(&f, m);
+        std::fs::create_dir_all(f.root.join("swap")).unwrap();
+        std::fs::write(f.root.join("swap/secret"), b"inside").unwrap();
+        assert_eq!(e.stat("swap/secret").unwrap().size, 6);
+        // An attacker with write access to the export replaces the directory
+        // by a symlink to the outside between two requests.
+        std::fs::remove_dir_all(f.root.join("swap")).unwrap();
+        symlink(&f.outside, f.root.join("swap")).unwrap();
+        let err = e.open_file("swap/secret", &RO, 0).unwrap_err();
+        assert_eq!(err.code, ErrorCode::OutsideExport, "{m:?}: {err}");
+        assert_eq!(e.list("swap").unwrap_err().code, ErrorCode::OutsideExport);
+        std::fs::remove_file(f.root.join("swap")).unwrap();
+    }
+}
+
+#[test]
+fn hard_links_are_not_detected() {
+    // Documented limitation: a hard link is just another name for the inode.
+    let f = fixture();
+    if std::fs::hard_link(f.outside.join("secret"), f.root.join("hl")).is_ok() {
+        let e = export(&f, ResolveMode::Auto);
+        assert_eq!(e.stat("hl").unwrap().size, 6);
+    }
+}
+
+#[test]
+fn mkdir_remove_rename() {
+    let f = fixture();
+    for m in modes() {
+        let e = export(&f, m);
+        e.mkdir("a", 0o755, false).unwrap();
+        assert_eq!(
+            e.mkdir("a", 0o755, false).unwrap_err().code,
+            ErrorCode::Exists
+        );
+        e.mkdir("a", 0o755, true).unwrap();
+        e.mkdir("p/q/r", 0o755, true).unwrap();
+        assert_eq!(e.stat("p/q/r").unwrap().kind, FileKind::Dir);
+        assert_eq!(
+            e.mkdir("x/y", 0o755, false).unwrap_err().code,
+            ErrorCode::NotFound
+        );
+        assert_eq!(
+            e.remove("p").unwrap_err().code,
+            ErrorCode::DirectoryNotEmpty
+        );
+        e.rename("p/q/r", "a/r2", false).unwrap();
+        assert_eq!(e.stat("a/r2").unwrap().kind, FileKind::Dir);
+        std::fs::write(f.root.join("f1"), b"1").unwrap();
+        std::fs::write(f.root.join("f2"), b"22").unwrap();
+        assert_eq!(
+            e.rename("f1", "f2", false).unwrap_err().code,
+            ErrorCode::Exists
+        );
+        e.rename("f1", "f2", true).unwrap();
+        assert_eq!(e.stat("f2").unwrap().size, 1);
+        assert_eq!(
+            e.rename("f2", "../f3", true).unwrap_err().code,
+            ErrorCode::OutsideExport
+        );
+        e.remove("f2").unwrap();
+        e.remove("a/r2").unwrap();
+        e.remove("a").unwrap();
+        e.remove("p/q").unwrap();
+        e.remove("p").unwrap();
+        assert_eq!(e.remove("p").unwrap_err().code, ErrorCode::NotFound);
+        assert_eq!(e.remove("").unwrap_err().code, ErrorCode::BadRequest);
+    }
+}
+
+#[test]
+fn open_rights() {
+    let f = fixture();
+    let e = export(&f, ResolveMode::Auto);
+    let w = OpenOptions {
+        write: true,
+        create: true,
+        ..RO
+    };
+    let o = e.open_file("new.bin", &w, 0o600).unwrap();
+    assert_eq!(o.size, 0);
+    let excl = OpenOptions {
+        exclusive: true,
+        ..w
+    };
+    assert_eq!(
+        e.open_file("new.bin", &excl, 0o600).unwrap_err().code,
+        ErrorCode::Exists
+    );
+    let bad = OpenOptions { create: true, ..RO };
+    assert_eq!(
+        e.open_file("x", &bad, 0).unwrap_err().code,
+        ErrorCode::InvalidArgument
+    );
+    let none = OpenOptions { read: false, ..RO };
+    assert_eq!(
+        e.open_file("new.bin", &none, 0).unwrap_err().code,
+        ErrorCode::InvalidArgument
+    );
+    std::fs::write(f.root.join("t"), b"12345").unwrap();
+    let tr = OpenOptions {
+        write: true,
+        truncate: true,
+        ..RO
+    };
+    e.open_file("t", &tr, 0).unwrap();
+    assert_eq!(e.stat("t").unwrap().size, 0);
+
+    let spec = ExportSpec {
+        name: "ro".into(),
+        path: f.root.clone(),
+        read_only: true,
+    };
+    let ro = Export::open(&spec, ResolveMode::Auto).unwrap();
+    assert!(ro.open_file("t", &RO, 0).is_ok());
+    assert_eq!(
+        ro.open_file("t", &w, 0).unwrap_err().code,
+        ErrorCode::ReadOnly
+    );
+    assert_eq!(
+        ro.mkdir("z", 0o755, false).unwrap_err().code,
+        ErrorCode::ReadOnly
+    );
+    assert_eq!(ro.remove("t").unwrap_err().code, ErrorCode::ReadOnly);
+    assert_eq!(
+        ro.rename("t", "u", false).unwrap_err().code,
+        ErrorCode::ReadOnly
+    );
+}
+
+#[test]
+fn fifo_does_not_hang() {
+    let f = fixture();
+    let p = CString::new(f.root.join("fifo").as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: valid path.
+    if unsafe { libc::mkfifo(p.as_ptr(), 0o600) } != 0 {
+        return;
+    }
+    let e = export(&f, ResolveMode::Auto);
+    assert_eq!(
+        e.open_file("fifo", &RO, 0).unwrap_err().code,
+        ErrorCode::InvalidArgument
+    );
+}
+
+#[test]
+fn direct_io_alignment_reported() {
+    let f = fixture();
+    let e = export(&f, ResolveMode::Auto);
+    let o = OpenOptions {
+        write: true,
+        create: true,
+        no_buffering: true,
+        write_through: true,
+        ..RO
+    };
+    match e.open_file("direct.bin", &o, 0o600) {
+        Ok(of) => {
+            assert!(of.direct);
+            assert!(of.align.is_power_of_two() && of.align >= 1);
+        }
+        Err(err) => assert_eq!(err.code, ErrorCode::Unsupported, "{err}"),
+    }
+}

@@ -1,0 +1,406 @@
+//! The lwio server process: exports, the open-file table, the I/O backend,
+//! the side-channel listener, and the hook where the RDMA phase plugs in.
+//!
+//! ```text
+//! let mut server = Server::bind(options).await?;   // opens exports, binds TCP
+//! server.set_rdma_phase(Arc::new(my_rdma_listener)); // optional (RDMA phase)
+//! let stop = server.shutdown_handle();            // trigger() from a signal handler
+//! server.run().await?;                            // until stop.trigger()
+//! ```
+//!
+//! The RDMA phase gets the shared [`ServerState`]: it resolves the Key of an
+//! AUTH request with [`ServerState::lookup_negotiate_key`] (which yields the
+//! side-channel session and its secret) and the resume key of a REGISTER with
+//! [`ServerState::lookup_resume_key`]; file I/O goes through
+//! [`ServerState::backend`].
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+
+use crate::config::{Config, IoConfig, Limits, ProviderChoice};
+use crate::error::{Error, ErrorCode, Result};
+use crate::fs::backend::{open_backend, Backend};
+use crate::fs::table::{Denied, OpenFile, OpenFileTable, SessionId, SrvResumeKey};
+use crate::fs::{ExportSpec, Exports, ResolveMode};
+use crate::side::auth::Token;
+use crate::side::negotiate::ProviderAddrs;
+
+/// A 32-byte per-session secret; `Debug` does not show it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SessionSecret(pub [u8; 32]);
+
+impl std::fmt::Debug for SessionSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionSecret(<redacted>)")
+    }
+}
+
+/// A logged-in side-channel session, as the server knows it.
+#[derive(Debug, Clone)]
+pub struct SessionInfo {
+    pub id: SessionId,
+    pub peer: SocketAddr,
+    pub client_name: String,
+    pub anonymous: bool,
+    /// Derived from the token and both nonces; keys the RDMA AUTH signature.
+    pub secret: SessionSecret,
+}
+
+/// What a negotiate over the pipe left behind for the RDMA AUTH.
+#[derive(Debug, Clone)]
+pub struct NegotiatedClient {
+    /// The server Key (GUID bytes) returned in the negotiate response.
+    pub key: [u8; 16],
+    /// The side-channel session that negotiated.
+    pub session: SessionId,
+    pub session_secret: SessionSecret,
+    pub client_name: String,
+    /// The client's own UUID from the negotiate request.
+    pub client_key: [u8; 16],
+    /// Names of the providers both sides share.
+    pub providers: Vec<String>,
+    pub expires: Instant,
+}
+
+/// Who may log in.
+#[derive(Debug, Clone, Default)]
+pub struct AuthPolicy {
+    pub token: Option<Token>,
+    pub allow_anonymous: bool,
+}
+
+/// Cooperative shutdown, usable from async code and from threads.
+#[derive(Clone, Default)]
+pub struct Shutdown(Arc<ShutdownInner>);
+
+#[derive(Default)]
+struct ShutdownInner {
+    flag: AtomicBool,
+    notify: Notify,
+    mu: Mutex<()>,
+    cv: Condvar,
+}
+
+impl std::fmt::Debug for Shutdown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Shutdown({})", self.is_triggered())
+    }
+}
+
+impl Shutdown {
+    pub fn new() -> Shutdown {
+        Shutdown::default()
+    }
+    /// Ask everything to stop. Idempotent.
+    pub fn trigger(&self) {
+        self.0.flag.store(true, Ordering::SeqCst);
+        self.0.notify.notify_waiters();
+        let _g = self.0.mu.lock().unwrap_or_else(|p| p.into_inner());
+        self.0.cv.notify_all();
+    }
+    pub fn is_triggered(&self) -> bool {
+        self.0.flag.load(Ordering::SeqCst)
+    }
+    /// Wait (async) until triggered.
+    pub async fn wait(&self) {
+        loop {
+            let n = self.0.notify.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.is_triggered() {
+                return;
+            }
+            n.await;
+        }
+    }
+    /// Wait (blocking) up to `timeout`; returns whether it was triggered.
+    pub fn wait_timeout(&self, timeout: Duration) -> bool {
+        let g = self.0.mu.lock().unwrap_or_else(|p| p.into_inner());
+        if self.is_triggered() {
+            return true;
+        }
+        let _ = self.0.cv.wait_timeout(g, timeout);
+        self.is_triggered()
+    }
+}
+
+/// The RDMA phase (written separately): implemented by the RDMA listener and
+/// attached with [`Server::set_rdma_phase`].
+pub trait RdmaPhase: Send + Sync + 'static {
+    /// Providers and addresses to advertise in negotiate responses (the
+    /// addresses clients connect their RDMA channels to).
+    fn endpoints(&self) -> Vec<ProviderAddrs>;
+
+    /// Serve RDMA connections until `shutdown` triggers. Called once by
+    /// [`Server::run`] on a dedicated thread; it must return promptly after
+    /// the trigger (poll [`Shutdown::is_triggered`] or block in
+    /// [`Shutdown::wait_timeout`]).
+    fn serve(&self, state: Arc<ServerState>, shutdown: Shutdown);
+}
+
+/// State shared by the side channel and the RDMA phase.
+pub struct ServerState {
+    /// Server name sent in Hello and as the resume key Context.
+    pub server_name: String,
+    pub exports: Exports,
+    pub open_files: OpenFileTable,
+    pub backend: Arc<dyn Backend>,
+    pub limits: Limits,
+    /// Configured provider choice for the RDMA phase.
+    pub provider: ProviderChoice,
+    pub(crate) auth: AuthPolicy,
+    sessions: Mutex<HashMap<SessionId, SessionInfo>>,
+    negotiations: Mutex<HashMap<[u8; 16], NegotiatedClient>>,
+    rdma_endpoints: RwLock<Vec<ProviderAddrs>>,
+    next_session: AtomicU64,
+}
+
+impl std::fmt::Debug for ServerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerState")
+            .field("server_name", &self.server_name)
+            .field("exports", &self.exports.len())
+            .field("backend", &self.backend.kind())
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ServerState {
+    /// For REGISTER: the open file behind a resume key, if issued to `session`
+    /// and not expired.
+    pub fn lookup_resume_key(
+        &self,
+        key: &SrvResumeKey,
+        session: SessionId,
+    ) -> Result<OpenFile, Denied> {
+        self.open_files.lookup_resume_key(key, session)
+    }
+
+    /// For AUTH: who negotiated `key`, while the key is fresh and that
+    /// side-channel session is still logged in.
+    pub fn lookup_negotiate_key(&self, key: &[u8; 16]) -> Option<NegotiatedClient> {
+        let n = lock(&self.negotiations).get(key).cloned()?;
+        if Instant::now() >= n.expires || !lock(&self.sessions).contains_key(&n.session) {
+            return None;
+        }
+        Some(n)
+    }
+
+    /// A logged-in session.
+    pub fn session(&self, id: SessionId) -> Option<SessionInfo> {
+        lock(&self.sessions).get(&id).cloned()
+    }
+
+    /// Number of logged-in sessions.
+    pub fn session_count(&self) -> usize {
+        lock(&self.sessions).len()
+    }
+
+    /// Providers/addresses advertised in negotiate responses.
+    pub fn rdma_endpoints(&self) -> Vec<ProviderAddrs> {
+        self.rdma_endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replace the advertised endpoints (the RDMA phase, once listening).
+    pub fn set_rdma_endpoints(&self, v: Vec<ProviderAddrs>) {
+        *self
+            .rdma_endpoints
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = v;
+    }
+
+    pub(crate) fn register_session(&self, mut info: SessionInfo) -> SessionId {
+        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
+        info.id = id;
+        lock(&self.sessions).insert(id, info);
+        id
+    }
+
+    pub(crate) fn end_session(&self, id: SessionId) {
+        lock(&self.sessions).remove(&id);
+        lock(&self.negotiations).retain(|_, n| n.session != id);
+        let n = self.open_files.close_session(id);
+        if n > 0 {
+            tracing::debug!(session = id, files = n, "closed files of ended session");
+        }
+    }
+
+    pub(crate) fn add_negotiation(&self, n: NegotiatedClient) {
+        let mut g = lock(&self.negotiations);
+        let now = Instant::now();
+        g.retain(|_, v| v.expires > now);
+        g.insert(n.key, n);
+    }
+}
+
+/// Everything needed to start a server.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    pub listen: String,
+    pub server_name: String,
+    pub exports: Vec<ExportSpec>,
+    pub auth: AuthPolicy,
+    pub limits: Limits,
+    pub io: IoConfig,
+    pub provider: ProviderChoice,
+    pub resolve: ResolveMode,
+}
+
+/// This host's name, for the default server name.
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into our buffer.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if r == 0 {
+        let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        let s = String::from_utf8_lossy(&buf[..n]).into_owned();
+        if !s.is_empty() {
+            return s;
+        }
+    }
+    "lwio-server".to_string()
+}
+
+impl ServerOptions {
+    /// Options from a (flag-merged) config and the loaded token.
+    pub fn from_config(c: &Config, token: Option<Token>) -> ServerOptions {
+        ServerOptions {
+            listen: c.listen.clone(),
+            server_name: c.server_name.clone().unwrap_or_else(host_name),
+            exports: c.export_specs(),
+            auth: AuthPolicy {
+                token,
+                allow_anonymous: c.allow_anonymous,
+            },
+            limits: c.limits.clone(),
+            io: c.io.clone(),
+            provider: c.provider,
+            resolve: ResolveMode::Auto,
+        }
+    }
+}
+
+/// The server: bound side-channel listener + state + optional RDMA phase.
+pub struct Server {
+    state: Arc<ServerState>,
+    listener: TcpListener,
+    shutdown: Shutdown,
+    rdma: Option<Arc<dyn RdmaPhase>>,
+}
+
+impl Server {
+    /// Open exports and the I/O backend, bind the side channel.
+    pub async fn bind(opts: ServerOptions) -> Result<Server> {
+        if opts.auth.token.is_none() && !opts.auth.allow_anonymous {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "no token and anonymous access disabled: nobody could log in",
+            ));
+        }
+        let exports = Exports::open(&opts.exports, opts.resolve)?;
+        let backend = open_backend(opts.io.backend, opts.io.workers)
+            .map_err(|e| Error::from_io(&e, "file I/O backend"))?;
+        let listener = TcpListener::bind(&opts.listen)
+            .await
+            .map_err(|e| Error::from_io(&e, format!("cannot listen on {}", opts.listen)))?;
+        let state = Arc::new(ServerState {
+            server_name: opts.server_name.clone(),
+            exports,
+            open_files: OpenFileTable::new(
+                opts.limits.resume_key_ttl,
+                opts.limits.max_open_files_per_session,
+                opts.server_name.clone(),
+            ),
+            backend,
+            limits: opts.limits.clone(),
+            provider: opts.provider,
+            auth: opts.auth.clone(),
+            sessions: Mutex::new(HashMap::new()),
+            negotiations: Mutex::new(HashMap::new()),
+            rdma_endpoints: RwLock::new(Vec::new()),
+            next_session: AtomicU64::new(1),
+        });
+        for e in state.exports.iter() {
+            tracing::info!(
+                export = %e.name,
+                path = %e.root.display(),
+                read_only = e.read_only,
+                resolver = ?e.resolve_mode(),
+                "export"
+            );
+        }
+        Ok(Server {
+            state,
+            listener,
+            shutdown: Shutdown::new(),
+            rdma: None,
+        })
+    }
+
+    /// The bound side-channel address (useful with port 0).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    pub fn state(&self) -> &Arc<ServerState> {
+        &self.state
+    }
+
+    /// A handle whose `trigger()` stops [`Server::run`] gracefully.
+    pub fn shutdown_handle(&self) -> Shutdown {
+        self.shutdown.clone()
+    }
+
+    /// Attach the RDMA phase (hook for the RDMA listener).
+    pub fn set_rdma_phase(&mut self, phase: Arc<dyn RdmaPhase>) {
+        self.rdma = Some(phase);
+    }
+
+    /// Serve until the shutdown handle triggers: stop accepting, let in-flight
+    /// requests finish (up to `limits.shutdown_grace`), close sessions, stop
+    /// the RDMA phase.
+    pub async fn run(self) -> Result<()> {
+        let Server {
+            state,
+            listener,
+            shutdown,
+            rdma,
+        } = self;
+        let rdma_thread = match rdma {
+            Some(phase) => {
+                state.set_rdma_endpoints(phase.endpoints());
+                let (st, sd) = (state.clone(), shutdown.clone());
+                Some(
+                    std::thread::Builder::new()
+                        .name("lwio-rdma".into())
+                        .spawn(move || phase.serve(st, sd))
+                        .map_err(|e| Error::from_io(&e, "starting the RDMA phase"))?,
+                )
+            }
+            None => {
+                tracing::info!("RDMA phase not in this build: negotiate will offer no providers");
+                None
+            }
+        };
+        crate::side::server::accept_loop(listener, state.clone(), shutdown.clone()).await;
+        shutdown.trigger();
+        if let Some(t) = rdma_thread {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
+        tracing::info!("server stopped");
+        Ok(())
+    }
+}

@@ -1,0 +1,514 @@
+//! Side-channel clients: [`AsyncClient`] (tokio, generic over the transport)
+//! and [`Client`] (blocking, owns a small runtime).
+
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+use super::auth::{self, Login};
+use super::codec::*;
+use super::negotiate::{self, NegotiateRequest, NegotiateResponse};
+use crate::error::{Error, ErrorCode, Result};
+use crate::fs::table::SrvRequestResumeKey;
+use crate::fs::{Attr, DirEntry, OpenOptions};
+use crate::server::SessionSecret;
+
+/// How to connect and log in.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    pub login: Login,
+    /// Name the server logs for this client.
+    pub client_name: String,
+    pub connect_timeout: Duration,
+    /// Per-request timeout.
+    pub request_timeout: Duration,
+    /// Largest response accepted.
+    pub max_frame: u32,
+}
+
+impl ClientOptions {
+    pub fn new(login: Login) -> ClientOptions {
+        ClientOptions {
+            login,
+            client_name: crate::server::host_name(),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+            max_frame: HARD_MAX_FRAME,
+        }
+    }
+}
+
+/// The logged-in session, client side.
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub id: u64,
+    /// The per-session secret; keys the RDMA-phase AUTH signature.
+    pub secret: SessionSecret,
+    pub anonymous: bool,
+    pub server_name: String,
+    pub version: u16,
+}
+
+/// A file opened over the side channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteFile {
+    pub handle: u64,
+    pub size: u64,
+    /// Required alignment for unbuffered I/O (1 when buffered).
+    pub align: u32,
+    /// To present in the RDMA REGISTER.
+    pub resume_key: SrvRequestResumeKey,
+}
+
+/// Async side-channel client over any byte stream.
+#[derive(Debug)]
+pub struct AsyncClient<S = TcpStream> {
+    stream: S,
+    next_id: u32,
+    session: Session,
+    max_frame: u32,
+    timeout: Duration,
+}
+
+fn lost(e: impl std::fmt::Display) -> Error {
+    Error::new(
+        ErrorCode::Disconnected,
+        format!("connection to the server lost: {e}"),
+    )
+}
+
+impl AsyncClient<TcpStream> {
+    /// Connect to `addr` (`host:port`) and log in.
+    pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AsyncClient<TcpStream>> {
+        let stream =
+            match tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr)).await {
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorCode::ConnectFailed,
+                        format!(
+                            "cannot connect to {addr}: timed out after {:?}",
+                            opts.connect_timeout
+                        ),
+                    ))
+                }
+                Ok(Err(e)) => {
+                    let hint = if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                        " (is `lwio serve` running there?)"
+                    } else {
+                        ""
+                    };
+                    return Err(Error::new(
+                        ErrorCode::ConnectFailed,
+                        format!("cannot connect to {addr}: {e}{hint}"),
+                    ));
+                }
+                Ok(Ok(s)) => s,
+            };
+        let _ = stream.set_nodelay(true);
+        AsyncClient::handshake(stream, opts).await
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
+    /// Hello + login over an established stream.
+    pub async fn handshake(stream: S, opts: &ClientOptions) -> Result<AsyncClient<S>> {
+        let mut c = AsyncClient {
+            stream,
+            next_id: 1,
+            session: Session {
+                id: 0,
+                secret: SessionSecret([0; 32]),
+                anonymous: true,
+                server_name: String::new(),
+                version: 0,
+            },
+            max_frame: opts.max_frame,
+            timeout: opts.request_timeout,
+        };
+        let hello = c
+            .call(Request::Hello {
+                version: PROTOCOL_VERSION,
+                client_name: opts.client_name.clone(),
+            })
+            .await?;
+        let Response::Hello {
+            version,
+            server_name,
+            server_nonce,
+            auth_methods,
+            max_frame,
+        } = hello
+        else {
+            return Err(unexpected(&hello));
+        };
+        if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
+            return Err(Error::new(
+                ErrorCode::UnsupportedVersion,
+                format!("server chose unsupported version {version}"),
+            ));
+        }
+        c.max_frame = c.max_frame.min(max_frame.max(MIN_MAX_FRAME));
+        let (req, token, cn) = match &opts.login {
+            Login::Anonymous => {
+                if auth_methods & AUTH_ANONYMOUS == 0 {
+                    return Err(Error::new(
+                        ErrorCode::AuthFailed,
+                        "the server requires a token (use --token-file FILE or set LWIO_TOKEN)",
+                    ));
+                }
+                (LoginRequest::Anonymous, None, [0u8; NONCE_LEN])
+            }
+            Login::Token(t) => {
+                let cn = auth::nonce();
+                let proof = auth::client_proof(t, &server_nonce, &cn);
+                (
+                    LoginRequest::Token {
+                        client_nonce: cn,
+                        proof,
+                    },
+                    Some(t),
+                    cn,
+                )
+            }
+        };
+        let r = c.call(Request::Login(req)).await?;
+        let Response::LoginOk {
+            session_id,
+            server_proof,
+        } = r
+        else {
+            return Err(unexpected(&r));
+        };
+        if let Some(t) = token {
+            if !auth::verify_server_proof(t, &server_nonce, &cn, &server_proof) {
+                return Err(Error::new(
+                    ErrorCode::AuthFailed,
+                    "the server could not prove it knows the token (wrong server?)",
+                ));
+            }
+        }
+        c.session = Session {
+            id: session_id,
+            secret: SessionSecret(auth::session_secret(token, &server_nonce, &cn)),
+            anonymous: token.is_none(),
+            server_name,
+            version,
+        };
+        Ok(c)
+    }
+
+    /// The logged-in session (id, secret for the RDMA AUTH).
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// Send one request and wait for its response; server errors become `Err`.
+    pub async fn call(&mut self, req: Request) -> Result<Response> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        let body = req.encode(id);
+        if body.len() > self.max_frame as usize {
+            return Err(Error::new(ErrorCode::FrameTooLarge, "request too large"));
+        }
+        let max = self.max_frame;
+        let io = async {
+            write_frame(&mut self.stream, &body).await.map_err(lost)?;
+            match read_frame(&mut self.stream, max).await {
+                Ok(Some(b)) => Ok(b),
+                Ok(None) => Err(lost("closed by the server")),
+                Err(FrameError::TooLarge(n, m)) => Err(Error::new(
+                    ErrorCode::FrameTooLarge,
+                    format!("response of {n} bytes exceeds the limit of {m}"),
+                )),
+                Err(FrameError::Io(e)) => Err(lost(e)),
+            }
+        };
+        let b = tokio::time::timeout(self.timeout, io).await.map_err(|_| {
+            Error::new(
+                ErrorCode::TimedOut,
+                format!("no answer from the server within {:?}", self.timeout),
+            )
+        })??;
+        let (rid, resp) = Response::decode(&b)
+            .map_err(|e| Error::new(ErrorCode::BadRequest, format!("server sent {e}")))?;
+        if let Response::Error(e) = resp {
+            return Err(e);
+        }
+        if rid != id {
+            return Err(Error::new(
+                ErrorCode::BadRequest,
+                format!("response id {rid} does not match request {id}"),
+            ));
+        }
+        Ok(resp)
+    }
+
+    async fn ok(&mut self, req: Request) -> Result<()> {
+        match self.call(req).await? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    pub async fn ping(&mut self) -> Result<()> {
+        self.ok(Request::Ping).await
+    }
+
+    /// Say goodbye and drop the connection.
+    pub async fn bye(mut self) -> Result<()> {
+        self.ok(Request::Bye).await
+    }
+
+    pub async fn list_exports(&mut self) -> Result<Vec<ExportInfo>> {
+        match self.call(Request::ListExports).await? {
+            Response::Exports(v) => Ok(v),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// All entries of a directory (follows pages).
+    pub async fn list_dir(&mut self, export: &str, path: &str) -> Result<Vec<DirEntry>> {
+        let mut out = Vec::new();
+        let mut cookie = 0;
+        loop {
+            let r = self
+                .call(Request::ListDir {
+                    export: export.into(),
+                    path: path.into(),
+                    cookie,
+                })
+                .await?;
+            let Response::DirPage {
+                entries,
+                next_cookie,
+            } = r
+            else {
+                return Err(unexpected(&r));
+            };
+            out.extend(entries.into_iter().map(|e| DirEntry {
+                name: e.name,
+                attr: e.attr,
+            }));
+            if next_cookie == 0 || next_cookie <= cookie {
+                return Ok(out);
+            }
+            cookie = next_cookie;
+        }
+    }
+
+    pub async fn stat(&mut self, export: &str, path: &str) -> Result<Attr> {
+        match self
+            .call(Request::Stat {
+                export: export.into(),
+                path: path.into(),
+            })
+            .await?
+        {
+            Response::Attr(a) => Ok(a),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Open (or create) a file; returns its handle, size and resume key.
+    pub async fn open(
+        &mut self,
+        export: &str,
+        path: &str,
+        o: &OpenOptions,
+        mode: u32,
+    ) -> Result<RemoteFile> {
+        let mut access = 0;
+        if o.read {
+            access |= ACCESS_READ;
+        }
+        if o.write {
+            access |= ACCESS_WRITE;
+        }
+        let mut flags = 0;
+        for (on, bit) in [
+            (o.create, OPEN_CREATE),
+            (o.exclusive, OPEN_EXCLUSIVE),
+            (o.truncate, OPEN_TRUNCATE),
+            (o.no_buffering, OPEN_NO_BUFFERING),
+            (o.write_through, OPEN_WRITE_THROUGH),
+        ] {
+            if on {
+                flags |= bit;
+            }
+        }
+        let r = self
+            .call(Request::Open {
+                export: export.into(),
+                path: path.into(),
+                access,
+                flags,
+                mode,
+            })
+            .await?;
+        let Response::Opened {
+            handle,
+            size,
+            align,
+            resume_key,
+        } = r
+        else {
+            return Err(unexpected(&r));
+        };
+        let resume_key = SrvRequestResumeKey::from_bytes(&resume_key).ok_or_else(|| {
+            Error::new(ErrorCode::BadRequest, "server sent a malformed resume key")
+        })?;
+        Ok(RemoteFile {
+            handle,
+            size,
+            align,
+            resume_key,
+        })
+    }
+
+    pub async fn close(&mut self, handle: u64) -> Result<()> {
+        self.ok(Request::Close { handle }).await
+    }
+
+    /// Remove a file, symlink or empty directory.
+    pub async fn remove(&mut self, export: &str, path: &str) -> Result<()> {
+        self.ok(Request::Remove {
+            export: export.into(),
+            path: path.into(),
+        })
+        .await
+    }
+
+    pub async fn rename(
+        &mut self,
+        export: &str,
+        from: &str,
+        to: &str,
+        replace: bool,
+    ) -> Result<()> {
+        self.ok(Request::Rename {
+            export: export.into(),
+            from: from.into(),
+            to: to.into(),
+            replace,
+        })
+        .await
+    }
+
+    pub async fn mkdir(
+        &mut self,
+        export: &str,
+        path: &str,
+        mode: u32,
+        parents: bool,
+    ) -> Result<()> {
+        self.ok(Request::Mkdir {
+            export: export.into(),
+            path: path.into(),
+            mode,
+            parents,
+        })
+        .await
+    }
+
+    /// Truncate or extend an open file.
+    pub async fn set_size(&mut self, handle: u64, size: u64) -> Result<()> {
+        self.ok(Request::SetSize { handle, size }).await
+    }
+
+    pub async fn fsync(&mut self, handle: u64, data_only: bool) -> Result<()> {
+        self.ok(Request::Fsync { handle, data_only }).await
+    }
+
+    /// The pipe: send our providers, get the common ones, a server Key and
+    /// the addresses to connect to.
+    pub async fn negotiate(&mut self, req: &NegotiateRequest) -> Result<NegotiateResponse> {
+        let r = self
+            .call(Request::Negotiate {
+                request: negotiate::encode_request(req),
+            })
+            .await?;
+        let Response::Negotiated { response } = r else {
+            return Err(unexpected(&r));
+        };
+        negotiate::decode_response(&response)
+            .map_err(|e| Error::new(ErrorCode::BadRequest, format!("server sent {e}")))
+    }
+}
+
+fn unexpected(r: &Response) -> Error {
+    Error::new(
+        ErrorCode::BadRequest,
+        format!("unexpected response from server: {r:?}"),
+    )
+}
+
+/// Blocking side-channel client (owns a single-threaded tokio runtime).
+#[derive(Debug)]
+pub struct Client {
+    rt: tokio::runtime::Runtime,
+    inner: AsyncClient<TcpStream>,
+}
+
+impl Client {
+    /// Connect to `addr` (`host:port`) and log in.
+    pub fn connect(addr: &str, opts: &ClientOptions) -> Result<Client> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Error::from_io(&e, "tokio runtime"))?;
+        let inner = rt.block_on(AsyncClient::connect(addr, opts))?;
+        Ok(Client { rt, inner })
+    }
+
+    pub fn session(&self) -> &Session {
+        self.inner.session()
+    }
+    pub fn ping(&mut self) -> Result<()> {
+        self.rt.block_on(self.inner.ping())
+    }
+    pub fn bye(self) -> Result<()> {
+        self.rt.block_on(self.inner.bye())
+    }
+    pub fn list_exports(&mut self) -> Result<Vec<ExportInfo>> {
+        self.rt.block_on(self.inner.list_exports())
+    }
+    pub fn list_dir(&mut self, export: &str, path: &str) -> Result<Vec<DirEntry>> {
+        self.rt.block_on(self.inner.list_dir(export, path))
+    }
+    pub fn stat(&mut self, export: &str, path: &str) -> Result<Attr> {
+        self.rt.block_on(self.inner.stat(export, path))
+    }
+    pub fn open(
+        &mut self,
+        export: &str,
+        path: &str,
+        o: &OpenOptions,
+        mode: u32,
+    ) -> Result<RemoteFile> {
+        self.rt.block_on(self.inner.open(export, path, o, mode))
+    }
+    pub fn close(&mut self, handle: u64) -> Result<()> {
+        self.rt.block_on(self.inner.close(handle))
+    }
+    pub fn remove(&mut self, export: &str, path: &str) -> Result<()> {
+        self.rt.block_on(self.inner.remove(export, path))
+    }
+    pub fn rename(&mut self, export: &str, from: &str, to: &str, replace: bool) -> Result<()> {
+        self.rt
+            .block_on(self.inner.rename(export, from, to, replace))
+    }
+    pub fn mkdir(&mut self, export: &str, path: &str, mode: u32, parents: bool) -> Result<()> {
+        self.rt
+            .block_on(self.inner.mkdir(export, path, mode, parents))
+    }
+    pub fn set_size(&mut self, handle: u64, size: u64) -> Result<()> {
+        self.rt.block_on(self.inner.set_size(handle, size))
+    }
+    pub fn fsync(&mut self, handle: u64, data_only: bool) -> Result<()> {
+        self.rt.block_on(self.inner.fsync(handle, data_only))
+    }
+    pub fn negotiate(&mut self, req: &NegotiateRequest) -> Result<NegotiateResponse> {
+        self.rt.block_on(self.inner.negotiate(req))
+    }
+}

@@ -1,0 +1,758 @@
+//! Side-channel frames and messages, byte for byte as in
+//! `docs/side-channel.md`.
+//!
+//! A frame is a u32 LE body length followed by the body. A body is
+//! `type: u16 | flags: u16 | id: u32 | payload`. All integers are
+//! little-endian; strings are u16 length + UTF-8; byte strings and lists are
+//! u32 length/count + contents. Decoding is strict (no trailing bytes) and
+//! never panics on any input.
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::error::{Error, ErrorCode};
+use crate::fs::{Attr, FileKind};
+
+/// Side-channel protocol version spoken by this build.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Oldest version this build accepts.
+pub const MIN_PROTOCOL_VERSION: u16 = 1;
+/// Magic at the start of Hello payloads: ASCII `LWSC`.
+pub const MAGIC: [u8; 4] = *b"LWSC";
+/// Default and hard maximum body size.
+pub const DEFAULT_MAX_FRAME: u32 = 1 << 20;
+/// Absolute ceiling on any configured frame size (16 MiB).
+pub const HARD_MAX_FRAME: u32 = 16 << 20;
+/// Smallest allowed frame limit (a page of listing must fit).
+pub const MIN_MAX_FRAME: u32 = 4096;
+/// Size of a frame body header (type, flags, id).
+pub const BODY_HEADER_LEN: usize = 8;
+/// Nonce length for login.
+pub const NONCE_LEN: usize = 32;
+/// HMAC-SHA256 output length.
+pub const MAC_LEN: usize = 32;
+
+/// `auth_methods` bits in [`Response::Hello`].
+pub const AUTH_TOKEN: u32 = 1;
+pub const AUTH_ANONYMOUS: u32 = 2;
+
+/// Open `access` bits.
+pub const ACCESS_READ: u32 = 1;
+pub const ACCESS_WRITE: u32 = 2;
+/// Open `flags` bits.
+pub const OPEN_CREATE: u32 = 0x1;
+pub const OPEN_EXCLUSIVE: u32 = 0x2;
+pub const OPEN_TRUNCATE: u32 = 0x4;
+/// = LWIO FILE_NO_INTERMEDIATE_BUFFERING (0x8) → O_DIRECT.
+pub const OPEN_NO_BUFFERING: u32 = 0x8;
+/// Write-through → O_DSYNC.
+pub const OPEN_WRITE_THROUGH: u32 = 0x10;
+const OPEN_KNOWN: u32 = 0x1f;
+
+/// Login method of [`Request::Login`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoginRequest {
+    /// Method 0: only when the server allows anonymous access.
+    Anonymous,
+    /// Method 1: shared-token challenge-response (see `side::auth`).
+    Token {
+        client_nonce: [u8; NONCE_LEN],
+        proof: [u8; MAC_LEN],
+    },
+    // Method 2 (reserved): user + password, with TLS.
+}
+
+/// Client → server messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Hello {
+        version: u16,
+        client_name: String,
+    },
+    Login(LoginRequest),
+    ListExports,
+    ListDir {
+        export: String,
+        path: String,
+        cookie: u64,
+    },
+    Stat {
+        export: String,
+        path: String,
+    },
+    Open {
+        export: String,
+        path: String,
+        access: u32,
+        flags: u32,
+        mode: u32,
+    },
+    Close {
+        handle: u64,
+    },
+    Remove {
+        export: String,
+        path: String,
+    },
+    Rename {
+        export: String,
+        from: String,
+        to: String,
+        replace: bool,
+    },
+    Mkdir {
+        export: String,
+        path: String,
+        mode: u32,
+        parents: bool,
+    },
+    SetSize {
+        handle: u64,
+        size: u64,
+    },
+    Fsync {
+        handle: u64,
+        data_only: bool,
+    },
+    /// The pipe: an LWIO negotiate request, opaque here.
+    Negotiate {
+        request: Vec<u8>,
+    },
+    Ping,
+    Bye,
+}
+
+/// One export as listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportInfo {
+    pub name: String,
+    pub read_only: bool,
+}
+
+/// One listing entry on the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WireDirEntry {
+    pub name: String,
+    pub attr: Attr,
+}
+
+/// Server → client messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Response {
+    Ok,
+    Error(Error),
+    Hello {
+        version: u16,
+        server_name: String,
+        server_nonce: [u8; NONCE_LEN],
+        auth_methods: u32,
+        max_frame: u32,
+    },
+    LoginOk {
+        session_id: u64,
+        server_proof: [u8; MAC_LEN],
+    },
+    Exports(Vec<ExportInfo>),
+    DirPage {
+        entries: Vec<WireDirEntry>,
+        next_cookie: u64,
+    },
+    Attr(Attr),
+    Opened {
+        handle: u64,
+        size: u64,
+        align: u32,
+        resume_key: Vec<u8>,
+    },
+    Negotiated {
+        response: Vec<u8>,
+    },
+}
+
+/// Message type codes.
+pub mod ty {
+    pub const HELLO: u16 = 0x0001;
+    pub const LOGIN: u16 = 0x0002;
+    pub const LIST_EXPORTS: u16 = 0x0003;
+    pub const LIST_DIR: u16 = 0x0004;
+    pub const STAT: u16 = 0x0005;
+    pub const OPEN: u16 = 0x0006;
+    pub const CLOSE: u16 = 0x0007;
+    pub const REMOVE: u16 = 0x0008;
+    pub const RENAME: u16 = 0x0009;
+    pub const MKDIR: u16 = 0x000a;
+    pub const SET_SIZE: u16 = 0x000b;
+    pub const FSYNC: u16 = 0x000c;
+    pub const NEGOTIATE: u16 = 0x000d;
+    pub const PING: u16 = 0x000e;
+    pub const BYE: u16 = 0x000f;
+
+    pub const OK: u16 = 0x8000;
+    pub const HELLO_OK: u16 = 0x8001;
+    pub const LOGIN_OK: u16 = 0x8002;
+    pub const EXPORTS: u16 = 0x8003;
+    pub const DIR_PAGE: u16 = 0x8004;
+    pub const ATTR: u16 = 0x8005;
+    pub const OPENED: u16 = 0x8006;
+    pub const NEGOTIATED: u16 = 0x800d;
+    pub const ERROR: u16 = 0x80ff;
+}
+
+/// Why a body did not decode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed side-channel message: {0}")]
+pub struct DecodeError(pub &'static str);
+
+impl From<DecodeError> for Error {
+    fn from(e: DecodeError) -> Error {
+        Error::new(ErrorCode::BadRequest, e.to_string())
+    }
+}
+
+// ---------------------------------------------------------------- writer
+
+#[derive(Default)]
+pub(crate) struct W(pub(crate) Vec<u8>);
+
+impl W {
+    fn head(t: u16, id: u32) -> W {
+        let mut w = W(Vec::with_capacity(64));
+        w.u16(t);
+        w.u16(0);
+        w.u32(id);
+        w
+    }
+    pub(crate) fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    pub(crate) fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub(crate) fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub(crate) fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub(crate) fn i64(&mut self, v: i64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub(crate) fn bool(&mut self, v: bool) {
+        self.u8(v as u8);
+    }
+    pub(crate) fn raw(&mut self, v: &[u8]) {
+        self.0.extend_from_slice(v);
+    }
+    /// u16 length + UTF-8; longer strings are cut at a char boundary.
+    pub(crate) fn str(&mut self, s: &str) {
+        let mut n = s.len().min(u16::MAX as usize);
+        while !s.is_char_boundary(n) {
+            n -= 1;
+        }
+        self.u16(n as u16);
+        self.raw(&s.as_bytes()[..n]);
+    }
+    pub(crate) fn bytes(&mut self, b: &[u8]) {
+        self.u32(b.len() as u32);
+        self.raw(b);
+    }
+    fn attr(&mut self, a: &Attr) {
+        self.u8(a.kind as u8);
+        self.u32(a.perm);
+        self.u64(a.size);
+        self.i64(a.mtime_ns);
+    }
+}
+
+// ---------------------------------------------------------------- reader
+
+pub(crate) struct R<'a> {
+    pub(crate) b: &'a [u8],
+}
+
+impl<'a> R<'a> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.b.len() < n {
+            return Err(DecodeError("truncated"));
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+    pub(crate) fn arr<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    pub(crate) fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+    pub(crate) fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.arr()?))
+    }
+    pub(crate) fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+    pub(crate) fn i64(&mut self) -> Result<i64, DecodeError> {
+        Ok(i64::from_le_bytes(self.arr()?))
+    }
+    pub(crate) fn bool(&mut self) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(DecodeError("boolean not 0 or 1")),
+        }
+    }
+    pub(crate) fn str(&mut self) -> Result<String, DecodeError> {
+        let n = self.u16()? as usize;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| DecodeError("string is not UTF-8"))
+    }
+    pub(crate) fn bytes(&mut self) -> Result<Vec<u8>, DecodeError> {
+        let n = self.u32()? as usize;
+        Ok(self.take(n)?.to_vec())
+    }
+    /// A u32 count, checked against the bytes left (each item ≥ `min` bytes).
+    pub(crate) fn count(&mut self, min: usize) -> Result<usize, DecodeError> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min) > self.b.len() {
+            return Err(DecodeError("count exceeds message"));
+        }
+        Ok(n)
+    }
+    fn attr(&mut self) -> Result<Attr, DecodeError> {
+        let kind = FileKind::from_u8(self.u8()?).ok_or(DecodeError("unknown file kind"))?;
+        Ok(Attr {
+            kind,
+            perm: self.u32()?,
+            size: self.u64()?,
+            mtime_ns: self.i64()?,
+        })
+    }
+    pub(crate) fn end(&self) -> Result<(), DecodeError> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(DecodeError("trailing bytes"))
+        }
+    }
+}
+
+/// Body header: (type, id, payload).
+pub fn split_body(body: &[u8]) -> Result<(u16, u32, &[u8]), DecodeError> {
+    let mut r = R { b: body };
+    let t = r.u16()?;
+    let flags = r.u16()?;
+    if flags != 0 {
+        return Err(DecodeError("unknown flags"));
+    }
+    let id = r.u32()?;
+    Ok((t, id, r.b))
+}
+
+/// Serialised size of one listing entry (for paging).
+pub fn dir_entry_len(e: &WireDirEntry) -> usize {
+    2 + e.name.len().min(u16::MAX as usize) + 21
+}
+
+impl Request {
+    /// Encode as a frame body with request id `id`.
+    pub fn encode(&self, id: u32) -> Vec<u8> {
+        let mut w;
+        match self {
+            Request::Hello {
+                version,
+                client_name,
+            } => {
+                w = W::head(ty::HELLO, id);
+                w.raw(&MAGIC);
+                w.u16(*version);
+                w.str(client_name);
+            }
+            Request::Login(l) => {
+                w = W::head(ty::LOGIN, id);
+                match l {
+                    LoginRequest::Anonymous => w.u8(0),
+                    LoginRequest::Token {
+                        client_nonce,
+                        proof,
+                    } => {
+                        w.u8(1);
+                        w.raw(client_nonce);
+                        w.raw(proof);
+                    }
+                }
+            }
+            Request::ListExports => w = W::head(ty::LIST_EXPORTS, id),
+            Request::ListDir {
+                export,
+                path,
+                cookie,
+            } => {
+                w = W::head(ty::LIST_DIR, id);
+                w.str(export);
+                w.str(path);
+                w.u64(*cookie);
+            }
+            Request::Stat { export, path } => {
+                w = W::head(ty::STAT, id);
+                w.str(export);
+                w.str(path);
+            }
+            Request::Open {
+                export,
+                path,
+                access,
+                flags,
+                mode,
+            } => {
+                w = W::head(ty::OPEN, id);
+                w.str(export);
+                w.str(path);
+                w.u32(*access);
+                w.u32(*flags);
+                w.u32(*mode);
+            }
+            Request::Close { handle } => {
+                w = W::head(ty::CLOSE, id);
+                w.u64(*handle);
+            }
+            Request::Remove { export, path } => {
+                w = W::head(ty::REMOVE, id);
+                w.str(export);
+                w.str(path);
+            }
+            Request::Rename {
+                export,
+                from,
+                to,
+                replace,
+            } => {
+                w = W::head(ty::RENAME, id);
+                w.str(export);
+                w.str(from);
+                w.str(to);
+                w.bool(*replace);
+            }
+            Request::Mkdir {
+                export,
+                path,
+                mode,
+                parents,
+            } => {
+                w = W::head(ty::MKDIR, id);
+                w.str(export);
+                w.str(path);
+                w.u32(*mode);
+                w.bool(*parents);
+            }
+            Request::SetSize { handle, size } => {
+                w = W::head(ty::SET_SIZE, id);
+                w.u64(*handle);
+                w.u64(*size);
+            }
+            Request::Fsync { handle, data_only } => {
+                w = W::head(ty::FSYNC, id);
+                w.u64(*handle);
+                w.bool(*data_only);
+            }
+            Request::Negotiate { request } => {
+                w = W::head(ty::NEGOTIATE, id);
+                w.bytes(request);
+            }
+            Request::Ping => w = W::head(ty::PING, id),
+            Request::Bye => w = W::head(ty::BYE, id),
+        }
+        w.0
+    }
+
+    /// Decode a frame body: (id, request).
+    pub fn decode(body: &[u8]) -> Result<(u32, Request), DecodeError> {
+        let (t, id, payload) = split_body(body)?;
+        let mut r = R { b: payload };
+        let req = match t {
+            ty::HELLO => {
+                if r.arr::<4>()? != MAGIC {
+                    return Err(DecodeError("bad magic (not an lwio client?)"));
+                }
+                Request::Hello {
+                    version: r.u16()?,
+                    client_name: r.str()?,
+                }
+            }
+            ty::LOGIN => match r.u8()? {
+                0 => Request::Login(LoginRequest::Anonymous),
+                1 => Request::Login(LoginRequest::Token {
+                    client_nonce: r.arr()?,
+                    proof: r.arr()?,
+                }),
+                _ => return Err(DecodeError("unknown login method")),
+            },
+            ty::LIST_EXPORTS => Request::ListExports,
+            ty::LIST_DIR => Request::ListDir {
+                export: r.str()?,
+                path: r.str()?,
+                cookie: r.u64()?,
+            },
+            ty::STAT => Request::Stat {
+                export: r.str()?,
+                path: r.str()?,
+            },
+            ty::OPEN => {
+                let (export, path) = (r.str()?, r.str()?);
+                let (access, flags, mode) = (r.u32()?, r.u32()?, r.u32()?);
+                if access & !(ACCESS_READ | ACCESS_WRITE) != 0 || flags & !OPEN_KNOWN != 0 {
+                    return Err(DecodeError("unknown open access or flag bits"));
+                }
+                Request::Open {
+                    export,
+                    path,
+                    access,
+                    flags,
+                    mode,
+                }
+            }
+            ty::CLOSE => Request::Close { handle: r.u64()? },
+            ty::REMOVE => Request::Remove {
+                export: r.str()?,
+                path: r.str()?,
+            },
+            ty::RENAME => Request::Rename {
+                export: r.str()?,
+                from: r.str()?,
+                to: r.str()?,
+                replace: r.bool()?,
+            },
+            ty::MKDIR => Request::Mkdir {
+                export: r.str()?,
+                path: r.str()?,
+                mode: r.u32()?,
+                parents: r.bool()?,
+            },
+            ty::SET_SIZE => Request::SetSize {
+                handle: r.u64()?,
+                size: r.u64()?,
+            },
+            ty::FSYNC => Request::Fsync {
+                handle: r.u64()?,
+                data_only: r.bool()?,
+            },
+            ty::NEGOTIATE => Request::Negotiate {
+                request: r.bytes()?,
+            },
+            ty::PING => Request::Ping,
+            ty::BYE => Request::Bye,
+            _ => return Err(DecodeError("unknown request type")),
+        };
+        r.end()?;
+        Ok((id, req))
+    }
+}
+
+impl Response {
+    /// Encode as a frame body answering request `id`.
+    pub fn encode(&self, id: u32) -> Vec<u8> {
+        let mut w;
+        match self {
+            Response::Ok => w = W::head(ty::OK, id),
+            Response::Error(e) => {
+                w = W::head(ty::ERROR, id);
+                w.u16(e.code as u16);
+                w.str(&e.message);
+            }
+            Response::Hello {
+                version,
+                server_name,
+                server_nonce,
+                auth_methods,
+                max_frame,
+            } => {
+                w = W::head(ty::HELLO_OK, id);
+                w.raw(&MAGIC);
+                w.u16(*version);
+                w.str(server_name);
+                w.raw(server_nonce);
+                w.u32(*auth_methods);
+                w.u32(*max_frame);
+            }
+            Response::LoginOk {
+                session_id,
+                server_proof,
+            } => {
+                w = W::head(ty::LOGIN_OK, id);
+                w.u64(*session_id);
+                w.raw(server_proof);
+            }
+            Response::Exports(list) => {
+                w = W::head(ty::EXPORTS, id);
+                w.u32(list.len() as u32);
+                for e in list {
+                    w.str(&e.name);
+                    w.bool(e.read_only);
+                }
+            }
+            Response::DirPage {
+                entries,
+                next_cookie,
+            } => {
+                w = W::head(ty::DIR_PAGE, id);
+                w.u64(*next_cookie);
+                w.u32(entries.len() as u32);
+                for e in entries {
+                    w.str(&e.name);
+                    w.attr(&e.attr);
+                }
+            }
+            Response::Attr(a) => {
+                w = W::head(ty::ATTR, id);
+                w.attr(a);
+            }
+            Response::Opened {
+                handle,
+                size,
+                align,
+                resume_key,
+            } => {
+                w = W::head(ty::OPENED, id);
+                w.u64(*handle);
+                w.u64(*size);
+                w.u32(*align);
+                w.bytes(resume_key);
+            }
+            Response::Negotiated { response } => {
+                w = W::head(ty::NEGOTIATED, id);
+                w.bytes(response);
+            }
+        }
+        w.0
+    }
+
+    /// Decode a frame body: (id, response). Unknown error codes decode as
+    /// [`ErrorCode::Io`] with the number in the message.
+    pub fn decode(body: &[u8]) -> Result<(u32, Response), DecodeError> {
+        let (t, id, payload) = split_body(body)?;
+        let mut r = R { b: payload };
+        let resp = match t {
+            ty::OK => Response::Ok,
+            ty::ERROR => {
+                let raw = r.u16()?;
+                let message = r.str()?;
+                Response::Error(match ErrorCode::from_u16(raw) {
+                    Some(code) => Error::new(code, message),
+                    None => Error::new(
+                        ErrorCode::Io,
+                        format!("{message} (server error code {raw})"),
+                    ),
+                })
+            }
+            ty::HELLO_OK => {
+                if r.arr::<4>()? != MAGIC {
+                    return Err(DecodeError("bad magic (not an lwio server?)"));
+                }
+                Response::Hello {
+                    version: r.u16()?,
+                    server_name: r.str()?,
+                    server_nonce: r.arr()?,
+                    auth_methods: r.u32()?,
+                    max_frame: r.u32()?,
+                }
+            }
+            ty::LOGIN_OK => Response::LoginOk {
+                session_id: r.u64()?,
+                server_proof: r.arr()?,
+            },
+            ty::EXPORTS => {
+                let n = r.count(3)?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(ExportInfo {
+                        name: r.str()?,
+                        read_only: r.bool()?,
+                    });
+                }
+                Response::Exports(v)
+            }
+            ty::DIR_PAGE => {
+                let next_cookie = r.u64()?;
+                let n = r.count(23)?;
+                let mut entries = Vec::with_capacity(n);
+                for _ in 0..n {
+                    entries.push(WireDirEntry {
+                        name: r.str()?,
+                        attr: r.attr()?,
+                    });
+                }
+                Response::DirPage {
+                    entries,
+                    next_cookie,
+                }
+            }
+            ty::ATTR => Response::Attr(r.attr()?),
+            ty::OPENED => Response::Opened {
+                handle: r.u64()?,
+                size: r.u64()?,
+                align: r.u32()?,
+                resume_key: r.bytes()?,
+            },
+            ty::NEGOTIATED => Response::Negotiated {
+                response: r.bytes()?,
+            },
+            _ => return Err(DecodeError("unknown response type")),
+        };
+        r.end()?;
+        Ok((id, resp))
+    }
+}
+
+// ---------------------------------------------------------------- frames
+
+/// Frame-level failure.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {0} bytes exceeds the limit of {1}")]
+    TooLarge(u32, u32),
+}
+
+/// Read one frame body. `Ok(None)` on a clean end of stream before a frame.
+pub async fn read_frame<Rd: AsyncRead + Unpin>(
+    r: &mut Rd,
+    max: u32,
+) -> Result<Option<Vec<u8>>, FrameError> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        let n = r.read(&mut len[got..]).await?;
+        if n == 0 {
+            if got == 0 {
+                return Ok(None);
+            }
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
+        got += n;
+    }
+    let n = u32::from_le_bytes(len);
+    if n > max {
+        return Err(FrameError::TooLarge(n, max));
+    }
+    let mut body = vec![0u8; n as usize];
+    r.read_exact(&mut body).await?;
+    Ok(Some(body))
+}
+
+/// Write one frame (length prefix + body) and flush.
+pub async fn write_frame<Wr: AsyncWrite + Unpin>(w: &mut Wr, body: &[u8]) -> std::io::Result<()> {
+    let len = u32::try_from(body.len())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "frame too large"))?;
+    let mut buf = Vec::with_capacity(4 + body.len());
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(body);
+    w.write_all(&buf).await?;
+    w.flush().await
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,324 @@
+use super::*;
+use proptest::prelude::*;
+
+fn attr() -> Attr {
+    Attr {
+        kind: FileKind::File,
+        perm: 0o644,
+        size: 5,
+        mtime_ns: 1_700_000_000_000_000_000,
+    }
+}
+
+fn all_requests() -> Vec<Request> {
+    vec![
+        Request::Hello {
+            version: 1,
+            client_name: "app1".into(),
+        },
+        Request::Login(LoginRequest::Anonymous),
+        Request::Login(LoginRequest::Token {
+            client_nonce: [7; 32],
+            proof: [9; 32],
+        }),
+        Request::ListExports,
+        Request::ListDir {
+            export: "e".into(),
+            path: "a/b".into(),
+            cookie: 3,
+        },
+        Request::Stat {
+            export: "e".into(),
+            path: "x".into(),
+        },
+        Request::Open {
+            export: "e".into(),
+            path: "f".into(),
+            access: ACCESS_READ | ACCESS_WRITE,
+            flags: OPEN_CREATE | OPEN_NO_BUFFERING,
+            mode: 0o600,
+        },
+        Request::Close { handle: 42 },
+        Request::Remove {
+            export: "e".into(),
+            path: "f".into(),
+        },
+        Request::Rename {
+            export: "e".into(),
+            from: "a".into(),
+            to: "b".into(),
+            replace: true,
+        },
+        Request::Mkdir {
+            export: "e".into(),
+            path: "d".into(),
+            mode: 0o755,
+            parents: false,
+        },
+        Request::SetSize {
+            handle: 1,
+            size: 1 << 40,
+        },
+        Request::Fsync {
+            handle: 1,
+            data_only: true,
+        },
+        Request::Negotiate {
+            request: vec![1, 2, 3],
+        },
+        Request::Ping,
+        Request::Bye,
+    ]
+}
+
+fn all_responses() -> Vec<Response> {
+    vec![
+        Response::Ok,
+        Response::Error(Error::new(
+            ErrorCode::NotFound,
+            "e/x: No such file or directory",
+        )),
+        Response::Hello {
+            version: 1,
+            server_name: "stor1".into(),
+            server_nonce: [3; 32],
+            auth_methods: AUTH_TOKEN,
+            max_frame: DEFAULT_MAX_FRAME,
+        },
+        Response::LoginOk {
+            session_id: 77,
+            server_proof: [5; 32],
+        },
+        Response::Exports(vec![ExportInfo {
+            name: "e".into(),
+            read_only: true,
+        }]),
+        Response::DirPage {
+            entries: vec![WireDirEntry {
+                name: "f".into(),
+                attr: attr(),
+            }],
+            next_cookie: 0,
+        },
+        Response::Attr(attr()),
+        Response::Opened {
+            handle: 1,
+            size: 2,
+            align: 4096,
+            resume_key: vec![0; 26],
+        },
+        Response::Negotiated {
+            response: vec![4, 5],
+        },
+    ]
+}
+
+#[test]
+fn round_trips() {
+    for (i, r) in all_requests().into_iter().enumerate() {
+        let b = r.encode(i as u32);
+        assert_eq!(Request::decode(&b).unwrap(), (i as u32, r));
+    }
+    for (i, r) in all_responses().into_iter().enumerate() {
+        let b = r.encode(i as u32 + 100);
+        assert_eq!(Response::decode(&b).unwrap(), (i as u32 + 100, r));
+    }
+}
+
+#[test]
+fn golden_hello() {
+    let b = Request::Hello {
+        version: 1,
+        client_name: "ab".into(),
+    }
+    .encode(0x01020304);
+    assert_eq!(
+        b,
+        [
+            0x01, 0x00, // type HELLO
+            0x00, 0x00, // flags
+            0x04, 0x03, 0x02, 0x01, // id
+            b'L', b'W', b'S', b'C', // magic
+            0x01, 0x00, // version 1
+            0x02, 0x00, b'a', b'b', // client name
+        ]
+    );
+}
+
+#[test]
+fn golden_stat_and_attr() {
+    let b = Request::Stat {
+        export: "e".into(),
+        path: "f".into(),
+    }
+    .encode(1);
+    assert_eq!(b, [0x05, 0, 0, 0, 1, 0, 0, 0, 1, 0, b'e', 1, 0, b'f']);
+    let a = Attr {
+        kind: FileKind::Dir,
+        perm: 0o755,
+        size: 0x1122,
+        mtime_ns: -1,
+    };
+    let b = Response::Attr(a).encode(1);
+    let mut want = vec![0x05, 0x80, 0, 0, 1, 0, 0, 0, 2];
+    want.extend_from_slice(&0o755u32.to_le_bytes());
+    want.extend_from_slice(&[0x22, 0x11, 0, 0, 0, 0, 0, 0]);
+    want.extend_from_slice(&[0xff; 8]);
+    assert_eq!(b, want);
+}
+
+#[test]
+fn golden_error_and_login() {
+    let b = Response::Error(Error::new(ErrorCode::AuthFailed, "no")).encode(9);
+    assert_eq!(b, [0xff, 0x80, 0, 0, 9, 0, 0, 0, 10, 0, 2, 0, b'n', b'o']);
+    let b = Request::Login(LoginRequest::Token {
+        client_nonce: [0xaa; 32],
+        proof: [0xbb; 32],
+    })
+    .encode(2);
+    assert_eq!(b.len(), 8 + 1 + 64);
+    assert_eq!(&b[..9], &[0x02, 0, 0, 0, 2, 0, 0, 0, 1]);
+    assert_eq!(&b[9..41], &[0xaa; 32]);
+    assert_eq!(&b[41..], &[0xbb; 32]);
+}
+
+#[test]
+fn golden_open() {
+    let b = Request::Open {
+        export: "e".into(),
+        path: "p".into(),
+        access: ACCESS_WRITE,
+        flags: OPEN_CREATE | OPEN_TRUNCATE,
+        mode: 0o644,
+    }
+    .encode(5);
+    let mut want = vec![
+        0x06, 0, 0, 0, 5, 0, 0, 0, 1, 0, b'e', 1, 0, b'p', 2, 0, 0, 0, 5, 0, 0, 0,
+    ];
+    want.extend_from_slice(&0o644u32.to_le_bytes());
+    assert_eq!(b, want);
+}
+
+#[test]
+fn strictness() {
+    let mut b = Request::Ping.encode(1);
+    b.push(0);
+    assert_eq!(
+        Request::decode(&b).unwrap_err(),
+        DecodeError("trailing bytes")
+    );
+    let mut b = Request::Ping.encode(1);
+    b[2] = 1;
+    assert_eq!(
+        Request::decode(&b).unwrap_err(),
+        DecodeError("unknown flags")
+    );
+    let b = Request::Rename {
+        export: "e".into(),
+        from: "a".into(),
+        to: "b".into(),
+        replace: true,
+    }
+    .encode(1);
+    let mut bad = b.clone();
+    *bad.last_mut().unwrap() = 2;
+    assert!(Request::decode(&bad).is_err());
+    let mut b = Request::Hello {
+        version: 1,
+        client_name: String::new(),
+    }
+    .encode(1);
+    b[8] = b'X';
+    assert!(Request::decode(&b).is_err());
+    // Unknown open bits.
+    let b = Request::Open {
+        export: "e".into(),
+        path: "p".into(),
+        access: 4,
+        flags: 0,
+        mode: 0,
+    }
+    .encode(1);
+    assert!(Request::decode(&b).is_err());
+    // Invalid UTF-8.
+    let b = [0x05, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0xff, 0, 0];
+    assert_eq!(
+        Request::decode(&b).unwrap_err(),
+        DecodeError("string is not UTF-8")
+    );
+    // Huge count.
+    let mut b = vec![0x03, 0x80, 0, 0, 1, 0, 0, 0];
+    b.extend_from_slice(&u32::MAX.to_le_bytes());
+    assert_eq!(
+        Response::decode(&b).unwrap_err(),
+        DecodeError("count exceeds message")
+    );
+    // Unknown error codes survive.
+    let b = [0xff, 0x80, 0, 0, 1, 0, 0, 0, 0xe7, 0x03, 0, 0];
+    match Response::decode(&b).unwrap().1 {
+        Response::Error(e) => assert!(e.message.contains("999")),
+        r => panic!("{r:?}"),
+    }
+}
+
+#[test]
+fn every_truncation_fails_cleanly() {
+    for r in all_requests() {
+        let b = r.encode(1);
+        for n in 0..b.len() {
+            assert!(Request::decode(&b[..n]).is_err(), "{r:?} cut at {n}");
+        }
+    }
+    for r in all_responses() {
+        let b = r.encode(1);
+        for n in 0..b.len() {
+            assert!(Response::decode(&b[..n]).is_err(), "{r:?} cut at {n}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn frames() {
+    let (mut a, mut b) = tokio::io::duplex(1 << 16);
+    write_frame(&mut a, b"hello").await.unwrap();
+    write_frame(&mut a, &[0u8; 100]).await.unwrap();
+    assert_eq!(read_frame(&mut b, 1000).await.unwrap().unwrap(), b"hello");
+    match read_frame(&mut b, 50).await {
+        Err(FrameError::TooLarge(100, 50)) => {}
+        r => panic!("{r:?}"),
+    }
+    drop(a);
+    let (mut a, mut b) = tokio::io::duplex(64);
+    drop(a.shutdown().await);
+    drop(a);
+    assert!(read_frame(&mut b, 10).await.unwrap().is_none());
+    let (mut a, mut b) = tokio::io::duplex(64);
+    a.write_all(&[5, 0]).await.unwrap();
+    drop(a);
+    assert!(read_frame(&mut b, 10).await.is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = Request::decode(&bytes);
+        let _ = Response::decode(&bytes);
+    }
+
+    #[test]
+    fn mutated_messages_never_panic(idx in 0usize..16, pos in any::<usize>(), val in any::<u8>(), cut in any::<usize>()) {
+        let reqs = all_requests();
+        let mut b = reqs[idx % reqs.len()].encode(1);
+        let p = pos % b.len();
+        b[p] = val;
+        let c = cut % (b.len() + 1);
+        let _ = Request::decode(&b[..c]);
+        let resps = all_responses();
+        let mut b = resps[idx % resps.len()].encode(1);
+        let p = pos % b.len();
+        b[p] = val;
+        let _ = Response::decode(&b);
+    }
+}
