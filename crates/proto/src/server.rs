@@ -271,6 +271,12 @@ impl ServerConn {
     pub fn pending_ops(&self) -> usize {
         self.ops.len()
     }
+    /// Every registered file (including ones closing with I/O in flight)
+    /// as (Fid, file handle): what the embedder must release when the
+    /// connection is torn down.
+    pub fn registered_files(&self) -> Vec<(u16, u64)> {
+        self.fids.iter().map(|(fid, f)| (*fid, f.file)).collect()
+    }
 
     /// Next action to carry out.
     pub fn poll_action(&mut self) -> Option<ServerAction> {
@@ -880,12 +886,16 @@ impl ServerConn {
         let Some(p) = self.ops.remove(&op) else {
             return;
         };
-        let closed = self.state == State::Closed;
+        if self.state == State::Closed {
+            // After CloseConnection nothing is produced; the embedder
+            // releases every buffer and file of the connection itself.
+            return;
+        }
         if let Some(f) = self.fids.get_mut(&p.fid) {
             f.inflight = f.inflight.saturating_sub(1);
         }
         let is_read = !matches!(p.kind, IoKind::Write);
-        if !closed {
+        {
             match p.kind {
                 IoKind::Write => match result {
                     Ok(n) => self.complete_io(p.mode, n.min(p.requested), STATUS_SUCCESS, false),

@@ -1175,3 +1175,125 @@ fn server_auth_params_are_what_the_doc_says() {
     assert_eq!(p.session_id, Some(SESSION));
     assert_eq!(p.signature.as_ref().map(|s| s.len()), Some(32));
 }
+
+#[test]
+fn close_with_io_in_flight_defers_close_file() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    let r = s.client.read(fid, 0, 64, DATA, Mode::Polled).unwrap();
+    s.pump();
+    let c = s.client.close_file(fid).unwrap();
+    s.pump();
+    assert_eq!(s.completion(c), Some((0, STATUS_SUCCESS)));
+    assert!(
+        s.storage.closed_files.is_empty(),
+        "file still has I/O in flight"
+    );
+    assert_eq!(s.server.open_fids(), 0);
+    assert_eq!(s.server.registered_files(), vec![(fid, 1)]);
+    s.release_held();
+    assert_eq!(s.completion(r), Some((64, STATUS_SUCCESS)));
+    assert_eq!(s.storage.closed_files, vec![(fid, 1)]);
+    // Fids are not reused right away.
+    assert_eq!(s.register(RK_PLAIN, 0), fid + 1);
+}
+
+#[test]
+fn nothing_after_close_connection() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    s.client.read(fid, 0, 64, DATA, Mode::Interrupt).unwrap();
+    s.pump();
+    s.inject(raw(RequestOp::Close { fid, cookie: 0 }));
+    assert_eq!(
+        s.server_closed,
+        Some(CloseReason::ProtocolViolation("cookie 0"))
+    );
+    let held = std::mem::take(&mut s.storage.held);
+    for a in held {
+        let (op, r) = s.storage.perform(&a);
+        s.server.handle_storage_complete(s.now, op, r);
+    }
+    assert_eq!(s.server.poll_action(), None);
+    assert_eq!(
+        s.server.start_credit_delta(s.now, 1),
+        Err(CreditError::Closed)
+    );
+    assert_eq!(s.server.poll_timeout(), None);
+}
+
+#[test]
+fn polled_sentinel_is_ignored_and_immediate_only_on_last_region() {
+    let mut scfg = server_cfg();
+    scfg.use_write_with_imm = true;
+    let mut s = Sim::with(scfg, client_cfg());
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    // Sentinel reads as "not yet written".
+    s.storage.defer = true;
+    let r = s.client.read(fid, 0, 8, DATA, Mode::Polled).unwrap();
+    s.pump();
+    let slot = s.client.polled_slots()[0];
+    assert_eq!(
+        s.mem.read_at(IOS_BASE + 8 * u64::from(slot), 8),
+        IoStatusBlock::PENDING.to_bytes().to_vec()
+    );
+    s.client
+        .status_block_updated(s.now, slot, 0, STATUS_PENDING);
+    assert_eq!(s.client.outstanding(), 1);
+    s.release_held();
+    assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
+
+    // VEC_READ with immediate: one RDMA write per region, imm on the last.
+    s.storage.defer = false;
+    let regions = [
+        RdmaRegion {
+            data_va: PAGES,
+            data_mh: 4,
+            length: 4096,
+        },
+        RdmaRegion {
+            data_va: PAGES + 4096,
+            data_mh: 4,
+            length: 512,
+        },
+    ];
+    s.client
+        .vec_read(fid, 0, 4608, 4096, &regions, Mode::Interrupt)
+        .unwrap();
+    let send = match s.client.poll_action() {
+        Some(ClientAction::Send(b)) => b,
+        a => panic!("{a:?}"),
+    };
+    s.server.handle_recv(s.now, &send, &mut s.hooks);
+    let read = match s.server.poll_action() {
+        Some(a @ ServerAction::FileRead { .. }) => a,
+        a => panic!("{a:?}"),
+    };
+    let (op, res) = s.storage.perform(&read);
+    s.server.handle_storage_complete(s.now, op, res);
+    let acts: Vec<_> = std::iter::from_fn(|| s.server.poll_action()).collect();
+    let imms: Vec<_> = acts
+        .iter()
+        .filter_map(|a| match a {
+            ServerAction::RdmaWrite {
+                imm,
+                data: DataSource::ReadBuffer { .. },
+                ..
+            } => Some(*imm),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(imms.len(), 2);
+    assert_eq!(imms[0], None);
+    assert!(imms[1].is_some());
+    assert!(
+        !acts.iter().any(|a| matches!(a, ServerAction::Send(_))),
+        "no status response"
+    );
+    assert_eq!(acts.last(), Some(&ServerAction::ReleaseReadBuffer { op }));
+}
