@@ -17,6 +17,9 @@ use crate::wire::{
     StatusResponse, COMMON_HEADER_LEN, LWIO_REV_ID,
 };
 
+/// Minimum size of the auth buffer; the server's AUTH_PARAMS must fit.
+pub const AUTH_BUFFER_MIN: usize = 256;
+
 /// Client-chosen request id: the Cookie in interrupt mode (never 0).
 pub type ReqId = u64;
 
@@ -247,7 +250,10 @@ impl ClientConn {
     /// Address of a status block slot.
     pub fn slot_addr(&self, slot: u32) -> Option<u64> {
         let a = self.cfg.status_blocks?;
-        (slot < a.slots).then(|| a.base + 8 * u64::from(slot))
+        if slot >= a.slots {
+            return None;
+        }
+        a.base.checked_add(8 * u64::from(slot))
     }
 
     fn close(&mut self, reason: CloseReason) {
@@ -384,8 +390,9 @@ impl ClientConn {
             }
             Mode::Polled => {
                 let area = self.cfg.status_blocks.ok_or(ClientError::NoStatusBlock)?;
-                let slot = self.free_slots.pop().ok_or(ClientError::NoStatusBlock)?;
-                let ios_va = area.base + 8 * u64::from(slot);
+                let slot = *self.free_slots.last().ok_or(ClientError::NoStatusBlock)?;
+                let ios_va = self.slot_addr(slot).ok_or(ClientError::InvalidArgument)?;
+                self.free_slots.pop();
                 Ok((
                     cookie,
                     CompletionMode::Polled {
@@ -734,8 +741,11 @@ impl ClientConn {
             return self.close(CloseReason::ServerMisbehaved("authentication refused"));
         }
         let len = (s.ios.information as usize).saturating_sub(8);
-        let verified = mem
-            .read(self.cfg.auth_buffer.addr, len)
+        // The auth buffer is at least AUTH_BUFFER_MIN bytes; longer params
+        // are refused rather than read.
+        let verified = (len <= AUTH_BUFFER_MIN)
+            .then(|| mem.read(self.cfg.auth_buffer.addr, len))
+            .flatten()
             .and_then(|raw| AuthParamsRepr::verify(&raw, &self.cfg.secret).ok());
         let Some((p, alg)) = verified else {
             self.events.push_back(ClientEvent::AuthFailed {

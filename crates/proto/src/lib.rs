@@ -2,6 +2,33 @@
 //! (`sidechannel`) and sans-IO protocol state machines (`server`, `client`).
 //!
 //! The normative description is `docs/protocol.md`.
+//!
+//! ```
+//! use lwio_proto::wire::common::{CompletionMode, RequestOp};
+//! use lwio_proto::wire::{RequestRepr, StatusResponse};
+//!
+//! // A READ request in interrupt mode, as the client sends it.
+//! let req = RequestRepr {
+//!     credits: 1,
+//!     sequence: 0,
+//!     tid: 0,
+//!     op: RequestOp::Read {
+//!         fid: 1,
+//!         offset: 0,
+//!         length: 4096,
+//!         data_va: 0x1000,
+//!         data_mh: 7,
+//!         mode: CompletionMode::Interrupt { cookie: 42, immediate_cookie: 42 },
+//!     },
+//! };
+//! let bytes = req.to_bytes().unwrap();
+//! assert_eq!(bytes.len(), 56);
+//! assert_eq!(RequestRepr::parse(&bytes).unwrap(), req);
+//!
+//! // The server's 16-byte answer.
+//! let resp = StatusResponse::from_bytes(&[42, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 0, 0, 0]).unwrap();
+//! assert_eq!((resp.cookie, resp.ios.information, resp.ios.status), (42, 4096, 0));
+//! ```
 #![forbid(unsafe_code)]
 
 pub mod client;

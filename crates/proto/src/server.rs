@@ -537,7 +537,7 @@ impl ServerConn {
     ) {
         match self.verify_auth(params, hooks) {
             Ok((client, alg, secret)) => {
-                let granted = client.credits.clamp(1, self.cfg.max_credits.max(1));
+                let granted = client.credits.clamp(1, self.cfg.max_credits.clamp(1, 255));
                 let mine = AuthParamsRepr {
                     rev_id: LWIO_REV_ID,
                     endian: ENDIAN_64,
