@@ -196,7 +196,8 @@ for l in $DLOPEN_LIBS; do [ -e "$l" ] || die "host lacks $l"; done
 # the base image depends on this script's guest part, busybox, siw.ko and the tools
 SUM=$( { echo "$MODS|$TOOLS|$DLOPEN_LIBS"; sed -n '/^# >>> base-image-start/,/^# <<< base-image-end/p' "$0"; cat /bin/busybox ${SIWKO:+"$SIWKO"} $DLOPEN_LIBS \
          $(for t in $TOOLS; do command -v $t; done) $ML/libibverbs/lib{rxe,siw}-rdmav*.so; } | md5sum | cut -c1-8)
-BASE=$CACHE/base-$KVER-$SUM.cpio.gz
+VARIANT=$([ -n "$SIWKO" ] && echo siw || echo nosiw)   # -d rxe runs do not need (nor build) siw.ko
+BASE=$CACHE/base-$KVER-$VARIANT-$SUM.cpio.gz
 # >>> base-image-start
 build_base() {
   log "building base initramfs $BASE"
@@ -290,8 +291,8 @@ EOF
   chmod +x "$R/init"
   (cd "$R" && find . | cpio -o -H newc --quiet | gzip -1) > "$BASE.tmp" && mv "$BASE.tmp" "$BASE"
   rm -rf "$R"
-  # drop stale base images of this kernel (we hold the exclusive lock: nobody is reading them)
-  find "$CACHE" -maxdepth 1 -name "base-$KVER-*.cpio.gz" ! -name "$(basename "$BASE")" -delete
+  # drop stale base images of this kernel+variant (we hold the exclusive lock: nobody reads them)
+  find "$CACHE" -maxdepth 1 -name "base-$KVER-$VARIANT-*.cpio.gz" ! -name "$(basename "$BASE")" -delete
 }
 # <<< base-image-end
 [ -f "$BASE" ] || build_base
