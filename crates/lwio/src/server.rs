@@ -29,7 +29,7 @@ use crate::fs::backend::{open_backend, Backend};
 use crate::fs::table::{Denied, OpenFile, OpenFileTable, SessionId, SrvResumeKey};
 use crate::fs::{ExportSpec, Exports, ResolveMode};
 use crate::side::auth::Token;
-use crate::side::negotiate::ProviderAddrs;
+use crate::side::negotiate::{AddressBlockRepr, Guid};
 
 /// A 32-byte per-session secret; `Debug` does not show it.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -55,14 +55,14 @@ pub struct SessionInfo {
 /// What a negotiate over the pipe left behind for the RDMA AUTH.
 #[derive(Debug, Clone)]
 pub struct NegotiatedClient {
-    /// The server Key (GUID bytes) returned in the negotiate response.
-    pub key: [u8; 16],
+    /// The server Key (GUID) returned in the negotiate response.
+    pub key: Guid,
     /// The side-channel session that negotiated.
     pub session: SessionId,
     pub session_secret: SessionSecret,
     pub client_name: String,
     /// The client's own UUID from the negotiate request.
-    pub client_key: [u8; 16],
+    pub client_key: Guid,
     /// Names of the providers both sides share.
     pub providers: Vec<String>,
     pub expires: Instant,
@@ -135,7 +135,7 @@ impl Shutdown {
 pub trait RdmaPhase: Send + Sync + 'static {
     /// Providers and addresses to advertise in negotiate responses (the
     /// addresses clients connect their RDMA channels to).
-    fn endpoints(&self) -> Vec<ProviderAddrs>;
+    fn endpoints(&self) -> Vec<AddressBlockRepr>;
 
     /// Serve RDMA connections until `shutdown` triggers. Called once by
     /// [`Server::run`] on a dedicated thread; it must return promptly after
@@ -156,8 +156,8 @@ pub struct ServerState {
     pub provider: ProviderChoice,
     pub(crate) auth: AuthPolicy,
     sessions: Mutex<HashMap<SessionId, SessionInfo>>,
-    negotiations: Mutex<HashMap<[u8; 16], NegotiatedClient>>,
-    rdma_endpoints: RwLock<Vec<ProviderAddrs>>,
+    negotiations: Mutex<HashMap<Guid, NegotiatedClient>>,
+    rdma_endpoints: RwLock<Vec<AddressBlockRepr>>,
     next_session: AtomicU64,
 }
 
@@ -188,7 +188,7 @@ impl ServerState {
 
     /// For AUTH: who negotiated `key`, while the key is fresh and that
     /// side-channel session is still logged in.
-    pub fn lookup_negotiate_key(&self, key: &[u8; 16]) -> Option<NegotiatedClient> {
+    pub fn lookup_negotiate_key(&self, key: &Guid) -> Option<NegotiatedClient> {
         let n = lock(&self.negotiations).get(key).cloned()?;
         if Instant::now() >= n.expires || !lock(&self.sessions).contains_key(&n.session) {
             return None;
@@ -207,7 +207,7 @@ impl ServerState {
     }
 
     /// Providers/addresses advertised in negotiate responses.
-    pub fn rdma_endpoints(&self) -> Vec<ProviderAddrs> {
+    pub fn rdma_endpoints(&self) -> Vec<AddressBlockRepr> {
         self.rdma_endpoints
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -215,7 +215,7 @@ impl ServerState {
     }
 
     /// Replace the advertised endpoints (the RDMA phase, once listening).
-    pub fn set_rdma_endpoints(&self, v: Vec<ProviderAddrs>) {
+    pub fn set_rdma_endpoints(&self, v: Vec<AddressBlockRepr>) {
         *self
             .rdma_endpoints
             .write()
@@ -308,6 +308,18 @@ impl Server {
             return Err(Error::new(
                 ErrorCode::InvalidArgument,
                 "no token and anonymous access disabled: nobody could log in",
+            ));
+        }
+        if opts.server_name.is_empty()
+            || opts.server_name.encode_utf16().count() > crate::fs::table::MAX_SERVER_NAME
+        {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "server name {:?} must be 1 to {} characters",
+                    opts.server_name,
+                    crate::fs::table::MAX_SERVER_NAME
+                ),
             ));
         }
         let exports = Exports::open(&opts.exports, opts.resolve)?;

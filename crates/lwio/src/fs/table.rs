@@ -23,66 +23,22 @@ use crate::error::{Error, ErrorCode, Result};
 /// Identifies a side-channel session (assigned at login).
 pub type SessionId = u64;
 
-/// SRV_RESUME_KEY: opaque to the client.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct SrvResumeKey {
-    pub resume_key: u64,
-    pub timestamp: u64,
-    pub pid: u64,
+pub use lwio_proto::wire::{RequestResumeKeyRepr as SrvRequestResumeKey, SrvResumeKey};
+
+/// Longest server name usable as a resume key Context and negotiate SrvName
+/// (WCHAR[64] with a terminator), in UTF-16 code units.
+pub const MAX_SERVER_NAME: usize = lwio_proto::wire::LWIO_MAX_HOST_NAME - 1;
+
+/// Wire form of a request resume key (docs/protocol.md §2.2).
+pub fn encode_request_resume_key(k: &SrvRequestResumeKey) -> Vec<u8> {
+    // The server name is validated at start-up (MAX_SERVER_NAME), far below
+    // the 32767 code units where encoding could fail.
+    k.to_bytes().unwrap_or_default()
 }
 
-/// SRV_REQUEST_RESUME_KEY: the key plus the server name (Context) the client
-/// uses to reach the LWIO server.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SrvRequestResumeKey {
-    pub key: SrvResumeKey,
-    /// Server name; on the wire UTF-16LE without terminator.
-    pub context: String,
-}
-
-impl SrvRequestResumeKey {
-    /// Wire form (docs/protocol.md §2.2): three u64 LE, u16 ContextLength,
-    /// Context as UTF-16LE.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let ctx: Vec<u8> = self
-            .context
-            .encode_utf16()
-            .take(u16::MAX as usize / 2)
-            .flat_map(|u| u.to_le_bytes())
-            .collect();
-        let mut v = Vec::with_capacity(26 + ctx.len());
-        v.extend_from_slice(&self.key.resume_key.to_le_bytes());
-        v.extend_from_slice(&self.key.timestamp.to_le_bytes());
-        v.extend_from_slice(&self.key.pid.to_le_bytes());
-        v.extend_from_slice(&(ctx.len() as u16).to_le_bytes());
-        v.extend_from_slice(&ctx);
-        v
-    }
-
-    /// Parse the wire form; `None` if truncated, odd-length or not UTF-16.
-    pub fn from_bytes(b: &[u8]) -> Option<SrvRequestResumeKey> {
-        let u64_at = |o: usize| -> Option<u64> {
-            Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?))
-        };
-        let key = SrvResumeKey {
-            resume_key: u64_at(0)?,
-            timestamp: u64_at(8)?,
-            pid: u64_at(16)?,
-        };
-        let n = usize::from(u16::from_le_bytes(b.get(24..26)?.try_into().ok()?));
-        let ctx = b.get(26..26 + n)?;
-        if n % 2 != 0 {
-            return None;
-        }
-        let units: Vec<u16> = ctx
-            .chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-            .collect();
-        Some(SrvRequestResumeKey {
-            key,
-            context: String::from_utf16(&units).ok()?,
-        })
-    }
+/// Parse the wire form; `None` if truncated, odd-length or not UTF-16.
+pub fn decode_request_resume_key(b: &[u8]) -> Option<SrvRequestResumeKey> {
+    lwio_proto::sidechannel::parse_request_resume_key(b).ok()
 }
 
 /// Access granted on an open file.
@@ -240,7 +196,7 @@ impl OpenFileTable {
         *g.per_session.entry(session).or_insert(0) += 1;
         let req = SrvRequestResumeKey {
             key,
-            context: self.server_name.clone(),
+            server_name: self.server_name.clone(),
         };
         Ok((file, req))
     }
@@ -361,18 +317,18 @@ mod tests {
                 timestamp: 9,
                 pid: 10,
             },
-            context: "\\\\stor1".into(),
+            server_name: "\\\\stor1".into(),
         };
-        let b = k.to_bytes();
+        let b = encode_request_resume_key(&k);
         assert_eq!(b.len(), 26 + 14);
         assert_eq!(&b[..8], &[8, 7, 6, 5, 4, 3, 2, 1]);
         assert_eq!(&b[24..26], &[14, 0]);
         assert_eq!(&b[26..30], &[b'\\', 0, b'\\', 0]);
-        assert_eq!(SrvRequestResumeKey::from_bytes(&b), Some(k));
-        assert_eq!(SrvRequestResumeKey::from_bytes(&b[..30]), None);
+        assert_eq!(decode_request_resume_key(&b), Some(k));
+        assert_eq!(decode_request_resume_key(&b[..30]), None);
         let mut odd = b.clone();
         odd[24] = 13;
-        assert_eq!(SrvRequestResumeKey::from_bytes(&odd), None);
+        assert_eq!(decode_request_resume_key(&odd), None);
     }
 
     #[test]
@@ -381,7 +337,7 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for _ in 0..2000 {
             let (f, rk) = t.insert(1, opened(), RW, "e", "p").unwrap();
-            assert_eq!(rk.context, "srv");
+            assert_eq!(rk.server_name, "srv");
             assert_eq!(rk.key.pid, u64::from(std::process::id()));
             assert!(seen.insert(rk.key.resume_key));
             assert_eq!(f.key, rk.key);

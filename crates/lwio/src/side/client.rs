@@ -8,9 +8,9 @@ use tokio::net::TcpStream;
 
 use super::auth::{self, Login};
 use super::codec::*;
-use super::negotiate::{self, NegotiateRequest, NegotiateResponse};
+use super::negotiate::{self, NegotiateRequestRepr, NegotiateResponseRepr};
 use crate::error::{Error, ErrorCode, Result};
-use crate::fs::table::SrvRequestResumeKey;
+use crate::fs::table::{decode_request_resume_key, SrvRequestResumeKey};
 use crate::fs::{Attr, DirEntry, OpenOptions};
 use crate::server::SessionSecret;
 
@@ -355,7 +355,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         else {
             return Err(unexpected(&r));
         };
-        let resume_key = SrvRequestResumeKey::from_bytes(&resume_key).ok_or_else(|| {
+        let resume_key = decode_request_resume_key(&resume_key).ok_or_else(|| {
             Error::new(ErrorCode::BadRequest, "server sent a malformed resume key")
         })?;
         Ok(RemoteFile {
@@ -422,17 +422,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
 
     /// The pipe: send our providers, get the common ones, a server Key and
     /// the addresses to connect to.
-    pub async fn negotiate(&mut self, req: &NegotiateRequest) -> Result<NegotiateResponse> {
+    pub async fn negotiate(&mut self, req: &NegotiateRequestRepr) -> Result<NegotiateResponseRepr> {
         let r = self
             .call(Request::Negotiate {
-                request: negotiate::encode_request(req),
+                request: negotiate::encode_request(req)?,
             })
             .await?;
         let Response::Negotiated { response } = r else {
             return Err(unexpected(&r));
         };
         negotiate::decode_response(&response)
-            .map_err(|e| Error::new(ErrorCode::BadRequest, format!("server sent {e}")))
     }
 }
 
@@ -508,7 +507,7 @@ impl Client {
     pub fn fsync(&mut self, handle: u64, data_only: bool) -> Result<()> {
         self.rt.block_on(self.inner.fsync(handle, data_only))
     }
-    pub fn negotiate(&mut self, req: &NegotiateRequest) -> Result<NegotiateResponse> {
+    pub fn negotiate(&mut self, req: &NegotiateRequestRepr) -> Result<NegotiateResponseRepr> {
         self.rt.block_on(self.inner.negotiate(req))
     }
 }

@@ -16,7 +16,9 @@ pub use crate::url::DEFAULT_PORT;
 pub use auth::{Login, Token};
 pub use client::{AsyncClient, Client, ClientOptions, RemoteFile, Session};
 pub use codec::{ExportInfo, PROTOCOL_VERSION};
-pub use negotiate::{NegotiateRequest, NegotiateResponse, NetAddress, ProviderAddrs};
+pub use negotiate::{
+    AddressBlockRepr, Guid, NegotiateRequestRepr, NegotiateResponseRepr, NetAddressRepr,
+};
 
 #[cfg(test)]
 mod tests;

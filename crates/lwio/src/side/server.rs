@@ -413,7 +413,7 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
                     handle: file.handle,
                     size,
                     align: file.align,
-                    resume_key: rk.to_bytes(),
+                    resume_key: crate::fs::table::encode_request_resume_key(&rk),
                 })
             })
             .await
@@ -478,30 +478,26 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
             let info = state
                 .session(session)
                 .ok_or_else(|| Error::new(ErrorCode::NotLoggedIn, "session ended"))?;
-            let common = negotiate::common_providers(&state.rdma_endpoints(), &req.providers);
-            let mut key = [0u8; 16];
-            crate::random_bytes(&mut key);
-            // RFC 4122 version 4 GUID.
-            key[6] = (key[6] & 0x0f) | 0x40;
-            key[8] = (key[8] & 0x3f) | 0x80;
+            let key = negotiate::random_guid();
+            let (resp, bytes) =
+                negotiate::build_response(&req, &state.server_name, key, &state.rdma_endpoints())?;
             state.add_negotiation(NegotiatedClient {
                 key,
                 session,
                 session_secret: info.secret,
                 client_name: req.client_name.clone(),
                 client_key: req.key,
-                providers: common.iter().map(|p| p.name.clone()).collect(),
+                providers: resp.providers.iter().map(|p| p.name.clone()).collect(),
                 expires: Instant::now() + state.limits.resume_key_ttl,
             });
-            info!(session, client = %req.client_name, offered = req.providers.len(), common = common.len(), "negotiate");
-            let resp = negotiate::NegotiateResponse {
-                server_name: state.server_name.clone(),
-                key,
-                providers: common,
-            };
-            Ok(Response::Negotiated {
-                response: negotiate::encode_response(&resp),
-            })
+            info!(
+                session,
+                client = %req.client_name,
+                offered = req.providers.len(),
+                common = resp.providers.len(),
+                "negotiate"
+            );
+            Ok(Response::Negotiated { response: bytes })
         }
     }
 }
