@@ -1297,3 +1297,68 @@ fn polled_sentinel_is_ignored_and_immediate_only_on_last_region() {
     );
     assert_eq!(acts.last(), Some(&ServerAction::ReleaseReadBuffer { op }));
 }
+
+#[test]
+fn positive_credit_reply_rules() {
+    // The unused-credit value is recorded; a value above N terminates.
+    let mut s = Sim::new();
+    s.connect();
+    s.server.start_credit_delta(s.now, 3).unwrap();
+    assert_eq!(
+        s.server.credits(),
+        7,
+        "positive delta takes effect when sent"
+    );
+    let delta = s.server.poll_action().unwrap();
+    let want = StatusResponse {
+        cookie: 0,
+        ios: IoStatusBlock {
+            information: 3,
+            status: LWIO_NOTIFY_CREDIT,
+        },
+    };
+    assert_eq!(delta, ServerAction::Send(want.to_bytes().to_vec()));
+    let (st, _) = direct(
+        &mut s,
+        &raw(RequestOp::Credit {
+            cookie: 31,
+            value: 2,
+        }),
+    );
+    assert_eq!((st[0].cookie, st[0].ios.status), (31, STATUS_SUCCESS));
+    assert_eq!(s.server.unused_credits_reported(), 2);
+    assert!(!s.server.credit_transaction_active());
+    // A second CREDIT for the finished transaction is a violation.
+    let (st, other) = direct(
+        &mut s,
+        &raw(RequestOp::Credit {
+            cookie: 32,
+            value: 0,
+        }),
+    );
+    assert!(st.is_empty());
+    assert_eq!(
+        other,
+        vec![ServerAction::CloseConnection(
+            CloseReason::ProtocolViolation("CREDIT without transaction")
+        )]
+    );
+
+    let mut s = Sim::new();
+    s.connect();
+    s.server.start_credit_delta(s.now, 1).unwrap();
+    while s.server.poll_action().is_some() {}
+    let (_, other) = direct(
+        &mut s,
+        &raw(RequestOp::Credit {
+            cookie: 33,
+            value: 2,
+        }),
+    );
+    assert_eq!(
+        other,
+        vec![ServerAction::CloseConnection(
+            CloseReason::ProtocolViolation("bad CREDIT value")
+        )]
+    );
+}
