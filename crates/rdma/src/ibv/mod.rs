@@ -1,0 +1,1027 @@
+//! The `verbs` provider: libibverbs + librdmacm, loaded at run time.
+//!
+//! * The libraries are `dlopen`ed on first use ([`ffi::Lib::get`]); a host
+//!   without rdma-core lists one unusable pseudo-device with the reason and
+//!   fails `open` with [`Error::ProviderUnavailable`].
+//! * Contexts come from `rdma_get_devices()`, so the PDs/CQs allocated here
+//!   belong to the very `ibv_context` that rdma_cm ids bound to the device use
+//!   (`id->verbs`); connect/accept check that.
+//! * Connections always go through rdma_cm (iWARP cannot be connected by hand).
+//!   Every listener and every connection has its own `rdma_event_channel`; an
+//!   accepted id is migrated from the listener's channel to its own. Once a
+//!   connection is established its channel is watched by one process-wide
+//!   monitor thread (epoll) that turns `RDMA_CM_EVENT_DISCONNECTED` into a QP
+//!   error (so posted work requests flush).
+//! * Memory windows are native type-2 windows where the device reports
+//!   `IBV_DEVICE_MEM_WINDOW_TYPE_2B`, otherwise per-request registration
+//!   (see `docs/verbs-provider.md`).
+//!
+//! See `docs/verbs-provider.md` for the ABI assumptions and what was verified.
+
+pub mod ffi;
+
+mod cm;
+mod sys;
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::ptr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use crate::verbs::*;
+use ffi::*;
+
+pub(crate) use cm::QpCore;
+
+/// The `verbs` provider.
+pub fn provider() -> Provider {
+    Provider(Arc::new(VerbsProvider))
+}
+
+/// Whether libibverbs/librdmacm could be loaded on this host (and why not).
+pub fn available() -> Result<(), String> {
+    Lib::get().map(|_| ())
+}
+
+struct VerbsProvider;
+
+impl ProviderOps for VerbsProvider {
+    fn name(&self) -> &'static str {
+        "verbs"
+    }
+
+    fn devices(&self) -> Vec<DeviceInfo> {
+        match Lib::get() {
+            Err(reason) => vec![DeviceInfo {
+                provider: "verbs",
+                name: "(none)".into(),
+                transport: Transport::Other,
+                addresses: Vec::new(),
+                usable: Err(reason),
+                caps: None,
+            }],
+            Ok(lib) => sys::list_devices(lib),
+        }
+    }
+
+    fn open(&self, device: &str, config: &Config) -> Result<Arc<dyn ContextOps>> {
+        let lib = Lib::get().map_err(Error::ProviderUnavailable)?;
+        Ok(Arc::new(VerbsContext(CtxInner::open(lib, device, config)?)))
+    }
+}
+
+/// The last OS error as an [`Error`], with context.
+fn os_err(what: &str) -> Error {
+    let e = std::io::Error::last_os_error();
+    Error::Io(std::io::Error::new(e.kind(), format!("{what}: {e}")))
+}
+
+/// Map an errno returned by a verbs call (post/poll functions return it
+/// directly, positive) to an [`Error`].
+fn errno_err(what: &str, errno: i32) -> Error {
+    match errno {
+        libc::ENOMEM => Error::QueueFull,
+        libc::EINVAL => Error::InvalidArgument(format!("{what}: EINVAL")),
+        libc::EPERM | libc::EACCES => Error::Protection(format!("{what}: errno {errno}")),
+        _ => {
+            let e = std::io::Error::from_raw_os_error(errno);
+            Error::Io(std::io::Error::new(e.kind(), format!("{what}: {e}")))
+        }
+    }
+}
+
+/// `LWIO_IBV_DEBUG=1`: trace CM events and raw completions on stderr (for
+/// bring-up on a new device; tracing needs a subscriber the smoke binary lacks).
+pub(crate) fn debug_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("LWIO_IBV_DEBUG").is_some_and(|v| v != "0"))
+}
+
+macro_rules! dbg_ibv {
+    ($($t:tt)*) => {
+        if $crate::ibv::debug_on() {
+            eprintln!("[ibv] {}", format!($($t)*));
+        }
+    };
+}
+pub(crate) use dbg_ibv;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn access_bits(a: Access) -> i32 {
+    let mut v = 0;
+    if a.contains(Access::LOCAL_WRITE) {
+        v |= IBV_ACCESS_LOCAL_WRITE;
+    }
+    if a.contains(Access::REMOTE_WRITE) {
+        v |= IBV_ACCESS_REMOTE_WRITE;
+    }
+    if a.contains(Access::REMOTE_READ) {
+        v |= IBV_ACCESS_REMOTE_READ;
+    }
+    if a.contains(Access::MW_BIND) {
+        v |= IBV_ACCESS_MW_BIND;
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------
+// Context.
+
+/// The function pointers of `ibv_context.ops` that the header's inline
+/// wrappers call. Read once at open; providers set them at context creation
+/// and never change them.
+#[derive(Clone, Copy)]
+struct Ops {
+    poll_cq: PollCqFn,
+    req_notify_cq: ReqNotifyCqFn,
+    post_send: PostSendFn,
+    post_recv: PostRecvFn,
+    alloc_mw: Option<AllocMwFn>,
+    dealloc_mw: Option<DeallocMwFn>,
+}
+
+pub(crate) struct CtxInner {
+    lib: &'static Lib,
+    /// The context rdma_cm uses for this device (owned by librdmacm).
+    ctx: *mut ibv_context,
+    /// The `rdma_get_devices` list, released at drop.
+    list: *mut *mut ibv_context,
+    ops: Ops,
+    info: DeviceInfo,
+    config: Config,
+    iwarp: bool,
+    /// rxe writes the kernel's `IB_WC_WITH_INVALIDATE` (bit 2) into user
+    /// completions instead of `IBV_WC_WITH_INV` (bit 3); bit 2 is
+    /// `IBV_WC_IP_CSUM_OK` in libibverbs, meaningless on RC receives.
+    rxe_inv_quirk: bool,
+    native_mw: bool,
+    max_ird: u8,
+    max_ord: u8,
+}
+
+// SAFETY: `ctx` is an ibv_context, which libibverbs documents as usable from
+// any thread (all verbs on it are thread-safe); `list` is only touched in
+// `drop`. Nothing here is tied to the creating thread.
+unsafe impl Send for CtxInner {}
+// SAFETY: as above; shared access only calls thread-safe verbs.
+unsafe impl Sync for CtxInner {}
+
+impl CtxInner {
+    fn open(lib: &'static Lib, name: &str, config: &Config) -> Result<Arc<CtxInner>> {
+        let mut n = 0;
+        // SAFETY: rdma_get_devices writes the count to `n` and returns a
+        // NULL-terminated array of `n` contexts owned by librdmacm (valid
+        // until rdma_free_devices) or NULL with errno set.
+        let list = unsafe { (lib.rdma_get_devices)(&mut n) };
+        if list.is_null() {
+            return Err(os_err("rdma_get_devices"));
+        }
+        let mut found = ptr::null_mut();
+        let mut names = Vec::new();
+        for i in 0..n.max(0) as usize {
+            // SAFETY: i < n entries of the array returned above; each entry is
+            // a live ibv_context whose `device` points to its ibv_device.
+            let (c, dev_name) = unsafe {
+                let c = *list.add(i);
+                (c, cstr_array(&(*(*c).device).name))
+            };
+            if dev_name == name {
+                found = c;
+            }
+            names.push(dev_name);
+        }
+        if found.is_null() {
+            // SAFETY: `list` came from rdma_get_devices and is freed once.
+            unsafe { (lib.rdma_free_devices)(list) };
+            return Err(Error::NoSuchDevice(format!(
+                "verbs has no device {name:?} (devices: {})",
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
+            )));
+        }
+        // SAFETY: `found` is a live context; `ops` is plain data inside it.
+        let raw_ops = unsafe { &(*found).ops };
+        let ops = match (
+            raw_ops.poll_cq,
+            raw_ops.req_notify_cq,
+            raw_ops.post_send,
+            raw_ops.post_recv,
+        ) {
+            (Some(poll_cq), Some(req_notify_cq), Some(post_send), Some(post_recv)) => Ops {
+                poll_cq,
+                req_notify_cq,
+                post_send,
+                post_recv,
+                alloc_mw: raw_ops.alloc_mw,
+                dealloc_mw: raw_ops.dealloc_mw,
+            },
+            _ => {
+                // SAFETY: as above.
+                unsafe { (lib.rdma_free_devices)(list) };
+                return Err(Error::ProviderUnavailable(format!(
+                    "{name}: the verbs provider library lacks post/poll operations"
+                )));
+            }
+        };
+        // SAFETY: `found` is live; describe() only queries it.
+        let (info, dev) = unsafe { sys::describe(lib, found, (*found).device) };
+        let iwarp = info.transport == Transport::Iwarp;
+        // Only rxe has the `parent` attribute (its netdev) in sysfs.
+        let rxe_inv_quirk = info.transport == Transport::Roce
+            && std::path::Path::new(&format!("/sys/class/infiniband/{name}/parent")).exists();
+        let native_mw = info
+            .caps
+            .as_ref()
+            .is_some_and(|c| c.mw_kind == MwKind::Native)
+            && ops.alloc_mw.is_some()
+            && ops.dealloc_mw.is_some();
+        Ok(Arc::new(CtxInner {
+            lib,
+            ctx: found,
+            list,
+            ops,
+            info,
+            config: config.clone(),
+            iwarp,
+            rxe_inv_quirk,
+            native_mw,
+            max_ird: dev.max_ird,
+            max_ord: dev.max_ord,
+        }))
+    }
+
+    /// Effective IRD we offer: 0 = the device maximum.
+    fn eff_ird(&self, want: u8) -> u8 {
+        if want == 0 {
+            self.max_ird
+        } else {
+            want.min(self.max_ird)
+        }
+    }
+    fn eff_ord(&self, want: u8) -> u8 {
+        if want == 0 {
+            self.max_ord
+        } else {
+            want.min(self.max_ord)
+        }
+    }
+}
+
+impl Drop for CtxInner {
+    fn drop(&mut self) {
+        // SAFETY: every PD/CQ/channel/id made on this context holds an Arc
+        // to us, so all are gone; `list` came from rdma_get_devices.
+        unsafe { (self.lib.rdma_free_devices)(self.list) };
+    }
+}
+
+struct VerbsContext(Arc<CtxInner>);
+
+impl ContextOps for VerbsContext {
+    fn device(&self) -> &DeviceInfo {
+        &self.0.info
+    }
+
+    fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
+        let c = &self.0;
+        // SAFETY: c.ctx is live for the life of `c`.
+        let pd = unsafe { (c.lib.ibv_alloc_pd)(c.ctx) };
+        if pd.is_null() {
+            return Err(os_err("ibv_alloc_pd"));
+        }
+        Ok(Arc::new(VerbsPd(Arc::new(PdInner {
+            ctx: c.clone(),
+            pd,
+            windows: Mutex::new(HashMap::new()),
+        }))))
+    }
+
+    fn create_comp_channel(&self) -> Result<Arc<dyn CompChannelOps>> {
+        Ok(Arc::new(VerbsChannel(ChanInner::new(&self.0)?)))
+    }
+
+    fn create_cq(&self, depth: u32, channel: Option<&CompChannel>) -> Result<Arc<dyn CqOps>> {
+        let c = &self.0;
+        let chan = match channel {
+            None => None,
+            Some(ch) => {
+                let v = (*ch.0)
+                    .as_any()
+                    .downcast_ref::<VerbsChannel>()
+                    .ok_or_else(|| {
+                        Error::InvalidArgument("completion channel of another provider".into())
+                    })?;
+                if !Arc::ptr_eq(&v.0.ctx, c) {
+                    return Err(Error::InvalidArgument(
+                        "completion channel of another device context".into(),
+                    ));
+                }
+                Some(v.0.clone())
+            }
+        };
+        let depth = i32::try_from(depth.max(1))
+            .map_err(|_| Error::InvalidArgument(format!("CQ depth {depth}")))?;
+        let chp = chan.as_ref().map_or(ptr::null_mut(), |c| c.ch);
+        // SAFETY: c.ctx is live; chp is NULL or a live channel of the same
+        // context, kept alive by the CqInner that holds `chan`.
+        let cq = unsafe { (c.lib.ibv_create_cq)(c.ctx, depth, ptr::null_mut(), chp, 0) };
+        if cq.is_null() {
+            return Err(os_err("ibv_create_cq"));
+        }
+        Ok(Arc::new(VerbsCq(Arc::new(CqInner {
+            ctx: c.clone(),
+            cq,
+            chan,
+            side: Mutex::new(VecDeque::new()),
+            qps: Mutex::new(HashMap::new()),
+        }))))
+    }
+
+    fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<Arc<dyn ListenerOps>> {
+        cm::listen(&self.0, addr, backlog)
+    }
+
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        init: &QpInit,
+        params: &ConnParams,
+    ) -> Result<Arc<dyn QpOps>> {
+        cm::connect(&self.0, addr, init, params)
+    }
+
+    fn progress(&self) -> Result<usize> {
+        Ok(0)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Protection domain, memory regions, windows.
+
+pub(crate) struct PdInner {
+    ctx: Arc<CtxInner>,
+    pd: *mut ibv_pd,
+    /// Per-request-registration windows by their current rkey (fallback mode).
+    windows: Mutex<HashMap<u32, Weak<MwInner>>>,
+}
+
+// SAFETY: an ibv_pd may be used from any thread (verbs are thread-safe); the
+// pointer is only freed in drop.
+unsafe impl Send for PdInner {}
+// SAFETY: as above.
+unsafe impl Sync for PdInner {}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        // SAFETY: all MRs, MWs and QPs of this PD hold an Arc to us and are
+        // gone; the PD is deallocated once.
+        let r = unsafe { (self.ctx.lib.ibv_dealloc_pd)(self.pd) };
+        if r != 0 {
+            tracing::warn!("ibv_dealloc_pd failed: {r}");
+        }
+    }
+}
+
+struct VerbsPd(Arc<PdInner>);
+
+impl PdInner {
+    /// Register `len` bytes at `addr`.
+    fn reg(&self, addr: *mut u8, len: usize, access: Access) -> Result<*mut ibv_mr> {
+        // SAFETY: self.pd is live. The caller guarantees addr..addr+len is
+        // valid memory that outlives the registration (owned buffer kept by
+        // the MrInner, or the register_raw contract). The NIC may write it
+        // (DMA) while registered; nothing here holds Rust references to it.
+        let mr = unsafe {
+            (self.ctx.lib.ibv_reg_mr)(self.pd, addr as *mut c_void, len, access_bits(access))
+        };
+        if mr.is_null() {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EINVAL) => {
+                    Error::InvalidArgument(format!("ibv_reg_mr({len} bytes, {access:?}): {e}"))
+                }
+                Some(libc::ENOMEM) | Some(libc::EAGAIN) => {
+                    Error::ResourceExhausted(format!("ibv_reg_mr({len} bytes): {e}"))
+                }
+                _ => Error::Io(e),
+            });
+        }
+        Ok(mr)
+    }
+}
+
+impl PdOps for VerbsPd {
+    fn reg_mr(&self, mem: MemRegion, access: Access) -> Result<Arc<dyn MrOps>> {
+        if mem.len == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot register an empty region".into(),
+            ));
+        }
+        let mr = self.0.reg(mem.addr, mem.len, access)?;
+        // SAFETY: mr is the live ibv_mr just returned; keys are plain fields.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok(Arc::new(VerbsMr(Arc::new(MrInner {
+            pd: self.0.clone(),
+            mr: Mutex::new(mr),
+            lkey,
+            rkey,
+            addr: mem.addr as u64,
+            len: mem.len as u64,
+            access,
+            _owner: mem.owner,
+        }))))
+    }
+
+    fn alloc_mw(&self) -> Result<Arc<dyn MwOps>> {
+        let pd = &self.0;
+        let ctx = &pd.ctx;
+        let (mw, rkey, kind) = if ctx.native_mw {
+            let alloc = ctx.ops.alloc_mw.expect("native_mw implies alloc_mw");
+            // SAFETY: the inline ibv_alloc_mw(pd, IBV_MW_TYPE_2): calls the
+            // provider's alloc_mw through the context ops with our live PD.
+            let mw = unsafe { alloc(pd.pd, IBV_MW_TYPE_2) };
+            if mw.is_null() {
+                return Err(os_err("ibv_alloc_mw(type 2)"));
+            }
+            // SAFETY: mw is live; rkey is a plain field.
+            (mw, unsafe { (*mw).rkey }, MwKind::Native)
+        } else {
+            (ptr::null_mut(), 0, MwKind::PerRequestRegistration)
+        };
+        Ok(Arc::new(VerbsMw(Arc::new(MwInner {
+            pd: pd.clone(),
+            kind,
+            mw: Mutex::new(mw),
+            rkey: AtomicU32::new(rkey),
+            reg: Mutex::new(None),
+        }))))
+    }
+}
+
+pub(crate) struct MrInner {
+    pd: Arc<PdInner>,
+    /// NULL once deregistered.
+    mr: Mutex<*mut ibv_mr>,
+    lkey: u32,
+    rkey: u32,
+    addr: u64,
+    len: u64,
+    access: Access,
+    /// Keeps a library-owned buffer alive until this registration (and any
+    /// fallback window over it, which holds an Arc to us) is gone.
+    _owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+// SAFETY: the ibv_mr pointer is guarded by the mutex and only passed to
+// thread-safe verbs; the described memory is accessed only by the NIC.
+unsafe impl Send for MrInner {}
+// SAFETY: as above.
+unsafe impl Sync for MrInner {}
+
+impl MrInner {
+    fn dereg(&self) {
+        let mut g = lock(&self.mr);
+        if g.is_null() {
+            return;
+        }
+        // SAFETY: *g is the live ibv_mr; after success it is never used again
+        // (set to NULL under the lock).
+        let r = unsafe { (self.pd.ctx.lib.ibv_dereg_mr)(*g) };
+        if r == 0 {
+            *g = ptr::null_mut();
+        } else {
+            tracing::warn!(
+                "ibv_dereg_mr failed ({r}); windows still bound? retried when the region is dropped"
+            );
+        }
+    }
+    fn raw(&self) -> *mut ibv_mr {
+        *lock(&self.mr)
+    }
+}
+
+impl Drop for MrInner {
+    fn drop(&mut self) {
+        self.dereg();
+    }
+}
+
+struct VerbsMr(Arc<MrInner>);
+
+impl MrOps for VerbsMr {
+    fn lkey(&self) -> u32 {
+        self.0.lkey
+    }
+    fn rkey(&self) -> u32 {
+        self.0.rkey
+    }
+    fn deregister(&self) {
+        self.0.dereg();
+    }
+}
+
+/// A per-request registration standing in for a window binding.
+struct FallbackReg {
+    mr: *mut ibv_mr,
+    /// The region the window is bound into (keeps its memory alive).
+    _region: Arc<MrInner>,
+}
+
+pub(crate) struct MwInner {
+    pd: Arc<PdInner>,
+    kind: MwKind,
+    /// Native: the ibv_mw (NULL once deallocated). Fallback: always NULL.
+    mw: Mutex<*mut ibv_mw>,
+    rkey: AtomicU32,
+    /// Fallback: the current registration.
+    reg: Mutex<Option<FallbackReg>>,
+}
+
+// SAFETY: the raw pointers are guarded by mutexes and only passed to
+// thread-safe verbs.
+unsafe impl Send for MwInner {}
+// SAFETY: as above.
+unsafe impl Sync for MwInner {}
+
+impl MwInner {
+    /// Fallback: drop the current registration (if its key is `rkey`, or any
+    /// when `rkey` is None). Returns whether one was dropped.
+    fn unregister(&self, rkey: Option<u32>) -> bool {
+        let mut g = lock(&self.reg);
+        let Some(reg) = g.as_ref() else { return false };
+        // SAFETY: reg.mr is live until deregistered below.
+        let key = unsafe { (*reg.mr).rkey };
+        if rkey.is_some_and(|k| k != key) {
+            return false;
+        }
+        // SAFETY: reg.mr is a live registration owned by this window; it is
+        // removed from `reg` so never used again.
+        let r = unsafe { (self.pd.ctx.lib.ibv_dereg_mr)(reg.mr) };
+        if r != 0 {
+            tracing::warn!("ibv_dereg_mr of a window registration failed: {r}");
+        }
+        *g = None;
+        lock(&self.pd.windows).remove(&key);
+        true
+    }
+
+    fn dealloc(&self) {
+        match self.kind {
+            MwKind::PerRequestRegistration => {
+                self.unregister(None);
+            }
+            MwKind::Native => {
+                let mut g = lock(&self.mw);
+                if !g.is_null() {
+                    let dealloc = self.pd.ctx.ops.dealloc_mw.expect("native");
+                    // SAFETY: the inline ibv_dealloc_mw: the provider's
+                    // dealloc_mw on our live window, which is never used again.
+                    let r = unsafe { dealloc(*g) };
+                    if r != 0 {
+                        tracing::warn!("ibv_dealloc_mw failed: {r}");
+                    }
+                    *g = ptr::null_mut();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for MwInner {
+    fn drop(&mut self) {
+        self.dealloc();
+    }
+}
+
+struct VerbsMw(Arc<MwInner>);
+
+impl MwOps for VerbsMw {
+    fn rkey(&self) -> u32 {
+        self.0.rkey.load(Ordering::Acquire)
+    }
+    fn kind(&self) -> MwKind {
+        self.0.kind
+    }
+    fn deallocate(&self) {
+        self.0.dealloc();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Completion channel.
+
+pub(crate) struct ChanInner {
+    ctx: Arc<CtxInner>,
+    ch: *mut ibv_comp_channel,
+    /// epoll set of {channel fd, wake eventfd}: what `fd()` returns.
+    epfd: OwnedFd,
+    /// Signalled when a synthetic completion is queued on a CQ of this channel.
+    evfd: OwnedFd,
+}
+
+// SAFETY: an ibv_comp_channel may be used from any thread; reads of its fd
+// are serialised by the kernel; the fds are plain kernel objects.
+unsafe impl Send for ChanInner {}
+// SAFETY: as above.
+unsafe impl Sync for ChanInner {}
+
+fn set_nonblocking(fd: RawFd) -> Result<()> {
+    // SAFETY: fcntl on an fd we own; no memory is passed.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        if fl < 0 || libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
+            return Err(os_err("fcntl(O_NONBLOCK)"));
+        }
+    }
+    Ok(())
+}
+
+/// poll(2) one fd for POLLIN until `deadline`; returns whether it is readable.
+fn poll_in(fd: RawFd, deadline: Option<Instant>) -> Result<bool> {
+    loop {
+        let ms = match deadline {
+            None => -1,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                // round up so that a short timeout does not become a busy 0
+                left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+            }
+        };
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd on the stack for the duration of the call.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        if r < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(os_err("poll"));
+        }
+        return Ok(r > 0);
+    }
+}
+
+impl ChanInner {
+    fn new(ctx: &Arc<CtxInner>) -> Result<Arc<ChanInner>> {
+        // SAFETY: ctx.ctx is live.
+        let ch = unsafe { (ctx.lib.ibv_create_comp_channel)(ctx.ctx) };
+        if ch.is_null() {
+            return Err(os_err("ibv_create_comp_channel"));
+        }
+        let guard = ChanGuard(ctx.lib, ch);
+        // SAFETY: ch is live; fd is a plain field owned by the channel.
+        let chfd = unsafe { (*ch).fd };
+        set_nonblocking(chfd)?;
+        // SAFETY: plain syscalls creating new fds we own from here on.
+        let (epfd, evfd) = unsafe {
+            let e = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            if e < 0 {
+                return Err(os_err("epoll_create1"));
+            }
+            let epfd = OwnedFd::from_raw_fd(e);
+            let v = libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC);
+            if v < 0 {
+                return Err(os_err("eventfd"));
+            }
+            (epfd, OwnedFd::from_raw_fd(v))
+        };
+        for fd in [chfd, evfd.as_raw_fd()] {
+            let mut ev = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: fd as u64,
+            };
+            // SAFETY: valid epoll fd, valid fds, event struct on the stack.
+            if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+                return Err(os_err("epoll_ctl"));
+            }
+        }
+        std::mem::forget(guard);
+        Ok(Arc::new(ChanInner {
+            ctx: ctx.clone(),
+            ch,
+            epfd,
+            evfd,
+        }))
+    }
+
+    /// Wake waiters (a synthetic completion was queued).
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a local to our eventfd.
+        unsafe {
+            libc::write(
+                self.evfd.as_raw_fd(),
+                &one as *const u64 as *const c_void,
+                8,
+            )
+        };
+    }
+
+    /// Consume pending events without blocking; returns whether any.
+    fn drain(&self) -> bool {
+        let mut got = false;
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a local from our nonblocking eventfd.
+        if unsafe { libc::read(self.evfd.as_raw_fd(), &mut v as *mut u64 as *mut c_void, 8) } == 8 {
+            got = true;
+        }
+        loop {
+            let mut cq: *mut ibv_cq = ptr::null_mut();
+            let mut cq_ctx: *mut c_void = ptr::null_mut();
+            // SAFETY: self.ch is live; its fd is nonblocking, so this returns
+            // -1 (EAGAIN) instead of blocking when no event is queued. On
+            // success `cq` is a live CQ of this channel (a CQ cannot be
+            // destroyed while it has unacknowledged events).
+            let r = unsafe { (self.ctx.lib.ibv_get_cq_event)(self.ch, &mut cq, &mut cq_ctx) };
+            if r != 0 {
+                break;
+            }
+            // SAFETY: acknowledges the one event just received on `cq`.
+            unsafe { (self.ctx.lib.ibv_ack_cq_events)(cq, 1) };
+            got = true;
+        }
+        got
+    }
+}
+
+/// Destroys a half-built completion channel on early return.
+struct ChanGuard(&'static Lib, *mut ibv_comp_channel);
+impl Drop for ChanGuard {
+    fn drop(&mut self) {
+        // SAFETY: the channel has no CQs yet and is destroyed once.
+        unsafe { (self.0.ibv_destroy_comp_channel)(self.1) };
+    }
+}
+
+impl Drop for ChanInner {
+    fn drop(&mut self) {
+        // SAFETY: every CQ using this channel holds an Arc to us and is gone.
+        let r = unsafe { (self.ctx.lib.ibv_destroy_comp_channel)(self.ch) };
+        if r != 0 {
+            tracing::warn!("ibv_destroy_comp_channel failed: {r}");
+        }
+    }
+}
+
+struct VerbsChannel(Arc<ChanInner>);
+
+impl CompChannelOps for VerbsChannel {
+    fn fd(&self) -> RawFd {
+        self.0.epfd.as_raw_fd()
+    }
+
+    fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if self.0.drain() {
+                return Ok(true);
+            }
+            if !poll_in(self.0.epfd.as_raw_fd(), deadline)? {
+                return Ok(self.0.drain());
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Completion queue.
+
+pub(crate) struct CqInner {
+    ctx: Arc<CtxInner>,
+    cq: *mut ibv_cq,
+    chan: Option<Arc<ChanInner>>,
+    /// Synthetic completions (fallback window binds/invalidations, flushes of
+    /// requests posted after the QP failed); drained before the hardware CQ.
+    side: Mutex<VecDeque<Wc>>,
+    /// QPs whose completions land here, by QP number (to translate wr_ids).
+    qps: Mutex<HashMap<u32, Weak<QpCore>>>,
+}
+
+// SAFETY: ibv_cq polling/arming is thread-safe in libibverbs providers; the
+// Rust-side state is behind mutexes.
+unsafe impl Send for CqInner {}
+// SAFETY: as above.
+unsafe impl Sync for CqInner {}
+
+impl CqInner {
+    /// Queue a synthetic completion behind everything the device has already
+    /// completed on this CQ (those are moved to the side queue first, so
+    /// completion order is kept).
+    fn push_synthetic(&self, wc: Wc) {
+        let mut side = lock(&self.side);
+        loop {
+            // SAFETY: ibv_wc is plain old data; all-zero is a valid value.
+            let mut buf: [ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
+            // SAFETY: the inline ibv_poll_cq on our live CQ, at most
+            // POLL_BATCH entries into `buf`.
+            let r = unsafe { (self.ctx.ops.poll_cq)(self.cq, POLL_BATCH as i32, buf.as_mut_ptr()) };
+            if r <= 0 {
+                break;
+            }
+            let qps = lock(&self.qps);
+            for raw in &buf[..r as usize] {
+                if let Some(w) = qps
+                    .get(&raw.qp_num)
+                    .and_then(Weak::upgrade)
+                    .and_then(|q| q.translate(raw))
+                {
+                    side.push_back(w);
+                }
+            }
+            if (r as usize) < POLL_BATCH {
+                break;
+            }
+        }
+        side.push_back(wc);
+        drop(side);
+        if let Some(ch) = &self.chan {
+            ch.wake();
+        }
+    }
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        // SAFETY: QPs using this CQ hold an Arc to us and are destroyed; the
+        // CQ is destroyed once. Events on it were acknowledged in drain().
+        let r = unsafe { (self.ctx.lib.ibv_destroy_cq)(self.cq) };
+        if r != 0 {
+            tracing::warn!("ibv_destroy_cq failed: {r}");
+        }
+    }
+}
+
+struct VerbsCq(Arc<CqInner>);
+
+const POLL_BATCH: usize = 32;
+
+impl CqOps for VerbsCq {
+    fn poll(&self, out: &mut [Wc]) -> Result<usize> {
+        let c = &self.0;
+        let mut n = 0;
+        {
+            let mut side = lock(&c.side);
+            while n < out.len() {
+                match side.pop_front() {
+                    Some(wc) => {
+                        out[n] = wc;
+                        n += 1;
+                    }
+                    None => break,
+                }
+            }
+        }
+        while n < out.len() {
+            let want = (out.len() - n).min(POLL_BATCH);
+            // SAFETY: ibv_wc is plain old data; all-zero is a valid value.
+            let mut buf: [ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
+            // SAFETY: the inline ibv_poll_cq: the provider's poll_cq on our
+            // live CQ, writing at most `want` ≤ POLL_BATCH entries into `buf`.
+            let r = unsafe { (c.ctx.ops.poll_cq)(c.cq, want as i32, buf.as_mut_ptr()) };
+            if r < 0 {
+                return Err(Error::Io(std::io::Error::other(format!(
+                    "ibv_poll_cq failed ({r})"
+                ))));
+            }
+            let got = r as usize;
+            if got == 0 {
+                break;
+            }
+            let qps = lock(&c.qps);
+            for raw in &buf[..got] {
+                dbg_ibv!(
+                    "wc qp={} wr_id={:#x} status={} opcode={} flags={:#x} len={} imm/inv={:#x} vendor={:#x}",
+                    raw.qp_num,
+                    raw.wr_id,
+                    raw.status,
+                    raw.opcode,
+                    raw.wc_flags,
+                    raw.byte_len,
+                    raw.imm_data,
+                    raw.vendor_err
+                );
+                let core = qps.get(&raw.qp_num).and_then(Weak::upgrade);
+                match core.and_then(|q| q.translate(raw)) {
+                    Some(wc) => {
+                        out[n] = wc;
+                        n += 1;
+                    }
+                    None => tracing::debug!(
+                        "dropping a completion of QP {} (destroyed or unknown)",
+                        raw.qp_num
+                    ),
+                }
+            }
+            if got < want {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    fn arm(&self, solicited_only: bool) -> Result<()> {
+        let c = &self.0;
+        if c.chan.is_none() {
+            return Err(Error::InvalidArgument(
+                "arming a CQ that has no completion channel".into(),
+            ));
+        }
+        // SAFETY: the inline ibv_req_notify_cq on our live CQ.
+        let r = unsafe { (c.ctx.ops.req_notify_cq)(c.cq, solicited_only as i32) };
+        if r != 0 {
+            return Err(errno_err("ibv_req_notify_cq", r));
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Status/opcode mapping.
+
+pub(crate) fn map_status(s: u32) -> WcStatus {
+    match s {
+        IBV_WC_SUCCESS => WcStatus::Success,
+        IBV_WC_LOC_LEN_ERR => WcStatus::LocLenErr,
+        IBV_WC_LOC_QP_OP_ERR | IBV_WC_LOC_EEC_OP_ERR => WcStatus::LocQpOpErr,
+        IBV_WC_LOC_PROT_ERR | IBV_WC_LOC_ACCESS_ERR => WcStatus::LocProtErr,
+        IBV_WC_WR_FLUSH_ERR => WcStatus::WrFlushErr,
+        IBV_WC_MW_BIND_ERR => WcStatus::MwBindErr,
+        IBV_WC_REM_INV_REQ_ERR | IBV_WC_REM_INV_RD_REQ_ERR => WcStatus::RemInvReqErr,
+        IBV_WC_REM_ACCESS_ERR => WcStatus::RemAccessErr,
+        IBV_WC_REM_OP_ERR | IBV_WC_REM_ABORT_ERR => WcStatus::RemOpErr,
+        IBV_WC_RETRY_EXC_ERR | IBV_WC_RESP_TIMEOUT_ERR => WcStatus::RetryExcErr,
+        IBV_WC_RNR_RETRY_EXC_ERR => WcStatus::RnrRetryExcErr,
+        IBV_WC_FATAL_ERR => WcStatus::FatalErr,
+        _ => WcStatus::GeneralErr,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_fails_cleanly_or_lists_devices() {
+        let p = provider();
+        assert_eq!(p.name(), "verbs");
+        let devs = p.devices();
+        match available() {
+            Err(reason) => {
+                assert_eq!(devs.len(), 1);
+                assert_eq!(devs[0].usable.as_ref().unwrap_err(), &reason);
+                match p.open(Some("rxe0"), &Config::default()) {
+                    Err(Error::ProviderUnavailable(r)) => assert_eq!(r, reason),
+                    Err(e) => panic!("unexpected error {e}"),
+                    Ok(_) => panic!("open succeeded without libraries"),
+                }
+            }
+            Ok(()) => {
+                for d in &devs {
+                    assert_eq!(d.provider, "verbs");
+                }
+                match p.open(Some("no-such-device-lwio"), &Config::default()) {
+                    Err(Error::NoSuchDevice(_)) | Err(Error::Io(_)) => {}
+                    Err(e) => panic!("unexpected error {e}"),
+                    Ok(_) => panic!("opened a device that does not exist"),
+                }
+            }
+        }
+        // never panics when no device is usable
+        let _ = p.open(None, &Config::default());
+    }
+
+    #[test]
+    fn status_mapping() {
+        assert_eq!(map_status(IBV_WC_SUCCESS), WcStatus::Success);
+        assert_eq!(map_status(IBV_WC_WR_FLUSH_ERR), WcStatus::WrFlushErr);
+        assert_eq!(map_status(IBV_WC_REM_ACCESS_ERR), WcStatus::RemAccessErr);
+        assert_eq!(
+            map_status(IBV_WC_RNR_RETRY_EXC_ERR),
+            WcStatus::RnrRetryExcErr
+        );
+        assert_eq!(map_status(999), WcStatus::GeneralErr);
+    }
+
+    #[test]
+    fn private_data_framing() {
+        let f = cm::frame_private(false, b"hello").unwrap();
+        let mut padded = f.clone();
+        padded.resize(56, 0);
+        assert_eq!(cm::unframe_private(false, &padded), b"hello");
+        assert_eq!(cm::unframe_private(true, b"hello"), b"hello");
+        assert_eq!(cm::frame_private(true, b"x").unwrap(), b"x");
+    }
+}
