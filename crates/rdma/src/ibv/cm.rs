@@ -308,8 +308,10 @@ fn expect_event(
     let name = ctx.lib.event_str(ev.event);
     Err(match ev.event {
         RDMA_CM_EVENT_REJECTED => {
+            // iWARP: an MPA Reject reports -ECONNRESET (siw) or
+            // -ECONNREFUSED; IB: REJ reason 28 (consumer defined).
             let consumer = if ctx.iwarp {
-                ev.status == -libc::ECONNREFUSED
+                ev.status == -libc::ECONNREFUSED || ev.status == -libc::ECONNRESET
             } else {
                 ev.status == IB_CM_REJ_CONSUMER_DEFINED
             };
@@ -1140,7 +1142,8 @@ impl QpOps for VerbsQp {
             unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
         // SAFETY: q.qp is live; attr/init live for the call.
         let r = unsafe { (q.ctx.lib.ibv_query_qp)(q.qp, &mut attr, IBV_QP_STATE, &mut init) };
-        if r == 0 && matches!(attr.qp_state, IBV_QPS_ERR | IBV_QPS_SQE | IBV_QPS_RESET) {
+        // (siw does not fill qp_state: it stays 0 = RESET, read as "unknown")
+        if r == 0 && matches!(attr.qp_state, IBV_QPS_ERR | IBV_QPS_SQE) {
             q.state.store(ST_ERROR, Ordering::Release);
             return QpState::Error;
         }
@@ -1217,6 +1220,10 @@ impl QpOps for VerbsQp {
                 SendOp::SendWithInvalidate { rkey } => {
                     r.opcode = IBV_WR_SEND_WITH_INV;
                     r.imm_data = rkey;
+                    // libsiw (rdma-core 44 and later) takes the key to
+                    // invalidate from wr.rdma.rkey; other providers ignore
+                    // that field for sends.
+                    r.rkey = rkey;
                     WcOpcode::Send
                 }
                 SendOp::Write { remote_addr, rkey } => {
