@@ -293,9 +293,16 @@ EOF
   rm -rf "$R"
   # drop stale base images of this kernel+variant (we hold the exclusive lock: nobody reads them)
   find "$CACHE" -maxdepth 1 -name "base-$KVER-$VARIANT-*.cpio.gz" ! -name "$(basename "$BASE")" -delete
+  find "$CACHE" -maxdepth 1 -regex ".*/base-$KVER-[0-9a-f]*\.cpio\.gz" -delete   # pre-variant names
 }
 # <<< base-image-end
 [ -f "$BASE" ] || build_base
+for p in ${KPARAMS[@]+"${KPARAMS[@]}"}; do   # busybox insmod silently ignores unknown parameters
+  m=${p%%.*} n=${p#*.}; n=${n%%=*}
+  if [ "$m" = siw ] && [ -n "$SIWKO" ]; then parms=$(modinfo -F parm "$SIWKO")
+  else parms=$(modinfo -b "$KDIR" -k "$KVER" -F parm "$m" 2>/dev/null) || { log "-k $p: no module $m"; exit 2; }; fi
+  printf '%s\n' "$parms" | cut -d: -f1 | grep -qx "$n" || { log "-k $p: module $m has no parameter $n (has: $(printf '%s\n' "$parms" | cut -d: -f1 | tr '\n' ' '))"; exit 2; }
+done
 if [ $PREPARE_ONLY = 1 ]; then log "prepared: kernel $KVER, ${SIWKO:+siw.ko $SIWKO, }base $BASE"; exit 0; fi
 
 # ---------------------------------------------------------------- per-run overlay
