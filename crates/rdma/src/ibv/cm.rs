@@ -493,19 +493,22 @@ impl ConnRequestOps for VerbsConnRequest {
     fn accept(mut self: Box<Self>, init: &QpInit, params: &ConnParams) -> Result<Arc<dyn QpOps>> {
         let ctx = self.listener.ctx.clone();
         let lib = ctx.lib;
+        // Checks that can fail first: on an early return `self` is dropped,
+        // which rejects the request.
+        let pdata = frame_private(ctx.iwarp, &params.private_data)?;
+        let parts = QpParts::new(&ctx, init)?;
+        let ch = EventChannel::new(lib)?;
+        // Declared after `ch`, so on error the id is destroyed before its channel.
         let id = std::mem::replace(&mut self.id, ptr::null_mut());
         let mut guard = IdGuard {
             lib,
             id,
             has_qp: false,
         };
-        let pdata = frame_private(ctx.iwarp, &params.private_data)?;
-        let ch = EventChannel::new(lib)?;
         // SAFETY: id is live; ch is a live channel that outlives the id (the
-        // QpCore drops the id before its channel).
+        // guard, and later the QpCore, destroy the id before the channel).
         let r = unsafe { (lib.rdma_migrate_id)(id, ch.ch) };
         cm_ret(lib, "rdma_migrate_id", r)?;
-        let parts = QpParts::new(&ctx, init)?;
         parts.create_qp(&mut guard)?;
         // Offer our depths clamped to what the peer asked for where it said
         // (0 = not reported by the transport: leave it to the CM/device).
@@ -540,13 +543,14 @@ impl ConnRequestOps for VerbsConnRequest {
     fn reject(mut self: Box<Self>, private_data: &[u8]) -> Result<()> {
         let ctx = self.listener.ctx.clone();
         let lib = ctx.lib;
+        // (too much private data: `self` is dropped, rejecting without any)
+        let pdata = frame_private(ctx.iwarp, private_data)?;
         let id = std::mem::replace(&mut self.id, ptr::null_mut());
         let _guard = IdGuard {
             lib,
             id,
             has_qp: false,
         };
-        let pdata = frame_private(ctx.iwarp, private_data)?;
         // SAFETY: id is live; the private data lives for the call.
         let r = unsafe {
             (lib.rdma_reject)(
