@@ -1,1 +1,834 @@
-//! CLI
+//! The `lwio` command line: argument definitions (clap derive) and the
+//! commands that work without the RDMA data path.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::{default_token_file, Config, ProviderChoice};
+use crate::error::{Error, ErrorCode};
+use crate::fs::backend::BackendChoice;
+use crate::fs::{Attr, ExportSpec, FileKind};
+use crate::server::{Server, ServerOptions};
+use crate::side::{Client, ClientOptions, Login, Token};
+use crate::units::{parse_duration, parse_size};
+use crate::url::LwioUrl;
+
+const MAIN_EXAMPLES: &str = "\
+Examples:
+  lwio serve --export data=/srv/data            serve a directory on port 7420
+  lwio ls lwio://storage1/data                  list a directory
+  lwio stat lwio://storage1/data/db/file.bin    show a file's attributes
+  lwio bench                                    benchmark on an embedded default setup
+  lwio devices                                  list RDMA providers and devices
+
+URLs are lwio://HOST[:PORT]/EXPORT/PATH (port 7420 by default; IPv6 as [::1];
+segments are percent-decoded, e.g. %20 for a space).
+Logging: RUST_LOG (default info). Token: --token-file FILE or LWIO_TOKEN.";
+
+/// lwio: RDMA I/O offload. An application server hands its file reads and
+/// writes to a storage server over RDMA.
+#[derive(Debug, Parser)]
+#[command(name = "lwio", version, about, long_about = None, after_help = MAIN_EXAMPLES)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the storage server (side channel; RDMA listener when available).
+    #[command(after_help = "\
+Examples:
+  lwio serve --export data=/srv/data
+  lwio serve --export data=/srv/data --export logs=/var/log/app --listen [::]:7420
+  lwio serve --config /etc/lwio/lwio.toml --provider soft
+  lwio serve --export data=/tmp/d --listen 127.0.0.1:0 --ready-file /tmp/lwio.addr
+
+The token file is created with a random token (mode 0600) if it does not exist;
+copy it to clients. SIGINT/SIGTERM stop the server gracefully.")]
+    Serve(ServeArgs),
+    /// List a directory, or the exports when the URL names none.
+    #[command(after_help = "\
+Examples:
+  lwio ls lwio://storage1/                  list the exports
+  lwio ls lwio://storage1/data              list the root of export data
+  lwio ls -l lwio://[::1]:7000/data/db      long listing over IPv6")]
+    Ls(LsArgs),
+    /// Show the attributes of a file or directory.
+    #[command(after_help = "\
+Examples:
+  lwio stat lwio://storage1/data/db/file.bin
+  LWIO_TOKEN=$(cat token) lwio stat lwio://10.0.0.5/data/")]
+    Stat(UrlArgs),
+    /// Remove a file, a symbolic link or an empty directory.
+    #[command(after_help = "\
+Examples:
+  lwio rm lwio://storage1/data/old.bin
+  lwio rm lwio://storage1/data/empty-dir")]
+    Rm(UrlArgs),
+    /// Create a directory.
+    #[command(after_help = "\
+Examples:
+  lwio mkdir lwio://storage1/data/new
+  lwio mkdir -p lwio://storage1/data/a/b/c")]
+    Mkdir(MkdirArgs),
+    /// Write a remote file to standard output (over the LWIO data path).
+    #[command(after_help = "\
+Examples:
+  lwio cat lwio://storage1/data/config.json
+  lwio cat lwio://storage1/data/big.bin | sha256sum")]
+    Cat(CatArgs),
+    /// Copy files between local paths and lwio URLs (over the LWIO data path).
+    #[command(after_help = "\
+Examples:
+  lwio cp ./local.bin lwio://storage1/data/remote.bin
+  lwio cp lwio://storage1/data/remote.bin ./copy.bin
+  lwio cp -r ./dir lwio://storage1/data/dir")]
+    Cp(CpArgs),
+    /// Benchmark file I/O through lwio (fio-like). Without a URL: an embedded
+    /// server on loopback with the soft provider and a temporary file.
+    #[command(after_help = "\
+Examples:
+  lwio bench
+  lwio bench lwio://storage1/data/bench.dat --rw randread --bs 4k --qd 32 --jobs 4 --runtime 30s
+  lwio bench --rw write --bs 1M --qd 4 --size 1GiB --completion interrupt --json")]
+    Bench(BenchArgs),
+    /// List RDMA providers and their devices (like ibv_devices).
+    #[command(after_help = "\
+Examples:
+  lwio devices")]
+    Devices,
+    /// Raw RDMA verbs benchmark between two hosts (like ib_write_bw).
+    #[command(after_help = "\
+Examples:
+  lwio rdma-bench --op write --size 64k --listen 0.0.0.0:7471
+  lwio rdma-bench --op write --size 64k --iters 10000 --connect 10.0.0.5:7471 --poll")]
+    RdmaBench(RdmaBenchArgs),
+}
+
+/// Options shared by client commands.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// Token file for login (default: $LWIO_TOKEN, then $LWIO_TOKEN_FILE or
+    /// ~/.config/lwio/token if it exists, else anonymous).
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Give up connecting after this long.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Export a directory as NAME (repeatable; overrides the config file's NAME).
+    #[arg(long = "export", value_name = "NAME=PATH")]
+    pub exports: Vec<ExportSpec>,
+    /// Side-channel address (default 0.0.0.0:7420; port 0 picks a free port).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Token file; created with a random token if missing.
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// TOML configuration file (see docs/config.md).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// RDMA provider for the data path.
+    #[arg(long, value_enum)]
+    pub provider: Option<ProviderChoice>,
+    /// File I/O backend: auto, io-uring, threads.
+    #[arg(long, value_name = "BACKEND")]
+    pub io_backend: Option<BackendChoice>,
+    /// Also accept logins without a token.
+    #[arg(long)]
+    pub anonymous: bool,
+    /// Write the bound address to FILE once listening.
+    #[arg(long, value_name = "FILE")]
+    pub ready_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct UrlArgs {
+    /// lwio://HOST[:PORT]/EXPORT/PATH
+    #[arg(value_parser = LwioUrl::parse)]
+    pub url: LwioUrl,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    /// lwio://HOST[:PORT]/EXPORT/PATH (or lwio://HOST/ for the exports)
+    #[arg(value_parser = LwioUrl::parse)]
+    pub url: LwioUrl,
+    /// Long format: type, permissions, size, modification time, name.
+    #[arg(short, long)]
+    pub long: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct MkdirArgs {
+    /// lwio://HOST[:PORT]/EXPORT/PATH
+    #[arg(value_parser = LwioUrl::parse)]
+    pub url: LwioUrl,
+    /// Create missing parents; no error if it exists.
+    #[arg(short, long)]
+    pub parents: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct CatArgs {
+    /// lwio://HOST[:PORT]/EXPORT/PATH
+    #[arg(value_parser = LwioUrl::parse)]
+    pub url: LwioUrl,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct CpArgs {
+    /// Source: a local path or an lwio:// URL.
+    pub src: String,
+    /// Destination: a local path or an lwio:// URL.
+    pub dst: String,
+    /// Copy directories recursively.
+    #[arg(short, long)]
+    pub recursive: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// I/O pattern of `lwio bench`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RwPattern {
+    Read,
+    Write,
+    Randread,
+    Randwrite,
+    Randrw,
+}
+
+/// How completions are reaped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Completion {
+    /// Busy-poll the completion queue (lowest latency, burns a core).
+    Poll,
+    /// Sleep on completion events.
+    Interrupt,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// File to benchmark (lwio://HOST[:PORT]/EXPORT/PATH). Default: an
+    /// embedded server on loopback with a temporary file.
+    #[arg(value_parser = LwioUrl::parse)]
+    pub url: Option<LwioUrl>,
+    /// I/O pattern.
+    #[arg(long, value_enum, default_value = "randread")]
+    pub rw: RwPattern,
+    /// Block size (e.g. 4k, 1M).
+    #[arg(long, value_name = "SIZE", default_value = "4k", value_parser = parse_size)]
+    pub bs: u64,
+    /// Queue depth: I/Os in flight per job.
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub qd: u32,
+    /// Parallel jobs (each with its own RDMA connection).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub jobs: u32,
+    /// File size to use (created if needed).
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_size)]
+    pub size: u64,
+    /// How long to run.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub runtime: Duration,
+    /// Completion mode.
+    #[arg(long, value_enum, default_value = "poll")]
+    pub completion: Completion,
+    /// RDMA provider.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub provider: ProviderChoice,
+    /// Print results as JSON.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// Operation of `lwio rdma-bench`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RdmaOp {
+    Write,
+    Read,
+    Send,
+}
+
+/// Provider of `lwio rdma-bench` (auto is not allowed: both ends must agree).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RdmaProvider {
+    Soft,
+    Verbs,
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("role").required(true).args(["listen", "connect"])))]
+pub struct RdmaBenchArgs {
+    /// RDMA operation to measure.
+    #[arg(long, value_enum)]
+    pub op: RdmaOp,
+    /// Message size (e.g. 4k, 1M).
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    pub size: u64,
+    /// Number of operations.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    pub iters: u64,
+    /// Busy-poll completions instead of waiting for events.
+    #[arg(long)]
+    pub poll: bool,
+    /// Wait for the peer on this address (server side).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Connect to a listening peer (client side).
+    #[arg(long, value_name = "ADDR")]
+    pub connect: Option<String>,
+    /// RDMA provider.
+    #[arg(long, value_enum, default_value = "soft")]
+    pub provider: RdmaProvider,
+}
+
+/// A failure to report as one line.
+pub type CliResult = anyhow::Result<()>;
+
+/// Run a parsed command.
+pub fn run(cli: Cli) -> CliResult {
+    match cli.command {
+        Command::Serve(a) => serve(a),
+        Command::Ls(a) => ls(a),
+        Command::Stat(a) => stat(a),
+        Command::Rm(a) => {
+            let export = a.url.require_export()?.to_string();
+            if a.url.path.is_empty() {
+                anyhow::bail!("{}: refusing to remove the root of export {export}", a.url);
+            }
+            connect(&a.url, &a.client)?.remove(&export, &a.url.path)?;
+            Ok(())
+        }
+        Command::Mkdir(a) => {
+            let export = a.url.require_export()?.to_string();
+            connect(&a.url, &a.client)?.mkdir(&export, &a.url.path, 0o755, a.parents)?;
+            Ok(())
+        }
+        Command::Cat(_) => data_path_missing("lwio cat"),
+        Command::Cp(_) => data_path_missing("lwio cp"),
+        Command::Bench(_) => data_path_missing("lwio bench"),
+        Command::Devices => devices(),
+        Command::RdmaBench(_) => anyhow::bail!(
+            "lwio rdma-bench is not available in this build (it needs lwio_rdma::perf, not yet in this build)"
+        ),
+    }
+}
+
+fn data_path_missing(what: &str) -> CliResult {
+    anyhow::bail!("{what} requires the LWIO data path, not yet in this build")
+}
+
+/// How a client logs in: `--token-file`, else `LWIO_TOKEN`, else the default
+/// token file if it exists, else anonymously.
+pub fn client_login(args: &ClientArgs) -> anyhow::Result<Login> {
+    if let Some(p) = &args.token_file {
+        return Ok(Login::Token(Token::load(p)?));
+    }
+    if let Ok(t) = std::env::var("LWIO_TOKEN") {
+        if !t.trim().is_empty() {
+            return Ok(Login::Token(
+                Token::new(&t).map_err(|e| anyhow::anyhow!("LWIO_TOKEN: {}", e.message))?,
+            ));
+        }
+    }
+    if let Some(p) = default_token_file().filter(|p| p.exists()) {
+        return Ok(Login::Token(Token::load(&p)?));
+    }
+    Ok(Login::Anonymous)
+}
+
+fn connect(url: &LwioUrl, args: &ClientArgs) -> anyhow::Result<Client> {
+    let mut opts = ClientOptions::new(client_login(args)?);
+    opts.connect_timeout = args.connect_timeout;
+    Ok(Client::connect(&url.authority(), &opts)?)
+}
+
+fn kind_name(k: FileKind) -> &'static str {
+    match k {
+        FileKind::File => "file",
+        FileKind::Dir => "directory",
+        FileKind::Symlink => "symlink",
+        FileKind::Other => "other",
+    }
+}
+
+fn kind_char(k: FileKind) -> char {
+    match k {
+        FileKind::File => '-',
+        FileKind::Dir => 'd',
+        FileKind::Symlink => 'l',
+        FileKind::Other => '?',
+    }
+}
+
+fn perm_string(p: u32) -> String {
+    let mut s = String::with_capacity(9);
+    for shift in [6, 3, 0] {
+        let b = (p >> shift) & 7;
+        s.push(if b & 4 != 0 { 'r' } else { '-' });
+        s.push(if b & 2 != 0 { 'w' } else { '-' });
+        s.push(if b & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+/// `YYYY-MM-DD HH:MM:SS` UTC from nanoseconds since the epoch.
+pub fn format_utc(ns: i64) -> String {
+    let secs = ns.div_euclid(1_000_000_000);
+    let days = secs.div_euclid(86_400);
+    let tod = secs.rem_euclid(86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        tod / 3600,
+        tod / 60 % 60,
+        tod % 60
+    )
+}
+
+fn long_line(name: &str, a: &Attr) -> String {
+    format!(
+        "{}{} {:>14} {} {}{}",
+        kind_char(a.kind),
+        perm_string(a.perm),
+        a.size,
+        format_utc(a.mtime_ns),
+        name,
+        if a.kind == FileKind::Dir { "/" } else { "" }
+    )
+}
+
+fn ls(a: LsArgs) -> CliResult {
+    let mut c = connect(&a.url, &a.client)?;
+    let mut out = std::io::stdout().lock();
+    let Some(export) = a.url.export.clone() else {
+        for e in c.list_exports()? {
+            writeln!(
+                out,
+                "{}/{}",
+                e.name,
+                if e.read_only { " (read-only)" } else { "" }
+            )?;
+        }
+        return Ok(());
+    };
+    let entries = match c.list_dir(&export, &a.url.path) {
+        Ok(v) => v,
+        Err(e) if e.code == ErrorCode::NotADirectory => {
+            let attr = c.stat(&export, &a.url.path)?;
+            let name = a.url.path.rsplit('/').next().unwrap_or_default();
+            if a.long {
+                writeln!(out, "{}", long_line(name, &attr))?;
+            } else {
+                writeln!(out, "{name}")?;
+            }
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    for e in entries {
+        if a.long {
+            writeln!(out, "{}", long_line(&e.name, &e.attr))?;
+        } else {
+            writeln!(
+                out,
+                "{}{}",
+                e.name,
+                if e.attr.kind == FileKind::Dir {
+                    "/"
+                } else {
+                    ""
+                }
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn stat(a: UrlArgs) -> CliResult {
+    let export = a.url.require_export()?.to_string();
+    let attr = connect(&a.url, &a.client)?.stat(&export, &a.url.path)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "     URL: {}", a.url)?;
+    writeln!(out, "    Type: {}", kind_name(attr.kind))?;
+    writeln!(out, "    Size: {}", attr.size)?;
+    writeln!(
+        out,
+        "    Mode: {:04o} ({}{})",
+        attr.perm,
+        kind_char(attr.kind),
+        perm_string(attr.perm)
+    )?;
+    writeln!(out, "Modified: {} UTC", format_utc(attr.mtime_ns))?;
+    Ok(())
+}
+
+fn devices() -> CliResult {
+    let providers = lwio_rdma::providers();
+    if providers.is_empty() {
+        anyhow::bail!("no usable RDMA provider: none is compiled into this build");
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:<8} {:<12} {:<10} {:<32} status",
+        "provider", "device", "transport", "addresses"
+    )?;
+    let mut usable = 0;
+    for p in providers {
+        let devs = p.devices();
+        if devs.is_empty() {
+            writeln!(
+                out,
+                "{:<8} {:<12} {:<10} {:<32} no devices",
+                p.name(),
+                "-",
+                "-",
+                "-"
+            )?;
+        }
+        for d in devs {
+            let addrs = if d.addresses.is_empty() {
+                "-".to_string()
+            } else {
+                d.addresses
+                    .iter()
+                    .map(|a| a.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            let status = match &d.usable {
+                Ok(()) => {
+                    usable += 1;
+                    "usable".to_string()
+                }
+                Err(why) => format!("unusable: {why}"),
+            };
+            writeln!(
+                out,
+                "{:<8} {:<12} {:<10} {:<32} {status}",
+                d.provider,
+                d.name,
+                d.transport.to_string(),
+                addrs
+            )?;
+        }
+    }
+    if usable == 0 {
+        anyhow::bail!("no usable RDMA provider on this host (see the reasons above)");
+    }
+    Ok(())
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Merge the config file and the flags.
+pub fn serve_config(a: &ServeArgs) -> anyhow::Result<Config> {
+    let mut c = match &a.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if let Some(l) = &a.listen {
+        c.listen = l.clone();
+    }
+    if let Some(t) = &a.token_file {
+        c.token_file = Some(t.clone());
+    }
+    if let Some(p) = a.provider {
+        c.provider = p;
+    }
+    if let Some(b) = a.io_backend {
+        c.io.backend = b;
+    }
+    if a.anonymous {
+        c.allow_anonymous = true;
+    }
+    for e in &a.exports {
+        c.set_export(e);
+    }
+    c.validate()?;
+    if c.exports.is_empty() {
+        anyhow::bail!(
+            "nothing to serve: give at least one --export NAME=PATH (or [exports] in --config)"
+        );
+    }
+    Ok(c)
+}
+
+fn write_ready_file(path: &Path, addr: &str) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{addr}\n"))
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| anyhow::anyhow!("ready file {}: {e}", path.display()))
+}
+
+fn serve(a: ServeArgs) -> CliResult {
+    init_tracing();
+    let c = serve_config(&a)?;
+    let token_path = c.token_file.clone().or_else(default_token_file);
+    let token = match &token_path {
+        Some(p) => {
+            let (t, created) = Token::load_or_create(p)?;
+            if created {
+                tracing::info!(path = %p.display(), "created a new token file (mode 0600); copy it to clients");
+            } else {
+                tracing::info!(path = %p.display(), "using token file");
+            }
+            Some(t)
+        }
+        None if c.allow_anonymous => None,
+        None => anyhow::bail!("no token file: give --token-file FILE (HOME is not set)"),
+    };
+    if c.allow_anonymous {
+        tracing::warn!("anonymous access enabled: anyone who can connect has the exports' rights");
+    }
+    tracing::info!(
+        provider = c.provider.as_str(),
+        "RDMA provider choice (RDMA phase not yet in this build)"
+    );
+    let opts = ServerOptions::from_config(&c, token);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| anyhow::anyhow!("tokio runtime: {e}"))?;
+    rt.block_on(async move {
+        let server = Server::bind(opts).await?;
+        let addr = server.local_addr()?.to_string();
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "lwio: listening on {addr}")?;
+            out.flush()?;
+        }
+        if let Some(p) = &a.ready_file {
+            write_ready_file(p, &addr)?;
+        }
+        let stop = server.shutdown_handle();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            }
+            stop.trigger();
+        });
+        server.run().await?;
+        Ok::<(), anyhow::Error>(())
+    })
+}
+
+/// Map an error to the one line printed by the binary.
+pub fn error_line(e: &anyhow::Error) -> String {
+    if let Some(le) = e.downcast_ref::<Error>() {
+        return le.to_string();
+    }
+    let mut s = e.to_string();
+    // One line, whatever the cause chain.
+    if let Some(i) = s.find('\n') {
+        s.truncate(i);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("lwio").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn bench_arguments() {
+        let c = parse(&[
+            "bench",
+            "lwio://h/e/f",
+            "--rw",
+            "randrw",
+            "--bs",
+            "1M",
+            "--qd",
+            "32",
+            "--jobs",
+            "4",
+            "--size",
+            "1GiB",
+            "--runtime",
+            "30s",
+            "--completion",
+            "interrupt",
+            "--json",
+        ])
+        .unwrap();
+        let Command::Bench(b) = c.command else {
+            panic!()
+        };
+        assert_eq!(b.url.unwrap().path, "f");
+        assert_eq!(b.rw, RwPattern::Randrw);
+        assert_eq!(b.bs, 1 << 20);
+        assert_eq!((b.qd, b.jobs), (32, 4));
+        assert_eq!(b.size, 1 << 30);
+        assert_eq!(b.runtime, Duration::from_secs(30));
+        assert_eq!(b.completion, Completion::Interrupt);
+        assert!(b.json);
+        let Command::Bench(b) = parse(&["bench"]).unwrap().command else {
+            panic!()
+        };
+        assert!(b.url.is_none());
+        assert_eq!(
+            (b.rw, b.bs, b.qd, b.jobs),
+            (RwPattern::Randread, 4096, 16, 1)
+        );
+        assert_eq!(b.runtime, Duration::from_secs(10));
+        assert!(parse(&["bench", "--bs", "4x"]).is_err());
+        assert!(parse(&["bench", "--runtime", "soon"]).is_err());
+        assert!(parse(&["bench", "--qd", "0"]).is_err());
+        assert!(parse(&["bench", "--rw", "sideways"]).is_err());
+        assert!(parse(&["bench", "http://x"]).is_err());
+    }
+
+    #[test]
+    fn rdma_bench_arguments() {
+        let Command::RdmaBench(r) = parse(&[
+            "rdma-bench",
+            "--op",
+            "write",
+            "--size",
+            "64k",
+            "--connect",
+            "10.0.0.1:7471",
+            "--poll",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (r.op, r.size, r.iters, r.poll),
+            (RdmaOp::Write, 65536, 1000, true)
+        );
+        assert_eq!(r.provider, RdmaProvider::Soft);
+        assert!(
+            parse(&["rdma-bench", "--op", "write", "--size", "1k"]).is_err(),
+            "needs a role"
+        );
+        assert!(
+            parse(&[
+                "rdma-bench",
+                "--op",
+                "send",
+                "--size",
+                "1k",
+                "--listen",
+                "a",
+                "--connect",
+                "b"
+            ])
+            .is_err(),
+            "one role only"
+        );
+        assert!(parse(&[
+            "rdma-bench",
+            "--op",
+            "read",
+            "--size",
+            "1k",
+            "--listen",
+            "x",
+            "--provider",
+            "auto"
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn other_arguments() {
+        let Command::Cp(c) = parse(&["cp", "-r", "a", "lwio://h/e/b"]).unwrap().command else {
+            panic!()
+        };
+        assert!(c.recursive);
+        let Command::Serve(s) = parse(&[
+            "serve",
+            "--export",
+            "a=/x",
+            "--export",
+            "b=/y",
+            "--listen",
+            "127.0.0.1:0",
+            "--provider",
+            "verbs",
+            "--io-backend",
+            "threads",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!()
+        };
+        assert_eq!(s.exports.len(), 2);
+        assert_eq!(s.provider, Some(ProviderChoice::Verbs));
+        assert_eq!(s.io_backend, Some(BackendChoice::Threads));
+        let cfg = serve_config(&s).unwrap();
+        assert_eq!(cfg.listen, "127.0.0.1:0");
+        assert!(parse(&["serve", "--export", "noequals"]).is_err());
+        assert!(parse(&["ls", "lwio://h:99999/e"]).is_err());
+        let Command::Mkdir(m) = parse(&["mkdir", "-p", "lwio://[::1]/e/a/b"])
+            .unwrap()
+            .command
+        else {
+            panic!()
+        };
+        assert!(m.parents);
+        assert_eq!(m.url.host, "::1");
+    }
+
+    #[test]
+    fn formatting() {
+        assert_eq!(format_utc(0), "1970-01-01 00:00:00");
+        assert_eq!(format_utc(1_700_000_000_000_000_000), "2023-11-14 22:13:20");
+        assert_eq!(format_utc(951_782_400_000_000_000), "2000-02-29 00:00:00");
+        assert_eq!(format_utc(-1_000_000_000), "1969-12-31 23:59:59");
+        assert_eq!(perm_string(0o754), "rwxr-xr--");
+    }
+}

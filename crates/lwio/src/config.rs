@@ -156,8 +156,19 @@ pub struct ConfigError(pub String);
 impl Config {
     /// Parse TOML text and validate it.
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
-        let c: Config =
-            toml::from_str(text).map_err(|e| ConfigError(e.to_string().trim_end().to_string()))?;
+        let c: Config = toml::from_str(text).map_err(|e| {
+            // One line: the message and where, not toml's multi-line excerpt.
+            let msg = e.message().trim_end().replace('\n', " ");
+            match e.span() {
+                Some(sp) => {
+                    let start = sp.start.min(text.len());
+                    let line = text[..start].matches('\n').count() + 1;
+                    let src = text.lines().nth(line - 1).unwrap_or("").trim();
+                    ConfigError(format!("line {line} ({src}): {msg}"))
+                }
+                None => ConfigError(msg),
+            }
+        })?;
         c.validate()?;
         Ok(c)
     }

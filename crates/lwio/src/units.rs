@@ -53,7 +53,7 @@ pub fn parse_size(input: &str) -> Result<u64, ParseUnitError> {
 /// Format a byte count with the largest exact binary unit (`4k`, `1M`, `1536`).
 pub fn format_size(n: u64) -> String {
     for (shift, suffix) in [(40, "T"), (30, "G"), (20, "M"), (10, "k")] {
-        if n != 0 && n % (1u64 << shift) == 0 {
+        if n != 0 && n.is_multiple_of(1u64 << shift) {
             return format!("{}{}", n >> shift, suffix);
         }
     }
@@ -104,7 +104,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, ParseUnitError> {
 pub fn format_duration(d: Duration) -> String {
     if d.subsec_nanos() == 0 {
         format!("{}s", d.as_secs())
-    } else if d.as_nanos() % 1_000_000 == 0 {
+    } else if d.as_nanos().is_multiple_of(1_000_000) {
         format!("{}ms", d.as_millis())
     } else {
         format!("{}us", d.as_micros())

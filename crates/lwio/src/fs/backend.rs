@@ -96,13 +96,13 @@ pub fn check_alignment(align: u32, offset: u64, addr: usize, len: usize) -> io::
             format!("unbuffered (O_DIRECT) I/O must be aligned to {a} bytes: {what}"),
         ))
     };
-    if offset % a != 0 {
+    if !offset.is_multiple_of(a) {
         return bad(format!("offset {offset} is not"));
     }
-    if len as u64 % a != 0 {
+    if !(len as u64).is_multiple_of(a) {
         return bad(format!("length {len} is not"));
     }
-    if addr as u64 % a != 0 {
+    if !(addr as u64).is_multiple_of(a) {
         return bad(format!("buffer address {addr:#x} is not"));
     }
     Ok(())

@@ -306,9 +306,10 @@ impl Attr {
             kind: FileKind::from_mode(st.st_mode),
             perm: st.st_mode & 0o7777,
             size: st.st_size.max(0) as u64,
-            mtime_ns: (st.st_mtime as i64)
+            mtime_ns: st
+                .st_mtime
                 .saturating_mul(1_000_000_000)
-                .saturating_add(st.st_mtime_nsec as i64),
+                .saturating_add(st.st_mtime_nsec),
         }
     }
 }

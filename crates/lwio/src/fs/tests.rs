@@ -92,7 +92,10 @@ fn export_specs() {
     assert!("a/b=/x".parse::<ExportSpec>().is_err());
     assert!("..=/x".parse::<ExportSpec>().is_err());
     assert!("d=".parse::<ExportSpec>().is_err());
-    assert!("with=equals=/x".parse::<ExportSpec>().unwrap().path == PathBuf::from("equals=/x"));
+    assert_eq!(
+        "with=equals=/x".parse::<ExportSpec>().unwrap().path,
+        PathBuf::from("equals=/x")
+    );
 }
 
 #[test]
