@@ -8,15 +8,20 @@
 //! [`providers`] lists the providers compiled in; a provider that cannot be
 //! used on this host is still listed, with the reason, by `devices()`.
 
+pub mod conformance;
+pub mod perf;
+pub mod soft;
 pub mod verbs;
 
 pub use verbs::*;
 
 /// Every provider compiled into this build, in preference order for `auto`.
+#[allow(clippy::vec_init_then_push)]
 pub fn providers() -> Vec<Provider> {
     #[allow(unused_mut)]
     let mut v: Vec<Provider> = Vec::new();
     // provider registrations (one line per provider module):
+    v.push(soft::provider());
     v
 }
 

@@ -1,0 +1,192 @@
+//! Completion queues and completion channels.
+//!
+//! A CQ is a bounded queue under a mutex: the provider pushes (Release, via
+//! the mutex), the consumer pops (Acquire, via the mutex), so data placed
+//! before a completion was pushed is visible to whoever pops it.
+//!
+//! A channel owns an eventfd. Under `Progress::Auto` its fd *is* the eventfd:
+//! readable means "an armed CQ got a completion". Under `Progress::Manual`
+//! its fd is an epoll fd over the eventfd and the context's epoll fd, so
+//! readable means "call poll": either a CQ event is pending or a socket has
+//! protocol work that polling will do.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::sys;
+use super::CtxShared;
+use crate::verbs::*;
+
+const ARM_NONE: u8 = 0;
+const ARM_ALL: u8 = 1;
+const ARM_SOLICITED: u8 = 2;
+
+pub struct CqShared {
+    q: Mutex<VecDeque<Wc>>,
+    depth: usize,
+    overflow: AtomicBool,
+    armed: AtomicU8,
+    chan: Option<Arc<ChanShared>>,
+    ctx: Arc<CtxShared>,
+}
+
+impl CqShared {
+    pub fn new(ctx: Arc<CtxShared>, depth: u32, chan: Option<Arc<ChanShared>>) -> CqShared {
+        CqShared {
+            q: Mutex::new(VecDeque::with_capacity((depth as usize).min(4096))),
+            depth: depth.max(1) as usize,
+            overflow: AtomicBool::new(false),
+            armed: AtomicU8::new(ARM_NONE),
+            chan,
+            ctx,
+        }
+    }
+
+    /// Push a completion; `solicited` marks receives of solicited messages
+    /// (errors always count as solicited).
+    pub fn push(&self, wc: Wc, solicited: bool) {
+        {
+            let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
+            if q.len() >= self.depth {
+                self.overflow.store(true, Ordering::Release);
+                tracing::warn!(wr_id = wc.wr_id, "CQ overrun: completion dropped");
+                return;
+            }
+            q.push_back(wc);
+        }
+        let a = self.armed.load(Ordering::Acquire);
+        if a == ARM_NONE {
+            return;
+        }
+        let fire = a == ARM_ALL || solicited || !wc.is_ok();
+        if fire
+            && self
+                .armed
+                .compare_exchange(a, ARM_NONE, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            if let Some(c) = &self.chan {
+                c.notify();
+            }
+        }
+    }
+
+    fn pop(&self, out: &mut [Wc]) -> usize {
+        let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
+        let n = out.len().min(q.len());
+        for (o, w) in out.iter_mut().zip(q.drain(..n)) {
+            *o = w;
+        }
+        n
+    }
+}
+
+pub struct SoftCq(pub Arc<CqShared>);
+
+impl CqOps for SoftCq {
+    fn poll(&self, out: &mut [Wc]) -> Result<usize> {
+        if self.0.overflow.load(Ordering::Acquire) {
+            return Err(Error::ResourceExhausted("completion queue overrun".into()));
+        }
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let n = self.0.pop(out);
+        if n > 0 || !self.0.ctx.manual {
+            return Ok(n);
+        }
+        self.0.ctx.progress_once(0)?;
+        Ok(self.0.pop(out))
+    }
+
+    fn arm(&self, solicited_only: bool) -> Result<()> {
+        if self.0.chan.is_none() {
+            return Err(Error::InvalidArgument(
+                "CQ has no completion channel".into(),
+            ));
+        }
+        self.0.armed.store(
+            if solicited_only {
+                ARM_SOLICITED
+            } else {
+                ARM_ALL
+            },
+            Ordering::Release,
+        );
+        Ok(())
+    }
+}
+
+pub struct ChanShared {
+    efd: OwnedFd,
+    /// Manual progress: epoll over `efd` and the context's epoll fd.
+    epfd: Option<OwnedFd>,
+    ctx: Arc<CtxShared>,
+}
+
+impl ChanShared {
+    pub fn new(ctx: Arc<CtxShared>) -> Result<ChanShared> {
+        let efd = sys::eventfd()?;
+        let epfd = if ctx.manual {
+            let ep = sys::epoll_create()?;
+            sys::epoll_add(ep.as_raw_fd(), efd.as_raw_fd(), libc::EPOLLIN as u32, 0)?;
+            sys::epoll_add(ep.as_raw_fd(), ctx.epfd(), libc::EPOLLIN as u32, 1)?;
+            Some(ep)
+        } else {
+            None
+        };
+        Ok(ChanShared { efd, epfd, ctx })
+    }
+
+    pub fn notify(&self) {
+        sys::eventfd_write(self.efd.as_raw_fd());
+    }
+
+    /// Consume a pending event; true if there was one.
+    fn consume(&self) -> bool {
+        sys::eventfd_read(self.efd.as_raw_fd())
+    }
+}
+
+pub struct SoftChannel(pub Arc<ChanShared>);
+
+impl CompChannelOps for SoftChannel {
+    fn fd(&self) -> RawFd {
+        match &self.0.epfd {
+            Some(e) => e.as_raw_fd(),
+            None => self.0.efd.as_raw_fd(),
+        }
+    }
+
+    fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if self.0.ctx.manual {
+                self.0.ctx.progress_once(0)?;
+            }
+            if self.0.consume() {
+                return Ok(true);
+            }
+            let ms = match deadline {
+                None => -1,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(false);
+                    }
+                    left.as_millis().clamp(1, i32::MAX as u128) as i32
+                }
+            };
+            sys::poll_in(self.fd(), ms)?;
+        }
+    }
+}
+
+/// Wrap a raw fd we created.
+pub(crate) fn owned(fd: RawFd) -> OwnedFd {
+    // SAFETY: callers pass a freshly created descriptor that nothing else owns.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}

@@ -1,0 +1,436 @@
+//! Protection domains, memory regions, memory windows and the STag table.
+//!
+//! One table per context maps the 24-bit STag index to a region or window;
+//! the low 8 bits (the key byte) must match the entry's current key. Every
+//! time an index is reused, or a window is re-bound, the key byte advances,
+//! so a stale key never matches again (until 256 reuses wrap it).
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use super::wire::{term, TermCode};
+use crate::verbs::*;
+
+static NEXT_PD: AtomicU32 = AtomicU32::new(1);
+
+/// The state of a registered region, shared by the table and in-flight work.
+pub struct MrState {
+    pub stag: u32,
+    pub addr: u64,
+    pub len: u64,
+    pub access: Access,
+    pub pd: u32,
+    pub valid: AtomicBool,
+    /// Keeps library-owned memory alive while any reference to this state lives.
+    _owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+/// A window's current binding.
+#[derive(Clone)]
+pub struct Binding {
+    pub mr: Arc<MrState>,
+    pub addr: u64,
+    pub len: u64,
+    pub access: Access,
+    pub one_shot: bool,
+    pub qpn: u32,
+}
+
+pub struct MwState {
+    pub pd: u32,
+    /// The STag most recently issued (index + key byte).
+    pub stag: AtomicU32,
+    pub binding: Mutex<Option<Binding>>,
+}
+
+enum Entry {
+    Mr(Arc<MrState>),
+    Mw(Arc<MwState>),
+}
+
+struct Slot {
+    key: u8,
+    entry: Option<Entry>,
+}
+
+#[derive(Default)]
+struct Inner {
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+}
+
+/// Maximum number of keys (regions + windows) per context.
+pub const MAX_KEYS: usize = 1 << 20;
+
+/// The per-context STag table.
+#[derive(Default)]
+pub struct MemTable {
+    inner: RwLock<Inner>,
+}
+
+/// A resolved remote access: where to place or read, and what keeps it alive.
+pub struct Resolved {
+    pub ptr: u64,
+    /// End (exclusive) of the validated range: the window's or region's end.
+    pub end: u64,
+    pub mr: Arc<MrState>,
+}
+
+impl MemTable {
+    fn insert(&self, mk: impl FnOnce(u32) -> Entry) -> Result<u32> {
+        let mut t = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        let idx = match t.free.pop() {
+            Some(i) => i,
+            None => {
+                if t.slots.len() >= MAX_KEYS {
+                    return Err(Error::ResourceExhausted("STag table full".into()));
+                }
+                if t.slots.is_empty() {
+                    // Index 0 is never handed out (STag 0 is "no key").
+                    t.slots.push(Slot {
+                        key: 0,
+                        entry: None,
+                    });
+                }
+                t.slots.push(Slot {
+                    key: 0,
+                    entry: None,
+                });
+                (t.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut t.slots[idx as usize];
+        slot.key = slot.key.wrapping_add(1);
+        let stag = stag::make(idx, slot.key);
+        slot.entry = Some(mk(stag));
+        Ok(stag)
+    }
+
+    fn remove(&self, stag_v: u32) {
+        let mut t = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        let idx = stag::index(stag_v) as usize;
+        if let Some(s) = t.slots.get_mut(idx) {
+            if s.entry.is_some() && s.key == stag::key(stag_v) {
+                s.entry = None;
+                t.free.push(idx as u32);
+            }
+        }
+    }
+
+    fn lookup(&self, stag_v: u32) -> Option<Lookup> {
+        let t = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        let s = t.slots.get(stag::index(stag_v) as usize)?;
+        if stag::index(stag_v) == 0 {
+            return None;
+        }
+        match s.entry.as_ref()? {
+            Entry::Mr(m) if s.key == stag::key(stag_v) => Some(Lookup::Mr(m.clone())),
+            Entry::Mw(w) => Some(Lookup::Mw(w.clone())),
+            _ => None,
+        }
+    }
+
+    /// Resolve a local key for an SGE.
+    pub fn local(&self, sge: &Sge, pd: u32, need: Access) -> Result<Arc<MrState>, WcStatus> {
+        let mr = match self.lookup(sge.lkey) {
+            Some(Lookup::Mr(m)) => m,
+            _ => return Err(WcStatus::LocProtErr),
+        };
+        if !mr.valid.load(Ordering::Acquire) || mr.pd != pd || !mr.access.contains(need) {
+            return Err(WcStatus::LocProtErr);
+        }
+        let end = sge.addr.checked_add(sge.length as u64);
+        match end {
+            Some(end) if sge.addr >= mr.addr && end <= mr.addr + mr.len => Ok(mr),
+            _ => Err(WcStatus::LocProtErr),
+        }
+    }
+
+    /// Validate a remote access (a tagged segment, or the source of an RDMA
+    /// Read Request). `read_req` selects RDMAP-layer codes (Read Request) over
+    /// DDP-layer codes (tagged placement). One-shot windows are consumed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn remote(
+        &self,
+        stag_v: u32,
+        to: u64,
+        len: u64,
+        need: Access,
+        pd: u32,
+        qpn: u32,
+        read_req: bool,
+    ) -> Result<Resolved, TermCode> {
+        let (inv, bounds, assoc) = if read_req {
+            (
+                term::RDMAP_INVALID_STAG,
+                term::RDMAP_BASE_BOUNDS,
+                term::RDMAP_NOT_ASSOC,
+            )
+        } else {
+            (
+                term::DDP_T_INVALID_STAG,
+                term::DDP_T_BASE_BOUNDS,
+                term::DDP_T_NOT_ASSOC,
+            )
+        };
+        let in_range = |base: u64, blen: u64| -> bool {
+            match to.checked_add(len) {
+                Some(end) => to >= base && end <= base.saturating_add(blen),
+                None => false,
+            }
+        };
+        match self.lookup(stag_v) {
+            None => Err(inv),
+            Some(Lookup::Mr(mr)) => {
+                if !mr.valid.load(Ordering::Acquire) {
+                    return Err(inv);
+                }
+                if mr.pd != pd {
+                    return Err(assoc);
+                }
+                if !mr.access.contains(need) {
+                    return Err(term::RDMAP_ACCESS);
+                }
+                if !in_range(mr.addr, mr.len) {
+                    return Err(bounds);
+                }
+                Ok(Resolved {
+                    ptr: to,
+                    end: mr.addr + mr.len,
+                    mr,
+                })
+            }
+            Some(Lookup::Mw(mw)) => {
+                if mw.stag.load(Ordering::Acquire) != stag_v {
+                    return Err(inv);
+                }
+                let mut b = mw.binding.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(bind) = b.as_ref() else {
+                    return Err(inv);
+                };
+                if !bind.mr.valid.load(Ordering::Acquire) {
+                    return Err(inv);
+                }
+                if mw.pd != pd {
+                    return Err(assoc);
+                }
+                if bind.qpn != qpn {
+                    return Err(assoc);
+                }
+                if !bind.access.contains(need) {
+                    return Err(term::RDMAP_ACCESS);
+                }
+                if !in_range(bind.addr, bind.len) {
+                    return Err(bounds);
+                }
+                let mr = bind.mr.clone();
+                let end = bind.addr + bind.len;
+                if bind.one_shot {
+                    *b = None;
+                }
+                Ok(Resolved { ptr: to, end, mr })
+            }
+        }
+    }
+
+    /// Invalidate a window key (local invalidate or a peer's Send with
+    /// Invalidate). Regions registered with `reg_mr` cannot be invalidated.
+    pub fn invalidate(&self, stag_v: u32, pd: u32) -> Result<(), TermCode> {
+        match self.lookup(stag_v) {
+            Some(Lookup::Mw(mw)) if mw.stag.load(Ordering::Acquire) == stag_v && mw.pd == pd => {
+                *mw.binding.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                Ok(())
+            }
+            _ => Err(term::RDMAP_OP_CANNOT_INVALIDATE),
+        }
+    }
+}
+
+enum Lookup {
+    Mr(Arc<MrState>),
+    Mw(Arc<MwState>),
+}
+
+// ---------------------------------------------------------------------------
+
+pub struct SoftPd {
+    pub id: u32,
+    pub table: Arc<MemTable>,
+}
+
+impl SoftPd {
+    pub fn new(table: Arc<MemTable>) -> SoftPd {
+        SoftPd {
+            id: NEXT_PD.fetch_add(1, Ordering::Relaxed),
+            table,
+        }
+    }
+}
+
+pub struct SoftMr {
+    pub state: Arc<MrState>,
+    table: Arc<MemTable>,
+}
+
+pub struct SoftMw {
+    pub state: Arc<MwState>,
+    pub index: u32,
+    table: Arc<MemTable>,
+    deallocated: AtomicBool,
+}
+
+impl PdOps for SoftPd {
+    fn reg_mr(&self, mem: MemRegion, access: Access) -> Result<Arc<dyn MrOps>> {
+        if mem.addr.is_null() && mem.len > 0 {
+            return Err(Error::InvalidArgument("null region".into()));
+        }
+        if access.contains(Access::REMOTE_WRITE) && !access.contains(Access::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "REMOTE_WRITE requires LOCAL_WRITE".into(),
+            ));
+        }
+        let mut state = None;
+        self.table.insert(|stag| {
+            let s = Arc::new(MrState {
+                stag,
+                addr: mem.addr as u64,
+                len: mem.len as u64,
+                access,
+                pd: self.id,
+                valid: AtomicBool::new(true),
+                _owner: mem.owner.clone(),
+            });
+            state = Some(s.clone());
+            Entry::Mr(s)
+        })?;
+        let state = state.ok_or_else(|| Error::ResourceExhausted("registration".into()))?;
+        Ok(Arc::new(SoftMr {
+            state,
+            table: self.table.clone(),
+        }))
+    }
+
+    fn alloc_mw(&self) -> Result<Arc<dyn MwOps>> {
+        let mut state = None;
+        let stag = self.table.insert(|stag| {
+            let s = Arc::new(MwState {
+                pd: self.id,
+                stag: AtomicU32::new(stag),
+                binding: Mutex::new(None),
+            });
+            state = Some(s.clone());
+            Entry::Mw(s)
+        })?;
+        let state = state.ok_or_else(|| Error::ResourceExhausted("window".into()))?;
+        Ok(Arc::new(SoftMw {
+            state,
+            index: stag::index(stag),
+            table: self.table.clone(),
+            deallocated: AtomicBool::new(false),
+        }))
+    }
+}
+
+impl MrOps for SoftMr {
+    fn lkey(&self) -> u32 {
+        self.state.stag
+    }
+    fn rkey(&self) -> u32 {
+        self.state.stag
+    }
+    fn deregister(&self) {
+        if self.state.valid.swap(false, Ordering::AcqRel) {
+            self.table.remove(self.state.stag);
+        }
+    }
+}
+
+impl Drop for SoftMr {
+    fn drop(&mut self) {
+        self.deregister();
+    }
+}
+
+impl MwOps for SoftMw {
+    fn rkey(&self) -> u32 {
+        self.state.stag.load(Ordering::Acquire)
+    }
+    fn kind(&self) -> MwKind {
+        MwKind::Native
+    }
+    fn deallocate(&self) {
+        if !self.deallocated.swap(true, Ordering::AcqRel) {
+            *self.state.binding.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            // Remove by the index's slot key (the table key byte of the slot is
+            // the allocation key, the window's current key may differ).
+            let mut t = self.table.inner.write().unwrap_or_else(|e| e.into_inner());
+            let idx = self.index as usize;
+            if let Some(s) = t.slots.get_mut(idx) {
+                if matches!(&s.entry, Some(Entry::Mw(w)) if Arc::ptr_eq(w, &self.state)) {
+                    // Advance the slot key past the window's last key so a
+                    // reuse of the index never revives an old window key.
+                    s.key = stag::key(self.state.stag.load(Ordering::Acquire));
+                    s.entry = None;
+                    t.free.push(idx as u32);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for SoftMw {
+    fn drop(&mut self) {
+        self.deallocate();
+    }
+}
+
+impl SoftMw {
+    /// Bind (called from the QP's post path: no system call).
+    pub fn bind(&self, b: &MwBind<'_>, pd: u32, qpn: u32) -> Result<u32> {
+        if self.deallocated.load(Ordering::Acquire) {
+            return Err(Error::InvalidArgument("window deallocated".into()));
+        }
+        let mr = (*b.mr.ops)
+            .as_any()
+            .downcast_ref::<SoftMr>()
+            .ok_or_else(|| Error::InvalidArgument("region of another provider".into()))?;
+        let mrs = &mr.state;
+        if !mrs.valid.load(Ordering::Acquire) {
+            return Err(Error::Protection("region deregistered".into()));
+        }
+        if mrs.pd != pd || self.state.pd != pd {
+            return Err(Error::Protection("window, region and QP PDs differ".into()));
+        }
+        if !mrs.access.contains(Access::MW_BIND) {
+            return Err(Error::Protection("region lacks MW_BIND".into()));
+        }
+        let rights = Access::REMOTE_READ | Access::REMOTE_WRITE;
+        if !rights.contains(b.access) || !mrs.access.contains(b.access) {
+            return Err(Error::Protection(format!(
+                "window rights {:?} not allowed by region {:?}",
+                b.access, mrs.access
+            )));
+        }
+        match b.offset.checked_add(b.length) {
+            Some(end) if end <= mrs.len => {}
+            _ => {
+                return Err(Error::Protection(format!(
+                    "window {}+{} outside region of {}",
+                    b.offset, b.length, mrs.len
+                )))
+            }
+        }
+        let mut g = self.state.binding.lock().unwrap_or_else(|e| e.into_inner());
+        let new = stag::next_key(self.state.stag.load(Ordering::Acquire));
+        self.state.stag.store(new, Ordering::Release);
+        *g = Some(Binding {
+            mr: mrs.clone(),
+            addr: mrs.addr + b.offset,
+            len: b.length,
+            access: b.access,
+            one_shot: b.one_shot,
+            qpn,
+        });
+        Ok(new)
+    }
+}

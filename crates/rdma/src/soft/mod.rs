@@ -1,0 +1,505 @@
+//! `soft`: the IETF iWARP stack (MPA/DDP/RDMAP) in user space over TCP.
+//!
+//! One device, `soft0` (TCP on any interface). Each context owns an epoll fd
+//! over its QP sockets plus an eventfd; under [`Progress::Auto`] an engine
+//! thread waits on it, under [`Progress::Manual`] whoever polls a CQ, waits
+//! on a channel or calls [`Context::progress`] runs the same loop without
+//! blocking. Posting threads transmit directly (no wake-up needed).
+//!
+//! See `qp.rs` for the data path and `mem.rs` for keys and protection.
+
+pub mod cm;
+pub mod cq;
+pub mod mem;
+pub mod qp;
+pub mod sys;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use crate::verbs::*;
+use cq::{ChanShared, CqShared, SoftChannel, SoftCq};
+use mem::{MemTable, SoftMw, SoftPd};
+use qp::{QpCore, QpParams, Shut, SockIo};
+
+pub use qp::RxStats;
+
+/// Provider name.
+pub const NAME: &str = "soft";
+/// The one device.
+pub const DEVICE: &str = "soft0";
+/// Default IRD/ORD when the consumer passes 0, and the maximum.
+pub const DEFAULT_IRD_ORD: u8 = 8;
+pub const MAX_IRD_ORD: u8 = 16;
+const MAX_SGE: u32 = 8;
+const WAKE_TOKEN: u64 = 0;
+
+/// The soft provider.
+pub fn provider() -> Provider {
+    Provider(Arc::new(SoftProvider))
+}
+
+pub struct SoftProvider;
+
+pub fn caps() -> DeviceCaps {
+    DeviceCaps {
+        max_mr_size: 1 << 40,
+        max_qp_wr: 16 * 1024,
+        max_cqe: 1 << 20,
+        max_sge: MAX_SGE,
+        max_inline_data: 256,
+        max_ird: MAX_IRD_ORD as u32,
+        max_ord: MAX_IRD_ORD as u32,
+        max_msg_size: u32::MAX as u64,
+        mw_kind: MwKind::Native,
+        one_shot_mw: true,
+        write_with_imm: false,
+        send_with_invalidate: true,
+    }
+}
+
+fn device_info() -> DeviceInfo {
+    DeviceInfo {
+        provider: NAME,
+        name: DEVICE.into(),
+        transport: Transport::Iwarp,
+        addresses: vec![std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)],
+        usable: Ok(()),
+        caps: Some(caps()),
+    }
+}
+
+impl ProviderOps for SoftProvider {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+    fn devices(&self) -> Vec<DeviceInfo> {
+        vec![device_info()]
+    }
+    fn open(&self, device: &str, config: &Config) -> Result<Arc<dyn ContextOps>> {
+        if device != DEVICE {
+            return Err(Error::NoSuchDevice(format!(
+                "soft provider has only {DEVICE}, not {device:?}"
+            )));
+        }
+        Ok(Arc::new(SoftContext {
+            sh: CtxShared::new(config.clone())?,
+        }))
+    }
+}
+
+/// Shared state of a context (held by every object made from it).
+pub struct CtxShared {
+    pub manual: bool,
+    pub config: Config,
+    ep: Arc<OwnedFd>,
+    wake: Arc<OwnedFd>,
+    qps: Mutex<HashMap<u64, Arc<QpShared>>>,
+    next_token: AtomicU64,
+    next_qpn: AtomicU32,
+    pub table: Arc<MemTable>,
+    device: DeviceInfo,
+}
+
+impl CtxShared {
+    fn new(config: Config) -> Result<Arc<CtxShared>> {
+        let ep = Arc::new(sys::epoll_create()?);
+        let wake = Arc::new(sys::eventfd()?);
+        sys::epoll_add(
+            ep.as_raw_fd(),
+            wake.as_raw_fd(),
+            (libc::EPOLLIN | libc::EPOLLET) as u32,
+            WAKE_TOKEN,
+        )?;
+        let manual = config.progress == Progress::Manual;
+        let sh = Arc::new(CtxShared {
+            manual,
+            config,
+            ep: ep.clone(),
+            wake: wake.clone(),
+            qps: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
+            next_qpn: AtomicU32::new(1),
+            table: Arc::new(MemTable::default()),
+            device: device_info(),
+        });
+        if !manual {
+            let weak = Arc::downgrade(&sh);
+            std::thread::Builder::new()
+                .name("lwio-soft-engine".into())
+                .spawn(move || engine(weak, ep, wake))?;
+        }
+        Ok(sh)
+    }
+
+    pub fn epfd(&self) -> RawFd {
+        self.ep.as_raw_fd()
+    }
+
+    fn handle(&self, evs: &[libc::epoll_event]) -> usize {
+        let mut n = 0;
+        for ev in evs {
+            let token = ev.u64;
+            if token == WAKE_TOKEN {
+                sys::eventfd_read(self.wake.as_raw_fd());
+                continue;
+            }
+            let qp = self
+                .qps
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&token)
+                .cloned();
+            if let Some(qp) = qp {
+                n += qp.drive();
+            }
+        }
+        n
+    }
+
+    /// One round of the event loop (`ms` = epoll timeout).
+    pub fn progress_once(&self, ms: i32) -> Result<usize> {
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        let k = sys::epoll_wait(self.ep.as_raw_fd(), &mut evs, ms)?;
+        Ok(self.handle(&evs[..k]))
+    }
+
+    fn register(&self, qp: Arc<QpShared>) -> Result<()> {
+        sys::epoll_add(
+            self.ep.as_raw_fd(),
+            qp.fd.as_raw_fd(),
+            (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+            qp.token,
+        )?;
+        self.qps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(qp.token, qp);
+        Ok(())
+    }
+
+    fn unregister(&self, qp: &QpShared) {
+        sys::epoll_del(self.ep.as_raw_fd(), qp.fd.as_raw_fd());
+        self.qps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&qp.token);
+    }
+}
+
+impl Drop for CtxShared {
+    fn drop(&mut self) {
+        // Tell the engine thread (if any) to look again: its upgrade fails.
+        sys::eventfd_write(self.wake.as_raw_fd());
+    }
+}
+
+fn engine(weak: Weak<CtxShared>, ep: Arc<OwnedFd>, _wake: Arc<OwnedFd>) {
+    let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
+    loop {
+        let k = match sys::epoll_wait(ep.as_raw_fd(), &mut evs, 1000) {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::error!(error = %e, "soft engine: epoll_wait failed");
+                return;
+            }
+        };
+        let Some(ctx) = weak.upgrade() else {
+            return;
+        };
+        ctx.handle(&evs[..k]);
+    }
+}
+
+/// A QP as seen by the engine.
+pub struct QpShared {
+    core: Mutex<QpCore>,
+    fd: OwnedFd,
+    token: u64,
+    local: SocketAddr,
+    peer: SocketAddr,
+    negotiated: Negotiated,
+}
+
+impl QpShared {
+    fn lock(&self) -> MutexGuard<'_, QpCore> {
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Do all pending protocol work. Returns segments + frames processed.
+    fn drive(&self) -> usize {
+        let mut c = self.lock();
+        self.drive_locked(&mut c, true)
+    }
+
+    fn drive_locked(&self, c: &mut QpCore, rx: bool) -> usize {
+        let mut io = SockIo(self.fd.as_raw_fd());
+        let mut n = 0;
+        if rx {
+            n += c.rx_process(&mut io).unwrap_or(0);
+        }
+        match c.tx_process(&mut io) {
+            Ok(k) => n += k,
+            Err(e) => {
+                tracing::debug!(error = %e, "soft: send failed");
+                c.peer_closed = true;
+                c.set_error();
+            }
+        }
+        if c.shut == Shut::Now {
+            sys::shutdown(self.fd.as_raw_fd(), libc::SHUT_WR);
+            c.shut = Shut::Done;
+        }
+        n
+    }
+}
+
+pub struct SoftContext {
+    sh: Arc<CtxShared>,
+}
+
+impl ContextOps for SoftContext {
+    fn device(&self) -> &DeviceInfo {
+        &self.sh.device
+    }
+    fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
+        Ok(Arc::new(SoftPd::new(self.sh.table.clone())))
+    }
+    fn create_comp_channel(&self) -> Result<Arc<dyn CompChannelOps>> {
+        Ok(Arc::new(SoftChannel(Arc::new(ChanShared::new(
+            self.sh.clone(),
+        )?))))
+    }
+    fn create_cq(&self, depth: u32, channel: Option<&CompChannel>) -> Result<Arc<dyn CqOps>> {
+        let chan = match channel {
+            None => None,
+            Some(c) => Some(
+                (*c.0)
+                    .as_any()
+                    .downcast_ref::<SoftChannel>()
+                    .ok_or_else(|| Error::InvalidArgument("channel of another provider".into()))?
+                    .0
+                    .clone(),
+            ),
+        };
+        if depth == 0 || depth > caps().max_cqe {
+            return Err(Error::InvalidArgument(format!("CQ depth {depth}")));
+        }
+        Ok(Arc::new(SoftCq(Arc::new(CqShared::new(
+            self.sh.clone(),
+            depth,
+            chan,
+        )))))
+    }
+    fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<Arc<dyn ListenerOps>> {
+        cm::listen(self.sh.clone(), addr, backlog)
+    }
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        init: &QpInit,
+        params: &ConnParams,
+    ) -> Result<Arc<dyn QpOps>> {
+        cm::connect(self.sh.clone(), addr, init, params)
+    }
+    fn progress(&self) -> Result<usize> {
+        if !self.sh.manual {
+            return Ok(0);
+        }
+        self.sh.progress_once(0)
+    }
+}
+
+/// Everything needed to turn an established, MPA-negotiated socket into a QP.
+pub(crate) struct Established {
+    pub stream: std::net::TcpStream,
+    pub negotiated: Negotiated,
+    pub crc: bool,
+    pub ird: u8,
+    pub ord: u8,
+}
+
+fn soft_cq(cq: &Cq) -> Result<Arc<CqShared>> {
+    Ok((*cq.0)
+        .as_any()
+        .downcast_ref::<SoftCq>()
+        .ok_or_else(|| Error::InvalidArgument("CQ of another provider".into()))?
+        .0
+        .clone())
+}
+
+pub(crate) fn check_init(init: &QpInit) -> Result<()> {
+    let c = caps();
+    let cap = &init.cap;
+    if cap.max_send_wr == 0
+        || cap.max_send_wr > c.max_qp_wr
+        || cap.max_recv_wr > c.max_qp_wr
+        || cap.max_send_sge > c.max_sge
+        || cap.max_recv_sge > c.max_sge
+        || cap.max_inline_data > c.max_inline_data
+    {
+        return Err(Error::InvalidArgument(format!(
+            "QP capabilities {cap:?} exceed {c:?}"
+        )));
+    }
+    (*init.pd.0)
+        .as_any()
+        .downcast_ref::<SoftPd>()
+        .ok_or_else(|| Error::InvalidArgument("PD of another provider".into()))?;
+    soft_cq(&init.send_cq)?;
+    soft_cq(&init.recv_cq)?;
+    Ok(())
+}
+
+pub(crate) fn create_qp(
+    ctx: Arc<CtxShared>,
+    init: &QpInit,
+    est: Established,
+) -> Result<Arc<dyn QpOps>> {
+    let pd = (*init.pd.0)
+        .as_any()
+        .downcast_ref::<SoftPd>()
+        .ok_or_else(|| Error::InvalidArgument("PD of another provider".into()))?;
+    if !Arc::ptr_eq(&pd.table, &ctx.table) {
+        return Err(Error::InvalidArgument("PD of another context".into()));
+    }
+    let stream = est.stream;
+    stream.set_nodelay(true)?;
+    stream.set_nonblocking(true)?;
+    let local = stream.local_addr()?;
+    let peer = stream.peer_addr()?;
+    let fd: OwnedFd = stream.into();
+    let max_payload = if ctx.config.mulpdu > 0 {
+        ctx.config.mulpdu.saturating_sub(wire::UNTAGGED_HDR)
+    } else {
+        sys::mss(fd.as_raw_fd())
+            .unwrap_or(1460)
+            .saturating_sub(2 + 4 + wire::UNTAGGED_HDR)
+    }
+    .clamp(64, 0xffff - wire::UNTAGGED_HDR - wire::READ_REQ_LEN);
+    let qpn = ctx.next_qpn.fetch_add(1, Ordering::Relaxed);
+    let params = QpParams {
+        qpn,
+        pd: pd.id,
+        table: ctx.table.clone(),
+        scq: soft_cq(&init.send_cq)?,
+        rcq: soft_cq(&init.recv_cq)?,
+        cap: init.cap,
+        sq_sig_all: init.sq_sig_all,
+        crc: est.crc,
+        max_payload,
+        ird: est.ird as u32,
+        ord: est.ord as u32,
+        indicate_window: ctx.config.indicate_window,
+    };
+    let token = ctx.next_token.fetch_add(1, Ordering::Relaxed);
+    let sh = Arc::new(QpShared {
+        core: Mutex::new(QpCore::new(params)),
+        fd,
+        token,
+        local,
+        peer,
+        negotiated: est.negotiated,
+    });
+    ctx.register(sh.clone())?;
+    tracing::debug!(qpn, %local, %peer, crc = est.crc, "soft QP established");
+    Ok(Arc::new(SoftQp { sh, ctx }))
+}
+
+/// The consumer's handle of a soft QP.
+pub struct SoftQp {
+    sh: Arc<QpShared>,
+    ctx: Arc<CtxShared>,
+}
+
+impl SoftQp {
+    /// Receive-path counters (anonymous buffering, direct vs copied bytes).
+    pub fn stats(&self) -> RxStats {
+        self.sh.lock().stats
+    }
+}
+
+/// The configuration of a context if it belongs to the soft provider.
+pub fn context_config(ctx: &Context) -> Option<Config> {
+    (*ctx.0)
+        .as_any()
+        .downcast_ref::<SoftContext>()
+        .map(|c| c.sh.config.clone())
+}
+
+/// Debug counters of a QP if it belongs to the soft provider.
+pub fn qp_stats(qp: &Qp) -> Option<RxStats> {
+    (*qp.0).as_any().downcast_ref::<SoftQp>().map(|q| q.stats())
+}
+
+impl QpOps for SoftQp {
+    fn qp_num(&self) -> u32 {
+        self.sh.lock().p.qpn
+    }
+    fn state(&self) -> QpState {
+        self.sh.lock().state
+    }
+    fn negotiated(&self) -> Negotiated {
+        self.sh.negotiated.clone()
+    }
+    fn local_addr(&self) -> SocketAddr {
+        self.sh.local
+    }
+    fn peer_addr(&self) -> SocketAddr {
+        self.sh.peer
+    }
+    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+        let mut c = self.sh.lock();
+        let r = c.post_send(wrs);
+        self.sh.drive_locked(&mut c, false);
+        r
+    }
+    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        let mut c = self.sh.lock();
+        let r = c.post_recv(wrs);
+        if c.rx_paused() {
+            self.sh.drive_locked(&mut c, true);
+        }
+        r
+    }
+    fn bind_mw(&self, mw: &Mw, bind: &MwBind<'_>, wr_id: u64, signaled: bool) -> Result<u32> {
+        let w = (*mw.0)
+            .as_any()
+            .downcast_ref::<SoftMw>()
+            .ok_or_else(|| Error::InvalidArgument("window of another provider".into()))?;
+        let mut c = self.sh.lock();
+        c.bind(w, bind, wr_id, signaled)
+    }
+    fn invalidate(&self, rkey: u32, wr_id: u64, signaled: bool) -> Result<()> {
+        self.sh.lock().invalidate(rkey, wr_id, signaled)
+    }
+    fn disconnect(&self) -> Result<()> {
+        let mut c = self.sh.lock();
+        // Send what is already queued, then close: the peer sees end of
+        // stream and flushes; locally everything outstanding is flushed.
+        self.sh.drive_locked(&mut c, false);
+        c.set_error();
+        self.sh.drive_locked(&mut c, false);
+        Ok(())
+    }
+    fn set_error(&self) {
+        let mut c = self.sh.lock();
+        c.set_error();
+        self.sh.drive_locked(&mut c, false);
+    }
+}
+
+impl Drop for SoftQp {
+    fn drop(&mut self) {
+        {
+            let mut c = self.sh.lock();
+            c.set_error();
+            self.sh.drive_locked(&mut c, false);
+        }
+        self.ctx.unregister(&self.sh);
+    }
+}

@@ -1,0 +1,1726 @@
+//! The queue-pair protocol engine: send queue and FPDU transmission, the
+//! receive/placement engine, inbound/outbound RDMA Read queues, anonymous
+//! receive buffering (the indicate window) and the error/flush machinery.
+//!
+//! Everything here runs under the QP's mutex, on whichever thread drives the
+//! QP (engine thread, a posting thread, or a manual-progress poller). The
+//! engine is sans-socket: it talks to an [`Io`], so tests can feed it bytes
+//! split at any boundary.
+//!
+//! # Placement and memory
+//! Incoming payload is written to registered memory through raw pointers
+//! only (`read(2)` straight into it, or one `copy_nonoverlapping` from the
+//! staging buffer). No Rust reference to registered memory is ever formed on
+//! the receive path. The consumer learns about placed data through a
+//! completion, pushed under the CQ mutex after the placement (Release) and
+//! popped under the same mutex (Acquire).
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::Arc;
+
+use super::cq::CqShared;
+use super::mem::{MemTable, MrState, SoftMw};
+use super::wire::{self, op, term, ReadReq, TermCode};
+use crate::verbs::*;
+
+/// Resolved local SGEs: pieces, the registrations keeping them alive, total length.
+type Resolved = (Vec<Piece>, Vec<Arc<MrState>>, u64);
+
+/// Byte-stream access for the engine (a socket, or a test harness).
+pub trait Io {
+    /// Read up to `len` bytes to `dst`. Ok(0) = end of stream.
+    ///
+    /// # Safety
+    /// `dst..dst+len` must be valid for writes and not covered by a reference.
+    unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize>;
+    /// Gather-write.
+    ///
+    /// # Safety
+    /// Every iovec must describe memory valid for reads during the call.
+    unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize>;
+}
+
+/// A socket as an [`Io`].
+pub struct SockIo(pub std::os::fd::RawFd);
+
+impl Io for SockIo {
+    unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
+        super::sys::read_raw(self.0, dst, len)
+    }
+    unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize> {
+        super::sys::writev_raw(self.0, iov)
+    }
+}
+
+/// A contiguous piece of memory (an address, so the core stays `Send`).
+#[derive(Clone, Copy, Debug)]
+pub struct Piece {
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// Staging buffer size and the payload size from which (CRC off) we read
+/// straight into the target memory instead of through the staging buffer.
+pub const STAGE: usize = 64 * 1024;
+pub const DIRECT_MIN: usize = 4096;
+/// Per-message accounting overhead of an anonymous buffer (so zero-length
+/// sends cannot queue without bound).
+pub const ANON_OVERHEAD: usize = 64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Send { inv: Option<u32>, se: bool },
+    Write { stag: u32, to: u64 },
+    Read { stag: u32, to: u64 },
+    Local,
+}
+
+struct SendWqe {
+    seq: u64,
+    wr_id: u64,
+    kind: Kind,
+    opcode: WcOpcode,
+    signaled: bool,
+    fence: bool,
+    pieces: Vec<Piece>,
+    keep: Vec<Arc<MrState>>,
+    inline: Option<Arc<[u8]>>,
+    len: u64,
+    sent: u64,
+    started: bool,
+    msn: u32,
+    /// Fully transmitted (Read: request sent).
+    transmitted: bool,
+    done: bool,
+    status: WcStatus,
+    byte_len: u32,
+    vendor_err: u32,
+}
+
+struct RecvWqe {
+    wr_id: u64,
+    pieces: Vec<Piece>,
+    _keep: Vec<Arc<MrState>>,
+    len: u64,
+}
+
+struct OrqEntry {
+    seq: u64,
+    sink_stag: u32,
+    sink_to: u64,
+    len: u64,
+    got: u64,
+}
+
+struct IrqEntry {
+    mr: Option<Arc<MrState>>,
+    src: u64,
+    len: u64,
+    sent: u64,
+    sink_stag: u32,
+    sink_to: u64,
+    started: bool,
+}
+
+struct AnonMsg {
+    data: Vec<u8>,
+    complete: bool,
+    inv: Option<u32>,
+    solicited: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Recv,
+    Anon,
+}
+
+struct CurSend {
+    msn: u32,
+    mo: u64,
+    target: Target,
+}
+
+struct TaggedCtx {
+    stag: u32,
+    next_to: u64,
+    end: u64,
+    mr: Arc<MrState>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum FrameOwner {
+    Sq { seq: u64, last: bool },
+    Irq { last: bool },
+    Term,
+}
+
+struct TxFrame {
+    hdr: [u8; 96],
+    hdr_len: usize,
+    pieces: [Piece; 8],
+    npieces: usize,
+    trailer: [u8; 8],
+    trailer_len: usize,
+    total: usize,
+    written: usize,
+    owner: FrameOwner,
+    _keep: Option<Arc<MrState>>,
+    _inline: Option<Arc<[u8]>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum RxState {
+    Hdr,
+    Place,
+    Payload,
+    Trailer,
+    Discard,
+}
+
+#[derive(Clone, Copy, Default, Debug)]
+struct Seg {
+    tagged: bool,
+    last: bool,
+    opcode: u8,
+    stag: u32,
+    to: u64,
+    inv: u32,
+    qn: u32,
+    msn: u32,
+    mo: u32,
+    ulpdu_len: usize,
+    paylen: usize,
+}
+
+/// The staging (socket) buffer.
+struct Stage {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl Stage {
+    fn avail(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn fill(&mut self, io: &mut dyn Io) -> io::Result<usize> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let room = self.buf.len() - self.end;
+        // SAFETY: the range is inside our own boxed buffer; no reference to it
+        // is live during the call.
+        let n = unsafe { io.read(self.buf.as_mut_ptr().add(self.end), room)? };
+        self.end += n;
+        Ok(n)
+    }
+
+    /// Move up to `len` bytes of the stream to `dst` (None = discard).
+    /// Returns 0 at end of stream. `crc` is updated over the bytes moved.
+    /// # Safety
+    /// `dst..dst+len` (if Some) must be valid for writes, not referenced.
+    unsafe fn take(
+        &mut self,
+        io: &mut dyn Io,
+        dst: Option<*mut u8>,
+        len: usize,
+        crc: Option<&mut u32>,
+        stats: &mut RxStats,
+    ) -> io::Result<usize> {
+        if self.avail() == 0 {
+            if let (Some(d), None) = (dst, &crc) {
+                if len >= DIRECT_MIN {
+                    let n = io.read(d, len)?;
+                    stats.direct += n as u64;
+                    return Ok(n);
+                }
+            }
+            if self.fill(io)? == 0 {
+                return Ok(0);
+            }
+        }
+        let n = len.min(self.avail());
+        let src = &self.buf[self.start..self.start + n];
+        if let Some(c) = crc {
+            *c = crc32c::crc32c_append(*c, src);
+        }
+        if let Some(d) = dst {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), d, n);
+            stats.copied += n as u64;
+        }
+        self.start += n;
+        Ok(n)
+    }
+}
+
+/// Counters for tests and benchmarks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RxStats {
+    /// Payload bytes read straight into registered memory.
+    pub direct: u64,
+    /// Payload bytes copied once from the staging buffer.
+    pub copied: u64,
+    /// Current anonymous buffering (bytes incl. per-message overhead).
+    pub anon_bytes: usize,
+    /// Highest anonymous buffering seen.
+    pub anon_peak: usize,
+    /// Times the socket was left unread because the indicate window was full.
+    pub paused: u64,
+    /// Terminates sent / received.
+    pub term_sent: u64,
+    pub term_recv: u64,
+    /// Last Terminate code sent or received (vendor_err packing).
+    pub last_term: u32,
+}
+
+/// Socket actions the driver must take after a core call.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Shut {
+    None,
+    /// Close our write side once the pending frames (a Terminate) are out.
+    AfterTx,
+    /// Close both directions now.
+    Now,
+    Done,
+}
+
+/// Outcome of one drive of the engine.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DriveOut {
+    pub events: usize,
+}
+
+/// Static parameters of a QP.
+#[derive(Clone)]
+pub struct QpParams {
+    pub qpn: u32,
+    pub pd: u32,
+    pub table: Arc<MemTable>,
+    pub scq: Arc<CqShared>,
+    pub rcq: Arc<CqShared>,
+    pub cap: QpCap,
+    pub sq_sig_all: bool,
+    pub crc: bool,
+    pub max_payload: usize,
+    pub ird: u32,
+    pub ord: u32,
+    pub indicate_window: usize,
+}
+
+pub struct QpCore {
+    pub p: QpParams,
+    pub state: QpState,
+    sq: VecDeque<SendWqe>,
+    next_seq: u64,
+    tx_idx: usize,
+    tx: Option<TxFrame>,
+    tx_cur_irq: bool,
+    msn_out: [u32; 3],
+    orq: VecDeque<OrqEntry>,
+    irq: VecDeque<IrqEntry>,
+    term_out: Option<([u8; wire::TERM_MAX], usize)>,
+    pub shut: Shut,
+    rq: VecDeque<RecvWqe>,
+    anon: VecDeque<AnonMsg>,
+    rx: RxState,
+    stage: Stage,
+    hdr: [u8; 48],
+    hdr_have: usize,
+    hdr_need: usize,
+    seg: Seg,
+    crc: u32,
+    dest: Vec<Option<Piece>>,
+    dest_idx: usize,
+    dest_off: u64,
+    trailer: [u8; 8],
+    trailer_have: usize,
+    ctl: Box<[u8; wire::TERM_MAX]>,
+    msn_in: [u32; 3],
+    cur_send: Option<CurSend>,
+    tagged: Option<TaggedCtx>,
+    pub peer_closed: bool,
+    pub stats: RxStats,
+}
+
+fn wc(wr_id: u64, status: WcStatus, opcode: WcOpcode, qpn: u32) -> Wc {
+    Wc {
+        wr_id,
+        status,
+        opcode,
+        byte_len: 0,
+        imm: None,
+        invalidated_rkey: None,
+        qp_num: qpn,
+        vendor_err: 0,
+    }
+}
+
+/// Map `[off, off+n)` of a scatter list to pieces.
+fn map_pieces(pieces: &[Piece], mut off: u64, mut n: u64, out: &mut Vec<Option<Piece>>) {
+    for p in pieces {
+        if n == 0 {
+            break;
+        }
+        if off >= p.len {
+            off -= p.len;
+            continue;
+        }
+        let take = (p.len - off).min(n);
+        out.push(Some(Piece {
+            addr: p.addr + off,
+            len: take,
+        }));
+        n -= take;
+        off = 0;
+    }
+}
+
+/// Copy bytes into a scatter list at `off`.
+///
+/// # Safety
+/// The pieces must describe valid, writable registered memory.
+unsafe fn scatter(pieces: &[Piece], off: u64, data: &[u8]) {
+    let mut v = Vec::new();
+    map_pieces(pieces, off, data.len() as u64, &mut v);
+    let mut at = 0usize;
+    for p in v.into_iter().flatten() {
+        std::ptr::copy_nonoverlapping(data.as_ptr().add(at), p.addr as *mut u8, p.len as usize);
+        at += p.len as usize;
+    }
+}
+
+impl QpCore {
+    pub fn new(p: QpParams) -> QpCore {
+        QpCore {
+            p,
+            state: QpState::Rts,
+            sq: VecDeque::new(),
+            next_seq: 0,
+            tx_idx: 0,
+            tx: None,
+            tx_cur_irq: false,
+            msn_out: [1; 3],
+            orq: VecDeque::new(),
+            irq: VecDeque::new(),
+            term_out: None,
+            shut: Shut::None,
+            rq: VecDeque::new(),
+            anon: VecDeque::new(),
+            rx: RxState::Hdr,
+            stage: Stage {
+                buf: vec![0u8; STAGE].into_boxed_slice(),
+                start: 0,
+                end: 0,
+            },
+            hdr: [0; 48],
+            hdr_have: 0,
+            hdr_need: 3,
+            seg: Seg::default(),
+            crc: 0,
+            dest: Vec::with_capacity(8),
+            dest_idx: 0,
+            dest_off: 0,
+            trailer: [0; 8],
+            trailer_have: 0,
+            ctl: Box::new([0; wire::TERM_MAX]),
+            msn_in: [1; 3],
+            cur_send: None,
+            tagged: None,
+            peer_closed: false,
+            stats: RxStats::default(),
+        }
+    }
+
+    // -----------------------------------------------------------------
+    // Posting.
+
+    fn resolve(
+        &self,
+        sges: &[Sge],
+        need: Access,
+    ) -> Result<Resolved, WcStatus> {
+        let mut pieces = Vec::with_capacity(sges.len());
+        let mut keep = Vec::with_capacity(sges.len());
+        let mut len = 0u64;
+        for s in sges {
+            if s.length == 0 {
+                continue;
+            }
+            let mr = self.p.table.local(s, self.p.pd, need)?;
+            pieces.push(Piece {
+                addr: s.addr,
+                len: s.length as u64,
+            });
+            keep.push(mr);
+            len += s.length as u64;
+        }
+        Ok((pieces, keep, len))
+    }
+
+    pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+        for (index, w) in wrs.iter().enumerate() {
+            let err = |error| PostError { index, error };
+            if w.sg_list.len() > self.p.cap.max_send_sge as usize {
+                return Err(err(Error::InvalidArgument(format!(
+                    "{} SGEs > max_send_sge {}",
+                    w.sg_list.len(),
+                    self.p.cap.max_send_sge
+                ))));
+            }
+            if self.sq.len() >= self.p.cap.max_send_wr as usize {
+                return Err(err(Error::QueueFull));
+            }
+            let (kind, opcode) = match w.op {
+                SendOp::Send => (
+                    Kind::Send {
+                        inv: None,
+                        se: w.solicited,
+                    },
+                    WcOpcode::Send,
+                ),
+                SendOp::SendWithInvalidate { rkey } => (
+                    Kind::Send {
+                        inv: Some(rkey),
+                        se: w.solicited,
+                    },
+                    WcOpcode::Send,
+                ),
+                SendOp::Write { remote_addr, rkey } => (
+                    Kind::Write {
+                        stag: rkey,
+                        to: remote_addr,
+                    },
+                    WcOpcode::RdmaWrite,
+                ),
+                SendOp::Read { remote_addr, rkey } => {
+                    if w.sg_list.iter().filter(|s| s.length > 0).count() > 1 {
+                        return Err(err(Error::NotSupported(
+                            "RDMA Read into more than one SGE".into(),
+                        )));
+                    }
+                    (
+                        Kind::Read {
+                            stag: rkey,
+                            to: remote_addr,
+                        },
+                        WcOpcode::RdmaRead,
+                    )
+                }
+                SendOp::SendWithImm { .. } | SendOp::WriteWithImm { .. } => {
+                    return Err(err(Error::NotSupported(
+                        "immediate data (not in iWARP RDMAP without RFC 7306)".into(),
+                    )))
+                }
+            };
+            let total: u64 = w.sg_list.iter().map(|s| s.length as u64).sum();
+            if total > u32::MAX as u64 {
+                return Err(err(Error::InvalidArgument(
+                    "message larger than 4 GiB".into(),
+                )));
+            }
+            let is_read = matches!(kind, Kind::Read { .. });
+            let need = if is_read {
+                Access::LOCAL_WRITE
+            } else {
+                Access::empty()
+            };
+            let seq = self.next_seq;
+            let mut wqe = SendWqe {
+                seq,
+                wr_id: w.wr_id,
+                kind,
+                opcode,
+                signaled: w.signaled || self.p.sq_sig_all,
+                fence: w.fence,
+                pieces: Vec::new(),
+                keep: Vec::new(),
+                inline: None,
+                len: total,
+                sent: 0,
+                started: false,
+                msn: 0,
+                transmitted: false,
+                done: false,
+                status: WcStatus::Success,
+                byte_len: 0,
+                vendor_err: 0,
+            };
+            if self.state == QpState::Error {
+                self.next_seq += 1;
+                self.p
+                    .scq
+                    .push(wc(w.wr_id, WcStatus::WrFlushErr, opcode, self.p.qpn), true);
+                continue;
+            }
+            if w.inline && !is_read {
+                if total > self.p.cap.max_inline_data as u64 {
+                    return Err(err(Error::InvalidArgument(format!(
+                        "inline {total} bytes > max_inline_data {}",
+                        self.p.cap.max_inline_data
+                    ))));
+                }
+                let mut v = Vec::with_capacity(total as usize);
+                for s in w.sg_list {
+                    // SAFETY: inline data is copied at post time from the
+                    // caller's buffer, which the caller guarantees readable.
+                    v.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(s.addr as *const u8, s.length as usize)
+                    });
+                }
+                let a: Arc<[u8]> = v.into();
+                wqe.pieces = vec![Piece {
+                    addr: a.as_ptr() as u64,
+                    len: total,
+                }];
+                wqe.inline = Some(a);
+            } else {
+                match self.resolve(w.sg_list, need) {
+                    Ok((p, k, _)) => {
+                        wqe.pieces = p;
+                        wqe.keep = k;
+                    }
+                    Err(st) => {
+                        self.next_seq += 1;
+                        wqe.done = true;
+                        wqe.status = st;
+                        self.sq.push_back(wqe);
+                        self.enter_error(None);
+                        continue;
+                    }
+                }
+            }
+            self.next_seq += 1;
+            self.sq.push_back(wqe);
+        }
+        Ok(())
+    }
+
+    /// A completed local operation (bind, local invalidate) in SQ order.
+    pub fn post_local(&mut self, wr_id: u64, opcode: WcOpcode, signaled: bool) -> Result<()> {
+        if self.state == QpState::Error {
+            self.p
+                .scq
+                .push(wc(wr_id, WcStatus::WrFlushErr, opcode, self.p.qpn), true);
+            return Ok(());
+        }
+        if self.sq.len() >= self.p.cap.max_send_wr as usize {
+            return Err(Error::QueueFull);
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.sq.push_back(SendWqe {
+            seq,
+            wr_id,
+            kind: Kind::Local,
+            opcode,
+            signaled: signaled || self.p.sq_sig_all,
+            fence: false,
+            pieces: Vec::new(),
+            keep: Vec::new(),
+            inline: None,
+            len: 0,
+            sent: 0,
+            started: true,
+            msn: 0,
+            transmitted: true,
+            done: true,
+            status: WcStatus::Success,
+            byte_len: 0,
+            vendor_err: 0,
+        });
+        self.complete_sq();
+        Ok(())
+    }
+
+    pub fn bind(&mut self, mw: &SoftMw, b: &MwBind<'_>, wr_id: u64, signaled: bool) -> Result<u32> {
+        if self.state == QpState::Error {
+            return Err(Error::QpError);
+        }
+        if self.sq.len() >= self.p.cap.max_send_wr as usize {
+            return Err(Error::QueueFull);
+        }
+        let k = mw.bind(b, self.p.pd, self.p.qpn)?;
+        self.post_local(wr_id, WcOpcode::BindMw, signaled)?;
+        Ok(k)
+    }
+
+    pub fn invalidate(&mut self, rkey: u32, wr_id: u64, signaled: bool) -> Result<()> {
+        if self.state == QpState::Error {
+            return Err(Error::QpError);
+        }
+        self.p.table.invalidate(rkey, self.p.pd).map_err(|_| {
+            Error::Protection(format!("key {rkey:#x} is not a bound window of this PD"))
+        })?;
+        self.post_local(wr_id, WcOpcode::LocalInv, signaled)
+    }
+
+    pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        for (index, w) in wrs.iter().enumerate() {
+            let err = |error| PostError { index, error };
+            if w.sg_list.len() > self.p.cap.max_recv_sge as usize {
+                return Err(err(Error::InvalidArgument(format!(
+                    "{} SGEs > max_recv_sge",
+                    w.sg_list.len()
+                ))));
+            }
+            if self.state == QpState::Error {
+                self.p.rcq.push(
+                    wc(w.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.p.qpn),
+                    true,
+                );
+                continue;
+            }
+            if self.rq.len() >= self.p.cap.max_recv_wr as usize {
+                return Err(err(Error::QueueFull));
+            }
+            match self.resolve(w.sg_list, Access::LOCAL_WRITE) {
+                Ok((pieces, keep, len)) => self.rq.push_back(RecvWqe {
+                    wr_id: w.wr_id,
+                    pieces,
+                    _keep: keep,
+                    len,
+                }),
+                Err(st) => {
+                    self.p
+                        .rcq
+                        .push(wc(w.wr_id, st, WcOpcode::Recv, self.p.qpn), true);
+                    self.enter_error(None);
+                }
+            }
+        }
+        self.drain_anon();
+        Ok(())
+    }
+
+    /// Whether a receive-side drive is useful (the socket was left unread).
+    pub fn rx_paused(&self) -> bool {
+        self.rx == RxState::Place
+    }
+
+    /// Deliver buffered (anonymous) messages to posted receives, in order.
+    fn drain_anon(&mut self) {
+        while !self.anon.is_empty() && !self.rq.is_empty() {
+            let a = self.anon.pop_front().expect("non-empty");
+            self.stats.anon_bytes -= a.data.len() + ANON_OVERHEAD;
+            let r = self.rq.front().expect("non-empty");
+            if a.data.len() as u64 > r.len {
+                let r = self.rq.pop_front().expect("non-empty");
+                let mut w = wc(r.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, self.p.qpn);
+                w.byte_len = a.data.len() as u32;
+                self.p.rcq.push(w, true);
+                self.fatal(term::DDP_UT_TOO_LONG, false);
+                return;
+            }
+            // SAFETY: the receive's pieces were validated against live
+            // registrations (kept alive by `_keep`) with LOCAL_WRITE; the
+            // source is our own heap buffer.
+            unsafe { scatter(&r.pieces, 0, &a.data) };
+            if a.complete {
+                let r = self.rq.pop_front().expect("non-empty");
+                let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
+                w.byte_len = a.data.len() as u32;
+                w.invalidated_rkey = a.inv;
+                self.p.rcq.push(w, a.solicited);
+            } else {
+                // The message still arriving continues into this receive.
+                if let Some(c) = self.cur_send.as_mut() {
+                    c.target = Target::Recv;
+                }
+                break;
+            }
+        }
+    }
+
+    // -----------------------------------------------------------------
+    // Completion and error handling.
+
+    fn complete_sq(&mut self) {
+        while let Some(f) = self.sq.front() {
+            if !f.done {
+                break;
+            }
+            let w = self.sq.pop_front().expect("non-empty");
+            self.tx_idx = self.tx_idx.saturating_sub(1);
+            if w.signaled || w.status != WcStatus::Success {
+                let mut c = wc(w.wr_id, w.status, w.opcode, self.p.qpn);
+                c.byte_len = w.byte_len;
+                c.vendor_err = w.vendor_err;
+                self.p.scq.push(c, true);
+            }
+        }
+    }
+
+    fn sq_index(&self, seq: u64) -> Option<usize> {
+        let first = self.sq.front()?.seq;
+        let i = seq.checked_sub(first)? as usize;
+        (i < self.sq.len()).then_some(i)
+    }
+
+    /// Move to the error state: complete what is done, give `first` to the
+    /// oldest unfinished send WR, flush everything else.
+    pub fn enter_error(&mut self, first: Option<(WcStatus, u32)>) {
+        if self.state == QpState::Error {
+            return;
+        }
+        self.state = QpState::Error;
+        let mut first = first;
+        for mut w in std::mem::take(&mut self.sq) {
+            if !w.done {
+                match first.take() {
+                    Some((st, v)) => {
+                        w.status = st;
+                        w.vendor_err = v;
+                    }
+                    None => w.status = WcStatus::WrFlushErr,
+                }
+            }
+            if w.signaled || w.status != WcStatus::Success {
+                let mut c = wc(w.wr_id, w.status, w.opcode, self.p.qpn);
+                c.byte_len = w.byte_len;
+                c.vendor_err = w.vendor_err;
+                self.p.scq.push(c, true);
+            }
+        }
+        self.tx_idx = 0;
+        for r in std::mem::take(&mut self.rq) {
+            self.p.rcq.push(
+                wc(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.p.qpn),
+                true,
+            );
+        }
+        self.anon.clear();
+        self.stats.anon_bytes = 0;
+        self.orq.clear();
+        self.irq.clear();
+        self.tx_cur_irq = false;
+        self.cur_send = None;
+        self.tagged = None;
+    }
+
+    /// A local protocol violation by the peer: send a Terminate, enter error,
+    /// discard the rest of the stream.
+    fn fatal(&mut self, code: TermCode, with_hdr: bool) {
+        tracing::debug!(qpn = self.p.qpn, ?code, "terminating stream");
+        if self.state != QpState::Error {
+            let mut b = [0u8; wire::TERM_MAX];
+            let hl = if with_hdr { self.hdr_have } else { 0 };
+            let n = wire::terminate_payload(code, &self.hdr[..hl], &mut b);
+            self.term_out = Some((b, n));
+            self.stats.term_sent += 1;
+            self.stats.last_term = code.vendor_err();
+            if self.shut == Shut::None {
+                self.shut = Shut::AfterTx;
+            }
+        }
+        self.enter_error(None);
+        self.rx = RxState::Discard;
+    }
+
+    /// The consumer's `set_error`.
+    pub fn set_error(&mut self) {
+        self.enter_error(None);
+        self.rx = RxState::Discard;
+        self.tx = None;
+        self.term_out = None;
+        if self.shut != Shut::Done {
+            self.shut = Shut::Now;
+        }
+    }
+
+    // -----------------------------------------------------------------
+    // Transmit.
+
+    fn trailer_for(&self, f: &mut TxFrame, ulpdu_len: usize) {
+        let pad = wire::pad_len(ulpdu_len);
+        f.trailer = [0; 8];
+        if self.p.crc {
+            let mut c = crc32c::crc32c(&f.hdr[..f.hdr_len]);
+            for p in &f.pieces[..f.npieces] {
+                // SAFETY: the piece lies in a live registration (kept alive by
+                // the frame) or our inline buffer. The consumer must not modify
+                // memory of an outstanding send (verbs contract), so the only
+                // writer could be the peer through a remote-write key the
+                // consumer also granted — a consumer race on plain bytes that
+                // at worst yields a CRC mismatch at the peer.
+                let s = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
+                c = crc32c::crc32c_append(c, s);
+            }
+            c = crc32c::crc32c_append(c, &f.trailer[..pad]);
+            f.trailer[pad..pad + 4].copy_from_slice(&c.to_le_bytes());
+        }
+        f.trailer_len = pad + 4;
+        f.total = f.hdr_len
+            + f.pieces[..f.npieces]
+                .iter()
+                .map(|p| p.len as usize)
+                .sum::<usize>()
+            + f.trailer_len;
+    }
+
+    fn new_frame(owner: FrameOwner) -> TxFrame {
+        TxFrame {
+            hdr: [0; 96],
+            hdr_len: 0,
+            pieces: [Piece { addr: 0, len: 0 }; 8],
+            npieces: 0,
+            trailer: [0; 8],
+            trailer_len: 0,
+            total: 0,
+            written: 0,
+            owner,
+            _keep: None,
+            _inline: None,
+        }
+    }
+
+    /// Build the next frame to send, if any.
+    fn next_frame(&mut self) -> Option<TxFrame> {
+        if let Some((b, n)) = self.term_out.take() {
+            let mut f = Self::new_frame(FrameOwner::Term);
+            let ulpdu = wire::UNTAGGED_HDR + n;
+            let msn = self.msn_out[2];
+            self.msn_out[2] = msn.wrapping_add(1);
+            f.hdr_len = wire::untagged_hdr(
+                &mut f.hdr,
+                ulpdu as u16,
+                true,
+                op::TERMINATE,
+                0,
+                wire::QN_TERM,
+                msn,
+                0,
+            );
+            f.hdr[f.hdr_len..f.hdr_len + n].copy_from_slice(&b[..n]);
+            f.hdr_len += n;
+            self.trailer_for(&mut f, ulpdu);
+            return Some(f);
+        }
+        if self.state != QpState::Rts {
+            return None;
+        }
+        let use_irq = self.tx_cur_irq
+            || (!self.irq.is_empty()
+                && !self
+                    .sq
+                    .get(self.tx_idx)
+                    .is_some_and(|w| w.started && !w.transmitted));
+        if use_irq && !self.irq.is_empty() {
+            return Some(self.irq_frame());
+        }
+        // Skip local WRs (already done).
+        while self.sq.get(self.tx_idx).is_some_and(|w| w.transmitted) {
+            self.tx_idx += 1;
+        }
+        let w = self.sq.get(self.tx_idx)?;
+        if !w.started {
+            if w.fence && !self.orq.is_empty() {
+                return None;
+            }
+            if matches!(w.kind, Kind::Read { .. }) && self.orq.len() >= self.p.ord.max(1) as usize {
+                return None;
+            }
+        }
+        Some(self.sq_frame())
+    }
+
+    fn irq_frame(&mut self) -> TxFrame {
+        let maxp = self.p.max_payload as u64;
+        let e = self.irq.front_mut().expect("irq non-empty");
+        let n = (e.len - e.sent).min(maxp);
+        let last = e.sent + n == e.len;
+        let mut f = Self::new_frame(FrameOwner::Irq { last });
+        f.hdr_len = wire::tagged_hdr(
+            &mut f.hdr,
+            (wire::TAGGED_HDR as u64 + n) as u16,
+            last,
+            op::READ_RESP,
+            e.sink_stag,
+            e.sink_to.wrapping_add(e.sent),
+        );
+        if n > 0 {
+            f.pieces[0] = Piece {
+                addr: e.src + e.sent,
+                len: n,
+            };
+            f.npieces = 1;
+        }
+        f._keep = e.mr.clone();
+        e.sent += n;
+        e.started = true;
+        self.tx_cur_irq = !last;
+        self.trailer_for(&mut f, wire::TAGGED_HDR + n as usize);
+        f
+    }
+
+    fn sq_frame(&mut self) -> TxFrame {
+        let maxp = self.p.max_payload as u64;
+        let idx = self.tx_idx;
+        let pd_msn;
+        {
+            let w = &mut self.sq[idx];
+            if !w.started {
+                w.started = true;
+                let q = match w.kind {
+                    Kind::Send { .. } => 0,
+                    Kind::Read { .. } => 1,
+                    _ => 3,
+                };
+                if q < 3 {
+                    w.msn = self.msn_out[q];
+                    self.msn_out[q] = self.msn_out[q].wrapping_add(1);
+                }
+            }
+            pd_msn = w.msn;
+        }
+        let w = &mut self.sq[idx];
+        let mut f;
+        match w.kind {
+            Kind::Read { stag, to } => {
+                f = Self::new_frame(FrameOwner::Sq {
+                    seq: w.seq,
+                    last: true,
+                });
+                let ulpdu = wire::UNTAGGED_HDR + wire::READ_REQ_LEN;
+                f.hdr_len = wire::untagged_hdr(
+                    &mut f.hdr,
+                    ulpdu as u16,
+                    true,
+                    op::READ_REQ,
+                    0,
+                    wire::QN_READ,
+                    pd_msn,
+                    0,
+                );
+                let (sink_stag, sink_to) = match (w.pieces.first(), w.keep.first()) {
+                    (Some(p), Some(k)) => (k.stag, p.addr),
+                    _ => (0, 0),
+                };
+                ReadReq {
+                    sink_stag,
+                    sink_to,
+                    len: w.len as u32,
+                    src_stag: stag,
+                    src_to: to,
+                }
+                .emit(&mut f.hdr[f.hdr_len..]);
+                f.hdr_len += wire::READ_REQ_LEN;
+                w.sent = w.len;
+                self.orq.push_back(OrqEntry {
+                    seq: w.seq,
+                    sink_stag,
+                    sink_to,
+                    len: w.len,
+                    got: 0,
+                });
+                self.trailer_for(&mut f, ulpdu);
+            }
+            Kind::Send { .. } | Kind::Write { .. } => {
+                let n = (w.len - w.sent).min(maxp);
+                let last = w.sent + n == w.len;
+                f = Self::new_frame(FrameOwner::Sq { seq: w.seq, last });
+                let ulpdu;
+                match w.kind {
+                    Kind::Write { stag, to } => {
+                        ulpdu = wire::TAGGED_HDR + n as usize;
+                        f.hdr_len = wire::tagged_hdr(
+                            &mut f.hdr,
+                            ulpdu as u16,
+                            last,
+                            op::WRITE,
+                            stag,
+                            to.wrapping_add(w.sent),
+                        );
+                    }
+                    Kind::Send { inv, se } => {
+                        ulpdu = wire::UNTAGGED_HDR + n as usize;
+                        let opc = match (inv.is_some(), se) {
+                            (false, false) => op::SEND,
+                            (true, false) => op::SEND_INV,
+                            (false, true) => op::SEND_SE,
+                            (true, true) => op::SEND_SE_INV,
+                        };
+                        f.hdr_len = wire::untagged_hdr(
+                            &mut f.hdr,
+                            ulpdu as u16,
+                            last,
+                            opc,
+                            inv.unwrap_or(0),
+                            wire::QN_SEND,
+                            pd_msn,
+                            w.sent as u32,
+                        );
+                    }
+                    _ => unreachable!(),
+                }
+                let mut v = Vec::with_capacity(4);
+                map_pieces(&w.pieces, w.sent, n, &mut v);
+                for (i, p) in v.into_iter().flatten().enumerate().take(8) {
+                    f.pieces[i] = p;
+                    f.npieces = i + 1;
+                }
+                // Keep the first registration alive for the frame; the others
+                // are kept by the WR, which outlives the frame unless the QP
+                // is flushed — then the frame is dropped too (see `drive`).
+                f._keep = w.keep.first().cloned();
+                f._inline = w.inline.clone();
+                w.sent += n;
+                self.trailer_for(&mut f, ulpdu);
+            }
+            Kind::Local => unreachable!("local WRs are skipped"),
+        }
+        f
+    }
+
+    fn frame_done(&mut self, owner: FrameOwner) {
+        match owner {
+            FrameOwner::Term => {}
+            FrameOwner::Irq { last } => {
+                if last {
+                    self.irq.pop_front();
+                    self.tx_cur_irq = false;
+                }
+            }
+            FrameOwner::Sq { seq, last } => {
+                if !last {
+                    return;
+                }
+                if let Some(i) = self.sq_index(seq) {
+                    let w = &mut self.sq[i];
+                    w.transmitted = true;
+                    if !matches!(w.kind, Kind::Read { .. }) {
+                        w.done = true;
+                        w.byte_len = w.len as u32;
+                    }
+                    if i == self.tx_idx {
+                        self.tx_idx += 1;
+                    }
+                }
+                self.complete_sq();
+            }
+        }
+    }
+
+    /// Transmit until the socket is full or nothing is left.
+    pub fn tx_process(&mut self, io: &mut dyn Io) -> io::Result<usize> {
+        let mut frames = 0;
+        loop {
+            if self.tx.is_none() {
+                self.tx = self.next_frame();
+            }
+            let Some(f) = self.tx.as_mut() else {
+                break;
+            };
+            // Build the iovec list of the unwritten part.
+            let mut iov: [libc::iovec; 10] = [libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; 10];
+            let mut n = 0;
+            let mut skip = f.written;
+            let mut push = |base: *const u8, len: usize| {
+                if skip >= len {
+                    skip -= len;
+                    return;
+                }
+                iov[n] = libc::iovec {
+                    // SAFETY (pointer arithmetic): skip < len, inside the part.
+                    iov_base: unsafe { base.add(skip) } as *mut libc::c_void,
+                    iov_len: len - skip,
+                };
+                skip = 0;
+                n += 1;
+            };
+            push(f.hdr.as_ptr(), f.hdr_len);
+            for p in &f.pieces[..f.npieces] {
+                push(p.addr as *const u8, p.len as usize);
+            }
+            push(f.trailer.as_ptr(), f.trailer_len);
+            // SAFETY: the iovecs cover the frame's own arrays and payload
+            // pieces inside live registrations (kept alive by the frame/WR)
+            // or the inline buffer; the kernel only reads them.
+            match unsafe { io.writev(&iov[..n]) } {
+                Ok(w) => {
+                    f.written += w;
+                    if f.written >= f.total {
+                        let owner = f.owner;
+                        self.tx = None;
+                        frames += 1;
+                        self.frame_done(owner);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        if self.tx.is_none() && self.term_out.is_none() && self.shut == Shut::AfterTx {
+            self.shut = Shut::Now;
+        }
+        Ok(frames)
+    }
+
+    /// Nothing left to transmit.
+    pub fn tx_idle(&self) -> bool {
+        self.tx.is_none() && self.term_out.is_none()
+    }
+
+    // -----------------------------------------------------------------
+    // Receive.
+
+    /// Process incoming bytes until the stream is drained (WouldBlock),
+    /// paused by flow control, or closed. Returns segments processed.
+    pub fn rx_process(&mut self, io: &mut dyn Io) -> io::Result<usize> {
+        let mut segs = 0;
+        if self.peer_closed {
+            return Ok(0);
+        }
+        loop {
+            let r = self.rx_step(io);
+            match r {
+                Ok(true) => segs += 1,
+                Ok(false) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(segs),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    self.peer_closed = true;
+                    self.on_eof();
+                    return Ok(segs);
+                }
+                Err(e) => {
+                    self.peer_closed = true;
+                    tracing::debug!(qpn = self.p.qpn, error = %e, "receive error");
+                    self.on_eof();
+                    return Ok(segs);
+                }
+            }
+            if self.rx == RxState::Place {
+                // Paused (indicate window full): leave the socket unread.
+                return Ok(segs);
+            }
+        }
+    }
+
+    fn on_eof(&mut self) {
+        self.enter_error(Some((WcStatus::RetryExcErr, 0)).filter(|_| false));
+        self.rx = RxState::Discard;
+        if self.shut == Shut::None {
+            self.shut = Shut::Now;
+        }
+    }
+
+    fn eof() -> io::Error {
+        io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed")
+    }
+
+    /// One step; Ok(true) when a segment completed.
+    fn rx_step(&mut self, io: &mut dyn Io) -> io::Result<bool> {
+        match self.rx {
+            RxState::Discard => {
+                self.stage.start = self.stage.end;
+                if self.stage.fill(io)? == 0 {
+                    return Err(Self::eof());
+                }
+                self.stage.start = self.stage.end;
+                Ok(false)
+            }
+            RxState::Hdr => {
+                let want = self.hdr_need - self.hdr_have;
+                // SAFETY: destination is our own header array, in bounds.
+                let n = unsafe {
+                    let d = self.hdr.as_mut_ptr().add(self.hdr_have);
+                    self.stage
+                        .take(io, Some(d), want, None, &mut RxStats::default())?
+                };
+                if n == 0 {
+                    return Err(Self::eof());
+                }
+                self.hdr_have += n;
+                if self.hdr_have < self.hdr_need {
+                    return Ok(false);
+                }
+                if self.hdr_need == 3 {
+                    self.hdr_need = if self.hdr[2] & wire::DDP_T != 0 {
+                        2 + wire::TAGGED_HDR
+                    } else {
+                        2 + wire::UNTAGGED_HDR
+                    };
+                    return Ok(false);
+                }
+                if self.hdr_need == 2 + wire::UNTAGGED_HDR
+                    && wire::be32(&self.hdr, 8) == wire::QN_READ
+                    && self.hdr[3] & 0x0f == op::READ_REQ
+                {
+                    self.hdr_need += wire::READ_REQ_LEN;
+                    return Ok(false);
+                }
+                self.parse_hdr();
+                Ok(false)
+            }
+            RxState::Place => {
+                self.place();
+                Ok(false)
+            }
+            RxState::Payload => {
+                while self.dest_idx < self.dest.len() {
+                    let left;
+                    let dst = match self.dest[self.dest_idx] {
+                        Some(p) => {
+                            left = p.len - self.dest_off;
+                            Some((p.addr + self.dest_off) as *mut u8)
+                        }
+                        None => {
+                            left = self.seg.paylen as u64 - self.dest_off;
+                            None
+                        }
+                    };
+                    if left == 0 {
+                        self.dest_idx += 1;
+                        self.dest_off = 0;
+                        continue;
+                    }
+                    let crc = if self.p.crc {
+                        Some(&mut self.crc)
+                    } else {
+                        None
+                    };
+                    // SAFETY: `dst` lies inside a registration validated for
+                    // this segment (tagged: STag/PD/rights/bounds checked;
+                    // receive: lkey with LOCAL_WRITE; anonymous/control: our
+                    // own heap buffers) and kept alive by the WR/validation
+                    // context. Only this engine writes it while the QP lock is
+                    // held; the consumer reads it only after the completion.
+                    let n = unsafe {
+                        self.stage.take(
+                            io,
+                            dst,
+                            left.min(usize::MAX as u64) as usize,
+                            crc,
+                            &mut self.stats,
+                        )?
+                    };
+                    if n == 0 {
+                        return Err(Self::eof());
+                    }
+                    self.dest_off += n as u64;
+                }
+                self.rx = RxState::Trailer;
+                self.trailer_have = 0;
+                Ok(false)
+            }
+            RxState::Trailer => {
+                let need = wire::pad_len(self.seg.ulpdu_len) + 4;
+                // SAFETY: our own trailer array, in bounds.
+                let n = unsafe {
+                    let d = self.trailer.as_mut_ptr().add(self.trailer_have);
+                    self.stage.take(
+                        io,
+                        Some(d),
+                        need - self.trailer_have,
+                        None,
+                        &mut RxStats::default(),
+                    )?
+                };
+                if n == 0 {
+                    return Err(Self::eof());
+                }
+                self.trailer_have += n;
+                if self.trailer_have < need {
+                    return Ok(false);
+                }
+                let pad = need - 4;
+                if self.p.crc {
+                    let c = crc32c::crc32c_append(self.crc, &self.trailer[..pad]);
+                    let got = u32::from_le_bytes(self.trailer[pad..need].try_into().expect("4"));
+                    if c != got {
+                        self.fatal(term::MPA_CRC, false);
+                        return Ok(false);
+                    }
+                }
+                self.finish_segment();
+                self.hdr_have = 0;
+                self.hdr_need = 3;
+                if self.rx != RxState::Discard {
+                    self.rx = RxState::Hdr;
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    fn parse_hdr(&mut self) {
+        let h = &self.hdr;
+        let ulpdu_len = wire::be16(h, 0) as usize;
+        let tagged = h[2] & wire::DDP_T != 0;
+        let hdr_len = if tagged {
+            wire::TAGGED_HDR
+        } else {
+            wire::UNTAGGED_HDR
+        };
+        let mut s = Seg {
+            tagged,
+            last: h[2] & wire::DDP_L != 0,
+            opcode: h[3] & 0x0f,
+            ulpdu_len,
+            ..Seg::default()
+        };
+        if tagged {
+            s.stag = wire::be32(h, 4);
+            s.to = wire::be64(h, 8);
+        } else {
+            s.inv = wire::be32(h, 4);
+            s.qn = wire::be32(h, 8);
+            s.msn = wire::be32(h, 12);
+            s.mo = wire::be32(h, 16);
+        }
+        let extra = if !tagged && s.qn == wire::QN_READ && s.opcode == op::READ_REQ {
+            wire::READ_REQ_LEN
+        } else {
+            0
+        };
+        self.crc = if self.p.crc {
+            crc32c::crc32c(&self.hdr[..self.hdr_have])
+        } else {
+            0
+        };
+        self.seg = s;
+        if h[2] & 0x03 != wire::DDP_V1 {
+            let c = if tagged {
+                term::DDP_T_VERSION
+            } else {
+                term::DDP_UT_VERSION
+            };
+            return self.fatal(c, true);
+        }
+        if h[3] >> 6 != 1 {
+            return self.fatal(term::RDMAP_OP_VERSION, true);
+        }
+        if ulpdu_len < hdr_len + extra || (extra > 0 && ulpdu_len != hdr_len + extra) {
+            return self.fatal(term::RDMAP_OP_UNSPECIFIED, true);
+        }
+        self.seg.paylen = ulpdu_len - hdr_len - extra;
+        self.rx = RxState::Place;
+        self.place();
+    }
+
+    /// Decide where the current segment's payload goes (validating it), or
+    /// stay paused.
+    fn place(&mut self) {
+        self.dest.clear();
+        self.dest_idx = 0;
+        self.dest_off = 0;
+        let s = self.seg;
+        let n = s.paylen as u64;
+        if self.state == QpState::Error {
+            self.dest.push(None);
+            self.rx = RxState::Payload;
+            return;
+        }
+        if s.tagged {
+            match s.opcode {
+                op::WRITE => {
+                    if n > 0 {
+                        let cont = self
+                            .tagged
+                            .as_ref()
+                            .filter(|c| c.stag == s.stag && c.next_to == s.to);
+                        let addr = match cont {
+                            Some(c) => {
+                                if s.to.checked_add(n).is_none_or(|e| e > c.end)
+                                    || !c.mr.valid.load(std::sync::atomic::Ordering::Acquire)
+                                {
+                                    return self.fatal(term::DDP_T_BASE_BOUNDS, true);
+                                }
+                                s.to
+                            }
+                            None => match self.p.table.remote(
+                                s.stag,
+                                s.to,
+                                n,
+                                Access::REMOTE_WRITE,
+                                self.p.pd,
+                                self.p.qpn,
+                                false,
+                            ) {
+                                Ok(r) => {
+                                    // The message's validated range: for a
+                                    // multi-segment write, later segments must
+                                    // stay inside the region/window range.
+                                    self.tagged = Some(TaggedCtx {
+                                        stag: s.stag,
+                                        next_to: s.to,
+                                        end: r.end,
+                                        mr: r.mr,
+                                    });
+                                    r.ptr
+                                }
+                                Err(c) => return self.fatal(c, true),
+                            },
+                        };
+                        if let Some(c) = self.tagged.as_mut() {
+                            c.next_to = s.to + n;
+                        }
+                        self.dest.push(Some(Piece { addr, len: n }));
+                    }
+                }
+                op::READ_RESP => {
+                    let Some(o) = self.orq.front() else {
+                        return self.fatal(term::RDMAP_OP_OPCODE, true);
+                    };
+                    if n > 0 {
+                        if s.stag != o.sink_stag {
+                            return self.fatal(term::DDP_T_INVALID_STAG, true);
+                        }
+                        if s.to != o.sink_to + o.got || o.got + n > o.len {
+                            return self.fatal(term::DDP_T_BASE_BOUNDS, true);
+                        }
+                        self.dest.push(Some(Piece { addr: s.to, len: n }));
+                    }
+                }
+                _ => return self.fatal(term::RDMAP_OP_OPCODE, true),
+            }
+        } else {
+            match (s.qn, s.opcode) {
+                (wire::QN_SEND, op::SEND | op::SEND_INV | op::SEND_SE | op::SEND_SE_INV) => {
+                    match &self.cur_send {
+                        None => {
+                            if s.msn != self.msn_in[0] {
+                                return self.fatal(term::DDP_UT_MSN_RANGE, true);
+                            }
+                            if s.mo != 0 {
+                                return self.fatal(term::DDP_UT_INVALID_MO, true);
+                            }
+                        }
+                        Some(c) => {
+                            if s.msn != c.msn {
+                                return self.fatal(term::DDP_UT_MSN_RANGE, true);
+                            }
+                            if s.mo as u64 != c.mo {
+                                return self.fatal(term::DDP_UT_INVALID_MO, true);
+                            }
+                        }
+                    }
+                    let target = match &self.cur_send {
+                        Some(c) => c.target,
+                        None if self.anon.is_empty() && !self.rq.is_empty() => Target::Recv,
+                        None => Target::Anon,
+                    };
+                    match target {
+                        Target::Recv => {
+                            let r = self.rq.front().expect("receive posted");
+                            if s.mo as u64 + n > r.len {
+                                let r = self.rq.pop_front().expect("non-empty");
+                                let mut w =
+                                    wc(r.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, self.p.qpn);
+                                w.byte_len = (s.mo as u64 + n) as u32;
+                                self.p.rcq.push(w, true);
+                                return self.fatal(term::DDP_UT_TOO_LONG, true);
+                            }
+                            let mut v = std::mem::take(&mut self.dest);
+                            map_pieces(&r.pieces, s.mo as u64, n, &mut v);
+                            self.dest = v;
+                        }
+                        Target::Anon => {
+                            let extra = if self.cur_send.is_none() {
+                                ANON_OVERHEAD
+                            } else {
+                                0
+                            };
+                            if self.stats.anon_bytes + n as usize + extra > self.p.indicate_window {
+                                self.stats.paused += 1;
+                                self.rx = RxState::Place;
+                                return;
+                            }
+                            if self.cur_send.is_none() {
+                                self.anon.push_back(AnonMsg {
+                                    data: Vec::new(),
+                                    complete: false,
+                                    inv: None,
+                                    solicited: false,
+                                });
+                            }
+                            self.stats.anon_bytes += n as usize + extra;
+                            self.stats.anon_peak = self.stats.anon_peak.max(self.stats.anon_bytes);
+                            let a = self.anon.back_mut().expect("anon message");
+                            let old = a.data.len();
+                            a.data.resize(old + n as usize, 0);
+                            if n > 0 {
+                                self.dest.push(Some(Piece {
+                                    addr: a.data.as_ptr() as u64 + old as u64,
+                                    len: n,
+                                }));
+                            }
+                        }
+                    }
+                    if self.cur_send.is_none() {
+                        self.cur_send = Some(CurSend {
+                            msn: s.msn,
+                            mo: 0,
+                            target,
+                        });
+                    }
+                }
+                (wire::QN_READ, op::READ_REQ) => {
+                    if s.msn != self.msn_in[1] {
+                        return self.fatal(term::DDP_UT_MSN_RANGE, true);
+                    }
+                    if self.irq.len() >= self.p.ird.max(1) as usize {
+                        return self.fatal(term::MPA_INSUFFICIENT_IRD, true);
+                    }
+                    let rr = ReadReq::parse(&self.hdr[20..48]);
+                    let mr = if rr.len > 0 {
+                        match self.p.table.remote(
+                            rr.src_stag,
+                            rr.src_to,
+                            rr.len as u64,
+                            Access::REMOTE_READ,
+                            self.p.pd,
+                            self.p.qpn,
+                            true,
+                        ) {
+                            Ok(r) => Some(r.mr),
+                            Err(c) => return self.fatal(c, true),
+                        }
+                    } else {
+                        None
+                    };
+                    self.irq.push_back(IrqEntry {
+                        mr,
+                        src: rr.src_to,
+                        len: rr.len as u64,
+                        sent: 0,
+                        sink_stag: rr.sink_stag,
+                        sink_to: rr.sink_to,
+                        started: false,
+                    });
+                }
+                (wire::QN_TERM, op::TERMINATE) => {
+                    let k = (n as usize).min(wire::TERM_MAX);
+                    self.ctl.fill(0);
+                    if k > 0 {
+                        self.dest.push(Some(Piece {
+                            addr: self.ctl.as_ptr() as u64,
+                            len: k as u64,
+                        }));
+                    }
+                    if (n as usize) > k {
+                        self.dest.push(None);
+                    }
+                }
+                (q, _) if q > wire::QN_TERM => return self.fatal(term::DDP_UT_INVALID_QN, true),
+                _ => return self.fatal(term::RDMAP_OP_OPCODE, true),
+            }
+        }
+        self.rx = RxState::Payload;
+    }
+
+    fn finish_segment(&mut self) {
+        if self.state == QpState::Error {
+            return;
+        }
+        let s = self.seg;
+        let n = s.paylen as u64;
+        if s.tagged {
+            match s.opcode {
+                op::WRITE if s.last => self.tagged = None,
+                op::READ_RESP => {
+                    let Some(o) = self.orq.front_mut() else {
+                        return;
+                    };
+                    o.got += n;
+                    if s.last {
+                        let o = self.orq.pop_front().expect("non-empty");
+                        if o.got != o.len {
+                            return self.fatal(term::DDP_T_BASE_BOUNDS, false);
+                        }
+                        if let Some(i) = self.sq_index(o.seq) {
+                            let w = &mut self.sq[i];
+                            w.done = true;
+                            w.byte_len = o.len as u32;
+                        }
+                        self.complete_sq();
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
+        match s.qn {
+            wire::QN_SEND => {
+                let Some(c) = self.cur_send.as_mut() else {
+                    return;
+                };
+                c.mo += n;
+                if !s.last {
+                    return;
+                }
+                let total = c.mo;
+                let target = c.target;
+                self.cur_send = None;
+                self.msn_in[0] = self.msn_in[0].wrapping_add(1);
+                let inv = if s.opcode == op::SEND_INV || s.opcode == op::SEND_SE_INV {
+                    if self.p.table.invalidate(s.inv, self.p.pd).is_err() {
+                        return self.fatal(term::RDMAP_OP_CANNOT_INVALIDATE, false);
+                    }
+                    Some(s.inv)
+                } else {
+                    None
+                };
+                let solicited = s.opcode == op::SEND_SE || s.opcode == op::SEND_SE_INV;
+                match target {
+                    Target::Recv => {
+                        let r = self.rq.pop_front().expect("receive in progress");
+                        let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
+                        w.byte_len = total as u32;
+                        w.invalidated_rkey = inv;
+                        self.p.rcq.push(w, solicited);
+                    }
+                    Target::Anon => {
+                        if let Some(a) = self.anon.back_mut() {
+                            a.complete = true;
+                            a.inv = inv;
+                            a.solicited = solicited;
+                        }
+                        self.drain_anon();
+                    }
+                }
+            }
+            wire::QN_READ => {
+                self.msn_in[1] = self.msn_in[1].wrapping_add(1);
+            }
+            wire::QN_TERM => {
+                self.msn_in[2] = self.msn_in[2].wrapping_add(1);
+                let code =
+                    wire::parse_terminate(&self.ctl[..]).unwrap_or(term::RDMAP_OP_UNSPECIFIED);
+                tracing::debug!(qpn = self.p.qpn, ?code, "terminate received");
+                self.stats.term_recv += 1;
+                self.stats.last_term = code.vendor_err();
+                let st = if code.is_protection() {
+                    WcStatus::RemAccessErr
+                } else if code == term::DDP_UT_TOO_LONG {
+                    WcStatus::RemInvReqErr
+                } else {
+                    WcStatus::RemOpErr
+                };
+                self.enter_error(Some((st, code.vendor_err())));
+                self.rx = RxState::Discard;
+                if self.shut == Shut::None {
+                    self.shut = Shut::Now;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The number of posted receives and SQ entries (for tests).
+    pub fn queue_lens(&self) -> (usize, usize) {
+        (self.sq.len(), self.rq.len())
+    }
+}

@@ -1,0 +1,356 @@
+//! The few iWARP wire formats the soft provider needs (MPA RFC 5044/6581,
+//! DDP RFC 5041, RDMAP RFC 5040), kept local to the provider so the data
+//! path has no dependency on a crate that is still being written.
+//!
+//! Layouts match Linux siw: the MPA CRC field is always present (zero when
+//! CRC is off), the enhanced-mode flag is 0x10 of the flags byte, and a
+//! Terminate carries `layer<<4|etype, ecode, M|D|R, 0`, the DDP segment
+//! length and the copied headers.
+
+/// Key of an MPA Request frame.
+pub const KEY_REQ: &[u8; 16] = b"MPA ID Req Frame";
+/// Key of an MPA Reply frame.
+pub const KEY_REP: &[u8; 16] = b"MPA ID Rep Frame";
+pub const MPA_FLAG_MARKERS: u8 = 0x80;
+pub const MPA_FLAG_CRC: u8 = 0x40;
+pub const MPA_FLAG_REJECT: u8 = 0x20;
+pub const MPA_FLAG_ENHANCED: u8 = 0x10;
+/// RFC 5044: PD_Length ≤ 512.
+pub const MPA_MAX_PD: usize = 512;
+pub const MPA_REV_ENHANCED: u8 = 2;
+
+pub const TAGGED_HDR: usize = 14;
+pub const UNTAGGED_HDR: usize = 18;
+pub const READ_REQ_LEN: usize = 28;
+/// Largest Terminate payload we accept (4 + 2 + 18 + 28 rounded up).
+pub const TERM_MAX: usize = 64;
+
+pub const DDP_T: u8 = 0x80;
+pub const DDP_L: u8 = 0x40;
+pub const DDP_V1: u8 = 0x01;
+pub const RDMAP_V1: u8 = 0x40;
+
+pub const QN_SEND: u32 = 0;
+pub const QN_READ: u32 = 1;
+pub const QN_TERM: u32 = 2;
+
+/// RDMAP opcodes.
+pub mod op {
+    pub const WRITE: u8 = 0;
+    pub const READ_REQ: u8 = 1;
+    pub const READ_RESP: u8 = 2;
+    pub const SEND: u8 = 3;
+    pub const SEND_INV: u8 = 4;
+    pub const SEND_SE: u8 = 5;
+    pub const SEND_SE_INV: u8 = 6;
+    pub const TERMINATE: u8 = 7;
+}
+
+/// Pad after a ULPDU of `ulpdu_len` bytes (len field + ULPDU + pad ≡ 0 mod 4).
+pub const fn pad_len(ulpdu_len: usize) -> usize {
+    (4 - ((2 + ulpdu_len) & 3)) & 3
+}
+
+/// A Terminate error triple (RFC 5040 §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TermCode {
+    pub layer: u8,
+    pub etype: u8,
+    pub ecode: u8,
+}
+
+impl TermCode {
+    pub const fn new(layer: u8, etype: u8, ecode: u8) -> TermCode {
+        TermCode {
+            layer,
+            etype,
+            ecode,
+        }
+    }
+    /// `layer << 12 | etype << 8 | ecode`, as in `Wc::vendor_err`.
+    pub fn vendor_err(self) -> u32 {
+        ((self.layer as u32 & 0xf) << 12) | ((self.etype as u32 & 0xf) << 8) | self.ecode as u32
+    }
+    /// Is this a protection error (RDMAP remote protection / DDP tagged buffer)?
+    pub fn is_protection(self) -> bool {
+        (self.layer == 0 || self.layer == 1) && self.etype == 1
+    }
+}
+
+/// Named Terminate codes used by the soft provider.
+pub mod term {
+    use super::TermCode;
+    pub const RDMAP_INVALID_STAG: TermCode = TermCode::new(0, 1, 0x00);
+    pub const RDMAP_BASE_BOUNDS: TermCode = TermCode::new(0, 1, 0x01);
+    pub const RDMAP_ACCESS: TermCode = TermCode::new(0, 1, 0x02);
+    pub const RDMAP_NOT_ASSOC: TermCode = TermCode::new(0, 1, 0x03);
+    pub const RDMAP_OP_VERSION: TermCode = TermCode::new(0, 2, 0x05);
+    pub const RDMAP_OP_OPCODE: TermCode = TermCode::new(0, 2, 0x06);
+    pub const RDMAP_OP_CANNOT_INVALIDATE: TermCode = TermCode::new(0, 2, 0x09);
+    pub const RDMAP_OP_UNSPECIFIED: TermCode = TermCode::new(0, 2, 0xff);
+    pub const DDP_T_INVALID_STAG: TermCode = TermCode::new(1, 1, 0x00);
+    pub const DDP_T_BASE_BOUNDS: TermCode = TermCode::new(1, 1, 0x01);
+    pub const DDP_T_NOT_ASSOC: TermCode = TermCode::new(1, 1, 0x02);
+    pub const DDP_T_VERSION: TermCode = TermCode::new(1, 1, 0x04);
+    pub const DDP_UT_INVALID_QN: TermCode = TermCode::new(1, 2, 0x01);
+    pub const DDP_UT_MSN_RANGE: TermCode = TermCode::new(1, 2, 0x03);
+    pub const DDP_UT_INVALID_MO: TermCode = TermCode::new(1, 2, 0x04);
+    pub const DDP_UT_TOO_LONG: TermCode = TermCode::new(1, 2, 0x05);
+    pub const DDP_UT_VERSION: TermCode = TermCode::new(1, 2, 0x06);
+    pub const MPA_CRC: TermCode = TermCode::new(2, 0, 0x02);
+    pub const MPA_INSUFFICIENT_IRD: TermCode = TermCode::new(2, 0, 0x06);
+}
+
+pub fn be16(b: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([b[at], b[at + 1]])
+}
+pub fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+pub fn be64(b: &[u8], at: usize) -> u64 {
+    ((be32(b, at) as u64) << 32) | be32(b, at + 4) as u64
+}
+pub fn put16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_be_bytes())
+}
+pub fn put32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_be_bytes())
+}
+pub fn put64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_be_bytes())
+}
+
+/// Write an MPA length + tagged DDP header into `b[..16]`; returns 16.
+pub fn tagged_hdr(
+    b: &mut [u8],
+    ulpdu_len: u16,
+    last: bool,
+    opcode: u8,
+    stag: u32,
+    to: u64,
+) -> usize {
+    put16(b, 0, ulpdu_len);
+    b[2] = DDP_T | if last { DDP_L } else { 0 } | DDP_V1;
+    b[3] = RDMAP_V1 | opcode;
+    put32(b, 4, stag);
+    put64(b, 8, to);
+    2 + TAGGED_HDR
+}
+
+/// Write an MPA length + untagged DDP header into `b[..20]`; returns 20.
+#[allow(clippy::too_many_arguments)]
+pub fn untagged_hdr(
+    b: &mut [u8],
+    ulpdu_len: u16,
+    last: bool,
+    opcode: u8,
+    inv_stag: u32,
+    qn: u32,
+    msn: u32,
+    mo: u32,
+) -> usize {
+    put16(b, 0, ulpdu_len);
+    b[2] = if last { DDP_L } else { 0 } | DDP_V1;
+    b[3] = RDMAP_V1 | opcode;
+    put32(b, 4, inv_stag);
+    put32(b, 8, qn);
+    put32(b, 12, msn);
+    put32(b, 16, mo);
+    2 + UNTAGGED_HDR
+}
+
+/// An RDMA Read Request header (the DDP payload of QN 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadReq {
+    pub sink_stag: u32,
+    pub sink_to: u64,
+    pub len: u32,
+    pub src_stag: u32,
+    pub src_to: u64,
+}
+
+impl ReadReq {
+    pub fn emit(&self, b: &mut [u8]) {
+        put32(b, 0, self.sink_stag);
+        put64(b, 4, self.sink_to);
+        put32(b, 12, self.len);
+        put32(b, 16, self.src_stag);
+        put64(b, 20, self.src_to);
+    }
+    pub fn parse(b: &[u8]) -> ReadReq {
+        ReadReq {
+            sink_stag: be32(b, 0),
+            sink_to: be64(b, 4),
+            len: be32(b, 12),
+            src_stag: be32(b, 16),
+            src_to: be64(b, 20),
+        }
+    }
+}
+
+/// Build a Terminate payload for `code` caused by the segment whose MPA
+/// length + DDP (+ Read Request) header is `hdr` (may be empty). Returns the
+/// payload length written into `out` (≤ TERM_MAX).
+pub fn terminate_payload(code: TermCode, hdr: &[u8], out: &mut [u8; TERM_MAX]) -> usize {
+    out.fill(0);
+    out[0] = (code.layer << 4) | (code.etype & 0xf);
+    out[1] = code.ecode;
+    if hdr.len() < 2 + TAGGED_HDR || code.layer == 2 {
+        return 4;
+    }
+    let ddp_len = if hdr[2] & DDP_T != 0 {
+        TAGGED_HDR
+    } else {
+        UNTAGGED_HDR
+    };
+    let with_rdmap = code.layer == 0 && code.etype == 1;
+    let is_rr = hdr[3] & 0x0f == op::READ_REQ && hdr[2] & DDP_T == 0;
+    let copy = if with_rdmap && is_rr {
+        ddp_len + READ_REQ_LEN
+    } else {
+        ddp_len
+    };
+    let copy = copy.min(hdr.len() - 2).min(TERM_MAX - 6);
+    out[2] = 0x80 | 0x40 | if with_rdmap { 0x20 } else { 0 };
+    out[4] = hdr[0];
+    out[5] = hdr[1];
+    out[6..6 + copy].copy_from_slice(&hdr[2..2 + copy]);
+    6 + copy
+}
+
+/// The error triple of a received Terminate payload.
+pub fn parse_terminate(p: &[u8]) -> Option<TermCode> {
+    if p.len() < 4 {
+        return None;
+    }
+    Some(TermCode::new(p[0] >> 4, p[0] & 0xf, p[1]))
+}
+
+/// CRC32c over a sequence of byte slices (MPA CRC; sent as a little-endian
+/// word like Linux does).
+pub fn crc_of(parts: &[&[u8]]) -> u32 {
+    let mut c = 0u32;
+    for p in parts {
+        c = crc32c::crc32c_append(c, p);
+    }
+    c
+}
+
+/// Enhanced MPA IRD/ORD words (RFC 6581 §3); no peer-to-peer / RTR bits.
+pub fn ird_ord_words(ird: u16, ord: u16) -> [u8; 4] {
+    let mut b = [0u8; 4];
+    put16(&mut b, 0, ird & 0x3fff);
+    put16(&mut b, 2, ord & 0x3fff);
+    b
+}
+
+/// An MPA Request/Reply frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpaFrame {
+    pub reply: bool,
+    pub flags: u8,
+    pub rev: u8,
+    /// Private data after the IRD/ORD words (when enhanced).
+    pub private: Vec<u8>,
+    /// (IRD, ORD) when the frame is enhanced (rev 2 with the E flag).
+    pub ird_ord: Option<(u16, u16)>,
+}
+
+impl MpaFrame {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(20 + 4 + self.private.len());
+        v.extend_from_slice(if self.reply { KEY_REP } else { KEY_REQ });
+        let enh = self.ird_ord.is_some();
+        v.push(self.flags | if enh { MPA_FLAG_ENHANCED } else { 0 });
+        v.push(self.rev);
+        let pd_len = self.private.len() + if enh { 4 } else { 0 };
+        v.extend_from_slice(&(pd_len as u16).to_be_bytes());
+        if let Some((ird, ord)) = self.ird_ord {
+            v.extend_from_slice(&ird_ord_words(ird, ord));
+        }
+        v.extend_from_slice(&self.private);
+        v
+    }
+
+    /// Parse the 20-byte fixed header; returns (reply, flags, rev, pd_len).
+    pub fn parse_header(h: &[u8; 20]) -> Result<(bool, u8, u8, usize), String> {
+        let reply = if &h[..16] == KEY_REQ {
+            false
+        } else if &h[..16] == KEY_REP {
+            true
+        } else {
+            return Err("not an MPA request/reply frame (bad key)".into());
+        };
+        let pd_len = be16(h, 18) as usize;
+        if pd_len > MPA_MAX_PD {
+            return Err(format!("MPA PD_Length {pd_len} exceeds 512"));
+        }
+        if h[17] != 1 && h[17] != 2 {
+            return Err(format!("MPA revision {} not supported", h[17]));
+        }
+        Ok((reply, h[16], h[17], pd_len))
+    }
+
+    pub fn from_parts(reply: bool, flags: u8, rev: u8, pd: &[u8]) -> Result<MpaFrame, String> {
+        let enh = rev == MPA_REV_ENHANCED && flags & MPA_FLAG_ENHANCED != 0;
+        let (ird_ord, private) = if enh {
+            if pd.len() < 4 {
+                return Err("enhanced MPA frame without IRD/ORD words".into());
+            }
+            (
+                Some((be16(pd, 0) & 0x3fff, be16(pd, 2) & 0x3fff)),
+                pd[4..].to_vec(),
+            )
+        } else {
+            (None, pd.to_vec())
+        };
+        Ok(MpaFrame {
+            reply,
+            flags: flags & !MPA_FLAG_ENHANCED,
+            rev,
+            private,
+            ird_ord,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pad() {
+        assert_eq!(pad_len(14), 0);
+        assert_eq!(pad_len(15), 3);
+        assert_eq!(pad_len(18), 0);
+        assert_eq!(pad_len(19), 3);
+    }
+
+    #[test]
+    fn mpa_roundtrip() {
+        let f = MpaFrame {
+            reply: true,
+            flags: MPA_FLAG_CRC,
+            rev: 2,
+            private: b"hello".to_vec(),
+            ird_ord: Some((3, 7)),
+        };
+        let b = f.encode();
+        let h: [u8; 20] = b[..20].try_into().unwrap();
+        let (reply, flags, rev, pd) = MpaFrame::parse_header(&h).unwrap();
+        assert_eq!(pd, 9);
+        let g = MpaFrame::from_parts(reply, flags, rev, &b[20..]).unwrap();
+        assert_eq!(f, g);
+    }
+
+    #[test]
+    fn terminate_roundtrip() {
+        let mut h = [0u8; 16];
+        tagged_hdr(&mut h, 100, true, op::WRITE, 0x1234, 99);
+        let mut out = [0u8; TERM_MAX];
+        let n = terminate_payload(term::DDP_T_BASE_BOUNDS, &h, &mut out);
+        assert_eq!(n, 6 + TAGGED_HDR);
+        assert_eq!(parse_terminate(&out[..n]), Some(term::DDP_T_BASE_BOUNDS));
+        assert_eq!(term::DDP_T_BASE_BOUNDS.vendor_err(), 0x1101);
+    }
+}
