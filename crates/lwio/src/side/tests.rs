@@ -329,6 +329,14 @@ async fn garbage_and_graceful_shutdown() {
         codec::Response::Error(e) => assert_eq!(e.code, ErrorCode::BadRequest),
         r => panic!("{r:?}"),
     }
+    // A frame over the server's limit: refused before its body is read.
+    let mut raw = tokio::net::TcpStream::connect(&s.addr).await.unwrap();
+    raw.write_all(&(64u32 << 20).to_le_bytes()).await.unwrap();
+    let b = codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    match codec::Response::decode(&b).unwrap().1 {
+        codec::Response::Error(e) => assert_eq!(e.code, ErrorCode::FrameTooLarge),
+        r => panic!("{r:?}"),
+    }
     // Shutdown closes idle sessions promptly.
     let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
     s.stop.trigger();
