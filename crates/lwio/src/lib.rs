@@ -14,7 +14,9 @@
 //! * [`url`], [`units`] — `lwio://` URLs, sizes and durations.
 
 pub mod cli;
+pub mod client;
 pub mod config;
+pub mod data;
 pub mod error;
 pub mod fs;
 pub mod server;

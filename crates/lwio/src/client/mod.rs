@@ -1,0 +1,797 @@
+//! The lwio client library: file reads and writes offloaded to an lwio
+//! server over RDMA.
+//!
+//! ```no_run
+//! use lwio::client::{Client, ClientOptions, Completion, OpenOptions};
+//! # fn main() -> Result<(), lwio::client::Error> {
+//! let opts = ClientOptions { completion: Completion::Poll, ..ClientOptions::default() };
+//! let client = Client::connect("lwio://storage1/data", Some("s3cret-token"), opts)?;
+//! let f = client.open("logs/app.log", &OpenOptions::read_write().create(true))?;
+//! f.write_at(b"hello", 4096)?;
+//! let mut buf = [0u8; 5];
+//! assert_eq!(f.read_at(&mut buf, 4096)?, 5);
+//! println!("{} bytes", f.len()?);
+//! f.close()?;
+//! # Ok(()) }
+//! ```
+//!
+//! `connect` logs in over the side channel (token), negotiates a common
+//! RDMA provider, connects the RDMA channel and authenticates it (AUTH,
+//! signed with a secret bound to this side-channel session and the
+//! negotiate Key). `open` opens the file over the side channel, receives a
+//! resume key and REGISTERs it on the RDMA channel; reads and writes then go
+//! over RDMA only. [`AsyncClient`] / [`AsyncFile`] are the tokio flavour.
+//!
+//! See [`engine`] for the data path (threads, memory windows, completion
+//! modes).
+
+pub mod asynch;
+pub mod engine;
+
+use std::io::{IoSlice, IoSliceMut};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lwio_proto::status::*;
+use lwio_proto::wire::{AddressBlockRepr, NegotiateRequestRepr, FILE_NO_INTERMEDIATE_BUFFERING};
+use lwio_proto::NtStatus;
+use tracing::{debug, info};
+
+pub use asynch::{AsyncClient, AsyncFile};
+use engine::{status_text, EngineConfig};
+pub use engine::{ClientStats, Engine};
+
+use crate::config::ProviderChoice;
+use crate::error::ErrorCode;
+use crate::side::{Login, Token};
+use crate::url::{LwioUrl, DEFAULT_PORT};
+
+/// How completions reach the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Completion {
+    /// The server sends a status response (or RDMA Write with immediate where
+    /// the provider has it); the client sleeps on its completion channel.
+    #[default]
+    Interrupt,
+    /// The server RDMA-writes the IO_STATUS_BLOCK into client memory; the
+    /// client watches it (no receive completion involved). After
+    /// `poll_spin` without completion the waiter sends INTERRUPT and sleeps.
+    Poll,
+}
+
+/// Client errors. Messages say what happened and, where it helps, what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error("cannot reach the lwio server: {0}")]
+    Unreachable(String),
+    #[error("login refused: {0}")]
+    WrongToken(String),
+    #[error("no RDMA provider in common with the server (client offers {client:?}, server has {server})")]
+    NoCommonProvider { client: Vec<String>, server: String },
+    #[error("access denied: {0}")]
+    AccessDenied(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("the server went away: {0}")]
+    ConnectionLost(String),
+    #[error("{what} failed with {}", status_text(*status))]
+    Status { what: String, status: NtStatus },
+    #[error("timed out: {0}")]
+    TimedOut(String),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("busy: {0}")]
+    Busy(String),
+    #[error("the operation was cancelled")]
+    Cancelled,
+    #[error("RDMA: {0}")]
+    Rdma(String),
+    #[error("side channel: {0}")]
+    Side(String),
+    #[error("I/O: {0}")]
+    Io(String),
+}
+
+impl From<lwio_rdma::Error> for Error {
+    fn from(e: lwio_rdma::Error) -> Error {
+        Error::Rdma(e.to_string())
+    }
+}
+
+impl From<crate::Error> for Error {
+    fn from(e: crate::Error) -> Error {
+        let m = e.to_string();
+        match e.code {
+            ErrorCode::ConnectFailed => Error::Unreachable(m),
+            ErrorCode::AuthFailed => Error::WrongToken(m),
+            ErrorCode::NotFound | ErrorCode::NoSuchExport => Error::NotFound(m),
+            ErrorCode::PermissionDenied | ErrorCode::ReadOnly | ErrorCode::OutsideExport => {
+                Error::AccessDenied(m)
+            }
+            ErrorCode::Disconnected => Error::ConnectionLost(m),
+            ErrorCode::TimedOut => Error::TimedOut(m),
+            ErrorCode::InvalidArgument => Error::InvalidArgument(m),
+            _ => Error::Side(m),
+        }
+    }
+}
+
+impl From<Error> for std::io::Error {
+    fn from(e: Error) -> std::io::Error {
+        use std::io::ErrorKind as K;
+        let kind = match &e {
+            Error::Unreachable(_) => K::ConnectionRefused,
+            Error::WrongToken(_) | Error::AccessDenied(_) => K::PermissionDenied,
+            Error::NotFound(_) => K::NotFound,
+            Error::ConnectionLost(_) => K::ConnectionAborted,
+            Error::TimedOut(_) => K::TimedOut,
+            Error::InvalidArgument(_) => K::InvalidInput,
+            Error::Cancelled => K::Interrupted,
+            _ => K::Other,
+        };
+        std::io::Error::new(kind, e)
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn status_error(what: impl Into<String>, status: NtStatus) -> Error {
+    let what = what.into();
+    match status {
+        STATUS_ACCESS_DENIED => Error::AccessDenied(format!("{what}: {}", status_text(status))),
+        STATUS_CANCELLED => Error::Cancelled,
+        _ => Error::Status { what, status },
+    }
+}
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    pub completion: Completion,
+    /// Which RDMA providers to offer (in preference order for `auto`).
+    pub provider: ProviderChoice,
+    /// Credits to ask for (the server may grant fewer, and adjusts later).
+    pub credits: u16,
+    /// Largest read per request (the server's window may be smaller).
+    pub read_chunk: usize,
+    /// Concurrent large reads (registered staging slots of `read_chunk`).
+    pub stage_slots: usize,
+    /// Largest write payload per request we send (the server's
+    /// MaxRecvBufferSize may be smaller).
+    pub write_chunk: usize,
+    pub send_slots: usize,
+    /// Polling mode: how long a waiter spins on its status block.
+    pub poll_spin: Duration,
+    /// Per-request timeout.
+    pub op_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub client_name: String,
+    pub rdma: lwio_rdma::Config,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            completion: Completion::Interrupt,
+            provider: ProviderChoice::Auto,
+            credits: 16,
+            read_chunk: 128 * 1024,
+            stage_slots: 16,
+            write_chunk: 16 * 1024,
+            send_slots: 64,
+            poll_spin: Duration::from_micros(200),
+            op_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            client_name: crate::server::host_name(),
+            rdma: lwio_rdma::Config::default(),
+        }
+    }
+}
+
+/// How to open a file (mirrors `std::fs::OpenOptions`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenOptions(pub crate::fs::OpenOptions);
+
+impl OpenOptions {
+    pub fn read_only() -> OpenOptions {
+        OpenOptions(crate::fs::OpenOptions {
+            read: true,
+            ..Default::default()
+        })
+    }
+    pub fn read_write() -> OpenOptions {
+        OpenOptions(crate::fs::OpenOptions {
+            read: true,
+            write: true,
+            ..Default::default()
+        })
+    }
+    pub fn create(mut self, on: bool) -> Self {
+        self.0.create = on;
+        self
+    }
+    pub fn truncate(mut self, on: bool) -> Self {
+        self.0.truncate = on;
+        self
+    }
+    pub fn exclusive(mut self, on: bool) -> Self {
+        self.0.exclusive = on;
+        self
+    }
+    /// FILE_NO_INTERMEDIATE_BUFFERING: `O_DIRECT` at the server; also what
+    /// makes VEC_WRITE with COLLAPSE legal.
+    pub fn no_buffering(mut self, on: bool) -> Self {
+        self.0.no_buffering = on;
+        self
+    }
+    pub fn write_through(mut self, on: bool) -> Self {
+        self.0.write_through = on;
+        self
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) side: Mutex<crate::side::Client>,
+    pub(crate) engine: Arc<Engine>,
+    export: Option<String>,
+    pub(crate) server_name: String,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.engine.shutdown();
+    }
+}
+
+/// A connected client (blocking API). Cheap to share: `File`s keep it alive.
+#[derive(Clone)]
+pub struct Client(pub(crate) Arc<Inner>);
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("server", &self.0.server_name)
+            .field("provider", &self.0.engine.provider())
+            .field("completion", &self.0.engine.cfg.completion)
+            .finish()
+    }
+}
+
+fn parse_target(target: &str) -> Result<(String, String, Option<String>)> {
+    if target.starts_with("lwio://") {
+        let u = LwioUrl::parse(target).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        return Ok((u.authority(), u.host.clone(), u.export.clone()));
+    }
+    let (host, authority) = if target.starts_with('[') || target.matches(':').count() == 1 {
+        let h = target.rsplit_once(':').map_or(target, |(h, _)| h);
+        (h.trim_matches(['[', ']']).to_string(), target.to_string())
+    } else if target.contains(':') {
+        (target.to_string(), format!("[{target}]:{DEFAULT_PORT}"))
+    } else {
+        (target.to_string(), format!("{target}:{DEFAULT_PORT}"))
+    };
+    Ok((authority, host, None))
+}
+
+impl Client {
+    /// Connect to `target` (`lwio://HOST[:PORT][/EXPORT]` or `HOST[:PORT]`)
+    /// with a token (None = anonymous).
+    pub fn connect(target: &str, token: Option<&str>, opts: ClientOptions) -> Result<Client> {
+        let (authority, host, export) = parse_target(target)?;
+        let login = match token {
+            Some(t) => Login::Token(
+                Token::new(t).map_err(|e| Error::InvalidArgument(format!("token: {e}")))?,
+            ),
+            None => Login::Anonymous,
+        };
+        let mut so = crate::side::ClientOptions::new(login);
+        so.client_name = opts.client_name.clone();
+        so.connect_timeout = opts.connect_timeout;
+        let mut side = crate::side::Client::connect(&authority, &so)?;
+        let session = side.session().clone();
+        let side_ip: Option<IpAddr> = (authority.as_str(), 0)
+            .to_socket_addrs()
+            .ok()
+            .or_else(|| authority.to_socket_addrs().ok())
+            .and_then(|mut a| a.next())
+            .map(|a| a.ip());
+        // Negotiate over the pipe.
+        let providers = crate::data::providers_for(opts.provider);
+        let names: Vec<String> = providers.iter().map(|p| p.name().to_string()).collect();
+        let req = NegotiateRequestRepr {
+            client_name: truncate_name(&opts.client_name),
+            key: crate::side::negotiate::random_guid(),
+            response_length: 4096,
+            providers: names
+                .iter()
+                .map(|n| AddressBlockRepr {
+                    name: n.clone(),
+                    instances: Vec::new(),
+                })
+                .collect(),
+        };
+        let resp = side.negotiate(&req)?;
+        if resp.providers.is_empty() {
+            return Err(Error::NoCommonProvider {
+                client: names,
+                server: format!("{:?}", resp.server_name),
+            });
+        }
+        let secret =
+            lwio_proto::wire::auth::derive_session_secret(&session.secret.0, &resp.key).to_vec();
+        let cfg = EngineConfig {
+            completion: opts.completion,
+            credits: opts.credits,
+            read_chunk: opts.read_chunk.next_multiple_of(4096).max(4096),
+            stage_slots: opts.stage_slots.max(1),
+            write_chunk: opts.write_chunk.max(512),
+            send_slots: opts.send_slots,
+            poll_spin: opts.poll_spin,
+            op_timeout: opts.op_timeout,
+            auth_timeout: opts.connect_timeout,
+        };
+        let mut last: Option<Error> = None;
+        for p in &resp.providers {
+            let Some(provider) = providers.iter().find(|q| q.name() == p.name) else {
+                continue;
+            };
+            let ctx = match provider.open(None, &opts.rdma) {
+                Ok(c) => c,
+                Err(e) => {
+                    debug!(provider = %p.name, error = %e, "provider not usable here");
+                    last = Some(e.into());
+                    continue;
+                }
+            };
+            for inst in &p.instances {
+                let Some(mut addr) = crate::side::negotiate::socket_addr(inst) else {
+                    continue;
+                };
+                if addr.ip().is_unspecified() {
+                    match side_ip {
+                        Some(ip) => addr.set_ip(ip),
+                        None => continue,
+                    }
+                }
+                match Engine::connect(&ctx, addr, resp.key, secret.clone(), cfg.clone()) {
+                    Ok(engine) => {
+                        info!(server = %resp.server_name, %addr, provider = %p.name, "connected");
+                        return Ok(Client(Arc::new(Inner {
+                            side: Mutex::new(side),
+                            engine,
+                            export,
+                            server_name: resp.server_name.clone(),
+                        })));
+                    }
+                    Err(e @ Error::AccessDenied(_)) => return Err(e),
+                    Err(e) => {
+                        debug!(%addr, error = %e, "RDMA connect failed");
+                        last = Some(e);
+                    }
+                }
+            }
+        }
+        let _ = host;
+        Err(last.unwrap_or(Error::NoCommonProvider {
+            client: names,
+            server: "no usable address".into(),
+        }))
+    }
+
+    /// Open a file: `EXPORT/PATH`, or `PATH` when the URL named the export.
+    pub fn open(&self, path: &str, o: &OpenOptions) -> Result<File> {
+        let (export, rel) = self.split(path)?;
+        let rf = {
+            let mut side = self.0.side.lock().unwrap_or_else(|p| p.into_inner());
+            side.open(&export, &rel, &o.0, 0o644)?
+        };
+        let flags = if o.0.no_buffering {
+            FILE_NO_INTERMEDIATE_BUFFERING
+        } else {
+            0
+        };
+        let e = &self.0.engine;
+        let reg = e
+            .issue_register(rf.resume_key.key, flags)
+            .and_then(|r| e.wait(r, None));
+        match reg {
+            Ok((fid, STATUS_SUCCESS)) if fid != 0 && fid <= 0xffff => Ok(File {
+                client: self.clone(),
+                fid: fid as u16,
+                handle: rf.handle,
+                export,
+                path: rel,
+                no_buffering: o.0.no_buffering,
+                closed: false,
+            }),
+            other => {
+                let _ = self
+                    .0
+                    .side
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .close(rf.handle);
+                match other {
+                    Ok((_, st)) => Err(status_error(format!("REGISTER of {export}/{rel}"), st)),
+                    Err(e) => Err(e),
+                }
+            }
+        }
+    }
+
+    fn split(&self, path: &str) -> Result<(String, String)> {
+        let path = path.trim_start_matches('/');
+        match &self.0.export {
+            Some(e) => Ok((e.clone(), path.to_string())),
+            None => match path.split_once('/') {
+                Some((e, p)) => Ok((e.to_string(), p.to_string())),
+                None => Err(Error::InvalidArgument(format!(
+                    "{path:?}: expected EXPORT/PATH"
+                ))),
+            },
+        }
+    }
+
+    /// Send INTERRUPT and return when the server answers it (after the next
+    /// I/O request on this connection completes).
+    pub fn interrupt(&self) -> Result<()> {
+        self.0.engine.interrupt()
+    }
+
+    pub fn stats(&self) -> ClientStats {
+        self.0.engine.stats()
+    }
+
+    pub fn credits(&self) -> u16 {
+        self.0.engine.credits()
+    }
+
+    pub fn provider(&self) -> &'static str {
+        self.0.engine.provider()
+    }
+
+    pub fn completion(&self) -> Completion {
+        self.0.engine.cfg.completion
+    }
+
+    /// The RDMA engine (for tools and tests that issue raw requests).
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.0.engine
+    }
+}
+
+fn truncate_name(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if out.encode_utf16().count() + c.len_utf16() > 63 || c == '\0' {
+            break;
+        }
+        out.push(c);
+    }
+    if out.is_empty() {
+        "lwio-client".into()
+    } else {
+        out
+    }
+}
+
+/// An open, registered file.
+pub struct File {
+    client: Client,
+    fid: u16,
+    handle: u64,
+    export: String,
+    path: String,
+    no_buffering: bool,
+    closed: bool,
+}
+
+impl std::fmt::Debug for File {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "File({}/{}, fid {})", self.export, self.path, self.fid)
+    }
+}
+
+impl File {
+    pub fn fid(&self) -> u16 {
+        self.fid
+    }
+
+    fn engine(&self) -> &Engine {
+        &self.client.0.engine
+    }
+
+    /// Read into `buf` at `offset`; returns the bytes read (short only at end
+    /// of file; 0 at or past it).
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.read_impl(buf, offset, false)
+    }
+
+    fn read_impl(&self, buf: &mut [u8], offset: u64, vectored: bool) -> Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        offset
+            .checked_add(buf.len() as u64)
+            .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
+        let e = self.engine();
+        let chunk = e.max_read();
+        let page = e.client_page_size();
+        let depth = usize::from(e.credits()).clamp(1, e.cfg.stage_slots);
+        let mut pending = std::collections::VecDeque::new();
+        let mut issued = 0usize;
+        let mut total = 0usize;
+        let mut stop: Option<Result<usize>> = None;
+        loop {
+            while stop.is_none() && issued < buf.len() && pending.len() < depth {
+                let len = chunk.min(buf.len() - issued);
+                // VEC_READ needs a last region that is a multiple of 512.
+                let vec = (vectored && len.is_multiple_of(512)).then_some(page);
+                match e.issue_read(self.fid, offset + issued as u64, len, vec) {
+                    Ok((req, stage)) => {
+                        let slot = if e.cfg.completion == Completion::Poll {
+                            e.last_slot()
+                        } else {
+                            None
+                        };
+                        pending.push_back((req, slot, stage, issued, len));
+                        issued += len;
+                    }
+                    Err(err) => stop = Some(Err(err)),
+                }
+            }
+            let Some((req, slot, stage, at, len)) = pending.pop_front() else {
+                break;
+            };
+            match e.wait(req, slot) {
+                Ok((n, STATUS_SUCCESS)) => {
+                    let n = (n as usize).min(len);
+                    if stop.is_none() && at == total {
+                        e.finish_stage(stage, &mut buf[at..at + n]);
+                        total += n;
+                        if n < len {
+                            stop = Some(Ok(total));
+                        }
+                    } else {
+                        e.release_stage(stage);
+                    }
+                }
+                Ok((_, STATUS_END_OF_FILE)) => {
+                    e.release_stage(stage);
+                    if stop.is_none() {
+                        stop = Some(Ok(total));
+                    }
+                }
+                Ok((_, st)) => {
+                    e.release_stage(stage);
+                    if stop.is_none() {
+                        stop = Some(Err(status_error(
+                            format!("READ of {}/{}", self.export, self.path),
+                            st,
+                        )));
+                    }
+                }
+                // The engine keeps (and frees) the stage of an abandoned request.
+                Err(err) => {
+                    if stop.is_none() {
+                        stop = Some(Err(err));
+                    }
+                }
+            }
+        }
+        stop.unwrap_or(Ok(total))
+    }
+
+    /// Vectored read (VEC_READ, each page exposed through its own one-shot
+    /// window) into several buffers.
+    pub fn read_vectored_at(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> Result<usize> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut tmp = vec![0u8; total];
+        let n = self.read_impl(&mut tmp, offset, true)?;
+        let mut o = 0;
+        for b in bufs.iter_mut() {
+            if o >= n {
+                break;
+            }
+            let k = b.len().min(n - o);
+            b[..k].copy_from_slice(&tmp[o..o + k]);
+            o += k;
+        }
+        Ok(n)
+    }
+
+    /// Write all of `buf` at `offset` (split into WRITE requests of the
+    /// server's MaxRecvBufferSize, pipelined up to the credits).
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
+        self.write_impl(buf, offset, false)
+    }
+
+    /// Vectored write: VEC_WRITE (without COLLAPSE).
+    pub fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<usize> {
+        let data: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        self.write_impl(&data, offset, true)
+    }
+
+    fn write_impl(&self, buf: &[u8], offset: u64, vectored: bool) -> Result<usize> {
+        offset
+            .checked_add(buf.len() as u64)
+            .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
+        let e = self.engine();
+        let chunk = e.max_write();
+        let page = e.client_page_size();
+        let depth = usize::from(e.credits()).max(1);
+        let mut pending = std::collections::VecDeque::new();
+        let mut issued = 0usize;
+        let mut done = 0usize;
+        let mut err: Option<Error> = None;
+        loop {
+            while err.is_none() && issued < buf.len() && pending.len() < depth {
+                let len = chunk.min(buf.len() - issued);
+                let data = &buf[issued..issued + len];
+                let r = if vectored {
+                    e.issue_vec_write(
+                        self.fid,
+                        offset + issued as u64,
+                        page,
+                        len as u32,
+                        data,
+                        false,
+                    )
+                } else {
+                    e.issue_write(self.fid, offset + issued as u64, data)
+                };
+                match r {
+                    Ok(req) => {
+                        let slot = if e.cfg.completion == Completion::Poll {
+                            e.last_slot()
+                        } else {
+                            None
+                        };
+                        pending.push_back((req, slot, len));
+                        issued += len;
+                    }
+                    Err(x) => err = Some(x),
+                }
+            }
+            let Some((req, slot, len)) = pending.pop_front() else {
+                break;
+            };
+            match e.wait(req, slot) {
+                Ok((n, STATUS_SUCCESS)) if n as usize == len => done += len,
+                Ok((n, STATUS_SUCCESS)) => {
+                    err.get_or_insert(Error::Io(format!("short write: {n} of {len} bytes")));
+                }
+                Ok((_, st)) => {
+                    err.get_or_insert(status_error(
+                        format!("WRITE to {}/{}", self.export, self.path),
+                        st,
+                    ));
+                }
+                Err(x) => {
+                    err.get_or_insert(x);
+                }
+            }
+        }
+        match err {
+            Some(e) => Err(e),
+            None => Ok(done),
+        }
+    }
+
+    /// Write `page` repeated to fill `total` bytes at `offset` using
+    /// VEC_WRITE with COLLAPSE (only the first page crosses the wire) when
+    /// legal — file opened with `no_buffering`, `page` one client page —
+    /// otherwise plain writes. Returns the bytes written.
+    pub fn write_repeated_at(&self, page: &[u8], total: u64, offset: u64) -> Result<u64> {
+        let e = self.engine();
+        let ps = usize::from(e.client_page_size());
+        let sps = usize::from(e.server_page_size());
+        let legal =
+            self.no_buffering && page.len() == ps && (ps.max(sps) % ps.min(sps).max(1) == 0);
+        let mut done = 0u64;
+        if legal {
+            let max_req = (e.max_read() as u64).max(ps as u64);
+            while done < total {
+                let len = (total - done).min(max_req) as u32;
+                let data = &page[..(len as usize).min(ps)];
+                let req = e.issue_vec_write(self.fid, offset + done, ps as u16, len, data, true)?;
+                let slot = if e.cfg.completion == Completion::Poll {
+                    e.last_slot()
+                } else {
+                    None
+                };
+                match e.wait(req, slot)? {
+                    (n, STATUS_SUCCESS) if n == len => done += u64::from(len),
+                    (_, st) => return Err(status_error("VEC_WRITE (COLLAPSE)", st)),
+                }
+            }
+            return Ok(done);
+        }
+        let mut block = Vec::new();
+        while block.len() < 64 * 1024 && !page.is_empty() {
+            block.extend_from_slice(page);
+        }
+        while done < total && !block.is_empty() {
+            let len = (total - done).min(block.len() as u64) as usize;
+            self.write_at(&block[..len], offset + done)?;
+            done += len as u64;
+        }
+        Ok(done)
+    }
+
+    /// CANCEL: every outstanding I/O of this file still at the server's
+    /// storage backend completes with STATUS_CANCELLED.
+    pub fn cancel(&self) -> Result<()> {
+        let e = self.engine();
+        let r = e.issue_cancel(self.fid)?;
+        match e.wait(r, None)? {
+            (_, STATUS_SUCCESS) => Ok(()),
+            (_, st) => Err(status_error("CANCEL", st)),
+        }
+    }
+
+    /// The file size (side channel).
+    pub fn len(&self) -> Result<u64> {
+        let mut side = self.client.0.side.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(side.stat(&self.export, &self.path)?.size)
+    }
+
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Truncate or extend (side channel).
+    pub fn set_len(&self, size: u64) -> Result<()> {
+        let mut side = self.client.0.side.lock().unwrap_or_else(|p| p.into_inner());
+        side.set_size(self.handle, size)?;
+        Ok(())
+    }
+
+    /// CLOSE on the RDMA channel, then close the side-channel handle.
+    pub fn close(mut self) -> Result<()> {
+        self.close_inner()
+    }
+
+    fn close_inner(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        let e = self.engine();
+        let r = e.issue_close(self.fid).and_then(|r| e.wait(r, None));
+        let side = self
+            .client
+            .0
+            .side
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .close(self.handle);
+        match r? {
+            (_, STATUS_SUCCESS) => {}
+            (_, st) => return Err(status_error("CLOSE", st)),
+        }
+        side?;
+        Ok(())
+    }
+}
+
+impl Drop for File {
+    fn drop(&mut self) {
+        if !self.closed {
+            if let Err(e) = self.close_inner() {
+                debug!(error = %e, "closing a dropped file");
+            }
+        }
+    }
+}
+
+/// Resolve helper used by tests and tools: the RDMA address a client would
+/// use for an advertised wildcard address.
+pub fn resolve_advertised(addr: SocketAddr, side_host: IpAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        SocketAddr::new(side_host, addr.port())
+    } else {
+        addr
+    }
+}

@@ -1,0 +1,169 @@
+//! The LWIO RDMA phase: the server's connection driver ([`server`]) and the
+//! pieces the client data path shares with it (provider selection, wake-up
+//! plumbing, status mapping).
+//!
+//! The protocol logic lives in `lwio-proto`'s sans-IO state machines
+//! (`ServerConn`, `ClientConn`); this module carries out their actions on the
+//! verbs API of `lwio-rdma` and on the file backends of [`crate::fs`].
+
+pub mod server;
+pub mod testkit;
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+use lwio_proto::status::*;
+use lwio_proto::NtStatus;
+use lwio_rdma::{Context, Provider};
+
+use crate::config::ProviderChoice;
+
+/// STATUS_UNEXPECTED_IO_ERROR: a backend failure without a closer NTSTATUS.
+pub const STATUS_UNEXPECTED_IO_ERROR: NtStatus = 0xC000_00E9;
+
+/// Providers to try for a choice, in preference order (`auto`: soft first —
+/// it runs anywhere; verbs where both hosts share a device is chosen
+/// explicitly).
+pub fn providers_for(choice: ProviderChoice) -> Vec<Provider> {
+    let all = lwio_rdma::providers();
+    match choice {
+        ProviderChoice::Auto => all,
+        ProviderChoice::Soft => all.into_iter().filter(|p| p.name() == "soft").collect(),
+        ProviderChoice::Verbs => all.into_iter().filter(|p| p.name() == "verbs").collect(),
+    }
+}
+
+/// Open the first usable device of the first provider that works.
+pub fn open_context(
+    choice: ProviderChoice,
+    cfg: &lwio_rdma::Config,
+) -> Result<Context, lwio_rdma::Error> {
+    let mut last = None;
+    for p in providers_for(choice) {
+        match p.open(None, cfg) {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                tracing::debug!(provider = p.name(), error = %e, "provider not usable");
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        lwio_rdma::Error::ProviderUnavailable(format!(
+            "no RDMA provider for choice {:?} in this build",
+            choice.as_str()
+        ))
+    }))
+}
+
+/// Map a backend I/O error to the NTSTATUS a client sees.
+pub fn io_error_status(e: &io::Error) -> NtStatus {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => STATUS_DISK_FULL,
+        Some(libc::EBADF) | Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => {
+            STATUS_ACCESS_DENIED
+        }
+        Some(libc::EINVAL) | Some(libc::EFBIG) | Some(libc::EOVERFLOW) => STATUS_INVALID_PARAMETER,
+        Some(libc::ECANCELED) => STATUS_CANCELLED,
+        Some(libc::ENOMEM) => STATUS_INSUFFICIENT_RESOURCES,
+        _ => match e.kind() {
+            io::ErrorKind::InvalidInput => STATUS_INVALID_PARAMETER,
+            io::ErrorKind::PermissionDenied => STATUS_ACCESS_DENIED,
+            _ => STATUS_UNEXPECTED_IO_ERROR,
+        },
+    }
+}
+
+/// A non-blocking eventfd used to wake a thread that sleeps in `poll(2)`
+/// on a completion channel.
+#[derive(Debug)]
+pub struct Waker(OwnedFd);
+
+impl Waker {
+    pub fn new() -> io::Result<Waker> {
+        // SAFETY: plain system call; the returned descriptor is checked and
+        // then owned exclusively by the OwnedFd.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        Ok(Waker(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Make the fd readable.
+    pub fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own eventfd. A full
+        // counter (EAGAIN) already means "readable", so the result is moot.
+        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Consume pending wake-ups; true if there were any.
+    pub fn drain(&self) -> bool {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from our own non-blocking eventfd.
+        let r = unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        r == 8
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// Wait until one of `fds` is readable or `timeout` passes. Returns the
+/// readiness of each fd.
+pub fn poll_readable(fds: &[RawFd], timeout: Duration) -> io::Result<Vec<bool>> {
+    let mut p: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: `p` is a live, correctly sized array of pollfd for the call.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, ms) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(vec![false; fds.len()]);
+        }
+        return Err(e);
+    }
+    Ok(p.iter().map(|x| x.revents != 0).collect())
+}
+
+/// Work-request id tags: the top byte says what a completion belongs to.
+pub(crate) mod wrid {
+    pub const RECV: u64 = 1 << 56;
+    pub const SEND: u64 = 2 << 56;
+    pub const READBUF: u64 = 3 << 56;
+    pub const BIND: u64 = 4 << 56;
+    pub const INVAL: u64 = 5 << 56;
+    pub const MASK: u64 = 0xff << 56;
+
+    pub fn kind(w: u64) -> u64 {
+        w & MASK
+    }
+    pub fn value(w: u64) -> u64 {
+        w & !MASK
+    }
+}
+
+/// A blank work completion (for completion arrays).
+pub(crate) fn empty_wc() -> lwio_rdma::Wc {
+    lwio_rdma::Wc {
+        wr_id: 0,
+        status: lwio_rdma::WcStatus::Success,
+        opcode: lwio_rdma::WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        invalidated_rkey: None,
+        qp_num: 0,
+        vendor_err: 0,
+    }
+}

@@ -1,0 +1,1278 @@
+//! The server side of the RDMA phase.
+//!
+//! [`RdmaServer`] listens on one provider and implements
+//! [`crate::server::RdmaPhase`]: `lwio serve` builds it, attaches it with
+//! `Server::set_rdma_phase`, and `Server::run` calls [`RdmaPhase::serve`] on
+//! a dedicated thread.
+//!
+//! Each accepted connection gets its own protection domain, CQ, completion
+//! channel and **driver thread** running one `lwio_proto::server::ServerConn`.
+//! The thread sleeps in `poll(2)` on the completion channel and on an eventfd
+//! that storage workers and the control plane (credit balancing, shutdown)
+//! use to wake it. File I/O runs on a small pool of storage threads over the
+//! [`crate::fs::backend::Backend`] (io_uring where available).
+//!
+//! Memory: **the server never exposes memory**. Every region it registers
+//! (receive buffers, send/inline buffers, read buffers) has `LOCAL_WRITE` at
+//! most — no `REMOTE_*`, no `MW_BIND` — and the server allocates no windows.
+//! [`ServerHandle::stats`] counts registrations by access so tests can assert
+//! it; a peer's RDMA Write or Read aimed at the server finds no valid key and
+//! the provider terminates the connection.
+//!
+//! Auth: the AUTH Key is resolved through the side channel's negotiate table
+//! ([`ServerState::lookup_negotiate_key`]); each Key is accepted **once**
+//! (consumed on first use) and only while fresh. The secret is
+//! `derive_session_secret(session secret, Key)`. The side-channel session
+//! found this way is the only session whose resume keys REGISTER accepts.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lwio_proto::server::{
+    CloseReason, DataSource, OpId, ServerAction, ServerConfig, ServerConn, ServerHooks,
+};
+use lwio_proto::status::*;
+use lwio_proto::wire::auth::derive_session_secret;
+use lwio_proto::wire::{AddressBlockRepr, Guid, SrvResumeKey, COMMON_HEADER_LEN};
+use lwio_proto::NtStatus;
+use lwio_rdma::{
+    Access, CompChannel, ConnParams, Context, Cq, Mr, Pd, Qp, QpCap, QpInit, QpState, RecvWr,
+    SendOp, SendWr, Wc, WcStatus,
+};
+use tracing::{debug, info, warn};
+
+use super::{io_error_status, poll_readable, wrid, Waker};
+use crate::config::ProviderChoice;
+use crate::fs::backend::Backend;
+use crate::fs::table::{Denied, OpenFile, SessionId};
+use crate::server::{RdmaPhase, ServerState, Shutdown};
+
+/// Configuration of the RDMA listener.
+#[derive(Debug, Clone)]
+pub struct RdmaServerOptions {
+    pub provider: ProviderChoice,
+    /// Where the RDMA listener binds (port 0 = ephemeral).
+    pub listen: SocketAddr,
+    /// Address advertised in negotiate responses when `listen` is a wildcard
+    /// (the client falls back to the side channel's host when this is None).
+    pub advertise: Option<IpAddr>,
+    /// Protocol limits of each connection (`session_id` is replaced per
+    /// connection by a random value).
+    pub proto: ServerConfig,
+    pub max_connections: usize,
+    /// Registered memory (bytes) across all connections.
+    pub max_memory: usize,
+    /// Credits across all connections: the pool the balancer grants from.
+    pub credit_budget: u32,
+    /// Most credits one connection may reach through balancing.
+    pub max_credits_per_conn: u16,
+    /// Grant more credits to busy connections / reclaim from idle ones.
+    pub auto_credits: bool,
+    /// A connection idle this long gives its extra credits back.
+    pub idle_reclaim: Duration,
+    pub storage_threads: usize,
+    /// On shutdown, how long in-flight I/O may take before connections are cut.
+    pub shutdown_grace: Duration,
+    pub rdma: lwio_rdma::Config,
+}
+
+impl Default for RdmaServerOptions {
+    fn default() -> Self {
+        RdmaServerOptions {
+            provider: ProviderChoice::Soft,
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 7421),
+            advertise: None,
+            proto: ServerConfig::default(),
+            max_connections: 256,
+            max_memory: 512 << 20,
+            credit_budget: 4096,
+            max_credits_per_conn: 128,
+            auto_credits: true,
+            idle_reclaim: Duration::from_secs(2),
+            storage_threads: 4,
+            shutdown_grace: Duration::from_secs(10),
+            rdma: lwio_rdma::Config::default(),
+        }
+    }
+}
+
+/// Server counters (for tests, `lwio stats` and logs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    pub connections: usize,
+    pub accepted: u64,
+    pub rejected: u64,
+    /// Memory regions registered so far.
+    pub mrs_registered: u64,
+    /// Of those, regions registered with any REMOTE_* or MW_BIND right (must be 0).
+    pub mrs_remote_access: u64,
+    /// Windows allocated (must be 0: the server never binds windows).
+    pub mws_allocated: u64,
+    pub registered_bytes: usize,
+    pub credits_granted: i64,
+    pub auth_ok: u64,
+    pub auth_failed: u64,
+    pub closed_by_protocol: u64,
+}
+
+enum Control {
+    CreditDelta(i32),
+    Shutdown,
+}
+
+struct ConnEntry {
+    ctl: mpsc::Sender<Control>,
+    waker: Arc<Waker>,
+    credits: Arc<AtomicUsize>,
+}
+
+struct Shared {
+    opts: RdmaServerOptions,
+    conns: Mutex<HashMap<u64, ConnEntry>>,
+    next_conn: AtomicU64,
+    consumed_keys: Mutex<HashMap<Guid, Instant>>,
+    mem_used: AtomicUsize,
+    credits_granted: AtomicI64,
+    accepted: AtomicU64,
+    rejected: AtomicU64,
+    mrs: AtomicU64,
+    mrs_remote: AtomicU64,
+    auth_ok: AtomicU64,
+    auth_failed: AtomicU64,
+    closed_by_protocol: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Register server memory: local access only, accounted against the budget.
+    fn register(&self, pd: &Pd, len: usize, access: Access) -> Result<Mr, NtStatus> {
+        let remote = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::MW_BIND;
+        if access.intersects(remote) {
+            // Never happens by construction; refuse rather than expose.
+            self.mrs_remote.fetch_add(1, Ordering::Relaxed);
+            warn!(
+                ?access,
+                "refusing to register server memory with remote access"
+            );
+            return Err(STATUS_ACCESS_DENIED);
+        }
+        let prev = self.mem_used.fetch_add(len, Ordering::AcqRel);
+        if prev + len > self.opts.max_memory {
+            self.mem_used.fetch_sub(len, Ordering::AcqRel);
+            debug!(len, used = prev, "registered-memory budget exhausted");
+            return Err(STATUS_INSUFFICIENT_RESOURCES);
+        }
+        match pd.alloc_mr(len, access) {
+            Ok(mr) => {
+                self.mrs.fetch_add(1, Ordering::Relaxed);
+                Ok(mr)
+            }
+            Err(e) => {
+                self.mem_used.fetch_sub(len, Ordering::AcqRel);
+                warn!(error = %e, len, "memory registration failed");
+                Err(STATUS_INSUFFICIENT_RESOURCES)
+            }
+        }
+    }
+
+    fn unregister(&self, mr: Mr) {
+        self.mem_used.fetch_sub(mr.len(), Ordering::AcqRel);
+        drop(mr);
+    }
+
+    /// One-time use of a negotiate Key.
+    fn consume_key(&self, key: &Guid, ttl: Duration) -> bool {
+        let mut g = lock(&self.consumed_keys);
+        let now = Instant::now();
+        g.retain(|_, exp| *exp > now);
+        if g.contains_key(key) {
+            return false;
+        }
+        g.insert(*key, now + ttl);
+        true
+    }
+}
+
+/// Control and statistics of a running [`RdmaServer`] (cheap to clone).
+#[derive(Clone)]
+pub struct ServerHandle(Arc<Shared>);
+
+impl std::fmt::Debug for ServerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ServerHandle({:?})", self.stats())
+    }
+}
+
+impl ServerHandle {
+    pub fn stats(&self) -> ServerStats {
+        let s = &self.0;
+        ServerStats {
+            connections: lock(&s.conns).len(),
+            accepted: s.accepted.load(Ordering::Relaxed),
+            rejected: s.rejected.load(Ordering::Relaxed),
+            mrs_registered: s.mrs.load(Ordering::Relaxed),
+            mrs_remote_access: s.mrs_remote.load(Ordering::Relaxed),
+            mws_allocated: 0,
+            registered_bytes: s.mem_used.load(Ordering::Relaxed),
+            credits_granted: s.credits_granted.load(Ordering::Relaxed),
+            auth_ok: s.auth_ok.load(Ordering::Relaxed),
+            auth_failed: s.auth_failed.load(Ordering::Relaxed),
+            closed_by_protocol: s.closed_by_protocol.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Start a credit transaction of `delta` on every connection (those that
+    /// cannot take it — not authenticated, transaction running, out of
+    /// range — ignore it). For operators and tests.
+    pub fn credit_delta_all(&self, delta: i32) -> usize {
+        let g = lock(&self.0.conns);
+        for c in g.values() {
+            let _ = c.ctl.send(Control::CreditDelta(delta));
+            c.waker.wake();
+        }
+        g.len()
+    }
+
+    /// Current credit limits of the live connections.
+    pub fn connection_credits(&self) -> Vec<usize> {
+        lock(&self.0.conns)
+            .values()
+            .map(|c| c.credits.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+/// The RDMA listener: implements [`RdmaPhase`].
+pub struct RdmaServer {
+    ctx: Context,
+    listener: lwio_rdma::Listener,
+    shared: Arc<Shared>,
+    endpoints: Vec<AddressBlockRepr>,
+}
+
+impl std::fmt::Debug for RdmaServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaServer")
+            .field("provider", &self.ctx.device().provider)
+            .field("addr", &self.listener.local_addr())
+            .finish()
+    }
+}
+
+impl RdmaServer {
+    /// Open the provider and start listening.
+    pub fn bind(mut opts: RdmaServerOptions) -> Result<RdmaServer, lwio_rdma::Error> {
+        // The soft provider has no RDMA Write with immediate; use it only
+        // where the device has it.
+        let ctx = super::open_context(opts.provider, &opts.rdma)?;
+        let caps = ctx.device().caps.clone();
+        opts.proto.use_write_with_imm =
+            opts.proto.use_write_with_imm && caps.as_ref().is_some_and(|c| c.write_with_imm);
+        opts.proto.rdma_read_supported = false;
+        let listener = ctx.listen(opts.listen, 128)?;
+        let local = listener.local_addr();
+        let mut adv = local;
+        if local.ip().is_unspecified() {
+            if let Some(ip) = opts.advertise {
+                adv.set_ip(ip);
+            }
+        }
+        let endpoints = vec![AddressBlockRepr {
+            name: ctx.device().provider.to_string(),
+            instances: vec![crate::side::negotiate::net_address(adv)],
+        }];
+        info!(provider = ctx.device().provider, device = %ctx.device().name, addr = %local, "RDMA listener");
+        let shared = Arc::new(Shared {
+            opts,
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            consumed_keys: Mutex::new(HashMap::new()),
+            mem_used: AtomicUsize::new(0),
+            credits_granted: AtomicI64::new(0),
+            accepted: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+            mrs: AtomicU64::new(0),
+            mrs_remote: AtomicU64::new(0),
+            auth_ok: AtomicU64::new(0),
+            auth_failed: AtomicU64::new(0),
+            closed_by_protocol: AtomicU64::new(0),
+        });
+        Ok(RdmaServer {
+            ctx,
+            listener,
+            shared,
+            endpoints,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr()
+    }
+
+    pub fn handle(&self) -> ServerHandle {
+        ServerHandle(self.shared.clone())
+    }
+}
+
+impl RdmaPhase for RdmaServer {
+    fn endpoints(&self) -> Vec<AddressBlockRepr> {
+        self.endpoints.clone()
+    }
+
+    fn serve(&self, state: Arc<ServerState>, shutdown: Shutdown) {
+        let sh = &self.shared;
+        let pool = StoragePool::new(sh.opts.storage_threads, state.backend.clone());
+        let mut threads: Vec<(u64, JoinHandle<()>)> = Vec::new();
+        while !shutdown.is_triggered() {
+            threads.retain(|(_, t)| !t.is_finished());
+            let req = match self.listener.get_request(Some(Duration::from_millis(100))) {
+                Ok(Some(r)) => r,
+                Ok(None) => continue,
+                Err(e) => {
+                    warn!(error = %e, "RDMA listener failed");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            let peer = req.peer_addr();
+            if lock(&sh.conns).len() >= sh.opts.max_connections {
+                warn!(%peer, limit = sh.opts.max_connections, "RDMA connection limit reached; rejecting");
+                sh.rejected.fetch_add(1, Ordering::Relaxed);
+                let _ = req.reject(b"busy");
+                continue;
+            }
+            let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
+            match Conn::accept(id, &self.ctx, req, sh.clone(), state.clone(), pool.clone()) {
+                Ok((conn, entry)) => {
+                    sh.accepted.fetch_add(1, Ordering::Relaxed);
+                    lock(&sh.conns).insert(id, entry);
+                    let sh2 = sh.clone();
+                    match std::thread::Builder::new()
+                        .name(format!("lwio-rdma-conn-{id}"))
+                        .spawn(move || {
+                            conn.run();
+                            lock(&sh2.conns).remove(&id);
+                        }) {
+                        Ok(t) => threads.push((id, t)),
+                        Err(e) => {
+                            warn!(error = %e, "cannot start a connection thread");
+                            lock(&sh.conns).remove(&id);
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(%peer, error = %e, "cannot accept RDMA connection");
+                    sh.rejected.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        info!(
+            connections = threads.len(),
+            "RDMA phase shutting down: draining connections"
+        );
+        for c in lock(&sh.conns).values() {
+            let _ = c.ctl.send(Control::Shutdown);
+            c.waker.wake();
+        }
+        let deadline = Instant::now() + sh.opts.shutdown_grace + Duration::from_secs(2);
+        for (id, t) in threads {
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                warn!(conn = id, "connection did not finish in time; leaving it");
+            }
+        }
+        info!("RDMA phase stopped");
+    }
+}
+
+// ------------------------------------------------------------------ storage
+
+enum JobKind {
+    Read { buf: Arc<Mr>, len: usize },
+    Write { data: Vec<u8> },
+}
+
+struct Job {
+    op: OpId,
+    file: Arc<std::fs::File>,
+    offset: u64,
+    align: u32,
+    kind: JobKind,
+    cancel: Arc<AtomicBool>,
+    reply: mpsc::Sender<(OpId, Result<u32, NtStatus>)>,
+    waker: Arc<Waker>,
+}
+
+#[derive(Clone)]
+struct StoragePool {
+    tx: mpsc::SyncSender<Job>,
+}
+
+impl StoragePool {
+    fn new(threads: usize, backend: Arc<dyn Backend>) -> StoragePool {
+        let threads = threads.max(1);
+        let (tx, rx) = mpsc::sync_channel::<Job>(threads * 256);
+        let rx = Arc::new(Mutex::new(rx));
+        for n in 0..threads {
+            let rx = rx.clone();
+            let backend = backend.clone();
+            let r = std::thread::Builder::new()
+                .name(format!("lwio-rdma-io-{n}"))
+                .spawn(move || loop {
+                    let job = match lock(&rx).recv() {
+                        Ok(j) => j,
+                        Err(_) => return,
+                    };
+                    let res = run_job(&*backend, &job);
+                    let _ = job.reply.send((job.op, res));
+                    job.waker.wake();
+                });
+            if let Err(e) = r {
+                warn!(error = %e, "cannot start a storage thread");
+            }
+        }
+        StoragePool { tx }
+    }
+}
+
+fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
+    if job.cancel.load(Ordering::Acquire) {
+        return Err(STATUS_CANCELLED);
+    }
+    let fd = job.file.as_fd();
+    let r = match &job.kind {
+        JobKind::Read { buf, len } => {
+            let len = (*len).min(buf.len());
+            // SAFETY: `buf` is a server read buffer registered with
+            // LOCAL_WRITE only — no remote key can reach it — and the
+            // connection thread does not touch it (no RDMA Write from it is
+            // posted) until this job's reply arrives. So this is the only
+            // view of the memory while it lives; the Arc keeps it allocated.
+            let slice = unsafe { &mut buf.as_mut_slice()[..len] };
+            let mut ops =
+                [crate::fs::backend::IoOp::read(fd, job.offset, slice).aligned(job.align)];
+            backend.submit(&mut ops).pop()
+        }
+        JobKind::Write { data } => {
+            let mut ops =
+                [crate::fs::backend::IoOp::write(fd, job.offset, data).aligned(job.align)];
+            backend.submit(&mut ops).pop()
+        }
+    };
+    match r {
+        Some(Ok(n)) => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
+        Some(Err(e)) => {
+            debug!(op = job.op, error = %e, "storage operation failed");
+            Err(io_error_status(&e))
+        }
+        None => Err(super::STATUS_UNEXPECTED_IO_ERROR),
+    }
+}
+
+// --------------------------------------------------------------- connection
+
+/// Per-connection hook state: the side-channel session found at AUTH and
+/// the files REGISTER opened.
+struct Hooks<'a> {
+    state: &'a ServerState,
+    shared: &'a Shared,
+    session: &'a mut Option<SessionId>,
+    files: &'a mut HashMap<u64, OpenFile>,
+    next_file: &'a mut u64,
+    peer: SocketAddr,
+}
+
+impl ServerHooks for Hooks<'_> {
+    fn session_secret(&mut self, key: &Guid) -> Option<Vec<u8>> {
+        let Some(n) = self.state.lookup_negotiate_key(key) else {
+            info!(peer = %self.peer, %key, "AUTH with an unknown or expired negotiate key");
+            return None;
+        };
+        let ttl = n.expires.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
+        if !self.shared.consume_key(key, ttl) {
+            warn!(peer = %self.peer, %key, "AUTH with an already used negotiate key");
+            return None;
+        }
+        *self.session = Some(n.session);
+        Some(derive_session_secret(&n.session_secret.0, key).to_vec())
+    }
+
+    fn open_file(&mut self, rk: &SrvResumeKey, _flags: u32) -> Result<u64, NtStatus> {
+        let Some(session) = *self.session else {
+            return Err(STATUS_ACCESS_DENIED);
+        };
+        match self.state.lookup_resume_key(rk, session) {
+            Ok(f) => {
+                let h = *self.next_file;
+                *self.next_file += 1;
+                debug!(peer = %self.peer, session, path = %f.path, file = h, "REGISTER");
+                self.files.insert(h, f);
+                Ok(h)
+            }
+            Err(d) => {
+                info!(peer = %self.peer, session, reason = %d, "REGISTER refused");
+                Err(match d {
+                    Denied::Unknown => STATUS_INVALID_HANDLE,
+                    Denied::Expired | Denied::WrongSession => STATUS_ACCESS_DENIED,
+                })
+            }
+        }
+    }
+}
+
+struct ReadBuf {
+    mr: Arc<Mr>,
+    writes_inflight: u32,
+    released: bool,
+    at_storage: bool,
+}
+
+const SEND_SLOT: usize = 256;
+
+struct Conn {
+    id: u64,
+    peer: SocketAddr,
+    qp: Qp,
+    cq: Cq,
+    chan: CompChannel,
+    pd: Pd,
+    recv_mr: Option<Mr>,
+    recv_slot: usize,
+    send_mr: Option<Mr>,
+    send_free: Vec<u32>,
+    sq_depth: usize,
+    sq_inflight: usize,
+    deferred: VecDeque<ServerAction>,
+    read_bufs: HashMap<OpId, ReadBuf>,
+    spare_bufs: Vec<Mr>,
+    cancels: HashMap<OpId, Arc<AtomicBool>>,
+    files: HashMap<u64, OpenFile>,
+    next_file: u64,
+    session: Option<SessionId>,
+    sconn: ServerConn,
+    shared: Arc<Shared>,
+    state: Arc<ServerState>,
+    pool: StoragePool,
+    done_tx: mpsc::Sender<(OpId, Result<u32, NtStatus>)>,
+    done_rx: mpsc::Receiver<(OpId, Result<u32, NtStatus>)>,
+    ctl_rx: mpsc::Receiver<Control>,
+    waker: Arc<Waker>,
+    credits_pub: Arc<AtomicUsize>,
+    credits_reported: i64,
+    base_credits: u16,
+    last_io: Instant,
+    closing: Option<Instant>,
+    draining: Option<Instant>,
+    dead: bool,
+}
+
+impl Conn {
+    fn accept(
+        id: u64,
+        ctx: &Context,
+        req: lwio_rdma::ConnRequest,
+        shared: Arc<Shared>,
+        state: Arc<ServerState>,
+        pool: StoragePool,
+    ) -> Result<(Conn, ConnEntry), lwio_rdma::Error> {
+        let peer = req.peer_addr();
+        let mut cfg = shared.opts.proto.clone();
+        cfg.session_id = crate::fs::table::random_u64() | 1;
+        let nrecv = usize::from(shared.opts.max_credits_per_conn.max(cfg.max_credits)) + 2;
+        let sq_depth = 1024usize;
+        let pd = ctx.alloc_pd()?;
+        let chan = ctx.create_comp_channel()?;
+        let cq = ctx.create_cq((nrecv + sq_depth + 16) as u32, Some(&chan))?;
+        let recv_slot =
+            (COMMON_HEADER_LEN + cfg.max_recv_buffer_size as usize).next_multiple_of(64);
+        let nomem = |what: &str| {
+            lwio_rdma::Error::ResourceExhausted(format!("{what}: registered-memory budget"))
+        };
+        let recv_mr = shared
+            .register(&pd, recv_slot * nrecv, Access::LOCAL_WRITE)
+            .map_err(|_| nomem("receive buffers"))?;
+        let send_mr = match shared.register(&pd, SEND_SLOT * sq_depth, Access::empty()) {
+            Ok(m) => m,
+            Err(_) => {
+                shared.unregister(recv_mr);
+                return Err(nomem("send buffers"));
+            }
+        };
+        let init = QpInit {
+            pd: pd.clone(),
+            send_cq: cq.clone(),
+            recv_cq: cq.clone(),
+            cap: QpCap {
+                max_send_wr: sq_depth as u32,
+                max_recv_wr: nrecv as u32,
+                max_send_sge: 2,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            sq_sig_all: true,
+        };
+        // Post the receives before accepting: the client's AUTH may follow
+        // the handshake immediately. (Posting needs a QP; the soft provider
+        // buffers early sends in its indicate window until then.)
+        let qp = match req.accept(&init, &ConnParams::default()) {
+            Ok(q) => q,
+            Err(e) => {
+                shared.unregister(recv_mr);
+                shared.unregister(send_mr);
+                return Err(e);
+            }
+        };
+        for i in 0..nrecv {
+            let sge = [recv_mr.sge(i * recv_slot, recv_slot as u32)];
+            qp.post_recv(&[RecvWr {
+                wr_id: wrid::RECV | i as u64,
+                sg_list: &sge,
+            }])
+            .map_err(|e| e.error)?;
+        }
+        let (done_tx, done_rx) = mpsc::channel();
+        let (ctl_tx, ctl_rx) = mpsc::channel();
+        let waker = Arc::new(Waker::new()?);
+        let credits_pub = Arc::new(AtomicUsize::new(1));
+        let now = Instant::now();
+        let base_credits = cfg.max_credits;
+        info!(conn = id, %peer, qpn = qp.qp_num(), "RDMA connection accepted");
+        let entry = ConnEntry {
+            ctl: ctl_tx,
+            waker: waker.clone(),
+            credits: credits_pub.clone(),
+        };
+        let sconn = ServerConn::new(cfg, now);
+        Ok((
+            Conn {
+                id,
+                peer,
+                qp,
+                cq,
+                chan,
+                pd,
+                recv_mr: Some(recv_mr),
+                recv_slot,
+                send_mr: Some(send_mr),
+                send_free: (0..sq_depth as u32).rev().collect(),
+                sq_depth,
+                sq_inflight: 0,
+                deferred: VecDeque::new(),
+                read_bufs: HashMap::new(),
+                spare_bufs: Vec::new(),
+                cancels: HashMap::new(),
+                files: HashMap::new(),
+                next_file: 1,
+                session: None,
+                sconn,
+                shared,
+                state,
+                pool,
+                done_tx,
+                done_rx,
+                ctl_rx,
+                waker,
+                credits_pub,
+                credits_reported: 0,
+                base_credits,
+                last_io: now,
+                closing: None,
+                draining: None,
+                dead: false,
+            },
+            entry,
+        ))
+    }
+
+    fn run(mut self) {
+        let mut wcs = [super::empty_wc(); 32];
+        let mut last_tick = Instant::now();
+        loop {
+            let mut busy = false;
+            while let Ok(c) = self.ctl_rx.try_recv() {
+                self.control(c);
+            }
+            while let Ok((op, r)) = self.done_rx.try_recv() {
+                busy = true;
+                self.storage_done(op, r);
+            }
+            loop {
+                let n = match self.cq.poll(&mut wcs) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        warn!(conn = self.id, error = %e, "CQ failed; closing");
+                        self.dead = true;
+                        0
+                    }
+                };
+                if n == 0 {
+                    break;
+                }
+                busy = true;
+                for w in wcs[..n].iter().copied() {
+                    self.completion(w);
+                }
+            }
+            let now = Instant::now();
+            if let Some(t) = self.sconn.poll_timeout() {
+                if now >= t {
+                    self.sconn.handle_timeout(now);
+                }
+            }
+            if now.duration_since(last_tick) >= Duration::from_millis(50) {
+                last_tick = now;
+                self.balance(now);
+            }
+            self.run_actions();
+            if self.finished(now) {
+                break;
+            }
+            if busy {
+                continue;
+            }
+            // Sleep: arm, re-poll (close the race), then wait on the channel
+            // and the waker.
+            if self.cq.arm(false).is_err() {
+                self.dead = true;
+                continue;
+            }
+            if self.cq.poll(&mut wcs[..1]).is_ok_and(|n| n > 0) {
+                let w = wcs[0];
+                self.completion(w);
+                continue;
+            }
+            let mut timeout = Duration::from_millis(50);
+            if let Some(t) = self.sconn.poll_timeout() {
+                timeout = timeout.min(t.saturating_duration_since(Instant::now()));
+            }
+            match poll_readable(&[self.chan.fd(), self.waker.fd()], timeout) {
+                Ok(r) => {
+                    if r[0] {
+                        let _ = self.chan.wait(Some(Duration::ZERO));
+                    }
+                    if r[1] {
+                        self.waker.drain();
+                    }
+                }
+                Err(e) => {
+                    warn!(conn = self.id, error = %e, "poll failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+        self.teardown();
+    }
+
+    fn finished(&mut self, now: Instant) -> bool {
+        if self.dead {
+            return true;
+        }
+        if matches!(self.qp.state(), QpState::Error) && self.closing.is_none() {
+            debug!(
+                conn = self.id,
+                "queue pair in error state (peer gone or terminated)"
+            );
+            self.begin_close(now);
+        }
+        if let Some(d) = self.draining {
+            let idle =
+                self.sconn.pending_ops() == 0 && self.deferred.is_empty() && self.sq_inflight == 0;
+            if (idle || now >= d) && self.closing.is_none() {
+                info!(conn = self.id, "shutdown: connection drained, closing");
+                self.begin_close(now);
+            }
+        }
+        if let Some(t) = self.closing {
+            let sends_done = self.sq_inflight == 0 || matches!(self.qp.state(), QpState::Error);
+            if (sends_done && self.cancels.is_empty())
+                || now.duration_since(t) > Duration::from_secs(2)
+            {
+                return true;
+            }
+        }
+        false
+    }
+
+    fn begin_close(&mut self, now: Instant) {
+        if self.closing.is_none() {
+            self.closing = Some(now);
+            for c in self.cancels.values() {
+                c.store(true, Ordering::Release);
+            }
+        }
+    }
+
+    fn teardown(&mut self) {
+        let _ = self.qp.disconnect();
+        // Storage jobs still running hold their read buffer by Arc; they
+        // finish into a channel nobody reads. Registered memory is released
+        // here (deregistration invalidates keys before the memory goes).
+        for (_, b) in self.read_bufs.drain() {
+            let len = b.mr.len();
+            match Arc::try_unwrap(b.mr) {
+                Ok(mr) => self.shared.unregister(mr),
+                // A storage job still holds it; it is freed when the job ends.
+                Err(_) => {
+                    self.shared.mem_used.fetch_sub(len, Ordering::AcqRel);
+                }
+            }
+        }
+        for mr in self.spare_bufs.drain(..) {
+            self.shared.unregister(mr);
+        }
+        if let Some(m) = self.recv_mr.take() {
+            self.shared.unregister(m);
+        }
+        if let Some(m) = self.send_mr.take() {
+            self.shared.unregister(m);
+        }
+        self.shared
+            .credits_granted
+            .fetch_sub(self.credits_reported, Ordering::AcqRel);
+        let _ = &self.pd;
+        info!(conn = self.id, peer = %self.peer, files = self.files.len(), "RDMA connection closed");
+    }
+
+    fn control(&mut self, c: Control) {
+        match c {
+            Control::CreditDelta(d) => {
+                let r = self.sconn.start_credit_delta(Instant::now(), d);
+                debug!(conn = self.id, delta = d, result = ?r, "credit delta requested");
+            }
+            Control::Shutdown => {
+                if self.draining.is_none() {
+                    self.draining = Some(Instant::now() + self.shared.opts.shutdown_grace);
+                }
+            }
+        }
+    }
+
+    /// Credit balancing: grant to busy connections from the global budget,
+    /// reclaim from idle ones.
+    fn balance(&mut self, now: Instant) {
+        let credits = self.sconn.credits();
+        self.credits_pub
+            .store(usize::from(credits), Ordering::Relaxed);
+        let d = i64::from(credits) - self.credits_reported;
+        if d != 0 {
+            self.shared.credits_granted.fetch_add(d, Ordering::AcqRel);
+            self.credits_reported += d;
+        }
+        if !self.shared.opts.auto_credits
+            || !self.sconn.is_authenticated()
+            || self.sconn.credit_transaction_active()
+            || self.draining.is_some()
+        {
+            return;
+        }
+        let busy = self.sconn.outstanding() + 1 >= u32::from(credits)
+            || u16::from(self.sconn.credit_hint()) >= credits;
+        if busy {
+            self.last_io = now;
+            let max = self.shared.opts.max_credits_per_conn.min(255);
+            let granted = self.shared.credits_granted.load(Ordering::Acquire);
+            let room = i64::from(self.shared.opts.credit_budget) - granted;
+            let want = i64::from(max.saturating_sub(credits)).min(8).min(room);
+            if want > 0 && self.sconn.start_credit_delta(now, want as i32).is_ok() {
+                debug!(
+                    conn = self.id,
+                    delta = want,
+                    "granting credits to a busy connection"
+                );
+            }
+        } else if self.sconn.outstanding() > 0 {
+            self.last_io = now;
+        } else if credits > self.base_credits
+            && now.duration_since(self.last_io) >= self.shared.opts.idle_reclaim
+        {
+            let delta = -i32::from(credits - self.base_credits);
+            if self.sconn.start_credit_delta(now, delta).is_ok() {
+                debug!(
+                    conn = self.id,
+                    delta, "reclaiming credits from an idle connection"
+                );
+                self.last_io = now;
+            }
+        }
+    }
+
+    fn completion(&mut self, w: Wc) {
+        let v = wrid::value(w.wr_id);
+        match wrid::kind(w.wr_id) {
+            wrid::RECV => {
+                if !w.is_ok() {
+                    if w.status != WcStatus::WrFlushErr {
+                        warn!(conn = self.id, status = ?w.status, "receive failed");
+                    }
+                    return;
+                }
+                let slot = v as usize;
+                let len = (w.byte_len as usize).min(self.recv_slot);
+                let mut msg = vec![0u8; len];
+                let Some(mr) = self.recv_mr.as_ref() else {
+                    return;
+                };
+                if mr.read_at(slot * self.recv_slot, &mut msg).is_err() {
+                    return;
+                }
+                // Repost at once: the message is copied out.
+                let sge = [mr.sge(slot * self.recv_slot, self.recv_slot as u32)];
+                let _ = self.qp.post_recv(&[RecvWr {
+                    wr_id: w.wr_id,
+                    sg_list: &sge,
+                }]);
+                if self.closing.is_some() {
+                    return;
+                }
+                let was_auth = self.sconn.is_authenticated();
+                let mut hooks = Hooks {
+                    state: &self.state,
+                    shared: &self.shared,
+                    session: &mut self.session,
+                    files: &mut self.files,
+                    next_file: &mut self.next_file,
+                    peer: self.peer,
+                };
+                self.sconn.handle_recv(Instant::now(), &msg, &mut hooks);
+                if !was_auth && self.sconn.is_authenticated() {
+                    self.shared.auth_ok.fetch_add(1, Ordering::Relaxed);
+                    info!(conn = self.id, peer = %self.peer, session = ?self.session, credits = self.sconn.credits(), "AUTH ok");
+                }
+            }
+            wrid::SEND => {
+                self.sq_inflight = self.sq_inflight.saturating_sub(1);
+                self.send_free.push(v as u32);
+                if !w.is_ok() && w.status != WcStatus::WrFlushErr {
+                    warn!(conn = self.id, status = ?w.status, vendor = w.vendor_err, "send failed");
+                }
+            }
+            wrid::READBUF => {
+                self.sq_inflight = self.sq_inflight.saturating_sub(1);
+                if !w.is_ok() && w.status != WcStatus::WrFlushErr {
+                    warn!(conn = self.id, status = ?w.status, vendor = w.vendor_err, "RDMA write to the client failed");
+                }
+                if let Some(b) = self.read_bufs.get_mut(&v) {
+                    b.writes_inflight = b.writes_inflight.saturating_sub(1);
+                }
+                self.maybe_free_buf(v);
+            }
+            _ => {}
+        }
+    }
+
+    fn storage_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
+        self.cancels.remove(&op);
+        if let Some(b) = self.read_bufs.get_mut(&op) {
+            b.at_storage = false;
+        }
+        self.sconn.handle_storage_complete(Instant::now(), op, r);
+        self.maybe_free_buf(op);
+    }
+
+    fn maybe_free_buf(&mut self, op: OpId) {
+        let free = self
+            .read_bufs
+            .get(&op)
+            .is_some_and(|b| b.released && b.writes_inflight == 0 && !b.at_storage);
+        if free {
+            if let Some(b) = self.read_bufs.remove(&op) {
+                if let Ok(mr) = Arc::try_unwrap(b.mr) {
+                    if self.spare_bufs.len() < 4 && mr.len() == self.read_buf_len() {
+                        self.spare_bufs.push(mr);
+                    } else {
+                        self.shared.unregister(mr);
+                    }
+                }
+            }
+        }
+    }
+
+    fn read_buf_len(&self) -> usize {
+        (self.sconn.config().max_rdma_window_size as usize).next_multiple_of(4096)
+    }
+
+    fn run_actions(&mut self) {
+        loop {
+            let a = match self.deferred.pop_front() {
+                Some(a) => a,
+                None => match self.sconn.poll_action() {
+                    Some(a) => a,
+                    None => return,
+                },
+            };
+            if let Err(a) = self.action(a) {
+                // No send-queue room: wait for completions.
+                self.deferred.push_front(a);
+                return;
+            }
+        }
+    }
+
+    fn close_conn(&mut self, why: &str) {
+        warn!(conn = self.id, "{why}; closing");
+        self.dead = true;
+    }
+
+    /// Carry out one action; `Err(action)` = retry later (send queue full).
+    fn action(&mut self, a: ServerAction) -> Result<(), ServerAction> {
+        if self.dead {
+            return Ok(());
+        }
+        match a {
+            ServerAction::Send(bytes) => self.post_inline(bytes, None),
+            ServerAction::RdmaWrite {
+                remote_addr,
+                rkey,
+                data: DataSource::Inline(bytes),
+                imm,
+            } => self.post_inline(bytes, Some((remote_addr, rkey, imm))),
+            ServerAction::RdmaWrite {
+                remote_addr,
+                rkey,
+                data: DataSource::ReadBuffer { op, offset, len },
+                imm,
+            } => {
+                if self.sq_inflight >= self.sq_depth {
+                    return Err(ServerAction::RdmaWrite {
+                        remote_addr,
+                        rkey,
+                        data: DataSource::ReadBuffer { op, offset, len },
+                        imm,
+                    });
+                }
+                let Some(b) = self.read_bufs.get_mut(&op) else {
+                    self.close_conn("RDMA write from an unknown read buffer");
+                    return Ok(());
+                };
+                if (offset as usize).saturating_add(len as usize) > b.mr.len() {
+                    self.close_conn("RDMA write outside its read buffer");
+                    return Ok(());
+                }
+                let sge = [b.mr.sge(offset as usize, len)];
+                let opk = match imm {
+                    Some(imm) => SendOp::WriteWithImm {
+                        remote_addr,
+                        rkey,
+                        imm,
+                    },
+                    None => SendOp::Write { remote_addr, rkey },
+                };
+                let wr = SendWr::new(wrid::READBUF | op, opk, if len == 0 { &[] } else { &sge });
+                match self.qp.post_send(&[wr]) {
+                    Ok(()) => {
+                        b.writes_inflight += 1;
+                        self.sq_inflight += 1;
+                    }
+                    Err(e) => {
+                        self.close_conn(&format!("posting an RDMA write failed: {}", e.error))
+                    }
+                }
+                Ok(())
+            }
+            ServerAction::FileRead {
+                op,
+                fid: _,
+                file,
+                offset,
+                len,
+            } => {
+                let Some(f) = self.file_for(op, file, false) else {
+                    return Ok(());
+                };
+                let want = self.read_buf_len();
+                let mr = match self.spare_bufs.pop() {
+                    Some(m) => m,
+                    None => match self.shared.register(&self.pd, want, Access::LOCAL_WRITE) {
+                        Ok(m) => m,
+                        Err(st) => {
+                            self.sconn
+                                .handle_storage_complete(Instant::now(), op, Err(st));
+                            return Ok(());
+                        }
+                    },
+                };
+                let mr = Arc::new(mr);
+                self.read_bufs.insert(
+                    op,
+                    ReadBuf {
+                        mr: mr.clone(),
+                        writes_inflight: 0,
+                        released: false,
+                        at_storage: true,
+                    },
+                );
+                let len = (len as usize).min(mr.len());
+                self.dispatch(op, f, offset, JobKind::Read { buf: mr, len });
+                Ok(())
+            }
+            ServerAction::FileWrite {
+                op,
+                fid: _,
+                file,
+                offset,
+                data,
+            } => {
+                let Some(f) = self.file_for(op, file, true) else {
+                    return Ok(());
+                };
+                self.dispatch(op, f, offset, JobKind::Write { data });
+                Ok(())
+            }
+            ServerAction::CancelIo { op } => {
+                if let Some(c) = self.cancels.get(&op) {
+                    c.store(true, Ordering::Release);
+                }
+                Ok(())
+            }
+            ServerAction::ReleaseReadBuffer { op } => {
+                if let Some(b) = self.read_bufs.get_mut(&op) {
+                    b.released = true;
+                }
+                self.maybe_free_buf(op);
+                Ok(())
+            }
+            ServerAction::CloseFile { fid, file } => {
+                if let Some(f) = self.files.remove(&file) {
+                    debug!(conn = self.id, fid, path = %f.path, "CLOSE");
+                }
+                Ok(())
+            }
+            ServerAction::CloseConnection(reason) => {
+                match &reason {
+                    CloseReason::AuthFailed => {
+                        self.shared.auth_failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {
+                        self.shared
+                            .closed_by_protocol
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                info!(conn = self.id, peer = %self.peer, ?reason, "terminating connection");
+                self.begin_close(Instant::now());
+                Ok(())
+            }
+        }
+    }
+
+    /// The open file behind a storage action, if the connection may do
+    /// that kind of I/O on it; otherwise the op is completed with the error.
+    fn file_for(&mut self, op: OpId, file: u64, write: bool) -> Option<OpenFile> {
+        self.last_io = Instant::now();
+        let st = match self.files.get(&file) {
+            None => STATUS_INVALID_HANDLE,
+            Some(f) if (write && f.rights.write) || (!write && f.rights.read) => {
+                return Some(f.clone())
+            }
+            Some(_) => STATUS_ACCESS_DENIED,
+        };
+        self.sconn
+            .handle_storage_complete(Instant::now(), op, Err(st));
+        None
+    }
+
+    fn dispatch(&mut self, op: OpId, f: OpenFile, offset: u64, kind: JobKind) {
+        let cancel = Arc::new(AtomicBool::new(false));
+        let job = Job {
+            op,
+            file: f.file.clone(),
+            offset,
+            align: if f.direct { f.align } else { 1 },
+            kind,
+            cancel: cancel.clone(),
+            reply: self.done_tx.clone(),
+            waker: self.waker.clone(),
+        };
+        match self.pool.tx.try_send(job) {
+            Ok(()) => {
+                self.cancels.insert(op, cancel);
+            }
+            Err(_) => {
+                debug!(conn = self.id, op, "storage queue full");
+                if let Some(b) = self.read_bufs.get_mut(&op) {
+                    b.at_storage = false;
+                }
+                self.sconn.handle_storage_complete(
+                    Instant::now(),
+                    op,
+                    Err(STATUS_INSUFFICIENT_RESOURCES),
+                );
+            }
+        }
+    }
+
+    /// Post a Send (remote = None) or an RDMA Write of owned bytes.
+    fn post_inline(
+        &mut self,
+        bytes: Vec<u8>,
+        remote: Option<(u64, u32, Option<u32>)>,
+    ) -> Result<(), ServerAction> {
+        let back = |bytes: Vec<u8>| match remote {
+            None => ServerAction::Send(bytes),
+            Some((remote_addr, rkey, imm)) => ServerAction::RdmaWrite {
+                remote_addr,
+                rkey,
+                data: DataSource::Inline(bytes),
+                imm,
+            },
+        };
+        if bytes.len() > SEND_SLOT {
+            self.close_conn("outgoing message larger than a send slot");
+            return Ok(());
+        }
+        if self.sq_inflight >= self.sq_depth {
+            return Err(back(bytes));
+        }
+        let Some(slot) = self.send_free.pop() else {
+            return Err(back(bytes));
+        };
+        let Some(mr) = self.send_mr.as_ref() else {
+            return Ok(());
+        };
+        let off = slot as usize * SEND_SLOT;
+        if mr.write_at(off, &bytes).is_err() {
+            self.send_free.push(slot);
+            self.close_conn("send slot out of range");
+            return Ok(());
+        }
+        let sge = [mr.sge(off, bytes.len() as u32)];
+        let op = match remote {
+            None => SendOp::Send,
+            Some((remote_addr, rkey, None)) => SendOp::Write { remote_addr, rkey },
+            Some((remote_addr, rkey, Some(imm))) => SendOp::WriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            },
+        };
+        let wr = SendWr::new(
+            wrid::SEND | u64::from(slot),
+            op,
+            if bytes.is_empty() { &[] } else { &sge },
+        );
+        match self.qp.post_send(&[wr]) {
+            Ok(()) => self.sq_inflight += 1,
+            Err(e) => {
+                self.send_free.push(slot);
+                if self.closing.is_none() {
+                    debug!(conn = self.id, error = %e.error, "posting a send failed (connection gone)");
+                }
+                self.begin_close(Instant::now());
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,120 @@
+//! A complete server (side channel + RDMA listener) on loopback ephemeral
+//! ports, for end-to-end tests, examples and `lwio bench --local`.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::server::{RdmaServer, RdmaServerOptions, ServerHandle};
+use crate::config::{IoConfig, Limits, ProviderChoice};
+use crate::fs::{ExportSpec, ResolveMode};
+use crate::server::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
+use crate::side::Token;
+
+/// A running server.
+pub struct LocalServer {
+    /// Side-channel address (`host:port` for `Client::connect`).
+    pub side_addr: SocketAddr,
+    pub rdma_addr: SocketAddr,
+    pub rdma: ServerHandle,
+    pub state: Arc<ServerState>,
+    pub token: String,
+    shutdown: Shutdown,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for LocalServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "LocalServer(side {}, rdma {})",
+            self.side_addr, self.rdma_addr
+        )
+    }
+}
+
+impl LocalServer {
+    /// Export `root` as `export` and serve it with `token`.
+    pub fn start(
+        root: &Path,
+        export: &str,
+        token: &str,
+        limits: Limits,
+        mut rdma: RdmaServerOptions,
+    ) -> crate::Result<LocalServer> {
+        rdma.listen = "127.0.0.1:0".parse().expect("literal address");
+        rdma.provider = ProviderChoice::Soft;
+        let opts = ServerOptions {
+            listen: "127.0.0.1:0".into(),
+            server_name: "lwio-test".into(),
+            exports: vec![ExportSpec {
+                name: export.into(),
+                path: root.to_path_buf(),
+                read_only: false,
+            }],
+            auth: AuthPolicy {
+                token: Some(Token::new(token)?),
+                allow_anonymous: false,
+            },
+            limits,
+            io: IoConfig::default(),
+            provider: ProviderChoice::Soft,
+            resolve: ResolveMode::Auto,
+        };
+        let phase = RdmaServer::bind(rdma)
+            .map_err(|e| crate::Error::new(crate::ErrorCode::Io, format!("RDMA listener: {e}")))?;
+        let rdma_addr = phase.local_addr();
+        let handle = phase.handle();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| crate::Error::from_io(&e, "tokio runtime"))?;
+        let mut server = rt.block_on(Server::bind(opts))?;
+        server.set_rdma_phase(Arc::new(phase));
+        let side_addr = server
+            .local_addr()
+            .map_err(|e| crate::Error::from_io(&e, "side channel address"))?;
+        let state = server.state().clone();
+        let shutdown = server.shutdown_handle();
+        let thread = std::thread::Builder::new()
+            .name("lwio-local-server".into())
+            .spawn(move || {
+                if let Err(e) = rt.block_on(server.run()) {
+                    tracing::warn!(error = %e, "local server stopped with an error");
+                }
+            })
+            .map_err(|e| crate::Error::from_io(&e, "server thread"))?;
+        Ok(LocalServer {
+            side_addr,
+            rdma_addr,
+            rdma: handle,
+            state,
+            token: token.into(),
+            shutdown,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stop gracefully and wait (bounded).
+    pub fn stop(&mut self) {
+        self.shutdown.trigger();
+        if let Some(t) = self.thread.take() {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while !t.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Drop for LocalServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
