@@ -51,8 +51,8 @@ conformance-rxe     | main  | 300 | target/release/lwio-conformance | - | ./lwio
 conformance-siw     | main  | 300 | target/release/lwio-conformance | - | ./lwio-conformance --provider verbs --device $SIW_DEV --ip $SIW_IP
 mpa-tcp-to-siw      | netns | 30  | - | - | rping -s -a $SIW_IP -C 1 & wait_tcp $SIW_IP 7174 && { (printf 'MPA ID Req Frame\000\001\000\000'; sleep 2) | timeout 5 inpeer nc $SIW_IP 7174 > /tmp/rep; }; head -c 16 /tmp/rep | grep -x 'MPA ID Rep Frame'
 mpa-tcp-to-siw-crc  | netns | 30  | - | - | rping -s -a $SIW_IP -C 1 & wait_tcp $SIW_IP 7174 && { (printf 'MPA ID Req Frame\100\001\000\000'; sleep 2) | timeout 5 inpeer nc $SIW_IP 7174 > /tmp/rep; }; head -c 16 /tmp/rep | grep -x 'MPA ID Rep Frame' && [ "$(mpa_flags /tmp/rep)" = 40 ]
-mpa-siw-to-tcp      | netns | 30  | - | - | inpeer nc -l -p 7174 > /tmp/req & sleep 1; timeout 4 rping -c -a $PEER_IP -C 1; head -c 16 /tmp/req | grep -x 'MPA ID Req Frame' && [ "$(mpa_flags /tmp/req)" = 10 ]
-mpa-siw-to-tcp-crc  | netns | 30  | - | - | siw_param mpa_crc_required Y; inpeer nc -l -p 7174 > /tmp/req & sleep 1; timeout 4 rping -c -a $PEER_IP -C 1; siw_param mpa_crc_required N; head -c 16 /tmp/req | grep -x 'MPA ID Req Frame' && [ "$(mpa_flags /tmp/req)" = 50 ]
+mpa-siw-to-tcp      | netns | 30  | - | - | inpeer nc -l -p 7174 > /tmp/req & sleep 1; timeout -s KILL 4 rping -c -a $PEER_IP -C 1; head -c 16 /tmp/req | grep -x 'MPA ID Req Frame' && [ "$(mpa_flags /tmp/req)" = 10 ]
+mpa-siw-to-tcp-crc  | netns | 30  | - | - | siw_param mpa_crc_required Y; inpeer nc -l -p 7174 > /tmp/req & sleep 1; timeout -s KILL 4 rping -c -a $PEER_IP -C 1; siw_param mpa_crc_required N; head -c 16 /tmp/req | grep -x 'MPA ID Req Frame' && [ "$(mpa_flags /tmp/req)" = 50 ]
 rping-siw-netns     | netns | 120 | - | - | pair "rping -s -a $SIW_IP -C 100 -V" "rping -c -a $SIW_IP -C 100 -V"
 interop-soft-to-siw        | netns | 150 | target/release/lwio-rping | - | pair "rping -s -a $SIW_IP -C 100 -V" "inpeer ./lwio-rping -c -a $SIW_IP -C 100 -V"
 interop-siw-to-soft        | netns | 150 | target/release/lwio-rping | - | pair "inpeer ./lwio-rping -s -a $PEER_IP -C 100 -V" "rping -c -a $PEER_IP -C 100 -V"

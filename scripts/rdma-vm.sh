@@ -301,7 +301,7 @@ for p in ${KPARAMS[@]+"${KPARAMS[@]}"}; do   # busybox insmod silently ignores u
   m=${p%%.*} n=${p#*.}; n=${n%%=*}
   if [ "$m" = siw ] && [ -n "$SIWKO" ]; then parms=$(modinfo -F parm "$SIWKO")
   else parms=$(modinfo -b "$KDIR" -k "$KVER" -F parm "$m" 2>/dev/null) || { log "-k $p: no module $m"; exit 2; }; fi
-  printf '%s\n' "$parms" | cut -d: -f1 | grep -qx "$n" || { log "-k $p: module $m has no parameter $n (has: $(printf '%s\n' "$parms" | cut -d: -f1 | tr '\n' ' '))"; exit 2; }
+  printf '%s\n' "$parms" | cut -d: -f1 | grep -x "$n" >/dev/null || { log "-k $p: module $m has no parameter $n (has: $(printf '%s\n' "$parms" | cut -d: -f1 | tr '\n' ' '))"; exit 2; }
 done
 if [ $PREPARE_ONLY = 1 ]; then log "prepared: kernel $KVER, ${SIWKO:+siw.ko $SIWKO, }base $BASE"; exit 0; fi
 
