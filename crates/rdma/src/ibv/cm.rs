@@ -28,11 +28,32 @@ use super::*;
 /// not framed, so lwio interoperates with any iWARP peer.
 const PD_MAGIC: u8 = 0xA7;
 
-pub(super) fn frame_private(iwarp: bool, data: &[u8]) -> Result<Vec<u8>> {
-    let limit = if iwarp { 255 } else { 253 };
+/// Which CM message carries private data (IB/RoCE limits differ per message).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum PdMsg {
+    /// Connection request (IB REQ: 56 bytes after rdma_cm's header).
+    Request,
+    /// Accept (IB REP: 196 bytes).
+    Accept,
+    /// Reject (IB REJ: 148 bytes).
+    Reject,
+}
+
+pub(super) fn frame_private(iwarp: bool, msg: PdMsg, data: &[u8]) -> Result<Vec<u8>> {
+    // rdma_conn_param.private_data_len is a u8: 255 on iWARP (MPA itself
+    // allows 512). On IB/RoCE the CM message size minus lwio's 2-byte frame.
+    let limit = if iwarp {
+        255
+    } else {
+        match msg {
+            PdMsg::Request => 54,
+            PdMsg::Accept => 194,
+            PdMsg::Reject => 146,
+        }
+    };
     if data.len() > limit {
         return Err(Error::InvalidArgument(format!(
-            "{} bytes of private data (rdma_cm allows at most {limit} here)",
+            "{} bytes of private data in a {msg:?}: this transport carries at most {limit}",
             data.len()
         )));
     }
@@ -193,12 +214,14 @@ impl EventChannel {
             }
         };
         dbg_ibv!(
-            "cm event {} status {} on channel fd {} (id {:p}), {} bytes of private data",
+            "cm event {} status {} on channel fd {} (id {:p}), {} bytes of private data, rr/id {}/{}",
             self.lib.event_str(out.event),
             out.status,
             self.fd(),
             out.id,
-            out.private_data.len()
+            out.private_data.len(),
+            out.responder_resources,
+            out.initiator_depth
         );
         // SAFETY: acknowledges the event obtained above exactly once; nothing
         // borrowed from it is used afterwards (private data was copied).
@@ -439,10 +462,11 @@ impl ListenerOps for VerbsListener {
                 id: ev.id,
                 peer,
                 private_data: unframe_private(l.ctx.iwarp, &ev.private_data),
-                // responder_resources of a request = the peer's IRD,
-                // initiator_depth = the peer's ORD.
-                peer_ird: ev.responder_resources,
-                peer_ord: ev.initiator_depth,
+                // rdma_cm reports a request's depths from our point of view:
+                // responder_resources = what we may grant = the peer's ORD,
+                // initiator_depth = what we may use = the peer's IRD.
+                peer_ird: ev.initiator_depth,
+                peer_ord: ev.responder_resources,
             })));
         }
     }
@@ -495,7 +519,7 @@ impl ConnRequestOps for VerbsConnRequest {
         let lib = ctx.lib;
         // Checks that can fail first: on an early return `self` is dropped,
         // which rejects the request.
-        let pdata = frame_private(ctx.iwarp, &params.private_data)?;
+        let pdata = frame_private(ctx.iwarp, PdMsg::Accept, &params.private_data)?;
         let parts = QpParts::new(&ctx, init)?;
         let ch = EventChannel::new(lib)?;
         // Declared after `ch`, so on error the id is destroyed before its channel.
@@ -512,7 +536,16 @@ impl ConnRequestOps for VerbsConnRequest {
         parts.create_qp(&mut guard)?;
         // Offer our depths clamped to what the peer asked for where it said
         // (0 = not reported by the transport: leave it to the CM/device).
-        let ird = min_known(ctx.eff_ird(params.ird), self.peer_ord);
+        //
+        // iWARP: the kernel does not tell the initiator the IRD of our MPA
+        // reply (its ESTABLISHED event repeats its own depths), so it may keep
+        // its full ORD in flight: grant at least the peer's ORD (up to the
+        // device limit) so that reads within its ORD never overrun our IRD.
+        let ird = if ctx.iwarp {
+            ctx.eff_ird(params.ird).max(self.peer_ord).min(ctx.max_ird)
+        } else {
+            min_known(ctx.eff_ird(params.ird), self.peer_ord)
+        };
         let ord = min_known(ctx.eff_ord(params.ord), self.peer_ird);
         let mut cp = rdma_conn_param {
             private_data: pdata.as_ptr() as *const c_void,
@@ -544,7 +577,7 @@ impl ConnRequestOps for VerbsConnRequest {
         let ctx = self.listener.ctx.clone();
         let lib = ctx.lib;
         // (too much private data: `self` is dropped, rejecting without any)
-        let pdata = frame_private(ctx.iwarp, private_data)?;
+        let pdata = frame_private(ctx.iwarp, PdMsg::Reject, private_data)?;
         let id = std::mem::replace(&mut self.id, ptr::null_mut());
         let _guard = IdGuard {
             lib,
@@ -586,7 +619,7 @@ pub(super) fn connect(
     params: &ConnParams,
 ) -> Result<Arc<dyn QpOps>> {
     let lib = ctx.lib;
-    let pdata = frame_private(ctx.iwarp, &params.private_data)?;
+    let pdata = frame_private(ctx.iwarp, PdMsg::Request, &params.private_data)?;
     let parts = QpParts::new(ctx, init)?;
     let deadline = Instant::now() + ctx.config.connect_timeout;
     let ch = EventChannel::new(lib)?;
@@ -661,9 +694,20 @@ pub(super) fn connect(
     let ev = expect_event(ctx, &ch, RDMA_CM_EVENT_ESTABLISHED, deadline, "connect")?;
     let negotiated = Negotiated {
         peer_private_data: unframe_private(ctx.iwarp, &ev.private_data),
-        // the accept carries the peer's IRD (responder_resources) and ORD
-        ird: min_known(my_ird, ev.initiator_depth),
-        ord: min_known(my_ord, ev.responder_resources),
+        // IB: as for requests, from our point of view: responder_resources =
+        // the peer's ORD, initiator_depth = the peer's IRD (from its REP).
+        // iWARP (iw_cm): our own final depths, swapped (initiator_depth = our
+        // IRD, responder_resources = our ORD); the responder grants our ORD.
+        ird: if ctx.iwarp {
+            min_known(my_ird, ev.initiator_depth)
+        } else {
+            min_known(my_ird, ev.responder_resources)
+        },
+        ord: if ctx.iwarp {
+            min_known(my_ord, ev.responder_resources)
+        } else {
+            min_known(my_ord, ev.initiator_depth)
+        },
         mpa_crc: None,
     };
     QpCore::start(parts, ch, guard, negotiated)
@@ -1025,7 +1069,7 @@ impl QpCore {
         }
         Err(PostError {
             index: posted,
-            error: errno_err("ibv_post_send", r),
+            error: errno_err("ibv_post_send", r.abs()),
         })
     }
 
@@ -1288,18 +1332,31 @@ impl QpOps for VerbsQp {
         }
         let mut t = lock(&q.rq);
         let base = t.next;
+        // siw refuses receives without SGEs: give those one empty SGE (never
+        // dereferenced: a zero-length SGE places no data and checks no key).
+        let mut empty = ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        let empty_sge: *mut ibv_sge = if q.ctx.iwarp {
+            &mut empty
+        } else {
+            ptr::null_mut()
+        };
         let mut out: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
         let mut at = 0usize;
         for (i, w) in wrs.iter().enumerate() {
+            let (sg_list, num_sge) = if w.sg_list.is_empty() {
+                (empty_sge, (!empty_sge.is_null()) as i32)
+            } else {
+                (sges[at..].as_mut_ptr(), w.sg_list.len() as i32)
+            };
             out.push(ibv_recv_wr {
                 wr_id: (base + i as u64) | RECV_BIT,
                 next: ptr::null_mut(),
-                sg_list: if w.sg_list.is_empty() {
-                    ptr::null_mut()
-                } else {
-                    sges[at..].as_mut_ptr()
-                },
-                num_sge: w.sg_list.len() as i32,
+                sg_list,
+                num_sge,
             });
             at += w.sg_list.len();
         }
@@ -1311,7 +1368,7 @@ impl QpOps for VerbsQp {
         let mut bad: *mut ibv_recv_wr = ptr::null_mut();
         // SAFETY: the inline ibv_post_recv: the provider's post_recv on our
         // live QP with a NULL-terminated list in `out`; the SGE arrays in
-        // `sges` outlive the call (receive WQEs are copied at post time; the
+        // `sges` (and `empty`, on this frame) outlive the call (receive WQEs are copied at post time; the
         // buffers they describe are registered memory that the consumer
         // keeps alive per the API contract).
         let r = unsafe { (q.ctx.ops.post_recv)(q.qp, out.as_mut_ptr(), &mut bad) };
@@ -1345,7 +1402,8 @@ impl QpOps for VerbsQp {
         }
         Err(PostError {
             index: posted,
-            error: errno_err("ibv_post_recv", r),
+            // (libsiw returns negative errnos)
+            error: errno_err("ibv_post_recv", r.abs()),
         })
     }
 

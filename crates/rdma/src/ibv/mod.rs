@@ -236,9 +236,7 @@ impl CtxInner {
         // SAFETY: `found` is live; describe() only queries it.
         let (info, dev) = unsafe { sys::describe(lib, found, (*found).device) };
         let iwarp = info.transport == Transport::Iwarp;
-        // Only rxe has the `parent` attribute (its netdev) in sysfs.
-        let rxe_inv_quirk = info.transport == Transport::Roce
-            && std::path::Path::new(&format!("/sys/class/infiniband/{name}/parent")).exists();
+        let rxe_inv_quirk = sys::is_rxe(name, info.transport);
         let native_mw = info
             .caps
             .as_ref()
@@ -1017,11 +1015,16 @@ mod tests {
 
     #[test]
     fn private_data_framing() {
-        let f = cm::frame_private(false, b"hello").unwrap();
+        let f = cm::frame_private(false, cm::PdMsg::Request, b"hello").unwrap();
         let mut padded = f.clone();
         padded.resize(56, 0);
         assert_eq!(cm::unframe_private(false, &padded), b"hello");
         assert_eq!(cm::unframe_private(true, b"hello"), b"hello");
-        assert_eq!(cm::frame_private(true, b"x").unwrap(), b"x");
+        assert!(cm::frame_private(false, cm::PdMsg::Request, &[0; 55]).is_err());
+        assert!(cm::frame_private(false, cm::PdMsg::Accept, &[0; 194]).is_ok());
+        assert_eq!(
+            cm::frame_private(true, cm::PdMsg::Accept, b"x").unwrap(),
+            b"x"
+        );
     }
 }

@@ -120,8 +120,15 @@ pub(super) unsafe fn describe(
     };
     let caps = if qd == 0 {
         let flags = attr.device_cap_flags;
+        let rxe = is_rxe(&name, transport);
+        // rxe (Linux 6.1) binds type-2 windows but checks remote accesses
+        // against the underlying region's range, not the window's: such a
+        // window does not confine the peer, so rxe gets the fallback unless
+        // LWIO_IBV_NATIVE_MW=1 forces native windows (for testing).
+        let force_native = std::env::var_os("LWIO_IBV_NATIVE_MW").is_some_and(|v| v == "1");
         let native = flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2B | IBV_DEVICE_MEM_WINDOW_TYPE_2A) != 0
-            && attr.max_mw > 0;
+            && attr.max_mw > 0
+            && (!rxe || force_native);
         limits.max_ird = attr.max_qp_rd_atom.clamp(0, 255) as u8;
         limits.max_ord = attr.max_qp_init_rd_atom.clamp(0, 255) as u8;
         Some(DeviceCaps {
@@ -146,8 +153,10 @@ pub(super) unsafe fn describe(
             },
             one_shot_mw: false,
             write_with_imm: transport != Transport::Iwarp,
+            // rxe cannot remotely invalidate user-registered regions, which
+            // is what fallback window keys are.
             send_with_invalidate: transport == Transport::Iwarp
-                || flags & IBV_DEVICE_MEM_MGT_EXTENSIONS != 0,
+                || (flags & IBV_DEVICE_MEM_MGT_EXTENSIONS != 0 && (native || !rxe)),
         })
     } else {
         None
@@ -172,6 +181,12 @@ pub(super) unsafe fn describe(
         },
         limits,
     )
+}
+
+/// Soft-RoCE: only rxe has the `parent` attribute (its netdev) in sysfs.
+pub(super) fn is_rxe(name: &str, transport: Transport) -> bool {
+    transport == Transport::Roce
+        && std::path::Path::new(&format!("/sys/class/infiniband/{name}/parent")).exists()
 }
 
 /// The netdevs behind an RDMA device: RoCE GID attributes, else (iWARP) the
