@@ -179,7 +179,7 @@ for vm in $VM_ORDER; do
     echo '  [ $rc = 143 ] || [ $rc = 137 ] && rc="$rc (timeout $2s)"'
     echo '  if [ "$rc" = 0 ]; then [ -n "$CASE_VERBOSE" ] && sed "s/^/    | /" /tmp/case.log; echo "@@CASE PASS $1 ${d}s"'
     echo '  else sed "s/^/    | /" /tmp/case.log | tail -n 60; echo "@@CASE FAIL $1 rc=$rc, ${d}s"; fi'
-    echo '  for p in $(pgrep -x rping; pgrep -x ucmatose; pgrep -f "^ib_"; pgrep -x nc); do kill -9 $p 2>/dev/null; done'
+    echo '  . /test/guest-lib.sh; kill_leftovers'
     echo '}'
     for n in "${run[@]}"; do printf 'run_case %s %s %s\n' "$(q "$n")" "${C_TO[$n]}" "$(q "${C_CMD[$n]}")"; done
     echo 'exit 0'

@@ -36,3 +36,13 @@ siw_param() { echo "$2" > /sys/module/siw/parameters/$1 && echo "siw $1=$(cat /s
 # mpa_flags FILE: MPA request/reply header flags byte (offset 16) as two hex digits
 # (0x80 markers, 0x40 CRC, 0x20 reject, 0x10 enhanced/MPAv2), from a raw TCP capture.
 mpa_flags() { od -An -tx1 -j16 -N1 "$1" | tr -d ' \n'; }
+
+# kill_leftovers: kill -9 test programs still running after a case (busybox has no pgrep);
+# also stale busybox `timeout` watchers (they outlive the command they guard)
+kill_leftovers() {
+  for _d in /proc/[0-9]*; do
+    read -r _comm < $_d/comm 2>/dev/null || continue
+    case $_comm in timeout|rping|ucmatose|udaddy|ib_*|ibv_*|nc|rdma_server|rdma_client|lwio*|verbs_probe|rdma_loop) kill -9 ${_d#/proc/} 2>/dev/null ;; esac
+  done
+  return 0
+}
