@@ -82,9 +82,13 @@ APT_UPDATED=0
 apt_update() { [ $APT_UPDATED = 1 ] && return 0; log "apt-get update"; $SUDO apt-get update -qq >&2 || die "apt-get update failed"; APT_UPDATED=1; }
 have_candidate() { apt-cache policy "$1" 2>/dev/null | grep "Candidate: [0-9]" >/dev/null; }   # no grep -q: SIGPIPE+pipefail
 apt_install() { # pkgs... ; never removes host packages (a shared dev box may hold conflicting ones)
+  # unless RDMA_VM_APT_ALLOW_REMOVE=1 (set by .ci/run): the machine image ships a
+  # backported qemu-utils that conflicts with Debian's qemu-system-x86, and the
+  # VM tests need the latter (nothing in lwio uses qemu-img/qemu-nbd).
   local p; for p in "$@"; do have_candidate "$p" || apt_update; done
   log "installing host packages: $*"
-  local cmd=($SUDO apt-get install -y -q --no-install-recommends --no-remove -o DPkg::Lock::Timeout=600 "$@")
+  local rm=--no-remove; [ "${RDMA_VM_APT_ALLOW_REMOVE:-0}" = 1 ] && rm=
+  local cmd=($SUDO apt-get install -y -q --no-install-recommends $rm -o DPkg::Lock::Timeout=600 "$@")
   "${cmd[@]}" >&2 || { apt_update; "${cmd[@]}" >&2; } \
     || die "apt-get install $* failed (if apt wanted to remove a conflicting package, install it by hand)"
 }

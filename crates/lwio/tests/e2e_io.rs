@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Duration;
 
-use lwio::client::{Client, ClientOptions, Completion, Error, OpenOptions};
+use lwio::client::{AsyncClient, Client, ClientOptions, Completion, Error, OpenOptions};
 use lwio::config::Limits;
 use lwio::data::server::RdmaServerOptions;
 use lwio::data::testkit::LocalServer;
@@ -199,4 +199,168 @@ fn io_interrupt_mode() {
 #[test]
 fn io_poll_mode() {
     io_suite(Completion::Poll);
+}
+
+fn control_suite(completion: Completion) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let c = client(&s, completion);
+    let path = dir.path().join("ctl.bin");
+    let data = pattern(1 << 20, 5);
+    std::fs::write(&path, &data).unwrap();
+    let f = c.open("ctl.bin", &OpenOptions::read_write()).unwrap();
+
+    // CANCEL: completes at once with SUCCESS; the file stays usable.
+    f.cancel().unwrap();
+    let mut b = vec![0u8; 4096];
+    assert_eq!(f.read_at(&mut b, 4096).unwrap(), 4096);
+    assert_eq!(&b[..], &data[4096..8192]);
+
+    // INTERRUPT: answered only after the next I/O completes.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (c2, d2) = (c.clone(), done.clone());
+    let t = std::thread::spawn(move || {
+        c2.interrupt().unwrap();
+        d2.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !done.load(std::sync::atomic::Ordering::SeqCst),
+        "INTERRUPT answered without I/O"
+    );
+    assert_eq!(f.read_at(&mut b, 0).unwrap(), 4096);
+    t.join().unwrap();
+    assert!(done.load(std::sync::atomic::Ordering::SeqCst));
+
+    // CREDIT: a positive delta, then a negative one.
+    assert_eq!(c.credits(), 8);
+    assert_eq!(s.rdma.credit_delta_all(4), 1);
+    wait_for(|| c.credits() == 12, "positive delta reaches the client");
+    assert_eq!(f.read_at(&mut b, 0).unwrap(), 4096);
+    wait_for(|| s.rdma.connection_credits() == vec![12], "server at 12");
+    s.rdma.credit_delta_all(-9);
+    // The client retires credits as it sends its CREDIT replies.
+    wait_for(
+        || {
+            let _ = f.read_at(&mut [0u8; 16], 0);
+            c.credits() == 3
+        },
+        "negative delta retires 9 credits",
+    );
+    wait_for(|| s.rdma.connection_credits() == vec![3], "server at 3");
+    assert_eq!(
+        c.stats().credit_history,
+        vec![8, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3]
+    );
+
+    // Outstanding requests never exceed credits: 6 threads hammer 3 credits.
+    let f = std::sync::Arc::new(f);
+    let ts: Vec<_> = (0..6)
+        .map(|i| {
+            let f = f.clone();
+            let want = data.clone();
+            std::thread::spawn(move || {
+                let mut b = vec![0u8; 70_001];
+                for k in 0..8u64 {
+                    let off = (i * 131_071 + k * 7) % (1 << 19);
+                    assert_eq!(f.read_at(&mut b, off).unwrap(), b.len());
+                    assert_eq!(&b[..], &want[off as usize..off as usize + b.len()]);
+                }
+            })
+        })
+        .collect();
+    for t in ts {
+        t.join().unwrap();
+    }
+    let st = c.stats();
+    assert_eq!(st.credit_violations, 0, "{st:?}");
+    assert!(st.max_outstanding <= 3 && st.max_outstanding >= 2, "{st:?}");
+    assert_eq!(
+        s.rdma.stats().closed_by_protocol,
+        0,
+        "no credit overflow at the server"
+    );
+}
+
+fn wait_for(mut f: impl FnMut() -> bool, what: &str) {
+    let t = std::time::Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn cancel_interrupt_credit_interrupt_mode() {
+    control_suite(Completion::Interrupt);
+}
+
+#[test]
+fn cancel_interrupt_credit_poll_mode() {
+    control_suite(Completion::Poll);
+}
+
+#[test]
+fn async_api_and_dropped_future() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let opts = ClientOptions {
+            completion: Completion::Poll,
+            ..ClientOptions::default()
+        };
+        let c = AsyncClient::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
+            .await
+            .unwrap();
+        let f = c
+            .open("async.bin", &OpenOptions::read_write().create(true))
+            .await
+            .unwrap();
+        let data = pattern(777_777, 3);
+        assert_eq!(f.write_at(&data, 11).await.unwrap(), data.len());
+        assert_eq!(f.len().await.unwrap(), 11 + data.len() as u64);
+        let mut b = vec![0u8; data.len()];
+        assert_eq!(f.read_at(&mut b, 11).await.unwrap(), data.len());
+        assert_eq!(b, data);
+        // A dropped future: CANCEL is issued, our buffer is never written.
+        let mut keep = vec![0xEEu8; 700_000];
+        let mut dropped = false;
+        for _ in 0..20 {
+            let r = tokio::time::timeout(Duration::ZERO, f.read_at(&mut keep, 0)).await;
+            if r.is_err() {
+                dropped = true;
+                assert!(
+                    keep.iter().all(|&x| x == 0xEE),
+                    "a dropped read wrote the buffer"
+                );
+                break;
+            }
+            keep.fill(0xEE);
+        }
+        assert!(dropped, "no future was dropped before completing");
+        assert!(f.dropped_futures() >= 1);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(keep.iter().all(|&x| x == 0xEE), "written after the drop");
+        // The connection goes on working.
+        for _ in 0..3 {
+            let mut b = vec![0u8; 4096];
+            match f.read_at(&mut b, 11).await {
+                Ok(n) => {
+                    assert_eq!(n, 4096);
+                    assert_eq!(&b[..], &data[..4096]);
+                }
+                Err(Error::Cancelled) => continue, // raced with the CANCEL
+                Err(e) => panic!("{e}"),
+            }
+        }
+        f.set_len(100).await.unwrap();
+        assert_eq!(f.len().await.unwrap(), 100);
+        f.close().await.unwrap();
+        assert_eq!(c.stats().credit_violations, 0);
+    });
 }

@@ -232,15 +232,40 @@ impl OpenOptions {
 }
 
 pub(crate) struct Inner {
-    pub(crate) side: Mutex<crate::side::Client>,
+    pub(crate) side: Mutex<Option<crate::side::Client>>,
     pub(crate) engine: Arc<Engine>,
     export: Option<String>,
     pub(crate) server_name: String,
 }
 
+impl Inner {
+    /// Run a side-channel call.
+    pub(crate) fn side<T>(
+        &self,
+        f: impl FnOnce(&mut crate::side::Client) -> crate::Result<T>,
+    ) -> Result<T> {
+        let mut g = self.side.lock().unwrap_or_else(|p| p.into_inner());
+        match g.as_mut() {
+            Some(c) => Ok(f(c)?),
+            None => Err(Error::ConnectionLost("side channel closed".into())),
+        }
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         self.engine.shutdown();
+        // The blocking side-channel client owns a tokio runtime, which must
+        // not be dropped inside an async context (the async API's last
+        // handle may go away there).
+        let side = self.side.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if tokio::runtime::Handle::try_current().is_ok() {
+            let _ = std::thread::Builder::new()
+                .name("lwio-side-close".into())
+                .spawn(move || drop(side));
+        } else {
+            drop(side);
+        }
     }
 }
 
@@ -358,7 +383,7 @@ impl Client {
                     Ok(engine) => {
                         info!(server = %resp.server_name, %addr, provider = %p.name, "connected");
                         return Ok(Client(Arc::new(Inner {
-                            side: Mutex::new(side),
+                            side: Mutex::new(Some(side)),
                             engine,
                             export,
                             server_name: resp.server_name.clone(),
@@ -382,10 +407,7 @@ impl Client {
     /// Open a file: `EXPORT/PATH`, or `PATH` when the URL named the export.
     pub fn open(&self, path: &str, o: &OpenOptions) -> Result<File> {
         let (export, rel) = self.split(path)?;
-        let rf = {
-            let mut side = self.0.side.lock().unwrap_or_else(|p| p.into_inner());
-            side.open(&export, &rel, &o.0, 0o644)?
-        };
+        let rf = self.0.side(|s| s.open(&export, &rel, &o.0, 0o644))?;
         let flags = if o.0.no_buffering {
             FILE_NO_INTERMEDIATE_BUFFERING
         } else {
@@ -406,12 +428,7 @@ impl Client {
                 closed: false,
             }),
             other => {
-                let _ = self
-                    .0
-                    .side
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .close(rf.handle);
+                let _ = self.0.side(|s| s.close(rf.handle));
                 match other {
                     Ok((_, st)) => Err(status_error(format!("REGISTER of {export}/{rel}"), st)),
                     Err(e) => Err(e),
@@ -733,8 +750,11 @@ impl File {
 
     /// The file size (side channel).
     pub fn len(&self) -> Result<u64> {
-        let mut side = self.client.0.side.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(side.stat(&self.export, &self.path)?.size)
+        Ok(self
+            .client
+            .0
+            .side(|s| s.stat(&self.export, &self.path))?
+            .size)
     }
 
     pub fn is_empty(&self) -> Result<bool> {
@@ -743,9 +763,7 @@ impl File {
 
     /// Truncate or extend (side channel).
     pub fn set_len(&self, size: u64) -> Result<()> {
-        let mut side = self.client.0.side.lock().unwrap_or_else(|p| p.into_inner());
-        side.set_size(self.handle, size)?;
-        Ok(())
+        self.client.0.side(|s| s.set_size(self.handle, size))
     }
 
     /// CLOSE on the RDMA channel, then close the side-channel handle.
@@ -760,13 +778,7 @@ impl File {
         self.closed = true;
         let e = self.engine();
         let r = e.issue_close(self.fid).and_then(|r| e.wait(r, None));
-        let side = self
-            .client
-            .0
-            .side
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .close(self.handle);
+        let side = self.client.0.side(|s| s.close(self.handle));
         match r? {
             (_, STATUS_SUCCESS) => {}
             (_, st) => return Err(status_error("CLOSE", st)),
@@ -778,10 +790,25 @@ impl File {
 
 impl Drop for File {
     fn drop(&mut self) {
-        if !self.closed {
-            if let Err(e) = self.close_inner() {
-                debug!(error = %e, "closing a dropped file");
-            }
+        if self.closed {
+            return;
+        }
+        if tokio::runtime::Handle::try_current().is_ok() {
+            // Dropped in async code: the blocking side-channel client must
+            // not run here. Close on a helper thread.
+            self.closed = true;
+            let (client, fid, handle) = (self.client.clone(), self.fid, self.handle);
+            let _ = std::thread::Builder::new()
+                .name("lwio-file-close".into())
+                .spawn(move || {
+                    let e = &client.0.engine;
+                    let _ = e.issue_close(fid).and_then(|r| e.wait(r, None));
+                    let _ = client.0.side(|s| s.close(handle));
+                });
+            return;
+        }
+        if let Err(e) = self.close_inner() {
+            debug!(error = %e, "closing a dropped file");
         }
     }
 }

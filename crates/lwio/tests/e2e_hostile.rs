@@ -1,0 +1,511 @@
+//! A hostile client built from the public verbs API and the proto wire
+//! types. Each case asserts the exact NTSTATUS or a terminated connection,
+//! and after each case a well-behaved client is still served.
+
+use std::time::{Duration, Instant};
+
+use lwio::client::{Client, ClientOptions, Completion, File, OpenOptions};
+use lwio::config::Limits;
+use lwio::data::server::RdmaServerOptions;
+use lwio::data::testkit::LocalServer;
+use lwio_proto::status::*;
+use lwio_proto::wire::auth::{derive_session_secret, ENDIAN_64};
+use lwio_proto::wire::common::{CompletionMode, RequestOp};
+use lwio_proto::wire::{
+    AddressBlockRepr, AuthParamsRepr, FidParamsRepr, Guid, NegotiateRequestRepr, RdmaRegion,
+    RequestRepr, SignatureAlg, SrvResumeKey, StatusResponse, COMMON_HEADER_LEN, LWIO_REV_ID,
+};
+use lwio_rdma::*;
+
+const TOKEN: &str = "hostile-test-token-0123456789";
+
+struct Env {
+    s: LocalServer,
+    _dir: tempfile::TempDir,
+    good: File,
+    _good_client: Client,
+    data: Vec<u8>,
+}
+
+fn env() -> Env {
+    let dir = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    std::fs::write(dir.path().join("f.bin"), &data).unwrap();
+    let proto = lwio_proto::server::ServerConfig {
+        auth_timeout: Duration::from_millis(400),
+        ..Default::default()
+    };
+    let rdma = RdmaServerOptions {
+        auto_credits: false,
+        proto,
+        ..RdmaServerOptions::default()
+    };
+    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        ClientOptions {
+            completion: Completion::Interrupt,
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap();
+    let good = c.open("f.bin", &OpenOptions::read_only()).unwrap();
+    Env {
+        s,
+        _dir: dir,
+        good,
+        _good_client: c,
+        data,
+    }
+}
+
+impl Env {
+    /// The well-behaved client is still served, byte for byte.
+    fn check_good(&self) {
+        let mut b = vec![0u8; 70_001];
+        assert_eq!(self.good.read_at(&mut b, 12_345).unwrap(), b.len());
+        assert_eq!(&b[..], &self.data[12_345..12_345 + b.len()]);
+        assert_eq!(self.s.rdma.stats().mrs_remote_access, 0);
+    }
+}
+
+/// A raw RDMA connection plus a logged-in side channel.
+struct Hostile {
+    side: lwio::side::Client,
+    key: Guid,
+    secret: Vec<u8>,
+    qp: Qp,
+    cq: Cq,
+    _pd: Pd,
+    recv: Mr,
+    send: Mr,
+    mem: Mr,
+    session_id: u64,
+}
+
+fn hostile(e: &Env) -> Hostile {
+    let login = lwio::side::Login::Token(lwio::side::Token::new(TOKEN).unwrap());
+    let mut side = lwio::side::Client::connect(
+        &e.s.side_addr.to_string(),
+        &lwio::side::ClientOptions::new(login),
+    )
+    .unwrap();
+    let resp = side
+        .negotiate(&NegotiateRequestRepr {
+            client_name: "hostile".into(),
+            key: Guid::from_u128(7),
+            response_length: 4096,
+            providers: vec![AddressBlockRepr {
+                name: "soft".into(),
+                instances: vec![],
+            }],
+        })
+        .unwrap();
+    let secret = derive_session_secret(&side.session().secret.0, &resp.key).to_vec();
+    let ctx = provider("soft")
+        .unwrap()
+        .open(None, &Config::default())
+        .unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(1024, None).unwrap();
+    let init = QpInit {
+        pd: pd.clone(),
+        send_cq: cq.clone(),
+        recv_cq: cq.clone(),
+        cap: QpCap::default(),
+        sq_sig_all: true,
+    };
+    let qp = ctx
+        .connect(e.s.rdma_addr, &init, &ConnParams::default())
+        .unwrap();
+    let recv = pd.alloc_mr(64 * 64, Access::LOCAL_WRITE).unwrap();
+    for i in 0..32 {
+        qp.post_recv(&[RecvWr {
+            wr_id: i,
+            sg_list: &[recv.sge(i as usize * 64, 64)],
+        }])
+        .unwrap();
+    }
+    let send = pd.alloc_mr(1 << 20, Access::LOCAL_WRITE).unwrap();
+    let mem = pd
+        .alloc_mr(1 << 20, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    // Same workaround as the client engine (soft provider registration race).
+    std::thread::sleep(Duration::from_millis(10));
+    Hostile {
+        side,
+        key: resp.key,
+        secret,
+        qp,
+        cq,
+        _pd: pd,
+        recv,
+        send,
+        mem,
+        session_id: 0,
+    }
+}
+
+fn intr(cookie: u64) -> CompletionMode {
+    CompletionMode::Interrupt {
+        cookie,
+        immediate_cookie: cookie as u32,
+    }
+}
+
+impl Hostile {
+    fn send_bytes(&self, b: &[u8]) {
+        self.send.write_at(0, b).unwrap();
+        let _ = self.qp.post_send(&[SendWr::new(
+            1000,
+            SendOp::Send,
+            &[self.send.sge(0, b.len() as u32)],
+        )]);
+    }
+
+    fn send_req(&self, op: RequestOp<'_>) {
+        let r = RequestRepr {
+            credits: 1,
+            sequence: 0,
+            tid: 0,
+            op,
+        };
+        self.send_bytes(&r.to_bytes().unwrap());
+    }
+
+    /// Next status response, or None if the connection died / timeout.
+    fn recv_status(&self, timeout: Duration) -> Option<StatusResponse> {
+        let t = Instant::now();
+        let mut wc = [Wc {
+            wr_id: 0,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Send,
+            byte_len: 0,
+            imm: None,
+            invalidated_rkey: None,
+            qp_num: 0,
+            vendor_err: 0,
+        }; 8];
+        while t.elapsed() < timeout {
+            let n = self.cq.poll(&mut wc).unwrap_or(0);
+            for w in &wc[..n] {
+                if w.opcode == WcOpcode::Recv {
+                    if !w.is_ok() {
+                        return None;
+                    }
+                    let mut b = vec![0u8; w.byte_len as usize];
+                    self.recv.read_at(w.wr_id as usize * 64, &mut b).unwrap();
+                    let _ = self.qp.post_recv(&[RecvWr {
+                        wr_id: w.wr_id,
+                        sg_list: &[self.recv.sge(w.wr_id as usize * 64, 64)],
+                    }]);
+                    return StatusResponse::from_bytes(&b).ok();
+                }
+            }
+            if n == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        None
+    }
+
+    fn terminated(&self, timeout: Duration) -> bool {
+        let t = Instant::now();
+        while t.elapsed() < timeout {
+            if self.qp.state() == QpState::Error {
+                return true;
+            }
+            let mut wc = [lwio_rdma::Wc {
+                wr_id: 0,
+                status: WcStatus::Success,
+                opcode: WcOpcode::Send,
+                byte_len: 0,
+                imm: None,
+                invalidated_rkey: None,
+                qp_num: 0,
+                vendor_err: 0,
+            }; 8];
+            let _ = self.cq.poll(&mut wc);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        false
+    }
+
+    fn auth_with(&mut self, key: Guid, credits: u16) -> StatusResponse {
+        let p = AuthParamsRepr {
+            rev_id: LWIO_REV_ID,
+            endian: ENDIAN_64,
+            page_size: 4096,
+            base_sequence: 0,
+            max_rdma_window_size: 65536,
+            max_send_buffer_size: 8192,
+            max_recv_buffer_size: 64,
+            header_size: COMMON_HEADER_LEN as u16,
+            credits,
+            rdma_read_supported: 0,
+            key: Some(key),
+            session_id: None,
+            signature: None,
+        };
+        let bytes = p
+            .to_signed_bytes(SignatureAlg::HmacSha256, &self.secret)
+            .unwrap();
+        self.send_req(RequestOp::Auth {
+            cookie: 1,
+            data_va: self.mem.addr(),
+            data_mh: self.mem.rkey(),
+            params: &bytes,
+        });
+        let r = self
+            .recv_status(Duration::from_secs(5))
+            .expect("AUTH answered");
+        if r.ios.status == STATUS_SUCCESS {
+            let mut raw = vec![0u8; r.ios.information as usize - 8];
+            self.mem.read_at(0, &mut raw).unwrap();
+            let (sp, _) = AuthParamsRepr::verify(&raw, &self.secret).unwrap();
+            self.session_id = sp.session_id.unwrap();
+        }
+        r
+    }
+
+    fn auth(&mut self, credits: u16) {
+        let k = self.key;
+        assert_eq!(self.auth_with(k, credits).ios.status, STATUS_SUCCESS);
+    }
+
+    fn register_key(&self, resume_key: SrvResumeKey, session_id: u64) -> u16 {
+        self.send_req(RequestOp::Register {
+            cookie: 2,
+            params: FidParamsRepr {
+                resume_key,
+                session_id,
+                flags_and_attributes: 0,
+            },
+        });
+        let r = self
+            .recv_status(Duration::from_secs(5))
+            .expect("REGISTER answered");
+        if r.ios.status == STATUS_SUCCESS {
+            r.ios.information as u16
+        } else {
+            panic!("{:#x}", r.ios.status)
+        }
+    }
+
+    fn register_status(&self, resume_key: SrvResumeKey, session_id: u64) -> NtStatus {
+        self.send_req(RequestOp::Register {
+            cookie: 3,
+            params: FidParamsRepr {
+                resume_key,
+                session_id,
+                flags_and_attributes: 0,
+            },
+        });
+        self.recv_status(Duration::from_secs(5))
+            .expect("REGISTER answered")
+            .ios
+            .status
+    }
+
+    fn read_status(&self, fid: u16, offset: u64, length: u32) -> NtStatus {
+        self.send_req(RequestOp::Read {
+            fid,
+            offset,
+            length,
+            data_va: self.mem.addr(),
+            data_mh: self.mem.rkey(),
+            mode: intr(9),
+        });
+        self.recv_status(Duration::from_secs(5))
+            .expect("READ answered")
+            .ios
+            .status
+    }
+}
+
+const T: Duration = Duration::from_secs(5);
+
+#[test]
+fn hostile_cases() {
+    let e = env();
+    e.check_good();
+
+    // 1. RDMA Write and Read aimed at the server: nothing is exposed.
+    for (i, read) in [(0u32, false), (1, true)] {
+        let mut h = hostile(&e);
+        h.auth(4);
+        let local = h.send.sge(0, 4096);
+        for guess in [0x100u32 | i, 0x200, 0x300, 0x101] {
+            let op = if read {
+                SendOp::Read {
+                    remote_addr: 0x1000,
+                    rkey: guess,
+                }
+            } else {
+                SendOp::Write {
+                    remote_addr: 0x1000,
+                    rkey: guess,
+                }
+            };
+            let _ = h.qp.post_send(&[SendWr::new(7, op, &[local])]);
+        }
+        assert!(
+            h.terminated(T),
+            "RDMA {} at the server must be terminated",
+            if read { "Read" } else { "Write" }
+        );
+        e.check_good();
+    }
+
+    // 2. REGISTER before AUTH: ACCESS_DENIED, then closed.
+    let h = hostile(&e);
+    assert_eq!(
+        h.register_status(SrvResumeKey::default(), 1),
+        STATUS_ACCESS_DENIED
+    );
+    assert!(h.terminated(T));
+    e.check_good();
+
+    // 3. AUTH with a wrong key: ACCESS_DENIED, then closed.
+    let mut h = hostile(&e);
+    let r = h.auth_with(Guid::from_u128(0xdead_beef), 4);
+    assert_eq!(r.ios.status, STATUS_ACCESS_DENIED);
+    assert!(h.terminated(T));
+    e.check_good();
+
+    // 4. Forged resume key; foreign session id; a key of another session.
+    let mut h = hostile(&e);
+    h.auth(4);
+    let forged = SrvResumeKey {
+        resume_key: 0x1234_5678_9abc,
+        timestamp: 1,
+        pid: 2,
+    };
+    assert_eq!(
+        h.register_status(forged, h.session_id),
+        STATUS_INVALID_HANDLE
+    );
+    let rf = h
+        .side
+        .open(
+            "ex",
+            "f.bin",
+            &lwio::fs::OpenOptions {
+                read: true,
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    assert_eq!(
+        h.register_status(rf.resume_key.key, h.session_id ^ 0x55),
+        STATUS_ACCESS_DENIED
+    );
+    let mut other = hostile(&e);
+    let rf2 = other
+        .side
+        .open(
+            "ex",
+            "f.bin",
+            &lwio::fs::OpenOptions {
+                read: true,
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    assert_eq!(
+        h.register_status(rf2.resume_key.key, h.session_id),
+        STATUS_ACCESS_DENIED
+    );
+    // Its own key works.
+    let fid = h.register_key(rf.resume_key.key, h.session_id);
+    assert!(fid != 0);
+    // 5. Bogus Fid; offsets and lengths that overflow; too long a read.
+    assert_eq!(
+        h.read_status(fid.wrapping_add(77), 0, 10),
+        STATUS_INVALID_HANDLE
+    );
+    assert_eq!(
+        h.read_status(fid, u64::MAX - 5, 10),
+        STATUS_INVALID_PARAMETER
+    );
+    assert_eq!(h.read_status(fid, 0, u32::MAX), STATUS_INVALID_PARAMETER);
+    assert_eq!(h.read_status(fid, 0, 100), STATUS_SUCCESS);
+    // 6. VEC_READ whose intermediate region is not one page.
+    let regions = [
+        RdmaRegion {
+            data_va: h.mem.addr(),
+            data_mh: h.mem.rkey(),
+            length: 4096,
+        },
+        RdmaRegion {
+            data_va: h.mem.addr() + 4096,
+            data_mh: h.mem.rkey(),
+            length: 2048,
+        },
+        RdmaRegion {
+            data_va: h.mem.addr() + 8192,
+            data_mh: h.mem.rkey(),
+            length: 2048,
+        },
+    ];
+    h.send_req(RequestOp::VecRead {
+        fid,
+        offset: 0,
+        length: 8192,
+        page_size: 4096,
+        regions: regions.to_vec(),
+        mode: intr(11),
+    });
+    assert_eq!(
+        h.recv_status(T).unwrap().ios.status,
+        STATUS_INVALID_PARAMETER
+    );
+    e.check_good();
+    // 7. A write larger than MaxRecvBufferSize: terminated.
+    let big = vec![0u8; 64 * 1024];
+    h.send_req(RequestOp::Write {
+        fid,
+        offset: 0,
+        data: &big,
+        mode: intr(12),
+    });
+    assert!(h.terminated(T));
+    e.check_good();
+    drop(other);
+
+    // 8. Credits exceeded: granted 1; an INTERRUPT holds it; one more request.
+    let mut h = hostile(&e);
+    h.auth(1);
+    h.send_req(RequestOp::Interrupt { cookie: 20 });
+    h.send_req(RequestOp::Interrupt { cookie: 21 });
+    h.send_req(RequestOp::Interrupt { cookie: 22 });
+    assert!(h.terminated(T), "credit overflow terminates");
+    e.check_good();
+
+    // 9. No AUTH within the (400 ms) timeout.
+    let h = hostile(&e);
+    let t = Instant::now();
+    assert!(h.terminated(T));
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "closed only after the auth timeout"
+    );
+    e.check_good();
+
+    // 10. The negotiate Key is one-time: a second AUTH with it is refused.
+    let mut h = hostile(&e);
+    h.auth(2);
+    let key = h.key;
+    let mut h2 = hostile(&e);
+    h2.secret = h.secret.clone();
+    assert_eq!(h2.auth_with(key, 2).ios.status, STATUS_ACCESS_DENIED);
+    assert!(h2.terminated(T));
+    e.check_good();
+
+    let st = e.s.rdma.stats();
+    assert_eq!(st.mrs_remote_access, 0, "{st:?}");
+    assert_eq!(st.mws_allocated, 0, "{st:?}");
+}
