@@ -169,16 +169,28 @@ impl CtxShared {
     }
 
     fn register(&self, qp: Arc<QpShared>) -> Result<()> {
-        sys::epoll_add(
-            self.ep.as_raw_fd(),
-            qp.fd.as_raw_fd(),
-            (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
-            qp.token,
-        )?;
+        // Into the map first: the socket may already be readable (the peer's
+        // first message right after the MPA exchange), and epoll reports that
+        // edge at once to the engine thread, which drops events of tokens it
+        // cannot find — with EPOLLET nothing would ever report the data again.
+        let (fd, token) = (qp.fd.as_raw_fd(), qp.token);
         self.qps
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(qp.token, qp);
+            .insert(token, qp);
+        let r = sys::epoll_add(
+            self.ep.as_raw_fd(),
+            fd,
+            (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+            token,
+        );
+        if let Err(e) = r {
+            self.qps
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&token);
+            return Err(e.into());
+        }
         Ok(())
     }
 

@@ -64,6 +64,8 @@ pub struct Piece {
 /// straight into the target memory instead of through the staging buffer.
 pub const STAGE: usize = 64 * 1024;
 pub const DIRECT_MIN: usize = 4096;
+/// How much a header/small read pulls into the staging buffer (CRC off).
+pub const HDR_FILL: usize = 1024;
 /// Per-message accounting overhead of an anonymous buffer (so zero-length
 /// sends cannot queue without bound).
 pub const ANON_OVERHEAD: usize = 64;
@@ -196,6 +198,8 @@ struct Seg {
 
 /// The staging (socket) buffer.
 struct Stage {
+    /// CRC on: every byte is staged (and checksummed) before it is copied.
+    all_staged: bool,
     buf: Box<[u8]>,
     start: usize,
     end: usize,
@@ -206,7 +210,7 @@ impl Stage {
         self.end - self.start
     }
 
-    fn fill(&mut self, io: &mut dyn Io) -> io::Result<usize> {
+    fn fill(&mut self, io: &mut dyn Io, limit: usize) -> io::Result<usize> {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
@@ -215,7 +219,7 @@ impl Stage {
             self.end -= self.start;
             self.start = 0;
         }
-        let room = self.buf.len() - self.end;
+        let room = (self.buf.len() - self.end).min(limit.max(1));
         // SAFETY: the range is inside our own boxed buffer; no reference to it
         // is live during the call.
         let n = unsafe { io.read(self.buf.as_mut_ptr().add(self.end), room)? };
@@ -236,14 +240,22 @@ impl Stage {
         stats: &mut RxStats,
     ) -> io::Result<usize> {
         if self.avail() == 0 {
-            if let (Some(d), None) = (dst, &crc) {
+            if let (Some(d), false) = (dst, self.all_staged) {
                 if len >= DIRECT_MIN {
                     let n = io.read(d, len)?;
                     stats.direct += n as u64;
                     return Ok(n);
                 }
             }
-            if self.fill(io)? == 0 {
+            // Without CRC, read little beyond what is needed so that large
+            // payloads are read straight into their target; with CRC every
+            // byte passes through here anyway.
+            let limit = if self.all_staged {
+                STAGE
+            } else {
+                len.max(HDR_FILL)
+            };
+            if self.fill(io, limit)? == 0 {
                 return Ok(0);
             }
         }
@@ -337,7 +349,8 @@ pub struct QpCore {
     hdr_need: usize,
     seg: Seg,
     crc: u32,
-    dest: Vec<Option<Piece>>,
+    /// Payload destinations; `addr == 0` discards `len` bytes.
+    dest: Vec<Piece>,
     dest_idx: usize,
     dest_off: u64,
     trailer: [u8; 8],
@@ -364,7 +377,7 @@ fn wc(wr_id: u64, status: WcStatus, opcode: WcOpcode, qpn: u32) -> Wc {
 }
 
 /// Map `[off, off+n)` of a scatter list to pieces.
-fn map_pieces(pieces: &[Piece], mut off: u64, mut n: u64, out: &mut Vec<Option<Piece>>) {
+fn map_pieces(pieces: &[Piece], mut off: u64, mut n: u64, out: &mut Vec<Piece>) {
     for p in pieces {
         if n == 0 {
             break;
@@ -374,10 +387,10 @@ fn map_pieces(pieces: &[Piece], mut off: u64, mut n: u64, out: &mut Vec<Option<P
             continue;
         }
         let take = (p.len - off).min(n);
-        out.push(Some(Piece {
+        out.push(Piece {
             addr: p.addr + off,
             len: take,
-        }));
+        });
         n -= take;
         off = 0;
     }
@@ -391,7 +404,7 @@ unsafe fn scatter(pieces: &[Piece], off: u64, data: &[u8]) {
     let mut v = Vec::new();
     map_pieces(pieces, off, data.len() as u64, &mut v);
     let mut at = 0usize;
-    for p in v.into_iter().flatten() {
+    for p in v {
         std::ptr::copy_nonoverlapping(data.as_ptr().add(at), p.addr as *mut u8, p.len as usize);
         at += p.len as usize;
     }
@@ -399,6 +412,7 @@ unsafe fn scatter(pieces: &[Piece], off: u64, data: &[u8]) {
 
 impl QpCore {
     pub fn new(p: QpParams) -> QpCore {
+        let crc = p.crc;
         QpCore {
             p,
             state: QpState::Rts,
@@ -416,6 +430,7 @@ impl QpCore {
             anon: VecDeque::new(),
             rx: RxState::Hdr,
             stage: Stage {
+                all_staged: crc,
                 buf: vec![0u8; STAGE].into_boxed_slice(),
                 start: 0,
                 end: 0,
@@ -442,11 +457,7 @@ impl QpCore {
     // -----------------------------------------------------------------
     // Posting.
 
-    fn resolve(
-        &self,
-        sges: &[Sge],
-        need: Access,
-    ) -> Result<Resolved, WcStatus> {
+    fn resolve(&self, sges: &[Sge], need: Access) -> Result<Resolved, WcStatus> {
         let mut pieces = Vec::with_capacity(sges.len());
         let mut keep = Vec::with_capacity(sges.len());
         let mut len = 0u64;
@@ -1062,7 +1073,7 @@ impl QpCore {
                 }
                 let mut v = Vec::with_capacity(4);
                 map_pieces(&w.pieces, w.sent, n, &mut v);
-                for (i, p) in v.into_iter().flatten().enumerate().take(8) {
+                for (i, p) in v.into_iter().enumerate().take(8) {
                     f.pieces[i] = p;
                     f.npieces = i + 1;
                 }
@@ -1225,7 +1236,7 @@ impl QpCore {
         match self.rx {
             RxState::Discard => {
                 self.stage.start = self.stage.end;
-                if self.stage.fill(io)? == 0 {
+                if self.stage.fill(io, STAGE)? == 0 {
                     return Err(Self::eof());
                 }
                 self.stage.start = self.stage.end;
@@ -1270,17 +1281,9 @@ impl QpCore {
             }
             RxState::Payload => {
                 while self.dest_idx < self.dest.len() {
-                    let left;
-                    let dst = match self.dest[self.dest_idx] {
-                        Some(p) => {
-                            left = p.len - self.dest_off;
-                            Some((p.addr + self.dest_off) as *mut u8)
-                        }
-                        None => {
-                            left = self.seg.paylen as u64 - self.dest_off;
-                            None
-                        }
-                    };
+                    let p = self.dest[self.dest_idx];
+                    let left = p.len - self.dest_off;
+                    let dst = (p.addr != 0).then_some((p.addr + self.dest_off) as *mut u8);
                     if left == 0 {
                         self.dest_idx += 1;
                         self.dest_off = 0;
@@ -1419,7 +1422,7 @@ impl QpCore {
         let s = self.seg;
         let n = s.paylen as u64;
         if self.state == QpState::Error {
-            self.dest.push(None);
+            self.dest.push(Piece { addr: 0, len: n });
             self.rx = RxState::Payload;
             return;
         }
@@ -1467,7 +1470,7 @@ impl QpCore {
                         if let Some(c) = self.tagged.as_mut() {
                             c.next_to = s.to + n;
                         }
-                        self.dest.push(Some(Piece { addr, len: n }));
+                        self.dest.push(Piece { addr, len: n });
                     }
                 }
                 op::READ_RESP => {
@@ -1481,7 +1484,7 @@ impl QpCore {
                         if s.to != o.sink_to + o.got || o.got + n > o.len {
                             return self.fatal(term::DDP_T_BASE_BOUNDS, true);
                         }
-                        self.dest.push(Some(Piece { addr: s.to, len: n }));
+                        self.dest.push(Piece { addr: s.to, len: n });
                     }
                 }
                 _ => return self.fatal(term::RDMAP_OP_OPCODE, true),
@@ -1552,10 +1555,10 @@ impl QpCore {
                             let old = a.data.len();
                             a.data.resize(old + n as usize, 0);
                             if n > 0 {
-                                self.dest.push(Some(Piece {
+                                self.dest.push(Piece {
                                     addr: a.data.as_ptr() as u64 + old as u64,
                                     len: n,
-                                }));
+                                });
                             }
                         }
                     }
@@ -1605,13 +1608,16 @@ impl QpCore {
                     let k = (n as usize).min(wire::TERM_MAX);
                     self.ctl.fill(0);
                     if k > 0 {
-                        self.dest.push(Some(Piece {
+                        self.dest.push(Piece {
                             addr: self.ctl.as_ptr() as u64,
                             len: k as u64,
-                        }));
+                        });
                     }
                     if (n as usize) > k {
-                        self.dest.push(None);
+                        self.dest.push(Piece {
+                            addr: 0,
+                            len: n - k as u64,
+                        });
                     }
                 }
                 (q, _) if q > wire::QN_TERM => return self.fatal(term::DDP_UT_INVALID_QN, true),
