@@ -177,16 +177,7 @@ impl Hostile {
     /// Next status response, or None if the connection died / timeout.
     fn recv_status(&self, timeout: Duration) -> Option<StatusResponse> {
         let t = Instant::now();
-        let mut wc = [Wc {
-            wr_id: 0,
-            status: WcStatus::Success,
-            opcode: WcOpcode::Send,
-            byte_len: 0,
-            imm: None,
-            invalidated_rkey: None,
-            qp_num: 0,
-            vendor_err: 0,
-        }; 8];
+        let mut wc = [blank(); 8];
         while t.elapsed() < timeout {
             let n = self.cq.poll(&mut wc).unwrap_or(0);
             for w in &wc[..n] {
@@ -216,16 +207,7 @@ impl Hostile {
             if self.qp.state() == QpState::Error {
                 return true;
             }
-            let mut wc = [lwio_rdma::Wc {
-                wr_id: 0,
-                status: WcStatus::Success,
-                opcode: WcOpcode::Send,
-                byte_len: 0,
-                imm: None,
-                invalidated_rkey: None,
-                qp_num: 0,
-                vendor_err: 0,
-            }; 8];
+            let mut wc = [blank(); 8];
             let _ = self.cq.poll(&mut wc);
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -324,6 +306,28 @@ impl Hostile {
     }
 }
 
+fn blank() -> Wc {
+    Wc {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        invalidated_rkey: None,
+        qp_num: 0,
+        vendor_err: 0,
+    }
+}
+
+/// Open f.bin over a side channel; its resume key.
+fn open_key(side: &mut lwio::side::Client) -> SrvResumeKey {
+    let o = lwio::fs::OpenOptions {
+        read: true,
+        ..Default::default()
+    };
+    side.open("ex", "f.bin", &o, 0).unwrap().resume_key.key
+}
+
 const T: Duration = Duration::from_secs(5);
 
 #[test]
@@ -386,41 +390,16 @@ fn hostile_cases() {
         h.register_status(forged, h.session_id),
         STATUS_INVALID_HANDLE
     );
-    let rf = h
-        .side
-        .open(
-            "ex",
-            "f.bin",
-            &lwio::fs::OpenOptions {
-                read: true,
-                ..Default::default()
-            },
-            0,
-        )
-        .unwrap();
+    let rf = open_key(&mut h.side);
     assert_eq!(
-        h.register_status(rf.resume_key.key, h.session_id ^ 0x55),
+        h.register_status(rf, h.session_id ^ 0x55),
         STATUS_ACCESS_DENIED
     );
     let mut other = hostile(&e);
-    let rf2 = other
-        .side
-        .open(
-            "ex",
-            "f.bin",
-            &lwio::fs::OpenOptions {
-                read: true,
-                ..Default::default()
-            },
-            0,
-        )
-        .unwrap();
-    assert_eq!(
-        h.register_status(rf2.resume_key.key, h.session_id),
-        STATUS_ACCESS_DENIED
-    );
+    let rf2 = open_key(&mut other.side);
+    assert_eq!(h.register_status(rf2, h.session_id), STATUS_ACCESS_DENIED);
     // Its own key works.
-    let fid = h.register_key(rf.resume_key.key, h.session_id);
+    let fid = h.register_key(rf, h.session_id);
     assert!(fid != 0);
     // 5. Bogus Fid; offsets and lengths that overflow; too long a read.
     assert_eq!(
