@@ -131,8 +131,6 @@ fn hostile(e: &Env) -> Hostile {
     let mem = pd
         .alloc_mr(1 << 20, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
         .unwrap();
-    // Same workaround as the client engine (soft provider registration race).
-    std::thread::sleep(Duration::from_millis(10));
     Hostile {
         side,
         key: resp.key,

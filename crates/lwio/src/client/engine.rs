@@ -310,15 +310,6 @@ impl Engine {
             .spawn(move || progress_loop(weak))
             .map_err(|e| Error::Io(format!("cannot start the progress thread: {e}")))?;
         *e.progress.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
-        // Workaround (soft provider, uncommitted at the time of writing):
-        // `CtxShared::register` adds the accepted socket to epoll
-        // (edge-triggered) before inserting the QP in its table, so bytes
-        // that arrive in that window are only noticed at the next socket
-        // event. Give the server a moment to finish its accept before the
-        // first message. Remove once the provider registers in the other order.
-        if provider == "soft" {
-            std::thread::sleep(Duration::from_millis(10));
-        }
         // AUTH.
         {
             let mut st = lock(&e.st);
