@@ -13,6 +13,8 @@ pub mod cq;
 pub mod mem;
 pub mod qp;
 pub mod sys;
+#[cfg(test)]
+mod tests;
 pub mod wire;
 
 use std::collections::HashMap;

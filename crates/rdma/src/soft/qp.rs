@@ -711,6 +711,11 @@ impl QpCore {
         Ok(())
     }
 
+    /// The receive engine is between segments (for tests).
+    pub fn rx_idle(&self) -> bool {
+        self.rx == RxState::Hdr && self.hdr_have == 0
+    }
+
     /// Whether a receive-side drive is useful (the socket was left unread).
     pub fn rx_paused(&self) -> bool {
         self.rx == RxState::Place
