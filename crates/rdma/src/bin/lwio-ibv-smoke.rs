@@ -581,6 +581,84 @@ fn test_window_invalidate(ctx: &Context, ip: IpAddr) -> R<()> {
     Ok(())
 }
 
+/// A window must confine the peer to its range at byte granularity.
+fn test_window_bounds(ctx: &Context, ip: IpAddr) -> R<()> {
+    let p = pair(ctx, ip)?;
+    let smr = p.srv.pd.alloc_mr(LEN, RW).map_err(e("server mr"))?;
+    let cmr = p.cli.pd.alloc_mr(LEN, RW).map_err(e("client mr"))?;
+    let mw = p.srv.pd.alloc_mw().map_err(e("alloc_mw"))?;
+    let (off, len) = (4093u64, 1001u64);
+    let rkey = p
+        .srv
+        .qp
+        .bind_mw(
+            &mw,
+            &MwBind {
+                mr: &smr,
+                offset: off,
+                length: len,
+                access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+                one_shot: false,
+            },
+            91,
+            true,
+        )
+        .map_err(e("bind_mw"))?;
+    expect_ok(
+        wait_one(&p.srv.cq, Some(&p.srv.ch), 10)?,
+        WcOpcode::BindMw,
+        91,
+    )?;
+    // exactly the window: fine
+    cmr.fill(0, 2048, 0x77).map_err(e("fill"))?;
+    p.cli
+        .qp
+        .post_send(&[SendWr::new(
+            92,
+            SendOp::Write {
+                remote_addr: smr.addr() + off,
+                rkey,
+            },
+            &[cmr.sge(0, len as u32)],
+        )])
+        .map_err(e("post_send"))?;
+    expect_ok(wait_one(&p.cli.cq, None, 10)?, WcOpcode::RdmaWrite, 92)?;
+    // one byte more: refused, and nothing beyond the window is written
+    let edge = (off + len) as usize;
+    let before = {
+        let mut b = [0u8; 1];
+        smr.read_at(edge, &mut b).map_err(e("read_at"))?;
+        b[0]
+    };
+    let seen = expect_refused(
+        &p.cli.qp,
+        &p.cli.cq,
+        SendWr::new(
+            93,
+            SendOp::Write {
+                remote_addr: smr.addr() + off,
+                rkey,
+            },
+            &[cmr.sge(0, len as u32 + 1)],
+        ),
+        SendWr::new(
+            94,
+            SendOp::Read {
+                remote_addr: smr.addr() + off,
+                rkey,
+            },
+            &[cmr.sge(4096, 8)],
+        ),
+    )?;
+    println!("  write one byte past the window: {seen}");
+    let mut b = [0u8; 1];
+    smr.read_at(edge, &mut b).map_err(e("read_at"))?;
+    if b[0] != before {
+        return Err("the byte after the window was written".into());
+    }
+    Ok(())
+}
+
 fn test_protection(ctx: &Context, ip: IpAddr) -> R<()> {
     let p = pair(ctx, ip)?;
     let smr = p.srv.pd.alloc_mr(LEN, RW).map_err(e("server mr"))?;
@@ -673,6 +751,21 @@ fn test_no_listener(ctx: &Context, ip: IpAddr) -> R<()> {
     }
 }
 
+/// With two devices (`OTHER_IP` = an address of another RDMA device), a
+/// connect through this context to that address must fail clearly.
+fn test_other_device(ctx: &Context, other: IpAddr) -> R<()> {
+    let pd = ctx.alloc_pd().map_err(e("pd"))?;
+    let cq = ctx.create_cq(16, None).map_err(e("cq"))?;
+    match ctx.connect(next_addr(other), &qp_init(&pd, &cq), &ConnParams::default()) {
+        Err(Error::InvalidArgument(m)) => {
+            println!("  {m}");
+            Ok(())
+        }
+        Err(other) => Err(format!("expected InvalidArgument, got {other:?}")),
+        Ok(_) => Err("connected through the wrong device".into()),
+    }
+}
+
 fn main() {
     let prov = lwio_rdma::provider("verbs").expect("verbs provider compiled in");
     println!("verbs devices:");
@@ -729,6 +822,10 @@ fn main() {
     report(test_send_recv_write_read(&ctx, ip));
     report(test_window(&ctx, ip, &caps));
     report(vec![(
+        "window confines the peer (byte granularity)",
+        test_window_bounds(&ctx, ip),
+    )]);
+    report(vec![(
         "window local invalidate",
         test_window_invalidate(&ctx, ip),
     )]);
@@ -741,6 +838,15 @@ fn main() {
         "connect without listener fails",
         test_no_listener(&ctx, ip),
     )]);
+    if let Some(other) = std::env::var("OTHER_IP")
+        .ok()
+        .and_then(|v| v.parse::<IpAddr>().ok())
+    {
+        report(vec![(
+            "address of another device is refused",
+            test_other_device(&ctx, other),
+        )]);
+    }
     println!("{pass} passed, {fail} failed");
     std::process::exit(if fail == 0 { 0 } else { 1 });
 }
