@@ -9,6 +9,7 @@
 //! used on this host is still listed, with the reason, by `devices()`.
 
 pub mod conformance;
+pub mod ibv;
 pub mod perf;
 pub mod soft;
 pub mod verbs;
@@ -22,6 +23,7 @@ pub fn providers() -> Vec<Provider> {
     let mut v: Vec<Provider> = Vec::new();
     // provider registrations (one line per provider module):
     v.push(soft::provider());
+    v.push(ibv::provider());
     v
 }
 
