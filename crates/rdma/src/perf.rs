@@ -687,6 +687,10 @@ mod tests {
             },
             ..PerfOpts::default()
         };
+        crate::soft::qp::DIRECT_PLACEMENT.store(
+            env("PERF_DIRECT", "1") == "1",
+            std::sync::atomic::Ordering::Relaxed,
+        );
         println!("{}", run(&opts).unwrap());
     }
 }

@@ -232,7 +232,8 @@ impl ConnRequestOps for SoftConnRequest {
         let rep = MpaFrame {
             reply: true,
             flags: if crc { MPA_FLAG_CRC } else { 0 },
-            rev: if enhanced { MPA_REV_ENHANCED } else { 1 },
+            // Like siw: answer with the Request's revision.
+            rev: me.frame.rev,
             private: params.private_data.clone(),
             ird_ord: enhanced.then_some((ird as u16, ord as u16)),
         };
@@ -270,7 +271,7 @@ impl SoftConnRequest {
         let rep = MpaFrame {
             reply: true,
             flags: MPA_FLAG_REJECT,
-            rev: if enhanced { MPA_REV_ENHANCED } else { 1 },
+            rev: self.frame.rev,
             private: private_data.to_vec(),
             ird_ord: enhanced.then_some((0, 0)),
         };

@@ -44,6 +44,8 @@ pub trait Io {
 /// A socket as an [`Io`].
 pub struct SockIo(pub std::os::fd::RawFd);
 
+// SAFETY: both methods forward the caller's guarantees (the trait's
+// `# Safety` contract) unchanged to the system call wrappers.
 impl Io for SockIo {
     unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
         super::sys::read_raw(self.0, dst, len)
@@ -64,6 +66,12 @@ pub struct Piece {
 /// straight into the target memory instead of through the staging buffer.
 pub const STAGE: usize = 64 * 1024;
 pub const DIRECT_MIN: usize = 4096;
+/// Read large payloads straight into registered memory (default). Off, every
+/// byte goes through the staging buffer and is copied once; a switch for
+/// benchmarks that justify the choice.
+pub static DIRECT_PLACEMENT: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(true);
+
 /// How much a header/small read pulls into the staging buffer (CRC off).
 pub const HDR_FILL: usize = 1024;
 /// Per-message accounting overhead of an anonymous buffer (so zero-length
@@ -241,7 +249,8 @@ impl Stage {
     ) -> io::Result<usize> {
         if self.avail() == 0 {
             if let (Some(d), false) = (dst, self.all_staged) {
-                if len >= DIRECT_MIN {
+                if len >= DIRECT_MIN && DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
+                {
                     let n = io.read(d, len)?;
                     stats.direct += n as u64;
                     return Ok(n);
@@ -250,7 +259,9 @@ impl Stage {
             // Without CRC, read little beyond what is needed so that large
             // payloads are read straight into their target; with CRC every
             // byte passes through here anyway.
-            let limit = if self.all_staged {
+            let limit = if self.all_staged
+                || !DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
+            {
                 STAGE
             } else {
                 len.max(HDR_FILL)

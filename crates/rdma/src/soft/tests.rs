@@ -23,6 +23,9 @@ struct Pipe {
     output: Vec<u8>,
 }
 
+// SAFETY: `read` writes at most `len` bytes to `dst` (the caller's
+// contract) from our own vector; `writev` reads exactly the iovecs the
+// caller guarantees readable.
 impl Io for Pipe {
     unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
         let n = len.min(self.input.len() - self.pos).min(self.chunk.max(1));

@@ -285,7 +285,7 @@ impl MpaFrame {
         if pd_len > MPA_MAX_PD {
             return Err(format!("MPA PD_Length {pd_len} exceeds 512"));
         }
-        if h[17] != 1 && h[17] != 2 {
+        if h[17] > 2 {
             return Err(format!("MPA revision {} not supported", h[17]));
         }
         Ok((reply, h[16], h[17], pd_len))
