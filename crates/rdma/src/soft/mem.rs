@@ -235,11 +235,19 @@ impl MemTable {
 
     /// Invalidate a window key (local invalidate or a peer's Send with
     /// Invalidate). Regions registered with `reg_mr` cannot be invalidated.
-    pub fn invalidate(&self, stag_v: u32, pd: u32) -> Result<(), TermCode> {
+    /// `qpn`: for a peer's Send with Invalidate, the window must be bound to
+    /// this QP (its RDMAP stream).
+    pub fn invalidate(&self, stag_v: u32, pd: u32, qpn: Option<u32>) -> Result<(), TermCode> {
         match self.lookup(stag_v) {
             Some(Lookup::Mw(mw)) if mw.stag.load(Ordering::Acquire) == stag_v && mw.pd == pd => {
-                *mw.binding.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                Ok(())
+                let mut b = mw.binding.lock().unwrap_or_else(|e| e.into_inner());
+                match (b.as_ref(), qpn) {
+                    (Some(bind), Some(q)) if bind.qpn != q => Err(term::RDMAP_OP_CANNOT_INVALIDATE),
+                    _ => {
+                        *b = None;
+                        Ok(())
+                    }
+                }
             }
             _ => Err(term::RDMAP_OP_CANNOT_INVALIDATE),
         }

@@ -1,12 +1,66 @@
 //! `soft`: the IETF iWARP stack (MPA/DDP/RDMAP) in user space over TCP.
 //!
-//! One device, `soft0` (TCP on any interface). Each context owns an epoll fd
-//! over its QP sockets plus an eventfd; under [`Progress::Auto`] an engine
-//! thread waits on it, under [`Progress::Manual`] whoever polls a CQ, waits
-//! on a channel or calls [`Context::progress`] runs the same loop without
-//! blocking. Posting threads transmit directly (no wake-up needed).
+//! One device, `soft0` (TCP on any interface), transport iWARP. Wire
+//! compatible with Linux siw (checked against the siw-modelled `lwio-iwarp`
+//! crate in `tests/iwarp_interop.rs`).
 //!
-//! See `qp.rs` for the data path and `mem.rs` for keys and protection.
+//! # Threads and progress
+//! Each context owns an epoll fd over its QP sockets (edge-triggered) plus
+//! an eventfd. Under [`Progress::Auto`] an engine thread waits on it and
+//! does all receive work; under [`Progress::Manual`] whoever polls a CQ,
+//! waits on a channel or calls [`Context::progress`] runs the same loop
+//! without blocking (no engine thread, no cross-thread wake-up). In both
+//! models a posting thread transmits directly (`writev` under the QP lock),
+//! so a post never waits for a wake-up; a transmit that hits a full socket
+//! is finished by the next `EPOLLOUT` edge. A completion channel's fd is an
+//! eventfd (Auto) or an epoll fd over the eventfd and the context's epoll fd
+//! (Manual: readable = "call poll").
+//!
+//! # Data path (`qp.rs`)
+//! MPA enhanced mode (IRD/ORD), markers off, CRC32c negotiated; DDP tagged
+//! and untagged (QN 0 Send, 1 Read Request, 2 Terminate) with MSN/MO
+//! checks; RDMAP Send, Send with Invalidate (± solicited), RDMA Write, RDMA
+//! Read Request/Response, Terminate. No RFC 7306 (Write with Immediate):
+//! `caps.write_with_imm` is false.
+//!
+//! Each tagged segment is validated from its header alone (STag exists and
+//! key byte matches, same PD, window bound to this QP, access right, TO and
+//! length inside the region/window) *before* any payload byte is read; on a
+//! violation the payload is discarded, a Terminate with the exact
+//! layer/etype/ecode goes out, and the QP enters the error state. The
+//! requester maps the Terminate to `RemAccessErr` (protection) /
+//! `RemInvReqErr` / `RemOpErr` on its oldest unfinished WR, with the code in
+//! `vendor_err` (`layer << 12 | etype << 8 | ecode`). An RDMA Write
+//! completes locally once handed to TCP (like siw), so its rejection lands
+//! on the next outstanding WR (e.g. a Read), or only moves the QP to error.
+//!
+//! Placement: with CRC off, payload ≥ 4 KiB is `read(2)` straight into the
+//! registered memory; headers and small payloads come through a 64 KiB
+//! staging buffer (header fills are capped at 1 KiB so a large payload that
+//! follows is not swallowed by the stage) and are copied once. With CRC on,
+//! every byte is staged and checksummed from our own buffer, then copied
+//! once: we never form a Rust reference to registered memory, which the
+//! consumer may be reading concurrently. See the measurements in the crate
+//! report / `perf::tests::perf_adhoc` (`PERF_DIRECT=0` forces staging).
+//!
+//! Receive flow control (seed 003): Sends that find no posted receive are
+//! buffered per QP up to `Config::indicate_window` bytes (each message
+//! counted with 64 bytes of overhead so zero-length sends are bounded too);
+//! then the QP stops reading its socket, and TCP pushes back on the sender,
+//! until receives are posted, which are filled from the buffers in order.
+//!
+//! Every queue is bounded: SQ/RQ by the QP caps, inbound reads by IRD,
+//! outbound reads by ORD, CQs by their depth (overrun → `poll` error),
+//! staging by 64 KiB, anonymous buffering by the window, Terminate payloads
+//! by 64 bytes, MPA private data by 512 bytes.
+//!
+//! # Limits
+//! * `ConnParams::ird/ord` of 0 mean "provider default" (8); max 16.
+//! * RDMA Read sinks are a single SGE.
+//! * `disconnect` sends what is queued, then closes (FIN) and flushes; there
+//!   is no RDMAP-level graceful close (iWARP has none either).
+//! * MPA peer-to-peer RTR is answered implicitly (zero-length tagged
+//!   segments are accepted without an STag check) but never initiated.
 
 pub mod cm;
 pub mod cq;

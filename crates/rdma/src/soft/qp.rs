@@ -678,9 +678,12 @@ impl QpCore {
         if self.state == QpState::Error {
             return Err(Error::QpError);
         }
-        self.p.table.invalidate(rkey, self.p.pd).map_err(|_| {
-            Error::Protection(format!("key {rkey:#x} is not a bound window of this PD"))
-        })?;
+        self.p
+            .table
+            .invalidate(rkey, self.p.pd, None)
+            .map_err(|_| {
+                Error::Protection(format!("key {rkey:#x} is not a bound window of this PD"))
+            })?;
         self.post_local(wr_id, WcOpcode::LocalInv, signaled)
     }
 
@@ -1688,7 +1691,12 @@ impl QpCore {
                 self.cur_send = None;
                 self.msn_in[0] = self.msn_in[0].wrapping_add(1);
                 let inv = if s.opcode == op::SEND_INV || s.opcode == op::SEND_SE_INV {
-                    if self.p.table.invalidate(s.inv, self.p.pd).is_err() {
+                    if self
+                        .p
+                        .table
+                        .invalidate(s.inv, self.p.pd, Some(self.p.qpn))
+                        .is_err()
+                    {
                         return self.fatal(term::RDMAP_OP_CANNOT_INVALIDATE, false);
                     }
                     Some(s.inv)
