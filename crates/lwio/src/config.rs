@@ -1,7 +1,7 @@
 //! The server configuration file (TOML). Every key is documented in
 //! `docs/config.md`. Command-line flags override the file.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -9,6 +9,10 @@ use serde::{Deserialize, Deserializer};
 
 use crate::fs::backend::BackendChoice;
 use crate::fs::{validate_export_name, ExportSpec};
+use crate::side::access::{
+    check_password_hash, validate_user_name, Acl, TokenVerifier, UserCredentials, UserDb,
+    ANONYMOUS, ANY_USER,
+};
 use crate::side::codec::{DEFAULT_MAX_FRAME, HARD_MAX_FRAME, MIN_MAX_FRAME};
 use crate::units::parse_duration;
 
@@ -66,6 +70,21 @@ pub struct Limits {
     /// sessions are cut.
     #[serde(deserialize_with = "de_duration")]
     pub shutdown_grace: Duration,
+    /// Concurrent connections from one IP address (logged in or not).
+    pub max_connections_per_host: usize,
+    /// Concurrent logged-in sessions of one user (the shared token and
+    /// anonymous sessions count as one user each).
+    pub max_sessions_per_user: usize,
+    /// Connections not logged in yet, server-wide.
+    pub max_unauthenticated: usize,
+    /// New connections per second from one IP address (token bucket rate).
+    pub unauth_rate_per_host: u32,
+    /// Burst of new connections from one IP address.
+    pub unauth_burst_per_host: u32,
+    /// New connections per second, server-wide.
+    pub unauth_rate: u32,
+    /// Burst of new connections, server-wide.
+    pub unauth_burst: u32,
 }
 
 impl Default for Limits {
@@ -78,6 +97,13 @@ impl Default for Limits {
             max_open_files_per_session: 1024,
             resume_key_ttl: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
+            max_connections_per_host: 64,
+            max_sessions_per_user: 64,
+            max_unauthenticated: 128,
+            unauth_rate_per_host: 20,
+            unauth_burst_per_host: 40,
+            unauth_rate: 200,
+            unauth_burst: 400,
         }
     }
 }
@@ -110,7 +136,25 @@ pub enum ExportEntry {
         path: PathBuf,
         #[serde(default)]
         read_only: bool,
+        /// Who may read: user names, `"*"` (any authenticated user),
+        /// `"anonymous"`. Default: everyone who can log in.
+        #[serde(default)]
+        readers: Option<Vec<String>>,
+        /// Who may write (and read). Default: everyone who can log in.
+        #[serde(default)]
+        writers: Option<Vec<String>>,
     },
+}
+
+/// One `[users.NAME]` entry: an argon2id password hash and/or a per-user
+/// token verifier (both from `lwio hash-password`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct UserEntry {
+    /// argon2id PHC string.
+    pub password: Option<String>,
+    /// `lwio-token1$…` verifier of the user's token.
+    pub token: Option<String>,
 }
 
 /// The whole file.
@@ -125,6 +169,18 @@ pub struct Config {
     pub token_file: Option<PathBuf>,
     /// Accept logins without a token.
     pub allow_anonymous: bool,
+    /// TLS 1.3 on the side channel (default true).
+    pub tls: bool,
+    /// PEM certificate chain; with neither this nor `tls_key`, a self-signed
+    /// certificate is created beside the token file.
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: Option<PathBuf>,
+    /// Accept password logins over plain TCP (`tls = false`). Off by default:
+    /// the password would cross the network in clear.
+    pub allow_password_without_tls: bool,
+    /// Users by name.
+    pub users: BTreeMap<String, UserEntry>,
     /// RDMA provider for the data path.
     pub provider: ProviderChoice,
     /// Export name → directory.
@@ -140,6 +196,11 @@ impl Default for Config {
             server_name: None,
             token_file: None,
             allow_anonymous: false,
+            tls: true,
+            tls_cert: None,
+            tls_key: None,
+            allow_password_without_tls: false,
+            users: BTreeMap::new(),
             provider: ProviderChoice::Auto,
             exports: BTreeMap::new(),
             limits: Limits::default(),
@@ -186,16 +247,51 @@ impl Config {
         for name in self.exports.keys() {
             validate_export_name(name).map_err(ConfigError)?;
         }
+        self.user_db()?;
+        for (name, e) in &self.exports {
+            if let ExportEntry::Table {
+                readers, writers, ..
+            } = e
+            {
+                for (what, list) in [("readers", readers), ("writers", writers)] {
+                    for who in list.iter().flatten() {
+                        if who != ANY_USER && who != ANONYMOUS && !self.users.contains_key(who) {
+                            return Err(ConfigError(format!(
+                                "exports.{name}.{what}: unknown user {who:?} (define [users.{who}], or use \"*\" or \"anonymous\")"
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(ConfigError(
+                "tls_cert and tls_key go together: give both, or neither for a self-signed certificate".into(),
+            ));
+        }
         let l = &self.limits;
         if !(MIN_MAX_FRAME..=HARD_MAX_FRAME).contains(&l.max_frame) {
             return Err(ConfigError(format!(
                 "limits.max_frame must be between {MIN_MAX_FRAME} and {HARD_MAX_FRAME}"
             )));
         }
-        if l.max_sessions == 0 || l.max_open_files_per_session == 0 || self.io.workers == 0 {
-            return Err(ConfigError(
-                "limits.max_sessions, limits.max_open_files_per_session and io.workers must be at least 1".into(),
-            ));
+        for (k, v) in [
+            ("max_sessions", l.max_sessions),
+            ("max_open_files_per_session", l.max_open_files_per_session),
+            ("max_connections_per_host", l.max_connections_per_host),
+            ("max_sessions_per_user", l.max_sessions_per_user),
+            ("max_unauthenticated", l.max_unauthenticated),
+            ("unauth_rate_per_host", l.unauth_rate_per_host as usize),
+            ("unauth_burst_per_host", l.unauth_burst_per_host as usize),
+            ("unauth_rate", l.unauth_rate as usize),
+            ("unauth_burst", l.unauth_burst as usize),
+        ] {
+            if v == 0 {
+                return Err(ConfigError(format!("limits.{k} must be at least 1")));
+            }
+        }
+        if self.io.workers == 0 {
+            return Err(ConfigError("io.workers must be at least 1".into()));
         }
         for (k, d) in [
             ("idle_timeout", l.idle_timeout),
@@ -209,15 +305,72 @@ impl Config {
         Ok(())
     }
 
-    /// Add or replace an export (command-line `--export` overrides the file).
+    /// Add or replace an export (command-line `--export` overrides the file;
+    /// an export replaced this way keeps the file's access lists).
     pub fn set_export(&mut self, spec: &ExportSpec) {
+        let (readers, writers) = match self.exports.get(&spec.name) {
+            Some(ExportEntry::Table {
+                readers, writers, ..
+            }) => (readers.clone(), writers.clone()),
+            _ => (None, None),
+        };
         self.exports.insert(
             spec.name.clone(),
             ExportEntry::Table {
                 path: spec.path.clone(),
                 read_only: spec.read_only,
+                readers,
+                writers,
             },
         );
+    }
+
+    /// The configured users with parsed credentials.
+    pub fn user_db(&self) -> Result<UserDb, ConfigError> {
+        let mut db = UserDb::new();
+        for (name, u) in &self.users {
+            validate_user_name(name).map_err(|e| ConfigError(format!("users.{name}: {e}")))?;
+            if u.password.is_none() && u.token.is_none() {
+                return Err(ConfigError(format!(
+                    "users.{name}: give `password` (an argon2id hash) and/or `token` (a token verifier), both from `lwio hash-password`"
+                )));
+            }
+            if let Some(p) = &u.password {
+                check_password_hash(p)
+                    .map_err(|e| ConfigError(format!("users.{name}.password: {e}")))?;
+            }
+            let token = match &u.token {
+                Some(t) => Some(
+                    TokenVerifier::parse(t)
+                        .map_err(|e| ConfigError(format!("users.{name}.token: {e}")))?,
+                ),
+                None => None,
+            };
+            db.insert(
+                name.clone(),
+                UserCredentials {
+                    password: u.password.clone(),
+                    token,
+                },
+            );
+        }
+        Ok(db)
+    }
+
+    /// Access list of every export.
+    pub fn acls(&self) -> HashMap<String, Acl> {
+        self.exports
+            .iter()
+            .map(|(name, e)| {
+                let acl = match e {
+                    ExportEntry::Path(_) => Acl::default(),
+                    ExportEntry::Table {
+                        readers, writers, ..
+                    } => Acl::from_lists(readers.as_deref(), writers.as_deref()),
+                };
+                (name.clone(), acl)
+            })
+            .collect()
     }
 
     /// Exports as specs, sorted by name.
@@ -230,7 +383,9 @@ impl Config {
                     path: p.clone(),
                     read_only: false,
                 },
-                ExportEntry::Table { path, read_only } => ExportSpec {
+                ExportEntry::Table {
+                    path, read_only, ..
+                } => ExportSpec {
                     name: name.clone(),
                     path: path.clone(),
                     read_only: *read_only,

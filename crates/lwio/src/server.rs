@@ -26,10 +26,13 @@ use tokio::sync::Notify;
 use crate::config::{Config, IoConfig, Limits, ProviderChoice};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fs::backend::{open_backend, Backend};
-use crate::fs::table::{Denied, OpenFile, OpenFileTable, SessionId, SrvResumeKey};
+use crate::fs::table::{Denied, OpenFile, OpenFileTable, Rights, SessionId, SrvResumeKey};
 use crate::fs::{ExportSpec, Exports, ResolveMode};
+use crate::side::access::{Acl, Principal, UserDb};
+use crate::side::admission::Admission;
 use crate::side::auth::Token;
 use crate::side::negotiate::{AddressBlockRepr, Guid};
+use crate::side::tls::ServerIdentity;
 
 /// A 32-byte per-session secret; `Debug` does not show it.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -48,6 +51,10 @@ pub struct SessionInfo {
     pub peer: SocketAddr,
     pub client_name: String,
     pub anonymous: bool,
+    /// Who logged in (rights on exports follow from it).
+    pub principal: Principal,
+    /// Whether the side channel runs over TLS.
+    pub tls: bool,
     /// Derived from the token and both nonces; keys the RDMA AUTH signature.
     pub secret: SessionSecret,
 }
@@ -73,6 +80,38 @@ pub struct NegotiatedClient {
 pub struct AuthPolicy {
     pub token: Option<Token>,
     pub allow_anonymous: bool,
+}
+
+/// Users, access lists and transport security of the side channel (what
+/// [`AuthPolicy`] does not cover). `Default`: plain TCP, no users, every
+/// export open to everyone who may log in — what [`Server::bind`] uses.
+#[derive(Debug, Clone, Default)]
+pub struct Security {
+    /// TLS identity; `None` = plain TCP.
+    pub tls: Option<ServerIdentity>,
+    /// Configured users (password and/or per-user token).
+    pub users: UserDb,
+    /// Access list per export name; an export without one gets
+    /// [`Acl::default`].
+    pub acls: HashMap<String, Acl>,
+    /// Accept password logins over plain TCP.
+    pub allow_password_without_tls: bool,
+}
+
+impl Security {
+    /// Users, access lists and the password policy from a config; the TLS
+    /// identity is loaded separately (it may need creating).
+    pub fn from_config(c: &Config, tls: Option<ServerIdentity>) -> Result<Security> {
+        let users = c
+            .user_db()
+            .map_err(|e| Error::new(ErrorCode::InvalidArgument, e.0))?;
+        Ok(Security {
+            tls,
+            users,
+            acls: c.acls(),
+            allow_password_without_tls: c.allow_password_without_tls,
+        })
+    }
 }
 
 /// Cooperative shutdown, usable from async code and from threads.
@@ -155,6 +194,12 @@ pub struct ServerState {
     /// Configured provider choice for the RDMA phase.
     pub provider: ProviderChoice,
     pub(crate) auth: AuthPolicy,
+    /// Users, access lists, TLS.
+    pub security: Security,
+    /// Connection admission (per-host caps, rate limits).
+    pub admission: Arc<Admission>,
+    /// Bounds concurrent argon2 verifications (CPU and memory).
+    pub(crate) password_checks: Arc<tokio::sync::Semaphore>,
     sessions: Mutex<HashMap<SessionId, SessionInfo>>,
     negotiations: Mutex<HashMap<Guid, NegotiatedClient>>,
     rdma_endpoints: RwLock<Vec<AddressBlockRepr>>,
@@ -194,6 +239,23 @@ impl ServerState {
             return None;
         }
         Some(n)
+    }
+
+    /// Rights of `who` on export `export` (by its access list only; a
+    /// read-only export additionally refuses writes).
+    pub fn rights(&self, export: &str, who: &Principal) -> Rights {
+        match self.security.acls.get(export) {
+            Some(a) => a.rights(who),
+            None => Acl::default().rights(who),
+        }
+    }
+
+    /// Logged-in sessions of `who`.
+    pub fn sessions_of(&self, who: &Principal) -> usize {
+        lock(&self.sessions)
+            .values()
+            .filter(|s| &s.principal == who)
+            .count()
     }
 
     /// A logged-in session.
@@ -302,13 +364,27 @@ pub struct Server {
 }
 
 impl Server {
-    /// Open exports and the I/O backend, bind the side channel.
+    /// Open exports and the I/O backend, bind the side channel (plain TCP,
+    /// no users: [`Security::default`]).
     pub async fn bind(opts: ServerOptions) -> Result<Server> {
-        if opts.auth.token.is_none() && !opts.auth.allow_anonymous {
+        Server::bind_secure(opts, Security::default()).await
+    }
+
+    /// [`Server::bind`] with users, access lists and TLS.
+    pub async fn bind_secure(opts: ServerOptions, security: Security) -> Result<Server> {
+        if opts.auth.token.is_none() && !opts.auth.allow_anonymous && security.users.is_empty() {
             return Err(Error::new(
                 ErrorCode::InvalidArgument,
-                "no token and anonymous access disabled: nobody could log in",
+                "no token, no users and anonymous access disabled: nobody could log in",
             ));
+        }
+        for name in security.acls.keys() {
+            if !opts.exports.iter().any(|e| &e.name == name) {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("access list for unknown export {name:?}"),
+                ));
+            }
         }
         if opts.server_name.is_empty()
             || opts.server_name.encode_utf16().count() > crate::fs::table::MAX_SERVER_NAME
@@ -340,6 +416,9 @@ impl Server {
             limits: opts.limits.clone(),
             provider: opts.provider,
             auth: opts.auth.clone(),
+            admission: Arc::new(Admission::new(&opts.limits)),
+            password_checks: Arc::new(tokio::sync::Semaphore::new(2)),
+            security,
             sessions: Mutex::new(HashMap::new()),
             negotiations: Mutex::new(HashMap::new()),
             rdma_endpoints: RwLock::new(Vec::new()),

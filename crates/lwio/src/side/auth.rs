@@ -204,14 +204,30 @@ pub fn nonce() -> [u8; NONCE_LEN] {
     n
 }
 
-/// How a client logs in.
-#[derive(Clone, PartialEq, Eq, Debug)]
+/// How a client logs in. `Debug` does not show secrets.
+#[derive(Clone, PartialEq, Eq)]
 pub enum Login {
     /// No credentials; the server must allow anonymous access.
     Anonymous,
     /// Shared-token challenge-response.
     Token(Token),
-    // Later: Password { user: String, password: String } (with TLS).
+    /// User + password. Sent to the server (which stores only a salted
+    /// argon2id hash), so only over TLS unless
+    /// `ClientOptions::allow_plain_password`.
+    Password { user: String, password: String },
+    /// User + per-user token, challenge-response (the token is never sent).
+    UserToken { user: String, token: Token },
+}
+
+impl std::fmt::Debug for Login {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Login::Anonymous => f.write_str("Anonymous"),
+            Login::Token(t) => write!(f, "Token({t:?})"),
+            Login::Password { user, .. } => write!(f, "Password({user}, <redacted>)"),
+            Login::UserToken { user, .. } => write!(f, "UserToken({user}, <redacted>)"),
+        }
+    }
 }
 
 #[cfg(test)]

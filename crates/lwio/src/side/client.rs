@@ -6,9 +6,11 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
+use super::access;
 use super::auth::{self, Login};
 use super::codec::*;
 use super::negotiate::{self, NegotiateRequestRepr, NegotiateResponseRepr};
+use super::tls::{self, ClientTls, SideStream};
 use crate::error::{Error, ErrorCode, Result};
 use crate::fs::table::{decode_request_resume_key, SrvRequestResumeKey};
 use crate::fs::{Attr, DirEntry, OpenOptions};
@@ -25,6 +27,12 @@ pub struct ClientOptions {
     pub request_timeout: Duration,
     /// Largest response accepted.
     pub max_frame: u32,
+    /// Transport security. The library default is [`ClientTls::Off`] (plain
+    /// TCP, for embedded and test servers); the `lwio` CLI defaults to
+    /// verified TLS.
+    pub tls: ClientTls,
+    /// Send a password even over plain TCP (the server must allow it too).
+    pub allow_plain_password: bool,
 }
 
 impl ClientOptions {
@@ -35,6 +43,8 @@ impl ClientOptions {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             max_frame: HARD_MAX_FRAME,
+            tls: ClientTls::Off,
+            allow_plain_password: false,
         }
     }
 }
@@ -46,6 +56,10 @@ pub struct Session {
     /// The per-session secret; keys the RDMA-phase AUTH signature.
     pub secret: SessionSecret,
     pub anonymous: bool,
+    /// The user logged in as (password or per-user token logins).
+    pub user: Option<String>,
+    /// Whether the side channel runs over TLS.
+    pub tls: bool,
     pub server_name: String,
     pub version: u16,
 }
@@ -63,7 +77,7 @@ pub struct RemoteFile {
 
 /// Async side-channel client over any byte stream.
 #[derive(Debug)]
-pub struct AsyncClient<S = TcpStream> {
+pub struct AsyncClient<S = SideStream> {
     stream: S,
     next_id: u32,
     session: Session,
@@ -78,9 +92,9 @@ fn lost(e: impl std::fmt::Display) -> Error {
     )
 }
 
-impl AsyncClient<TcpStream> {
-    /// Connect to `addr` (`host:port`) and log in.
-    pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AsyncClient<TcpStream>> {
+impl AsyncClient<SideStream> {
+    /// Connect to `addr` (`host:port`), run TLS as `opts.tls` says, log in.
+    pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AsyncClient<SideStream>> {
         let stream =
             match tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr)).await {
                 Err(_) => {
@@ -106,13 +120,25 @@ impl AsyncClient<TcpStream> {
                 Ok(Ok(s)) => s,
             };
         let _ = stream.set_nodelay(true);
-        AsyncClient::handshake(stream, opts).await
+        let stream = tls::connect(stream, addr, &opts.tls, opts.connect_timeout).await?;
+        let secure = stream.is_tls();
+        AsyncClient::handshake_over(stream, opts, secure).await
     }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
-    /// Hello + login over an established stream.
+    /// Hello + login over an established stream, taken to be plain (no
+    /// password over it unless `opts.allow_plain_password`).
     pub async fn handshake(stream: S, opts: &ClientOptions) -> Result<AsyncClient<S>> {
+        AsyncClient::handshake_over(stream, opts, false).await
+    }
+
+    /// Hello + login; `secure`: the stream is TLS (or otherwise protected).
+    pub async fn handshake_over(
+        stream: S,
+        opts: &ClientOptions,
+        secure: bool,
+    ) -> Result<AsyncClient<S>> {
         let mut c = AsyncClient {
             stream,
             next_id: 1,
@@ -120,6 +146,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
                 id: 0,
                 secret: SessionSecret([0; 32]),
                 anonymous: true,
+                user: None,
+                tls: secure,
                 server_name: String::new(),
                 version: 0,
             },
@@ -149,28 +177,67 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
             ));
         }
         c.max_frame = c.max_frame.min(max_frame.max(MIN_MAX_FRAME));
-        let (req, token, cn) = match &opts.login {
+        let cn = auth::nonce();
+        let sn = server_nonce;
+        let no = |m: &str| Error::new(ErrorCode::AuthFailed, m);
+        // (request, session secret, expected server proof check, user)
+        let (req, secret, user): (LoginRequest, [u8; MAC_LEN], Option<String>) = match &opts.login {
             Login::Anonymous => {
                 if auth_methods & AUTH_ANONYMOUS == 0 {
-                    return Err(Error::new(
-                        ErrorCode::AuthFailed,
+                    return Err(no(
                         "the server requires a token (use --token-file FILE or set LWIO_TOKEN)",
                     ));
                 }
-                (LoginRequest::Anonymous, None, [0u8; NONCE_LEN])
-            }
-            Login::Token(t) => {
-                let cn = auth::nonce();
-                let proof = auth::client_proof(t, &server_nonce, &cn);
                 (
-                    LoginRequest::Token {
-                        client_nonce: cn,
-                        proof,
-                    },
-                    Some(t),
-                    cn,
+                    LoginRequest::Anonymous,
+                    auth::session_secret(None, &sn, &[0u8; NONCE_LEN]),
+                    None,
                 )
             }
+            Login::Token(t) => (
+                LoginRequest::Token {
+                    client_nonce: cn,
+                    proof: auth::client_proof(t, &sn, &cn),
+                },
+                auth::session_secret(Some(t), &sn, &cn),
+                None,
+            ),
+            Login::Password { user, password } => {
+                if !secure && !opts.allow_plain_password {
+                    return Err(no(
+                        "refusing to send a password over plain TCP: use TLS (or a token)",
+                    ));
+                }
+                if auth_methods & AUTH_PASSWORD == 0 {
+                    return Err(no(if secure {
+                        "the server does not accept password logins"
+                    } else {
+                        "the server does not accept password logins over plain TCP"
+                    }));
+                }
+                (
+                    LoginRequest::Password {
+                        user: user.clone(),
+                        password: password.clone(),
+                        client_nonce: cn,
+                    },
+                    access::user_session_secret(password.as_bytes(), &sn, &cn),
+                    Some(user.clone()),
+                )
+            }
+            Login::UserToken { user, token } => (
+                LoginRequest::UserToken {
+                    user: user.clone(),
+                    client_nonce: cn,
+                    proof: access::user_token_proof(token.expose(), user, &sn, &cn),
+                },
+                access::user_session_secret(
+                    &access::user_token_client_key(token.expose()),
+                    &sn,
+                    &cn,
+                ),
+                Some(user.clone()),
+            ),
         };
         let r = c.call(Request::Login(req)).await?;
         let Response::LoginOk {
@@ -180,18 +247,30 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         else {
             return Err(unexpected(&r));
         };
-        if let Some(t) = token {
-            if !auth::verify_server_proof(t, &server_nonce, &cn, &server_proof) {
-                return Err(Error::new(
-                    ErrorCode::AuthFailed,
-                    "the server could not prove it knows the token (wrong server?)",
-                ));
-            }
+        let server_ok = match &opts.login {
+            Login::Token(t) => auth::verify_server_proof(t, &sn, &cn, &server_proof),
+            Login::UserToken { user, token } => access::verify_user_token_server_proof(
+                token.expose(),
+                user,
+                &sn,
+                &cn,
+                &server_proof,
+            ),
+            // Nothing to prove with a password (TLS authenticates the
+            // server) or anonymously.
+            Login::Anonymous | Login::Password { .. } => true,
+        };
+        if !server_ok {
+            return Err(no(
+                "the server could not prove it knows the token (wrong server?)",
+            ));
         }
         c.session = Session {
             id: session_id,
-            secret: SessionSecret(auth::session_secret(token, &server_nonce, &cn)),
-            anonymous: token.is_none(),
+            secret: SessionSecret(secret),
+            anonymous: matches!(opts.login, Login::Anonymous),
+            user,
+            tls: secure,
             server_name,
             version,
         };
@@ -446,7 +525,7 @@ fn unexpected(r: &Response) -> Error {
 #[derive(Debug)]
 pub struct Client {
     rt: tokio::runtime::Runtime,
-    inner: AsyncClient<TcpStream>,
+    inner: AsyncClient<SideStream>,
 }
 
 impl Client {

@@ -34,6 +34,10 @@ pub const MAC_LEN: usize = 32;
 /// `auth_methods` bits in [`Response::Hello`].
 pub const AUTH_TOKEN: u32 = 1;
 pub const AUTH_ANONYMOUS: u32 = 2;
+/// User + password (method 2; offered only over TLS unless configured).
+pub const AUTH_PASSWORD: u32 = 4;
+/// User + per-user token challenge-response (method 3).
+pub const AUTH_USER_TOKEN: u32 = 8;
 
 /// Open `access` bits.
 pub const ACCESS_READ: u32 = 1;
@@ -48,8 +52,8 @@ pub const OPEN_NO_BUFFERING: u32 = 0x8;
 pub const OPEN_WRITE_THROUGH: u32 = 0x10;
 const OPEN_KNOWN: u32 = 0x1f;
 
-/// Login method of [`Request::Login`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Login method of [`Request::Login`]. `Debug` hides passwords.
+#[derive(Clone, PartialEq, Eq)]
 pub enum LoginRequest {
     /// Method 0: only when the server allows anonymous access.
     Anonymous,
@@ -58,7 +62,46 @@ pub enum LoginRequest {
         client_nonce: [u8; NONCE_LEN],
         proof: [u8; MAC_LEN],
     },
-    // Method 2 (reserved): user + password, with TLS.
+    /// Method 2: user + password (the server refuses it over plain TCP
+    /// unless configured otherwise; see docs/security.md).
+    Password {
+        user: String,
+        password: String,
+        client_nonce: [u8; NONCE_LEN],
+    },
+    /// Method 3: user + per-user token, SCRAM-style (see `side::access`).
+    UserToken {
+        user: String,
+        client_nonce: [u8; NONCE_LEN],
+        proof: [u8; MAC_LEN],
+    },
+}
+
+impl std::fmt::Debug for Redacted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// Keeps passwords out of `Debug` output.
+struct Redacted<'a>(#[allow(dead_code)] &'a str);
+
+impl std::fmt::Debug for LoginRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LoginRequest::Anonymous => f.write_str("Anonymous"),
+            LoginRequest::Token { .. } => f.write_str("Token { .. }"),
+            LoginRequest::Password { user, password, .. } => f
+                .debug_struct("Password")
+                .field("user", user)
+                .field("password", &Redacted(password))
+                .finish_non_exhaustive(),
+            LoginRequest::UserToken { user, .. } => f
+                .debug_struct("UserToken")
+                .field("user", user)
+                .finish_non_exhaustive(),
+        }
+    }
 }
 
 /// Client → server messages.
@@ -383,6 +426,26 @@ impl Request {
                         w.raw(client_nonce);
                         w.raw(proof);
                     }
+                    LoginRequest::Password {
+                        user,
+                        password,
+                        client_nonce,
+                    } => {
+                        w.u8(2);
+                        w.str(user);
+                        w.str(password);
+                        w.raw(client_nonce);
+                    }
+                    LoginRequest::UserToken {
+                        user,
+                        client_nonce,
+                        proof,
+                    } => {
+                        w.u8(3);
+                        w.str(user);
+                        w.raw(client_nonce);
+                        w.raw(proof);
+                    }
                 }
             }
             Request::ListExports => w = W::head(ty::LIST_EXPORTS, id),
@@ -485,6 +548,16 @@ impl Request {
             ty::LOGIN => match r.u8()? {
                 0 => Request::Login(LoginRequest::Anonymous),
                 1 => Request::Login(LoginRequest::Token {
+                    client_nonce: r.arr()?,
+                    proof: r.arr()?,
+                }),
+                2 => Request::Login(LoginRequest::Password {
+                    user: r.str()?,
+                    password: r.str()?,
+                    client_nonce: r.arr()?,
+                }),
+                3 => Request::Login(LoginRequest::UserToken {
+                    user: r.str()?,
                     client_nonce: r.arr()?,
                     proof: r.arr()?,
                 }),

@@ -1,16 +1,19 @@
-//! The side-channel server: one task per connection, generic over the
-//! transport (`AsyncRead + AsyncWrite`) so TLS can wrap it later.
+//! The side-channel server: admission control at accept, then one task per
+//! connection: TLS detection and handshake, hello, login, requests. The
+//! session code is generic over the transport (`AsyncRead + AsyncWrite`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
+use super::access::{self, Principal};
+use super::admission::ConnGuard;
 use super::auth;
 use super::codec::*;
 use super::negotiate;
@@ -19,39 +22,73 @@ use crate::fs::table::Rights;
 use crate::fs::OpenOptions;
 use crate::server::{NegotiatedClient, ServerState, SessionInfo, SessionSecret, Shutdown};
 
+/// Message a TLS client gets from a plain server.
+pub const NOT_TLS_MSG: &str =
+    "this server does not use TLS (tls = false): connect with --no-tls, or enable TLS on the server";
+/// Message a plain client gets from a TLS server.
+pub const TLS_REQUIRED_MSG: &str =
+    "this server requires TLS: connect without --no-tls (pin its certificate with --fingerprint, or use --ca)";
+
+/// Best effort, never blocks: one error frame into the socket buffer.
+fn refuse_now(stream: &TcpStream, code: ErrorCode, msg: &str) {
+    let body = Response::Error(Error::new(code, msg)).encode(0);
+    let mut buf = Vec::with_capacity(4 + body.len());
+    buf.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&body);
+    let _ = stream.try_write(&buf);
+}
+
 /// Accept connections until `shutdown` triggers, then wait for sessions to
 /// finish their in-flight request (bounded by `limits.shutdown_grace`).
 pub async fn accept_loop(listener: TcpListener, state: Arc<ServerState>, shutdown: Shutdown) {
     let slots = Arc::new(Semaphore::new(state.limits.max_sessions));
     let mut tasks = JoinSet::new();
     if let Ok(a) = listener.local_addr() {
-        info!(addr = %a, "side channel listening");
+        info!(addr = %a, tls = state.security.tls.is_some(), "side channel listening");
     }
+    // Refusals are logged at most once a second, with a count.
+    let mut refused_since_log = 0u64;
+    let mut last_log = Instant::now() - Duration::from_secs(2);
     loop {
         tokio::select! {
             _ = shutdown.wait() => break,
             acc = listener.accept() => match acc {
                 Ok((stream, peer)) => {
+                    let guard = match state.admission.admit(peer.ip()) {
+                        Ok(g) => g,
+                        Err(why) => {
+                            refuse_now(&stream, ErrorCode::Busy, why.message());
+                            drop(stream);
+                            refused_since_log += 1;
+                            if last_log.elapsed() >= Duration::from_secs(1) {
+                                warn!(%peer, reason = ?why, refused = refused_since_log, "refusing connections");
+                                refused_since_log = 0;
+                                last_log = Instant::now();
+                            }
+                            continue;
+                        }
+                    };
                     let _ = stream.set_nodelay(true);
-                    let st = state.clone();
-                    let sd = shutdown.clone();
                     match slots.clone().try_acquire_owned() {
                         Ok(permit) => {
-                            tasks.spawn(async move {
-                                serve_connection(st, stream, peer, sd).await;
-                                drop(permit);
-                            });
+                            let st = state.clone();
+                            let sd = shutdown.clone();
+                            tasks.spawn(connection(st, stream, peer, sd, guard, permit));
                         }
                         Err(_) => {
                             warn!(%peer, "session limit reached; refusing connection");
-                            tasks.spawn(refuse_busy(stream, st.limits.max_sessions));
+                            refuse_now(
+                                &stream,
+                                ErrorCode::Busy,
+                                &format!("server busy: {} sessions already open", state.limits.max_sessions),
+                            );
                         }
                     }
                 }
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
                     warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
@@ -74,16 +111,94 @@ pub async fn accept_loop(listener: TcpListener, state: Arc<ServerState>, shutdow
     }
 }
 
-async fn refuse_busy(mut stream: tokio::net::TcpStream, max: usize) {
-    let e = Error::new(
-        ErrorCode::Busy,
-        format!("server busy: {max} sessions already open"),
-    );
-    let _ = tokio::time::timeout(
-        std::time::Duration::from_secs(2),
-        write_frame(&mut stream, &Response::Error(e).encode(0)),
-    )
+/// Does the client open with a TLS record (`16 03`)? Waits for two bytes.
+async fn starts_with_tls(stream: &TcpStream) -> std::io::Result<bool> {
+    let mut b = [0u8; 2];
+    loop {
+        let n = stream.peek(&mut b).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if b[0] != 0x16 {
+            return Ok(false);
+        }
+        if n >= 2 {
+            return Ok(b[1] == 0x03);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Answer a client that speaks the wrong transport with one plain error
+/// frame, then close cleanly (drain what it sent so the close is a FIN, not
+/// a reset that could destroy our answer).
+async fn wrong_transport(mut stream: TcpStream, msg: &str) {
+    let e = Error::new(ErrorCode::Unsupported, msg);
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = write_frame(&mut stream, &Response::Error(e).encode(0)).await;
+        let _ = stream.shutdown().await;
+        let mut sink = [0u8; 4096];
+        let mut total = 0;
+        while total < 1 << 16 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => total += n,
+            }
+        }
+    })
     .await;
+}
+
+async fn connection(
+    state: Arc<ServerState>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    shutdown: Shutdown,
+    guard: ConnGuard,
+    permit: OwnedSemaphorePermit,
+) {
+    let started = Instant::now();
+    let login_timeout = state.limits.login_timeout;
+    let tls = tokio::select! {
+        biased;
+        _ = shutdown.wait() => return,
+        r = tokio::time::timeout(login_timeout, starts_with_tls(&stream)) => match r {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                debug!(%peer, error = %e, "closed before saying anything");
+                return;
+            }
+            Err(_) => {
+                info!(%peer, "login timeout (no data); closing");
+                return;
+            }
+        },
+    };
+    match (&state.security.tls, tls) {
+        (Some(id), true) => {
+            let acceptor = tokio_rustls::TlsAcceptor::from(id.config.clone());
+            let left = login_timeout.saturating_sub(started.elapsed());
+            match tokio::time::timeout(left, acceptor.accept(stream)).await {
+                Ok(Ok(s)) => {
+                    serve_session(state, s, peer, true, Some(guard), started, shutdown).await
+                }
+                Ok(Err(e)) => info!(%peer, error = %e, "TLS handshake failed"),
+                Err(_) => info!(%peer, "login timeout during the TLS handshake"),
+            }
+        }
+        (Some(_), false) => {
+            info!(%peer, "plain-TCP client on a TLS side channel; refused");
+            wrong_transport(stream, TLS_REQUIRED_MSG).await;
+        }
+        (None, true) => {
+            info!(%peer, "TLS client on a plain-TCP side channel; refused");
+            wrong_transport(stream, NOT_TLS_MSG).await;
+        }
+        (None, false) => {
+            serve_session(state, stream, peer, false, Some(guard), started, shutdown).await
+        }
+    }
+    drop(permit);
 }
 
 enum Phase {
@@ -94,22 +209,37 @@ enum Phase {
     },
     Ready {
         session: u64,
+        principal: Principal,
     },
 }
 
-/// Serve one connection to completion.
+/// Serve one connection to completion over an already established transport
+/// (`tls`: whether it is TLS), without admission accounting.
 pub async fn serve_connection<S>(
     state: Arc<ServerState>,
-    mut stream: S,
+    stream: S,
     peer: SocketAddr,
     shutdown: Shutdown,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    serve_session(state, stream, peer, false, None, Instant::now(), shutdown).await
+}
+
+async fn serve_session<S>(
+    state: Arc<ServerState>,
+    mut stream: S,
+    peer: SocketAddr,
+    tls: bool,
+    mut guard: Option<ConnGuard>,
+    started: Instant,
+    shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
     let mut phase = Phase::Hello;
-    let started = Instant::now();
     let max = state.limits.max_frame;
-    debug!(%peer, "connection");
+    debug!(%peer, tls, "connection");
     loop {
         let limit = match phase {
             Phase::Ready { .. } => state.limits.idle_timeout,
@@ -157,7 +287,12 @@ pub async fn serve_connection<S>(
                 break;
             }
         };
-        let (resp, close) = step(&state, &mut phase, peer, req).await;
+        let (resp, close) = step(&state, &mut phase, peer, tls, req).await;
+        if matches!(phase, Phase::Ready { .. }) {
+            if let Some(g) = guard.as_mut() {
+                g.authenticated();
+            }
+        }
         let mut out = resp.encode(id);
         if out.len() > max as usize {
             out = Response::Error(Error::new(ErrorCode::FrameTooLarge, "response too large"))
@@ -167,14 +302,37 @@ pub async fn serve_connection<S>(
             break;
         }
     }
-    if let Phase::Ready { session } = phase {
+    if let Phase::Ready { session, .. } = phase {
         state.end_session(session);
         info!(%peer, session, "session closed");
     }
+    drop(guard);
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> Response {
     Response::Error(Error::new(code, msg))
+}
+
+/// Verify a password off the async threads, at most two at a time.
+async fn check_password(state: &Arc<ServerState>, user: &str, password: String) -> bool {
+    let phc = state
+        .security
+        .users
+        .get(user)
+        .and_then(|u| u.password.clone());
+    let Ok(_permit) = state.password_checks.clone().acquire_owned().await else {
+        return false;
+    };
+    tokio::task::spawn_blocking(move || match phc {
+        Some(h) => access::verify_password(&h, &password),
+        None => {
+            // Same work for unknown users: no user enumeration by timing.
+            let _ = access::verify_password(access::dummy_password_hash(), &password);
+            false
+        }
+    })
+    .await
+    .unwrap_or(false)
 }
 
 /// Handle one request; returns the response and whether to close afterwards.
@@ -182,6 +340,7 @@ async fn step(
     state: &Arc<ServerState>,
     phase: &mut Phase,
     peer: SocketAddr,
+    tls: bool,
     req: Request,
 ) -> (Response, bool) {
     match (&*phase, req) {
@@ -204,12 +363,21 @@ async fn step(
                 );
             }
             let server_nonce = auth::nonce();
+            let sec = &state.security;
             let mut methods = 0;
             if state.auth.token.is_some() {
                 methods |= AUTH_TOKEN;
             }
             if state.auth.allow_anonymous {
                 methods |= AUTH_ANONYMOUS;
+            }
+            if sec.users.values().any(|u| u.password.is_some())
+                && (tls || sec.allow_password_without_tls)
+            {
+                methods |= AUTH_PASSWORD;
+            }
+            if sec.users.values().any(|u| u.token.is_some()) {
+                methods |= AUTH_USER_TOKEN;
             }
             *phase = Phase::Login {
                 server_nonce,
@@ -234,57 +402,38 @@ async fn step(
             Request::Login(l),
         ) => {
             let sn = *server_nonce;
-            let (secret, proof, anonymous) = match l {
-                LoginRequest::Anonymous => {
-                    if !state.auth.allow_anonymous {
-                        warn!(%peer, "anonymous login refused");
-                        return (
-                            err(ErrorCode::AuthFailed, "anonymous access is not allowed on this server; a token is required"),
-                            true,
-                        );
-                    }
-                    (
-                        auth::session_secret(None, &sn, &[0; NONCE_LEN]),
-                        [0u8; MAC_LEN],
-                        true,
-                    )
-                }
-                LoginRequest::Token {
-                    client_nonce,
-                    proof,
-                } => {
-                    let Some(token) = &state.auth.token else {
-                        return (
-                            err(
-                                ErrorCode::AuthFailed,
-                                "this server does not accept token logins",
-                            ),
-                            true,
-                        );
-                    };
-                    if !auth::verify_client_proof(token, &sn, &client_nonce, &proof) {
-                        warn!(%peer, "login failed: wrong token");
-                        return (
-                            err(ErrorCode::AuthFailed, "authentication failed: wrong token"),
-                            true,
-                        );
-                    }
-                    (
-                        auth::session_secret(Some(token), &sn, &client_nonce),
-                        auth::server_proof(token, &sn, &client_nonce),
-                        false,
-                    )
-                }
+            let client_name = client_name.clone();
+            let (secret, proof, principal) = match login(state, peer, tls, &sn, l).await {
+                Ok(x) => x,
+                Err(e) => return (Response::Error(e), true),
             };
+            let have = state.sessions_of(&principal);
+            if have >= state.limits.max_sessions_per_user {
+                warn!(%peer, who = %principal, have, "per-user session limit reached");
+                return (
+                    err(
+                        ErrorCode::Busy,
+                        format!(
+                            "{} already has {have} sessions (limit {})",
+                            principal.describe(),
+                            state.limits.max_sessions_per_user
+                        ),
+                    ),
+                    true,
+                );
+            }
+            let anonymous = principal == Principal::Anonymous;
             let session = state.register_session(SessionInfo {
                 id: 0,
                 peer,
                 client_name: client_name.clone(),
                 anonymous,
+                principal: principal.clone(),
+                tls,
                 secret: SessionSecret(secret),
             });
-            info!(%peer, session, client = %client_name, anonymous, "login");
-            *phase = Phase::Ready { session };
+            info!(%peer, session, client = %client_name, who = %principal, tls, "login");
+            *phase = Phase::Ready { session, principal };
             (
                 Response::LoginOk {
                     session_id: session,
@@ -293,9 +442,10 @@ async fn step(
                 false,
             )
         }
-        (Phase::Ready { session }, req) => {
+        (Phase::Ready { session, principal }, req) => {
             let session = *session;
-            match handle(state, session, req).await {
+            let principal = principal.clone();
+            match handle(state, session, &principal, req).await {
                 Ok(r) => (r, false),
                 Err(e) => {
                     debug!(session, code = ?e.code, error = %e, "request failed");
@@ -308,6 +458,121 @@ async fn step(
     }
 }
 
+type LoginOk = ([u8; MAC_LEN], [u8; MAC_LEN], Principal);
+
+/// Check a login; (session secret, server proof, principal).
+async fn login(
+    state: &Arc<ServerState>,
+    peer: SocketAddr,
+    tls: bool,
+    sn: &[u8; NONCE_LEN],
+    l: LoginRequest,
+) -> Result<LoginOk, Error> {
+    let fail = |m: &str| Error::new(ErrorCode::AuthFailed, m);
+    match l {
+        LoginRequest::Anonymous => {
+            if !state.auth.allow_anonymous {
+                warn!(%peer, "anonymous login refused");
+                return Err(fail(
+                    "anonymous access is not allowed on this server; a token is required",
+                ));
+            }
+            Ok((
+                auth::session_secret(None, sn, &[0; NONCE_LEN]),
+                [0u8; MAC_LEN],
+                Principal::Anonymous,
+            ))
+        }
+        LoginRequest::Token {
+            client_nonce,
+            proof,
+        } => {
+            let Some(token) = &state.auth.token else {
+                return Err(fail("this server does not accept token logins"));
+            };
+            if !auth::verify_client_proof(token, sn, &client_nonce, &proof) {
+                warn!(%peer, "login failed: wrong token");
+                return Err(fail("authentication failed: wrong token"));
+            }
+            Ok((
+                auth::session_secret(Some(token), sn, &client_nonce),
+                auth::server_proof(token, sn, &client_nonce),
+                Principal::SharedToken,
+            ))
+        }
+        LoginRequest::Password {
+            user,
+            password,
+            client_nonce,
+        } => {
+            if !tls && !state.security.allow_password_without_tls {
+                warn!(%peer, %user, "password login over plain TCP refused");
+                return Err(fail(
+                    "password login over plain TCP is refused: use TLS (or set allow_password_without_tls = true on the server)",
+                ));
+            }
+            let secret = access::user_session_secret(password.as_bytes(), sn, &client_nonce);
+            if !check_password(state, &user, password).await {
+                warn!(%peer, %user, "login failed: wrong user name or password");
+                return Err(fail("authentication failed: wrong user name or password"));
+            }
+            Ok((secret, [0u8; MAC_LEN], Principal::User(user)))
+        }
+        LoginRequest::UserToken {
+            user,
+            client_nonce,
+            proof,
+        } => {
+            let v = state
+                .security
+                .users
+                .get(&user)
+                .and_then(|u| u.token.clone());
+            // Unknown users cost the same as wrong tokens.
+            let v = v.unwrap_or_else(|| access::TokenVerifier::from_token(&auth::nonce()));
+            let Some(ck) = v.verify(&user, sn, &client_nonce, &proof) else {
+                warn!(%peer, %user, "login failed: wrong user name or token");
+                return Err(fail("authentication failed: wrong user name or token"));
+            };
+            Ok((
+                access::user_session_secret(&ck, sn, &client_nonce),
+                v.server_proof(&user, sn, &client_nonce),
+                Principal::User(user),
+            ))
+        }
+    }
+}
+
+fn denied(who: &Principal, verb: &str, export: &str) -> Error {
+    Error::new(
+        ErrorCode::PermissionDenied,
+        format!("{} may not {verb} export {export}", who.describe()),
+    )
+}
+
+/// `Ok` if `who` has the rights `need` on `export`.
+fn check(state: &ServerState, who: &Principal, export: &str, need: Rights) -> Result<(), Error> {
+    // Unknown exports answer NoSuchExport first.
+    state.exports.get(export)?;
+    let have = state.rights(export, who);
+    if need.write && !have.write {
+        return Err(denied(who, "write to", export));
+    }
+    if need.read && !have.read {
+        return Err(denied(who, "read", export));
+    }
+    Ok(())
+}
+
+const READ: Rights = Rights {
+    read: true,
+    write: false,
+};
+const WRITE: Rights = Rights {
+    read: false,
+    write: true,
+};
+
 /// Run a blocking filesystem call off the async threads.
 async fn blocking<T, F>(f: F) -> Result<T, Error>
 where
@@ -319,7 +584,12 @@ where
         .unwrap_or_else(|e| Err(Error::new(ErrorCode::Io, format!("internal error: {e}"))))
 }
 
-async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<Response, Error> {
+async fn handle(
+    state: &Arc<ServerState>,
+    session: u64,
+    who: &Principal,
+    req: Request,
+) -> Result<Response, Error> {
     match req {
         Request::Hello { .. } | Request::Login(_) => {
             Err(Error::new(ErrorCode::BadRequest, "already logged in"))
@@ -329,9 +599,12 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
             state
                 .exports
                 .iter()
-                .map(|e| ExportInfo {
-                    name: e.name.clone(),
-                    read_only: e.read_only,
+                .filter_map(|e| {
+                    let r = state.rights(&e.name, who);
+                    (r.read || r.write).then(|| ExportInfo {
+                        name: e.name.clone(),
+                        read_only: e.read_only || !r.write,
+                    })
                 })
                 .collect(),
         )),
@@ -340,6 +613,7 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
             path,
             cookie,
         } => {
+            check(state, who, &export, READ)?;
             let ex = state.exports.get(&export)?.clone();
             let budget = (state.limits.max_frame as usize).saturating_sub(64);
             blocking(move || {
@@ -368,6 +642,7 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
             .await
         }
         Request::Stat { export, path } => {
+            check(state, who, &export, READ)?;
             let ex = state.exports.get(&export)?.clone();
             blocking(move || Ok(Response::Attr(ex.stat(&path)?))).await
         }
@@ -378,7 +653,6 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
             flags,
             mode,
         } => {
-            let ex = state.exports.get(&export)?.clone();
             let o = OpenOptions {
                 read: access & ACCESS_READ != 0,
                 write: access & ACCESS_WRITE != 0,
@@ -388,6 +662,12 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
                 no_buffering: flags & OPEN_NO_BUFFERING != 0,
                 write_through: flags & OPEN_WRITE_THROUGH != 0,
             };
+            let need = Rights {
+                read: o.read,
+                write: o.write || o.create || o.truncate,
+            };
+            check(state, who, &export, need)?;
+            let ex = state.exports.get(&export)?.clone();
             if state.open_files.session_len(session) >= state.limits.max_open_files_per_session {
                 return Err(Error::new(
                     ErrorCode::TooManyOpenFiles,
@@ -423,6 +703,7 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
             Ok(Response::Ok)
         }
         Request::Remove { export, path } => {
+            check(state, who, &export, WRITE)?;
             let ex = state.exports.get(&export)?.clone();
             blocking(move || ex.remove(&path).map(|_| Response::Ok)).await
         }
@@ -432,6 +713,7 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
             to,
             replace,
         } => {
+            check(state, who, &export, WRITE)?;
             let ex = state.exports.get(&export)?.clone();
             blocking(move || ex.rename(&from, &to, replace).map(|_| Response::Ok)).await
         }
@@ -441,6 +723,7 @@ async fn handle(state: &Arc<ServerState>, session: u64, req: Request) -> Result<
             mode,
             parents,
         } => {
+            check(state, who, &export, WRITE)?;
             let ex = state.exports.get(&export)?.clone();
             blocking(move || ex.mkdir(&path, mode, parents).map(|_| Response::Ok)).await
         }

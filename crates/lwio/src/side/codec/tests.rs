@@ -21,6 +21,16 @@ fn all_requests() -> Vec<Request> {
             client_nonce: [7; 32],
             proof: [9; 32],
         }),
+        Request::Login(LoginRequest::Password {
+            user: "alice".into(),
+            password: "pw".into(),
+            client_nonce: [3; 32],
+        }),
+        Request::Login(LoginRequest::UserToken {
+            user: "bob".into(),
+            client_nonce: [4; 32],
+            proof: [5; 32],
+        }),
         Request::ListExports,
         Request::ListDir {
             export: "e".into(),
@@ -180,6 +190,35 @@ fn golden_error_and_login() {
     assert_eq!(&b[..9], &[0x02, 0, 0, 0, 2, 0, 0, 0, 1]);
     assert_eq!(&b[9..41], &[0xaa; 32]);
     assert_eq!(&b[41..], &[0xbb; 32]);
+    let b = Request::Login(LoginRequest::Password {
+        user: "u".into(),
+        password: "pw".into(),
+        client_nonce: [0xcc; 32],
+    })
+    .encode(3);
+    assert_eq!(
+        &b[..16],
+        &[0x02, 0, 0, 0, 3, 0, 0, 0, 2, 1, 0, b'u', 2, 0, b'p', b'w']
+    );
+    assert_eq!(&b[16..], &[0xcc; 32]);
+    let b = Request::Login(LoginRequest::UserToken {
+        user: "u".into(),
+        client_nonce: [0xdd; 32],
+        proof: [0xee; 32],
+    })
+    .encode(4);
+    assert_eq!(&b[..12], &[0x02, 0, 0, 0, 4, 0, 0, 0, 3, 1, 0, b'u']);
+    assert_eq!(&b[12..44], &[0xdd; 32]);
+    assert_eq!(&b[44..], &[0xee; 32]);
+    let dbg = format!(
+        "{:?}",
+        LoginRequest::Password {
+            user: "u".into(),
+            password: "hunter2".into(),
+            client_nonce: [0; 32],
+        }
+    );
+    assert!(!dbg.contains("hunter2"), "{dbg}");
 }
 
 #[test]

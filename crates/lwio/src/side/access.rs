@@ -1,0 +1,444 @@
+//! Who a session is ([`Principal`]), the configured users and their stored
+//! credentials ([`UserDb`]), and per-export access lists ([`Acl`]).
+//!
+//! Stored credentials never hold a secret in a form that logs a user in:
+//!
+//! * passwords: an argon2id PHC string (`$argon2id$v=19$m=…,t=…,p=…$salt$hash`),
+//!   verified with the `argon2` crate (constant time);
+//! * per-user tokens: `lwio-token1$<StoredKey hex>$<ServerKey hex>`, a
+//!   SCRAM-style verifier (RFC 5802 construction with HMAC-SHA256): the
+//!   client proves knowledge of `ClientKey = HMAC(token, "…client key")`
+//!   over both nonces; the server recovers `ClientKey` from the proof and
+//!   compares `SHA-256(ClientKey)` with `StoredKey` in constant time. A
+//!   stolen config file does not let its reader log in as the user.
+//!
+//! See docs/security.md.
+
+use std::collections::BTreeMap;
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
+use hmac::{Hmac, Mac};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use super::codec::{MAC_LEN, NONCE_LEN};
+use crate::fs::table::Rights;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// ACL entry matching every authenticated principal (users and the shared token).
+pub const ANY_USER: &str = "*";
+/// ACL entry matching anonymous sessions.
+pub const ANONYMOUS: &str = "anonymous";
+/// The name the shared server token logs in as.
+pub const SHARED_TOKEN_NAME: &str = "token";
+
+/// Who a logged-in session is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Principal {
+    /// No credentials (only with `allow_anonymous`).
+    Anonymous,
+    /// The server-wide shared token (`token_file`).
+    SharedToken,
+    /// A configured user (password or per-user token).
+    User(String),
+}
+
+impl Principal {
+    /// Name for logs and error messages.
+    pub fn name(&self) -> &str {
+        match self {
+            Principal::Anonymous => ANONYMOUS,
+            Principal::SharedToken => SHARED_TOKEN_NAME,
+            Principal::User(u) => u,
+        }
+    }
+
+    /// How error messages call it ("user alice", "anonymous sessions", …).
+    pub fn describe(&self) -> String {
+        match self {
+            Principal::Anonymous => "anonymous sessions".into(),
+            Principal::SharedToken => "the shared token".into(),
+            Principal::User(u) => format!("user {u}"),
+        }
+    }
+}
+
+impl std::fmt::Display for Principal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Who may read and who may write an export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acl {
+    pub readers: Vec<String>,
+    pub writers: Vec<String>,
+}
+
+impl Default for Acl {
+    /// No lists configured: everyone who may log in (anonymous sessions
+    /// only when `allow_anonymous` lets them log in at all).
+    fn default() -> Acl {
+        let all = vec![ANY_USER.to_string(), ANONYMOUS.to_string()];
+        Acl {
+            readers: all.clone(),
+            writers: all,
+        }
+    }
+}
+
+fn listed(list: &[String], p: &Principal) -> bool {
+    list.iter().any(|e| match p {
+        Principal::Anonymous => e == ANONYMOUS,
+        Principal::SharedToken => e == ANY_USER,
+        Principal::User(u) => e == ANY_USER || e == u,
+    })
+}
+
+impl Acl {
+    /// From optional config lists; a missing list means the default.
+    pub fn from_lists(readers: Option<&[String]>, writers: Option<&[String]>) -> Acl {
+        let d = Acl::default();
+        Acl {
+            readers: readers.map_or(d.readers, <[String]>::to_vec),
+            writers: writers.map_or(d.writers, <[String]>::to_vec),
+        }
+    }
+
+    /// The rights `p` has on the export (writers may also read).
+    pub fn rights(&self, p: &Principal) -> Rights {
+        let write = listed(&self.writers, p);
+        Rights {
+            read: write || listed(&self.readers, p),
+            write,
+        }
+    }
+}
+
+/// User names: 1-64 characters of `[A-Za-z0-9._@-]`, not a reserved name.
+pub fn validate_user_name(name: &str) -> Result<(), String> {
+    if name.is_empty()
+        || name.len() > 64
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._@-".contains(&b))
+    {
+        return Err(format!(
+            "invalid user name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ @ -"
+        ));
+    }
+    if name == ANONYMOUS || name == SHARED_TOKEN_NAME {
+        return Err(format!("user name {name:?} is reserved"));
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------ passwords
+
+/// Hash a password as an argon2id PHC string with a fresh random salt
+/// (the crate's default parameters: m=19456 KiB, t=2, p=1).
+pub fn hash_password(password: &str) -> String {
+    let mut salt = [0u8; 16];
+    crate::random_bytes(&mut salt);
+    // Encoding 16 bytes as a B64 salt cannot fail.
+    let salt = SaltString::encode_b64(&salt).expect("16-byte salt encodes");
+    Argon2::default()
+        .hash_password(password.as_bytes(), &salt)
+        .expect("argon2id with default parameters hashes any password")
+        .to_string()
+}
+
+/// Check that a string is an argon2id PHC hash.
+pub fn check_password_hash(phc: &str) -> Result<(), String> {
+    let h = PasswordHash::new(phc).map_err(|e| format!("not a PHC password hash: {e}"))?;
+    if h.algorithm.as_str() != "argon2id" {
+        return Err(format!(
+            "password hash uses {}, expected argon2id (make one with `lwio hash-password`)",
+            h.algorithm
+        ));
+    }
+    Ok(())
+}
+
+/// Verify a password against a PHC string (constant time in the hash).
+pub fn verify_password(phc: &str, password: &str) -> bool {
+    match PasswordHash::new(phc) {
+        Ok(h) => Argon2::default()
+            .verify_password(password.as_bytes(), &h)
+            .is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// A fixed hash to verify against for unknown users, so that the time to
+/// fail does not tell whether a user exists.
+pub fn dummy_password_hash() -> &'static str {
+    static H: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    H.get_or_init(|| hash_password("lwio: no such user"))
+}
+
+// ------------------------------------------------------------ user tokens
+
+const UT_CLIENT_KEY: &[u8] = b"lwio user-token v1 client key";
+const UT_SERVER_KEY: &[u8] = b"lwio user-token v1 server key";
+const UT_CLIENT_PROOF: &[u8] = b"lwio side-channel v1 user-token client proof";
+const UT_SERVER_PROOF: &[u8] = b"lwio side-channel v1 user-token server proof";
+const UT_SESSION: &[u8] = b"lwio side-channel v1 session secret";
+/// Prefix of a stored user-token verifier.
+pub const TOKEN_VERIFIER_PREFIX: &str = "lwio-token1$";
+
+fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; MAC_LEN] {
+    let mut m = <HmacSha256 as Mac>::new_from_slice(key).expect("HMAC takes any key length");
+    for p in parts {
+        m.update(p);
+    }
+    m.finalize().into_bytes().into()
+}
+
+/// `ClientKey` of a per-user token (client side, and to build verifiers).
+pub fn user_token_client_key(token: &[u8]) -> [u8; MAC_LEN] {
+    hmac(token, &[UT_CLIENT_KEY])
+}
+
+/// What the server stores for a per-user token.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TokenVerifier {
+    pub stored_key: [u8; MAC_LEN],
+    pub server_key: [u8; MAC_LEN],
+}
+
+impl std::fmt::Debug for TokenVerifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenVerifier(<redacted>)")
+    }
+}
+
+fn unhex32(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+impl TokenVerifier {
+    /// The verifier of a token (its text, surrounding whitespace removed).
+    pub fn from_token(token: &[u8]) -> TokenVerifier {
+        let ck = user_token_client_key(token);
+        TokenVerifier {
+            stored_key: Sha256::digest(ck).into(),
+            server_key: hmac(token, &[UT_SERVER_KEY]),
+        }
+    }
+
+    /// Parse `lwio-token1$<64 hex>$<64 hex>`.
+    pub fn parse(s: &str) -> Result<TokenVerifier, String> {
+        let bad = || {
+            "not a token verifier: expected lwio-token1$<64 hex digits>$<64 hex digits> (make one with `lwio hash-password --token`)".to_string()
+        };
+        let rest = s.strip_prefix(TOKEN_VERIFIER_PREFIX).ok_or_else(bad)?;
+        let (a, b) = rest.split_once('$').ok_or_else(bad)?;
+        Ok(TokenVerifier {
+            stored_key: unhex32(a).ok_or_else(bad)?,
+            server_key: unhex32(b).ok_or_else(bad)?,
+        })
+    }
+
+    /// Verify a client proof; on success returns `ClientKey` (keys the
+    /// session secret).
+    pub fn verify(
+        &self,
+        user: &str,
+        sn: &[u8; NONCE_LEN],
+        cn: &[u8; NONCE_LEN],
+        proof: &[u8; MAC_LEN],
+    ) -> Option<[u8; MAC_LEN]> {
+        let ck = xor_client_signature(&self.stored_key, user, sn, cn, proof);
+        let h: [u8; 32] = Sha256::digest(ck).into();
+        if bool::from(h.ct_eq(&self.stored_key)) {
+            Some(ck)
+        } else {
+            None
+        }
+    }
+
+    /// The server's proof (the client checks it).
+    pub fn server_proof(
+        &self,
+        user: &str,
+        sn: &[u8; NONCE_LEN],
+        cn: &[u8; NONCE_LEN],
+    ) -> [u8; MAC_LEN] {
+        user_token_server_proof(&self.server_key, user, sn, cn)
+    }
+}
+
+impl std::fmt::Display for TokenVerifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{TOKEN_VERIFIER_PREFIX}{}${}",
+            super::auth::hex(&self.stored_key),
+            super::auth::hex(&self.server_key)
+        )
+    }
+}
+
+fn user_token_server_proof(
+    server_key: &[u8; MAC_LEN],
+    user: &str,
+    sn: &[u8; NONCE_LEN],
+    cn: &[u8; NONCE_LEN],
+) -> [u8; MAC_LEN] {
+    hmac(
+        server_key,
+        &[UT_SERVER_PROOF, &[0], user.as_bytes(), &[0], sn, cn],
+    )
+}
+
+/// Client side: the proof for a per-user token login.
+pub fn user_token_proof(
+    token: &[u8],
+    user: &str,
+    sn: &[u8; NONCE_LEN],
+    cn: &[u8; NONCE_LEN],
+) -> [u8; MAC_LEN] {
+    let v = TokenVerifier::from_token(token);
+    let ck = user_token_client_key(token);
+    xor_client_signature(&v.stored_key, user, sn, cn, &ck)
+}
+
+/// `x XOR HMAC(StoredKey, label || 0 || user || 0 || Ns || Nc)`: turns
+/// `ClientKey` into the proof and back.
+fn xor_client_signature(
+    stored_key: &[u8; MAC_LEN],
+    user: &str,
+    sn: &[u8; NONCE_LEN],
+    cn: &[u8; NONCE_LEN],
+    x: &[u8; MAC_LEN],
+) -> [u8; MAC_LEN] {
+    let sig = hmac(
+        stored_key,
+        &[UT_CLIENT_PROOF, &[0], user.as_bytes(), &[0], sn, cn],
+    );
+    std::array::from_fn(|i| x[i] ^ sig[i])
+}
+
+/// Client side: check the server's proof for a per-user token login.
+pub fn verify_user_token_server_proof(
+    token: &[u8],
+    user: &str,
+    sn: &[u8; NONCE_LEN],
+    cn: &[u8; NONCE_LEN],
+    proof: &[u8; MAC_LEN],
+) -> bool {
+    let v = TokenVerifier::from_token(token);
+    bool::from(user_token_server_proof(&v.server_key, user, sn, cn).ct_eq(proof))
+}
+
+/// Session secret of a per-user token or password login, keyed with
+/// `ClientKey` (token) or the password.
+pub fn user_session_secret(
+    key: &[u8],
+    sn: &[u8; NONCE_LEN],
+    cn: &[u8; NONCE_LEN],
+) -> [u8; MAC_LEN] {
+    hmac(key, &[UT_SESSION, &[0], sn, cn])
+}
+
+// ------------------------------------------------------------ user db
+
+/// Stored credentials of one user (at least one of the two).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UserCredentials {
+    /// argon2id PHC string.
+    pub password: Option<String>,
+    pub token: Option<TokenVerifier>,
+}
+
+/// Configured users by name.
+pub type UserDb = BTreeMap<String, UserCredentials>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn acl_matching() {
+        let alice = Principal::User("alice".into());
+        let bob = Principal::User("bob".into());
+        let d = Acl::default();
+        for p in [&alice, &Principal::SharedToken, &Principal::Anonymous] {
+            assert_eq!(
+                d.rights(p),
+                Rights {
+                    read: true,
+                    write: true
+                }
+            );
+        }
+        let ro = Acl::from_lists(Some(&["*".into()]), Some(&["alice".into()]));
+        assert!(ro.rights(&alice).write);
+        assert_eq!(
+            ro.rights(&bob),
+            Rights {
+                read: true,
+                write: false
+            }
+        );
+        assert!(ro.rights(&Principal::SharedToken).read);
+        assert_eq!(ro.rights(&Principal::Anonymous), Rights::default());
+        let only = Acl::from_lists(Some(&[]), Some(&["bob".into()]));
+        assert!(only.rights(&bob).read, "writers may read");
+        assert_eq!(only.rights(&alice), Rights::default());
+    }
+
+    #[test]
+    fn user_names() {
+        assert!(validate_user_name("alice.b-2@x").is_ok());
+        for bad in ["", "anonymous", "token", "a b", "a/b", &"x".repeat(65)] {
+            assert!(validate_user_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn passwords() {
+        let h = hash_password("correct horse");
+        assert!(h.starts_with("$argon2id$v=19$"), "{h}");
+        check_password_hash(&h).unwrap();
+        assert!(verify_password(&h, "correct horse"));
+        assert!(!verify_password(&h, "correct horsf"));
+        assert!(!verify_password("garbage", "x"));
+        assert_ne!(h, hash_password("correct horse"), "salted");
+        assert!(check_password_hash("$argon2i$v=19$m=16,t=2,p=1$c2FsdHNhbHQ$aGFzaA").is_err());
+        assert!(check_password_hash("plain").is_err());
+    }
+
+    #[test]
+    fn user_tokens() {
+        let tok = b"0123456789abcdef0123456789abcdef";
+        let v = TokenVerifier::from_token(tok);
+        let s = v.to_string();
+        assert!(s.starts_with(TOKEN_VERIFIER_PREFIX));
+        assert_eq!(TokenVerifier::parse(&s).unwrap(), v);
+        assert!(TokenVerifier::parse("lwio-token1$00$11").is_err());
+        assert!(!s.contains("0123456789abcdef0123"), "token not in clear");
+        let (sn, cn) = ([1u8; 32], [2u8; 32]);
+        let p = user_token_proof(tok, "alice", &sn, &cn);
+        let ck = v.verify("alice", &sn, &cn, &p).unwrap();
+        assert_eq!(ck, user_token_client_key(tok));
+        assert!(v.verify("bob", &sn, &cn, &p).is_none(), "bound to the user");
+        assert!(v.verify("alice", &cn, &sn, &p).is_none(), "bound to nonces");
+        let other = user_token_proof(b"ffffffffffffffffffffffffffffffff", "alice", &sn, &cn);
+        assert!(v.verify("alice", &sn, &cn, &other).is_none());
+        let sp = v.server_proof("alice", &sn, &cn);
+        assert!(verify_user_token_server_proof(tok, "alice", &sn, &cn, &sp));
+        assert!(!verify_user_token_server_proof(tok, "alice", &sn, &cn, &p));
+    }
+}

@@ -1,0 +1,569 @@
+//! TLS 1.3 for the side channel (rustls with the `ring` provider; TLS 1.2 and
+//! older are not compiled in).
+//!
+//! * Server: a certificate chain + key from PEM files, or a self-signed
+//!   certificate created on first start and kept beside the token file
+//!   (`tls-cert.pem`, `tls-key.pem` mode 0600). Its SHA-256 fingerprint is
+//!   printed at start (`sha256:AB:CD:…`).
+//! * Client ([`ClientTls`]): the system roots, a CA file, a pinned
+//!   fingerprint, or (explicitly) no verification at all.
+//! * Mismatched ends fail fast with one clear line: the server looks at the
+//!   first two bytes (`16 03` = a TLS record) and answers a plain client
+//!   with a plain error frame; a TLS client that receives a plain lwio frame
+//!   reports that the server does not use TLS.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::{ClientConfig, DigitallySignedStruct, ServerConfig, SignatureScheme};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+use super::codec::{Response, BODY_HEADER_LEN};
+use crate::error::{Error, ErrorCode, Result};
+
+/// File names of the self-signed identity, beside the token file.
+pub const SELF_SIGNED_CERT: &str = "tls-cert.pem";
+pub const SELF_SIGNED_KEY: &str = "tls-key.pem";
+
+/// The crypto provider (ring).
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn tls_err(what: impl std::fmt::Display) -> Error {
+    Error::new(ErrorCode::InvalidArgument, what.to_string())
+}
+
+/// `sha256:AB:CD:…` of a DER certificate.
+pub fn fingerprint(der: &[u8]) -> String {
+    let d = Sha256::digest(der);
+    let hex: Vec<String> = d.iter().map(|b| format!("{b:02X}")).collect();
+    format!("sha256:{}", hex.join(":"))
+}
+
+/// Parse a fingerprint: optional `sha256:` prefix, 64 hex digits, colons
+/// optional, any case.
+pub fn parse_fingerprint(s: &str) -> Result<[u8; 32]> {
+    let t = s.trim();
+    let t = if t.len() >= 7 && t[..7].eq_ignore_ascii_case("sha256:") {
+        &t[7..]
+    } else {
+        t
+    };
+    let hex: String = t.chars().filter(|c| *c != ':').collect();
+    let bad = || {
+        tls_err(format!(
+            "invalid fingerprint {s:?}: expected sha256: and 64 hex digits (as printed by `lwio serve`)"
+        ))
+    };
+    if hex.len() != 64 || !hex.is_ascii() {
+        return Err(bad());
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(out)
+}
+
+/// A server's TLS configuration and the fingerprint of its certificate.
+#[derive(Clone)]
+pub struct ServerIdentity {
+    pub config: Arc<ServerConfig>,
+    /// `sha256:…` of the end-entity certificate.
+    pub fingerprint: String,
+}
+
+impl std::fmt::Debug for ServerIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ServerIdentity({})", self.fingerprint)
+    }
+}
+
+impl ServerIdentity {
+    /// From PEM data: a certificate chain (end entity first) and its key.
+    pub fn from_pem(cert_pem: &[u8], key_pem: &[u8], what: &str) -> Result<ServerIdentity> {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| tls_err(format!("{what}: certificate: {e}")))?;
+        let Some(first) = certs.first() else {
+            return Err(tls_err(format!("{what}: no certificate in the PEM data")));
+        };
+        let fp = fingerprint(first);
+        let key = PrivateKeyDer::from_pem_slice(key_pem)
+            .map_err(|e| tls_err(format!("{what}: private key: {e}")))?;
+        let config = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| tls_err(format!("{what}: {e}")))?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .map_err(|e| tls_err(format!("{what}: {e}")))?;
+        Ok(ServerIdentity {
+            config: Arc::new(config),
+            fingerprint: fp,
+        })
+    }
+
+    /// From PEM files.
+    pub fn load(cert: &Path, key: &Path) -> Result<ServerIdentity> {
+        let c = std::fs::read(cert)
+            .map_err(|e| Error::from_io(&e, format!("TLS certificate {}", cert.display())))?;
+        let k = std::fs::read(key)
+            .map_err(|e| Error::from_io(&e, format!("TLS key {}", key.display())))?;
+        ServerIdentity::from_pem(
+            &c,
+            &k,
+            &format!("TLS certificate {} / key {}", cert.display(), key.display()),
+        )
+    }
+
+    /// The self-signed identity in `dir` (`tls-cert.pem`, `tls-key.pem`),
+    /// created for `names` if missing. Returns whether it was created.
+    pub fn self_signed(dir: &Path, names: &[String]) -> Result<(ServerIdentity, bool)> {
+        use std::io::Write;
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+        let cert = dir.join(SELF_SIGNED_CERT);
+        let key = dir.join(SELF_SIGNED_KEY);
+        if cert.exists() && key.exists() {
+            if let Ok(m) = std::fs::metadata(&key) {
+                if m.permissions().mode() & 0o077 != 0 {
+                    tracing::warn!(path = %key.display(), "TLS key is readable by group or others; consider chmod 600");
+                }
+            }
+            return Ok((ServerIdentity::load(&cert, &key)?, false));
+        }
+        if !dir.as_os_str().is_empty() && !dir.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| Error::from_io(&e, format!("directory {}", dir.display())))?;
+        }
+        let ck = rcgen::generate_simple_self_signed(names.to_vec())
+            .map_err(|e| tls_err(format!("generating a self-signed certificate: {e}")))?;
+        let cert_pem = ck.cert.pem();
+        let key_pem = ck.key_pair.serialize_pem();
+        let write = |p: &Path, data: &str, mode: u32| -> Result<()> {
+            let tmp = p.with_extension("tmp");
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(mode)
+                .open(&tmp)
+                .map_err(|e| Error::from_io(&e, format!("{}", tmp.display())))?;
+            f.write_all(data.as_bytes())
+                .and_then(|_| f.sync_all())
+                .and_then(|_| std::fs::rename(&tmp, p))
+                .map_err(|e| Error::from_io(&e, format!("{}", p.display())))
+        };
+        write(&key, &key_pem, 0o600)?;
+        write(&cert, &cert_pem, 0o644)?;
+        Ok((
+            ServerIdentity::from_pem(cert_pem.as_bytes(), key_pem.as_bytes(), "self-signed")?,
+            true,
+        ))
+    }
+}
+
+/// How a client secures the side channel.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum ClientTls {
+    /// Plain TCP (the server must be configured with `tls = false`).
+    #[default]
+    Off,
+    /// TLS, certificate verified against the system's root certificates.
+    SystemRoots,
+    /// TLS, certificate verified against the CA certificates in this PEM file.
+    CaFile(PathBuf),
+    /// TLS, the server's certificate must have this SHA-256 fingerprint
+    /// (names and dates are not checked: the pin is the identity).
+    Fingerprint([u8; 32]),
+    /// TLS without verifying the server (encrypts, but does not stop an
+    /// active attacker). Logs a warning.
+    Insecure,
+}
+
+impl ClientTls {
+    pub fn is_tls(&self) -> bool {
+        !matches!(self, ClientTls::Off)
+    }
+}
+
+/// Shared slot where our verifiers leave a human explanation of a refusal.
+type Why = Arc<Mutex<Option<String>>>;
+
+#[derive(Debug)]
+struct PinVerifier {
+    pin: Option<[u8; 32]>,
+    provider: Arc<CryptoProvider>,
+    why: Why,
+}
+
+impl ServerCertVerifier for PinVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        let Some(pin) = self.pin else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
+        if got == pin {
+            return Ok(ServerCertVerified::assertion());
+        }
+        let msg = format!(
+            "TLS: the server's certificate fingerprint {} does not match the pinned {}; refusing to connect",
+            fingerprint(end_entity.as_ref()),
+            fingerprint_hex(&pin)
+        );
+        *self.why.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg.clone());
+        Err(rustls::Error::General(msg))
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+fn fingerprint_hex(d: &[u8; 32]) -> String {
+    let hex: Vec<String> = d.iter().map(|b| format!("{b:02X}")).collect();
+    format!("sha256:{}", hex.join(":"))
+}
+
+fn client_config(tls: &ClientTls, why: &Why) -> Result<Arc<ClientConfig>> {
+    let p = provider();
+    let b = ClientConfig::builder_with_provider(p.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?;
+    let cfg = match tls {
+        ClientTls::Off => return Err(tls_err("TLS is off")),
+        ClientTls::SystemRoots | ClientTls::CaFile(_) => {
+            let mut roots = rustls::RootCertStore::empty();
+            if let ClientTls::CaFile(path) = tls {
+                let pem = std::fs::read(path)
+                    .map_err(|e| Error::from_io(&e, format!("CA file {}", path.display())))?;
+                let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(|e| tls_err(format!("CA file {}: {e}", path.display())))?;
+                let (added, _) = roots.add_parsable_certificates(certs);
+                if added == 0 {
+                    return Err(tls_err(format!(
+                        "CA file {}: no usable certificate",
+                        path.display()
+                    )));
+                }
+            } else {
+                let found = rustls_native_certs::load_native_certs();
+                roots.add_parsable_certificates(found.certs);
+                if roots.is_empty() {
+                    return Err(tls_err(
+                        "no system root certificates found: use --ca FILE or --fingerprint sha256:… (printed by `lwio serve`)",
+                    ));
+                }
+            }
+            b.with_root_certificates(roots).with_no_client_auth()
+        }
+        ClientTls::Fingerprint(pin) => b
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(PinVerifier {
+                pin: Some(*pin),
+                provider: p,
+                why: why.clone(),
+            }))
+            .with_no_client_auth(),
+        ClientTls::Insecure => b
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(PinVerifier {
+                pin: None,
+                provider: p,
+                why: why.clone(),
+            }))
+            .with_no_client_auth(),
+    };
+    Ok(Arc::new(cfg))
+}
+
+/// Records the first bytes read from the server, to explain a failed
+/// handshake (e.g. the server answered in plain lwio framing).
+#[derive(Debug)]
+pub struct Sniff<S> {
+    inner: S,
+    seen: Arc<Mutex<Vec<u8>>>,
+}
+
+const SNIFF_CAP: usize = 512;
+
+impl<S: AsyncRead + Unpin> AsyncRead for Sniff<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        let before = buf.filled().len();
+        let r = Pin::new(&mut me.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = &r {
+            let mut seen = me.seen.lock().unwrap_or_else(|p| p.into_inner());
+            if seen.len() < SNIFF_CAP {
+                let new = &buf.filled()[before..];
+                let n = new.len().min(SNIFF_CAP - seen.len());
+                seen.extend_from_slice(&new[..n]);
+            }
+        }
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Sniff<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+/// A side-channel connection: plain TCP or TLS over TCP.
+#[derive(Debug)]
+pub enum SideStream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<Sniff<TcpStream>>>),
+}
+
+impl SideStream {
+    pub fn is_tls(&self) -> bool {
+        matches!(self, SideStream::Tls(_))
+    }
+}
+
+impl AsyncRead for SideStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            SideStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            SideStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for SideStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            SideStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            SideStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            SideStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            SideStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            SideStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            SideStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// If `b` starts with an lwio Error frame, the error.
+pub fn plain_error_in(b: &[u8]) -> Option<Error> {
+    let len = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
+    if len < BODY_HEADER_LEN || b.len() < 4 + len {
+        return None;
+    }
+    match Response::decode(&b[4..4 + len]).ok()?.1 {
+        Response::Error(e) => Some(e),
+        _ => None,
+    }
+}
+
+/// The host part of `host:port` / `[v6]:port`, for SNI and name checks.
+pub fn host_of(addr: &str) -> &str {
+    let h = match addr.rsplit_once(':') {
+        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => addr,
+    };
+    h.trim_start_matches('[').trim_end_matches(']')
+}
+
+/// Run the TLS handshake as a client over `tcp`.
+pub async fn connect(
+    tcp: TcpStream,
+    addr: &str,
+    tls: &ClientTls,
+    timeout: Duration,
+) -> Result<SideStream> {
+    if !tls.is_tls() {
+        return Ok(SideStream::Plain(tcp));
+    }
+    if *tls == ClientTls::Insecure {
+        tracing::warn!(
+            server = addr,
+            "--insecure: the server's TLS certificate is NOT verified; an active attacker can impersonate it"
+        );
+    }
+    let why: Why = Arc::default();
+    let cfg = client_config(tls, &why)?;
+    let host = host_of(addr).to_string();
+    let name = ServerName::try_from(host.clone()).map_err(|_| {
+        tls_err(format!(
+            "{host:?} is not a valid TLS server name (DNS name or IP address)"
+        ))
+    })?;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sniff = Sniff {
+        inner: tcp,
+        seen: seen.clone(),
+    };
+    let connector = tokio_rustls::TlsConnector::from(cfg);
+    let r = tokio::time::timeout(timeout, connector.connect(name, sniff)).await;
+    let e = match r {
+        Ok(Ok(s)) => return Ok(SideStream::Tls(Box::new(s))),
+        Ok(Err(e)) => e,
+        Err(_) => {
+            return Err(Error::new(
+                ErrorCode::TimedOut,
+                format!("TLS handshake with {addr} timed out after {timeout:?}"),
+            ))
+        }
+    };
+    if let Some(m) = why.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(Error::new(ErrorCode::AuthFailed, m));
+    }
+    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if let Some(pe) = plain_error_in(&seen) {
+        if pe.code == ErrorCode::Busy {
+            return Err(pe);
+        }
+        return Err(Error::new(
+            ErrorCode::ConnectFailed,
+            format!(
+                "{addr} did not speak TLS; it answered in plain TCP: {}",
+                pe.message
+            ),
+        ));
+    }
+    let rustls_err = e
+        .get_ref()
+        .and_then(|i| i.downcast_ref::<rustls::Error>())
+        .cloned();
+    Err(match rustls_err {
+        Some(rustls::Error::InvalidCertificate(c)) => Error::new(
+            ErrorCode::AuthFailed,
+            format!(
+                "TLS: cannot verify the certificate of {addr}: {c:?} (use --ca FILE, or pin it with --fingerprint sha256:… as printed by `lwio serve`)"
+            ),
+        ),
+        _ => Error::new(
+            ErrorCode::ConnectFailed,
+            format!("TLS handshake with {addr} failed: {e}"),
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprints() {
+        let fp = fingerprint(b"abc");
+        assert!(fp.starts_with("sha256:BA:78:16:BF"), "{fp}");
+        assert_eq!(fp.len(), 7 + 32 * 3 - 1);
+        let d = parse_fingerprint(&fp).unwrap();
+        assert_eq!(fingerprint_hex(&d), fp);
+        let lower = fp[7..].replace(':', "").to_lowercase();
+        assert_eq!(parse_fingerprint(&lower).unwrap(), d);
+        assert_eq!(parse_fingerprint(&format!("SHA256:{lower}")).unwrap(), d);
+        for bad in ["", "sha256:", "sha256:zz", &fp[..fp.len() - 1]] {
+            assert!(parse_fingerprint(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn hosts() {
+        assert_eq!(host_of("a.b:7420"), "a.b");
+        assert_eq!(host_of("[::1]:7420"), "::1");
+        assert_eq!(host_of("127.0.0.1:1"), "127.0.0.1");
+        assert_eq!(host_of("name"), "name");
+    }
+
+    #[test]
+    fn self_signed_created_once_with_private_key() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("conf");
+        let names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
+        let (a, created) = ServerIdentity::self_signed(&dir, &names).unwrap();
+        assert!(created);
+        let mode = std::fs::metadata(dir.join(SELF_SIGNED_KEY))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let (b, created) = ServerIdentity::self_signed(&dir, &names).unwrap();
+        assert!(!created);
+        assert_eq!(a.fingerprint, b.fingerprint, "reused, not regenerated");
+    }
+}
