@@ -169,3 +169,39 @@ fn server_count_is_checked() {
         "{so}"
     );
 }
+
+/// Pins a known interop gap (docs/interop.md, "peer-to-peer mode"): the soft
+/// provider's MPA responder ignores RFC 6581 peer-to-peer mode. Asked for P2P
+/// with Write and Read RTR (what siw's initiator sends with
+/// `peer_to_peer=Y`), it replies enhanced but with P = 0 and no RTR type, so
+/// siw answers with a Terminate (LLP/MPA "no matching RTR") and rping -c
+/// fails to connect. When the soft provider learns P2P, this test must change.
+#[test]
+fn p2p_request_is_answered_without_p2p() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let (s, port) = Server::start(&["--timeout", "10"]);
+    let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    t.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut req = b"MPA ID Req Frame".to_vec();
+    // flags: enhanced (0x10), rev 2, PD_Length 4: IRD 1 | P, ORD 1 | W | R
+    req.extend_from_slice(&[0x10, 2, 0, 4, 0x80, 0x01, 0xc0, 0x01]);
+    t.write_all(&req).unwrap();
+    let mut rep = [0u8; 24];
+    t.read_exact(&mut rep).expect("MPA reply");
+    assert_eq!(&rep[..16], b"MPA ID Rep Frame");
+    assert_eq!(rep[16] & 0x30, 0x10, "enhanced, not rejected: {rep:?}");
+    assert_eq!(u16::from_be_bytes([rep[18], rep[19]]), 4);
+    let ird = u16::from_be_bytes([rep[20], rep[21]]);
+    let ord = u16::from_be_bytes([rep[22], rep[23]]);
+    assert_eq!(ird & 0xc000, 0, "P2P bit not echoed (IRD word {ird:#06x})");
+    assert_eq!(ord & 0xc000, 0, "no RTR type chosen (ORD word {ord:#06x})");
+    drop(t);
+    let (code, out) = s.finish();
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("the client disconnected before the first iteration"),
+        "{out}"
+    );
+}
