@@ -65,7 +65,8 @@ pub struct EngineConfig {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClientStats {
     pub credits: u16,
-    /// Most requests outstanding at once.
+    /// Most requests outstanding at once (since the client started or since
+    /// the last `reset_peak`).
     pub max_outstanding: usize,
     /// Times a request was issued with outstanding > credits (must be 0).
     pub credit_violations: u64,
@@ -393,6 +394,12 @@ impl Engine {
         let mut s = st.stats.clone();
         s.credits = st.conn.credits();
         s
+    }
+
+    /// Restart the `max_outstanding` high-water mark from the current count.
+    pub fn reset_peak(&self) {
+        let mut st = lock(&self.st);
+        st.stats.max_outstanding = st.conn.outstanding();
     }
 
     pub fn credits(&self) -> u16 {

@@ -460,6 +460,11 @@ impl Client {
         self.0.engine.stats()
     }
 
+    /// Restart the `max_outstanding` high-water mark of [`ClientStats`].
+    pub fn reset_peak(&self) {
+        self.0.engine.reset_peak()
+    }
+
     pub fn credits(&self) -> u16 {
         self.0.engine.credits()
     }
