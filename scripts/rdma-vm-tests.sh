@@ -58,6 +58,11 @@ interop-soft-to-siw        | netns | 150 | target/release/lwio-rping | - | pair 
 interop-siw-to-soft        | netns | 150 | target/release/lwio-rping | - | pair "inpeer ./lwio-rping -s -a $PEER_IP -C 100 -V" "rping -c -a $PEER_IP -C 100 -V"
 interop-soft-to-siw-crc    | netns | 150 | target/release/lwio-rping | - | pair "rping -s -a $SIW_IP -C 100 -V" "inpeer ./lwio-rping -c -a $SIW_IP -C 100 -V --mpa-crc"
 interop-siw-to-soft-crc    | netns | 150 | target/release/lwio-rping | - | siw_param mpa_crc_required Y; pair "inpeer ./lwio-rping -s -a $PEER_IP -C 100 -V" "rping -c -a $PEER_IP -C 100 -V"; r=$?; siw_param mpa_crc_required N; exit $r
+interop-siw-to-soft-crc-ours | netns | 90 | target/release/lwio-rping scripts/vm/interop-rping.sh | - | sh ./interop-rping.sh siw-to-soft-crc-ours
+interop-soft-to-siw-strict | netns | 60  | target/release/lwio-rping scripts/vm/interop-rping.sh | - | sh ./interop-rping.sh soft-to-siw-strict
+interop-64k                | netns | 150 | target/release/lwio-rping scripts/vm/interop-rping.sh | - | sh ./interop-rping.sh soft-to-siw-64k siw-to-soft-64k
+interop-p2p-gap            | netns | 60  | target/release/lwio-rping scripts/vm/interop-rping.sh | - | sh ./interop-rping.sh siw-p2p-to-soft
+interop-verbs-to-soft      | netns | 90  | target/release/lwio-rping scripts/vm/interop-rping.sh | - | sh ./interop-rping.sh verbs-to-soft
 EOF
 )
 # NB for the colleagues: the conformance-* and interop-* command lines above are the
