@@ -28,4 +28,6 @@ pub use negotiate::{
 pub use tls::{ClientTls, SideStream};
 
 #[cfg(test)]
+mod security_tests;
+#[cfg(test)]
 mod tests;

@@ -1,0 +1,628 @@
+//! Hostile-peer tests of the side channel's security: users and rights,
+//! password and per-user token logins, TLS, connection limits.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::access::{hash_password, Acl, TokenVerifier, UserCredentials, UserDb};
+use super::codec::{self, LoginRequest, Request, Response};
+use super::tls::{fingerprint, parse_fingerprint, ServerIdentity};
+use super::*;
+use crate::config::{IoConfig, Limits, ProviderChoice};
+use crate::error::ErrorCode;
+use crate::fs::{ExportSpec, OpenOptions, ResolveMode};
+use crate::server::{AuthPolicy, Security, Server, ServerOptions, ServerState, Shutdown};
+
+const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+const BOB_TOKEN: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+
+struct Running {
+    addr: String,
+    state: Arc<ServerState>,
+    stop: Shutdown,
+    task: tokio::task::JoinHandle<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.stop.trigger();
+        self.task.await.unwrap();
+    }
+}
+
+/// Users alice (password "alice-pw", writer) and bob (password "bob-pw" and
+/// a token, reader); export `data` readers ["*"], writers ["alice"];
+/// export `pub` with the default access list.
+fn users() -> UserDb {
+    let mut db = UserDb::new();
+    db.insert(
+        "alice".into(),
+        UserCredentials {
+            password: Some(hash_password("alice-pw")),
+            token: None,
+        },
+    );
+    db.insert(
+        "bob".into(),
+        UserCredentials {
+            password: Some(hash_password("bob-pw")),
+            token: Some(TokenVerifier::from_token(BOB_TOKEN.as_bytes())),
+        },
+    );
+    db
+}
+
+fn security(tls: Option<ServerIdentity>, allow_plain_pw: bool) -> Security {
+    let mut acls = HashMap::new();
+    acls.insert(
+        "data".to_string(),
+        Acl::from_lists(Some(&["*".into()]), Some(&["alice".into()])),
+    );
+    Security {
+        tls,
+        users: users(),
+        acls,
+        allow_password_without_tls: allow_plain_pw,
+    }
+}
+
+async fn start(limits: Limits, anonymous: bool, security: Security) -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    for e in ["data", "pub"] {
+        std::fs::create_dir(dir.path().join(e)).unwrap();
+        std::fs::write(dir.path().join(e).join("hello.txt"), b"hello").unwrap();
+    }
+    std::fs::create_dir(dir.path().join("data/sub")).unwrap();
+    let export = |n: &str| ExportSpec {
+        name: n.into(),
+        path: dir.path().join(n),
+        read_only: false,
+    };
+    let opts = ServerOptions {
+        listen: "127.0.0.1:0".into(),
+        server_name: "stor1".into(),
+        exports: vec![export("data"), export("pub")],
+        auth: AuthPolicy {
+            token: Some(Token::new(TOKEN).unwrap()),
+            allow_anonymous: anonymous,
+        },
+        limits,
+        io: IoConfig::default(),
+        provider: ProviderChoice::Auto,
+        resolve: ResolveMode::Auto,
+    };
+    let server = Server::bind_secure(opts, security).await.unwrap();
+    let addr = server.local_addr().unwrap().to_string();
+    let state = server.state().clone();
+    let stop = server.shutdown_handle();
+    let task = tokio::spawn(async move { server.run().await.unwrap() });
+    Running {
+        addr,
+        state,
+        stop,
+        task,
+        _dir: dir,
+    }
+}
+
+fn pw(user: &str, password: &str) -> Login {
+    Login::Password {
+        user: user.into(),
+        password: password.into(),
+    }
+}
+
+fn opts(login: Login, tls: ClientTls) -> ClientOptions {
+    let mut o = ClientOptions::new(login);
+    o.tls = tls;
+    o
+}
+
+fn self_signed() -> (tempfile::TempDir, ServerIdentity) {
+    let d = tempfile::tempdir().unwrap();
+    let (id, _) =
+        ServerIdentity::self_signed(d.path(), &["localhost".into(), "127.0.0.1".into()]).unwrap();
+    (d, id)
+}
+
+fn pin(id: &ServerIdentity) -> ClientTls {
+    ClientTls::Fingerprint(parse_fingerprint(&id.fingerprint).unwrap())
+}
+
+const RO: OpenOptions = OpenOptions {
+    read: true,
+    write: false,
+    create: false,
+    exclusive: false,
+    truncate: false,
+    no_buffering: false,
+    write_through: false,
+};
+const RW: OpenOptions = OpenOptions {
+    read: true,
+    write: true,
+    create: true,
+    exclusive: false,
+    truncate: false,
+    no_buffering: false,
+    write_through: false,
+};
+
+#[tokio::test]
+async fn wrong_password_is_refused_with_no_session() {
+    let (_d, id) = self_signed();
+    let s = start(Limits::default(), false, security(Some(id.clone()), false)).await;
+    for (user, pass) in [
+        ("alice", "wrong"),
+        ("nobody", "alice-pw"),
+        ("bob", "alice-pw"),
+    ] {
+        let e = AsyncClient::connect(&s.addr, &opts(pw(user, pass), pin(&id)))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::AuthFailed, "{e}");
+        assert_eq!(
+            e.to_string(),
+            "authentication failed: wrong user name or password"
+        );
+    }
+    assert_eq!(s.state.session_count(), 0);
+    // The right password works, over TLS, and both ends share the secret.
+    let c = AsyncClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
+        .await
+        .unwrap();
+    assert!(c.session().tls);
+    assert_eq!(c.session().user.as_deref(), Some("alice"));
+    let info = s.state.session(c.session().id).unwrap();
+    assert_eq!(info.principal, Principal::User("alice".into()));
+    assert!(info.tls);
+    assert_eq!(info.secret, c.session().secret);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn password_over_plain_tcp_refused_unless_allowed() {
+    let s = start(Limits::default(), false, security(None, false)).await;
+    // The client refuses to send it.
+    let e = AsyncClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), ClientTls::Off))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::AuthFailed);
+    assert_eq!(
+        e.to_string(),
+        "refusing to send a password over plain TCP: use TLS (or a token)"
+    );
+    // A client that insists is refused by the server, which did not offer it.
+    let mut o = opts(pw("alice", "alice-pw"), ClientTls::Off);
+    o.allow_plain_password = true;
+    let e = AsyncClient::connect(&s.addr, &o).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "the server does not accept password logins over plain TCP"
+    );
+    // A raw client that sends it anyway.
+    let mut raw = tokio::net::TcpStream::connect(&s.addr).await.unwrap();
+    let hello = Request::Hello {
+        version: 1,
+        client_name: "x".into(),
+    };
+    codec::write_frame(&mut raw, &hello.encode(1))
+        .await
+        .unwrap();
+    codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    let login = Request::Login(LoginRequest::Password {
+        user: "alice".into(),
+        password: "alice-pw".into(),
+        client_nonce: [1; 32],
+    });
+    codec::write_frame(&mut raw, &login.encode(2))
+        .await
+        .unwrap();
+    let b = codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    match Response::decode(&b).unwrap().1 {
+        Response::Error(e) => {
+            assert_eq!(e.code, ErrorCode::AuthFailed);
+            assert_eq!(e.message, "password login over plain TCP is refused: use TLS (or set allow_password_without_tls = true on the server)");
+        }
+        r => panic!("{r:?}"),
+    }
+    assert!(
+        codec::read_frame(&mut raw, 1 << 20)
+            .await
+            .unwrap()
+            .is_none(),
+        "closed"
+    );
+    assert_eq!(s.state.session_count(), 0);
+    s.stop().await;
+
+    // Explicitly allowed on both sides: works.
+    let s = start(Limits::default(), false, security(None, true)).await;
+    let c = AsyncClient::connect(&s.addr, &o).await.unwrap();
+    assert!(!c.session().tls);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn user_token_login_is_challenge_response() {
+    let s = start(Limits::default(), false, security(None, false)).await;
+    let bob = |t: &str| {
+        opts(
+            Login::UserToken {
+                user: "bob".into(),
+                token: Token::new(t).unwrap(),
+            },
+            ClientTls::Off,
+        )
+    };
+    // Over plain TCP too: the token never crosses the wire.
+    let c = AsyncClient::connect(&s.addr, &bob(BOB_TOKEN))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.state.session(c.session().id).unwrap().secret,
+        c.session().secret
+    );
+    let e = AsyncClient::connect(&s.addr, &bob(TOKEN))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "authentication failed: wrong user name or token"
+    );
+    let mut o = bob(BOB_TOKEN);
+    o.login = Login::UserToken {
+        user: "alice".into(),
+        token: Token::new(BOB_TOKEN).unwrap(),
+    };
+    let e = AsyncClient::connect(&s.addr, &o).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::AuthFailed, "alice has no token");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn rights_are_enforced_on_every_operation() {
+    let (_d, id) = self_signed();
+    let s = start(Limits::default(), false, security(Some(id.clone()), false)).await;
+    let mut bob = AsyncClient::connect(&s.addr, &opts(pw("bob", "bob-pw"), pin(&id)))
+        .await
+        .unwrap();
+    let denied = "user bob may not write to export data";
+    let check = |e: crate::Error| {
+        assert_eq!(e.code, ErrorCode::PermissionDenied, "{e}");
+        assert_eq!(e.to_string(), denied);
+    };
+    check(bob.open("data", "hello.txt", &RW, 0o644).await.unwrap_err());
+    let wo = OpenOptions {
+        read: false,
+        write: true,
+        ..RO
+    };
+    check(bob.open("data", "hello.txt", &wo, 0).await.unwrap_err());
+    let trunc = OpenOptions {
+        truncate: true,
+        ..RO
+    };
+    check(bob.open("data", "hello.txt", &trunc, 0).await.unwrap_err());
+    check(bob.mkdir("data", "newdir", 0o755, false).await.unwrap_err());
+    check(bob.remove("data", "hello.txt").await.unwrap_err());
+    check(
+        bob.rename("data", "hello.txt", "x.txt", false)
+            .await
+            .unwrap_err(),
+    );
+    assert!(s
+        .state
+        .exports
+        .get("data")
+        .unwrap()
+        .stat("hello.txt")
+        .is_ok());
+    // Reading is allowed, and the resume key is marked read-only.
+    assert_eq!(bob.stat("data", "hello.txt").await.unwrap().size, 5);
+    assert_eq!(bob.list_dir("data", "").await.unwrap().len(), 2);
+    let f = bob.open("data", "hello.txt", &RO, 0).await.unwrap();
+    let of = s
+        .state
+        .lookup_resume_key(&f.resume_key.key, bob.session().id)
+        .unwrap();
+    assert!(of.rights.read);
+    assert!(!of.rights.write, "a reader's resume key is read-only");
+    let e = bob.set_size(f.handle, 0).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::PermissionDenied);
+    // The listing tells bob that data is read-only for him.
+    let ex = bob.list_exports().await.unwrap();
+    assert_eq!(
+        ex,
+        vec![
+            ExportInfo {
+                name: "data".into(),
+                read_only: true
+            },
+            ExportInfo {
+                name: "pub".into(),
+                read_only: false
+            }
+        ]
+    );
+    // The default access list lets him write elsewhere.
+    bob.mkdir("pub", "mine", 0o755, false).await.unwrap();
+
+    // alice may write, and her resume key says so.
+    let mut alice = AsyncClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
+        .await
+        .unwrap();
+    let f = alice.open("data", "new.bin", &RW, 0o600).await.unwrap();
+    let of = s
+        .state
+        .lookup_resume_key(&f.resume_key.key, alice.session().id)
+        .unwrap();
+    assert!(of.rights.write && of.rights.read);
+    alice.mkdir("data", "d", 0o755, false).await.unwrap();
+    alice
+        .rename("data", "new.bin", "d/n.bin", false)
+        .await
+        .unwrap();
+    alice.remove("data", "d/n.bin").await.unwrap();
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn anonymous_needs_configuration_and_a_listing() {
+    let s = start(Limits::default(), false, security(None, false)).await;
+    let e = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::AuthFailed);
+    s.stop().await;
+    // Allowed: the default list (pub) admits anonymous, data's does not.
+    let s = start(Limits::default(), true, security(None, false)).await;
+    let mut c = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+        .await
+        .unwrap();
+    assert_eq!(c.list_exports().await.unwrap().len(), 1);
+    let e = c.stat("data", "hello.txt").await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::PermissionDenied);
+    assert_eq!(e.to_string(), "anonymous sessions may not read export data");
+    assert_eq!(c.stat("pub", "hello.txt").await.unwrap().size, 5);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn per_user_session_limit() {
+    let limits = Limits {
+        max_sessions_per_user: 2,
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, false)).await;
+    let t = || ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let _a = AsyncClient::connect(&s.addr, &t()).await.unwrap();
+    let _b = AsyncClient::connect(&s.addr, &t()).await.unwrap();
+    let e = AsyncClient::connect(&s.addr, &t()).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::Busy);
+    assert_eq!(
+        e.to_string(),
+        "the shared token already has 2 sessions (limit 2)"
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn tls_verification_modes() {
+    let (_d, id) = self_signed();
+    let s = start(Limits::default(), false, security(Some(id.clone()), false)).await;
+    let tok = || Login::Token(Token::new(TOKEN).unwrap());
+    // Pinned fingerprint.
+    let c = AsyncClient::connect(&s.addr, &opts(tok(), pin(&id)))
+        .await
+        .unwrap();
+    assert!(c.session().tls);
+    // Wrong fingerprint: one clear line, no session.
+    let wrong = fingerprint(b"some other certificate");
+    let e = AsyncClient::connect(
+        &s.addr,
+        &opts(
+            tok(),
+            ClientTls::Fingerprint(parse_fingerprint(&wrong).unwrap()),
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code, ErrorCode::AuthFailed);
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "TLS: the server's certificate fingerprint {} does not match the pinned {wrong}; refusing to connect",
+            id.fingerprint
+        )
+    );
+    // --insecure works.
+    AsyncClient::connect(&s.addr, &opts(tok(), ClientTls::Insecure))
+        .await
+        .unwrap();
+    // A self-signed certificate does not pass a CA check.
+    let other = tempfile::tempdir().unwrap();
+    let ca = other.path().join("ca.pem");
+    ServerIdentity::self_signed(other.path(), &["localhost".into()]).unwrap();
+    std::fs::copy(other.path().join(tls::SELF_SIGNED_CERT), &ca).unwrap();
+    let e = AsyncClient::connect(&s.addr, &opts(tok(), ClientTls::CaFile(ca)))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::AuthFailed);
+    assert!(
+        e.to_string()
+            .starts_with("TLS: cannot verify the certificate of 127.0.0.1:"),
+        "{e}"
+    );
+    // Plain client to a TLS server: a clear error, not a hang.
+    let t0 = Instant::now();
+    let e = AsyncClient::connect(&s.addr, &opts(tok(), ClientTls::Off))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::Unsupported);
+    assert_eq!(e.to_string(), server::TLS_REQUIRED_MSG);
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    s.stop().await;
+
+    // TLS client to a plain server: a clear error, not a hang.
+    let s = start(Limits::default(), false, security(None, false)).await;
+    let t0 = Instant::now();
+    let e = AsyncClient::connect(&s.addr, &opts(tok(), pin(&id)))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::ConnectFailed);
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{} did not speak TLS; it answered in plain TCP: {}",
+            s.addr,
+            server::NOT_TLS_MSG
+        )
+    );
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn tls_with_a_ca_file() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "lwio test CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .unwrap();
+    let id = ServerIdentity::from_pem(
+        leaf.pem().as_bytes(),
+        leaf_key.serialize_pem().as_bytes(),
+        "test",
+    )
+    .unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let ca_file = d.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let s = start(Limits::default(), false, security(Some(id), false)).await;
+    let c = AsyncClient::connect(
+        &s.addr,
+        &opts(pw("bob", "bob-pw"), ClientTls::CaFile(ca_file.clone())),
+    )
+    .await
+    .unwrap();
+    assert!(c.session().tls);
+    // The name is checked: "localhost" is in the certificate, an IP not listed is not.
+    let port = s.addr.rsplit_once(':').unwrap().1;
+    AsyncClient::connect(
+        &format!("localhost:{port}"),
+        &opts(pw("bob", "bob-pw"), ClientTls::CaFile(ca_file)),
+    )
+    .await
+    .unwrap();
+    s.stop().await;
+}
+
+/// Raise the soft fd limit to the hard limit (the flood needs ~2 fds per
+/// connection in this one process).
+fn raise_nofile() -> u64 {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read/write the struct we pass.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 {
+            r.rlim_cur = r.rlim_max;
+            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        }
+    }
+    r.rlim_cur
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_flood_does_not_starve_good_clients() {
+    let nofile = raise_nofile();
+    let flood_n: usize = if nofile >= 12_000 { 5_000 } else { 1_500 };
+    // Admitted flood connections must stay open for the whole test.
+    let limits = Limits {
+        login_timeout: Duration::from_secs(120),
+        ..Limits::default()
+    };
+    let per_host = limits.max_connections_per_host;
+    let s = start(limits, false, security(None, false)).await;
+    let server: SocketAddr = s.addr.parse().unwrap();
+    let flood_ip: IpAddr = "127.0.0.2".parse().unwrap();
+    // The attacker: many connections from 127.0.0.2 that never say a word,
+    // all kept open.
+    let attacker = tokio::spawn(async move {
+        let mut held = Vec::with_capacity(flood_n);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for _ in 0..flood_n {
+            if Instant::now() > deadline {
+                break;
+            }
+            let sock = tokio::net::TcpSocket::new_v4().unwrap();
+            sock.bind(SocketAddr::new(flood_ip, 0)).unwrap();
+            if let Ok(Ok(c)) =
+                tokio::time::timeout(Duration::from_secs(3), sock.connect(server)).await
+            {
+                held.push(c);
+            }
+        }
+        held
+    });
+    // Meanwhile a well-behaved client keeps working.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+        assert_eq!(c.stat("pub", "hello.txt").await.unwrap().size, 5);
+        c.bye().await.unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    }
+    let held = attacker.await.unwrap();
+    assert!(
+        held.len() > per_host,
+        "the flood connected ({})",
+        held.len()
+    );
+    // Every flood connection has been accepted: admitted or refused.
+    let adm = &s.state.admission;
+    let t0 = Instant::now();
+    while (adm.refused() as usize) + adm.host_connections(flood_ip) < held.len() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "accept backlog drains"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Bounded: the attacker holds at most its per-host share of the server.
+    assert!(adm.host_connections(flood_ip) <= per_host);
+    assert!(adm.unauthenticated() <= per_host);
+    assert!(
+        adm.refused() as usize >= held.len() - per_host,
+        "refused {} of {}",
+        adm.refused(),
+        held.len()
+    );
+    // Still serving with the flood open.
+    let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    c.ping().await.unwrap();
+    drop(held);
+    let t0 = Instant::now();
+    while s.state.admission.host_connections(flood_ip) > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "released on close");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    c.bye().await.unwrap();
+    s.stop().await;
+}
