@@ -743,10 +743,9 @@ impl QpParts {
                 .clone())
         };
         let (send_cq, recv_cq) = (cq(&init.send_cq)?, cq(&init.recv_cq)?);
-        if !Arc::ptr_eq(&pd.ctx, ctx)
-            || !Arc::ptr_eq(&send_cq.ctx, ctx)
-            || !Arc::ptr_eq(&recv_cq.ctx, ctx)
-        {
+        // Two lwio contexts of one device share librdmacm's ibv_context, so
+        // compare that, not the lwio objects.
+        if pd.ctx.ctx != ctx.ctx || send_cq.ctx.ctx != ctx.ctx || recv_cq.ctx.ctx != ctx.ctx {
             return Err(Error::InvalidArgument(format!(
                 "the PD and CQs must come from the context that connects ({})",
                 ctx.info.name

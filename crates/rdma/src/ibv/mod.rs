@@ -319,7 +319,7 @@ impl ContextOps for VerbsContext {
                     .ok_or_else(|| {
                         Error::InvalidArgument("completion channel of another provider".into())
                     })?;
-                if !Arc::ptr_eq(&v.0.ctx, c) {
+                if v.0.ctx.ctx != c.ctx {
                     return Err(Error::InvalidArgument(
                         "completion channel of another device context".into(),
                     ));
