@@ -108,6 +108,12 @@ pub struct PerfReport {
     pub lat_p99: Option<Duration>,
     /// "half round trip" or "full operation".
     pub lat_kind: &'static str,
+    /// Process CPU time (user + system, both ends when run in one process)
+    /// per GB moved in the bandwidth phase: robust to a busy machine.
+    pub cpu_s_per_gb: Option<f64>,
+    /// CPU of the soft provider's engine threads (all receive-side work
+    /// under `Progress::Auto`: deframing, validation, placement) per GB.
+    pub engine_cpu_s_per_gb: Option<f64>,
 }
 
 impl fmt::Display for PerfReport {
@@ -141,6 +147,12 @@ impl fmt::Display for PerfReport {
             self.msg_rate,
             self.bandwidth * 8.0 / 1e9
         )?;
+        if let Some(c) = self.cpu_s_per_gb {
+            write!(f, ", CPU {c:.3} s/GB")?;
+        }
+        if let Some(c) = self.engine_cpu_s_per_gb {
+            write!(f, " (engine threads {c:.3} s/GB)")?;
+        }
         if let (Some(a), Some(b)) = (self.lat_p50, self.lat_p99) {
             write!(
                 f,
@@ -520,6 +532,8 @@ fn client(end: &End, opts: &PerfOpts, addr: SocketAddr) -> Result<PerfReport> {
         recv(&qp, &mr, 0, 0, u64::MAX)?;
     }
     let t = Instant::now();
+    let cpu0 = cpu_now();
+    let eng0 = engine_cpu();
     let (mut posted, mut done, mut acked) = (0u64, 0u64, false);
     while done < plan.iters {
         while posted < plan.iters && posted - done < depth {
@@ -555,6 +569,9 @@ fn client(end: &End, opts: &PerfOpts, addr: SocketAddr) -> Result<PerfReport> {
         }
     }
     let el = t.elapsed().as_secs_f64().max(1e-9);
+    let cpu = cpu_now() - cpu0;
+    let eng = engine_cpu().zip(eng0).map(|(a, b)| a - b);
+    let gb = plan.iters as f64 * size as f64 / 1e9;
     let _ = qp.disconnect();
     let p50 = percentile(&mut lat, 0.5);
     let p99 = percentile(&mut lat, 0.99);
@@ -571,7 +588,53 @@ fn client(end: &End, opts: &PerfOpts, addr: SocketAddr) -> Result<PerfReport> {
         lat_p50: p50,
         lat_p99: p99,
         lat_kind,
+        cpu_s_per_gb: (gb > 0.0).then_some(cpu / gb.max(1e-12)),
+        engine_cpu_s_per_gb: eng.filter(|_| gb > 0.0).map(|e| e / gb.max(1e-12)),
     })
+}
+
+/// CPU seconds used so far by this process's soft engine threads
+/// (`/proc/self/task/*/stat`), if there are any.
+fn engine_cpu() -> Option<f64> {
+    let tick = {
+        // SAFETY: sysconf has no memory effects.
+        let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        if t <= 0 {
+            100.0
+        } else {
+            t as f64
+        }
+    };
+    let mut total = 0u64;
+    let mut found = false;
+    for e in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        // "tid (comm) state ... utime(14) stime(15)"
+        let (Some(a), Some(b)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        if !stat[a + 1..b].starts_with("lwio-soft-engin") {
+            continue;
+        }
+        let f: Vec<&str> = stat[b + 1..].split_whitespace().collect();
+        if let (Some(u), Some(s)) = (f.get(11), f.get(12)) {
+            total += u.parse::<u64>().unwrap_or(0) + s.parse::<u64>().unwrap_or(0);
+            found = true;
+        }
+    }
+    found.then_some(total as f64 / tick)
+}
+
+/// User + system CPU seconds of this process so far.
+fn cpu_now() -> f64 {
+    // SAFETY: getrusage writes one `rusage` into the zeroed local.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
 }
 
 /// Run the benchmark.
@@ -600,6 +663,8 @@ pub fn run(opts: &PerfOpts) -> Result<PerfReport> {
                 lat_p50: None,
                 lat_p99: None,
                 lat_kind: "",
+                cpu_s_per_gb: None,
+                engine_cpu_s_per_gb: None,
             })
         }
         (None, Some(addr)) => client(&End::new(opts)?, opts, addr),
