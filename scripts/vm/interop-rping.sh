@@ -17,7 +17,9 @@
 #                        responder does not do RFC 6581 P2P, siw must fail to connect
 #                        and our server must see the connection go (docs/interop.md)
 #   verbs-to-soft        lwio-rping --provider verbs on siw0 (root netns) <- -> soft
-#   soft-to-verbs        lwio-rping -s --provider verbs on siw0 <- soft client
+#   soft-to-verbs        lwio-rping -s --provider verbs on siw0 <- soft client. Not in the
+#                        default list: RACY on iWARP, the verbs API cannot post a receive
+#                        before accept, and siw terminates a Send that finds no receive
 #   *-64k                any of the above with -S 65535 (rping's largest size)
 # env: COUNT (100), LWIO_RPING (./lwio-rping), RPING_PORT (7174)
 # host: scripts/rdma-vm.sh -n -d siw -f target/release/lwio-rping \
@@ -107,7 +109,7 @@ run_case() {
 }
 
 [ $# -gt 0 ] || set -- soft-to-siw siw-to-soft soft-to-siw-crc siw-to-soft-crc siw-to-soft-crc-ours \
-  soft-to-siw-strict soft-to-siw-64k siw-to-soft-64k siw-p2p-to-soft verbs-to-soft soft-to-verbs
+  soft-to-siw-strict soft-to-siw-64k siw-to-soft-64k siw-p2p-to-soft verbs-to-soft
 for c in "$@"; do run_case "$c"; done
 echo "interop-rping: $(($# - FAILED)) of $# cases passed"
 exit $FAILED
