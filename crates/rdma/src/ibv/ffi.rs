@@ -690,56 +690,59 @@ impl Lib {
     }
 
     fn load() -> Result<Lib, String> {
-        const IBV: &str = "libibverbs.so.1";
-        const CM: &str = "librdmacm.so.1";
+        Lib::load_from("libibverbs.so.1", "librdmacm.so.1")
+    }
+
+    /// Load the two libraries by file name (tests use missing names).
+    pub(crate) fn load_from(ibv: &str, cm: &str) -> Result<Lib, String> {
         // SAFETY: loading runs the libraries' ELF constructors. libibverbs'
         // and librdmacm's only set up internal state (no fork handlers
         // or signal handlers are installed until a device is opened).
-        let ibverbs = unsafe { libloading::Library::new(IBV) }
-            .map_err(|e| format!("{IBV} not loadable (rdma-core not installed?): {e}"))?;
+        let ibverbs = unsafe { libloading::Library::new(ibv) }
+            .map_err(|e| format!("{ibv} not loadable (rdma-core not installed?): {e}"))?;
         // SAFETY: as above.
-        let rdmacm = unsafe { libloading::Library::new(CM) }
-            .map_err(|e| format!("{CM} not loadable (rdma-core not installed?): {e}"))?;
+        let rdmacm = unsafe { libloading::Library::new(cm) }
+            .map_err(|e| format!("{cm} not loadable (rdma-core not installed?): {e}"))?;
         let (i, c) = (&ibverbs, &rdmacm);
         Ok(Lib {
-            ibv_get_device_list: sym!(i, IBV, ibv_get_device_list),
-            ibv_free_device_list: sym!(i, IBV, ibv_free_device_list),
-            ibv_open_device: sym!(i, IBV, ibv_open_device),
-            ibv_close_device: sym!(i, IBV, ibv_close_device),
-            ibv_query_device: sym!(i, IBV, ibv_query_device),
-            ibv_query_port: sym!(i, IBV, ibv_query_port),
-            ibv_alloc_pd: sym!(i, IBV, ibv_alloc_pd),
-            ibv_dealloc_pd: sym!(i, IBV, ibv_dealloc_pd),
-            ibv_reg_mr: sym!(i, IBV, ibv_reg_mr),
-            ibv_dereg_mr: sym!(i, IBV, ibv_dereg_mr),
-            ibv_create_comp_channel: sym!(i, IBV, ibv_create_comp_channel),
-            ibv_destroy_comp_channel: sym!(i, IBV, ibv_destroy_comp_channel),
-            ibv_create_cq: sym!(i, IBV, ibv_create_cq),
-            ibv_destroy_cq: sym!(i, IBV, ibv_destroy_cq),
-            ibv_get_cq_event: sym!(i, IBV, ibv_get_cq_event),
-            ibv_ack_cq_events: sym!(i, IBV, ibv_ack_cq_events),
-            ibv_modify_qp: sym!(i, IBV, ibv_modify_qp),
-            ibv_query_qp: sym!(i, IBV, ibv_query_qp),
-            rdma_create_event_channel: sym!(c, CM, rdma_create_event_channel),
-            rdma_destroy_event_channel: sym!(c, CM, rdma_destroy_event_channel),
-            rdma_create_id: sym!(c, CM, rdma_create_id),
-            rdma_destroy_id: sym!(c, CM, rdma_destroy_id),
-            rdma_bind_addr: sym!(c, CM, rdma_bind_addr),
-            rdma_listen: sym!(c, CM, rdma_listen),
-            rdma_resolve_addr: sym!(c, CM, rdma_resolve_addr),
-            rdma_resolve_route: sym!(c, CM, rdma_resolve_route),
-            rdma_create_qp: sym!(c, CM, rdma_create_qp),
-            rdma_destroy_qp: sym!(c, CM, rdma_destroy_qp),
-            rdma_connect: sym!(c, CM, rdma_connect),
-            rdma_accept: sym!(c, CM, rdma_accept),
-            rdma_reject: sym!(c, CM, rdma_reject),
-            rdma_disconnect: sym!(c, CM, rdma_disconnect),
-            rdma_get_cm_event: sym!(c, CM, rdma_get_cm_event),
-            rdma_ack_cm_event: sym!(c, CM, rdma_ack_cm_event),
-            rdma_migrate_id: sym!(c, CM, rdma_migrate_id),
-            rdma_get_devices: sym!(c, CM, rdma_get_devices),
-            rdma_free_devices: sym!(c, CM, rdma_free_devices),
-            rdma_event_str: sym!(c, CM, rdma_event_str),
+            ibv_get_device_list: sym!(i, ibv, ibv_get_device_list),
+            ibv_free_device_list: sym!(i, ibv, ibv_free_device_list),
+            ibv_open_device: sym!(i, ibv, ibv_open_device),
+            ibv_close_device: sym!(i, ibv, ibv_close_device),
+            ibv_query_device: sym!(i, ibv, ibv_query_device),
+            ibv_query_port: sym!(i, ibv, ibv_query_port),
+            ibv_alloc_pd: sym!(i, ibv, ibv_alloc_pd),
+            ibv_dealloc_pd: sym!(i, ibv, ibv_dealloc_pd),
+            ibv_reg_mr: sym!(i, ibv, ibv_reg_mr),
+            ibv_dereg_mr: sym!(i, ibv, ibv_dereg_mr),
+            ibv_create_comp_channel: sym!(i, ibv, ibv_create_comp_channel),
+            ibv_destroy_comp_channel: sym!(i, ibv, ibv_destroy_comp_channel),
+            ibv_create_cq: sym!(i, ibv, ibv_create_cq),
+            ibv_destroy_cq: sym!(i, ibv, ibv_destroy_cq),
+            ibv_get_cq_event: sym!(i, ibv, ibv_get_cq_event),
+            ibv_ack_cq_events: sym!(i, ibv, ibv_ack_cq_events),
+            ibv_modify_qp: sym!(i, ibv, ibv_modify_qp),
+            ibv_query_qp: sym!(i, ibv, ibv_query_qp),
+            rdma_create_event_channel: sym!(c, cm, rdma_create_event_channel),
+            rdma_destroy_event_channel: sym!(c, cm, rdma_destroy_event_channel),
+            rdma_create_id: sym!(c, cm, rdma_create_id),
+            rdma_destroy_id: sym!(c, cm, rdma_destroy_id),
+            rdma_bind_addr: sym!(c, cm, rdma_bind_addr),
+            rdma_listen: sym!(c, cm, rdma_listen),
+            rdma_resolve_addr: sym!(c, cm, rdma_resolve_addr),
+            rdma_resolve_route: sym!(c, cm, rdma_resolve_route),
+            rdma_create_qp: sym!(c, cm, rdma_create_qp),
+            rdma_destroy_qp: sym!(c, cm, rdma_destroy_qp),
+            rdma_connect: sym!(c, cm, rdma_connect),
+            rdma_accept: sym!(c, cm, rdma_accept),
+            rdma_reject: sym!(c, cm, rdma_reject),
+            rdma_disconnect: sym!(c, cm, rdma_disconnect),
+            rdma_get_cm_event: sym!(c, cm, rdma_get_cm_event),
+            rdma_ack_cm_event: sym!(c, cm, rdma_ack_cm_event),
+            rdma_migrate_id: sym!(c, cm, rdma_migrate_id),
+            rdma_get_devices: sym!(c, cm, rdma_get_devices),
+            rdma_free_devices: sym!(c, cm, rdma_free_devices),
+            rdma_event_str: sym!(c, cm, rdma_event_str),
             _ibverbs: ibverbs,
             _rdmacm: rdmacm,
         })

@@ -1002,6 +1002,19 @@ mod tests {
     }
 
     #[test]
+    fn missing_library_is_an_error_not_a_crash() {
+        let e = Lib::load_from("libibverbs-lwio-missing.so.1", "librdmacm.so.1")
+            .err()
+            .expect("a missing library must not load");
+        assert!(e.contains("libibverbs-lwio-missing.so.1"), "{e}");
+        let e = Lib::load_from("libc.so.6", "librdmacm-lwio-missing.so.1")
+            .err()
+            .expect("a missing library must not load");
+        // libc loads but has no verbs symbols, or the second library is missing
+        assert!(e.contains("lwio-missing") || e.contains("symbol"), "{e}");
+    }
+
+    #[test]
     fn status_mapping() {
         assert_eq!(map_status(IBV_WC_SUCCESS), WcStatus::Success);
         assert_eq!(map_status(IBV_WC_WR_FLUSH_ERR), WcStatus::WrFlushErr);
