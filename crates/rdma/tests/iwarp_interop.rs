@@ -179,7 +179,11 @@ fn reference_initiator(crc: bool) {
     };
     assert_eq!(params.crc, crc);
     assert!(params.enhanced);
-    assert_eq!(params.ord, 4, "reference ORD limited by our IRD");
+    // siw's relaxed negotiation: we raised our IRD (asked 4) to the
+    // initiator's ORD (16, within our maximum), so its ORD stays 16.
+    assert_eq!(params.ord, 16);
+    assert_eq!(qp.negotiated().ird, 16);
+    assert_eq!(qp.negotiated().ord, 4, "our ORD ≤ the initiator's IRD");
     assert_eq!(qp.negotiated().mpa_crc, Some(crc));
 
     // Our Send, Write and Read Request, parsed by the reference deframer.

@@ -1,8 +1,12 @@
 //! Connection management: TCP + MPA (RFC 5044) with enhanced connection
 //! establishment (RFC 6581: IRD/ORD), markers off, CRC32c negotiated.
 //!
-//! The handshake runs blocking (with `Config::connect_timeout`) on the
-//! calling thread; the established socket is then handed to the engine.
+//! The MPA state machine is `lwio_iwarp::mpa::MpaHandshake` (siw's
+//! behaviour: relaxed IRD/ORD negotiation, reject of marker requests,
+//! revision echo, P2P RTR echo); this module only moves its bytes, blocking
+//! with `Config::connect_timeout` on the calling thread. Frames are read
+//! exactly (header, then PD_Length bytes), so no FPDU byte is consumed
+//! before the socket is handed to the engine.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -10,20 +14,39 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::wire::{
-    MpaFrame, MPA_FLAG_CRC, MPA_FLAG_MARKERS, MPA_FLAG_REJECT, MPA_MAX_PD, MPA_REV_ENHANCED,
-};
+use lwio_iwarp::mpa::{CrcPolicy as MpaCrc, MpaConfig, MpaError, MpaEvent, MpaHandshake};
+
 use super::{check_init, create_qp, sys, CtxShared, Established, DEFAULT_IRD_ORD, MAX_IRD_ORD};
 use crate::verbs::*;
 
-/// Largest consumer private data (PD_Length minus the IRD/ORD words).
-pub const MAX_PRIVATE_DATA: usize = MPA_MAX_PD - 4;
+/// Largest consumer private data (PD_Length minus the IRD/ORD words). Linux
+/// siw accepts at most 252 (it caps PD_Length at 256).
+pub const MAX_PRIVATE_DATA: usize = super::wire::MPA_MAX_PD - 4;
 
 fn eff(v: u8) -> u8 {
     if v == 0 {
         DEFAULT_IRD_ORD
     } else {
         v.min(MAX_IRD_ORD)
+    }
+}
+
+fn mpa_config(ctx: &CtxShared, ird: u8, ord: u8) -> MpaConfig {
+    MpaConfig {
+        revision: 2,
+        crc: match ctx.config.mpa_crc {
+            CrcPolicy::Off => MpaCrc::Off,
+            CrcPolicy::Preferred | CrcPolicy::Required => MpaCrc::On,
+        },
+        ird: ird as u16,
+        ord: ord as u16,
+        max_ird: MAX_IRD_ORD as u16,
+        max_ord: MAX_IRD_ORD as u16,
+        p2p: false,
+        rtr_write: true,
+        rtr_read: true,
+        timeout: ctx.config.connect_timeout,
+        max_private_data: super::wire::MPA_MAX_PD,
     }
 }
 
@@ -37,13 +60,39 @@ fn io_err(what: &str, e: std::io::Error) -> Error {
     }
 }
 
-fn read_frame(s: &mut TcpStream, what: &str) -> Result<MpaFrame> {
-    let mut h = [0u8; 20];
-    s.read_exact(&mut h).map_err(|e| io_err(what, e))?;
-    let (reply, flags, rev, pd_len) = MpaFrame::parse_header(&h).map_err(Error::Handshake)?;
+fn mpa_err(e: MpaError) -> Error {
+    match e {
+        MpaError::Timeout => Error::Timeout("MPA handshake".into()),
+        e => Error::Handshake(e.to_string()),
+    }
+}
+
+fn flush(h: &mut MpaHandshake, s: &mut TcpStream, what: &str) -> Result<()> {
+    while let Some(out) = h.poll_transmit() {
+        s.write_all(&out).map_err(|e| io_err(what, e))?;
+    }
+    Ok(())
+}
+
+/// Read one MPA frame exactly and feed it to `h`; returns the next event.
+fn exchange(h: &mut MpaHandshake, s: &mut TcpStream, what: &str) -> Result<Option<MpaEvent>> {
+    let mut hdr = [0u8; 20];
+    s.read_exact(&mut hdr).map_err(|e| io_err(what, e))?;
+    let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]) as usize;
+    let r = h.receive(&hdr, Instant::now()).map_err(mpa_err);
+    if r.is_err() || pd_len > super::wire::MPA_MAX_PD {
+        let _ = flush(h, s, what);
+        r?;
+        return Err(Error::Handshake(format!(
+            "{what}: PD_Length {pd_len} > 512"
+        )));
+    }
     let mut pd = vec![0u8; pd_len];
     s.read_exact(&mut pd).map_err(|e| io_err(what, e))?;
-    MpaFrame::from_parts(reply, flags, rev, &pd).map_err(Error::Handshake)
+    let r = h.receive(&pd, Instant::now()).map_err(mpa_err);
+    flush(h, s, what)?;
+    r?;
+    Ok(h.poll_event())
 }
 
 fn check_pd(p: &ConnParams) -> Result<()> {
@@ -72,51 +121,41 @@ pub(crate) fn connect(
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(to))?;
     s.set_write_timeout(Some(to))?;
-    let want_crc = ctx.config.mpa_crc != CrcPolicy::Off;
     let (ird, ord) = (eff(params.ird), eff(params.ord));
-    let req = MpaFrame {
-        reply: false,
-        flags: if want_crc { MPA_FLAG_CRC } else { 0 },
-        rev: MPA_REV_ENHANCED,
-        private: params.private_data.clone(),
-        ird_ord: Some((ird as u16, ord as u16)),
+    let mut h = MpaHandshake::initiator(
+        mpa_config(&ctx, ird, ord),
+        &params.private_data,
+        Instant::now(),
+    )
+    .map_err(mpa_err)?;
+    flush(&mut h, &mut s, "MPA request")?;
+    let (n, peer_pd) = match exchange(&mut h, &mut s, "MPA reply")? {
+        Some(MpaEvent::Established {
+            params: n,
+            private_data,
+        }) => (n, private_data),
+        Some(MpaEvent::Rejected { private_data }) => return Err(Error::Rejected { private_data }),
+        other => {
+            return Err(Error::Handshake(format!(
+                "unexpected MPA outcome {other:?}"
+            )))
+        }
     };
-    s.write_all(&req.encode())
-        .map_err(|e| io_err("MPA request", e))?;
-    let rep = read_frame(&mut s, "MPA reply")?;
-    if !rep.reply {
-        return Err(Error::Handshake("peer answered with an MPA request".into()));
-    }
-    if rep.flags & MPA_FLAG_REJECT != 0 {
-        return Err(Error::Rejected {
-            private_data: rep.private,
-        });
-    }
-    if rep.flags & MPA_FLAG_MARKERS != 0 {
-        return Err(Error::Handshake(
-            "peer requires MPA markers (unsupported)".into(),
-        ));
-    }
-    let crc = rep.flags & MPA_FLAG_CRC != 0;
-    if ctx.config.mpa_crc == CrcPolicy::Required && !crc {
+    if ctx.config.mpa_crc == CrcPolicy::Required && !n.crc {
         return Err(Error::Handshake(
             "peer refused MPA CRC, which we require".into(),
         ));
     }
-    let (peer_ird, _peer_ord) = rep
-        .ird_ord
-        .map(|(i, o)| (i.min(255) as u8, o.min(255) as u8))
-        .unwrap_or((DEFAULT_IRD_ORD, DEFAULT_IRD_ORD));
-    let ord = ord.min(peer_ird.max(1));
+    let (ird, ord) = (n.ird.clamp(1, 255) as u8, n.ord.clamp(1, 255) as u8);
     let est = Established {
         stream: s,
         negotiated: Negotiated {
-            peer_private_data: rep.private,
+            peer_private_data: peer_pd,
             ird,
             ord,
-            mpa_crc: Some(crc),
+            mpa_crc: Some(n.crc),
         },
-        crc,
+        crc: n.crc,
         ird,
         ord,
     };
@@ -138,6 +177,40 @@ pub(crate) fn listen(
     Ok(Arc::new(SoftListener { l, ctx }))
 }
 
+impl SoftListener {
+    /// Read and answer-or-queue one MPA Request on a fresh connection.
+    fn request(&self, mut s: TcpStream, peer: SocketAddr) -> Result<Option<SoftConnRequest>> {
+        s.set_nonblocking(false)?;
+        s.set_nodelay(true)?;
+        let to = self.ctx.config.connect_timeout;
+        s.set_read_timeout(Some(to))?;
+        s.set_write_timeout(Some(to))?;
+        let mut h = MpaHandshake::responder(
+            mpa_config(&self.ctx, DEFAULT_IRD_ORD, DEFAULT_IRD_ORD),
+            Instant::now(),
+        );
+        match exchange(&mut h, &mut s, "MPA request")? {
+            Some(MpaEvent::ConnectRequest {
+                private_data,
+                peer: io,
+                crc,
+                revision,
+            }) => {
+                tracing::debug!(%peer, crc, revision, "MPA request");
+                Ok(Some(SoftConnRequest {
+                    s,
+                    peer,
+                    h,
+                    private_data,
+                    ird_ord: io.map(|p| (p.ird.min(255) as u8, p.ord.min(255) as u8)),
+                    ctx: self.ctx.clone(),
+                }))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
 impl ListenerOps for SoftListener {
     fn local_addr(&self) -> SocketAddr {
         self.l
@@ -149,22 +222,10 @@ impl ListenerOps for SoftListener {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             match self.l.accept() {
-                Ok((mut s, peer)) => {
-                    s.set_nonblocking(false)?;
-                    s.set_nodelay(true)?;
-                    let to = self.ctx.config.connect_timeout;
-                    s.set_read_timeout(Some(to))?;
-                    s.set_write_timeout(Some(to))?;
-                    match read_frame(&mut s, "MPA request") {
-                        Ok(f) if !f.reply => {
-                            return Ok(Some(Box::new(SoftConnRequest {
-                                s,
-                                peer,
-                                frame: f,
-                                ctx: self.ctx.clone(),
-                            })))
-                        }
-                        Ok(_) => tracing::debug!(%peer, "MPA reply where a request was due"),
+                Ok((s, peer)) => {
+                    match self.request(s, peer) {
+                        Ok(Some(r)) => return Ok(Some(Box::new(r))),
+                        Ok(None) => tracing::debug!(%peer, "MPA request refused"),
                         Err(e) => tracing::debug!(%peer, error = %e, "bad MPA request"),
                     }
                     continue;
@@ -195,7 +256,9 @@ impl ListenerOps for SoftListener {
 pub struct SoftConnRequest {
     s: TcpStream,
     peer: SocketAddr,
-    frame: MpaFrame,
+    h: MpaHandshake,
+    private_data: Vec<u8>,
+    ird_ord: Option<(u8, u8)>,
     ctx: Arc<CtxShared>,
 }
 
@@ -204,50 +267,34 @@ impl ConnRequestOps for SoftConnRequest {
         self.peer
     }
     fn private_data(&self) -> &[u8] {
-        &self.frame.private
+        &self.private_data
     }
     fn peer_ird_ord(&self) -> (u8, u8) {
-        self.frame
-            .ird_ord
-            .map(|(i, o)| (i.min(255) as u8, o.min(255) as u8))
-            .unwrap_or((DEFAULT_IRD_ORD, DEFAULT_IRD_ORD))
+        self.ird_ord.unwrap_or((DEFAULT_IRD_ORD, DEFAULT_IRD_ORD))
     }
 
     fn accept(self: Box<Self>, init: &QpInit, params: &ConnParams) -> Result<Arc<dyn QpOps>> {
         check_pd(params)?;
         check_init(init)?;
         let mut me = *self;
-        if me.frame.flags & MPA_FLAG_MARKERS != 0 {
-            let _ = me.reject_inner(&[]);
-            return Err(Error::Handshake(
-                "peer requires MPA markers (unsupported)".into(),
-            ));
-        }
-        let policy = me.ctx.config.mpa_crc;
-        let crc = me.frame.flags & MPA_FLAG_CRC != 0 || policy != CrcPolicy::Off;
-        let (peer_ird, _) = me.peer_ird_ord();
-        let ird = eff(params.ird);
-        let ord = eff(params.ord).min(peer_ird.max(1));
-        let enhanced = me.frame.ird_ord.is_some();
-        let rep = MpaFrame {
-            reply: true,
-            flags: if crc { MPA_FLAG_CRC } else { 0 },
-            // Like siw: answer with the Request's revision.
-            rev: me.frame.rev,
-            private: params.private_data.clone(),
-            ird_ord: enhanced.then_some((ird as u16, ord as u16)),
-        };
-        me.s.write_all(&rep.encode())
-            .map_err(|e| io_err("MPA reply", e))?;
+        let n =
+            me.h.accept(
+                &params.private_data,
+                eff(params.ird) as u16,
+                eff(params.ord) as u16,
+            )
+            .map_err(mpa_err)?;
+        flush(&mut me.h, &mut me.s, "MPA reply")?;
+        let (ird, ord) = (n.ird.clamp(1, 255) as u8, n.ord.clamp(1, 255) as u8);
         let est = Established {
             stream: me.s,
             negotiated: Negotiated {
-                peer_private_data: me.frame.private,
+                peer_private_data: me.private_data,
                 ird,
                 ord,
-                mpa_crc: Some(crc),
+                mpa_crc: Some(n.crc),
             },
-            crc,
+            crc: n.crc,
             ird,
             ord,
         };
@@ -256,29 +303,14 @@ impl ConnRequestOps for SoftConnRequest {
 
     fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()> {
         let mut me = *self;
-        me.reject_inner(private_data)
-    }
-}
-
-impl SoftConnRequest {
-    fn reject_inner(&mut self, private_data: &[u8]) -> Result<()> {
         if private_data.len() > MAX_PRIVATE_DATA {
             return Err(Error::InvalidArgument(
                 "reject private data too long".into(),
             ));
         }
-        let enhanced = self.frame.ird_ord.is_some();
-        let rep = MpaFrame {
-            reply: true,
-            flags: MPA_FLAG_REJECT,
-            rev: self.frame.rev,
-            private: private_data.to_vec(),
-            ird_ord: enhanced.then_some((0, 0)),
-        };
-        self.s
-            .write_all(&rep.encode())
-            .map_err(|e| io_err("MPA reject", e))?;
-        let _ = self.s.shutdown(std::net::Shutdown::Write);
+        me.h.reject(private_data).map_err(mpa_err)?;
+        flush(&mut me.h, &mut me.s, "MPA reject")?;
+        let _ = me.s.shutdown(std::net::Shutdown::Write);
         Ok(())
     }
 }

@@ -1,23 +1,17 @@
-//! The few iWARP wire formats the soft provider needs (MPA RFC 5044/6581,
-//! DDP RFC 5041, RDMAP RFC 5040), kept local to the provider so the data
-//! path has no dependency on a crate that is still being written.
+//! The FPDU-level wire formats of the soft provider's data path (MPA
+//! framing, DDP RFC 5041, RDMAP RFC 5040 headers and Terminate), written
+//! straight into the engine's header arrays. Connection setup uses
+//! `lwio_iwarp::mpa`; `tests/iwarp_interop.rs` checks these encodings
+//! against `lwio-iwarp`'s independent parsers.
 //!
 //! Layouts match Linux siw: the MPA CRC field is always present (zero when
 //! CRC is off), the enhanced-mode flag is 0x10 of the flags byte, and a
 //! Terminate carries `layer<<4|etype, ecode, M|D|R, 0`, the DDP segment
 //! length and the copied headers.
 
-/// Key of an MPA Request frame.
-pub const KEY_REQ: &[u8; 16] = b"MPA ID Req Frame";
-/// Key of an MPA Reply frame.
-pub const KEY_REP: &[u8; 16] = b"MPA ID Rep Frame";
-pub const MPA_FLAG_MARKERS: u8 = 0x80;
-pub const MPA_FLAG_CRC: u8 = 0x40;
-pub const MPA_FLAG_REJECT: u8 = 0x20;
-pub const MPA_FLAG_ENHANCED: u8 = 0x10;
-/// RFC 5044: PD_Length ≤ 512.
+/// RFC 5044: PD_Length ≤ 512. (MPA frames themselves are handled by
+/// `lwio_iwarp::mpa`.)
 pub const MPA_MAX_PD: usize = 512;
-pub const MPA_REV_ENHANCED: u8 = 2;
 
 pub const TAGGED_HDR: usize = 14;
 pub const UNTAGGED_HDR: usize = 18;
@@ -236,84 +230,6 @@ pub fn crc_of(parts: &[&[u8]]) -> u32 {
     c
 }
 
-/// Enhanced MPA IRD/ORD words (RFC 6581 §3); no peer-to-peer / RTR bits.
-pub fn ird_ord_words(ird: u16, ord: u16) -> [u8; 4] {
-    let mut b = [0u8; 4];
-    put16(&mut b, 0, ird & 0x3fff);
-    put16(&mut b, 2, ord & 0x3fff);
-    b
-}
-
-/// An MPA Request/Reply frame.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MpaFrame {
-    pub reply: bool,
-    pub flags: u8,
-    pub rev: u8,
-    /// Private data after the IRD/ORD words (when enhanced).
-    pub private: Vec<u8>,
-    /// (IRD, ORD) when the frame is enhanced (rev 2 with the E flag).
-    pub ird_ord: Option<(u16, u16)>,
-}
-
-impl MpaFrame {
-    pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(20 + 4 + self.private.len());
-        v.extend_from_slice(if self.reply { KEY_REP } else { KEY_REQ });
-        let enh = self.ird_ord.is_some();
-        v.push(self.flags | if enh { MPA_FLAG_ENHANCED } else { 0 });
-        v.push(self.rev);
-        let pd_len = self.private.len() + if enh { 4 } else { 0 };
-        v.extend_from_slice(&(pd_len as u16).to_be_bytes());
-        if let Some((ird, ord)) = self.ird_ord {
-            v.extend_from_slice(&ird_ord_words(ird, ord));
-        }
-        v.extend_from_slice(&self.private);
-        v
-    }
-
-    /// Parse the 20-byte fixed header; returns (reply, flags, rev, pd_len).
-    pub fn parse_header(h: &[u8; 20]) -> Result<(bool, u8, u8, usize), String> {
-        let reply = if &h[..16] == KEY_REQ {
-            false
-        } else if &h[..16] == KEY_REP {
-            true
-        } else {
-            return Err("not an MPA request/reply frame (bad key)".into());
-        };
-        let pd_len = be16(h, 18) as usize;
-        if pd_len > MPA_MAX_PD {
-            return Err(format!("MPA PD_Length {pd_len} exceeds 512"));
-        }
-        if h[17] > 2 {
-            return Err(format!("MPA revision {} not supported", h[17]));
-        }
-        Ok((reply, h[16], h[17], pd_len))
-    }
-
-    pub fn from_parts(reply: bool, flags: u8, rev: u8, pd: &[u8]) -> Result<MpaFrame, String> {
-        let enh = rev == MPA_REV_ENHANCED && flags & MPA_FLAG_ENHANCED != 0;
-        let (ird_ord, private) = if enh {
-            if pd.len() < 4 {
-                return Err("enhanced MPA frame without IRD/ORD words".into());
-            }
-            (
-                Some((be16(pd, 0) & 0x3fff, be16(pd, 2) & 0x3fff)),
-                pd[4..].to_vec(),
-            )
-        } else {
-            (None, pd.to_vec())
-        };
-        Ok(MpaFrame {
-            reply,
-            flags: flags & !MPA_FLAG_ENHANCED,
-            rev,
-            private,
-            ird_ord,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,23 +240,6 @@ mod tests {
         assert_eq!(pad_len(15), 3);
         assert_eq!(pad_len(18), 0);
         assert_eq!(pad_len(19), 3);
-    }
-
-    #[test]
-    fn mpa_roundtrip() {
-        let f = MpaFrame {
-            reply: true,
-            flags: MPA_FLAG_CRC,
-            rev: 2,
-            private: b"hello".to_vec(),
-            ird_ord: Some((3, 7)),
-        };
-        let b = f.encode();
-        let h: [u8; 20] = b[..20].try_into().unwrap();
-        let (reply, flags, rev, pd) = MpaFrame::parse_header(&h).unwrap();
-        assert_eq!(pd, 9);
-        let g = MpaFrame::from_parts(reply, flags, rev, &b[20..]).unwrap();
-        assert_eq!(f, g);
     }
 
     #[test]
