@@ -367,6 +367,22 @@ fn protection_violation_writes_nothing_and_terminates() {
     assert_eq!(rx.side.core.stats.last_term, 0x1101);
     // The Terminate reaches the requester.
     let term = tx_bytes(&mut rx.side);
+    {
+        use lwio_iwarp::wire::ddp::Kind;
+        use lwio_iwarp::wire::rdmap::{TerminatePacket, TerminateRepr};
+        use lwio_iwarp::wire::term::TermKind;
+        // MPA length (2) + untagged DDP header (18), then the Terminate.
+        let ulpdu = u16::from_be_bytes([term[0], term[1]]) as usize;
+        let body = &term[20..2 + ulpdu];
+        let t = TerminateRepr::parse(&TerminatePacket::new_checked(body).expect("terminate"))
+            .expect("reference parser accepts our Terminate");
+        assert_eq!(t.error.kind(), Some(TermKind::DdpTaggedBaseBounds));
+        assert!(t.flag_m && t.flag_d && !t.flag_r);
+        match t.copied_ddp().expect("copied DDP header").kind {
+            Kind::Tagged { stag, to } => assert_eq!((stag, to), (key, rx.wmr.addr() + 9)),
+            k => panic!("{k:?}"),
+        }
+    }
     let mut q = Pipe {
         input: term,
         chunk: 3,

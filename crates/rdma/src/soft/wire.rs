@@ -184,32 +184,22 @@ impl ReadReq {
 
 /// Build a Terminate payload for `code` caused by the segment whose MPA
 /// length + DDP (+ Read Request) header is `hdr` (may be empty). Returns the
-/// payload length written into `out` (≤ TERM_MAX).
+/// payload length written into `out` (≤ TERM_MAX). Which headers are copied
+/// follows siw (`lwio_iwarp::wire::rdmap::TerminateRepr::for_segment`).
 pub fn terminate_payload(code: TermCode, hdr: &[u8], out: &mut [u8; TERM_MAX]) -> usize {
+    use lwio_iwarp::wire::rdmap::TerminateRepr;
+    use lwio_iwarp::wire::term::{Layer, TermError};
     out.fill(0);
-    out[0] = (code.layer << 4) | (code.etype & 0xf);
-    out[1] = code.ecode;
-    if hdr.len() < 2 + TAGGED_HDR || code.layer == 2 {
-        return 4;
-    }
-    let ddp_len = if hdr[2] & DDP_T != 0 {
-        TAGGED_HDR
+    let err = TermError::new(Layer::from_raw(code.layer), code.etype, code.ecode);
+    let t = if hdr.len() >= 2 + TAGGED_HDR {
+        TerminateRepr::for_segment(err, be16(hdr, 0), &hdr[2..])
     } else {
-        UNTAGGED_HDR
+        TerminateRepr::new(err)
     };
-    let with_rdmap = code.layer == 0 && code.etype == 1;
-    let is_rr = hdr[3] & 0x0f == op::READ_REQ && hdr[2] & DDP_T == 0;
-    let copy = if with_rdmap && is_rr {
-        ddp_len + READ_REQ_LEN
-    } else {
-        ddp_len
-    };
-    let copy = copy.min(hdr.len() - 2).min(TERM_MAX - 6);
-    out[2] = 0x80 | 0x40 | if with_rdmap { 0x20 } else { 0 };
-    out[4] = hdr[0];
-    out[5] = hdr[1];
-    out[6..6 + copy].copy_from_slice(&hdr[2..2 + copy]);
-    6 + copy
+    let v = t.to_vec();
+    let n = v.len().min(TERM_MAX);
+    out[..n].copy_from_slice(&v[..n]);
+    n
 }
 
 /// The error triple of a received Terminate payload.
