@@ -11,8 +11,9 @@ use crate::config::{default_token_file, Config, ProviderChoice};
 use crate::error::{Error, ErrorCode};
 use crate::fs::backend::BackendChoice;
 use crate::fs::{Attr, ExportSpec, FileKind};
-use crate::server::{Server, ServerOptions};
-use crate::side::{Client, ClientOptions, Login, Token};
+use crate::server::{Security, Server, ServerOptions};
+use crate::side::tls::{parse_fingerprint, ServerIdentity};
+use crate::side::{Client, ClientOptions, ClientTls, Login, Token};
 use crate::units::{parse_duration, parse_size};
 use crate::url::LwioUrl;
 
@@ -26,7 +27,9 @@ Examples:
 
 URLs are lwio://HOST[:PORT]/EXPORT/PATH (port 7420 by default; IPv6 as [::1];
 segments are percent-decoded, e.g. %20 for a space).
-Logging: RUST_LOG (default info). Token: --token-file FILE or LWIO_TOKEN.";
+Logging: RUST_LOG (default info). Token: --token-file FILE or LWIO_TOKEN.
+The side channel uses TLS 1.3: pin the server with --fingerprint sha256:…
+(printed by `lwio serve`, or LWIO_FINGERPRINT), or --ca FILE. See docs/security.md.";
 
 /// lwio: RDMA I/O offload. An application server hands its file reads and
 /// writes to a storage server over RDMA.
@@ -107,6 +110,29 @@ Examples:
   lwio rdma-bench --op write --size 64k --listen 0.0.0.0:7471
   lwio rdma-bench --op write --size 64k --iters 10000 --connect 10.0.0.5:7471 --poll")]
     RdmaBench(RdmaBenchArgs),
+    /// Hash a password (argon2id) or a user token for `[users.NAME]` in the
+    /// server config. Reads from standard input, or asks on the terminal.
+    #[command(after_help = "\
+Examples:
+  lwio hash-password                          asks twice, prints $argon2id$…
+  echo -n 's3cret' | lwio hash-password       from standard input (first line)
+  lwio hash-password --token < alice.token    prints lwio-token1$… for a token
+  lwio hash-password --new-token              a fresh token and its verifier
+
+Put the output in the server config:
+  [users.alice]
+  password = \"$argon2id$v=19$…\"")]
+    HashPassword(HashPasswordArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct HashPasswordArgs {
+    /// Read a user token (not a password) and print its verifier.
+    #[arg(long, conflicts_with = "new_token")]
+    pub token: bool,
+    /// Generate a random token; print it and its verifier.
+    #[arg(long)]
+    pub new_token: bool,
 }
 
 /// Options shared by client commands.
@@ -119,6 +145,28 @@ pub struct ClientArgs {
     /// Give up connecting after this long.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
+    /// Log in as this user: with --token-file/LWIO_TOKEN its per-user token,
+    /// else a password (--password-file, LWIO_PASSWORD, or asked).
+    #[arg(long, value_name = "NAME")]
+    pub user: Option<String>,
+    /// File holding the password of --user (first line).
+    #[arg(long, value_name = "FILE", requires = "user")]
+    pub password_file: Option<PathBuf>,
+    /// Trust the server only if its TLS certificate has this SHA-256
+    /// fingerprint (as printed by `lwio serve`; default $LWIO_FINGERPRINT).
+    #[arg(long, value_name = "sha256:HEX", conflicts_with_all = ["ca", "insecure", "no_tls"])]
+    pub fingerprint: Option<String>,
+    /// Verify the server's TLS certificate against the CA certificates in
+    /// this PEM file (default: the system's root certificates).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["insecure", "no_tls"])]
+    pub ca: Option<PathBuf>,
+    /// Use TLS without verifying the server (anyone on the path can
+    /// impersonate it). Prints a warning.
+    #[arg(long, conflicts_with = "no_tls")]
+    pub insecure: bool,
+    /// Plain TCP, for servers configured with `tls = false`.
+    #[arg(long)]
+    pub no_tls: bool,
 }
 
 #[derive(Debug, Args)]
@@ -144,6 +192,21 @@ pub struct ServeArgs {
     /// Also accept logins without a token.
     #[arg(long)]
     pub anonymous: bool,
+    /// TLS certificate chain (PEM). Without --tls-cert/--tls-key, a
+    /// self-signed certificate is created beside the token file.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_key",
+        conflicts_with = "no_tls"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Serve the side channel over plain TCP (clients need --no-tls).
+    #[arg(long)]
+    pub no_tls: bool,
     /// Write the bound address to FILE once listening.
     #[arg(long, value_name = "FILE")]
     pub ready_file: Option<PathBuf>,
@@ -330,6 +393,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::RdmaBench(_) => anyhow::bail!(
             "lwio rdma-bench is not available in this build (it needs lwio_rdma::perf, not yet in this build)"
         ),
+        Command::HashPassword(a) => hash_password(a),
     }
 }
 
@@ -337,9 +401,52 @@ fn data_path_missing(what: &str) -> CliResult {
     anyhow::bail!("{what} requires the LWIO data path, not yet in this build")
 }
 
-/// How a client logs in: `--token-file`, else `LWIO_TOKEN`, else the default
-/// token file if it exists, else anonymously.
+/// The first line of a secret read from a file or stdin.
+fn first_line(text: &str) -> &str {
+    text.lines().next().unwrap_or("").trim_end_matches('\r')
+}
+
+/// How a client logs in: with `--user`, that user's token (`--token-file` or
+/// `LWIO_TOKEN`) or password (`--password-file`, `LWIO_PASSWORD`, asked on
+/// the terminal); without: `--token-file`, else `LWIO_TOKEN`, else the
+/// default token file if it exists, else anonymously.
 pub fn client_login(args: &ClientArgs) -> anyhow::Result<Login> {
+    if let Some(user) = &args.user {
+        crate::side::access::validate_user_name(user)
+            .map_err(|e| anyhow::anyhow!("--user: {e}"))?;
+        let token = match &args.token_file {
+            Some(p) => Some(Token::load(p)?),
+            None => match std::env::var("LWIO_TOKEN") {
+                Ok(t) if !t.trim().is_empty() => {
+                    Some(Token::new(&t).map_err(|e| anyhow::anyhow!("LWIO_TOKEN: {}", e.message))?)
+                }
+                _ => None,
+            },
+        };
+        if let Some(token) = token {
+            return Ok(Login::UserToken {
+                user: user.clone(),
+                token,
+            });
+        }
+        let password = if let Some(p) = &args.password_file {
+            let t = std::fs::read_to_string(p)
+                .map_err(|e| anyhow::anyhow!("password file {}: {e}", p.display()))?;
+            first_line(&t).to_string()
+        } else if let Ok(p) = std::env::var("LWIO_PASSWORD") {
+            p
+        } else {
+            rpassword::prompt_password(format!("Password for {user}: ")).map_err(|e| {
+                anyhow::anyhow!(
+                    "no password for {user}: give --password-file FILE or set LWIO_PASSWORD ({e})"
+                )
+            })?
+        };
+        return Ok(Login::Password {
+            user: user.clone(),
+            password,
+        });
+    }
     if let Some(p) = &args.token_file {
         return Ok(Login::Token(Token::load(p)?));
     }
@@ -356,10 +463,82 @@ pub fn client_login(args: &ClientArgs) -> anyhow::Result<Login> {
     Ok(Login::Anonymous)
 }
 
-fn connect(url: &LwioUrl, args: &ClientArgs) -> anyhow::Result<Client> {
+/// Transport security from `--no-tls`, `--insecure`, `--fingerprint` (or
+/// `LWIO_FINGERPRINT`), `--ca`; default: TLS verified by the system roots.
+pub fn client_tls(args: &ClientArgs) -> anyhow::Result<ClientTls> {
+    if args.no_tls {
+        return Ok(ClientTls::Off);
+    }
+    if args.insecure {
+        eprintln!("lwio: warning: --insecure: the server's TLS certificate is not verified");
+        return Ok(ClientTls::Insecure);
+    }
+    let fp = match &args.fingerprint {
+        Some(f) => Some(f.clone()),
+        None if args.ca.is_none() => std::env::var("LWIO_FINGERPRINT")
+            .ok()
+            .filter(|f| !f.trim().is_empty()),
+        None => None,
+    };
+    if let Some(f) = fp {
+        return Ok(ClientTls::Fingerprint(parse_fingerprint(&f)?));
+    }
+    Ok(match &args.ca {
+        Some(p) => ClientTls::CaFile(p.clone()),
+        None => ClientTls::SystemRoots,
+    })
+}
+
+/// Client options from the shared client flags.
+pub fn client_options(args: &ClientArgs) -> anyhow::Result<ClientOptions> {
     let mut opts = ClientOptions::new(client_login(args)?);
     opts.connect_timeout = args.connect_timeout;
-    Ok(Client::connect(&url.authority(), &opts)?)
+    opts.tls = client_tls(args)?;
+    Ok(opts)
+}
+
+fn connect(url: &LwioUrl, args: &ClientArgs) -> anyhow::Result<Client> {
+    Ok(Client::connect(&url.authority(), &client_options(args)?)?)
+}
+
+/// Read a secret from stdin (first line) or, on a terminal, ask for it
+/// (twice when `confirm`).
+fn read_secret(what: &str, confirm: bool) -> anyhow::Result<String> {
+    use std::io::{IsTerminal, Read};
+    if !std::io::stdin().is_terminal() {
+        let mut t = String::new();
+        std::io::stdin()
+            .read_to_string(&mut t)
+            .map_err(|e| anyhow::anyhow!("reading the {what} from standard input: {e}"))?;
+        return Ok(first_line(&t).to_string());
+    }
+    let a = rpassword::prompt_password(format!("{what}: "))?;
+    if confirm && rpassword::prompt_password(format!("{what} again: "))? != a {
+        anyhow::bail!("the two {what}s differ");
+    }
+    Ok(a)
+}
+
+fn hash_password(a: HashPasswordArgs) -> CliResult {
+    use crate::side::access::{self, TokenVerifier};
+    let mut out = std::io::stdout().lock();
+    if a.new_token {
+        let t = Token::generate();
+        writeln!(out, "token: {}", String::from_utf8_lossy(t.expose()))?;
+        writeln!(out, "verifier: {}", TokenVerifier::from_token(t.expose()))?;
+        return Ok(());
+    }
+    if a.token {
+        let t = Token::new(&read_secret("Token", false)?)?;
+        writeln!(out, "{}", TokenVerifier::from_token(t.expose()))?;
+        return Ok(());
+    }
+    let p = read_secret("Password", true)?;
+    if p.is_empty() {
+        anyhow::bail!("empty password");
+    }
+    writeln!(out, "{}", access::hash_password(&p))?;
+    Ok(())
 }
 
 fn kind_name(k: FileKind) -> &'static str {
@@ -578,6 +757,13 @@ pub fn serve_config(a: &ServeArgs) -> anyhow::Result<Config> {
     if a.anonymous {
         c.allow_anonymous = true;
     }
+    if a.no_tls {
+        c.tls = false;
+    }
+    if a.tls_cert.is_some() {
+        c.tls_cert = a.tls_cert.clone();
+        c.tls_key = a.tls_key.clone();
+    }
     for e in &a.exports {
         c.set_export(e);
     }
@@ -615,8 +801,41 @@ fn serve(a: ServeArgs) -> CliResult {
         None => anyhow::bail!("no token file: give --token-file FILE (HOME is not set)"),
     };
     if c.allow_anonymous {
-        tracing::warn!("anonymous access enabled: anyone who can connect has the exports' rights");
+        tracing::warn!("anonymous access enabled: anyone who can connect has the rights the exports grant to \"anonymous\"");
     }
+    let tls = if !c.tls {
+        tracing::warn!(
+            "TLS disabled (tls = false): the side channel is plain TCP; clients need --no-tls"
+        );
+        None
+    } else if let (Some(cert), Some(key)) = (&c.tls_cert, &c.tls_key) {
+        Some(ServerIdentity::load(cert, key)?)
+    } else {
+        let Some(dir) = token_path.as_ref().and_then(|p| p.parent()) else {
+            anyhow::bail!("no place for a self-signed TLS certificate: give --tls-cert FILE --tls-key FILE (or --token-file FILE)");
+        };
+        let name = c
+            .server_name
+            .clone()
+            .unwrap_or_else(crate::server::host_name);
+        let mut names = vec![
+            name,
+            "localhost".to_string(),
+            "127.0.0.1".into(),
+            "::1".into(),
+        ];
+        names.dedup();
+        let (id, created) = ServerIdentity::self_signed(dir, &names)?;
+        let cert = dir.join(crate::side::tls::SELF_SIGNED_CERT);
+        if created {
+            tracing::info!(path = %cert.display(), "created a self-signed TLS certificate (key mode 0600)");
+        } else {
+            tracing::info!(path = %cert.display(), "using the self-signed TLS certificate");
+        }
+        Some(id)
+    };
+    let fingerprint = tls.as_ref().map(|t| t.fingerprint.clone());
+    let security = Security::from_config(&c, tls)?;
     tracing::info!(
         provider = c.provider.as_str(),
         "RDMA provider choice (RDMA phase not yet in this build)"
@@ -627,10 +846,13 @@ fn serve(a: ServeArgs) -> CliResult {
         .build()
         .map_err(|e| anyhow::anyhow!("tokio runtime: {e}"))?;
     rt.block_on(async move {
-        let server = Server::bind(opts).await?;
+        let server = Server::bind_secure(opts, security).await?;
         let addr = server.local_addr()?.to_string();
         {
             let mut out = std::io::stdout().lock();
+            if let Some(fp) = &fingerprint {
+                writeln!(out, "lwio: TLS fingerprint {fp}")?;
+            }
             writeln!(out, "lwio: listening on {addr}")?;
             out.flush()?;
         }

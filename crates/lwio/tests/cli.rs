@@ -12,6 +12,8 @@ fn lwio() -> assert_cmd::Command {
     // Never pick up the developer's own token or config.
     c.env_remove("LWIO_TOKEN")
         .env("LWIO_TOKEN_FILE", "/nonexistent/lwio-test-token")
+        .env_remove("LWIO_FINGERPRINT")
+        .env_remove("LWIO_PASSWORD")
         .env_remove("RUST_LOG");
     c
 }
@@ -20,6 +22,9 @@ struct Served {
     child: Child,
     addr: String,
     token: PathBuf,
+    /// `sha256:…` printed at start (empty with --no-tls).
+    fingerprint: String,
+    stdout: String,
     dir: tempfile::TempDir,
 }
 
@@ -27,8 +32,16 @@ impl Served {
     fn url(&self, rest: &str) -> String {
         format!("lwio://{}/{rest}", self.addr)
     }
-    fn client(&self, args: &[&str]) -> assert_cmd::assert::Assert {
+    /// `lwio` trusting this server's certificate (LWIO_FINGERPRINT).
+    fn cmd(&self) -> assert_cmd::Command {
         let mut c = lwio();
+        if !self.fingerprint.is_empty() {
+            c.env("LWIO_FINGERPRINT", &self.fingerprint);
+        }
+        c
+    }
+    fn client(&self, args: &[&str]) -> assert_cmd::assert::Assert {
+        let mut c = self.cmd();
         c.args(args).arg("--token-file").arg(&self.token);
         c.assert()
     }
@@ -42,6 +55,12 @@ impl Drop for Served {
 }
 
 fn serve() -> Served {
+    serve_with(&[], None)
+}
+
+/// `lwio serve` with extra arguments and an optional config file text
+/// (`@DATA@` in it is replaced by the data directory).
+fn serve_with(extra: &[&str], config: Option<&str>) -> Served {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     std::fs::create_dir_all(data.join("sub")).unwrap();
@@ -50,24 +69,43 @@ fn serve() -> Served {
     std::os::unix::fs::symlink(dir.path().join("outside"), data.join("escape")).unwrap();
     let token = dir.path().join("token");
     let ready = dir.path().join("ready");
-    let child = Command::cargo_bin("lwio")
-        .unwrap()
-        .args(["serve", "--listen", "127.0.0.1:0", "--export"])
-        .arg(format!("data={}", data.display()))
+    let out = dir.path().join("stdout");
+    let mut cmd = Command::cargo_bin("lwio").unwrap();
+    cmd.args(["serve", "--listen", "127.0.0.1:0"]);
+    match config {
+        Some(text) => {
+            let cfg = dir.path().join("lwio.toml");
+            std::fs::write(&cfg, text.replace("@DATA@", &data.display().to_string())).unwrap();
+            cmd.arg("--config").arg(cfg);
+        }
+        None => {
+            cmd.arg("--export").arg(format!("data={}", data.display()));
+        }
+    }
+    let child = cmd
+        .args(extra)
         .arg("--token-file")
         .arg(&token)
         .arg("--ready-file")
         .arg(&ready)
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let addr = wait_for(&ready);
+    let stdout = std::fs::read_to_string(&out).unwrap();
+    let fingerprint = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("lwio: TLS fingerprint "))
+        .unwrap_or("")
+        .to_string();
     Served {
         child,
         addr,
         token,
+        fingerprint,
+        stdout,
         dir,
     }
 }
@@ -120,6 +158,7 @@ fn help_and_version() {
         "bench",
         "devices",
         "rdma-bench",
+        "hash-password",
     ] {
         lwio()
             .args([cmd, "--help"])
@@ -179,6 +218,7 @@ fn serve_and_manage_files() {
 #[test]
 fn errors_a_person_can_act_on() {
     let s = serve();
+    let lwio = || s.cmd();
     // Missing file.
     s.client(&["stat", &s.url("data/nope")])
         .failure()
@@ -341,5 +381,341 @@ fn devices_lists_or_explains() {
             "{stderr}"
         );
         assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    }
+}
+
+/// `sha256:` and 32 colon-separated upper-case hex pairs.
+fn is_fingerprint(s: &str) -> bool {
+    s.strip_prefix("sha256:").is_some_and(|h| {
+        h.split(':').count() == 32
+            && h.split(':').all(|p| {
+                p.len() == 2
+                    && p.chars()
+                        .all(|c| c.is_ascii_hexdigit() && !c.is_lowercase())
+            })
+    })
+}
+
+#[test]
+fn tls_by_default_with_a_pinned_self_signed_certificate() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = serve();
+    assert!(is_fingerprint(&s.fingerprint), "{:?}", s.stdout);
+    assert!(
+        s.stdout.starts_with("lwio: TLS fingerprint sha256:"),
+        "{:?}",
+        s.stdout
+    );
+    // The self-signed identity lives beside the token file; key mode 0600.
+    let key = s.dir.path().join("tls-key.pem");
+    assert_eq!(
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert!(s.dir.path().join("tls-cert.pem").exists());
+    // Pinned by flag (LWIO_FINGERPRINT in s.client) and by --fingerprint.
+    s.client(&["ls", &s.url("data")]).success();
+    lwio()
+        .args(["ls", &s.url("data"), "--fingerprint", &s.fingerprint])
+        .arg("--token-file")
+        .arg(&s.token)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("hello.txt"));
+    // Lower case without colons is accepted too.
+    let compact = s.fingerprint[7..].replace(':', "").to_lowercase();
+    lwio()
+        .args(["ls", &s.url("data"), "--fingerprint", &compact])
+        .arg("--token-file")
+        .arg(&s.token)
+        .assert()
+        .success();
+    // A wrong pin: one clear line.
+    let wrong = format!("sha256:{}", ["AB"; 32].join(":"));
+    lwio()
+        .args(["ls", &s.url("data"), "--fingerprint", &wrong])
+        .arg("--token-file")
+        .arg(&s.token)
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains(format!(
+            "TLS: the server's certificate fingerprint {} does not match the pinned {wrong}; refusing to connect",
+            s.fingerprint
+        ))));
+    // No pin, no CA: the system roots do not know a self-signed certificate.
+    lwio()
+        .args(["ls", &s.url("data")])
+        .arg("--token-file")
+        .arg(&s.token)
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains(
+            "TLS: cannot verify the certificate",
+        )));
+    // --insecure works, with a warning.
+    lwio()
+        .args(["ls", &s.url("data"), "--insecure"])
+        .arg("--token-file")
+        .arg(&s.token)
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("warning: --insecure"));
+    // A plain client gets a clear answer, not a hang.
+    lwio()
+        .args(["ls", &s.url("data"), "--no-tls"])
+        .arg("--token-file")
+        .arg(&s.token)
+        .timeout(Duration::from_secs(10))
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains("this server requires TLS")));
+    // Malformed pins and contradictory flags are usage errors.
+    lwio()
+        .args(["ls", &s.url("data"), "--fingerprint", "sha256:12"])
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains("invalid fingerprint")));
+    lwio()
+        .args(["ls", &s.url("data"), "--fingerprint", &wrong, "--insecure"])
+        .assert()
+        .code(2);
+    lwio()
+        .args(["ls", &s.url("data"), "--no-tls", "--ca", "x.pem"])
+        .assert()
+        .code(2);
+}
+
+#[test]
+fn plain_tcp_only_when_configured_on_both_sides() {
+    let s = serve_with(&["--no-tls"], None);
+    assert_eq!(s.fingerprint, "", "no fingerprint without TLS");
+    let mut c = lwio();
+    c.args(["ls", &s.url("data"), "--no-tls", "--token-file"])
+        .arg(&s.token)
+        .assert()
+        .success();
+    // A TLS client: a clear error, not a hang.
+    lwio()
+        .args(["ls", &s.url("data"), "--insecure", "--token-file"])
+        .arg(&s.token)
+        .timeout(Duration::from_secs(10))
+        .assert()
+        .failure()
+        .stderr(
+            predicate::str::contains("did not speak TLS").and(predicate::str::contains(
+                "this server does not use TLS (tls = false)",
+            )),
+        );
+    lwio()
+        .args(["serve", "--no-tls", "--tls-cert", "a", "--tls-key", "b"])
+        .assert()
+        .code(2);
+    lwio()
+        .args(["serve", "--tls-cert", "a", "--export", "d=/tmp"])
+        .assert()
+        .code(2);
+}
+
+#[test]
+fn tls_with_given_certificate_and_ca() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "lwio test CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let (cert, key, ca_file) = (
+        d.path().join("cert.pem"),
+        d.path().join("key.pem"),
+        d.path().join("ca.pem"),
+    );
+    std::fs::write(&cert, leaf.pem()).unwrap();
+    std::fs::write(&key, leaf_key.serialize_pem()).unwrap();
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let s = serve_with(
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(is_fingerprint(&s.fingerprint));
+    assert!(
+        !s.dir.path().join("tls-cert.pem").exists(),
+        "no self-signed certificate when one is given"
+    );
+    lwio()
+        .args(["ls", &s.url("data"), "--ca"])
+        .arg(&ca_file)
+        .arg("--token-file")
+        .arg(&s.token)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("hello.txt"));
+    // The wrong CA (its own self-signed certificate as a CA) is refused.
+    lwio()
+        .args(["ls", &s.url("data"), "--ca"])
+        .arg(&cert)
+        .arg("--token-file")
+        .arg(&s.token)
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains("TLS: cannot verify")));
+}
+
+#[test]
+fn hash_password_users_and_rights() {
+    // hash-password from stdin.
+    let out = lwio()
+        .arg("hash-password")
+        .write_stdin("alice-pw\n")
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let alice_hash = String::from_utf8(out).unwrap().trim().to_string();
+    assert!(alice_hash.starts_with("$argon2id$v=19$"), "{alice_hash}");
+    let out = lwio()
+        .arg("hash-password")
+        .write_stdin("bob-pw")
+        .output()
+        .unwrap();
+    let bob_hash = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    assert_ne!(alice_hash, bob_hash);
+    // A fresh per-user token and its verifier.
+    let out = lwio()
+        .args(["hash-password", "--new-token"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let carol_token = text
+        .lines()
+        .find_map(|l| l.strip_prefix("token: "))
+        .unwrap()
+        .to_string();
+    let carol_verifier = text
+        .lines()
+        .find_map(|l| l.strip_prefix("verifier: "))
+        .unwrap()
+        .to_string();
+    assert!(carol_verifier.starts_with("lwio-token1$"));
+    // --token computes the same verifier.
+    lwio()
+        .args(["hash-password", "--token"])
+        .write_stdin(format!("{carol_token}\n"))
+        .assert()
+        .success()
+        .stdout(format!("{carol_verifier}\n"));
+    let config = format!(
+        r#"
+[exports]
+data = {{ path = "@DATA@", readers = ["*"], writers = ["alice"] }}
+
+[users.alice]
+password = "{alice_hash}"
+
+[users.bob]
+password = "{bob_hash}"
+
+[users.carol]
+token = "{carol_verifier}"
+"#
+    );
+    let s = serve_with(&[], Some(&config));
+    let user = |name: &str, args: &[String]| {
+        let mut c = s.cmd();
+        c.args(args).arg("--user").arg(name);
+        c
+    };
+    // Passwords over TLS: right, wrong.
+    user("alice", &["mkdir".to_string(), s.url("data/by-alice")])
+        .env("LWIO_PASSWORD", "alice-pw")
+        .assert()
+        .success();
+    assert!(s.dir.path().join("data/by-alice").is_dir());
+    user("alice", &["ls".to_string(), s.url("data")])
+        .env("LWIO_PASSWORD", "bob-pw")
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains(
+            "authentication failed: wrong user name or password",
+        )));
+    // bob reads but may not write.
+    let pwfile = s.dir.path().join("bob.pw");
+    std::fs::write(&pwfile, "bob-pw\n").unwrap();
+    user("bob", &["ls".to_string(), s.url("data")])
+        .arg("--password-file")
+        .arg(&pwfile)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("by-alice/"));
+    for args in [
+        vec!["mkdir".to_string(), s.url("data/by-bob")],
+        vec!["rm".to_string(), s.url("data/hello.txt")],
+    ] {
+        user("bob", &args)
+            .arg("--password-file")
+            .arg(&pwfile)
+            .assert()
+            .failure()
+            .stderr(one_line_error().and(predicate::str::contains(
+                "user bob may not write to export data",
+            )));
+    }
+    assert!(s.dir.path().join("data/hello.txt").exists());
+    // carol logs in with her token (challenge-response).
+    user("carol", &["ls".to_string(), s.url("")])
+        .env("LWIO_TOKEN", &carol_token)
+        .assert()
+        .success()
+        .stdout("data/ (read-only)\n");
+    user("carol", &["ls".to_string(), s.url("")])
+        .env("LWIO_TOKEN", "ffffffffffffffffffffffffffffffff")
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains("wrong user name or token")));
+    // No password and no terminal: a clear error.
+    user("alice", &["ls".to_string(), s.url("data")])
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains("no password for alice")));
+}
+
+#[test]
+fn config_errors_for_users_and_rights() {
+    let d = tempfile::tempdir().unwrap();
+    for (text, want) in [
+        (
+            "[exports]\nd = { path = \"/tmp\", writers = [\"zed\"] }\n",
+            "unknown user \"zed\"",
+        ),
+        ("[users.a]\npassword = \"plain\"\n", "users.a.password"),
+        ("[users.a]\n", "give `password`"),
+        ("[users.anonymous]\ntoken = \"x\"\n", "reserved"),
+        ("tls_cert = \"/x\"\n", "tls_cert and tls_key go together"),
+        (
+            "[limits]\nmax_connections_per_host = 0\n",
+            "max_connections_per_host",
+        ),
+    ] {
+        let cfg = d.path().join("c.toml");
+        std::fs::write(&cfg, text).unwrap();
+        lwio()
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .assert()
+            .failure()
+            .stderr(one_line_error().and(predicate::str::contains(want)));
     }
 }
