@@ -90,3 +90,231 @@ cases!(
     mw_send_with_invalidate,
     recv_flow_control_indicate_window,
 );
+
+// ---------------------------------------------------------------------------
+// Soft-provider behaviour beyond the shared suite.
+
+struct Conn {
+    spd: Pd,
+    scq: Cq,
+    sqp: Qp,
+    cpd: Pd,
+    ccq: Cq,
+    cqp: Qp,
+}
+
+fn connect(s: &Context, c: &Context) -> Conn {
+    let l = s.listen("127.0.0.1:0".parse().unwrap(), 16).unwrap();
+    let addr = l.local_addr();
+    let (spd, cpd) = (s.alloc_pd().unwrap(), c.alloc_pd().unwrap());
+    let (scq, ccq) = (
+        s.create_cq(4096, None).unwrap(),
+        c.create_cq(4096, None).unwrap(),
+    );
+    let init = |pd: &Pd, cq: &Cq| QpInit {
+        pd: pd.clone(),
+        send_cq: cq.clone(),
+        recv_cq: cq.clone(),
+        cap: QpCap {
+            max_send_wr: 512,
+            max_recv_wr: 512,
+            ..QpCap::default()
+        },
+        sq_sig_all: false,
+    };
+    let (si, ci) = (init(&spd, &scq), init(&cpd, &ccq));
+    let (sqp, cqp) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| {
+            let r = l
+                .get_request(Some(std::time::Duration::from_secs(10)))
+                .unwrap()
+                .unwrap();
+            r.accept(&si, &ConnParams::default()).unwrap()
+        });
+        let c = c.connect(addr, &ci, &ConnParams::default()).unwrap();
+        (h.join().unwrap(), c)
+    });
+    Conn {
+        spd,
+        scq,
+        sqp,
+        cpd,
+        ccq,
+        cqp,
+    }
+}
+
+fn wait(ctxs: &[&Context], cq: &Cq, n: usize) -> Vec<Wc> {
+    let mut v = Vec::new();
+    let mut b = [Wc {
+        wr_id: 0,
+        status: WcStatus::GeneralErr,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        invalidated_rkey: None,
+        qp_num: 0,
+        vendor_err: 0,
+    }; 32];
+    let t = std::time::Instant::now();
+    while v.len() < n {
+        let k = cq.poll(&mut b[..(n - v.len()).min(32)]).unwrap();
+        v.extend_from_slice(&b[..k]);
+        if k == 0 {
+            for c in ctxs {
+                c.progress().unwrap();
+            }
+            std::thread::yield_now();
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(30),
+            "timeout after {v:?}"
+        );
+    }
+    v
+}
+
+fn disconnect_drains(progress: Progress) {
+    let (s, c) = (open(progress, false), open(progress, false));
+    let k = connect(&s, &c);
+    let n = (1 << 20) + 3;
+    let smr = k.spd.alloc_mr(n, Access::LOCAL_WRITE).unwrap();
+    let cmr = k.cpd.alloc_mr(n, Access::LOCAL_WRITE).unwrap();
+    let data = conformance::pattern(42, n);
+    cmr.write_at(0, &data).unwrap();
+    k.sqp
+        .post_recv(&[
+            RecvWr {
+                wr_id: 1,
+                sg_list: &[smr.sge(0, n as u32)],
+            },
+            RecvWr {
+                wr_id: 2,
+                sg_list: &[smr.sge(0, 16)],
+            },
+        ])
+        .unwrap();
+    k.cqp
+        .post_send(&[SendWr::new(7, SendOp::Send, &[cmr.sge(0, n as u32)])])
+        .unwrap();
+    // Disconnect at once: the send must still be delivered whole.
+    k.cqp.disconnect().unwrap();
+    let late = k.cqp.post_send(&[SendWr::new(8, SendOp::Send, &[])]);
+    assert!(
+        late.is_ok(),
+        "posting while closing flushes, it does not fail"
+    );
+    let w = wait(&[&s, &c], &k.ccq, 2);
+    assert_eq!((w[0].wr_id, w[0].status), (7, WcStatus::Success), "{w:?}");
+    assert_eq!(
+        (w[1].wr_id, w[1].status),
+        (8, WcStatus::WrFlushErr),
+        "{w:?}"
+    );
+    let r = wait(&[&s, &c], &k.scq, 2);
+    assert_eq!(
+        (r[0].wr_id, r[0].status, r[0].byte_len as usize),
+        (1, WcStatus::Success, n)
+    );
+    assert_eq!((r[1].wr_id, r[1].status), (2, WcStatus::WrFlushErr));
+    let mut got = vec![0u8; n];
+    smr.read_at(0, &mut got).unwrap();
+    assert!(got == data, "data differs");
+    assert_eq!(k.cqp.state(), QpState::Error);
+}
+
+#[test]
+fn soft_disconnect_drains_queued_sends_auto() {
+    disconnect_drains(Progress::Auto);
+}
+
+#[test]
+fn soft_disconnect_drains_queued_sends_manual() {
+    disconnect_drains(Progress::Manual);
+}
+
+/// Several connections on the same two contexts, each driven by its own
+/// thread posting sends, writes and reads concurrently with the engine.
+fn many_qps(progress: Progress) {
+    let (s, c) = (open(progress, true), open(progress, true));
+    const QPS: usize = 6;
+    const MSGS: usize = 300;
+    const SZ: usize = 3000;
+    let conns: Vec<Conn> = (0..QPS).map(|_| connect(&s, &c)).collect();
+    std::thread::scope(|sc| {
+        for (q, k) in conns.iter().enumerate() {
+            let (s, c) = (&s, &c);
+            sc.spawn(move || {
+                let smr = k
+                    .spd
+                    .alloc_mr(
+                        MSGS * SZ,
+                        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+                    )
+                    .unwrap();
+                let cmr = k.cpd.alloc_mr(2 * MSGS * SZ, Access::LOCAL_WRITE).unwrap();
+                let data = conformance::pattern(q as u64, MSGS * SZ);
+                cmr.write_at(0, &data).unwrap();
+                for i in (0..MSGS).filter(|i| i % 3 != 1) {
+                    k.sqp
+                        .post_recv(&[RecvWr {
+                            wr_id: i as u64,
+                            sg_list: &[smr.sge(i * SZ, SZ as u32)],
+                        }])
+                        .unwrap();
+                }
+                for i in 0..MSGS {
+                    let sg = [cmr.sge(i * SZ, (i * 7) as u32 % SZ as u32)];
+                    let op = match i % 3 {
+                        0 => SendOp::Send,
+                        1 => SendOp::Write {
+                            remote_addr: smr.addr() + (i * SZ) as u64,
+                            rkey: smr.rkey(),
+                        },
+                        _ => SendOp::Send,
+                    };
+                    k.cqp.post_send(&[SendWr::new(i as u64, op, &sg)]).unwrap();
+                    if i % 100 == 99 {
+                        let w = wait(&[s, c], &k.ccq, 100);
+                        assert!(w.iter().all(|w| w.is_ok()), "{w:?}");
+                    }
+                }
+                // Read everything back after the writes/sends landed.
+                let sends = (0..MSGS).filter(|i| i % 3 != 1).count();
+                let r = wait(&[s, c], &k.scq, sends);
+                assert!(r.iter().all(|w| w.is_ok()), "{r:?}");
+                k.cqp
+                    .post_send(&[SendWr::new(
+                        999,
+                        SendOp::Read {
+                            remote_addr: smr.addr(),
+                            rkey: smr.rkey(),
+                        },
+                        &[cmr.sge(MSGS * SZ, (MSGS * SZ) as u32)],
+                    )])
+                    .unwrap();
+                let w = wait(&[s, c], &k.ccq, 1);
+                assert!(w[0].is_ok(), "{w:?}");
+                let mut back = vec![0u8; MSGS * SZ];
+                cmr.read_at(MSGS * SZ, &mut back).unwrap();
+                for i in 0..MSGS {
+                    let len = (i * 7) % SZ;
+                    assert!(
+                        back[i * SZ..i * SZ + len] == data[i * SZ..i * SZ + len],
+                        "qp {q} message {i}"
+                    );
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn soft_many_qps_concurrent_auto() {
+    many_qps(Progress::Auto);
+}
+
+#[test]
+fn soft_many_qps_concurrent_manual() {
+    many_qps(Progress::Manual);
+}

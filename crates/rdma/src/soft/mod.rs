@@ -547,10 +547,9 @@ impl QpOps for SoftQp {
     }
     fn disconnect(&self) -> Result<()> {
         let mut c = self.sh.lock();
-        // Send what is already queued, then close: the peer sees end of
-        // stream and flushes; locally everything outstanding is flushed.
-        self.sh.drive_locked(&mut c, false);
-        c.set_error();
+        // Closing: queued sends drain (here or on later EPOLLOUT edges),
+        // then FIN; the peer sees end of stream and flushes its receives.
+        c.disconnect();
         self.sh.drive_locked(&mut c, false);
         Ok(())
     }

@@ -575,7 +575,7 @@ impl QpCore {
                 byte_len: 0,
                 vendor_err: 0,
             };
-            if self.state == QpState::Error {
+            if self.state != QpState::Rts {
                 self.next_seq += 1;
                 self.p
                     .scq
@@ -854,6 +854,34 @@ impl QpCore {
         self.rx = RxState::Discard;
     }
 
+    /// Orderly disconnect: stop taking send WRs, let the queued ones (and
+    /// answers to the peer's reads) go out, then close our direction and
+    /// flush whatever is still outstanding (reads awaiting data, receives).
+    pub fn disconnect(&mut self) {
+        if self.state == QpState::Rts {
+            self.state = QpState::Closing;
+        }
+        self.check_closing();
+    }
+
+    fn check_closing(&mut self) {
+        if self.state != QpState::Closing {
+            return;
+        }
+        let busy = self.tx.is_some()
+            || self.term_out.is_some()
+            || !self.irq.is_empty()
+            || self.sq.iter().any(|w| !w.transmitted);
+        if busy {
+            return;
+        }
+        self.enter_error(None);
+        self.rx = RxState::Discard;
+        if self.shut == Shut::None {
+            self.shut = Shut::Now;
+        }
+    }
+
     /// The consumer's `set_error`.
     pub fn set_error(&mut self) {
         self.enter_error(None);
@@ -933,7 +961,7 @@ impl QpCore {
             self.trailer_for(&mut f, ulpdu);
             return Some(f);
         }
-        if self.state != QpState::Rts {
+        if self.state == QpState::Error {
             return None;
         }
         let use_irq = self.tx_cur_irq
@@ -1194,6 +1222,7 @@ impl QpCore {
         if self.tx.is_none() && self.term_out.is_none() && self.shut == Shut::AfterTx {
             self.shut = Shut::Now;
         }
+        self.check_closing();
         Ok(frames)
     }
 
