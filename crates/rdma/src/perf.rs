@@ -723,6 +723,47 @@ mod tests {
         quick(PerfOp::Write, 0, Progress::Manual, true);
     }
 
+    #[test]
+    fn perf_listen_and_connect_ends() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let base = PerfOpts {
+            op: PerfOp::Send,
+            size: 1000,
+            iters: 100,
+            lat_iters: 20,
+            depth: 4,
+            ..PerfOpts::default()
+        };
+        let server = PerfOpts {
+            listen: Some(addr),
+            ..base.clone()
+        };
+        let h = std::thread::spawn(move || run(&server));
+        let client = PerfOpts {
+            connect: Some(addr),
+            ..base
+        };
+        let t = std::time::Instant::now();
+        let r = loop {
+            match run(&client) {
+                Err(Error::Unreachable(_)) if t.elapsed() < Duration::from_secs(10) => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                r => break r.unwrap(),
+            }
+        };
+        assert_eq!(r.role, "client");
+        assert!(r.lat_p50.is_some() && r.msg_rate > 0.0, "{r}");
+        let s = h.join().unwrap().unwrap();
+        assert_eq!(s.role, "server");
+        assert!(format!("{s}").ends_with("served"));
+    }
+
     /// Ad-hoc measurement: `PERF_OP=write PERF_SIZE=1048576 PERF_ITERS=2000
     /// PERF_PROGRESS=manual PERF_POLL=1 PERF_CRC=1 cargo test --release -p
     /// lwio-rdma --lib perf_adhoc -- --ignored --nocapture`.
