@@ -416,10 +416,20 @@ server_name = "storage1"
 token_file = "/etc/lwio/token"
 allow_anonymous = false
 provider = "auto"
+tls = true
+tls_cert = "/etc/lwio/cert.pem"
+tls_key = "/etc/lwio/key.pem"
+allow_password_without_tls = false
 
 [exports]
-data = "/srv/data"
+data = { path = "/srv/data", readers = ["*"], writers = ["alice"] }
 logs = { path = "/var/log/app", read_only = true }
+
+[users.alice]
+password = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHRzYWx0$8Jz3Y0Jq4V3m4yQv2Yl1bX0cVb0W8Kq9yQd3W2xJmWQ"
+
+[users.backup]
+token = "lwio-token1$9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08$60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752"
 
 [limits]
 max_frame = 1048576
@@ -429,6 +439,13 @@ login_timeout = "10s"
 max_open_files_per_session = 1024
 resume_key_ttl = "60s"
 shutdown_grace = "10s"
+max_connections_per_host = 64
+max_sessions_per_user = 64
+max_unauthenticated = 128
+unauth_rate_per_host = 20
+unauth_burst_per_host = 40
+unauth_rate = 200
+unauth_burst = 400
 
 [io]
 backend = "auto"
@@ -453,6 +470,18 @@ mod tests {
         assert_eq!(specs[1].path, PathBuf::from("/var/log/app"));
         assert!(specs[1].read_only);
         assert_eq!(c.io.backend, BackendChoice::Auto);
+        assert!(c.tls);
+        let users = c.user_db().unwrap();
+        assert!(users["alice"].password.is_some());
+        assert!(users["backup"].token.is_some());
+        let acls = c.acls();
+        let alice = crate::side::Principal::User("alice".into());
+        let backup = crate::side::Principal::User("backup".into());
+        assert!(acls["data"].rights(&alice).write);
+        assert!(!acls["data"].rights(&backup).write);
+        assert!(acls["data"].rights(&backup).read);
+        assert!(acls["logs"].rights(&backup).write, "default list");
+        assert_eq!(c.limits, Limits::default(), "the example shows the defaults");
     }
 
     #[test]
