@@ -481,7 +481,11 @@ mod tests {
         assert!(!acls["data"].rights(&backup).write);
         assert!(acls["data"].rights(&backup).read);
         assert!(acls["logs"].rights(&backup).write, "default list");
-        assert_eq!(c.limits, Limits::default(), "the example shows the defaults");
+        assert_eq!(
+            c.limits,
+            Limits::default(),
+            "the example shows the defaults"
+        );
     }
 
     #[test]
