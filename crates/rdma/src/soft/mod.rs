@@ -155,6 +155,9 @@ pub struct CtxShared {
     ep: Arc<OwnedFd>,
     wake: Arc<OwnedFd>,
     qps: Mutex<HashMap<u64, Arc<QpShared>>>,
+    /// QPs whose receive drive stopped on its budget (edge-triggered epoll
+    /// will not report their pending input again).
+    ready: Mutex<Vec<Arc<QpShared>>>,
     next_token: AtomicU64,
     next_qpn: AtomicU32,
     pub table: Arc<MemTable>,
@@ -178,6 +181,7 @@ impl CtxShared {
             ep: ep.clone(),
             wake: wake.clone(),
             qps: Mutex::new(HashMap::new()),
+            ready: Mutex::new(Vec::new()),
             next_token: AtomicU64::new(1),
             next_qpn: AtomicU32::new(1),
             table: Arc::new(MemTable::default()),
@@ -196,6 +200,50 @@ impl CtxShared {
         self.ep.as_raw_fd()
     }
 
+    /// Drive one QP; a panic is contained to it (the QP moves to error).
+    fn drive_qp(&self, qp: &Arc<QpShared>) -> usize {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| qp.drive()));
+        match r {
+            Ok((n, more)) => {
+                if more {
+                    self.ready
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(qp.clone());
+                }
+                n
+            }
+            Err(_) => {
+                tracing::error!(
+                    token = qp.token,
+                    "soft: QP engine panicked; QP moved to error"
+                );
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let mut c = qp.lock();
+                    c.set_error();
+                    qp.drive_locked(&mut c, false);
+                }));
+                0
+            }
+        }
+    }
+
+    /// Drive the QPs that stopped on their budget; true if some still have
+    /// more to do.
+    fn run_ready(&self) -> (usize, bool) {
+        let ready = std::mem::take(&mut *self.ready.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut n = 0;
+        for qp in &ready {
+            n += self.drive_qp(qp);
+        }
+        let more = !self
+            .ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+        (n, more)
+    }
+
     fn handle(&self, evs: &[libc::epoll_event]) -> usize {
         let mut n = 0;
         for ev in evs {
@@ -211,17 +259,20 @@ impl CtxShared {
                 .get(&token)
                 .cloned();
             if let Some(qp) = qp {
-                n += qp.drive();
+                n += self.drive_qp(&qp);
             }
         }
         n
     }
 
-    /// One round of the event loop (`ms` = epoll timeout).
+    /// One round of the event loop (`ms` = epoll timeout, 0 while QPs have
+    /// work left over from their budget).
     pub fn progress_once(&self, ms: i32) -> Result<usize> {
+        let (mut n, more) = self.run_ready();
         let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
-        let k = sys::epoll_wait(self.ep.as_raw_fd(), &mut evs, ms)?;
-        Ok(self.handle(&evs[..k]))
+        let k = sys::epoll_wait(self.ep.as_raw_fd(), &mut evs, if more { 0 } else { ms })?;
+        n += self.handle(&evs[..k]);
+        Ok(n)
     }
 
     fn register(&self, qp: Arc<QpShared>) -> Result<()> {
@@ -250,6 +301,15 @@ impl CtxShared {
         Ok(())
     }
 
+    /// Queue a QP that has receive work left and no edge to report it.
+    fn schedule(&self, qp: Arc<QpShared>) {
+        self.ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(qp);
+        sys::eventfd_write(self.wake.as_raw_fd());
+    }
+
     fn unregister(&self, qp: &QpShared) {
         sys::epoll_del(self.ep.as_raw_fd(), qp.fd.as_raw_fd());
         self.qps
@@ -269,7 +329,11 @@ impl Drop for CtxShared {
 fn engine(weak: Weak<CtxShared>, ep: Arc<OwnedFd>, _wake: Arc<OwnedFd>) {
     let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
     loop {
-        let k = match sys::epoll_wait(ep.as_raw_fd(), &mut evs, 1000) {
+        let more = match weak.upgrade() {
+            Some(ctx) => ctx.run_ready().1,
+            None => return,
+        };
+        let k = match sys::epoll_wait(ep.as_raw_fd(), &mut evs, if more { 0 } else { 1000 }) {
             Ok(k) => k,
             Err(e) => {
                 tracing::error!(error = %e, "soft engine: epoll_wait failed");
@@ -299,9 +363,10 @@ impl QpShared {
     }
 
     /// Do all pending protocol work. Returns segments + frames processed.
-    fn drive(&self) -> usize {
+    fn drive(&self) -> (usize, bool) {
         let mut c = self.lock();
-        self.drive_locked(&mut c, true)
+        let n = self.drive_locked(&mut c, true);
+        (n, c.rx_more)
     }
 
     fn drive_locked(&self, c: &mut QpCore, rx: bool) -> usize {
@@ -531,6 +596,10 @@ impl QpOps for SoftQp {
         let r = c.post_recv(wrs);
         if c.rx_paused() {
             self.sh.drive_locked(&mut c, true);
+            if c.rx_more {
+                drop(c);
+                self.ctx.schedule(self.sh.clone());
+            }
         }
         r
     }

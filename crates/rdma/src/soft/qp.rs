@@ -74,6 +74,8 @@ pub static DIRECT_PLACEMENT: std::sync::atomic::AtomicBool =
 
 /// How much a header/small read pulls into the staging buffer (CRC off).
 pub const HDR_FILL: usize = 1024;
+/// Segments one `rx_process` call handles before yielding to other QPs.
+pub const RX_BUDGET: usize = 256;
 /// Per-message accounting overhead of an anonymous buffer (so zero-length
 /// sends cannot queue without bound).
 pub const ANON_OVERHEAD: usize = 64;
@@ -371,6 +373,8 @@ pub struct QpCore {
     cur_send: Option<CurSend>,
     tagged: Option<TaggedCtx>,
     pub peer_closed: bool,
+    /// `rx_process` stopped on its budget with input possibly left.
+    pub rx_more: bool,
     pub stats: RxStats,
 }
 
@@ -461,6 +465,7 @@ impl QpCore {
             cur_send: None,
             tagged: None,
             peer_closed: false,
+            rx_more: false,
             stats: RxStats::default(),
         }
     }
@@ -1238,10 +1243,18 @@ impl QpCore {
     /// paused by flow control, or closed. Returns segments processed.
     pub fn rx_process(&mut self, io: &mut dyn Io) -> io::Result<usize> {
         let mut segs = 0;
+        self.rx_more = false;
         if self.peer_closed {
             return Ok(0);
         }
         loop {
+            if segs >= RX_BUDGET {
+                // Fairness: let other QPs run. The socket may still hold
+                // data and no new edge will say so: the driver must come
+                // back (see `rx_more`).
+                self.rx_more = true;
+                return Ok(segs);
+            }
             let r = self.rx_step(io);
             match r {
                 Ok(true) => segs += 1,

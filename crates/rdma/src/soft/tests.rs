@@ -114,6 +114,17 @@ fn drain(cq: &Arc<CqShared>) -> Vec<Wc> {
     }
 }
 
+/// Receive until the input is used up (the engine yields every
+/// `RX_BUDGET` segments).
+fn rx_all(core: &mut QpCore, p: &mut Pipe) {
+    loop {
+        core.rx_process(p).expect("rx");
+        if !core.rx_more {
+            return;
+        }
+    }
+}
+
 fn tx_bytes(s: &mut Side) -> Vec<u8> {
     let mut p = Pipe::default();
     s.core.tx_process(&mut p).expect("tx");
@@ -287,9 +298,9 @@ fn receive_path_every_split_point() {
                 chunk: usize::MAX,
                 ..Pipe::default()
             };
-            rx.side.core.rx_process(&mut p).expect("rx");
+            rx_all(&mut rx.side.core, &mut p);
             p.input.extend_from_slice(&stream[k..]);
-            rx.side.core.rx_process(&mut p).expect("rx");
+            rx_all(&mut rx.side.core, &mut p);
             check_receiver(&mut rx, &format!("crc={crc} split at {k}"));
         }
     }
@@ -306,7 +317,7 @@ fn receive_path_byte_at_a_time_and_read_response() {
             chunk: 1,
             ..Pipe::default()
         };
-        rx.side.core.rx_process(&mut p).expect("rx");
+        rx_all(&mut rx.side.core, &mut p);
         check_receiver(&mut rx, &format!("crc={crc} byte at a time"));
         // The read request is answered: feed the response back byte by byte.
         let resp = tx_bytes(&mut rx.side);
@@ -315,7 +326,7 @@ fn receive_path_byte_at_a_time_and_read_response() {
             chunk: 1,
             ..Pipe::default()
         };
-        s.core.rx_process(&mut q).expect("rx");
+        rx_all(&mut s.core, &mut q);
         let w = drain(&s.cq);
         let ids: Vec<u64> = w.iter().map(|w| w.wr_id).collect();
         assert_eq!(ids, [1, 2, 3, 4, 5], "{w:?}");
@@ -349,7 +360,7 @@ fn violate(ctx: &Arc<CtxShared>, rx: &mut Rx, to: u64, rkey: u32, len: u32) -> S
         chunk: 7,
         ..Pipe::default()
     };
-    rx.side.core.rx_process(&mut p).expect("rx");
+    rx_all(&mut rx.side.core, &mut p);
     s
 }
 
@@ -388,7 +399,7 @@ fn protection_violation_writes_nothing_and_terminates() {
         chunk: 3,
         ..Pipe::default()
     };
-    s.core.rx_process(&mut q).expect("rx");
+    rx_all(&mut s.core, &mut q);
     assert_eq!(s.core.state, QpState::Error);
     assert_eq!(s.core.stats.last_term, 0x1101);
 
@@ -425,7 +436,7 @@ fn garbage_input_never_panics() {
             chunk: 1 + round % 64,
             ..Pipe::default()
         };
-        let _ = rx.side.core.rx_process(&mut p);
+        rx_all(&mut rx.side.core, &mut p);
         let _ = tx_bytes(&mut rx.side);
         let _ = drain(&rx.side.cq);
         assert!(mr_bytes(&rx.read_mr) == pattern(3, 4096));
@@ -460,14 +471,14 @@ fn pump(a: &mut Side, b: &mut Side, chunk: usize) {
             chunk,
             ..Pipe::default()
         };
-        b.core.rx_process(&mut p).expect("rx");
+        rx_all(&mut b.core, &mut p);
         assert_eq!(p.pos, p.input.len(), "receiver left bytes unread");
         let mut q = Pipe {
             input: ba,
             chunk,
             ..Pipe::default()
         };
-        a.core.rx_process(&mut q).expect("rx");
+        rx_all(&mut a.core, &mut q);
         assert_eq!(q.pos, q.input.len(), "requester left bytes unread");
     }
     panic!("pump did not settle");
