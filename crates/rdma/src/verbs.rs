@@ -483,6 +483,19 @@ pub mod ops {
         /// Manual progress: do whatever work is pending without blocking; returns
         /// the number of events processed. A no-op for hardware providers.
         fn progress(&self) -> Result<usize>;
+        /// Connect with `recvs` posted on the new QP before the connection
+        /// request is sent. The default connects, then posts.
+        fn connect_with_recvs(
+            &self,
+            addr: SocketAddr,
+            init: &QpInit,
+            params: &ConnParams,
+            recvs: &[RecvWr<'_>],
+        ) -> Result<Arc<dyn QpOps>> {
+            let qp = self.connect(addr, init, params)?;
+            qp.post_recv(recvs).map_err(|e| e.error)?;
+            Ok(qp)
+        }
     }
 
     /// Registered memory as handed to a provider. The provider must keep
@@ -552,6 +565,19 @@ pub mod ops {
         fn peer_ird_ord(&self) -> (u8, u8);
         fn accept(self: Box<Self>, init: &QpInit, params: &ConnParams) -> Result<Arc<dyn QpOps>>;
         fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()>;
+        /// Accept with `recvs` posted on the new QP before the acceptance is
+        /// sent. The default accepts, then posts (right for providers that
+        /// buffer early Sends).
+        fn accept_with_recvs(
+            self: Box<Self>,
+            init: &QpInit,
+            params: &ConnParams,
+            recvs: &[RecvWr<'_>],
+        ) -> Result<Arc<dyn QpOps>> {
+            let qp = self.accept(init, params)?;
+            qp.post_recv(recvs).map_err(|e| e.error)?;
+            Ok(qp)
+        }
     }
 
     pub trait QpOps: AsAny {
@@ -633,6 +659,17 @@ impl Context {
     /// Connect a new RC queue pair to a listener at `addr`.
     pub fn connect(&self, addr: SocketAddr, init: &QpInit, params: &ConnParams) -> Result<Qp> {
         Ok(Qp(self.0.connect(addr, init, params)?))
+    }
+    /// Connect with `recvs` already posted when the connection is
+    /// established (see [`ConnRequest::accept_with_recvs`]).
+    pub fn connect_with_recvs(
+        &self,
+        addr: SocketAddr,
+        init: &QpInit,
+        params: &ConnParams,
+        recvs: &[RecvWr<'_>],
+    ) -> Result<Qp> {
+        Ok(Qp(self.0.connect_with_recvs(addr, init, params, recvs)?))
     }
     /// Manual progress (see [`Progress::Manual`]).
     pub fn progress(&self) -> Result<usize> {
@@ -1013,6 +1050,17 @@ impl ConnRequest {
     }
     pub fn accept(self, init: &QpInit, params: &ConnParams) -> Result<Qp> {
         Ok(Qp(self.0.accept(init, params)?))
+    }
+    /// Accept with `recvs` already posted when the peer learns of the
+    /// acceptance. Use it when the peer may send at once: on iWARP devices a
+    /// Send that finds no posted receive is fatal (there is no RNR retry).
+    pub fn accept_with_recvs(
+        self,
+        init: &QpInit,
+        params: &ConnParams,
+        recvs: &[RecvWr<'_>],
+    ) -> Result<Qp> {
+        Ok(Qp(self.0.accept_with_recvs(init, params, recvs)?))
     }
     pub fn reject(self, private_data: &[u8]) -> Result<()> {
         self.0.reject(private_data)
