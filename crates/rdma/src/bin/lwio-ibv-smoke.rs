@@ -751,6 +751,95 @@ fn test_no_listener(ctx: &Context, ip: IpAddr) -> R<()> {
     }
 }
 
+/// Receives posted with `accept_with_recvs` / `connect_with_recvs` catch a
+/// Send that the peer posts the moment its connect/accept returns (on iWARP
+/// a Send that finds no receive kills the connection).
+fn test_prepost(ctx: &Context, ip: IpAddr) -> R<()> {
+    let addr = next_addr(ip);
+    let listener = ctx.listen(addr, 8).map_err(e("listen"))?;
+    let sctx = ctx.clone();
+    let server = thread::spawn(move || -> R<()> {
+        let req = listener
+            .get_request(Some(Duration::from_secs(20)))
+            .map_err(e("get_request"))?
+            .ok_or("no request")?;
+        let pd = sctx.alloc_pd().map_err(e("pd"))?;
+        let cq = sctx.create_cq(64, None).map_err(e("cq"))?;
+        let mr = pd.alloc_mr(4096, RW).map_err(e("mr"))?;
+        let qp = req
+            .accept_with_recvs(
+                &qp_init(&pd, &cq),
+                &ConnParams::default(),
+                &[RecvWr {
+                    wr_id: 101,
+                    sg_list: &[mr.sge(0, 64)],
+                }],
+            )
+            .map_err(e("accept_with_recvs"))?;
+        // send at once: the client pre-posted its receive
+        mr.write_at(64, b"server-first").map_err(e("write_at"))?;
+        qp.post_send(&[SendWr::new(102, SendOp::Send, &[mr.sge(64, 12)])])
+            .map_err(e("post_send"))?;
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            got.push(wait_one(&cq, None, 10)?);
+        }
+        for wc in &got {
+            if !wc.is_ok() {
+                return Err(format!("server completion {wc:?}"));
+            }
+        }
+        let recv = got
+            .iter()
+            .find(|w| w.wr_id == 101)
+            .ok_or("no receive completion")?;
+        let mut b = vec![0u8; recv.byte_len as usize];
+        mr.read_at(0, &mut b).map_err(e("read_at"))?;
+        if b != b"client-first" {
+            return Err(format!("server received {b:?}"));
+        }
+        thread::sleep(Duration::from_millis(200));
+        Ok(())
+    });
+    let pd = ctx.alloc_pd().map_err(e("pd"))?;
+    let cq = ctx.create_cq(64, None).map_err(e("cq"))?;
+    let mr = pd.alloc_mr(4096, RW).map_err(e("mr"))?;
+    let qp = ctx
+        .connect_with_recvs(
+            addr,
+            &qp_init(&pd, &cq),
+            &ConnParams::default(),
+            &[RecvWr {
+                wr_id: 201,
+                sg_list: &[mr.sge(0, 64)],
+            }],
+        )
+        .map_err(e("connect_with_recvs"))?;
+    mr.write_at(64, b"client-first").map_err(e("write_at"))?;
+    qp.post_send(&[SendWr::new(202, SendOp::Send, &[mr.sge(64, 12)])])
+        .map_err(e("post_send"))?;
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        got.push(wait_one(&cq, None, 10)?);
+    }
+    server.join().map_err(|_| "server panicked")??;
+    for wc in &got {
+        if !wc.is_ok() {
+            return Err(format!("client completion {wc:?}"));
+        }
+    }
+    let recv = got
+        .iter()
+        .find(|w| w.wr_id == 201)
+        .ok_or("no receive completion")?;
+    let mut b = vec![0u8; recv.byte_len as usize];
+    mr.read_at(0, &mut b).map_err(e("read_at"))?;
+    if b != b"server-first" {
+        return Err(format!("client received {b:?}"));
+    }
+    Ok(())
+}
+
 /// With two devices (`OTHER_IP` = an address of another RDMA device), a
 /// connect through this context to that address must fail clearly.
 fn test_other_device(ctx: &Context, other: IpAddr) -> R<()> {
@@ -820,6 +909,10 @@ fn main() {
     };
     report(vec![("connect with private data", test_connect(&ctx, ip))]);
     report(test_send_recv_write_read(&ctx, ip));
+    report(vec![(
+        "receives posted before connect/accept catch an immediate send",
+        test_prepost(&ctx, ip),
+    )]);
     report(test_window(&ctx, ip, &caps));
     report(vec![(
         "window confines the peer (byte granularity)",

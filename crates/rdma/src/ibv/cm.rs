@@ -13,7 +13,7 @@ use std::os::fd::RawFd;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::ffi::*;
 use super::*;
@@ -514,7 +514,16 @@ impl ConnRequestOps for VerbsConnRequest {
         (self.peer_ird, self.peer_ord)
     }
 
-    fn accept(mut self: Box<Self>, init: &QpInit, params: &ConnParams) -> Result<Arc<dyn QpOps>> {
+    fn accept(self: Box<Self>, init: &QpInit, params: &ConnParams) -> Result<Arc<dyn QpOps>> {
+        self.accept_with_recvs(init, params, &[])
+    }
+
+    fn accept_with_recvs(
+        mut self: Box<Self>,
+        init: &QpInit,
+        params: &ConnParams,
+        recvs: &[RecvWr<'_>],
+    ) -> Result<Arc<dyn QpOps>> {
         let ctx = self.listener.ctx.clone();
         let lib = ctx.lib;
         // Checks that can fail first: on an early return `self` is dropped,
@@ -534,6 +543,13 @@ impl ConnRequestOps for VerbsConnRequest {
         let r = unsafe { (lib.rdma_migrate_id)(id, ch.ch) };
         cm_ret(lib, "rdma_migrate_id", r)?;
         parts.create_qp(&mut guard)?;
+        // From here the QP is owned by `core` (dropping it on error destroys
+        // the QP, then the id, then the channel).
+        let core = QpCore::create(parts, ch, guard);
+        // Receives go in before the peer can learn of the acceptance.
+        VerbsQp(core.clone())
+            .post_recv(recvs)
+            .map_err(|e| e.error)?;
         // Offer our depths clamped to what the peer asked for where it said
         // (0 = not reported by the transport: leave it to the CM/device).
         //
@@ -558,19 +574,25 @@ impl ConnRequestOps for VerbsConnRequest {
             srq: 0,
             qp_num: 0,
         };
-        // SAFETY: id is live with a QP; cp and the private data it points to
-        // live on this frame for the duration of the call (copied by the lib).
-        let r = unsafe { (lib.rdma_accept)(id, &mut cp) };
+        // SAFETY: core.id is live with a QP; cp and the private data it
+        // points to live on this frame for the call (copied by the library).
+        let r = unsafe { (lib.rdma_accept)(core.id, &mut cp) };
         cm_ret(lib, "rdma_accept", r)?;
         let deadline = Instant::now() + ctx.config.connect_timeout;
-        expect_event(&ctx, &ch, RDMA_CM_EVENT_ESTABLISHED, deadline, "accept")?;
-        let negotiated = Negotiated {
+        expect_event(
+            &ctx,
+            &core.ch,
+            RDMA_CM_EVENT_ESTABLISHED,
+            deadline,
+            "accept",
+        )?;
+        *lock(&core.negotiated) = Negotiated {
             peer_private_data: self.private_data.clone(),
             ird,
             ord,
             mpa_crc: None,
         };
-        QpCore::start(parts, ch, guard, negotiated)
+        core.activate()
     }
 
     fn reject(mut self: Box<Self>, private_data: &[u8]) -> Result<()> {
@@ -617,6 +639,7 @@ pub(super) fn connect(
     addr: SocketAddr,
     init: &QpInit,
     params: &ConnParams,
+    recvs: &[RecvWr<'_>],
 ) -> Result<Arc<dyn QpOps>> {
     let lib = ctx.lib;
     let pdata = frame_private(ctx.iwarp, PdMsg::Request, &params.private_data)?;
@@ -675,6 +698,11 @@ pub(super) fn connect(
         "resolve route",
     )?;
     parts.create_qp(&mut guard)?;
+    let core = QpCore::create(parts, ch, guard);
+    // Receives go in before the peer can send.
+    VerbsQp(core.clone())
+        .post_recv(recvs)
+        .map_err(|e| e.error)?;
     let my_ird = ctx.eff_ird(params.ird);
     let my_ord = ctx.eff_ord(params.ord);
     let mut cp = rdma_conn_param {
@@ -688,11 +716,17 @@ pub(super) fn connect(
         srq: 0,
         qp_num: 0,
     };
-    // SAFETY: id is live with a QP; cp and its private data live for the call.
-    let r = unsafe { (lib.rdma_connect)(id, &mut cp) };
+    // SAFETY: core.id is live with a QP; cp and its private data live for the call.
+    let r = unsafe { (lib.rdma_connect)(core.id, &mut cp) };
     cm_ret(lib, &format!("rdma_connect({addr})"), r)?;
-    let ev = expect_event(ctx, &ch, RDMA_CM_EVENT_ESTABLISHED, deadline, "connect")?;
-    let negotiated = Negotiated {
+    let ev = expect_event(
+        ctx,
+        &core.ch,
+        RDMA_CM_EVENT_ESTABLISHED,
+        deadline,
+        "connect",
+    )?;
+    *lock(&core.negotiated) = Negotiated {
         peer_private_data: unframe_private(ctx.iwarp, &ev.private_data),
         // IB: as for requests, from our point of view: responder_resources =
         // the peer's ORD, initiator_depth = the peer's IRD (from its REP).
@@ -710,7 +744,7 @@ pub(super) fn connect(
         },
         mpa_crc: None,
     };
-    QpCore::start(parts, ch, guard, negotiated)
+    core.activate()
 }
 
 // ---------------------------------------------------------------------------
@@ -838,7 +872,9 @@ pub(crate) struct QpCore {
     /// completions their true opcode).
     sq: Mutex<Track>,
     rq: Mutex<Track>,
-    negotiated: Negotiated,
+    negotiated: Mutex<Negotiated>,
+    /// A weak reference to ourselves (for scheduling sweeps).
+    me: Weak<QpCore>,
     local: SocketAddr,
     peer: SocketAddr,
     token: u64,
@@ -853,14 +889,12 @@ unsafe impl Send for QpCore {}
 unsafe impl Sync for QpCore {}
 
 impl QpCore {
-    fn start(
-        parts: QpParts,
-        ch: EventChannel,
-        guard: IdGuard,
-        negotiated: Negotiated,
-    ) -> Result<Arc<dyn QpOps>> {
+    /// Wrap a freshly created QP (not yet connected). Its completions are
+    /// translated from now on; the CM monitor watches it after `activate`.
+    fn create(parts: QpParts, ch: EventChannel, guard: IdGuard) -> Arc<QpCore> {
         let id = guard.release();
-        // SAFETY: id is live with a QP created by rdma_create_qp.
+        // SAFETY: id is live with a QP created by rdma_create_qp; its address
+        // was resolved (active side) or came with the request (passive side).
         let (qp, local, peer) = unsafe {
             (
                 (*id).qp,
@@ -870,7 +904,8 @@ impl QpCore {
         };
         // SAFETY: qp is live; qp_num is a plain field.
         let qp_num = unsafe { (*qp).qp_num };
-        let core = Arc::new(QpCore {
+        let core = Arc::new_cyclic(|me| QpCore {
+            me: me.clone(),
             ctx: parts.ctx,
             pd: parts.pd,
             send_cq: parts.send_cq,
@@ -883,7 +918,7 @@ impl QpCore {
             disconnected: AtomicBool::new(false),
             sq: Mutex::new(Track::default()),
             rq: Mutex::new(Track::default()),
-            negotiated,
+            negotiated: Mutex::new(Negotiated::default()),
             local,
             peer,
             token: NEXT_TOKEN.fetch_add(1, Ordering::Relaxed),
@@ -891,8 +926,54 @@ impl QpCore {
         });
         lock(&core.send_cq.qps).insert(qp_num, Arc::downgrade(&core));
         lock(&core.recv_cq.qps).insert(qp_num, Arc::downgrade(&core));
-        monitor()?.add(&core)?;
-        Ok(Arc::new(VerbsQp(core)))
+        core
+    }
+
+    /// The connection is established: hand its CM events to the monitor.
+    fn activate(self: Arc<Self>) -> Result<Arc<dyn QpOps>> {
+        monitor()?.add(&self)?;
+        Ok(Arc::new(VerbsQp(self)))
+    }
+
+    /// Record that the QP is in the error state. The first time, schedule
+    /// sweeps: requests that reached the device after it failed but before
+    /// lwio knew (rxe and siw accept such posts and never complete them) are
+    /// completed as flushed once the device has had time to flush the rest.
+    fn mark_error(&self) {
+        if self.state.swap(ST_ERROR, Ordering::AcqRel) != ST_ERROR {
+            if let Ok(m) = monitor() {
+                let w = self.me.clone();
+                m.schedule_sweep(Instant::now() + SWEEP_AFTER, w.clone());
+                m.schedule_sweep(Instant::now() + SWEEP_AFTER * 4, w);
+            }
+        }
+    }
+
+    /// Complete, as flushed, every request of this QP that the device has
+    /// not completed by now (see `mark_error`). Device completions that
+    /// still arrive for them later find no record and are dropped.
+    fn sweep(&self) {
+        // bring the records up to date with what the device completed
+        let drain = |cq: &CqInner| {
+            let mut side = lock(&cq.side);
+            cq.drain_into(&mut side);
+        };
+        drain(&self.send_cq);
+        drain(&self.recv_cq);
+        let sq: Vec<Rec> = lock(&self.sq).pending.drain(..).collect();
+        let rq: Vec<Rec> = lock(&self.rq).pending.drain(..).collect();
+        if !sq.is_empty() || !rq.is_empty() {
+            dbg_ibv!(
+                "QP {}: {} send and {} receive requests never completed by the device: flushed",
+                self.qp_num,
+                sq.len(),
+                rq.len()
+            );
+        }
+        self.send_cq
+            .push_synthetic_all(sq.into_iter().map(|r| self.flush_wc(r.wr_id, r.op)));
+        self.recv_cq
+            .push_synthetic_all(rq.into_iter().map(|r| self.flush_wc(r.wr_id, r.op)));
     }
 
     fn modify_err(&self) {
@@ -913,9 +994,9 @@ impl QpCore {
                 Ok(Some(ev)) => match ev.event {
                     RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL => {
                         tracing::debug!("QP {}: {}", self.qp_num, self.ctx.lib.event_str(ev.event));
-                        self.state.store(ST_ERROR, Ordering::Release);
                         self.disconnected.store(true, Ordering::Release);
                         self.modify_err();
+                        self.mark_error();
                     }
                     _ => tracing::debug!(
                         "QP {}: ignoring {}",
@@ -953,7 +1034,7 @@ impl QpCore {
         let status = map_status(wc.status);
         if status != WcStatus::Success {
             // A failed request moves the QP to the error state.
-            self.state.store(ST_ERROR, Ordering::Release);
+            self.mark_error();
         }
         let opcode =
             if recv && status == WcStatus::Success && wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM {
@@ -1191,7 +1272,7 @@ impl QpOps for VerbsQp {
         let r = unsafe { (q.ctx.lib.ibv_query_qp)(q.qp, &mut attr, IBV_QP_STATE, &mut init) };
         // (siw does not fill qp_state: it stays 0 = RESET, read as "unknown")
         if r == 0 && matches!(attr.qp_state, IBV_QPS_ERR | IBV_QPS_SQE) {
-            q.state.store(ST_ERROR, Ordering::Release);
+            q.mark_error();
             return QpState::Error;
         }
         match q.state.load(Ordering::Acquire) {
@@ -1203,7 +1284,7 @@ impl QpOps for VerbsQp {
     }
 
     fn negotiated(&self) -> Negotiated {
-        self.0.negotiated.clone()
+        lock(&self.0.negotiated).clone()
     }
     fn local_addr(&self) -> SocketAddr {
         self.0.local
@@ -1549,16 +1630,16 @@ impl QpOps for VerbsQp {
         let r = unsafe { (q.ctx.lib.rdma_disconnect)(q.id) };
         if r != 0 {
             // Not connected any more (peer went first): make sure we flush.
-            q.state.store(ST_ERROR, Ordering::Release);
             q.modify_err();
+            q.mark_error();
         }
         Ok(())
     }
 
     fn set_error(&self) {
         let q = &self.0;
-        q.state.store(ST_ERROR, Ordering::Release);
         q.modify_err();
+        q.mark_error();
         if !q.disconnected.swap(true, Ordering::AcqRel) {
             // SAFETY: q.id is live until drop.
             unsafe { (q.ctx.lib.rdma_disconnect)(q.id) };
@@ -1571,10 +1652,18 @@ impl QpOps for VerbsQp {
 
 static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
 
+/// How long after a QP fails lwio lets the device flush before sweeping.
+const SWEEP_AFTER: Duration = Duration::from_millis(250);
+
 struct Monitor {
     epfd: RawFd,
+    /// Wakes the monitor when a sweep is scheduled.
+    evfd: RawFd,
     conns: Mutex<HashMap<u64, Weak<QpCore>>>,
+    sweeps: Mutex<Vec<(Instant, Weak<QpCore>)>>,
 }
+
+const WAKE_TOKEN: u64 = u64::MAX;
 
 static MONITOR: OnceLock<Result<Monitor, String>> = OnceLock::new();
 
@@ -1589,13 +1678,28 @@ fn monitor() -> Result<&'static Monitor> {
                     std::io::Error::last_os_error()
                 ));
             }
+            // SAFETY: creates a new eventfd that lives for the process.
+            let evfd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+            if evfd < 0 {
+                return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
+            }
+            let mut ev = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: WAKE_TOKEN,
+            };
+            // SAFETY: live epoll fd and eventfd; ev on the stack.
+            if unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, evfd, &mut ev) } < 0 {
+                return Err(format!("epoll_ctl: {}", std::io::Error::last_os_error()));
+            }
             std::thread::Builder::new()
                 .name("lwio-rdmacm".into())
                 .spawn(move || monitor_loop(epfd))
                 .map_err(|e| format!("spawning the rdma_cm monitor: {e}"))?;
             Ok(Monitor {
                 epfd,
+                evfd,
                 conns: Mutex::new(HashMap::new()),
+                sweeps: Mutex::new(Vec::new()),
             })
         })
         .as_ref()
@@ -1606,8 +1710,12 @@ fn monitor_loop(epfd: RawFd) {
     // SAFETY: epoll_event is plain data.
     let mut evs: [libc::epoll_event; 16] = unsafe { std::mem::zeroed() };
     loop {
+        let timeout = match MONITOR.get() {
+            Some(Ok(m)) => m.run_due_sweeps(),
+            _ => 10,
+        };
         // SAFETY: epfd is a live epoll fd (never closed); evs is a local buffer.
-        let n = unsafe { libc::epoll_wait(epfd, evs.as_mut_ptr(), evs.len() as i32, -1) };
+        let n = unsafe { libc::epoll_wait(epfd, evs.as_mut_ptr(), evs.len() as i32, timeout) };
         if n < 0 {
             if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                 continue;
@@ -1620,6 +1728,12 @@ fn monitor_loop(epfd: RawFd) {
         };
         for ev in &evs[..n as usize] {
             let token = ev.u64;
+            if token == WAKE_TOKEN {
+                let mut v = 0u64;
+                // SAFETY: reads 8 bytes into a local from our nonblocking eventfd.
+                unsafe { libc::read(m.evfd, &mut v as *mut u64 as *mut c_void, 8) };
+                continue;
+            }
             dbg_ibv!("monitor: wake-up for connection {token}");
             let core = lock(&m.conns).get(&token).and_then(Weak::upgrade);
             if let Some(core) = core {
@@ -1630,6 +1744,38 @@ fn monitor_loop(epfd: RawFd) {
 }
 
 impl Monitor {
+    fn schedule_sweep(&self, at: Instant, qp: Weak<QpCore>) {
+        lock(&self.sweeps).push((at, qp));
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a local to our eventfd.
+        unsafe { libc::write(self.evfd, &one as *const u64 as *const c_void, 8) };
+    }
+
+    /// Run the sweeps that are due; returns the epoll timeout (ms) until the
+    /// next one, or -1.
+    fn run_due_sweeps(&self) -> i32 {
+        let now = Instant::now();
+        let due: Vec<Weak<QpCore>> = {
+            let mut g = lock(&self.sweeps);
+            let (due, later): (Vec<_>, Vec<_>) = g.drain(..).partition(|(t, _)| *t <= now);
+            *g = later;
+            due.into_iter().map(|(_, w)| w).collect()
+        };
+        for w in due {
+            if let Some(q) = w.upgrade() {
+                q.sweep();
+            }
+        }
+        let g = lock(&self.sweeps);
+        match g.iter().map(|(t, _)| *t).min() {
+            None => -1,
+            Some(t) => t
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .clamp(1, i32::MAX as u128) as i32,
+        }
+    }
+
     fn add(&self, core: &Arc<QpCore>) -> Result<()> {
         lock(&self.conns).insert(core.token, Arc::downgrade(core));
         let mut ev = libc::epoll_event {

@@ -355,7 +355,17 @@ impl ContextOps for VerbsContext {
         init: &QpInit,
         params: &ConnParams,
     ) -> Result<Arc<dyn QpOps>> {
-        cm::connect(&self.0, addr, init, params)
+        cm::connect(&self.0, addr, init, params, &[])
+    }
+
+    fn connect_with_recvs(
+        &self,
+        addr: SocketAddr,
+        init: &QpInit,
+        params: &ConnParams,
+        recvs: &[RecvWr<'_>],
+    ) -> Result<Arc<dyn QpOps>> {
+        cm::connect(&self.0, addr, init, params, recvs)
     }
 
     fn progress(&self) -> Result<usize> {
@@ -820,6 +830,31 @@ impl CqInner {
     /// completion order is kept).
     fn push_synthetic(&self, wc: Wc) {
         let mut side = lock(&self.side);
+        self.drain_into(&mut side);
+        side.push_back(wc);
+        drop(side);
+        if let Some(ch) = &self.chan {
+            ch.wake();
+        }
+    }
+
+    /// Several synthetic completions, queued the same way.
+    fn push_synthetic_all(&self, wcs: impl IntoIterator<Item = Wc>) {
+        let mut side = lock(&self.side);
+        self.drain_into(&mut side);
+        let before = side.len();
+        side.extend(wcs);
+        let added = side.len() > before;
+        drop(side);
+        if added {
+            if let Some(ch) = &self.chan {
+                ch.wake();
+            }
+        }
+    }
+
+    /// Move everything the device has completed so far to the side queue.
+    fn drain_into(&self, side: &mut VecDeque<Wc>) {
         loop {
             // SAFETY: ibv_wc is plain old data; all-zero is a valid value.
             let mut buf: [ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
@@ -842,11 +877,6 @@ impl CqInner {
             if (r as usize) < POLL_BATCH {
                 break;
             }
-        }
-        side.push_back(wc);
-        drop(side);
-        if let Some(ch) = &self.chan {
-            ch.wake();
         }
     }
 }
