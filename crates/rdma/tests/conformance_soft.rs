@@ -318,3 +318,39 @@ fn soft_many_qps_concurrent_auto() {
 fn soft_many_qps_concurrent_manual() {
     many_qps(Progress::Manual);
 }
+
+#[test]
+fn soft_listener_not_blocked_by_silent_clients() {
+    let (s, c) = (open(Progress::Auto, false), open(Progress::Auto, false));
+    let l = s.listen("127.0.0.1:0".parse().unwrap(), 16).unwrap();
+    let addr = l.local_addr();
+    // Connect and say nothing (and one that sends half a request).
+    let _silent = std::net::TcpStream::connect(addr).unwrap();
+    let mut half = std::net::TcpStream::connect(addr).unwrap();
+    std::io::Write::write_all(&mut half, b"MPA ID Req").unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let pd = c.alloc_pd().unwrap();
+    let cq = c.create_cq(16, None).unwrap();
+    let init = QpInit {
+        pd,
+        send_cq: cq.clone(),
+        recv_cq: cq,
+        cap: QpCap::default(),
+        sq_sig_all: false,
+    };
+    let t = std::time::Instant::now();
+    std::thread::scope(|sc| {
+        let h = sc.spawn(|| c.connect(addr, &init, &ConnParams::default()).map(|_| ()));
+        let r = l
+            .get_request(Some(std::time::Duration::from_secs(5)))
+            .unwrap()
+            .expect("the real client's request");
+        r.reject(b"seen").unwrap();
+        assert!(matches!(h.join().unwrap(), Err(Error::Rejected { .. })));
+    });
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(2),
+        "took {:?}",
+        t.elapsed()
+    );
+}

@@ -74,7 +74,8 @@ fn flush(h: &mut MpaHandshake, s: &mut TcpStream, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Read one MPA frame exactly and feed it to `h`; returns the next event.
+/// Read one MPA frame exactly (blocking) and feed it to `h`; returns the
+/// next event.
 fn exchange(h: &mut MpaHandshake, s: &mut TcpStream, what: &str) -> Result<Option<MpaEvent>> {
     let mut hdr = [0u8; 20];
     s.read_exact(&mut hdr).map_err(|e| io_err(what, e))?;
@@ -162,9 +163,22 @@ pub(crate) fn connect(
     create_qp(ctx, init, est)
 }
 
+/// Connections accepted whose MPA Request has not fully arrived.
+struct Pending {
+    s: TcpStream,
+    peer: SocketAddr,
+    buf: Vec<u8>,
+    need: usize,
+    deadline: Instant,
+}
+
+/// Most half-open MPA handshakes kept per listener (oldest dropped first).
+const MAX_PENDING: usize = 64;
+
 pub struct SoftListener {
     l: TcpListener,
     ctx: Arc<CtxShared>,
+    pending: std::sync::Mutex<Vec<Pending>>,
 }
 
 pub(crate) fn listen(
@@ -174,14 +188,56 @@ pub(crate) fn listen(
 ) -> Result<Arc<dyn ListenerOps>> {
     let l = TcpListener::bind(addr)?;
     l.set_nonblocking(true)?;
-    Ok(Arc::new(SoftListener { l, ctx }))
+    Ok(Arc::new(SoftListener {
+        l,
+        ctx,
+        pending: std::sync::Mutex::new(Vec::new()),
+    }))
+}
+
+enum Progressed {
+    Frame,
+    Wait,
+    Drop(String),
+}
+
+impl Pending {
+    /// Read (without blocking, never past the frame) towards a full Request.
+    fn advance(&mut self) -> Progressed {
+        loop {
+            if self.buf.len() == self.need {
+                if self.need == 20 {
+                    let pd = u16::from_be_bytes([self.buf[18], self.buf[19]]) as usize;
+                    if pd > super::wire::MPA_MAX_PD {
+                        return Progressed::Drop(format!("PD_Length {pd} > 512"));
+                    }
+                    self.need += pd;
+                    if pd > 0 {
+                        continue;
+                    }
+                }
+                return Progressed::Frame;
+            }
+            let mut tmp = [0u8; 532];
+            let want = self.need - self.buf.len();
+            match (&self.s).read(&mut tmp[..want]) {
+                Ok(0) => return Progressed::Drop("closed before its MPA request".into()),
+                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Progressed::Wait,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Progressed::Drop(e.to_string()),
+            }
+        }
+    }
 }
 
 impl SoftListener {
-    /// Read and answer-or-queue one MPA Request on a fresh connection.
-    fn request(&self, mut s: TcpStream, peer: SocketAddr) -> Result<Option<SoftConnRequest>> {
+    /// Answer-or-queue a complete MPA Request.
+    fn request(&self, p: Pending) -> Result<Option<SoftConnRequest>> {
+        let Pending {
+            mut s, peer, buf, ..
+        } = p;
         s.set_nonblocking(false)?;
-        s.set_nodelay(true)?;
         let to = self.ctx.config.connect_timeout;
         s.set_read_timeout(Some(to))?;
         s.set_write_timeout(Some(to))?;
@@ -189,7 +245,10 @@ impl SoftListener {
             mpa_config(&self.ctx, DEFAULT_IRD_ORD, DEFAULT_IRD_ORD),
             Instant::now(),
         );
-        match exchange(&mut h, &mut s, "MPA request")? {
+        let r = h.receive(&buf, Instant::now()).map_err(mpa_err);
+        flush(&mut h, &mut s, "MPA reply")?;
+        r?;
+        match h.poll_event() {
             Some(MpaEvent::ConnectRequest {
                 private_data,
                 peer: io,
@@ -209,6 +268,53 @@ impl SoftListener {
             _ => Ok(None),
         }
     }
+
+    /// Accept what is waiting and advance the half-open handshakes; returns
+    /// a complete Request, if any, and the fds to wait on.
+    fn step(&self) -> Result<(Option<Pending>, Vec<RawFd>, Option<Instant>)> {
+        let mut pend = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match self.l.accept() {
+                Ok((s, peer)) => {
+                    s.set_nonblocking(true)?;
+                    s.set_nodelay(true)?;
+                    if pend.len() >= MAX_PENDING {
+                        let old = pend.remove(0);
+                        tracing::debug!(peer = %old.peer, "too many MPA handshakes pending: dropped");
+                    }
+                    pend.push(Pending {
+                        s,
+                        peer,
+                        buf: Vec::with_capacity(20),
+                        need: 20,
+                        deadline: Instant::now() + self.ctx.config.connect_timeout,
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < pend.len() {
+            match pend[i].advance() {
+                Progressed::Frame => return Ok((Some(pend.remove(i)), Vec::new(), None)),
+                Progressed::Drop(why) => {
+                    let p = pend.remove(i);
+                    tracing::debug!(peer = %p.peer, why, "MPA request dropped");
+                }
+                Progressed::Wait if now >= pend[i].deadline => {
+                    let p = pend.remove(i);
+                    tracing::debug!(peer = %p.peer, "MPA request timed out");
+                }
+                Progressed::Wait => i += 1,
+            }
+        }
+        let mut fds = vec![self.l.as_raw_fd()];
+        fds.extend(pend.iter().map(|p| p.s.as_raw_fd()));
+        Ok((None, fds, pend.iter().map(|p| p.deadline).min()))
+    }
 }
 
 impl ListenerOps for SoftListener {
@@ -221,30 +327,30 @@ impl ListenerOps for SoftListener {
     fn get_request(&self, timeout: Option<Duration>) -> Result<Option<Box<dyn ConnRequestOps>>> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
-            match self.l.accept() {
-                Ok((s, peer)) => {
-                    match self.request(s, peer) {
-                        Ok(Some(r)) => return Ok(Some(Box::new(r))),
-                        Ok(None) => tracing::debug!(%peer, "MPA request refused"),
-                        Err(e) => tracing::debug!(%peer, error = %e, "bad MPA request"),
-                    }
-                    continue;
+            let (frame, fds, next) = self.step()?;
+            if let Some(p) = frame {
+                let peer = p.peer;
+                match self.request(p) {
+                    Ok(Some(r)) => return Ok(Some(Box::new(r))),
+                    Ok(None) => tracing::debug!(%peer, "MPA request refused"),
+                    Err(e) => tracing::debug!(%peer, error = %e, "bad MPA request"),
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.into()),
+                continue;
             }
-            let ms = match deadline {
-                None => -1,
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Ok(None);
-                    }
-                    left.as_millis().clamp(1, i32::MAX as u128) as i32
-                }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(None);
+            }
+            let until = match (deadline, next) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
             };
-            sys::poll_in(self.l.as_raw_fd(), ms)?;
+            let ms = until.map_or(-1, |u| {
+                u.saturating_duration_since(now)
+                    .as_millis()
+                    .clamp(1, i32::MAX as u128) as i32
+            });
+            sys::poll_in_any(&fds, ms)?;
         }
     }
 
