@@ -99,6 +99,7 @@ const CASES: &[(&str, CaseFn)] = &[
     ("cm_accept_private_data", case_accept_pd),
     ("cm_ird_ord_negotiated", case_ird_ord),
     ("cq_channel_blocking_wait", case_channel_wait),
+    ("cq_arm_solicited_only", case_solicited),
     ("prot_write_wrong_key", prot_write_wrong_key),
     ("prot_read_wrong_key", prot_read_wrong_key),
     ("prot_write_other_pd_key", prot_other_pd),
@@ -1189,6 +1190,76 @@ fn case_channel_wait(env: &Env<'_>) -> R {
     }
     let w = env.wait(&scq, 1)?;
     check_ok(&w[0], 8, WcOpcode::Recv)?;
+    Ok(())
+}
+
+fn case_solicited(env: &Env<'_>) -> R {
+    let ch = env.server.create_comp_channel()?;
+    let scq = env.server.create_cq(64, Some(&ch))?;
+    let spd = env.server.alloc_pd()?;
+    let cpd = env.client.alloc_pd()?;
+    let ccq = env.client.create_cq(64, None)?;
+    let mk = |pd: &Pd, cq: &Cq| QpInit {
+        pd: pd.clone(),
+        send_cq: cq.clone(),
+        recv_cq: cq.clone(),
+        cap: QpCap::default(),
+        sq_sig_all: false,
+    };
+    let (sinit, cinit) = (mk(&spd, &scq), mk(&cpd, &ccq));
+    let abort = std::sync::atomic::AtomicBool::new(false);
+    let (sres, cres) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| -> Result<Qp> { env.request(&abort)?.accept(&sinit, &params(b"")) });
+        let c = env.client.connect(env.connect_to, &cinit, &params(b""));
+        if c.is_err() {
+            abort.store(true, std::sync::atomic::Ordering::Release);
+        }
+        (h.join(), c)
+    });
+    let cqp = cres?;
+    let sqp = match sres {
+        Ok(r) => r?,
+        Err(_) => fail!("accept thread panicked"),
+    };
+    sqp.post_recv(&[
+        RecvWr {
+            wr_id: 1,
+            sg_list: &[],
+        },
+        RecvWr {
+            wr_id: 2,
+            sg_list: &[],
+        },
+    ])?;
+    scq.arm(true)?;
+    cqp.post_send(&[send_wr(1, SendOp::Send, &[])])?;
+    // An unsolicited receive completes without an event.
+    let w = env.wait(&scq, 1)?;
+    check_ok(&w[0], 1, WcOpcode::Recv)?;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(100) {
+        env.progress();
+        if ch.wait(Some(Duration::from_millis(5)))? {
+            fail!("an unsolicited completion fired a solicited-only arm");
+        }
+    }
+    let mut s = send_wr(2, SendOp::Send, &[]);
+    s.solicited = true;
+    cqp.post_send(&[s])?;
+    let t = Instant::now();
+    loop {
+        env.progress();
+        if ch.wait(Some(Duration::from_millis(5)))? {
+            break;
+        }
+        ensure!(
+            t.elapsed() < TIMEOUT,
+            "the solicited completion fired no event"
+        );
+    }
+    let w = env.wait(&scq, 1)?;
+    check_ok(&w[0], 2, WcOpcode::Recv)?;
+    env.wait(&ccq, 2)?;
     Ok(())
 }
 

@@ -72,6 +72,7 @@ cases!(
     cm_accept_private_data,
     cm_ird_ord_negotiated,
     cq_channel_blocking_wait,
+    cq_arm_solicited_only,
     prot_write_wrong_key,
     prot_read_wrong_key,
     prot_write_other_pd_key,

@@ -788,7 +788,8 @@ impl QpCore {
                 let mut c = wc(w.wr_id, w.status, w.opcode, self.p.qpn);
                 c.byte_len = w.byte_len;
                 c.vendor_err = w.vendor_err;
-                self.p.scq.push(c, true);
+                // Send-side successes never satisfy a solicited-only arm; errors do.
+                self.p.scq.push(c, false);
             }
         }
     }
