@@ -212,7 +212,7 @@ impl<'a> Env<'a> {
     /// Wait for exactly `n` completions on `cq`.
     fn wait(&self, cq: &Cq, n: usize) -> std::result::Result<Vec<Wc>, String> {
         let mut out = Vec::with_capacity(n);
-        let mut buf = [empty_wc(); 32];
+        let mut buf = [blank_wc(); 32];
         let t = Instant::now();
         let mut idle = 0u32;
         while out.len() < n {
@@ -244,7 +244,7 @@ impl<'a> Env<'a> {
     /// Poll for `d`, expecting no completion.
     fn quiet(&self, cq: &Cq, d: Duration) -> std::result::Result<(), String> {
         let t = Instant::now();
-        let mut buf = [empty_wc(); 4];
+        let mut buf = [blank_wc(); 4];
         while t.elapsed() < d {
             let k = cq.poll(&mut buf).map_err(|e| format!("poll: {e}"))?;
             if k > 0 {
@@ -363,7 +363,8 @@ struct Conn {
     c: End,
 }
 
-fn empty_wc() -> Wc {
+/// A placeholder completion for poll buffers.
+pub fn blank_wc() -> Wc {
     Wc {
         wr_id: 0,
         status: WcStatus::GeneralErr,
@@ -408,6 +409,25 @@ fn cmp(what: &str, got: &[u8], want: &[u8]) -> std::result::Result<(), String> {
             want[i]
         )),
     }
+}
+
+/// `data` at `off` of `mr`, with `GUARD` bytes of 0xEE before (if `off`
+/// leaves room) and after it.
+fn guarded(mr: &Mr, off: usize, data: &[u8]) -> std::result::Result<(), String> {
+    let size = data.len();
+    cmp(&format!("size {size} data"), &read_mr(mr, off, size), data)?;
+    if off >= GUARD {
+        cmp(
+            &format!("size {size} low guard"),
+            &read_mr(mr, off - GUARD, GUARD),
+            &[0xEE; GUARD],
+        )?;
+    }
+    cmp(
+        &format!("size {size} high guard"),
+        &read_mr(mr, off + size, GUARD),
+        &[0xEE; GUARD],
+    )
 }
 
 fn check_ok(w: &Wc, wr_id: u64, op: WcOpcode) -> std::result::Result<(), String> {
@@ -459,12 +479,7 @@ fn case_send_sizes(env: &Env<'_>) -> R {
             "size {size}: byte_len {}",
             r[0].byte_len
         );
-        cmp(&format!("size {size} data"), &read_mr(&smr, 0, size), &data)?;
-        cmp(
-            &format!("size {size} guard"),
-            &read_mr(&smr, size, GUARD),
-            &[0xEE; GUARD],
-        )?;
+        guarded(&smr, 0, &data)?;
     }
     Ok(())
 }
@@ -528,12 +543,7 @@ fn case_send_inv_sizes(env: &Env<'_>) -> R {
             "size {size}: invalidated_rkey {:?}, want {key:#x}",
             r[0].invalidated_rkey
         );
-        cmp(&format!("size {size} data"), &read_mr(&smr, 0, size), &data)?;
-        cmp(
-            &format!("size {size} guard"),
-            &read_mr(&smr, size, GUARD),
-            &[0xEE; GUARD],
-        )?;
+        guarded(&smr, 0, &data)?;
     }
     Ok(())
 }
@@ -572,21 +582,7 @@ fn case_write_sizes(env: &Env<'_>) -> R {
         let w = env.wait(&c.c.cq, 1)?;
         check_ok(&w[0], i as u64, WcOpcode::RdmaWrite).map_err(|e| format!("size {size}: {e}"))?;
         sync_send(env, &c, 1000 + i as u64)?;
-        cmp(
-            &format!("size {size} data"),
-            &read_mr(&smr, GUARD, size),
-            &data,
-        )?;
-        cmp(
-            &format!("size {size} low guard"),
-            &read_mr(&smr, 0, GUARD),
-            &[0xEE; GUARD],
-        )?;
-        cmp(
-            &format!("size {size} high guard"),
-            &read_mr(&smr, GUARD + size, GUARD),
-            &[0xEE; GUARD],
-        )?;
+        guarded(&smr, GUARD, &data)?;
     }
     Ok(())
 }
@@ -611,21 +607,7 @@ fn case_read_sizes(env: &Env<'_>) -> R {
         )])?;
         let w = env.wait(&c.c.cq, 1)?;
         check_ok(&w[0], i as u64, WcOpcode::RdmaRead).map_err(|e| format!("size {size}: {e}"))?;
-        cmp(
-            &format!("size {size} data"),
-            &read_mr(&cmr, GUARD, size),
-            &data,
-        )?;
-        cmp(
-            &format!("size {size} low guard"),
-            &read_mr(&cmr, 0, GUARD),
-            &[0xEE; GUARD],
-        )?;
-        cmp(
-            &format!("size {size} high guard"),
-            &read_mr(&cmr, GUARD + size, GUARD),
-            &[0xEE; GUARD],
-        )?;
+        guarded(&cmr, GUARD, &data)?;
     }
     Ok(())
 }
@@ -904,7 +886,7 @@ fn case_flush_set_error(env: &Env<'_>) -> R {
     // answered unsignalled one completes nothing) + 2 late posts.
     let mut got = env.wait(&c.c.cq, 10)?;
     let t = Instant::now();
-    let mut buf = [empty_wc(); 8];
+    let mut buf = [blank_wc(); 8];
     while t.elapsed() < Duration::from_millis(200) {
         let k = c.c.cq.poll(&mut buf).map_err(|e| e.to_string())?;
         got.extend_from_slice(&buf[..k]);
@@ -1143,7 +1125,7 @@ fn case_channel_wait(env: &Env<'_>) -> R {
     // (driving its own context meanwhile).
     let got = std::thread::scope(|sc| {
         let h = sc.spawn(|| {
-            let mut out = [empty_wc(); 4];
+            let mut out = [blank_wc(); 4];
             scq.wait(&ch, &mut out, Some(TIMEOUT))
                 .map(|n| out[..n].to_vec())
         });
@@ -1152,7 +1134,7 @@ fn case_channel_wait(env: &Env<'_>) -> R {
         let t = Instant::now();
         while !h.is_finished() && t.elapsed() < TIMEOUT {
             let _ = env.client.progress();
-            let mut b = [empty_wc(); 4];
+            let mut b = [blank_wc(); 4];
             let _ = ccq.poll(&mut b);
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -1843,7 +1825,7 @@ fn case_flow_control(env: &Env<'_>) -> R {
         "receiver QP torn down: {:?}",
         c.s.qp.state()
     );
-    let mut buf = [empty_wc(); 4];
+    let mut buf = [blank_wc(); 4];
     ensure!(
         c.s.cq.poll(&mut buf)? == 0,
         "receiver completed something with no receive posted"

@@ -147,16 +147,7 @@ fn connect(s: &Context, c: &Context) -> Conn {
 
 fn wait(ctxs: &[&Context], cq: &Cq, n: usize) -> Vec<Wc> {
     let mut v = Vec::new();
-    let mut b = [Wc {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-    }; 32];
+    let mut b = [lwio_rdma::conformance::blank_wc(); 32];
     let t = std::time::Instant::now();
     while v.len() < n {
         let k = cq.poll(&mut b[..(n - v.len()).min(32)]).unwrap();

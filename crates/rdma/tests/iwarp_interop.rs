@@ -46,16 +46,7 @@ fn res(c: &Context) -> Res {
 fn wait(cq: &Cq, n: usize) -> Vec<Wc> {
     let mut v = Vec::new();
     let t = Instant::now();
-    let mut b = [Wc {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-    }; 8];
+    let mut b = [lwio_rdma::conformance::blank_wc(); 8];
     while v.len() < n {
         let k = cq.poll(&mut b).unwrap();
         v.extend_from_slice(&b[..k]);

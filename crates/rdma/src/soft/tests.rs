@@ -95,16 +95,7 @@ fn side(ctx: &Arc<CtxShared>, qpn: u32, crc: bool, max_payload: usize) -> Side {
 fn drain(cq: &Arc<CqShared>) -> Vec<Wc> {
     let c = SoftCq(cq.clone());
     let mut out = Vec::new();
-    let mut buf = [Wc {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-    }; 64];
+    let mut buf = [crate::conformance::blank_wc(); 64];
     loop {
         let n = c.poll(&mut buf).expect("poll");
         if n == 0 {
