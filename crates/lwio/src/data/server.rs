@@ -437,8 +437,14 @@ impl StoragePool {
                         Err(_) => return,
                     };
                     let res = run_job(&*backend, &job);
-                    let _ = job.reply.send((job.op, res));
-                    job.waker.wake();
+                    // Drop the job (its Arc of the read buffer) before the
+                    // reply: the connection thread takes the buffer back
+                    // with Arc::try_unwrap, and a clone still alive here
+                    // made that fail and leak the registered-memory budget.
+                    let (op, reply, waker) = (job.op, job.reply.clone(), job.waker.clone());
+                    drop(job);
+                    let _ = reply.send((op, res));
+                    waker.wake();
                 });
             if let Err(e) = r {
                 warn!(error = %e, "cannot start a storage thread");
