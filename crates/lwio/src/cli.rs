@@ -210,6 +210,10 @@ pub struct ServeArgs {
     /// Write the bound address to FILE once listening.
     #[arg(long, value_name = "FILE")]
     pub ready_file: Option<PathBuf>,
+    /// RDMA listen address (default: the side channel's host, port + 1;
+    /// port 0 picks a free port).
+    #[arg(long, value_name = "ADDR")]
+    pub rdma_listen: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -386,19 +390,13 @@ pub fn run(cli: Cli) -> CliResult {
             connect(&a.url, &a.client)?.mkdir(&export, &a.url.path, 0o755, a.parents)?;
             Ok(())
         }
-        Command::Cat(_) => data_path_missing("lwio cat"),
-        Command::Cp(_) => data_path_missing("lwio cp"),
-        Command::Bench(_) => data_path_missing("lwio bench"),
+        Command::Cat(a) => crate::cmd::cat::run(a),
+        Command::Cp(a) => crate::cmd::cp::run(a),
+        Command::Bench(a) => crate::cmd::bench::run(a),
         Command::Devices => devices(),
-        Command::RdmaBench(_) => anyhow::bail!(
-            "lwio rdma-bench is not available in this build (it needs lwio_rdma::perf, not yet in this build)"
-        ),
+        Command::RdmaBench(a) => crate::cmd::rdma_bench::run(a),
         Command::HashPassword(a) => hash_password(a),
     }
-}
-
-fn data_path_missing(what: &str) -> CliResult {
-    anyhow::bail!("{what} requires the LWIO data path, not yet in this build")
 }
 
 /// The first line of a secret read from a file or stdin.
@@ -836,17 +834,13 @@ fn serve(a: ServeArgs) -> CliResult {
     };
     let fingerprint = tls.as_ref().map(|t| t.fingerprint.clone());
     let security = Security::from_config(&c, tls)?;
-    tracing::info!(
-        provider = c.provider.as_str(),
-        "RDMA provider choice (RDMA phase not yet in this build)"
-    );
     let opts = ServerOptions::from_config(&c, token);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(|e| anyhow::anyhow!("tokio runtime: {e}"))?;
     rt.block_on(async move {
-        let server = Server::bind_secure(opts, security).await?;
+        let mut server = Server::bind_secure(opts, security).await?;
         let addr = server.local_addr()?.to_string();
         {
             let mut out = std::io::stdout().lock();
@@ -856,6 +850,7 @@ fn serve(a: ServeArgs) -> CliResult {
             writeln!(out, "lwio: listening on {addr}")?;
             out.flush()?;
         }
+        crate::cmd::serve::attach_rdma(&mut server, &c, a.rdma_listen.as_deref())?;
         if let Some(p) = &a.ready_file {
             write_ready_file(p, &addr)?;
         }

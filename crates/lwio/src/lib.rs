@@ -15,6 +15,7 @@
 
 pub mod cli;
 pub mod client;
+pub mod cmd;
 pub mod config;
 pub mod data;
 pub mod error;

@@ -303,7 +303,6 @@ impl Client {
     /// Connect to `target` (`lwio://HOST[:PORT][/EXPORT]` or `HOST[:PORT]`)
     /// with a token (None = anonymous).
     pub fn connect(target: &str, token: Option<&str>, opts: ClientOptions) -> Result<Client> {
-        let (authority, host, export) = parse_target(target)?;
         let login = match token {
             Some(t) => Login::Token(
                 Token::new(t).map_err(|e| Error::InvalidArgument(format!("token: {e}")))?,
@@ -313,7 +312,18 @@ impl Client {
         let mut so = crate::side::ClientOptions::new(login);
         so.client_name = opts.client_name.clone();
         so.connect_timeout = opts.connect_timeout;
-        let mut side = crate::side::Client::connect(&authority, &so)?;
+        Client::connect_with(target, &so, opts)
+    }
+
+    /// [`Client::connect`] with full side-channel options (any login, TLS):
+    /// what the `lwio` CLI uses.
+    pub fn connect_with(
+        target: &str,
+        so: &crate::side::ClientOptions,
+        opts: ClientOptions,
+    ) -> Result<Client> {
+        let (authority, host, export) = parse_target(target)?;
+        let mut side = crate::side::Client::connect(&authority, so)?;
         let session = side.session().clone();
         let side_ip: Option<IpAddr> = (authority.as_str(), 0)
             .to_socket_addrs()

@@ -1,0 +1,118 @@
+//! `lwio serve`: the RDMA phase next to the side channel.
+//!
+//! The RDMA listener binds to `--rdma-listen ADDR` when given, otherwise to
+//! the side channel's address with port + 1 (7421 next to the default 7420;
+//! port 0 stays 0, i.e. an ephemeral port). Clients learn the address from
+//! the negotiate response, so only the side-channel address needs
+//! publishing. SIGINT/SIGTERM trigger the shared shutdown: the RDMA phase
+//! stops accepting, lets in-flight I/O finish (up to
+//! `limits.shutdown_grace`) and closes the connections.
+
+use std::io::Write;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+
+use crate::config::{Config, ProviderChoice};
+use crate::data::server::{RdmaServer, RdmaServerOptions};
+use crate::server::{RdmaPhase, Server};
+
+/// The RDMA listen address: `explicit` if given, else the side channel's
+/// bound IP with the configured side-channel port + 1 (0 stays 0).
+pub fn rdma_listen_addr(
+    explicit: Option<&str>,
+    side_config: &str,
+    side_bound: SocketAddr,
+) -> anyhow::Result<SocketAddr> {
+    if let Some(s) = explicit {
+        return s
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                anyhow::anyhow!("invalid RDMA listen address {s:?} (expected HOST:PORT)")
+            });
+    }
+    let port: u16 = side_config
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .unwrap_or(side_bound.port());
+    let port = match port {
+        0 => 0,
+        65535 => anyhow::bail!(
+            "side-channel port 65535 leaves no port for RDMA: give --rdma-listen HOST:PORT"
+        ),
+        p => p + 1,
+    };
+    Ok(SocketAddr::new(side_bound.ip(), port))
+}
+
+/// Bind the RDMA listener for `c` and attach it to `server`; prints
+/// `lwio: RDMA listening on ADDR (provider P)` on stdout.
+pub fn attach_rdma(
+    server: &mut Server,
+    c: &Config,
+    rdma_listen: Option<&str>,
+) -> anyhow::Result<()> {
+    let side = server.local_addr()?;
+    let listen = rdma_listen_addr(rdma_listen, &c.listen, side)?;
+    let opts = RdmaServerOptions {
+        provider: c.provider,
+        listen,
+        shutdown_grace: c.limits.shutdown_grace,
+        ..RdmaServerOptions::default()
+    };
+    let phase = RdmaServer::bind(opts).map_err(|e| bind_error(c.provider, listen, e))?;
+    let addr = phase.local_addr();
+    let provider = phase
+        .endpoints()
+        .first()
+        .map_or_else(|| "?".to_string(), |e| e.name.clone());
+    tracing::info!(%addr, "RDMA phase ready");
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "lwio: RDMA listening on {addr} (provider {provider})")?;
+        out.flush()?;
+    }
+    server.set_rdma_phase(Arc::new(phase));
+    Ok(())
+}
+
+fn bind_error(choice: ProviderChoice, listen: SocketAddr, e: lwio_rdma::Error) -> anyhow::Error {
+    use lwio_rdma::Error as E;
+    match e {
+        E::ProviderUnavailable(m) | E::NoSuchDevice(m) => anyhow::anyhow!(
+            "no usable RDMA provider for --provider {}: {m} (try --provider soft; `lwio devices` lists what this host has)",
+            choice.as_str()
+        ),
+        E::Io(io) => anyhow::anyhow!("cannot listen for RDMA on {listen}: {io}"),
+        other => anyhow::anyhow!(
+            "RDMA listener ({}, {listen}): {other}",
+            choice.as_str()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_rdma_port() {
+        let bound: SocketAddr = "0.0.0.0:7420".parse().unwrap();
+        assert_eq!(
+            rdma_listen_addr(None, "0.0.0.0:7420", bound).unwrap(),
+            "0.0.0.0:7421".parse().unwrap()
+        );
+        let bound: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+        assert_eq!(
+            rdma_listen_addr(None, "127.0.0.1:0", bound).unwrap(),
+            "127.0.0.1:0".parse().unwrap()
+        );
+        assert_eq!(
+            rdma_listen_addr(Some("127.0.0.1:9000"), "127.0.0.1:0", bound).unwrap(),
+            "127.0.0.1:9000".parse().unwrap()
+        );
+        assert!(rdma_listen_addr(Some("nonsense"), "x", bound).is_err());
+        assert!(rdma_listen_addr(None, "[::]:65535", bound).is_err());
+    }
+}
