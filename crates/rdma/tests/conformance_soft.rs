@@ -346,3 +346,27 @@ fn soft_listener_not_blocked_by_silent_clients() {
         t.elapsed()
     );
 }
+
+#[test]
+fn soft_rejects_objects_of_another_context() {
+    let (a, b) = (open(Progress::Manual, false), open(Progress::Manual, false));
+    let ch = b.create_comp_channel().unwrap();
+    assert!(matches!(
+        a.create_cq(8, Some(&ch)),
+        Err(Error::InvalidArgument(_))
+    ));
+    let init = QpInit {
+        pd: a.alloc_pd().unwrap(),
+        send_cq: b.create_cq(8, None).unwrap(),
+        recv_cq: a.create_cq(8, None).unwrap(),
+        cap: QpCap::default(),
+        sq_sig_all: false,
+    };
+    // Refused before any connection attempt (nothing listens there).
+    let r = a.connect(
+        "127.0.0.1:9".parse().unwrap(),
+        &init,
+        &ConnParams::default(),
+    );
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{:?}", r.err());
+}

@@ -113,7 +113,7 @@ pub(crate) fn connect(
     params: &ConnParams,
 ) -> Result<Arc<dyn QpOps>> {
     check_pd(params)?;
-    check_init(init)?;
+    check_init(&ctx, init)?;
     let to = ctx.config.connect_timeout;
     let mut s = TcpStream::connect_timeout(&addr, to).map_err(|e| match e.kind() {
         std::io::ErrorKind::TimedOut => Error::Timeout(format!("connect {addr}: {e}")),
@@ -381,7 +381,7 @@ impl ConnRequestOps for SoftConnRequest {
 
     fn accept(self: Box<Self>, init: &QpInit, params: &ConnParams) -> Result<Arc<dyn QpOps>> {
         check_pd(params)?;
-        check_init(init)?;
+        check_init(&self.ctx, init)?;
         let mut me = *self;
         let n =
             me.h.accept(

@@ -45,6 +45,11 @@ impl CqShared {
         }
     }
 
+    /// The context this CQ belongs to.
+    pub fn ctx(&self) -> &Arc<CtxShared> {
+        &self.ctx
+    }
+
     /// Push a completion; `solicited` marks receives of solicited messages
     /// (errors always count as solicited).
     pub fn push(&self, wc: Wc, solicited: bool) {
@@ -139,6 +144,11 @@ impl ChanShared {
             None
         };
         Ok(ChanShared { efd, epfd, ctx })
+    }
+
+    /// The context this channel belongs to.
+    pub fn ctx(&self) -> &Arc<CtxShared> {
+        &self.ctx
     }
 
     pub fn notify(&self) {

@@ -428,6 +428,14 @@ impl ContextOps for SoftContext {
                     .clone(),
             ),
         };
+        if chan
+            .as_ref()
+            .is_some_and(|c| !Arc::ptr_eq(c.ctx(), &self.sh))
+        {
+            return Err(Error::InvalidArgument(
+                "completion channel of another context".into(),
+            ));
+        }
         if depth == 0 || depth > caps().max_cqe {
             return Err(Error::InvalidArgument(format!("CQ depth {depth}")));
         }
@@ -474,7 +482,7 @@ fn soft_cq(cq: &Cq) -> Result<Arc<CqShared>> {
         .clone())
 }
 
-pub(crate) fn check_init(init: &QpInit) -> Result<()> {
+pub(crate) fn check_init(ctx: &Arc<CtxShared>, init: &QpInit) -> Result<()> {
     let c = caps();
     let cap = &init.cap;
     if cap.max_send_wr == 0
@@ -492,8 +500,18 @@ pub(crate) fn check_init(init: &QpInit) -> Result<()> {
         .as_any()
         .downcast_ref::<SoftPd>()
         .ok_or_else(|| Error::InvalidArgument("PD of another provider".into()))?;
-    soft_cq(&init.send_cq)?;
-    soft_cq(&init.recv_cq)?;
+    for cq in [&init.send_cq, &init.recv_cq] {
+        if !Arc::ptr_eq(soft_cq(cq)?.ctx(), ctx) {
+            return Err(Error::InvalidArgument("CQ of another context".into()));
+        }
+    }
+    let pd = (*init.pd.0)
+        .as_any()
+        .downcast_ref::<SoftPd>()
+        .ok_or_else(|| Error::InvalidArgument("PD of another provider".into()))?;
+    if !Arc::ptr_eq(&pd.table, &ctx.table) {
+        return Err(Error::InvalidArgument("PD of another context".into()));
+    }
     Ok(())
 }
 
@@ -523,13 +541,17 @@ pub(crate) fn create_qp(
             .saturating_sub(2 + 4 + wire::UNTAGGED_HDR)
     }
     .clamp(64, 0xffff - wire::UNTAGGED_HDR - wire::READ_REQ_LEN);
+    let (scq, rcq) = (soft_cq(&init.send_cq)?, soft_cq(&init.recv_cq)?);
+    if !Arc::ptr_eq(scq.ctx(), &ctx) || !Arc::ptr_eq(rcq.ctx(), &ctx) {
+        return Err(Error::InvalidArgument("CQ of another context".into()));
+    }
     let qpn = ctx.next_qpn.fetch_add(1, Ordering::Relaxed);
     let params = QpParams {
         qpn,
         pd: pd.id,
         table: ctx.table.clone(),
-        scq: soft_cq(&init.send_cq)?,
-        rcq: soft_cq(&init.recv_cq)?,
+        scq,
+        rcq,
         cap: init.cap,
         sq_sig_all: init.sq_sig_all,
         crc: est.crc,
