@@ -751,9 +751,10 @@ fn test_no_listener(ctx: &Context, ip: IpAddr) -> R<()> {
     }
 }
 
-/// Receives posted with `accept_with_recvs` / `connect_with_recvs` catch a
-/// Send that the peer posts the moment its connect/accept returns (on iWARP
-/// a Send that finds no receive kills the connection).
+/// Receives posted with `accept_with_recvs` / `connect_with_recvs`: the
+/// client sends the moment its connect returns, which the server's receive
+/// must catch (on iWARP a Send that finds no receive kills the connection);
+/// the server's reply lands in the client's pre-posted receive.
 fn test_prepost(ctx: &Context, ip: IpAddr) -> R<()> {
     let addr = next_addr(ip);
     let listener = ctx.listen(addr, 8).map_err(e("listen"))?;
@@ -776,28 +777,22 @@ fn test_prepost(ctx: &Context, ip: IpAddr) -> R<()> {
                 }],
             )
             .map_err(e("accept_with_recvs"))?;
-        // send at once: the client pre-posted its receive
-        mr.write_at(64, b"server-first").map_err(e("write_at"))?;
-        qp.post_send(&[SendWr::new(102, SendOp::Send, &[mr.sge(64, 12)])])
-            .map_err(e("post_send"))?;
-        let mut got = Vec::new();
-        while got.len() < 2 {
-            got.push(wait_one(&cq, None, 10)?);
+        // The client's Send must find the receive posted above. (The server
+        // answers only then: MPA forbids the responder to send before the
+        // initiator's first FPDU unless peer-to-peer mode is negotiated.)
+        let recv = wait_one(&cq, None, 10)?;
+        if !recv.is_ok() || recv.wr_id != 101 {
+            return Err(format!("server completion {recv:?}"));
         }
-        for wc in &got {
-            if !wc.is_ok() {
-                return Err(format!("server completion {wc:?}"));
-            }
-        }
-        let recv = got
-            .iter()
-            .find(|w| w.wr_id == 101)
-            .ok_or("no receive completion")?;
         let mut b = vec![0u8; recv.byte_len as usize];
         mr.read_at(0, &mut b).map_err(e("read_at"))?;
         if b != b"client-first" {
             return Err(format!("server received {b:?}"));
         }
+        mr.write_at(64, b"server-reply").map_err(e("write_at"))?;
+        qp.post_send(&[SendWr::new(102, SendOp::Send, &[mr.sge(64, 12)])])
+            .map_err(e("post_send"))?;
+        expect_ok(wait_one(&cq, None, 10)?, WcOpcode::Send, 102)?;
         thread::sleep(Duration::from_millis(200));
         Ok(())
     });
@@ -834,7 +829,7 @@ fn test_prepost(ctx: &Context, ip: IpAddr) -> R<()> {
         .ok_or("no receive completion")?;
     let mut b = vec![0u8; recv.byte_len as usize];
     mr.read_at(0, &mut b).map_err(e("read_at"))?;
-    if b != b"server-first" {
+    if b != b"server-reply" {
         return Err(format!("client received {b:?}"));
     }
     Ok(())

@@ -1087,14 +1087,13 @@ impl QpCore {
     fn post_send_raw(
         &self,
         wrs: &mut [ibv_send_wr],
-        recs: Vec<(u64, WcOpcode, u32)>,
+        recs: &[(u64, WcOpcode, u32)],
     ) -> Result<(), PostError> {
         if self.is_error() {
             // Some devices (rxe on Linux 6.1) accept posts in the error state
             // but never complete them: complete them here as flushed.
-            for (wr_id, op, _) in recs {
-                self.send_cq.push_synthetic(self.flush_wc(wr_id, op));
-            }
+            self.send_cq
+                .push_synthetic_all(recs.iter().map(|&(wr_id, op, _)| self.flush_wc(wr_id, op)));
             return Ok(());
         }
         let mut t = lock(&self.sq);
@@ -1142,9 +1141,11 @@ impl QpCore {
         if self.is_error() || self.disconnected.load(Ordering::Acquire) {
             // The device refuses posts in the error state: complete them as
             // flushed, as the API promises.
-            for (wr_id, op, _) in recs.into_iter().skip(posted) {
-                self.send_cq.push_synthetic(self.flush_wc(wr_id, op));
-            }
+            self.send_cq.push_synthetic_all(
+                recs.iter()
+                    .skip(posted)
+                    .map(|&(wr_id, op, _)| self.flush_wc(wr_id, op)),
+            );
             return Ok(());
         }
         Err(PostError {
@@ -1195,12 +1196,44 @@ impl Drop for QpCore {
 
 struct VerbsQp(Arc<QpCore>);
 
-fn to_ibv_sges(sg: &[Sge], out: &mut Vec<ibv_sge>) {
-    out.extend(sg.iter().map(|s| ibv_sge {
-        addr: s.addr,
-        length: s.length,
-        lkey: s.lkey,
-    }));
+const EMPTY_SGE: ibv_sge = ibv_sge {
+    addr: 0,
+    length: 0,
+    lkey: 0,
+};
+
+fn fill_sges(out: &mut [ibv_sge], sg: &[Sge]) {
+    for (o, s) in out.iter_mut().zip(sg) {
+        *o = ibv_sge {
+            addr: s.addr,
+            length: s.length,
+            lkey: s.lkey,
+        };
+    }
+}
+
+/// Scratch space for building a post: on the stack for up to `N` entries
+/// (the common case), on the heap beyond. Pointers into it stay valid as long
+/// as the scratch is not moved.
+enum Scratch<T: Copy, const N: usize> {
+    Stack([T; N]),
+    Heap(Vec<T>),
+}
+
+impl<T: Copy, const N: usize> Scratch<T, N> {
+    fn new(len: usize, fill: T) -> Self {
+        if len <= N {
+            Scratch::Stack([fill; N])
+        } else {
+            Scratch::Heap(vec![fill; len])
+        }
+    }
+    fn slice(&mut self, len: usize) -> &mut [T] {
+        match self {
+            Scratch::Stack(a) => &mut a[..len],
+            Scratch::Heap(v) => &mut v[..len],
+        }
+    }
 }
 
 fn blank_send_wr() -> ibv_send_wr {
@@ -1299,21 +1332,23 @@ impl QpOps for VerbsQp {
             return Ok(());
         }
         let total: usize = wrs.iter().map(|w| w.sg_list.len()).sum();
-        let mut sges: Vec<ibv_sge> = Vec::with_capacity(total);
-        for w in wrs {
-            to_ibv_sges(w.sg_list, &mut sges);
-        }
-        let mut out: Vec<ibv_send_wr> = Vec::with_capacity(wrs.len());
-        let mut recs = Vec::with_capacity(wrs.len());
+        // Small lists (the common case) are built on the stack.
+        let mut sge_buf: Scratch<ibv_sge, 8> = Scratch::new(total, EMPTY_SGE);
+        let sges = sge_buf.slice(total);
+        let mut wr_buf: Scratch<ibv_send_wr, 4> = Scratch::new(wrs.len(), blank_send_wr());
+        let out = wr_buf.slice(wrs.len());
+        let mut rec_buf: Scratch<(u64, WcOpcode, u32), 4> =
+            Scratch::new(wrs.len(), (0, WcOpcode::Send, 0));
+        let recs = rec_buf.slice(wrs.len());
         let mut at = 0usize;
         for (i, w) in wrs.iter().enumerate() {
-            let mut r = blank_send_wr();
+            let r = &mut out[i];
+            fill_sges(&mut sges[at..at + w.sg_list.len()], w.sg_list);
             r.num_sge = w.sg_list.len() as i32;
             r.sg_list = if w.sg_list.is_empty() {
                 ptr::null_mut()
             } else {
-                // `sges` is never reallocated after this point (capacity
-                // reserved above), so the pointer stays valid.
+                // `sges` stays where it is (no reallocation) until the post.
                 sges[at..].as_mut_ptr()
             };
             at += w.sg_list.len();
@@ -1386,10 +1421,9 @@ impl QpOps for VerbsQp {
                     WcOpcode::RdmaRead
                 }
             };
-            out.push(r);
-            recs.push((w.wr_id, op, len));
+            recs[i] = (w.wr_id, op, len);
         }
-        q.post_send_raw(&mut out, recs)
+        q.post_send_raw(out, recs)
     }
 
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
@@ -1406,38 +1440,40 @@ impl QpOps for VerbsQp {
             return Ok(());
         }
         let total: usize = wrs.iter().map(|w| w.sg_list.len()).sum();
-        let mut sges: Vec<ibv_sge> = Vec::with_capacity(total);
-        for w in wrs {
-            to_ibv_sges(w.sg_list, &mut sges);
-        }
+        let mut sge_buf: Scratch<ibv_sge, 8> = Scratch::new(total, EMPTY_SGE);
+        let sges = sge_buf.slice(total);
+        let blank = ibv_recv_wr {
+            wr_id: 0,
+            next: ptr::null_mut(),
+            sg_list: ptr::null_mut(),
+            num_sge: 0,
+        };
+        let mut wr_buf: Scratch<ibv_recv_wr, 8> = Scratch::new(wrs.len(), blank);
+        let out = wr_buf.slice(wrs.len());
         let mut t = lock(&q.rq);
         let base = t.next;
         // siw refuses receives without SGEs: give those one empty SGE (never
         // dereferenced: a zero-length SGE places no data and checks no key).
-        let mut empty = ibv_sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        };
+        let mut empty = EMPTY_SGE;
         let empty_sge: *mut ibv_sge = if q.ctx.iwarp {
             &mut empty
         } else {
             ptr::null_mut()
         };
-        let mut out: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
         let mut at = 0usize;
         for (i, w) in wrs.iter().enumerate() {
+            fill_sges(&mut sges[at..at + w.sg_list.len()], w.sg_list);
             let (sg_list, num_sge) = if w.sg_list.is_empty() {
                 (empty_sge, (!empty_sge.is_null()) as i32)
             } else {
                 (sges[at..].as_mut_ptr(), w.sg_list.len() as i32)
             };
-            out.push(ibv_recv_wr {
+            out[i] = ibv_recv_wr {
                 wr_id: (base + i as u64) | RECV_BIT,
                 next: ptr::null_mut(),
                 sg_list,
                 num_sge,
-            });
+            };
             at += w.sg_list.len();
         }
         let n = out.len();
@@ -1448,9 +1484,9 @@ impl QpOps for VerbsQp {
         let mut bad: *mut ibv_recv_wr = ptr::null_mut();
         // SAFETY: the inline ibv_post_recv: the provider's post_recv on our
         // live QP with a NULL-terminated list in `out`; the SGE arrays in
-        // `sges` (and `empty`, on this frame) outlive the call (receive WQEs are copied at post time; the
-        // buffers they describe are registered memory that the consumer
-        // keeps alive per the API contract).
+        // `sges` and `empty` (both on this frame, not moved) outlive the call
+        // (receive WQEs are copied at post time; the buffers they describe
+        // are registered memory the consumer keeps alive per the API contract).
         let r = unsafe { (q.ctx.ops.post_recv)(q.qp, out.as_mut_ptr(), &mut bad) };
         let posted = if r == 0 {
             n
@@ -1525,7 +1561,7 @@ impl QpOps for VerbsQp {
                 };
                 q.post_send_raw(
                     std::slice::from_mut(&mut r),
-                    vec![(wr_id, WcOpcode::BindMw, 0)],
+                    &[(wr_id, WcOpcode::BindMw, 0)],
                 )
                 .map_err(|e| e.error)?;
                 w.rkey.store(new, Ordering::Release);
@@ -1586,7 +1622,7 @@ impl QpOps for VerbsQp {
             return q
                 .post_send_raw(
                     std::slice::from_mut(&mut r),
-                    vec![(wr_id, WcOpcode::LocalInv, 0)],
+                    &[(wr_id, WcOpcode::LocalInv, 0)],
                 )
                 .map_err(|e| e.error);
         }

@@ -400,6 +400,7 @@ pub struct ibv_sge {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct ibv_mw_bind_info {
     pub mr: *mut ibv_mr,
     pub addr: u64,
@@ -409,6 +410,7 @@ pub struct ibv_mw_bind_info {
 
 /// The `bind_mw` member of the last union of `struct ibv_send_wr`.
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct ibv_send_wr_bind_mw {
     pub mw: *mut ibv_mw,
     pub rkey: u32,
@@ -420,6 +422,7 @@ pub struct ibv_send_wr_bind_mw {
 /// union as `xrc.remote_srqn`; the last union as `bind_mw` (its largest
 /// member, 48 bytes).
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct ibv_send_wr {
     pub wr_id: u64,
     pub next: *mut ibv_send_wr,
@@ -438,6 +441,7 @@ pub struct ibv_send_wr {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct ibv_recv_wr {
     pub wr_id: u64,
     pub next: *mut ibv_recv_wr,

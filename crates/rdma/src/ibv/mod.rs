@@ -161,6 +161,10 @@ pub(crate) struct CtxInner {
     /// completions instead of `IBV_WC_WITH_INV` (bit 3); bit 2 is
     /// `IBV_WC_IP_CSUM_OK` in libibverbs, meaningless on RC receives.
     rxe_inv_quirk: bool,
+    /// siw never raises solicited-only CQ events (Linux 6.1 passes
+    /// "signalled" instead of the receive's "solicited" flag when it decides
+    /// whether to notify): a solicited-only arm becomes a next-completion arm.
+    siw_solicited_quirk: bool,
     native_mw: bool,
     max_ird: u8,
     max_ord: u8,
@@ -237,6 +241,7 @@ impl CtxInner {
         let (info, dev) = unsafe { sys::describe(lib, found, (*found).device) };
         let iwarp = info.transport == Transport::Iwarp;
         let rxe_inv_quirk = sys::is_rxe(name, info.transport);
+        let siw_solicited_quirk = sys::is_siw(name, info.transport);
         let native_mw = info
             .caps
             .as_ref()
@@ -252,6 +257,7 @@ impl CtxInner {
             config: config.clone(),
             iwarp,
             rxe_inv_quirk,
+            siw_solicited_quirk,
             native_mw,
             max_ird: dev.max_ird,
             max_ord: dev.max_ord,
@@ -967,8 +973,10 @@ impl CqOps for VerbsCq {
                 "arming a CQ that has no completion channel".into(),
             ));
         }
+        // siw: a spurious wake-up rather than a missed one (see the field).
+        let solicited = solicited_only && !c.ctx.siw_solicited_quirk;
         // SAFETY: the inline ibv_req_notify_cq on our live CQ.
-        let r = unsafe { (c.ctx.ops.req_notify_cq)(c.cq, solicited_only as i32) };
+        let r = unsafe { (c.ctx.ops.req_notify_cq)(c.cq, solicited as i32) };
         if r != 0 {
             return Err(errno_err("ibv_req_notify_cq", r));
         }

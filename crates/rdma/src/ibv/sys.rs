@@ -189,6 +189,13 @@ pub(super) fn is_rxe(name: &str, transport: Transport) -> bool {
         && std::path::Path::new(&format!("/sys/class/infiniband/{name}/parent")).exists()
 }
 
+/// soft-iWARP: siw sets node_desc to "Software iWARP stack".
+pub(super) fn is_siw(name: &str, transport: Transport) -> bool {
+    transport == Transport::Iwarp
+        && std::fs::read_to_string(format!("/sys/class/infiniband/{name}/node_desc"))
+            .is_ok_and(|d| d.starts_with("Software iWARP stack"))
+}
+
 /// The netdevs behind an RDMA device: RoCE GID attributes, else (iWARP) the
 /// netdev whose MAC address is the device's GID 0.
 fn netdevs(dev: &str) -> BTreeSet<String> {
