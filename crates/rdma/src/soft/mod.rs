@@ -38,9 +38,11 @@
 //! registered memory; headers and small payloads come through a 64 KiB
 //! staging buffer (header fills are capped at 1 KiB so a large payload that
 //! follows is not swallowed by the stage) and are copied once. With CRC on,
-//! every byte is staged and checksummed from our own buffer, then copied
-//! once: we never form a Rust reference to registered memory, which the
-//! consumer may be reading concurrently.
+//! every received byte is staged and checksummed from our own buffer, then
+//! copied once, and every sent payload is copied once into the frame and
+//! checksummed there (otherwise `writev` sends straight from registered
+//! memory): the provider never forms a Rust reference to registered memory,
+//! which the consumer or another QP may be touching concurrently.
 //!
 //! Measured (release, loopback, 1 MiB RDMA Writes, 32 in flight, on a
 //! shared 2-core VM with load 3.5–11, so only paired runs compare): direct

@@ -180,6 +180,8 @@ struct TxFrame {
     owner: FrameOwner,
     _keep: Option<Arc<MrState>>,
     _inline: Option<Arc<[u8]>>,
+    /// CRC on: the payload copied into the frame (the pieces point here).
+    _staged: Option<Vec<u8>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -594,13 +596,21 @@ impl QpCore {
                         self.p.cap.max_inline_data
                     ))));
                 }
-                let mut v = Vec::with_capacity(total as usize);
+                let mut v: Vec<u8> = Vec::with_capacity(total as usize);
                 for s in w.sg_list {
+                    let at = v.len();
                     // SAFETY: inline data is copied at post time from the
-                    // caller's buffer, which the caller guarantees readable.
-                    v.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(s.addr as *const u8, s.length as usize)
-                    });
+                    // caller's buffer (readable by the verbs contract) by a
+                    // raw copy, without forming a reference to it; `v` has
+                    // capacity for `total` bytes and `set_len` follows.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            s.addr as *const u8,
+                            v.as_mut_ptr().add(at),
+                            s.length as usize,
+                        );
+                        v.set_len(at + s.length as usize);
+                    }
                 }
                 let a: Arc<[u8]> = v.into();
                 wqe.pieces = vec![Piece {
@@ -906,19 +916,40 @@ impl QpCore {
         let pad = wire::pad_len(ulpdu_len);
         f.trailer = [0; 8];
         if self.p.crc {
-            let mut c = crc32c::crc32c(&f.hdr[..f.hdr_len]);
+            // Copy the payload into the frame once and checksum (and send)
+            // that copy: no Rust reference to registered memory is formed,
+            // and the bytes checksummed are exactly the bytes sent even if
+            // the consumer (or another QP placing into the same region)
+            // writes the source meanwhile.
+            let total: usize = f.pieces[..f.npieces].iter().map(|p| p.len as usize).sum();
+            let mut own: Vec<u8> = Vec::with_capacity(total);
             for p in &f.pieces[..f.npieces] {
-                // SAFETY: the piece lies in a live registration (kept alive by
-                // the frame) or our inline buffer. The consumer must not modify
-                // memory of an outstanding send (verbs contract), so the only
-                // writer could be the peer through a remote-write key the
-                // consumer also granted — a consumer race on plain bytes that
-                // at worst yields a CRC mismatch at the peer.
-                let s = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
-                c = crc32c::crc32c_append(c, s);
+                let at = own.len();
+                // SAFETY: the piece lies in a live registration (kept alive
+                // by the WR/frame) or the WR's inline buffer, and `own` has
+                // capacity for it; `set_len` follows the copy, and only
+                // initialised bytes are then exposed.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        p.addr as *const u8,
+                        own.as_mut_ptr().add(at),
+                        p.len as usize,
+                    );
+                    own.set_len(at + p.len as usize);
+                }
             }
+            let mut c = crc32c::crc32c(&f.hdr[..f.hdr_len]);
+            c = crc32c::crc32c_append(c, &own);
             c = crc32c::crc32c_append(c, &f.trailer[..pad]);
             f.trailer[pad..pad + 4].copy_from_slice(&c.to_le_bytes());
+            if !own.is_empty() {
+                f.pieces[0] = Piece {
+                    addr: own.as_ptr() as u64,
+                    len: own.len() as u64,
+                };
+                f.npieces = 1;
+            }
+            f._staged = Some(own);
         }
         f.trailer_len = pad + 4;
         f.total = f.hdr_len
@@ -942,6 +973,7 @@ impl QpCore {
             owner,
             _keep: None,
             _inline: None,
+            _staged: None,
         }
     }
 
