@@ -98,6 +98,9 @@ struct St {
     done: HashMap<ReqId, (u32, NtStatus)>,
     res: HashMap<ReqId, ReqRes>,
     recv_free: Vec<u32>,
+    /// Receives posted at connect that the state machine has not asked for
+    /// yet: its next PostRecv actions are served from these first.
+    recv_prepost: u32,
     send_free: Vec<u32>,
     send_backlog: VecDeque<Vec<u8>>,
     stage_free: Vec<usize>,
@@ -204,8 +207,27 @@ impl Engine {
             },
             sq_sig_all: true,
         };
+        // Receives are posted before the connection is established: on
+        // iWARP devices a Send that finds no posted receive is fatal. The
+        // state machine asks for its receives later (PostRecv); those are
+        // served from this pre-posted surplus first (`recv_prepost`).
+        let mut recv_free: Vec<u32> = (0..nrecv as u32).rev().collect();
+        let prepost = (usize::from(cfg.credits.max(1)) + 1).min(nrecv);
+        let pre: Vec<u32> = (0..prepost).filter_map(|_| recv_free.pop()).collect();
+        let sges: Vec<[lwio_rdma::Sge; 1]> = pre
+            .iter()
+            .map(|&slot| [recv_mr.sge(slot as usize * RECV_SLOT, RECV_SLOT as u32)])
+            .collect();
+        let recvs: Vec<RecvWr<'_>> = pre
+            .iter()
+            .zip(&sges)
+            .map(|(&slot, sge)| RecvWr {
+                wr_id: wrid::RECV | u64::from(slot),
+                sg_list: sge,
+            })
+            .collect();
         let qp = ctx
-            .connect(addr, &init, &ConnParams::default())
+            .connect_with_recvs(addr, &init, &ConnParams::default(), &recvs)
             .map_err(|e| match e {
                 lwio_rdma::Error::Unreachable(m) | lwio_rdma::Error::Timeout(m) => {
                     Error::Unreachable(format!("RDMA channel to {addr} ({provider}): {m}"))
@@ -273,7 +295,8 @@ impl Engine {
             conn: ClientConn::new(ccfg),
             done: HashMap::new(),
             res: HashMap::new(),
-            recv_free: (0..nrecv as u32).rev().collect(),
+            recv_free,
+            recv_prepost: pre.len() as u32,
             send_free: (0..send_slots as u32).rev().collect(),
             send_backlog: VecDeque::new(),
             stage_free: (0..cfg.stage_slots).rev().collect(),
@@ -456,7 +479,9 @@ impl Engine {
                     st.send_backlog.push_back(bytes);
                 }
                 ClientAction::PostRecv(n) => {
-                    for _ in 0..n {
+                    let from_pre = n.min(st.recv_prepost);
+                    st.recv_prepost -= from_pre;
+                    for _ in from_pre..n {
                         let Some(slot) = st.recv_free.pop() else {
                             warn!("no free receive buffer");
                             break;

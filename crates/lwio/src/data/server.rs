@@ -630,10 +630,22 @@ impl Conn {
             },
             sq_sig_all: true,
         };
-        // Post the receives before accepting: the client's AUTH may follow
-        // the handshake immediately. (Posting needs a QP; the soft provider
-        // buffers early sends in its indicate window until then.)
-        let qp = match req.accept(&init, &ConnParams::default()) {
+        // The receives are posted on the QP before the acceptance reaches
+        // the client: its AUTH may follow the handshake at once, and on
+        // iWARP devices (siw, iWARP NICs) a Send that finds no posted
+        // receive is fatal (no RNR retry).
+        let sges: Vec<[lwio_rdma::Sge; 1]> = (0..nrecv)
+            .map(|i| [recv_mr.sge(i * recv_slot, recv_slot as u32)])
+            .collect();
+        let recvs: Vec<RecvWr<'_>> = sges
+            .iter()
+            .enumerate()
+            .map(|(i, sge)| RecvWr {
+                wr_id: wrid::RECV | i as u64,
+                sg_list: sge,
+            })
+            .collect();
+        let qp = match req.accept_with_recvs(&init, &ConnParams::default(), &recvs) {
             Ok(q) => q,
             Err(e) => {
                 shared.unregister(recv_mr);
@@ -641,14 +653,6 @@ impl Conn {
                 return Err(e);
             }
         };
-        for i in 0..nrecv {
-            let sge = [recv_mr.sge(i * recv_slot, recv_slot as u32)];
-            qp.post_recv(&[RecvWr {
-                wr_id: wrid::RECV | i as u64,
-                sg_list: &sge,
-            }])
-            .map_err(|e| e.error)?;
-        }
         let (done_tx, done_rx) = mpsc::channel();
         let (ctl_tx, ctl_rx) = mpsc::channel();
         let waker = Arc::new(Waker::new()?);
