@@ -183,6 +183,9 @@ pub struct Config {
     pub users: BTreeMap<String, UserEntry>,
     /// RDMA provider for the data path.
     pub provider: ProviderChoice,
+    /// RDMA listen address (`HOST:PORT`); default: the side channel's host
+    /// with its port + 1 (port 0 stays 0). `--rdma-listen` overrides it.
+    pub rdma_listen: Option<String>,
     /// Export name → directory.
     pub exports: BTreeMap<String, ExportEntry>,
     pub limits: Limits,
@@ -202,6 +205,7 @@ impl Default for Config {
             allow_password_without_tls: false,
             users: BTreeMap::new(),
             provider: ProviderChoice::Auto,
+            rdma_listen: None,
             exports: BTreeMap::new(),
             limits: Limits::default(),
             io: IoConfig::default(),

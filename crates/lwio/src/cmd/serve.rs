@@ -1,6 +1,7 @@
 //! `lwio serve`: the RDMA phase next to the side channel.
 //!
-//! The RDMA listener binds to `--rdma-listen ADDR` when given, otherwise to
+//! The RDMA listener binds to `--rdma-listen ADDR` (or the config file's
+//! `rdma_listen`) when given, otherwise to
 //! the side channel's address with port + 1 (7421 next to the default 7420;
 //! port 0 stays 0, i.e. an ephemeral port). Clients learn the address from
 //! the negotiate response, so only the side-channel address needs
@@ -54,7 +55,8 @@ pub fn attach_rdma(
     rdma_listen: Option<&str>,
 ) -> anyhow::Result<()> {
     let side = server.local_addr()?;
-    let listen = rdma_listen_addr(rdma_listen, &c.listen, side)?;
+    let explicit = rdma_listen.or(c.rdma_listen.as_deref());
+    let listen = rdma_listen_addr(explicit, &c.listen, side)?;
     let opts = RdmaServerOptions {
         provider: c.provider,
         listen,
@@ -114,5 +116,7 @@ mod tests {
         );
         assert!(rdma_listen_addr(Some("nonsense"), "x", bound).is_err());
         assert!(rdma_listen_addr(None, "[::]:65535", bound).is_err());
+        let c = Config::from_toml("rdma_listen = \"127.0.0.1:9000\"\n").unwrap();
+        assert_eq!(c.rdma_listen.as_deref(), Some("127.0.0.1:9000"));
     }
 }
