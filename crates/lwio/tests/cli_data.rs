@@ -396,12 +396,15 @@ fn bench_against_a_server_and_its_errors() {
         "64k",
         "--qd",
         "4",
+        "--jobs",
+        "2",
         "--size",
         "1M",
         "--runtime",
         "500ms",
     ]));
     assert!(v["write_ios"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["jobs"], 2);
     assert_eq!(
         std::fs::metadata(s.data.join("bench.dat")).unwrap().len(),
         1 << 20
