@@ -533,6 +533,24 @@ fn errors_a_person_can_act_on() {
         .stderr(one_line_error().and(predicate::str::contains(
             "no usable RDMA provider for --provider verbs",
         )));
+    // … nor for rdma-bench (this host has no RDMA device; on one that has,
+    // the peer at port 1 refuses).
+    lwio()
+        .args([
+            "rdma-bench",
+            "--op",
+            "write",
+            "--size",
+            "4k",
+            "--connect",
+            "127.0.0.1:1",
+            "--provider",
+            "verbs",
+        ])
+        .timeout(Duration::from_secs(30))
+        .assert()
+        .failure()
+        .stderr(one_line_error());
     assert!(!local.path().join("m").exists() && !local.path().join("s").exists());
     assert!(no_part_files(&s.data) && no_part_files(local.path()));
 }
