@@ -370,3 +370,76 @@ fn soft_rejects_objects_of_another_context() {
     );
     assert!(matches!(r, Err(Error::InvalidArgument(_))), "{:?}", r.err());
 }
+
+fn wait_state(ctxs: &[&Context], qp: &Qp, st: QpState) {
+    let t = std::time::Instant::now();
+    while qp.state() != st {
+        for c in ctxs {
+            c.progress().unwrap();
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "QP stuck in {:?}",
+            qp.state()
+        );
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+#[test]
+fn soft_buffered_message_too_long_for_receive() {
+    for progress in [Progress::Auto, Progress::Manual] {
+        let (s, c) = (open(progress, false), open(progress, false));
+        let k = connect(&s, &c);
+        let cmr = k.cpd.alloc_mr(1000, Access::LOCAL_WRITE).unwrap();
+        let smr = k.spd.alloc_mr(100, Access::LOCAL_WRITE).unwrap();
+        k.cqp
+            .post_send(&[SendWr::new(1, SendOp::Send, &[cmr.sge(0, 1000)])])
+            .unwrap();
+        wait(&[&s, &c], &k.ccq, 1);
+        // Let the message be buffered anonymously, then post a small receive.
+        let t = std::time::Instant::now();
+        while soft::qp_stats(&k.sqp).unwrap().anon_bytes == 0 {
+            s.progress().unwrap();
+            assert!(t.elapsed() < std::time::Duration::from_secs(10));
+        }
+        k.sqp
+            .post_recv(&[RecvWr {
+                wr_id: 5,
+                sg_list: &[smr.sge(0, 100)],
+            }])
+            .unwrap();
+        let r = wait(&[&s, &c], &k.scq, 1);
+        assert_eq!((r[0].wr_id, r[0].status), (5, WcStatus::LocLenErr), "{r:?}");
+        wait_state(&[&s, &c], &k.cqp, QpState::Error);
+        let st = soft::qp_stats(&k.cqp).unwrap();
+        assert_eq!((st.term_recv, st.last_term), (1, 0x1205), "{st:?}");
+    }
+}
+
+#[test]
+fn soft_bad_local_key_closes_the_connection() {
+    for progress in [Progress::Auto, Progress::Manual] {
+        let (s, c) = (open(progress, false), open(progress, false));
+        let k = connect(&s, &c);
+        let smr = k.spd.alloc_mr(100, Access::LOCAL_WRITE).unwrap();
+        k.sqp
+            .post_recv(&[RecvWr {
+                wr_id: 1,
+                sg_list: &[Sge {
+                    addr: smr.addr(),
+                    length: 100,
+                    lkey: smr.lkey() ^ 0x100,
+                }],
+            }])
+            .unwrap();
+        let r = wait(&[&s, &c], &k.scq, 1);
+        assert_eq!(
+            (r[0].wr_id, r[0].status),
+            (1, WcStatus::LocProtErr),
+            "{r:?}"
+        );
+        assert_eq!(k.sqp.state(), QpState::Error);
+        wait_state(&[&s, &c], &k.cqp, QpState::Error);
+    }
+}

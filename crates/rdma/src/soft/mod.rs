@@ -627,8 +627,11 @@ impl QpOps for SoftQp {
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
         let mut c = self.sh.lock();
         let r = c.post_recv(wrs);
-        if c.rx_paused() {
-            self.sh.drive_locked(&mut c, true);
+        let paused = c.rx_paused();
+        if paused || c.tx_pending() {
+            // Resume a receive side stopped by the indicate window, and send
+            // a Terminate / close that posting may have caused.
+            self.sh.drive_locked(&mut c, paused);
             if c.rx_more {
                 drop(c);
                 self.ctx.schedule(self.sh.clone());

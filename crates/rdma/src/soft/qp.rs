@@ -629,7 +629,7 @@ impl QpCore {
                         wqe.done = true;
                         wqe.status = st;
                         self.sq.push_back(wqe);
-                        self.enter_error(None);
+                        self.local_error();
                         continue;
                     }
                 }
@@ -732,7 +732,7 @@ impl QpCore {
                     self.p
                         .rcq
                         .push(wc(w.wr_id, st, WcOpcode::Recv, self.p.qpn), true);
-                    self.enter_error(None);
+                    self.local_error();
                 }
             }
         }
@@ -849,6 +849,21 @@ impl QpCore {
         self.tx_cur_irq = false;
         self.cur_send = None;
         self.tagged = None;
+    }
+
+    /// A local error (bad local key): the QP enters the error state and the
+    /// connection is closed, so the peer flushes too.
+    fn local_error(&mut self) {
+        self.enter_error(None);
+        self.rx = RxState::Discard;
+        if self.shut == Shut::None {
+            self.shut = Shut::Now;
+        }
+    }
+
+    /// Something to transmit or a close to carry out (for posting paths).
+    pub fn tx_pending(&self) -> bool {
+        self.tx.is_some() || self.term_out.is_some() || self.shut == Shut::Now
     }
 
     /// A local protocol violation by the peer: send a Terminate, enter error,
