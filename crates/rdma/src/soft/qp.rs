@@ -74,6 +74,9 @@ pub static DIRECT_PLACEMENT: std::sync::atomic::AtomicBool =
 
 /// How much a header/small read pulls into the staging buffer (CRC off).
 pub const HDR_FILL: usize = 1024;
+/// Frames, and bytes, one transmit `sendmsg` may carry.
+pub const TX_BATCH: usize = 32;
+pub const TX_BATCH_BYTES: usize = 256 * 1024;
 /// Segments one `rx_process` call handles before yielding to other QPs.
 pub const RX_BUDGET: usize = 256;
 /// Per-message accounting overhead of an anonymous buffer (so zero-length
@@ -102,6 +105,8 @@ struct SendWqe {
     sent: u64,
     started: bool,
     msn: u32,
+    /// Every segment built into a frame (the next WR may be framed).
+    built: bool,
     /// Fully transmitted (Read: request sent).
     transmitted: bool,
     done: bool,
@@ -348,8 +353,15 @@ pub struct QpCore {
     sq: VecDeque<SendWqe>,
     next_seq: u64,
     tx_idx: usize,
-    tx: Option<TxFrame>,
+    /// Frames built and not yet fully written, in stream order.
+    txq: VecDeque<TxFrame>,
+    txq_bytes: usize,
+    /// Registrations of WRs flushed while frames referencing them may still
+    /// be queued; released once the frame queue is empty.
+    graveyard: Vec<Arc<MrState>>,
     tx_cur_irq: bool,
+    /// Inbound reads (at the front of `irq`) whose responses are all framed.
+    irq_built: usize,
     msn_out: [u32; 3],
     orq: VecDeque<OrqEntry>,
     irq: VecDeque<IrqEntry>,
@@ -436,8 +448,11 @@ impl QpCore {
             sq: VecDeque::new(),
             next_seq: 0,
             tx_idx: 0,
-            tx: None,
+            txq: VecDeque::new(),
+            txq_bytes: 0,
+            graveyard: Vec::new(),
             tx_cur_irq: false,
+            irq_built: 0,
             msn_out: [1; 3],
             orq: VecDeque::new(),
             irq: VecDeque::new(),
@@ -576,6 +591,7 @@ impl QpCore {
                 sent: 0,
                 started: false,
                 msn: 0,
+                built: false,
                 transmitted: false,
                 done: false,
                 status: WcStatus::Success,
@@ -667,6 +683,7 @@ impl QpCore {
             sent: 0,
             started: true,
             msn: 0,
+            built: true,
             transmitted: true,
             done: true,
             status: WcStatus::Success,
@@ -818,7 +835,18 @@ impl QpCore {
         }
         self.state = QpState::Error;
         let mut first = first;
+        // Frames not yet started are dropped; a partly written one is
+        // finished (stream integrity for a Terminate) — keep the memory of
+        // the WRs about to be flushed alive until it is gone.
+        while self.txq.len() > 1 || self.txq.back().is_some_and(|f| f.written == 0) {
+            if let Some(f) = self.txq.pop_back() {
+                self.txq_bytes -= f.total - f.written;
+            }
+        }
         for mut w in std::mem::take(&mut self.sq) {
+            if !self.txq.is_empty() {
+                self.graveyard.append(&mut w.keep);
+            }
             if !w.done {
                 match first.take() {
                     Some((st, v)) => {
@@ -846,6 +874,7 @@ impl QpCore {
         self.stats.anon_bytes = 0;
         self.orq.clear();
         self.irq.clear();
+        self.irq_built = 0;
         self.tx_cur_irq = false;
         self.cur_send = None;
         self.tagged = None;
@@ -863,7 +892,7 @@ impl QpCore {
 
     /// Something to transmit or a close to carry out (for posting paths).
     pub fn tx_pending(&self) -> bool {
-        self.tx.is_some() || self.term_out.is_some() || self.shut == Shut::Now
+        !self.txq.is_empty() || self.term_out.is_some() || self.shut == Shut::Now
     }
 
     /// A local protocol violation by the peer: send a Terminate, enter error,
@@ -899,7 +928,7 @@ impl QpCore {
         if self.state != QpState::Closing {
             return;
         }
-        let busy = self.tx.is_some()
+        let busy = !self.txq.is_empty()
             || self.term_out.is_some()
             || !self.irq.is_empty()
             || self.sq.iter().any(|w| !w.transmitted);
@@ -917,7 +946,9 @@ impl QpCore {
     pub fn set_error(&mut self) {
         self.enter_error(None);
         self.rx = RxState::Discard;
-        self.tx = None;
+        self.txq.clear();
+        self.txq_bytes = 0;
+        self.graveyard.clear();
         self.term_out = None;
         if self.shut != Shut::Done {
             self.shut = Shut::Now;
@@ -1017,17 +1048,18 @@ impl QpCore {
         if self.state == QpState::Error {
             return None;
         }
+        let irq_ready = self.irq.len() > self.irq_built;
         let use_irq = self.tx_cur_irq
-            || (!self.irq.is_empty()
+            || (irq_ready
                 && !self
                     .sq
                     .get(self.tx_idx)
-                    .is_some_and(|w| w.started && !w.transmitted));
-        if use_irq && !self.irq.is_empty() {
+                    .is_some_and(|w| w.started && !w.built));
+        if use_irq && irq_ready {
             return Some(self.irq_frame());
         }
-        // Skip local WRs (already done).
-        while self.sq.get(self.tx_idx).is_some_and(|w| w.transmitted) {
+        // Skip WRs already framed (local WRs are framed at post time).
+        while self.sq.get(self.tx_idx).is_some_and(|w| w.built) {
             self.tx_idx += 1;
         }
         let w = self.sq.get(self.tx_idx)?;
@@ -1044,7 +1076,7 @@ impl QpCore {
 
     fn irq_frame(&mut self) -> TxFrame {
         let maxp = self.p.max_payload as u64;
-        let e = self.irq.front_mut().expect("irq non-empty");
+        let e = &mut self.irq[self.irq_built];
         let n = (e.len - e.sent).min(maxp);
         let last = e.sent + n == e.len;
         let mut f = Self::new_frame(FrameOwner::Irq { last });
@@ -1067,6 +1099,9 @@ impl QpCore {
         e.sent += n;
         e.started = true;
         self.tx_cur_irq = !last;
+        if last {
+            self.irq_built += 1;
+        }
         self.trailer_for(&mut f, wire::TAGGED_HDR + n as usize);
         f
     }
@@ -1124,6 +1159,7 @@ impl QpCore {
                 .emit(&mut f.hdr[f.hdr_len..]);
                 f.hdr_len += wire::READ_REQ_LEN;
                 w.sent = w.len;
+                w.built = true;
                 self.orq.push_back(OrqEntry {
                     seq: w.seq,
                     sink_stag,
@@ -1183,6 +1219,7 @@ impl QpCore {
                 f._keep = w.keep.first().cloned();
                 f._inline = w.inline.clone();
                 w.sent += n;
+                w.built = last;
                 self.trailer_for(&mut f, ulpdu);
             }
             Kind::Local => unreachable!("local WRs are skipped"),
@@ -1196,7 +1233,7 @@ impl QpCore {
             FrameOwner::Irq { last } => {
                 if last {
                     self.irq.pop_front();
-                    self.tx_cur_irq = false;
+                    self.irq_built = self.irq_built.saturating_sub(1);
                 }
             }
             FrameOwner::Sq { seq, last } => {
@@ -1210,59 +1247,72 @@ impl QpCore {
                         w.done = true;
                         w.byte_len = w.len as u32;
                     }
-                    if i == self.tx_idx {
-                        self.tx_idx += 1;
-                    }
                 }
                 self.complete_sq();
             }
         }
     }
 
-    /// Transmit until the socket is full or nothing is left.
+    /// Transmit until the socket is full or nothing is left. Up to
+    /// `TX_BATCH` frames (`TX_BATCH_BYTES`) go out in one `sendmsg`.
     pub fn tx_process(&mut self, io: &mut dyn Io) -> io::Result<usize> {
         let mut frames = 0;
+        let mut iov: Vec<libc::iovec> = Vec::new();
         loop {
-            if self.tx.is_none() {
-                self.tx = self.next_frame();
-            }
-            let Some(f) = self.tx.as_mut() else {
-                break;
-            };
-            // Build the iovec list of the unwritten part.
-            let mut iov: [libc::iovec; 10] = [libc::iovec {
-                iov_base: std::ptr::null_mut(),
-                iov_len: 0,
-            }; 10];
-            let mut n = 0;
-            let mut skip = f.written;
-            let mut push = |base: *const u8, len: usize| {
-                if skip >= len {
-                    skip -= len;
-                    return;
+            while self.txq.len() < TX_BATCH && self.txq_bytes < TX_BATCH_BYTES {
+                match self.next_frame() {
+                    Some(f) => {
+                        self.txq_bytes += f.total - f.written;
+                        self.txq.push_back(f);
+                    }
+                    None => break,
                 }
-                iov[n] = libc::iovec {
-                    // SAFETY (pointer arithmetic): skip < len, inside the part.
-                    iov_base: unsafe { base.add(skip) } as *mut libc::c_void,
-                    iov_len: len - skip,
-                };
-                skip = 0;
-                n += 1;
-            };
-            push(f.hdr.as_ptr(), f.hdr_len);
-            for p in &f.pieces[..f.npieces] {
-                push(p.addr as *const u8, p.len as usize);
             }
-            push(f.trailer.as_ptr(), f.trailer_len);
-            // SAFETY: the iovecs cover the frame's own arrays and payload
-            // pieces inside live registrations (kept alive by the frame/WR)
-            // or the inline buffer; the kernel only reads them.
-            match unsafe { io.writev(&iov[..n]) } {
-                Ok(w) => {
-                    f.written += w;
-                    if f.written >= f.total {
+            if self.txq.is_empty() {
+                break;
+            }
+            // The iovec list of everything unwritten.
+            iov.clear();
+            for f in &self.txq {
+                let mut skip = f.written;
+                let mut push = |base: *const u8, len: usize| {
+                    if skip >= len {
+                        skip -= len;
+                        return;
+                    }
+                    iov.push(libc::iovec {
+                        // SAFETY (pointer arithmetic): skip < len, inside the part.
+                        iov_base: unsafe { base.add(skip) } as *mut libc::c_void,
+                        iov_len: len - skip,
+                    });
+                    skip = 0;
+                };
+                push(f.hdr.as_ptr(), f.hdr_len);
+                for p in &f.pieces[..f.npieces] {
+                    push(p.addr as *const u8, p.len as usize);
+                }
+                push(f.trailer.as_ptr(), f.trailer_len);
+            }
+            // SAFETY: the iovecs cover the frames' own arrays and payload
+            // pieces inside live registrations (kept alive by their WRs, the
+            // frames, or the graveyard after a flush) or inline/staged
+            // buffers owned by the frames; the kernel only reads them.
+            match unsafe { io.writev(&iov) } {
+                Ok(mut w) => {
+                    self.txq_bytes -= w;
+                    while w > 0 {
+                        let f = self
+                            .txq
+                            .front_mut()
+                            .expect("written bytes belong to a frame");
+                        let rem = f.total - f.written;
+                        if w < rem {
+                            f.written += w;
+                            break;
+                        }
+                        w -= rem;
                         let owner = f.owner;
-                        self.tx = None;
+                        self.txq.pop_front();
                         frames += 1;
                         self.frame_done(owner);
                     }
@@ -1272,8 +1322,11 @@ impl QpCore {
                 Err(e) => return Err(e),
             }
         }
-        if self.tx.is_none() && self.term_out.is_none() && self.shut == Shut::AfterTx {
-            self.shut = Shut::Now;
+        if self.txq.is_empty() {
+            self.graveyard.clear();
+            if self.term_out.is_none() && self.shut == Shut::AfterTx {
+                self.shut = Shut::Now;
+            }
         }
         self.check_closing();
         Ok(frames)
@@ -1281,7 +1334,7 @@ impl QpCore {
 
     /// Nothing left to transmit.
     pub fn tx_idle(&self) -> bool {
-        self.tx.is_none() && self.term_out.is_none()
+        self.txq.is_empty() && self.term_out.is_none()
     }
 
     // -----------------------------------------------------------------

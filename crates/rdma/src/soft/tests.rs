@@ -20,6 +20,8 @@ struct Pipe {
     pos: usize,
     /// Largest read returned (1 = byte at a time).
     chunk: usize,
+    /// Largest write accepted per call (0 = everything).
+    wchunk: usize,
     output: Vec<u8>,
 }
 
@@ -38,12 +40,20 @@ impl Io for Pipe {
     }
     unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize> {
         let mut t = 0;
+        let cap = if self.wchunk == 0 {
+            usize::MAX
+        } else {
+            // Vary the partial-write size: 1..=wchunk.
+            1 + self.output.len() % self.wchunk
+        };
         for v in iov {
-            self.output.extend_from_slice(std::slice::from_raw_parts(
-                v.iov_base as *const u8,
-                v.iov_len,
-            ));
-            t += v.iov_len;
+            let n = v.iov_len.min(cap - t);
+            self.output
+                .extend_from_slice(std::slice::from_raw_parts(v.iov_base as *const u8, n));
+            t += n;
+            if t == cap {
+                break;
+            }
         }
         Ok(t)
     }
@@ -216,6 +226,16 @@ fn receiver(ctx: &Arc<CtxShared>, crc: bool) -> Rx {
 /// invalidate, a small send, a read request (stream fixed by the receiver's
 /// keys, which are the same in every fixture built in the same order).
 fn sender_stream(ctx: &Arc<CtxShared>, rx: &Rx, crc: bool) -> (Side, Mr, Vec<u8>) {
+    sender_stream_with(ctx, rx, crc, 0)
+}
+
+/// As `sender_stream`, with writev accepting at most `wchunk` bytes a call.
+fn sender_stream_with(
+    ctx: &Arc<CtxShared>,
+    rx: &Rx,
+    crc: bool,
+    wchunk: usize,
+) -> (Side, Mr, Vec<u8>) {
     let mut s = side(ctx, 1, crc, 100);
     let mr = s.pd.alloc_mr(8192, Access::LOCAL_WRITE).expect("mr");
     mr.write_at(0, &pattern(1, 4096)).expect("fill");
@@ -246,8 +266,12 @@ fn sender_stream(ctx: &Arc<CtxShared>, rx: &Rx, crc: bool) -> (Side, Mr, Vec<u8>
             ),
         ])
         .expect("post");
-    let bytes = tx_bytes(&mut s);
-    (s, mr, bytes)
+    let mut p = Pipe {
+        wchunk,
+        ..Pipe::default()
+    };
+    s.core.tx_process(&mut p).expect("tx");
+    (s, mr, p.output)
 }
 
 fn check_receiver(rx: &mut Rx, what: &str) {
@@ -294,6 +318,26 @@ fn receive_path_every_split_point() {
             rx_all(&mut rx.side.core, &mut p);
             check_receiver(&mut rx, &format!("crc={crc} split at {k}"));
         }
+    }
+}
+
+#[test]
+fn partial_writes_of_batched_frames_give_the_same_stream() {
+    for crc in [false, true] {
+        let ctx = ctx();
+        let mut rx = receiver(&ctx, crc);
+        // Written 1..=13 bytes per writev call across the batched frames.
+        let (s, _mr, stream) = sender_stream_with(&ctx, &rx, crc, 13);
+        let w = drain(&s.cq);
+        let ids: Vec<u64> = w.iter().map(|w| w.wr_id).collect();
+        assert_eq!(ids, [1, 2, 3, 4], "crc={crc}: {w:?}");
+        let mut p = Pipe {
+            input: stream,
+            chunk: usize::MAX,
+            ..Pipe::default()
+        };
+        rx_all(&mut rx.side.core, &mut p);
+        check_receiver(&mut rx, &format!("crc={crc} partial writes"));
     }
 }
 
