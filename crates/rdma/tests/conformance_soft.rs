@@ -443,3 +443,46 @@ fn soft_bad_local_key_closes_the_connection() {
         wait_state(&[&s, &c], &k.cqp, QpState::Error);
     }
 }
+
+#[test]
+fn soft_listener_fd_reports_pending_mpa_requests() {
+    use lwio_iwarp::mpa::{MpaConfig, MpaHandshake};
+    let s = open(Progress::Auto, false);
+    let l = s.listen("127.0.0.1:0".parse().unwrap(), 16).unwrap();
+    let readable = |ms: i32| {
+        let mut p = libc::pollfd {
+            fd: l.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        unsafe { libc::poll(&mut p, 1, ms) > 0 }
+    };
+    let mut h = MpaHandshake::initiator(
+        MpaConfig::initiator_default(),
+        b"x",
+        std::time::Instant::now(),
+    )
+    .unwrap();
+    let frame = h.poll_transmit().unwrap();
+    let mut c = std::net::TcpStream::connect(l.local_addr()).unwrap();
+    std::io::Write::write_all(&mut c, &frame[..10]).unwrap();
+    assert!(readable(1000), "a new connection makes the fd readable");
+    // The half request is taken in; nothing to return yet.
+    assert!(l
+        .get_request(Some(std::time::Duration::from_millis(20)))
+        .unwrap()
+        .is_none());
+    assert!(!readable(0), "nothing new to report");
+    std::io::Write::write_all(&mut c, &frame[10..]).unwrap();
+    assert!(
+        readable(1000),
+        "the rest of the request makes the fd readable"
+    );
+    let r = l
+        .get_request(Some(std::time::Duration::ZERO))
+        .unwrap()
+        .expect("request");
+    assert_eq!(r.private_data(), b"x");
+    r.reject(b"").unwrap();
+}

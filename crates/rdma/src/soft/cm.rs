@@ -179,6 +179,9 @@ pub struct SoftListener {
     l: TcpListener,
     ctx: Arc<CtxShared>,
     pending: std::sync::Mutex<Vec<Pending>>,
+    /// Level-triggered epoll over the listening socket and the pending
+    /// connections: readable when `get_request` may have something.
+    ep: std::os::fd::OwnedFd,
 }
 
 pub(crate) fn listen(
@@ -188,10 +191,13 @@ pub(crate) fn listen(
 ) -> Result<Arc<dyn ListenerOps>> {
     let l = TcpListener::bind(addr)?;
     l.set_nonblocking(true)?;
+    let ep = sys::epoll_create()?;
+    sys::epoll_add(ep.as_raw_fd(), l.as_raw_fd(), libc::EPOLLIN as u32, 0)?;
     Ok(Arc::new(SoftListener {
         l,
         ctx,
         pending: std::sync::Mutex::new(Vec::new()),
+        ep,
     }))
 }
 
@@ -270,8 +276,8 @@ impl SoftListener {
     }
 
     /// Accept what is waiting and advance the half-open handshakes; returns
-    /// a complete Request, if any, and the fds to wait on.
-    fn step(&self) -> Result<(Option<Pending>, Vec<RawFd>, Option<Instant>)> {
+    /// a complete Request, if any, and the earliest handshake deadline.
+    fn step(&self) -> Result<(Option<Pending>, Option<Instant>)> {
         let mut pend = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             match self.l.accept() {
@@ -280,8 +286,10 @@ impl SoftListener {
                     s.set_nodelay(true)?;
                     if pend.len() >= MAX_PENDING {
                         let old = pend.remove(0);
+                        sys::epoll_del(self.ep.as_raw_fd(), old.s.as_raw_fd());
                         tracing::debug!(peer = %old.peer, "too many MPA handshakes pending: dropped");
                     }
+                    sys::epoll_add(self.ep.as_raw_fd(), s.as_raw_fd(), libc::EPOLLIN as u32, 1)?;
                     pend.push(Pending {
                         s,
                         peer,
@@ -296,24 +304,29 @@ impl SoftListener {
             }
         }
         let now = Instant::now();
+        let ep = self.ep.as_raw_fd();
         let mut i = 0;
         while i < pend.len() {
             match pend[i].advance() {
-                Progressed::Frame => return Ok((Some(pend.remove(i)), Vec::new(), None)),
+                Progressed::Frame => {
+                    let p = pend.remove(i);
+                    sys::epoll_del(ep, p.s.as_raw_fd());
+                    return Ok((Some(p), None));
+                }
                 Progressed::Drop(why) => {
                     let p = pend.remove(i);
+                    sys::epoll_del(ep, p.s.as_raw_fd());
                     tracing::debug!(peer = %p.peer, why, "MPA request dropped");
                 }
                 Progressed::Wait if now >= pend[i].deadline => {
                     let p = pend.remove(i);
+                    sys::epoll_del(ep, p.s.as_raw_fd());
                     tracing::debug!(peer = %p.peer, "MPA request timed out");
                 }
                 Progressed::Wait => i += 1,
             }
         }
-        let mut fds = vec![self.l.as_raw_fd()];
-        fds.extend(pend.iter().map(|p| p.s.as_raw_fd()));
-        Ok((None, fds, pend.iter().map(|p| p.deadline).min()))
+        Ok((None, pend.iter().map(|p| p.deadline).min()))
     }
 }
 
@@ -327,7 +340,7 @@ impl ListenerOps for SoftListener {
     fn get_request(&self, timeout: Option<Duration>) -> Result<Option<Box<dyn ConnRequestOps>>> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
-            let (frame, fds, next) = self.step()?;
+            let (frame, next) = self.step()?;
             if let Some(p) = frame {
                 let peer = p.peer;
                 match self.request(p) {
@@ -350,12 +363,15 @@ impl ListenerOps for SoftListener {
                     .as_millis()
                     .clamp(1, i32::MAX as u128) as i32
             });
-            sys::poll_in_any(&fds, ms)?;
+            sys::poll_in(self.ep.as_raw_fd(), ms)?;
         }
     }
 
+    /// An epoll fd (readable: a connection or a pending MPA Request has
+    /// input, so `get_request` may return one; half-open handshakes also
+    /// need a call after their `connect_timeout` to be reaped).
     fn fd(&self) -> RawFd {
-        self.l.as_raw_fd()
+        self.ep.as_raw_fd()
     }
 }
 

@@ -86,28 +86,6 @@ pub fn poll_in(fd: RawFd, ms: i32) -> io::Result<bool> {
     Ok(r > 0)
 }
 
-/// poll(2) several fds for input; true if any is readable.
-pub fn poll_in_any(fds: &[RawFd], ms: i32) -> io::Result<bool> {
-    let mut p: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    // SAFETY: `p` is a live array of `p.len()` pollfds.
-    let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, ms) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::Interrupted {
-            return Ok(false);
-        }
-        return Err(e);
-    }
-    Ok(r > 0)
-}
-
 /// read(2) into raw memory.
 ///
 /// # Safety
