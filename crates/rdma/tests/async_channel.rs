@@ -9,6 +9,7 @@ use std::time::Duration;
 use lwio_rdma::*;
 use tokio::io::unix::AsyncFd;
 
+#[derive(Debug)]
 struct Fd(RawFd);
 impl AsRawFd for Fd {
     fn as_raw_fd(&self) -> RawFd {
@@ -84,7 +85,9 @@ fn run(progress: Progress) {
         .build()
         .unwrap();
     rt.block_on(async {
-        let afd = AsyncFd::new(Fd(ch.fd())).unwrap();
+        // SAFETY: the fd belongs to `ch`, which outlives `afd` (dropped at
+        // the end of this block) and never changes or closes its fd.
+        let afd = unsafe { AsyncFd::register(Fd(ch.fd())) }.unwrap();
         for i in 0..3u64 {
             // The peer sends from another thread a little later, while this
             // task is parked on the fd.
