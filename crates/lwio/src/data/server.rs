@@ -1000,7 +1000,9 @@ impl Conn {
         if free {
             if let Some(b) = self.read_bufs.remove(&op) {
                 if let Ok(mr) = Arc::try_unwrap(b.mr) {
-                    if self.spare_bufs.len() < 4 && mr.len() == self.read_buf_len() {
+                    if self.spare_bufs.len() < usize::from(self.sconn.credits()).max(4)
+                        && mr.len() == self.read_buf_len()
+                    {
                         self.spare_bufs.push(mr);
                     } else {
                         self.shared.unregister(mr);
