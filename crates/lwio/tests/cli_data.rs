@@ -460,6 +460,11 @@ fn errors_a_person_can_act_on() {
         .stderr(one_line_error().and(predicate::str::contains("wrong token")));
     // Missing export, missing file (both directions).
     err(&["cat", &s.url("nosuch/x")], "no export named");
+    err(&["cp", fs, &s.url("nosuch/x")], "no export named");
+    // A missing file whose name says "export" is still just missing.
+    s.cmd(&["cp", fs, &s.url("data/export.csv")])
+        .assert()
+        .success();
     err(
         &["cat", &s.url("data/missing.bin")],
         "data/missing.bin: No such file or directory",

@@ -134,15 +134,16 @@ impl Clients<'_> {
             Loc::Remote(u) => {
                 let c = self.get(u)?;
                 let export = u.require_export()?.to_string();
-                match c.0.side(|s| s.stat(&export, &u.path)) {
-                    Ok(a) => Ok(match a.kind {
+                // Keep the side channel's own error code: "no such file"
+                // means Missing, "no such export" is an error.
+                match c.0.side(|s| Ok(s.stat(&export, &u.path))) {
+                    Ok(Ok(a)) => Ok(match a.kind {
                         FileKind::Dir => Kind::Dir,
                         FileKind::File => Kind::File(a.size),
                         _ => Kind::Other,
                     }),
-                    Err(crate::client::Error::NotFound(m)) if !m.contains("export") => {
-                        Ok(Kind::Missing)
-                    }
+                    Ok(Err(e)) if e.code == crate::ErrorCode::NotFound => Ok(Kind::Missing),
+                    Ok(Err(e)) => Err(ctx(u, e.into())),
                     Err(e) => Err(ctx(u, e)),
                 }
             }
