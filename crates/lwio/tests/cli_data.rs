@@ -461,6 +461,8 @@ fn errors_a_person_can_act_on() {
     // Missing export, missing file (both directions).
     err(&["cat", &s.url("nosuch/x")], "no export named");
     err(&["cp", fs, &s.url("nosuch/x")], "no export named");
+    std::fs::create_dir(s.data.join("adir")).unwrap();
+    err(&["cat", &s.url("data/adir")], "data/adir: Is a directory");
     // A missing file whose name says "export" is still just missing.
     s.cmd(&["cp", fs, &s.url("data/export.csv")])
         .assert()
