@@ -9,11 +9,20 @@
 //! own IO_STATUS_BLOCK (`Mr::load_u64`, no receive involved); when the spin
 //! budget is spent it sends INTERRUPT and sleeps until the server answers.
 //!
-//! Memory: data the server writes lands in engine-owned registered memory
-//! (a bounce area for reads < 1 KiB, staging slots for larger ones) and is
-//! copied out after completion. Each read exposes exactly its target range
-//! through a memory window bound **one-shot** to that range, invalidated as
-//! soon as the request completes. The regions' own keys are never sent.
+//! Memory: reads under [`BOUNCE_THRESHOLD`] land in an engine-owned bounce
+//! area and are copied out. Larger blocking reads of at least
+//! `EngineConfig::register_threshold` bytes land **directly in the caller's
+//! buffer**: a buffer from [`crate::client::Client::register_buffer`] is found
+//! in the registration cache ([`RegCache`]: page-aligned ranges, LRU, bounded
+//! by bytes and entries, released explicitly when the buffer is dropped);
+//! any other buffer is registered for the duration of the call only (the
+//! call holds its exclusive borrow). Reads below the threshold, and the async
+//! API (whose futures can be dropped mid-read), use staging slots and copy.
+//! Each read exposes exactly its target range through a memory window bound
+//! **one-shot** to that range, invalidated as soon as the request completes;
+//! for caller memory the call also waits for the invalidation to complete
+//! ([`Engine::fence_group`]) before it returns. The regions' own keys are
+//! never sent.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -31,7 +40,7 @@ use lwio_proto::wire::{Guid, Opcode, RdmaRegion, SrvResumeKey, COMMON_HEADER_LEN
 use lwio_proto::NtStatus;
 use lwio_rdma::{
     Access, CompChannel, ConnParams, Context, Cq, Mr, Mw, MwBind, Pd, Qp, QpCap, QpInit, QpState,
-    RecvWr, SendOp, SendWr, Wc, WcOpcode, WcStatus,
+    RecvWr, RegBuf, SendOp, SendWr, Wc, WcOpcode, WcStatus,
 };
 use tracing::{debug, info, warn};
 
@@ -59,6 +68,12 @@ pub struct EngineConfig {
     pub poll_spin: Duration,
     pub op_timeout: Duration,
     pub auth_timeout: Duration,
+    /// Blocking reads of at least this many bytes land in the caller's
+    /// buffer (registered) instead of staging slots (`usize::MAX` = never).
+    pub register_threshold: usize,
+    /// Registration cache bounds (bytes, entries).
+    pub reg_cache_bytes: usize,
+    pub reg_cache_entries: usize,
 }
 
 /// Client counters.
@@ -76,6 +91,14 @@ pub struct ClientStats {
     pub windows_bound: u64,
     pub windows_invalidated: u64,
     pub interrupts_sent: u64,
+    /// Reads of caller memory whose registration came from the cache.
+    pub reg_cache_hits: u64,
+    /// Registrations the cache made (at `register_buffer`, or on use after
+    /// an eviction).
+    pub reg_cache_misses: u64,
+    pub reg_cache_evictions: u64,
+    /// Caller buffers registered for the duration of one call.
+    pub call_registrations: u64,
     pub polled_completions: u64,
     pub interrupt_completions: u64,
 }
@@ -85,12 +108,105 @@ pub struct ClientStats {
 pub enum Stage {
     Bounce(usize),
     Slot(usize),
+    /// Caller memory (registered): nothing to copy out.
+    User,
 }
 
 struct ReqRes {
     windows: Vec<(Mw, u32)>,
     stage: Option<Stage>,
     abandoned: bool,
+    /// Caller-memory group (0 = engine memory); see [`Engine::fence_group`].
+    group: u64,
+}
+
+/// A registration of caller memory: the region and, for a cached
+/// registration, the memory it covers (kept alive by the entry itself, so a
+/// registration can never outlive its memory). Field order matters: the
+/// region is deregistered before the memory reference is released.
+pub struct UserReg {
+    mr: Mr,
+    _mem: Option<Arc<RegBuf>>,
+}
+
+/// The destination of a read in caller memory.
+pub struct UserDst {
+    reg: Arc<UserReg>,
+    /// Offset of the destination in `reg`.
+    off: usize,
+    group: u64,
+}
+
+impl UserDst {
+    pub fn group(&self) -> u64 {
+        self.group
+    }
+}
+
+struct CacheEntry {
+    mem: Arc<RegBuf>,
+    len: usize,
+    reg: Option<Arc<UserReg>>,
+    last_use: u64,
+}
+
+/// The registration cache of explicitly registered buffers
+/// ([`crate::client::RegisteredBuf`]). Keyed by the buffer's page-aligned
+/// start address; an entry covers `start..start + len` (whole pages). The
+/// entry holds the memory, so it cannot outlive it; the buffer's drop
+/// releases the entry (explicit invalidation). Registrations are bounded by
+/// bytes and entries: past either bound the least recently used
+/// registration not in use by a read is deregistered (the buffer stays
+/// valid and is registered again on its next use).
+pub struct RegCache {
+    entries: std::collections::BTreeMap<usize, CacheEntry>,
+    tick: u64,
+    reg_bytes: usize,
+    reg_entries: usize,
+    max_bytes: usize,
+    max_entries: usize,
+}
+
+impl RegCache {
+    fn new(max_bytes: usize, max_entries: usize) -> RegCache {
+        RegCache {
+            entries: Default::default(),
+            tick: 0,
+            reg_bytes: 0,
+            reg_entries: 0,
+            max_bytes,
+            max_entries: max_entries.max(1),
+        }
+    }
+
+    /// The entry containing `addr..addr + len`, if any.
+    fn find(&mut self, addr: usize, len: usize) -> Option<(usize, &mut CacheEntry)> {
+        let (&start, e) = self.entries.range_mut(..=addr).next_back()?;
+        let end = start.checked_add(e.len)?;
+        (addr.checked_add(len)? <= end).then_some((start, e))
+    }
+
+    /// Deregister least recently used idle registrations until `extra`
+    /// more bytes (and one more entry) fit.
+    fn make_room(&mut self, extra: usize, stats: &mut ClientStats) {
+        while self.reg_entries > 0
+            && (self.reg_entries + 1 > self.max_entries || self.reg_bytes + extra > self.max_bytes)
+        {
+            let victim = self
+                .entries
+                .iter()
+                .filter(|(_, e)| e.reg.as_ref().is_some_and(|r| Arc::strong_count(r) == 1))
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(&k, _)| k);
+            let Some(k) = victim else { return };
+            if let Some(e) = self.entries.get_mut(&k) {
+                e.reg = None;
+                self.reg_entries -= 1;
+                self.reg_bytes -= e.len;
+                stats.reg_cache_evictions += 1;
+            }
+        }
+    }
 }
 
 struct St {
@@ -107,6 +223,11 @@ struct St {
     bounce_free: Vec<usize>,
     mw_free: Vec<Mw>,
     lost: Option<String>,
+    /// Posted, not yet completed invalidations of caller-memory windows,
+    /// by group.
+    inval_pending: HashMap<u64, u32>,
+    next_group: u64,
+    cache: RegCache,
     auth: Option<std::result::Result<(u64, u16), NtStatus>>,
     interrupt_req: Option<ReqId>,
     last_slot: Option<u32>,
@@ -303,6 +424,9 @@ impl Engine {
             bounce_free: (0..BOUNCE_SLOTS).rev().collect(),
             mw_free,
             lost: None,
+            inval_pending: HashMap::new(),
+            next_group: 1,
+            cache: RegCache::new(cfg.reg_cache_bytes, cfg.reg_cache_entries),
             auth: None,
             interrupt_req: None,
             last_slot: None,
@@ -576,8 +700,15 @@ impl Engine {
                 // One-shot windows are already disabled by the server's
                 // write (when it happened); invalidate regardless — a short
                 // or failed read leaves the window armed otherwise.
-                if self.qp.invalidate(rkey, wrid::INVAL, true).is_ok() {
+                if self
+                    .qp
+                    .invalidate(rkey, wrid::INVAL | r.group, true)
+                    .is_ok()
+                {
                     st.stats.windows_invalidated += 1;
+                    if r.group != 0 {
+                        *st.inval_pending.entry(r.group).or_default() += 1;
+                    }
                 }
                 st.mw_free.push(mw);
             }
@@ -625,6 +756,16 @@ impl Engine {
                 }
             }
             _ => {
+                if wrid::kind(w.wr_id) == wrid::INVAL && v != 0 {
+                    // Done (or flushed: the QP is dead, nothing can write).
+                    if let Some(n) = st.inval_pending.get_mut(&v) {
+                        *n -= 1;
+                        if *n == 0 {
+                            st.inval_pending.remove(&v);
+                        }
+                    }
+                    self.cv.notify_all();
+                }
                 if !w.is_ok() && w.status != WcStatus::WrFlushErr {
                     warn!(status = ?w.status, opcode = ?w.opcode, "window operation failed");
                     self.mark_lost(
@@ -739,7 +880,7 @@ impl Engine {
         }
     }
 
-    fn bind_window(&self, st: &mut St, off: usize, len: usize) -> Result<(Mw, u32)> {
+    fn bind_window(&self, st: &mut St, mr: &Mr, off: usize, len: usize) -> Result<(Mw, u32)> {
         let mw = match st.mw_free.pop() {
             Some(m) => m,
             None => self.pd.alloc_mw()?,
@@ -747,7 +888,7 @@ impl Engine {
         match self.qp.bind_mw(
             &mw,
             &MwBind {
-                mr: &self.win_mr,
+                mr,
                 offset: off as u64,
                 length: len as u64,
                 access: Access::REMOTE_WRITE,
@@ -767,10 +908,11 @@ impl Engine {
         }
     }
 
-    fn stage_off(&self, s: Stage) -> usize {
+    fn stage_off(&self, s: Stage) -> Option<usize> {
         match s {
-            Stage::Bounce(i) => self.bounce_off + i * BOUNCE_THRESHOLD,
-            Stage::Slot(i) => self.stage_off + i * self.cfg.read_chunk,
+            Stage::Bounce(i) => Some(self.bounce_off + i * BOUNCE_THRESHOLD),
+            Stage::Slot(i) => Some(self.stage_off + i * self.cfg.read_chunk),
+            Stage::User => None,
         }
     }
 
@@ -792,23 +934,46 @@ impl Engine {
         len: usize,
         vec_page: Option<u16>,
     ) -> Result<(ReqId, Stage)> {
+        self.issue_read_to(fid, offset, len, vec_page, None)
+    }
+
+    /// [`Engine::issue_read`] into caller memory: `dst` (from
+    /// [`Engine::user_dst`]) advanced by `at` bytes.
+    pub fn issue_read_to(
+        &self,
+        fid: u16,
+        offset: u64,
+        len: usize,
+        vec_page: Option<u16>,
+        dst: Option<(&UserDst, usize)>,
+    ) -> Result<(ReqId, Stage)> {
         if len == 0 || len > self.max_read() {
             return Err(Error::InvalidArgument(format!(
                 "read of {len} bytes per request"
             )));
         }
+        if let Some((d, at)) = dst {
+            if d.off.checked_add(at).and_then(|o| o.checked_add(len)) > Some(d.reg.mr.len()) {
+                return Err(Error::InvalidArgument("read outside its buffer".into()));
+            }
+        }
         let mode = self.mode();
         self.issue(|e, st| {
-            let stage = e.take_stage(st, len)?;
-            let off = e.stage_off(stage);
+            let (stage, mr, off, group) = match dst {
+                Some((d, at)) => (Stage::User, &d.reg.mr, d.off + at, d.group),
+                None => {
+                    let stage = e.take_stage(st, len)?;
+                    (stage, &e.win_mr, e.stage_off(stage)?, 0)
+                }
+            };
             let mut windows = Vec::new();
             let r = (|| -> Result<ReqId> {
                 match vec_page {
                     None => {
-                        let (mw, rkey) = e.bind_window(st, off, len)?;
+                        let (mw, rkey) = e.bind_window(st, mr, off, len)?;
                         windows.push((mw, rkey));
                         let dst = RemoteBuf {
-                            addr: e.win_mr.addr() + off as u64,
+                            addr: mr.addr() + off as u64,
                             rkey,
                         };
                         st.conn
@@ -821,10 +986,10 @@ impl Engine {
                         let mut o = 0;
                         while o < len {
                             let l = ps_u.min(len - o);
-                            let (mw, rkey) = e.bind_window(st, off + o, l)?;
+                            let (mw, rkey) = e.bind_window(st, mr, off + o, l)?;
                             windows.push((mw, rkey));
                             regions.push(RdmaRegion {
-                                data_va: e.win_mr.addr() + (off + o) as u64,
+                                data_va: mr.addr() + (off + o) as u64,
                                 data_mh: rkey,
                                 length: l as u32,
                             });
@@ -844,13 +1009,16 @@ impl Engine {
                             windows,
                             stage: Some(stage),
                             abandoned: false,
+                            group,
                         },
                     );
                     Some(Ok((req, stage)))
                 }
                 Err(err) => {
                     for (mw, rkey) in windows {
-                        let _ = e.qp.invalidate(rkey, wrid::INVAL, true);
+                        if e.qp.invalidate(rkey, wrid::INVAL | group, true).is_ok() && group != 0 {
+                            *st.inval_pending.entry(group).or_default() += 1;
+                        }
                         st.mw_free.push(mw);
                     }
                     free_stage(st, stage);
@@ -862,7 +1030,9 @@ impl Engine {
 
     /// Copy `dst.len()` bytes out of a stage and free it.
     pub fn finish_stage(&self, stage: Stage, dst: &mut [u8]) {
-        let off = self.stage_off(stage);
+        let Some(off) = self.stage_off(stage) else {
+            return;
+        };
         if !dst.is_empty() {
             // The request completed and its windows were invalidated: the
             // server can no longer write here, and completion ordering makes
@@ -1076,12 +1246,178 @@ impl Engine {
         }
         self.abandon(&mut st, req);
     }
+
+    // ------------------------------------------------------ caller memory
+
+    /// Where a read of `len` bytes at `ptr` lands in caller memory: the
+    /// cached registration when the range lies in a
+    /// [`crate::client::RegisteredBuf`], otherwise a registration made now
+    /// for this call (dropped with the returned value). Each call gets a new
+    /// group for [`Engine::fence_group`].
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be memory the caller holds exclusively (a
+    /// `&mut [u8]` it does not use while the read runs), and it must stay
+    /// allocated until `fence_group(dst.group)` has returned and the
+    /// returned value is dropped.
+    pub unsafe fn user_dst(&self, ptr: *mut u8, len: usize) -> Result<UserDst> {
+        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND;
+        let mut st = lock(&self.st);
+        let group = st.next_group;
+        st.next_group += 1;
+        let hit = st.cache.find(ptr as usize, len).map(|(k, _)| k);
+        if let Some(start) = hit {
+            st.cache.tick += 1;
+            let tick = st.cache.tick;
+            let St { cache, stats, .. } = &mut *st;
+            let need =
+                cache
+                    .entries
+                    .get(&start)
+                    .map_or(0, |e| if e.reg.is_none() { e.len } else { 0 });
+            if need > 0 {
+                cache.make_room(need, stats);
+            }
+            let Some(e) = cache.entries.get_mut(&start) else {
+                return Err(Error::Io("registration cache entry vanished".into()));
+            };
+            e.last_use = tick;
+            let reg = match &e.reg {
+                Some(r) => {
+                    stats.reg_cache_hits += 1;
+                    r.clone()
+                }
+                None => {
+                    // SAFETY: the memory is the entry's `RegBuf`, and the
+                    // registration keeps an `Arc` of it (`UserReg::_mem`),
+                    // so it stays allocated for as long as the region exists.
+                    let mr = unsafe { self.pd.register_raw(e.mem.as_ptr(), e.len, access)? };
+                    let r = Arc::new(UserReg {
+                        mr,
+                        _mem: Some(e.mem.clone()),
+                    });
+                    e.reg = Some(r.clone());
+                    cache.reg_entries += 1;
+                    cache.reg_bytes += e.len;
+                    stats.reg_cache_misses += 1;
+                    r
+                }
+            };
+            return Ok(UserDst {
+                reg,
+                off: ptr as usize - start,
+                group,
+            });
+        }
+        // SAFETY: the caller's contract (exclusively held, allocated until
+        // the group is fenced and this registration dropped).
+        let mr = unsafe { self.pd.register_raw(ptr, len, access)? };
+        st.stats.call_registrations += 1;
+        Ok(UserDst {
+            reg: Arc::new(UserReg { mr, _mem: None }),
+            off: 0,
+            group,
+        })
+    }
+
+    /// Return once no remote write can reach the caller memory of `group`
+    /// any more: every window of the group was invalidated and the
+    /// invalidation completed. If a request of the group is still
+    /// outstanding (its waiter gave up), or the invalidations do not
+    /// complete in time, the queue pair is moved to the error state (no
+    /// further remote access is executed) and the connection is lost.
+    pub fn fence_group(&self, group: u64) {
+        let deadline = Instant::now() + self.cfg.op_timeout;
+        let mut st = lock(&self.st);
+        let kill = |st: &mut St, why: &str| {
+            self.qp.set_error();
+            st.inval_pending.remove(&group);
+            if !why.is_empty() {
+                self.mark_lost(st, why.into());
+            }
+        };
+        if st.res.values().any(|r| r.group == group) {
+            kill(
+                &mut st,
+                "a read into caller memory did not complete; the connection is closed so that \
+                 no late write can reach the buffer",
+            );
+            return;
+        }
+        loop {
+            if !st.inval_pending.contains_key(&group) {
+                return;
+            }
+            if st.lost.is_some() || self.qp.state() == QpState::Error {
+                kill(&mut st, "");
+                return;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                kill(&mut st, "invalidating caller-memory windows timed out");
+                return;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Add an explicitly registered buffer to the registration cache and
+    /// register it. Returns its start address (the cache key).
+    pub(crate) fn cache_insert(&self, mem: Arc<RegBuf>) -> Result<usize> {
+        let start = mem.as_ptr() as usize;
+        let len = mem.len();
+        if len > self.cfg.reg_cache_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "a registered buffer of {len} bytes exceeds the registration cache ({} bytes)",
+                self.cfg.reg_cache_bytes
+            )));
+        }
+        let mut st = lock(&self.st);
+        st.cache.entries.insert(
+            start,
+            CacheEntry {
+                mem,
+                len,
+                reg: None,
+                last_use: 0,
+            },
+        );
+        drop(st);
+        // Register now (so the first read does not pay for it).
+        // SAFETY: the range is the entry's own buffer, exclusively owned by
+        // the new RegisteredBuf, which nobody can use before we return.
+        let first = unsafe { self.user_dst(start as *mut u8, len) };
+        match first {
+            Ok(_) => Ok(start),
+            Err(e) => {
+                lock(&self.st).cache.entries.remove(&start);
+                Err(e)
+            }
+        }
+    }
+
+    /// Explicit release of a registered buffer: its registration is
+    /// deregistered and the entry forgotten.
+    pub(crate) fn cache_release(&self, start: usize) {
+        let mut st = lock(&self.st);
+        if let Some(e) = st.cache.entries.remove(&start) {
+            if e.reg.is_some() {
+                st.cache.reg_entries -= 1;
+                st.cache.reg_bytes -= e.len;
+            }
+        }
+    }
 }
 
 fn free_stage(st: &mut St, s: Stage) {
     match s {
         Stage::Bounce(i) => st.bounce_free.push(i),
         Stage::Slot(i) => st.stage_free.push(i),
+        Stage::User => {}
     }
 }
 

@@ -145,12 +145,18 @@ fn status_error(what: impl Into<String>, status: NtStatus) -> Error {
     }
 }
 
+/// Default of [`ClientOptions::register_threshold`] (measured: `bench/RESULTS.md`).
+pub const DEFAULT_REGISTER_THRESHOLD: usize = 64 * 1024;
+
 /// Client settings.
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
     pub completion: Completion,
     /// Which RDMA providers to offer (in preference order for `auto`).
     pub provider: ProviderChoice,
+    /// Device to open (None = the provider's first usable one). With
+    /// several devices name the one that routes to the server.
+    pub device: Option<String>,
     /// Credits to ask for (the server may grant fewer, and adjusts later).
     pub credits: u16,
     /// Largest read per request (the server's window may be smaller).
@@ -163,6 +169,16 @@ pub struct ClientOptions {
     pub send_slots: usize,
     /// Polling mode: how long a waiter spins on its status block.
     pub poll_spin: Duration,
+    /// Blocking reads of at least this many bytes land directly in the
+    /// caller's buffer (registered for the call, or found in the
+    /// registration cache) instead of a staging slot and a copy.
+    /// `usize::MAX` = always stage. See `bench/RESULTS.md` for the default.
+    pub register_threshold: usize,
+    /// Bounds of the registration cache of [`Client::register_buffer`]
+    /// buffers: bytes and entries registered at once (least recently used
+    /// registrations are dropped past them).
+    pub reg_cache_bytes: usize,
+    pub reg_cache_entries: usize,
     /// Per-request timeout.
     pub op_timeout: Duration,
     pub connect_timeout: Duration,
@@ -175,12 +191,16 @@ impl Default for ClientOptions {
         ClientOptions {
             completion: Completion::Interrupt,
             provider: ProviderChoice::Auto,
+            device: None,
             credits: 16,
             read_chunk: 128 * 1024,
             stage_slots: 16,
             write_chunk: 16 * 1024,
             send_slots: 64,
             poll_spin: Duration::from_micros(200),
+            register_threshold: DEFAULT_REGISTER_THRESHOLD,
+            reg_cache_bytes: 256 << 20,
+            reg_cache_entries: 64,
             op_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             client_name: crate::server::host_name(),
@@ -365,13 +385,16 @@ impl Client {
             poll_spin: opts.poll_spin,
             op_timeout: opts.op_timeout,
             auth_timeout: opts.connect_timeout,
+            register_threshold: opts.register_threshold.max(engine::BOUNCE_THRESHOLD),
+            reg_cache_bytes: opts.reg_cache_bytes,
+            reg_cache_entries: opts.reg_cache_entries,
         };
         let mut last: Option<Error> = None;
         for p in &resp.providers {
             let Some(provider) = providers.iter().find(|q| q.name() == p.name) else {
                 continue;
             };
-            let ctx = match provider.open(None, &opts.rdma) {
+            let ctx = match provider.open(opts.device.as_deref(), &opts.rdma) {
                 Ok(c) => c,
                 Err(e) => {
                     debug!(provider = %p.name, error = %e, "provider not usable here");
@@ -508,6 +531,79 @@ fn truncate_name(s: &str) -> String {
     }
 }
 
+/// Where a read's data goes: copied out of staging into the caller's
+/// slice, or written directly into registered caller memory.
+enum ReadInto<'a> {
+    Staged(&'a mut [u8]),
+    User(&'a engine::UserDst),
+}
+
+/// A buffer whose registration the client caches (see
+/// [`Client::register_buffer`]). It dereferences to `[u8]`; reads into it
+/// (or into any sub-slice of it) of at least
+/// [`ClientOptions::register_threshold`] bytes land in it directly, with no
+/// per-call registration and no copy. Dropping it releases the
+/// registration.
+pub struct RegisteredBuf {
+    mem: Arc<lwio_rdma::RegBuf>,
+    len: usize,
+    engine: std::sync::Weak<Engine>,
+}
+
+impl std::fmt::Debug for RegisteredBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RegisteredBuf({} bytes)", self.len)
+    }
+}
+
+impl std::ops::Deref for RegisteredBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the allocation (page-aligned, zero-initialised, at least
+        // `len` bytes) is owned by `mem` and alive while `self` is. The peer
+        // can write to it only through a window bound during a `read_at`
+        // into it, which holds an exclusive borrow of this buffer (so no
+        // shared view exists meanwhile) and returns only after the window
+        // is invalidated; the region's own key is never sent.
+        unsafe { std::slice::from_raw_parts(self.mem.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for RegisteredBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes this view exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.mem.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for RegisteredBuf {
+    fn drop(&mut self) {
+        // Explicit release: the cache entry (and its registration) goes.
+        // Even without it the entry would keep the memory alive.
+        if let Some(e) = self.engine.upgrade() {
+            e.cache_release(self.mem.as_ptr() as usize);
+        }
+    }
+}
+
+impl Client {
+    /// Allocate a zeroed buffer of `len` bytes and register it in the
+    /// client's registration cache: large reads into it skip both the
+    /// per-call registration and the staging copy. The registration lives
+    /// until the buffer is dropped (or, past the cache bounds, is evicted
+    /// and redone on the next use).
+    pub fn register_buffer(&self, len: usize) -> Result<RegisteredBuf> {
+        let mem = lwio_rdma::RegBuf::new(len.max(1).next_multiple_of(4096))?;
+        let mem = Arc::new(mem);
+        self.0.engine.cache_insert(mem.clone())?;
+        Ok(RegisteredBuf {
+            mem,
+            len,
+            engine: Arc::downgrade(&self.0.engine),
+        })
+    }
+}
+
 /// An open, registered file.
 pub struct File {
     client: Client,
@@ -548,19 +644,63 @@ impl File {
             .checked_add(buf.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
         let e = self.engine();
+        if buf.len() >= e.cfg.register_threshold {
+            let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+            // SAFETY: `buf` is exclusively borrowed for this whole call and
+            // is not touched through the reference until we return; the
+            // pointer is derived from it. Every window over it is bound
+            // one-shot for exactly one request's range inside it, and
+            // `fence_group` below returns only when all of them are
+            // invalidated and the invalidations completed (or the queue pair
+            // is in the error state, where no remote access is executed).
+            // The per-call registration is dropped (deregistered) before we
+            // return, and a cached one belongs to a `RegisteredBuf` whose
+            // memory the cache entry keeps alive. So no remote write can
+            // reach the buffer after the borrow ends.
+            match unsafe { e.user_dst(ptr, len) } {
+                Ok(dst) => {
+                    let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst));
+                    e.fence_group(dst.group());
+                    drop(dst);
+                    return r;
+                }
+                Err(err) => {
+                    debug!(error = %err, len, "cannot register the caller's buffer; staging");
+                }
+            }
+        }
+        let len = buf.len();
+        self.read_chunks(len, offset, vectored, ReadInto::Staged(buf))
+    }
+
+    fn read_chunks(
+        &self,
+        blen: usize,
+        offset: u64,
+        vectored: bool,
+        mut into: ReadInto,
+    ) -> Result<usize> {
+        let e = self.engine();
         let chunk = e.max_read();
         let page = e.client_page_size();
-        let depth = usize::from(e.credits()).clamp(1, e.cfg.stage_slots);
+        let depth = match into {
+            ReadInto::User(_) => usize::from(e.credits()).max(1),
+            ReadInto::Staged(_) => usize::from(e.credits()).clamp(1, e.cfg.stage_slots),
+        };
         let mut pending = std::collections::VecDeque::new();
         let mut issued = 0usize;
         let mut total = 0usize;
         let mut stop: Option<Result<usize>> = None;
         loop {
-            while stop.is_none() && issued < buf.len() && pending.len() < depth {
-                let len = chunk.min(buf.len() - issued);
+            while stop.is_none() && issued < blen && pending.len() < depth {
+                let len = chunk.min(blen - issued);
                 // VEC_READ needs a last region that is a multiple of 512.
                 let vec = (vectored && len.is_multiple_of(512)).then_some(page);
-                match e.issue_read(self.fid, offset + issued as u64, len, vec) {
+                let dst = match &into {
+                    ReadInto::User(d) => Some((*d, issued)),
+                    ReadInto::Staged(_) => None,
+                };
+                match e.issue_read_to(self.fid, offset + issued as u64, len, vec, dst) {
                     Ok((req, stage)) => {
                         let slot = if e.cfg.completion == Completion::Poll {
                             e.last_slot()
@@ -580,7 +720,9 @@ impl File {
                 Ok((n, STATUS_SUCCESS)) => {
                     let n = (n as usize).min(len);
                     if stop.is_none() && at == total {
-                        e.finish_stage(stage, &mut buf[at..at + n]);
+                        if let ReadInto::Staged(buf) = &mut into {
+                            e.finish_stage(stage, &mut buf[at..at + n]);
+                        }
                         total += n;
                         if n < len {
                             stop = Some(Ok(total));
@@ -650,8 +792,12 @@ impl File {
             .checked_add(buf.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
         let e = self.engine();
-        let chunk = e.max_write();
         let page = e.client_page_size();
+        let mut chunk = e.max_write();
+        if self.no_buffering && chunk >= usize::from(page) {
+            // Unbuffered files need aligned pieces: whole pages per request.
+            chunk -= chunk % usize::from(page);
+        }
         let depth = usize::from(e.credits()).max(1);
         let mut pending = std::collections::VecDeque::new();
         let mut issued = 0usize;

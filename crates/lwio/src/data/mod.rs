@@ -34,14 +34,16 @@ pub fn providers_for(choice: ProviderChoice) -> Vec<Provider> {
     }
 }
 
-/// Open the first usable device of the first provider that works.
+/// Open `device` (None = the first usable one) of the first provider that
+/// works.
 pub fn open_context(
     choice: ProviderChoice,
+    device: Option<&str>,
     cfg: &lwio_rdma::Config,
 ) -> Result<Context, lwio_rdma::Error> {
     let mut last = None;
     for p in providers_for(choice) {
-        match p.open(None, cfg) {
+        match p.open(device, cfg) {
             Ok(c) => return Ok(c),
             Err(e) => {
                 tracing::debug!(provider = p.name(), error = %e, "provider not usable");

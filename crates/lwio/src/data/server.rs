@@ -57,6 +57,9 @@ use crate::server::{RdmaPhase, ServerState, Shutdown};
 #[derive(Debug, Clone)]
 pub struct RdmaServerOptions {
     pub provider: ProviderChoice,
+    /// Device to open (None = the provider's first usable device). With
+    /// several devices (e.g. rxe0 and siw0) name the one that owns `listen`.
+    pub device: Option<String>,
     /// Where the RDMA listener binds (port 0 = ephemeral).
     pub listen: SocketAddr,
     /// Address advertised in negotiate responses when `listen` is a wildcard
@@ -86,9 +89,15 @@ impl Default for RdmaServerOptions {
     fn default() -> Self {
         RdmaServerOptions {
             provider: ProviderChoice::Soft,
+            device: None,
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 7421),
             advertise: None,
-            proto: ServerConfig::default(),
+            // Write with immediate completes full reads without a status
+            // message; `bind` keeps it only where the device has it.
+            proto: ServerConfig {
+                use_write_with_imm: true,
+                ..ServerConfig::default()
+            },
             max_connections: 256,
             max_memory: 512 << 20,
             credit_budget: 4096,
@@ -273,7 +282,7 @@ impl RdmaServer {
     pub fn bind(mut opts: RdmaServerOptions) -> Result<RdmaServer, lwio_rdma::Error> {
         // The soft provider has no RDMA Write with immediate; use it only
         // where the device has it.
-        let ctx = super::open_context(opts.provider, &opts.rdma)?;
+        let ctx = super::open_context(opts.provider, opts.device.as_deref(), &opts.rdma)?;
         let caps = ctx.device().caps.clone();
         opts.proto.use_write_with_imm =
             opts.proto.use_write_with_imm && caps.as_ref().is_some_and(|c| c.write_with_imm);
@@ -473,6 +482,20 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
             backend.submit(&mut ops).pop()
         }
         JobKind::Write { data } => {
+            // O_DIRECT needs an aligned memory address too. The request's
+            // payload is wherever the receive put it, so copy it into an
+            // aligned buffer (offset and length alignment are the client's
+            // business: unaligned ones fail with INVALID_PARAMETER).
+            let a = job.align.max(1) as usize;
+            let mut bounce = Vec::new();
+            let data: &[u8] = if a > 1 && !(data.as_ptr() as usize).is_multiple_of(a) {
+                bounce.resize(data.len() + a, 0u8);
+                let pad = bounce.as_ptr().align_offset(a).min(a);
+                bounce[pad..pad + data.len()].copy_from_slice(data);
+                &bounce[pad..pad + data.len()]
+            } else {
+                data
+            };
             let mut ops =
                 [crate::fs::backend::IoOp::write(fd, job.offset, data).aligned(job.align)];
             backend.submit(&mut ops).pop()

@@ -46,6 +46,21 @@ impl LocalServer {
     ) -> crate::Result<LocalServer> {
         rdma.listen = "127.0.0.1:0".parse().expect("literal address");
         rdma.provider = ProviderChoice::Soft;
+        rdma.device = None;
+        LocalServer::start_on(root, export, token, limits, rdma)
+    }
+
+    /// [`LocalServer::start`] on the provider, device and RDMA listen
+    /// address of `rdma` as given (e.g. verbs on rxe0 at 10.0.0.1:0); the
+    /// side channel stays on loopback.
+    pub fn start_on(
+        root: &Path,
+        export: &str,
+        token: &str,
+        limits: Limits,
+        rdma: RdmaServerOptions,
+    ) -> crate::Result<LocalServer> {
+        let provider = rdma.provider;
         let opts = ServerOptions {
             listen: "127.0.0.1:0".into(),
             server_name: "lwio-test".into(),
@@ -60,7 +75,7 @@ impl LocalServer {
             },
             limits,
             io: IoConfig::default(),
-            provider: ProviderChoice::Soft,
+            provider,
             resolve: ResolveMode::Auto,
         };
         let phase = RdmaServer::bind(rdma)
