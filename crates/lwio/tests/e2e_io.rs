@@ -11,6 +11,7 @@ use lwio::client::{AsyncClient, Client, ClientOptions, Completion, Error, OpenOp
 use lwio::config::Limits;
 use lwio::data::server::RdmaServerOptions;
 use lwio::data::testkit::LocalServer;
+use lwio_proto::status::{STATUS_ACCESS_DENIED, STATUS_INVALID_PARAMETER, STATUS_SUCCESS};
 
 const TOKEN: &str = "e2e-test-token-0123456789";
 
@@ -129,6 +130,15 @@ fn io_suite(completion: Completion) {
     assert_eq!(&back[..30], &[0u8; 30]);
     assert_eq!(&back[30..], &d[..]);
     assert_eq!(local_read(&path, far, d.len()), d);
+    // ... and a read past 4 GiB large enough to land in the caller's buffer
+    // (registered) rather than a staging slot.
+    let d2 = pattern(300_001, 10);
+    assert_eq!(f.write_at(&d2, far + 50_000).unwrap(), d2.len());
+    let calls = c.stats().call_registrations;
+    let mut back = vec![0u8; 300_001];
+    assert_eq!(f.read_at(&mut back, far + 50_000).unwrap(), back.len());
+    assert_eq!(back, d2);
+    assert_eq!(c.stats().call_registrations, calls + 1);
 
     // Offsets that overflow are refused locally.
     assert!(matches!(
@@ -365,4 +375,435 @@ fn async_api_and_dropped_future() {
         f.close().await.unwrap();
         assert_eq!(c.stats().credit_violations, 0);
     });
+}
+
+/// Large reads land in the caller's memory: a plain buffer is registered
+/// for the call; a `register_buffer` buffer comes from the registration
+/// cache (LRU-bounded, released on drop). Data is byte-exact either way and
+/// every window is invalidated.
+fn registered_suite(completion: Completion) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let opts = ClientOptions {
+        completion,
+        credits: 8,
+        reg_cache_entries: 2,
+        op_timeout: Duration::from_secs(20),
+        ..ClientOptions::default()
+    };
+    let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts).unwrap();
+    let data = pattern(3 << 20, 77);
+    std::fs::write(dir.path().join("r.bin"), &data).unwrap();
+    let f = c.open("r.bin", &OpenOptions::read_only()).unwrap();
+
+    // Below the threshold: staged, no registration.
+    let mut small = vec![0u8; 60_000];
+    assert_eq!(f.read_at(&mut small, 5).unwrap(), small.len());
+    assert_eq!(&small[..], &data[5..60_005]);
+    assert_eq!(c.stats().call_registrations, 0);
+
+    // A plain 1 MiB buffer at an odd offset: registered for the call.
+    let mut plain = vec![0u8; 1 << 20];
+    assert_eq!(f.read_at(&mut plain, 4097).unwrap(), plain.len());
+    assert_eq!(&plain[..], &data[4097..4097 + (1 << 20)]);
+    assert_eq!(c.stats().call_registrations, 1);
+
+    // Cached buffers: registered once, reads (also into sub-slices) hit.
+    let mut a = c.register_buffer(1 << 20).unwrap();
+    let mut b = c.register_buffer(300_000).unwrap();
+    let st0 = c.stats();
+    assert_eq!(st0.reg_cache_misses, 2, "{st0:?}");
+    for k in 0..3u64 {
+        let off = k * 777_777;
+        assert_eq!(f.read_at(&mut a, off).unwrap(), 1 << 20);
+        assert_eq!(&a[..], &data[off as usize..off as usize + (1 << 20)]);
+        assert_eq!(f.read_at(&mut b[1000..201_000], off + 3).unwrap(), 200_000);
+        assert_eq!(
+            &b[1000..201_000],
+            &data[off as usize + 3..off as usize + 200_003]
+        );
+    }
+    let st1 = c.stats();
+    assert_eq!(st1.reg_cache_hits, st0.reg_cache_hits + 6, "{st1:?}");
+    assert_eq!(st1.call_registrations, 1, "{st1:?}");
+    assert_eq!(st1.reg_cache_misses, 2, "{st1:?}");
+
+    // A third buffer with a 2-entry bound evicts the least recently used
+    // registration (a); a's next read registers it again.
+    let mut x = c.register_buffer(70_000).unwrap();
+    assert_eq!(c.stats().reg_cache_evictions, 1);
+    assert_eq!(f.read_at(&mut x, 9).unwrap(), 70_000);
+    assert_eq!(&x[..], &data[9..70_009]);
+    assert_eq!(f.read_at(&mut a, 11).unwrap(), 1 << 20);
+    assert_eq!(&a[..], &data[11..11 + (1 << 20)]);
+    let st2 = c.stats();
+    assert_eq!(st2.reg_cache_misses, 4, "{st2:?}");
+    assert_eq!(st2.reg_cache_evictions, 2, "{st2:?}");
+
+    // Explicit release, then reads into plain memory again.
+    drop(a);
+    drop(b);
+    drop(x);
+    let mut plain = vec![0u8; 200_000];
+    assert_eq!(f.read_at(&mut plain, 1).unwrap(), 200_000);
+    assert_eq!(&plain[..], &data[1..200_001]);
+    // Short read at end of file into caller memory.
+    let mut tail = vec![0xA5u8; 100_000];
+    let n = f.read_at(&mut tail, data.len() as u64 - 30_000).unwrap();
+    assert_eq!(n, 30_000);
+    assert_eq!(&tail[..n], &data[data.len() - 30_000..]);
+
+    let st = c.stats();
+    assert_eq!(st.windows_bound, st.windows_invalidated, "{st:?}");
+    assert_eq!(st.credit_violations, 0);
+}
+
+#[test]
+fn registered_reads_interrupt_mode() {
+    registered_suite(Completion::Interrupt);
+}
+
+#[test]
+fn registered_reads_poll_mode() {
+    registered_suite(Completion::Poll);
+}
+
+/// Open flags of the fds this process holds on `path` (the in-process
+/// server's), from /proc/self/fdinfo.
+fn fd_flags(path: &Path) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        if std::fs::read_link(e.path()).ok().as_deref() != Some(path) {
+            continue;
+        }
+        let info = std::fs::read_to_string(format!(
+            "/proc/self/fdinfo/{}",
+            e.file_name().to_string_lossy()
+        ))
+        .unwrap_or_default();
+        if let Some(l) = info.lines().find(|l| l.starts_with("flags:")) {
+            out.push(i32::from_str_radix(l[6..].trim(), 8).unwrap());
+        }
+    }
+    out
+}
+
+fn status_of(r: Result<usize, Error>) -> u32 {
+    match r {
+        Err(Error::Status { status, .. }) => status,
+        Err(Error::AccessDenied(_)) => STATUS_ACCESS_DENIED,
+        Ok(_) => STATUS_SUCCESS,
+        Err(e) => panic!("unexpected error {e}"),
+    }
+}
+
+/// FILE_NO_INTERMEDIATE_BUFFERING (O_DIRECT): aligned reads and writes work
+/// (byte-exact), unaligned ones fail with INVALID_PARAMETER; VEC_WRITE with
+/// COLLAPSE writes its page repeated, and is refused without the flag.
+fn direct_suite(completion: Completion) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let c = client(&s, completion);
+    let path = dir.path().join("direct.bin");
+    let f = c
+        .open(
+            "direct.bin",
+            &OpenOptions::read_write().create(true).no_buffering(true),
+        )
+        .unwrap();
+    assert!(
+        fd_flags(&path).iter().any(|fl| fl & libc::O_DIRECT != 0),
+        "server opened with O_DIRECT: {:?}",
+        fd_flags(&path)
+    );
+    // Aligned writes (several requests) and reads (staged and registered).
+    let d = pattern(512 * 1024, 31);
+    assert_eq!(f.write_at(&d, 8192).unwrap(), d.len());
+    assert_eq!(local_read(&path, 8192, d.len()), d);
+    let mut b = vec![0u8; 3 * 4096];
+    assert_eq!(f.read_at(&mut b, 8192 + 4096).unwrap(), b.len());
+    assert_eq!(&b[..], &d[4096..4096 * 4]);
+    let mut big = vec![0u8; 256 * 1024];
+    assert_eq!(f.read_at(&mut big, 8192 + 65_536).unwrap(), big.len());
+    assert_eq!(&big[..], &d[65_536..65_536 + 256 * 1024]);
+    // Unaligned offset or length: INVALID_PARAMETER, nothing written.
+    assert_eq!(
+        status_of(f.write_at(&pattern(4096, 1), 8193)),
+        STATUS_INVALID_PARAMETER
+    );
+    assert_eq!(
+        status_of(f.write_at(&pattern(1000, 1), 8192)),
+        STATUS_INVALID_PARAMETER
+    );
+    assert_eq!(local_read(&path, 8192, d.len()), d);
+    assert_eq!(status_of(f.read_at(&mut b, 100)), STATUS_INVALID_PARAMETER);
+    assert_eq!(
+        status_of(f.read_at(&mut b[..1000], 4096)),
+        STATUS_INVALID_PARAMETER
+    );
+    let mut big_odd = vec![0u8; 200_000];
+    assert_eq!(
+        status_of(f.read_at(&mut big_odd, 8192)),
+        STATUS_INVALID_PARAMETER
+    );
+
+    // COLLAPSE: one page on the wire per request, 40 pages on disk.
+    let page = pattern(4096, 41);
+    let reqs = c.stats().requests;
+    let total = 40 * 4096u64;
+    assert_eq!(f.write_repeated_at(&page, total, 1 << 20).unwrap(), total);
+    let sent = c.stats().requests - reqs;
+    assert!(sent <= 2, "COLLAPSE used ({sent} requests for 160 KiB)");
+    let back = local_read(&path, 1 << 20, total as usize);
+    assert_eq!(back.len(), total as usize);
+    for (i, chunk) in back.chunks(4096).enumerate() {
+        assert_eq!(chunk, &page[..], "page {i}");
+    }
+
+    // Without FILE_NO_INTERMEDIATE_BUFFERING, COLLAPSE is INVALID_PARAMETER.
+    let plain_path = dir.path().join("plain.bin");
+    let g = c
+        .open("plain.bin", &OpenOptions::read_write().create(true))
+        .unwrap();
+    let e = c.engine();
+    let r = e
+        .issue_vec_write(g.fid(), 0, 4096, 8192, &page, true)
+        .unwrap();
+    let slot = if completion == Completion::Poll {
+        e.last_slot()
+    } else {
+        None
+    };
+    assert_eq!(e.wait(r, slot).unwrap().1, STATUS_INVALID_PARAMETER);
+    assert_eq!(
+        std::fs::metadata(&plain_path).unwrap().len(),
+        0,
+        "nothing written"
+    );
+    // write_repeated_at on such a file falls back to plain writes.
+    assert_eq!(g.write_repeated_at(&page, 3 * 4096, 0).unwrap(), 3 * 4096);
+    assert_eq!(local_read(&plain_path, 4096, 4096), page);
+    assert_eq!(c.stats().credit_violations, 0);
+}
+
+#[test]
+fn direct_io_and_collapse_interrupt_mode() {
+    direct_suite(Completion::Interrupt);
+}
+
+#[test]
+fn direct_io_and_collapse_poll_mode() {
+    direct_suite(Completion::Poll);
+}
+
+/// Write-through opens are O_DSYNC at the server; data is byte-exact.
+#[test]
+fn write_through_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let c = client(&s, Completion::Interrupt);
+    let path = dir.path().join("wt.bin");
+    let f = c
+        .open(
+            "wt.bin",
+            &OpenOptions::read_write().create(true).write_through(true),
+        )
+        .unwrap();
+    let flags = fd_flags(&path);
+    assert!(
+        !flags.is_empty() && flags.iter().all(|fl| fl & libc::O_DSYNC == libc::O_DSYNC),
+        "server fds are O_DSYNC: {flags:?}"
+    );
+    let d = pattern(100_003, 12);
+    assert_eq!(f.write_at(&d, 17).unwrap(), d.len());
+    assert_eq!(local_read(&path, 17, d.len()), d);
+    let mut b = vec![0u8; d.len()];
+    assert_eq!(f.read_at(&mut b, 17).unwrap(), d.len());
+    assert_eq!(b, d);
+}
+
+/// A resume key from a read-only open registers (REGISTER carries no access
+/// of its own) but cannot write: WRITE, VEC_WRITE and VEC_WRITE with
+/// COLLAPSE on its Fid fail with ACCESS_DENIED and the file is unchanged.
+/// Symmetrically a write-only open cannot READ.
+#[test]
+fn read_only_key_cannot_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let c = client(&s, Completion::Interrupt);
+    let path = dir.path().join("ro.bin");
+    let data = pattern(64 * 1024, 3);
+    std::fs::write(&path, &data).unwrap();
+    let f = c.open("ro.bin", &OpenOptions::read_only()).unwrap();
+    assert!(matches!(
+        f.write_at(b"evil", 0),
+        Err(Error::AccessDenied(_))
+    ));
+    assert!(matches!(
+        f.write_at(&pattern(100_000, 4), 0),
+        Err(Error::AccessDenied(_))
+    ));
+    assert!(matches!(
+        f.write_vectored_at(&[IoSlice::new(b"a"), IoSlice::new(b"b")], 10),
+        Err(Error::AccessDenied(_))
+    ));
+    let e = c.engine();
+    let r = e.issue_write(f.fid(), 0, b"raw").unwrap();
+    assert_eq!(e.wait(r, None).unwrap().1, STATUS_ACCESS_DENIED);
+    let g = c
+        .open("ro.bin", &OpenOptions::read_only().no_buffering(true))
+        .unwrap();
+    let page = pattern(4096, 5);
+    assert!(matches!(
+        g.write_repeated_at(&page, 8192, 0),
+        Err(Error::AccessDenied(_))
+    ));
+    assert_eq!(std::fs::read(&path).unwrap(), data, "file unchanged");
+    // Reading is allowed.
+    let mut b = vec![0u8; 4096];
+    assert_eq!(f.read_at(&mut b, 4096).unwrap(), 4096);
+    assert_eq!(&b[..], &data[4096..8192]);
+    // A write-only open cannot read.
+    let w = c
+        .open(
+            "ro.bin",
+            &OpenOptions(lwio::fs::OpenOptions {
+                write: true,
+                ..Default::default()
+            }),
+        )
+        .unwrap();
+    assert!(matches!(w.read_at(&mut b, 0), Err(Error::AccessDenied(_))));
+    assert_eq!(w.write_at(b"ok", 0).unwrap(), 2);
+    assert_eq!(&std::fs::read(&path).unwrap()[..2], b"ok");
+}
+
+/// 4 clients (both completion modes) × 3 files each, all concurrent:
+/// writes and reads (staged and registered) byte-exact, no credit
+/// violations, no protocol closes.
+#[test]
+fn many_clients_many_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), RdmaServerOptions::default());
+    let clients: Vec<Client> = (0..4)
+        .map(|i| {
+            client(
+                &s,
+                if i % 2 == 0 {
+                    Completion::Poll
+                } else {
+                    Completion::Interrupt
+                },
+            )
+        })
+        .collect();
+    let mut ts = Vec::new();
+    for (ci, c) in clients.iter().enumerate() {
+        for fi in 0..3usize {
+            let c = c.clone();
+            let root = dir.path().to_path_buf();
+            ts.push(std::thread::spawn(move || {
+                let name = format!("c{ci}f{fi}.bin");
+                let f = c
+                    .open(&name, &OpenOptions::read_write().create(true))
+                    .unwrap();
+                let seed = (ci * 10 + fi) as u64;
+                let d = pattern(200_000 + fi * 50_001, seed);
+                for round in 0..3u64 {
+                    let off = round * 1_000_003 + fi as u64;
+                    assert_eq!(f.write_at(&d, off).unwrap(), d.len());
+                    let mut b = vec![0u8; d.len()];
+                    assert_eq!(f.read_at(&mut b, off).unwrap(), d.len());
+                    assert_eq!(b, d, "{name} round {round}");
+                    let mut small = vec![0u8; 999];
+                    assert_eq!(f.read_at(&mut small, off + 12_345).unwrap(), 999);
+                    assert_eq!(&small[..], &d[12_345..12_345 + 999]);
+                }
+                for round in 0..3u64 {
+                    let off = round * 1_000_003 + fi as u64;
+                    assert_eq!(local_read(&root.join(&name), off, d.len()), d);
+                }
+                f.close().unwrap();
+            }));
+        }
+    }
+    for t in ts {
+        t.join().unwrap();
+    }
+    for c in &clients {
+        let st = c.stats();
+        assert_eq!(st.credit_violations, 0, "{st:?}");
+        assert_eq!(st.windows_bound, st.windows_invalidated, "{st:?}");
+    }
+    let ss = s.rdma.stats();
+    assert_eq!(ss.closed_by_protocol, 0, "{ss:?}");
+    assert_eq!(ss.connections, 4, "{ss:?}");
+}
+
+/// Graceful shutdown with I/O in flight: every write the server
+/// acknowledged is on disk afterwards, and clients see an error (not a
+/// hang) for what was cut off.
+#[test]
+fn graceful_shutdown_keeps_acknowledged_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = server(dir.path(), RdmaServerOptions::default());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut ts = Vec::new();
+    for ci in 0..2usize {
+        let c = client(
+            &s,
+            if ci == 0 {
+                Completion::Poll
+            } else {
+                Completion::Interrupt
+            },
+        );
+        let stop = stop.clone();
+        ts.push(std::thread::spawn(move || {
+            let f = c
+                .open(
+                    &format!("sd{ci}.bin"),
+                    &OpenOptions::read_write().create(true),
+                )
+                .unwrap();
+            let mut acked = Vec::new();
+            for k in 0..100_000u64 {
+                let d = pattern(64 * 1024, k + 1000 * ci as u64);
+                match f.write_at(&d, k * 65_536) {
+                    Ok(n) => {
+                        assert_eq!(n, d.len());
+                        acked.push(k);
+                    }
+                    Err(_) => break,
+                }
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+            }
+            drop(f);
+            acked
+        }));
+    }
+    std::thread::sleep(Duration::from_millis(400));
+    let t = std::time::Instant::now();
+    s.stop();
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "shutdown took {:?}",
+        t.elapsed()
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for (ci, t) in ts.into_iter().enumerate() {
+        let acked = t.join().unwrap();
+        assert!(!acked.is_empty(), "client {ci} wrote before the shutdown");
+        let path = dir.path().join(format!("sd{ci}.bin"));
+        for k in acked {
+            let d = pattern(64 * 1024, k + 1000 * ci as u64);
+            assert_eq!(
+                local_read(&path, k * 65_536, d.len()),
+                d,
+                "acknowledged write {k} of client {ci} is on disk"
+            );
+        }
+    }
 }
