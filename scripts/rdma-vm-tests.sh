@@ -31,6 +31,7 @@ VM_ORDER="main netns"
 # name | vm | timeout(s) | needs | guard | guest command
 #   needs: host files (relative to the repo root) copied to /test/<basename>; a missing
 #          one makes the case SKIP. target/release/* come from `cargo build --release --bins`,
+#          target/release/examples/NAME from `cargo build --release --example NAME`,
 #          target/rdma-vm/* from scripts/vm/*.c.
 #   guard: host shell command (run in the repo root); non-zero -> SKIP. `-` for none.
 #   guest command: busybox sh in /test with scripts/vm/guest-lib.sh sourced (pair,
@@ -49,6 +50,8 @@ ib_read_bw-rxe      | main  | 90  | - | - | pair "ib_read_bw -d $RXE_DEV -R -s 6
 ib_read_bw-siw      | main  | 90  | - | - | pair "ib_read_bw -d $SIW_DEV -R -s 65536 -n 300 -F" "ib_read_bw -d $SIW_DEV -R -s 65536 -n 300 -F $SIW_IP"
 conformance-rxe     | main  | 300 | target/release/lwio-conformance | - | ./lwio-conformance --provider verbs --device $RXE_DEV --ip $RXE_IP
 conformance-siw     | main  | 300 | target/release/lwio-conformance | - | ./lwio-conformance --provider verbs --device $SIW_DEV --ip $SIW_IP
+lwio-e2e-rxe        | main  | 180 | target/release/examples/lwio-e2e-vm scripts/vm/lwio-e2e.sh | - | sh ./lwio-e2e.sh $RXE_DEV $RXE_IP
+lwio-e2e-siw        | main  | 180 | target/release/examples/lwio-e2e-vm scripts/vm/lwio-e2e.sh | - | sh ./lwio-e2e.sh $SIW_DEV $SIW_IP
 mpa-tcp-to-siw      | netns | 30  | - | - | rping -s -a $SIW_IP -C 1 & wait_tcp $SIW_IP 7174 && { (printf 'MPA ID Req Frame\000\001\000\000'; sleep 2) | timeout 5 inpeer nc $SIW_IP 7174 > /tmp/rep; }; head -c 16 /tmp/rep | grep -x 'MPA ID Rep Frame'
 mpa-tcp-to-siw-crc  | netns | 30  | - | - | rping -s -a $SIW_IP -C 1 & wait_tcp $SIW_IP 7174 && { (printf 'MPA ID Req Frame\100\001\000\000'; sleep 2) | timeout 5 inpeer nc $SIW_IP 7174 > /tmp/rep; }; head -c 16 /tmp/rep | grep -x 'MPA ID Rep Frame' && [ "$(mpa_flags /tmp/rep)" = 40 ]
 mpa-siw-to-tcp      | netns | 30  | - | - | inpeer nc -l -p 7174 > /tmp/req & sleep 1; timeout -s KILL 4 rping -c -a $PEER_IP -C 1; head -c 16 /tmp/req | grep -x 'MPA ID Req Frame' && [ "$(mpa_flags /tmp/req)" = 10 ]
@@ -106,9 +109,18 @@ needs_of() { local x; for x in ${C_NEEDS[$1]}; do [ "$x" = - ] || echo "$x"; don
 T0=$(date +%s)
 BUILD_FAIL=()   # needs prefixes whose build failed -> FAIL, not SKIP
 if [ $NOBUILD = 0 ] && [ $LIST = 0 ]; then
-  want_cargo=0 want_c=0
+  want_cargo=0 want_c=0 EXAMPLES=()
   for n in "${NAMES[@]}"; do for x in $(needs_of "$n"); do
-    case $x in target/release/*) want_cargo=1 ;; target/rdma-vm/*) want_c=1 ;; esac; done; done
+    case $x in
+      target/release/examples/*) [[ " ${EXAMPLES[*]-} " == *" ${x##*/} "* ]] || EXAMPLES+=(--example "${x##*/}") ;;
+      target/release/*) want_cargo=1 ;; target/rdma-vm/*) want_c=1 ;;
+    esac; done; done
+  if [ ${#EXAMPLES[@]} -gt 0 ]; then
+    log "cargo build --release ${EXAMPLES[*]}"
+    if ! "$CARGO" build --release --workspace "${EXAMPLES[@]}" >&2; then
+      log "cargo build failed: cases that need target/release/examples/* will FAIL"; BUILD_FAIL+=(target/release/examples/)
+    fi
+  fi
   if [ $want_cargo = 1 ]; then
     log "cargo build --release --bins (workspace)"
     if ! "$CARGO" build --release --workspace --bins >&2; then

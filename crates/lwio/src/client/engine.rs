@@ -101,6 +101,9 @@ pub struct ClientStats {
     pub call_registrations: u64,
     pub polled_completions: u64,
     pub interrupt_completions: u64,
+    /// Of the interrupt completions, reads completed by the server's RDMA
+    /// Write with Immediate (ImmediateCookie) rather than a status message.
+    pub immediate_completions: u64,
 }
 
 /// Where a read's data lands.
@@ -735,6 +738,7 @@ impl Engine {
                 match (w.opcode, w.imm) {
                     (WcOpcode::RecvRdmaWithImm, Some(imm)) => {
                         st.stats.interrupt_completions += 1;
+                        st.stats.immediate_completions += 1;
                         st.conn.handle_immediate(now, imm);
                     }
                     _ => {
@@ -1270,11 +1274,10 @@ impl Engine {
             st.cache.tick += 1;
             let tick = st.cache.tick;
             let St { cache, stats, .. } = &mut *st;
-            let need =
-                cache
-                    .entries
-                    .get(&start)
-                    .map_or(0, |e| if e.reg.is_none() { e.len } else { 0 });
+            let need = cache
+                .entries
+                .get(&start)
+                .map_or(0, |e| if e.reg.is_none() { e.len } else { 0 });
             if need > 0 {
                 cache.make_room(need, stats);
             }

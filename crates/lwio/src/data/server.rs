@@ -187,7 +187,12 @@ impl Shared {
             }
             Err(e) => {
                 self.mem_used.fetch_sub(len, Ordering::AcqRel);
-                warn!(error = %e, len, "memory registration failed");
+                warn!(
+                    error = %e,
+                    len,
+                    "memory registration failed (siw charges registrations to the \
+                     locked-memory limit even for root: check `ulimit -l`)"
+                );
                 Err(STATUS_INSUFFICIENT_RESOURCES)
             }
         }
