@@ -1,7 +1,9 @@
 //! Staged-copy vs registered reads on loopback (soft provider): the
 //! measurement behind `ClientOptions::register_threshold`.
 //!
-//! `cargo run --release -p lwio --example read-bench [SECONDS_PER_CASE]`
+//! `cargo run --release -p lwio --example read-bench [SECONDS_PER_CASE [FILTER [ROUNDS]]]`
+//! (FILTER: only cases whose `MODE/KIND SIZE` contains it, e.g. `Interrupt`;
+//! ROUNDS: repeat the three kinds interleaved)
 //!
 //! For 64 KiB and 1 MiB reads of a file in the server's page cache, in
 //! both completion modes: `staged` (server writes into staging slots, the
@@ -24,6 +26,12 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(2.0);
+    // Optional: only cases whose name contains this (e.g. "Interrupt").
+    let only = std::env::args().nth(2).unwrap_or_default();
+    let rounds: usize = std::env::args()
+        .nth(3)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     let dir = tempfile::tempdir().expect("temp dir");
     let data: Vec<u8> = (0..FILE).map(|i| (i * 7 + i / 4096) as u8).collect();
     std::fs::write(dir.path().join("bench.bin"), &data).expect("write file");
@@ -38,10 +46,13 @@ fn main() {
     println!("case                         size   MiB/s    us/read");
     for completion in [Completion::Interrupt, Completion::Poll] {
         for size in [64 << 10, 1 << 20] {
-            for mode in ["staged", "per-call", "cached"] {
+            for mode in std::iter::repeat_n(["staged", "per-call", "cached"], rounds).flatten() {
+                if !format!("{completion:?}/{mode} {}K", size >> 10).contains(&only) {
+                    continue;
+                }
                 let opts = ClientOptions {
                     completion,
-                    register_threshold: if mode == "staged" { usize::MAX } else { 1024 },
+                    register_threshold: Some(if mode == "staged" { usize::MAX } else { 1024 }),
                     ..ClientOptions::default()
                 };
                 let c = Client::connect(

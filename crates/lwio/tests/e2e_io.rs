@@ -35,6 +35,8 @@ fn client(s: &LocalServer, completion: Completion) -> Client {
         completion,
         credits: 8,
         op_timeout: Duration::from_secs(20),
+        // The soft provider stages by default; cover the registered path.
+        register_threshold: Some(64 * 1024),
         ..ClientOptions::default()
     };
     Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
@@ -388,6 +390,7 @@ fn registered_suite(completion: Completion) {
         completion,
         credits: 8,
         reg_cache_entries: 2,
+        register_threshold: Some(64 * 1024),
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
@@ -456,6 +459,33 @@ fn registered_suite(completion: Completion) {
     let st = c.stats();
     assert_eq!(st.windows_bound, st.windows_invalidated, "{st:?}");
     assert_eq!(st.credit_violations, 0);
+}
+
+/// Defaults on the soft provider: plain memory is staged (measured as fast
+/// or faster there), a registered buffer still lands directly.
+#[test]
+fn soft_default_stages_plain_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        ClientOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(c.provider(), "soft");
+    let data = pattern(1 << 20, 8);
+    std::fs::write(dir.path().join("d.bin"), &data).unwrap();
+    let f = c.open("d.bin", &OpenOptions::read_only()).unwrap();
+    let mut plain = vec![0u8; 1 << 20];
+    assert_eq!(f.read_at(&mut plain, 0).unwrap(), 1 << 20);
+    assert_eq!(plain, data);
+    let mut rb = c.register_buffer(1 << 20).unwrap();
+    assert_eq!(f.read_at(&mut rb[..4096], 4096).unwrap(), 4096);
+    assert_eq!(&rb[..4096], &data[4096..8192]);
+    let st = c.stats();
+    assert_eq!(st.call_registrations, 0, "{st:?}");
+    assert_eq!(st.reg_cache_hits, 1, "{st:?}");
 }
 
 #[test]

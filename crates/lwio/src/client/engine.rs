@@ -68,8 +68,10 @@ pub struct EngineConfig {
     pub poll_spin: Duration,
     pub op_timeout: Duration,
     pub auth_timeout: Duration,
-    /// Blocking reads of at least this many bytes land in the caller's
-    /// buffer (registered) instead of staging slots (`usize::MAX` = never).
+    /// Blocking reads of at least this many bytes into plain caller memory
+    /// register it for the call instead of using staging slots
+    /// (`usize::MAX` = never). Reads of at least [`BOUNCE_THRESHOLD`] into a
+    /// registered buffer always land in it directly.
     pub register_threshold: usize,
     /// Registration cache bounds (bytes, entries).
     pub reg_cache_bytes: usize,
@@ -1255,16 +1257,22 @@ impl Engine {
 
     /// Where a read of `len` bytes at `ptr` lands in caller memory: the
     /// cached registration when the range lies in a
-    /// [`crate::client::RegisteredBuf`], otherwise a registration made now
-    /// for this call (dropped with the returned value). Each call gets a new
-    /// group for [`Engine::fence_group`].
+    /// [`crate::client::RegisteredBuf`], otherwise (if `per_call`) a
+    /// registration made now for this call, dropped with the returned value;
+    /// `None` when neither applies. Each call gets a new group for
+    /// [`Engine::fence_group`].
     ///
     /// # Safety
     /// `ptr..ptr + len` must be memory the caller holds exclusively (a
     /// `&mut [u8]` it does not use while the read runs), and it must stay
     /// allocated until `fence_group(dst.group)` has returned and the
     /// returned value is dropped.
-    pub unsafe fn user_dst(&self, ptr: *mut u8, len: usize) -> Result<UserDst> {
+    pub unsafe fn user_dst(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        per_call: bool,
+    ) -> Result<Option<UserDst>> {
         let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND;
         let mut st = lock(&self.st);
         let group = st.next_group;
@@ -1306,21 +1314,24 @@ impl Engine {
                     r
                 }
             };
-            return Ok(UserDst {
+            return Ok(Some(UserDst {
                 reg,
                 off: ptr as usize - start,
                 group,
-            });
+            }));
+        }
+        if !per_call {
+            return Ok(None);
         }
         // SAFETY: the caller's contract (exclusively held, allocated until
         // the group is fenced and this registration dropped).
         let mr = unsafe { self.pd.register_raw(ptr, len, access)? };
         st.stats.call_registrations += 1;
-        Ok(UserDst {
+        Ok(Some(UserDst {
             reg: Arc::new(UserReg { mr, _mem: None }),
             off: 0,
             group,
-        })
+        }))
     }
 
     /// Return once no remote write can reach the caller memory of `group`
@@ -1393,7 +1404,7 @@ impl Engine {
         // Register now (so the first read does not pay for it).
         // SAFETY: the range is the entry's own buffer, exclusively owned by
         // the new RegisteredBuf, which nobody can use before we return.
-        let first = unsafe { self.user_dst(start as *mut u8, len) };
+        let first = unsafe { self.user_dst(start as *mut u8, len, false) };
         match first {
             Ok(_) => Ok(start),
             Err(e) => {

@@ -145,8 +145,23 @@ fn status_error(what: impl Into<String>, status: NtStatus) -> Error {
     }
 }
 
-/// Default of [`ClientOptions::register_threshold`] (measured: `bench/RESULTS.md`).
+/// Threshold of per-call registration on verbs devices when
+/// [`ClientOptions::register_threshold`] is `None` (see `bench/RESULTS.md`).
 pub const DEFAULT_REGISTER_THRESHOLD: usize = 64 * 1024;
+
+/// The per-call registration threshold for a provider when the options
+/// leave it to us: on the soft provider staging measured as fast or faster
+/// (`bench/RESULTS.md`: the provider copies every byte from its socket
+/// anyway, and a registered read also waits for its invalidations), so it
+/// stages; on verbs devices the NIC places data in the caller's buffer with
+/// no CPU copy at all, so reads of 64 KiB and more register it.
+pub fn default_register_threshold(provider: &str) -> usize {
+    if provider == "soft" {
+        usize::MAX
+    } else {
+        DEFAULT_REGISTER_THRESHOLD
+    }
+}
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -169,11 +184,13 @@ pub struct ClientOptions {
     pub send_slots: usize,
     /// Polling mode: how long a waiter spins on its status block.
     pub poll_spin: Duration,
-    /// Blocking reads of at least this many bytes land directly in the
-    /// caller's buffer (registered for the call, or found in the
-    /// registration cache) instead of a staging slot and a copy.
-    /// `usize::MAX` = always stage. See `bench/RESULTS.md` for the default.
-    pub register_threshold: usize,
+    /// Blocking reads of at least this many bytes into plain memory land
+    /// directly in the caller's buffer, registered for the call, instead of
+    /// a staging slot and a copy (`Some(usize::MAX)` = always stage). `None`
+    /// = [`default_register_threshold`] of the provider in use. Reads into a
+    /// [`Client::register_buffer`] buffer always land directly (cached
+    /// registration).
+    pub register_threshold: Option<usize>,
     /// Bounds of the registration cache of [`Client::register_buffer`]
     /// buffers: bytes and entries registered at once (least recently used
     /// registrations are dropped past them).
@@ -198,7 +215,7 @@ impl Default for ClientOptions {
             write_chunk: 16 * 1024,
             send_slots: 64,
             poll_spin: Duration::from_micros(200),
-            register_threshold: DEFAULT_REGISTER_THRESHOLD,
+            register_threshold: None,
             reg_cache_bytes: 256 << 20,
             reg_cache_entries: 64,
             op_timeout: Duration::from_secs(30),
@@ -385,7 +402,7 @@ impl Client {
             poll_spin: opts.poll_spin,
             op_timeout: opts.op_timeout,
             auth_timeout: opts.connect_timeout,
-            register_threshold: opts.register_threshold.max(engine::BOUNCE_THRESHOLD),
+            register_threshold: usize::MAX,
             reg_cache_bytes: opts.reg_cache_bytes,
             reg_cache_entries: opts.reg_cache_entries,
         };
@@ -412,7 +429,12 @@ impl Client {
                         None => continue,
                     }
                 }
-                match Engine::connect(&ctx, addr, resp.key, secret.clone(), cfg.clone()) {
+                let mut cfg = cfg.clone();
+                cfg.register_threshold = opts
+                    .register_threshold
+                    .unwrap_or_else(|| default_register_threshold(provider.name()))
+                    .max(engine::BOUNCE_THRESHOLD);
+                match Engine::connect(&ctx, addr, resp.key, secret.clone(), cfg) {
                     Ok(engine) => {
                         info!(server = %resp.server_name, %addr, provider = %p.name, "connected");
                         return Ok(Client(Arc::new(Inner {
@@ -540,9 +562,8 @@ enum ReadInto<'a> {
 
 /// A buffer whose registration the client caches (see
 /// [`Client::register_buffer`]). It dereferences to `[u8]`; reads into it
-/// (or into any sub-slice of it) of at least
-/// [`ClientOptions::register_threshold`] bytes land in it directly, with no
-/// per-call registration and no copy. Dropping it releases the
+/// (or into any sub-slice of it) of at least 1 KiB (`BOUNCE_THRESHOLD`) land
+/// in it directly, with no per-call registration and no copy. Dropping it releases the
 /// registration.
 pub struct RegisteredBuf {
     mem: Arc<lwio_rdma::RegBuf>,
@@ -644,8 +665,9 @@ impl File {
             .checked_add(buf.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
         let e = self.engine();
-        if buf.len() >= e.cfg.register_threshold {
+        if buf.len() >= engine::BOUNCE_THRESHOLD {
             let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+            let per_call = len >= e.cfg.register_threshold;
             // SAFETY: `buf` is exclusively borrowed for this whole call and
             // is not touched through the reference until we return; the
             // pointer is derived from it. Every window over it is bound
@@ -657,8 +679,9 @@ impl File {
             // return, and a cached one belongs to a `RegisteredBuf` whose
             // memory the cache entry keeps alive. So no remote write can
             // reach the buffer after the borrow ends.
-            match unsafe { e.user_dst(ptr, len) } {
-                Ok(dst) => {
+            match unsafe { e.user_dst(ptr, len, per_call) } {
+                Ok(None) => {}
+                Ok(Some(dst)) => {
                     let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst));
                     e.fence_group(dst.group());
                     drop(dst);
