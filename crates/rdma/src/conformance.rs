@@ -991,9 +991,23 @@ fn case_reject(env: &Env<'_>) -> R {
     }
 }
 
+/// The most private data a connection request / accept may carry on a
+/// device's transport: RoCE's CM REQ/REP carry 56/196 bytes of which rdma_cm
+/// keeps 2 (54 request, 194 accept; 146 reject); MPA allows 512 (RFC 5044
+/// §7.1), more than the suite ever sends.
+fn private_data_caps(t: Transport) -> (usize, usize) {
+    match t {
+        Transport::Roce | Transport::Infiniband => (54, 194),
+        _ => (512, 512),
+    }
+}
+
 fn case_accept_pd(env: &Env<'_>) -> R {
-    let sp = pattern(1, 200);
-    let cp = pattern(2, 100);
+    let (creq, _) = private_data_caps(env.client.device().transport);
+    let (sreq, sacc) = private_data_caps(env.server.device().transport);
+    let (_, cacc) = private_data_caps(env.client.device().transport);
+    let sp = pattern(1, 200.min(sacc).min(cacc));
+    let cp = pattern(2, 100.min(creq).min(sreq));
     let c = env.connect(&params(&sp), &params(&cp))?;
     let sn = c.s.qp.negotiated();
     let cn = c.c.qp.negotiated();
@@ -1337,6 +1351,11 @@ fn expect_violation(
                     | WcStatus::RemOpErr
                     | WcStatus::RemInvReqErr
                     | WcStatus::WrFlushErr
+                    // siw completes the WR it is still transmitting when the
+                    // peer's Terminate + close breaks its socket with
+                    // LOC_QP_OP_ERR (siw_qp_sq_process); the memory and
+                    // QP-state checks below still apply.
+                    | WcStatus::LocQpOpErr
             ),
             "requester completion {e:?}"
         );
@@ -1650,10 +1669,16 @@ fn prot_stale_key(env: &Env<'_>) -> R {
     c.s.qp.invalidate(k1, 78, false)?;
     let k2 = bind(&c, &mw, &t, 0, 8192, Access::REMOTE_WRITE, false)?;
     ensure!(k1 != k2, "re-bind reissued the same key {k1:#x}");
-    ensure!(
-        stag::index(k1) == stag::index(k2),
-        "re-bind changed the index"
-    );
+    // A native window keeps its STag index and changes the key byte; a
+    // device without windows registers a fresh region per bind, so the new
+    // key is unrelated. Either way what matters is checked below: the old
+    // key no longer works and the memory is unchanged.
+    if mw.kind() == MwKind::Native {
+        ensure!(
+            stag::index(k1) == stag::index(k2),
+            "re-bind changed the index"
+        );
+    }
     expect_violation(
         env,
         &c,
@@ -1884,5 +1909,166 @@ impl Env<'_> {
         crate::soft::context_config(self.server)
             .map(|c| c.indicate_window)
             .unwrap_or(usize::MAX)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Known deviations of kernel drivers.
+
+/// Which end of a run must be on the deviating driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Server,
+    Client,
+}
+
+/// A verified deviation of a device driver from what a case checks (and,
+/// where a protection property is concerned, from the RFCs). A case listed
+/// here that fails is reported `XFAIL` and does not fail the run.
+#[derive(Debug, Clone, Copy)]
+pub struct Deviation {
+    /// Driver of the deviating end (see [`driver_of`]).
+    pub driver: &'static str,
+    /// The end that must be on `driver`.
+    pub side: Side,
+    /// If set, the other end's driver must be this (the deviation only shows
+    /// with that peer).
+    pub peer: Option<&'static str>,
+    pub case: &'static str,
+    pub reason: &'static str,
+    /// Where it is explained (`docs/interop.md#…`).
+    pub reference: &'static str,
+}
+
+/// Every known deviation. Only list what was reproduced in the VM and is
+/// explained by the driver's source (docs/interop.md, "Known deviations").
+pub const DEVIATIONS: &[Deviation] = &[
+    Deviation {
+        driver: "siw",
+        side: Side::Server,
+        peer: None,
+        case: "send_with_invalidate_sizes",
+        reason: "siw invalidates the STag but reports the invalidated key only to kernel CQs \
+                 (siw_rqe_complete), so a user-space receive has no invalidated_rkey",
+        reference: "docs/interop.md#siw-invalidated-rkey",
+    },
+    Deviation {
+        driver: "siw",
+        side: Side::Server,
+        peer: None,
+        case: "mw_send_with_invalidate",
+        reason: "siw invalidates the STag but reports the invalidated key only to kernel CQs \
+                 (siw_rqe_complete), so a user-space receive has no invalidated_rkey",
+        reference: "docs/interop.md#siw-invalidated-rkey",
+    },
+    Deviation {
+        driver: "siw",
+        side: Side::Server,
+        peer: None,
+        case: "cq_arm_solicited_only",
+        reason: "siw never raises a solicited-only CQ event for a receive \
+                 (siw_rqe_complete notifies with SIW_WQE_SIGNALLED, not SOLICITED)",
+        reference: "docs/interop.md#siw-solicited-events",
+    },
+    Deviation {
+        driver: "siw",
+        side: Side::Server,
+        peer: None,
+        case: "prot_read_write_only_region",
+        reason: "PROTECTION NOT ENFORCED: siw serves an RDMA Read from a region registered \
+                 without REMOTE_READ (siw_check_sgl_tx(pd, wqe, 0) checks no permission)",
+        reference: "docs/interop.md#siw-remote-read-not-enforced",
+    },
+    Deviation {
+        driver: "siw",
+        side: Side::Server,
+        peer: Some("soft"),
+        case: "prot_read_wrong_key",
+        reason: "siw's Terminate for a refused Read has layer and etype nibbles swapped \
+                 (little-endian bitfields): RDMAP/remote-protection arrives as DDP/0, \
+                 which RFC 5040 maps to a remote operation error, not an access error",
+        reference: "docs/interop.md#siw-terminate-nibbles",
+    },
+    Deviation {
+        driver: "siw",
+        side: Side::Server,
+        peer: Some("soft"),
+        case: "prot_read_oob_low",
+        reason: "siw's Terminate for a refused Read has layer and etype nibbles swapped \
+                 (little-endian bitfields): RDMAP/remote-protection arrives as DDP/0, \
+                 which RFC 5040 maps to a remote operation error, not an access error",
+        reference: "docs/interop.md#siw-terminate-nibbles",
+    },
+    Deviation {
+        driver: "siw",
+        side: Side::Server,
+        peer: Some("soft"),
+        case: "prot_read_oob_high",
+        reason: "siw's Terminate for a refused Read has layer and etype nibbles swapped \
+                 (little-endian bitfields): RDMAP/remote-protection arrives as DDP/0, \
+                 which RFC 5040 maps to a remote operation error, not an access error",
+        reference: "docs/interop.md#siw-terminate-nibbles",
+    },
+];
+
+/// The driver of a context: `"soft"` for the soft provider, else the device
+/// name without its trailing unit number (`rxe0` → `rxe`, `siw0` → `siw`,
+/// `mlx5_0` → `mlx5`), or the transport if the name has no letters.
+pub fn driver_of(ctx: &Context) -> String {
+    let d = ctx.device();
+    if d.provider == "soft" {
+        return "soft".into();
+    }
+    let n = d
+        .name
+        .trim_end_matches(|c: char| c.is_ascii_digit())
+        .trim_end_matches('_');
+    if n.is_empty() {
+        d.transport.to_string()
+    } else {
+        n.to_string()
+    }
+}
+
+/// The known deviation for `case` between these contexts, if any.
+pub fn deviation(server: &Context, client: &Context, case: &str) -> Option<&'static Deviation> {
+    let (sd, cd) = (driver_of(server), driver_of(client));
+    DEVIATIONS.iter().find(|d| {
+        let (me, other) = match d.side {
+            Side::Server => (&sd, &cd),
+            Side::Client => (&cd, &sd),
+        };
+        d.case == case && d.driver == me && d.peer.is_none_or(|p| p == other)
+    })
+}
+
+#[cfg(test)]
+mod deviation_tests {
+    use super::*;
+
+    #[test]
+    fn deviations_name_real_cases_and_docs() {
+        let names = case_names();
+        for d in DEVIATIONS {
+            assert!(names.contains(&d.case), "unknown case {}", d.case);
+            assert!(d.reference.starts_with("docs/interop.md#"), "{d:?}");
+            let anchor = d.reference.trim_start_matches("docs/interop.md#");
+            let doc = include_str!("../../../docs/interop.md");
+            assert!(
+                doc.contains(&format!("<a id=\"{anchor}\"></a>")),
+                "docs/interop.md has no anchor {anchor}"
+            );
+        }
+    }
+
+    #[test]
+    fn soft_pair_has_no_deviations() {
+        let p = crate::provider("soft").unwrap();
+        let a = p.open(None, &Config::default()).unwrap();
+        let b = p.open(None, &Config::default()).unwrap();
+        assert_eq!(driver_of(&a), "soft");
+        for n in case_names() {
+            assert!(deviation(&a, &b, n).is_none(), "{n}");
+        }
     }
 }
