@@ -5,10 +5,15 @@ use lwio::client::{Client, ClientOptions, Completion, OpenOptions};
 use lwio::side::{tls::parse_fingerprint, ClientOptions as SideOptions, ClientTls, Login, Token};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::args().nth(1).unwrap_or_else(|| "lwio://127.0.0.1/data".into());
+    let url = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "lwio://127.0.0.1/data".into());
     let mut side = SideOptions::new(Login::Token(Token::new(&std::env::var("LWIO_TOKEN")?)?));
     side.tls = ClientTls::Fingerprint(parse_fingerprint(&std::env::var("LWIO_FINGERPRINT")?)?);
-    let opts = ClientOptions { completion: Completion::Poll, ..Default::default() };
+    let opts = ClientOptions {
+        completion: Completion::Poll,
+        ..Default::default()
+    };
     let client = Client::connect_with(&url, &side, opts)?;
     let file = client.open("hello.txt", &OpenOptions::read_write().create(true))?;
     file.write_at(b"hello, lwio", 4096)?;
