@@ -737,14 +737,20 @@ impl Pd {
     }
 }
 
-/// A page-aligned, zero-initialised heap buffer for registration.
+/// A page-aligned, zero-initialised buffer for registration.
+///
+/// It is its own anonymous mapping (`mmap`), not heap memory: registered
+/// buffers are large and long-lived, pinned by RDMA devices page by page, and
+/// must go back to the system when dropped. (From the heap, glibc's dynamic
+/// mmap threshold would keep freed buffers in the process, which a server that
+/// accepts and drops many connections cannot afford.)
 pub struct RegBuf {
     ptr: *mut u8,
     len: usize,
-    layout: std::alloc::Layout,
+    map_len: usize,
 }
 
-// SAFETY: RegBuf exclusively owns its allocation; it is plain bytes with no
+// SAFETY: RegBuf exclusively owns its mapping; it is plain bytes with no
 // thread affinity.
 unsafe impl Send for RegBuf {}
 unsafe impl Sync for RegBuf {}
@@ -753,16 +759,33 @@ impl RegBuf {
     pub const ALIGN: usize = 4096;
 
     pub fn new(len: usize) -> Result<RegBuf> {
-        let layout = std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN)
-            .map_err(|e| Error::InvalidArgument(format!("buffer of {len} bytes: {e}")))?;
-        // SAFETY: layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
+        let map_len = len
+            .max(1)
+            .checked_next_multiple_of(Self::ALIGN)
+            .ok_or_else(|| Error::InvalidArgument(format!("buffer of {len} bytes")))?;
+        // SAFETY: a fresh private anonymous mapping aliases nothing; the
+        // kernel zero-fills it and aligns it to the page size (4096 here).
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
             return Err(Error::ResourceExhausted(format!(
-                "cannot allocate {len} bytes"
+                "cannot map {len} bytes: {}",
+                std::io::Error::last_os_error()
             )));
         }
-        Ok(RegBuf { ptr, len, layout })
+        Ok(RegBuf {
+            ptr: ptr.cast(),
+            len,
+            map_len,
+        })
     }
     pub fn len(&self) -> usize {
         self.len
@@ -777,8 +800,10 @@ impl RegBuf {
 
 impl Drop for RegBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout; dropped once.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+        // SAFETY: mapped in `new` with exactly this length; dropped once. The
+        // provider holds an `Arc<RegBuf>` for as long as the registration or a
+        // work request can touch the memory, so nothing accesses it after this.
+        unsafe { libc::munmap(self.ptr.cast(), self.map_len) };
     }
 }
 
