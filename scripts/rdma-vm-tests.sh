@@ -169,7 +169,15 @@ for n in "${NAMES[@]}"; do
       [[ $x == "$b"* ]] && { RESULT[$n]=FAIL; WHY[$n]="build of $x failed"; }
     done
     [ -n "${RESULT[$n]:-}" ] && break
-    [ -e "$(host_path "$x")" ] || { RESULT[$n]=SKIP; WHY[$n]="$(host_path "$x") not built yet"; break; }
+    # Every binary a case needs is built above: one that is still missing
+    # after a build means a broken build or a wrong path, and must fail the
+    # run rather than let the case pass unnoticed as a skip. With -n (no
+    # build) it is only skipped.
+    if [ ! -e "$(host_path "$x")" ]; then
+      if [ $NOBUILD = 1 ] || [ $LIST = 1 ]; then RESULT[$n]=SKIP; WHY[$n]="$(host_path "$x") not built (-n)"
+      else RESULT[$n]=FAIL; WHY[$n]="$(host_path "$x") missing after the build"; fi
+      break
+    fi
   done
   g=${C_GUARD[$n]}
   if [ -z "${RESULT[$n]:-}" ] && [ "$g" != - ] && ! bash -c "$g" >/dev/null 2>&1; then
