@@ -104,9 +104,11 @@ Examples:
 Examples:
   lwio devices")]
     Devices,
-    /// Raw RDMA verbs benchmark between two hosts (like ib_write_bw).
+    /// Raw RDMA verbs benchmark, over loopback or between two hosts (like ib_write_bw).
     #[command(after_help = "\
 Examples:
+  lwio rdma-bench --op write --size 1M --iters 2000          # both ends here, loopback
+  lwio rdma-bench --op send --size 64 --iters 20000 --poll   # latency, busy-polling
   lwio rdma-bench --op write --size 64k --listen 0.0.0.0:7471
   lwio rdma-bench --op write --size 64k --iters 10000 --connect 10.0.0.5:7471 --poll")]
     RdmaBench(RdmaBenchArgs),
@@ -343,7 +345,9 @@ pub enum RdmaProvider {
 }
 
 #[derive(Debug, Args)]
-#[command(group(ArgGroup::new("role").required(true).args(["listen", "connect"])))]
+/// With neither `--listen` nor `--connect`, both ends run in this process over
+/// loopback (two contexts, two threads).
+#[command(group(ArgGroup::new("role").required(false).args(["listen", "connect"])))]
 pub struct RdmaBenchArgs {
     /// RDMA operation to measure.
     #[arg(long, value_enum)]
@@ -357,7 +361,8 @@ pub struct RdmaBenchArgs {
     /// Busy-poll completions instead of waiting for events.
     #[arg(long)]
     pub poll: bool,
-    /// Wait for the peer on this address (server side).
+    /// Wait for the peer on this address (server side). Without --listen or
+    /// --connect both ends run here, over loopback.
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<String>,
     /// Connect to a listening peer (client side).
