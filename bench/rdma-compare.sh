@@ -52,7 +52,7 @@ fi_pp() { # size iters
   fi_pingpong -p tcp -e msg -B "$port" -I "$2" -S "$1" >/dev/null 2>&1 & PIDS+=($!)
   sleep 0.5
   fi_pingpong -p tcp -e msg -P "$port" -I "$2" -S "$1" 127.0.0.1 2>/dev/null \
-    | awk 'NF>=8 && $1 !~ /bytes/ {printf "%f %f\n", $6*1e6, $7}' | tail -1
+    | awk 'NF>=8 && $1 !~ /bytes/ {printf "%.0f %.2f\n", $6*1e6, $7}' | tail -1
   wait "${PIDS[-1]}" 2>/dev/null || true
 }
 # --- lwio rdma-bench: prints "bytes/s p50_us"

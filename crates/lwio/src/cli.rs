@@ -358,7 +358,8 @@ pub struct RdmaBenchArgs {
     /// Number of operations.
     #[arg(long, value_name = "N", default_value_t = 1000)]
     pub iters: u64,
-    /// Busy-poll completions instead of waiting for events.
+    /// Busy-poll completions instead of waiting for events (the soft
+    /// provider then runs its protocol engine in the polling thread).
     #[arg(long)]
     pub poll: bool,
     /// Wait for the peer on this address (server side). Without --listen or

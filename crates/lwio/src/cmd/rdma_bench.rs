@@ -43,6 +43,18 @@ pub fn perf_opts(a: &RdmaBenchArgs) -> anyhow::Result<PerfOpts> {
             .as_deref()
             .map(|s| addr("connect", s))
             .transpose()?,
+        // Busy-polling means the polling thread also drives the soft
+        // provider's protocol engine (Progress::Manual): no engine thread and
+        // no cross-thread wake-up per message, as fi_pingpong polls its own
+        // endpoint. Hardware providers ignore the setting.
+        config: lwio_rdma::Config {
+            progress: if a.poll {
+                lwio_rdma::Progress::Manual
+            } else {
+                lwio_rdma::Progress::Auto
+            },
+            ..lwio_rdma::Config::default()
+        },
         ..PerfOpts::default()
     })
 }
