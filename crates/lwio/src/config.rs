@@ -143,6 +143,10 @@ pub enum ExportEntry {
         /// Who may write (and read). Default: everyone who can log in.
         #[serde(default)]
         writers: Option<Vec<String>>,
+        /// Open regular files that have more than one hard link (a hard
+        /// link may name a file outside the export). Default: refused.
+        #[serde(default)]
+        allow_hardlinks: bool,
     },
 }
 
@@ -312,11 +316,14 @@ impl Config {
     /// Add or replace an export (command-line `--export` overrides the file;
     /// an export replaced this way keeps the file's access lists).
     pub fn set_export(&mut self, spec: &ExportSpec) {
-        let (readers, writers) = match self.exports.get(&spec.name) {
+        let (readers, writers, allow_hardlinks) = match self.exports.get(&spec.name) {
             Some(ExportEntry::Table {
-                readers, writers, ..
-            }) => (readers.clone(), writers.clone()),
-            _ => (None, None),
+                readers,
+                writers,
+                allow_hardlinks,
+                ..
+            }) => (readers.clone(), writers.clone(), *allow_hardlinks),
+            _ => (None, None, spec.allow_hardlinks),
         };
         self.exports.insert(
             spec.name.clone(),
@@ -325,6 +332,7 @@ impl Config {
                 read_only: spec.read_only,
                 readers,
                 writers,
+                allow_hardlinks,
             },
         );
     }
@@ -386,13 +394,18 @@ impl Config {
                     name: name.clone(),
                     path: p.clone(),
                     read_only: false,
+                    allow_hardlinks: false,
                 },
                 ExportEntry::Table {
-                    path, read_only, ..
+                    path,
+                    read_only,
+                    allow_hardlinks,
+                    ..
                 } => ExportSpec {
                     name: name.clone(),
                     path: path.clone(),
                     read_only: *read_only,
+                    allow_hardlinks: *allow_hardlinks,
                 },
             })
             .collect()
@@ -532,5 +545,20 @@ mod tests {
         let specs = c.export_specs();
         assert_eq!(specs.len(), 3);
         assert_eq!(specs[0].path, PathBuf::from("/elsewhere"));
+    }
+
+    #[test]
+    fn allow_hardlinks_per_export() {
+        let c = Config::from_toml(
+            "[exports]\na = \"/a\"\nb = { path = \"/b\", allow_hardlinks = true }\nc = { path = \"/c\" }",
+        )
+        .unwrap();
+        let specs = c.export_specs();
+        assert!(!specs[0].allow_hardlinks);
+        assert!(specs[1].allow_hardlinks);
+        assert!(!specs[2].allow_hardlinks);
+        let mut c = c;
+        c.set_export(&"b=/elsewhere".parse().unwrap());
+        assert!(c.export_specs()[1].allow_hardlinks, "kept from the file");
     }
 }

@@ -68,6 +68,7 @@ impl LocalServer {
                 name: export.into(),
                 path: root.to_path_buf(),
                 read_only: false,
+                allow_hardlinks: false,
             }],
             auth: AuthPolicy {
                 token: Some(Token::new(token)?),

@@ -18,9 +18,14 @@
 //!   on the final component relative to a confined parent directory fd and
 //!   never follow a final symlink (removing a link removes the link).
 //!
-//! Not prevented: hard links. A hard link inside an export to a file elsewhere
-//! on the same filesystem is indistinguishable from a regular file; whoever can
-//! create links in the export directory is trusted. A directory that a local
+//! Hard links: a hard link inside an export to a file elsewhere on the same
+//! filesystem is just another name for that inode. [`Export::open_file`]
+//! therefore refuses a regular file whose link count (`st_nlink`, read with
+//! `fstat` on the opened fd, so there is no race) is above 1, with
+//! [`ErrorCode::PermissionDenied`], unless the export sets
+//! `allow_hardlinks`. Truncation is deferred until after that check, so a
+//! refused open changes nothing. `stat` and listings still show such files.
+//! A directory that a local
 //! user renames out of the export *while* a request holds its fd can be reached
 //! by that one request (the usual limit of fd-based confinement).
 
@@ -50,6 +55,8 @@ pub struct ExportSpec {
     pub name: String,
     pub path: PathBuf,
     pub read_only: bool,
+    /// Open regular files with more than one hard link (default: refused).
+    pub allow_hardlinks: bool,
 }
 
 impl std::str::FromStr for ExportSpec {
@@ -66,6 +73,7 @@ impl std::str::FromStr for ExportSpec {
             name: name.to_string(),
             path: PathBuf::from(path),
             read_only: false,
+            allow_hardlinks: false,
         })
     }
 }
@@ -356,6 +364,8 @@ pub struct Export {
     pub name: String,
     pub root: PathBuf,
     pub read_only: bool,
+    /// Open regular files with `st_nlink > 1`.
+    pub allow_hardlinks: bool,
     root_fd: OwnedFd,
     openat2: bool,
 }
@@ -396,6 +406,7 @@ impl Export {
             name: spec.name.clone(),
             root: spec.path.clone(),
             read_only: spec.read_only,
+            allow_hardlinks: spec.allow_hardlinks,
             root_fd: fd,
             openat2,
         })
@@ -738,9 +749,8 @@ impl Export {
                 flags |= libc::O_EXCL;
             }
         }
-        if o.truncate {
-            flags |= libc::O_TRUNC;
-        }
+        // O_TRUNC is not passed: truncation happens below, once the file is
+        // known to be acceptable (a refused hard link must stay untouched).
         if o.no_buffering {
             flags |= libc::O_DIRECT;
         }
@@ -771,6 +781,24 @@ impl Export {
                 ))
             }
         }
+        if st.st_nlink > 1 && !self.allow_hardlinks {
+            return Err(Error::new(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "{} is hard-linked ({} links); refused: set allow_hardlinks on the export to permit",
+                    self.describe(&comps),
+                    st.st_nlink
+                ),
+            ));
+        }
+        let mut size = st.st_size.max(0) as u64;
+        if o.truncate && size != 0 {
+            // SAFETY: ftruncate on an fd we own.
+            if unsafe { libc::ftruncate(fd.as_raw_fd(), 0) } != 0 {
+                return Err(Error::from_errno(errno(), self.describe(&comps)));
+            }
+            size = 0;
+        }
         // SAFETY: fcntl on an fd we own, with integer arguments.
         unsafe {
             let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
@@ -785,7 +813,7 @@ impl Export {
         };
         Ok(OpenedFile {
             file: File::from(fd),
-            size: st.st_size.max(0) as u64,
+            size,
             direct: o.no_buffering,
             align,
         })

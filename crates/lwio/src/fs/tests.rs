@@ -39,6 +39,7 @@ fn export(f: &Fixture, mode: ResolveMode) -> Export {
         name: "data".into(),
         path: f.root.clone(),
         read_only: false,
+        allow_hardlinks: false,
     };
     Export::open(&spec, mode).unwrap()
 }
@@ -108,6 +109,7 @@ fn missing_root_and_duplicates() {
         name: "d".into(),
         path: f.root.clone(),
         read_only: false,
+        allow_hardlinks: false,
     };
     let e = Exports::open(&[s.clone(), s], ResolveMode::Auto).unwrap_err();
     assert!(e.message.contains("twice"));
@@ -229,13 +231,60 @@ fn symlink_swapped_in() {
 }
 
 #[test]
-fn hard_links_are_not_detected() {
-    // Documented limitation: a hard link is just another name for the inode.
+fn hard_links_are_refused_unless_allowed() {
+    // A hard link inside the export may name a file outside it: refused by
+    // default (link count from fstat of the opened fd), allowed per export.
     let f = fixture();
-    if std::fs::hard_link(f.outside.join("secret"), f.root.join("hl")).is_ok() {
-        let e = export(&f, ResolveMode::Auto);
-        assert_eq!(e.stat("hl").unwrap().size, 6);
+    if std::fs::hard_link(f.outside.join("secret"), f.root.join("hl")).is_err() {
+        eprintln!("cannot create hard links here: skipped");
+        return;
     }
+    let rw_trunc = OpenOptions {
+        write: true,
+        truncate: true,
+        ..RO
+    };
+    for m in modes() {
+        let e = export(&f, m);
+        // stat still works (it does not expose contents).
+        assert_eq!(e.stat("hl").unwrap().size, 6);
+        for o in [RO, rw_trunc] {
+            let err = e.open_file("hl", &o, 0).unwrap_err();
+            assert_eq!(err.code, ErrorCode::PermissionDenied, "{err}");
+            assert!(
+                err.message.contains("hl is hard-linked (2 links)")
+                    && err.message.contains("allow_hardlinks"),
+                "{err}"
+            );
+        }
+        // The refused O_TRUNC open changed nothing.
+        assert_eq!(std::fs::read(f.outside.join("secret")).unwrap(), b"secret");
+        // A file with one link opens as before.
+        assert!(e.open_file("sub/file.txt", &RO, 0).is_ok());
+
+        let spec = ExportSpec {
+            name: "data".into(),
+            path: f.root.clone(),
+            read_only: false,
+            allow_hardlinks: true,
+        };
+        let allowed = Export::open(&spec, m).unwrap();
+        let mut of = allowed.open_file("hl", &RO, 0).unwrap();
+        assert_eq!(of.size, 6);
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut of.file, &mut s).unwrap();
+        assert_eq!(s, "secret");
+    }
+    // Truncation still works where allowed (deferred after the check).
+    let spec = ExportSpec {
+        name: "data".into(),
+        path: f.root.clone(),
+        read_only: false,
+        allow_hardlinks: true,
+    };
+    let allowed = Export::open(&spec, ResolveMode::Auto).unwrap();
+    assert_eq!(allowed.open_file("hl", &rw_trunc, 0).unwrap().size, 0);
+    assert_eq!(std::fs::read(f.outside.join("secret")).unwrap(), b"");
 }
 
 #[test]
@@ -325,6 +374,7 @@ fn open_rights() {
         name: "ro".into(),
         path: f.root.clone(),
         read_only: true,
+        allow_hardlinks: false,
     };
     let ro = Export::open(&spec, ResolveMode::Auto).unwrap();
     assert!(ro.open_file("t", &RO, 0).is_ok());

@@ -80,6 +80,7 @@ async fn start(limits: Limits, anonymous: bool, security: Security) -> Running {
         name: n.into(),
         path: dir.path().join(n),
         read_only: false,
+        allow_hardlinks: false,
     };
     let opts = ServerOptions {
         listen: "127.0.0.1:0".into(),

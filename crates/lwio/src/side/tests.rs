@@ -30,6 +30,7 @@ async fn start(limits: Limits, anonymous: bool) -> Running {
             name: "data".into(),
             path: dir.path().join("data"),
             read_only: false,
+            allow_hardlinks: false,
         }],
         auth: AuthPolicy {
             token: Some(Token::new(TOKEN).unwrap()),
@@ -377,4 +378,38 @@ fn blocking_client() {
     j.join().unwrap();
     s.stop.trigger();
     rt.block_on(s.task).unwrap();
+}
+
+#[tokio::test]
+async fn hard_linked_file_is_refused_over_the_side_channel() {
+    let s = start(Limits::default(), false).await;
+    let outside = s.dir.path().join("outside-secret");
+    std::fs::write(&outside, b"secret").unwrap();
+    if std::fs::hard_link(&outside, s.dir.path().join("data/hl")).is_err() {
+        eprintln!("cannot create hard links here: skipped");
+        return;
+    }
+    let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    // Stat, then open: the open is refused with permission denied.
+    assert_eq!(c.stat("data", "hl").await.unwrap().size, 6);
+    let ro = OpenOptions {
+        write: false,
+        create: false,
+        ..RW
+    };
+    let e = c.open("data", "hl", &ro, 0).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::PermissionDenied, "{e}");
+    assert_eq!(
+        std::io::Error::from(e.clone()).kind(),
+        std::io::ErrorKind::PermissionDenied
+    );
+    assert!(
+        e.to_string()
+            .contains("data/hl is hard-linked (2 links); refused: set allow_hardlinks"),
+        "{e}"
+    );
+    // The session goes on; single-link files still open.
+    c.open("data", "hello.txt", &ro, 0).await.unwrap();
+    s.stop.trigger();
+    let _ = s.task.await;
 }
