@@ -216,6 +216,11 @@ pub struct ServeArgs {
     /// port 0 picks a free port).
     #[arg(long, value_name = "ADDR")]
     pub rdma_listen: Option<String>,
+    /// Also accept the seed's unkeyed MD5 RDMA AUTH signature (insecure:
+    /// anyone who knows a negotiate Key can then authenticate; see
+    /// docs/security.md). Same as `compat_md5_auth = true`.
+    #[arg(long)]
+    pub compat_md5_auth: bool,
 }
 
 #[derive(Debug, Args)]
@@ -765,6 +770,9 @@ pub fn serve_config(a: &ServeArgs) -> anyhow::Result<Config> {
     }
     if a.no_tls {
         c.tls = false;
+    }
+    if a.compat_md5_auth {
+        c.compat_md5_auth = true;
     }
     if a.tls_cert.is_some() {
         c.tls_cert = a.tls_cert.clone();

@@ -190,6 +190,10 @@ pub struct Config {
     /// RDMA listen address (`HOST:PORT`); default: the side channel's host
     /// with its port + 1 (port 0 stays 0). `--rdma-listen` overrides it.
     pub rdma_listen: Option<String>,
+    /// Also accept the seed's unkeyed MD5 signature on RDMA AUTH
+    /// (`lwio_proto::server::ServerConfig::allow_md5`). Insecure; off by
+    /// default.
+    pub compat_md5_auth: bool,
     /// Export name → directory.
     pub exports: BTreeMap<String, ExportEntry>,
     pub limits: Limits,
@@ -210,6 +214,7 @@ impl Default for Config {
             users: BTreeMap::new(),
             provider: ProviderChoice::Auto,
             rdma_listen: None,
+            compat_md5_auth: false,
             exports: BTreeMap::new(),
             limits: Limits::default(),
             io: IoConfig::default(),
@@ -477,6 +482,7 @@ mod tests {
     fn example_parses() {
         let c = Config::from_toml(EXAMPLE).unwrap();
         assert_eq!(c.listen, "0.0.0.0:7420");
+        assert!(!c.compat_md5_auth);
         assert_eq!(c.server_name.as_deref(), Some("storage1"));
         assert_eq!(c.provider, ProviderChoice::Auto);
         assert_eq!(c.limits.idle_timeout, Duration::from_secs(300));

@@ -28,18 +28,21 @@ struct Env {
 }
 
 fn env() -> Env {
-    let dir = tempfile::tempdir().unwrap();
-    let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
-    std::fs::write(dir.path().join("f.bin"), &data).unwrap();
     let proto = lwio_proto::server::ServerConfig {
         auth_timeout: Duration::from_millis(400),
         ..Default::default()
     };
-    let rdma = RdmaServerOptions {
+    env_with(RdmaServerOptions {
         auto_credits: false,
         proto,
         ..RdmaServerOptions::default()
-    };
+    })
+}
+
+fn env_with(rdma: RdmaServerOptions) -> Env {
+    let dir = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    std::fs::write(dir.path().join("f.bin"), &data).unwrap();
     let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
     let c = Client::connect(
         &format!("lwio://{}/ex", s.side_addr),
@@ -213,6 +216,11 @@ impl Hostile {
     }
 
     fn auth_with(&mut self, key: Guid, credits: u16) -> StatusResponse {
+        self.auth_signed(key, credits, SignatureAlg::HmacSha256)
+    }
+
+    /// AUTH with its params signed by `alg` (MD5: the seed's unkeyed digest).
+    fn auth_signed(&mut self, key: Guid, credits: u16, alg: SignatureAlg) -> StatusResponse {
         let p = AuthParamsRepr {
             rev_id: LWIO_REV_ID,
             endian: ENDIAN_64,
@@ -228,9 +236,7 @@ impl Hostile {
             session_id: None,
             signature: None,
         };
-        let bytes = p
-            .to_signed_bytes(SignatureAlg::HmacSha256, &self.secret)
-            .unwrap();
+        let bytes = p.to_signed_bytes(alg, &self.secret).unwrap();
         self.send_req(RequestOp::Auth {
             cookie: 1,
             data_va: self.mem.addr(),
@@ -485,4 +491,37 @@ fn hostile_cases() {
     let st = e.s.rdma.stats();
     assert_eq!(st.mrs_remote_access, 0, "{st:?}");
     assert_eq!(st.mws_allocated, 0, "{st:?}");
+}
+
+/// The seed's MD5 AUTH form (an unkeyed digest) is refused unless the
+/// server configuration sets `compat_md5_auth = true`.
+#[test]
+fn md5_auth_only_with_compat_md5_auth() {
+    for (toml, accepted) in [("", false), ("compat_md5_auth = true\n", true)] {
+        let cfg = lwio::config::Config::from_toml(toml).unwrap();
+        let mut rdma = lwio::cmd::serve::rdma_options(&cfg, "127.0.0.1:0".parse().unwrap());
+        rdma.auto_credits = false;
+        rdma.proto.auth_timeout = Duration::from_millis(400);
+        assert_eq!(rdma.proto.allow_md5, accepted);
+        let e = env_with(rdma);
+        e.check_good();
+        let mut h = hostile(&e);
+        let k = h.key;
+        let r = h.auth_signed(k, 4, SignatureAlg::Md5);
+        if accepted {
+            assert_eq!(r.ios.status, STATUS_SUCCESS, "{toml:?}");
+            // A working connection: REGISTER and READ succeed.
+            let rf = open_key(&mut h.side);
+            let fid = h.register_key(rf, h.session_id);
+            assert!(fid != 0);
+            assert_eq!(h.read_status(fid, 0, 100), STATUS_SUCCESS);
+        } else {
+            assert_eq!(r.ios.status, STATUS_ACCESS_DENIED, "{toml:?}");
+            assert!(h.terminated(T), "closed after a refused MD5 AUTH");
+        }
+        // HMAC-SHA256 AUTH works either way.
+        let mut good = hostile(&e);
+        good.auth(4);
+        e.check_good();
+    }
 }

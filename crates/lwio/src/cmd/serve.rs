@@ -57,12 +57,12 @@ pub fn attach_rdma(
     let side = server.local_addr()?;
     let explicit = rdma_listen.or(c.rdma_listen.as_deref());
     let listen = rdma_listen_addr(explicit, &c.listen, side)?;
-    let opts = RdmaServerOptions {
-        provider: c.provider,
-        listen,
-        shutdown_grace: c.limits.shutdown_grace,
-        ..RdmaServerOptions::default()
-    };
+    let opts = rdma_options(c, listen);
+    if opts.proto.allow_md5 {
+        tracing::warn!(
+            "compat_md5_auth is on: the RDMA listener also accepts the seed's unkeyed MD5 AUTH signature, which authenticates nothing (anyone who learns a negotiate Key can connect); use only on a trusted fabric for interoperability tests"
+        );
+    }
     let phase = RdmaServer::bind(opts).map_err(|e| bind_error(c.provider, listen, e))?;
     let addr = phase.local_addr();
     let provider = phase
@@ -77,6 +77,22 @@ pub fn attach_rdma(
     }
     server.set_rdma_phase(Arc::new(phase));
     Ok(())
+}
+
+/// The RDMA listener options the configuration asks for, listening on
+/// `listen` (`compat_md5_auth` → `proto.allow_md5`, limits, grace).
+pub fn rdma_options(c: &Config, listen: SocketAddr) -> RdmaServerOptions {
+    let d = RdmaServerOptions::default();
+    RdmaServerOptions {
+        provider: c.provider,
+        listen,
+        shutdown_grace: c.limits.shutdown_grace,
+        proto: lwio_proto::server::ServerConfig {
+            allow_md5: c.compat_md5_auth,
+            ..d.proto
+        },
+        ..d
+    }
 }
 
 fn bind_error(choice: ProviderChoice, listen: SocketAddr, e: lwio_rdma::Error) -> anyhow::Error {
@@ -118,5 +134,11 @@ mod tests {
         assert!(rdma_listen_addr(None, "[::]:65535", bound).is_err());
         let c = Config::from_toml("rdma_listen = \"127.0.0.1:9000\"\n").unwrap();
         assert_eq!(c.rdma_listen.as_deref(), Some("127.0.0.1:9000"));
+        assert!(
+            !rdma_options(&c, bound).proto.allow_md5,
+            "MD5 off by default"
+        );
+        let c = Config::from_toml("compat_md5_auth = true\n").unwrap();
+        assert!(rdma_options(&c, bound).proto.allow_md5);
     }
 }
