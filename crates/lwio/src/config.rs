@@ -85,6 +85,9 @@ pub struct Limits {
     pub unauth_rate: u32,
     /// Burst of new connections, server-wide.
     pub unauth_burst: u32,
+    /// Live RDMA connections from one IP address (authenticated or not);
+    /// further connection requests are rejected "busy" at MPA time.
+    pub max_rdma_connections_per_host: usize,
 }
 
 impl Default for Limits {
@@ -104,6 +107,7 @@ impl Default for Limits {
             unauth_burst_per_host: 40,
             unauth_rate: 200,
             unauth_burst: 400,
+            max_rdma_connections_per_host: 32,
         }
     }
 }
@@ -298,6 +302,10 @@ impl Config {
             ("unauth_burst_per_host", l.unauth_burst_per_host as usize),
             ("unauth_rate", l.unauth_rate as usize),
             ("unauth_burst", l.unauth_burst as usize),
+            (
+                "max_rdma_connections_per_host",
+                l.max_rdma_connections_per_host,
+            ),
         ] {
             if v == 0 {
                 return Err(ConfigError(format!("limits.{k} must be at least 1")));
@@ -468,6 +476,7 @@ unauth_rate_per_host = 20
 unauth_burst_per_host = 40
 unauth_rate = 200
 unauth_burst = 400
+max_rdma_connections_per_host = 32
 
 [io]
 backend = "auto"

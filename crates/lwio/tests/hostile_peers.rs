@@ -1,6 +1,7 @@
 //! Hostile peers beyond `e2e_hostile.rs`: a Fid used from another
 //! connection, a server writing outside the one-shot window it was given,
-//! 10 000 unauthenticated RDMA-side connections, and truncated / oversized
+//! 10 000 unauthenticated RDMA-side connections, the per-host cap on the
+//! RDMA listener, and truncated / oversized
 //! messages at every layer (LWIO, MPA, FPDU, side channel).
 //!
 //! Each case asserts what must happen, and a well-behaved client keeps being
@@ -50,6 +51,11 @@ struct Env {
 }
 
 fn env() -> Env {
+    env_with(|_| {})
+}
+
+/// [`env`] with the RDMA options adjusted by `adjust`.
+fn env_with(adjust: impl FnOnce(&mut RdmaServerOptions)) -> Env {
     let dir = tempfile::tempdir().unwrap();
     let model: Vec<u8> = (0..200_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
     std::fs::write(dir.path().join("good.bin"), &model).unwrap();
@@ -64,6 +70,7 @@ fn env() -> Env {
         ..RdmaServerOptions::default()
     };
     rdma.rdma.connect_timeout = MPA_TIMEOUT;
+    adjust(&mut rdma);
     let limits = Limits {
         login_timeout: Duration::from_secs(1),
         max_connections_per_host: 1024,
@@ -746,9 +753,47 @@ fn mpa_connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
 }
 
 /// (stream, rejected): the server rejects with "busy" at its connection
-/// limit (`RdmaServerOptions::max_connections`).
+/// limits (`RdmaServerOptions::max_connections`, `max_connections_per_host`).
 fn mpa_try(addr: SocketAddr) -> std::io::Result<(TcpStream, bool)> {
-    let mut s = TcpStream::connect_timeout(&addr, T)?;
+    mpa_try_stream(TcpStream::connect_timeout(&addr, T)?)
+}
+
+/// A TCP connection to `dst` (IPv4) from source address `src`.
+fn connect_from(src: std::net::Ipv4Addr, dst: SocketAddr) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(dst) = dst else {
+        return Err(std::io::Error::other("IPv4 only"));
+    };
+    let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: plain socket calls on a fresh fd, with valid sockaddr_in
+    // pointers and lengths; the fd is owned by the TcpStream (or closed).
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let s = TcpStream::from_raw_fd(fd);
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let a = sin(src, 0);
+        if libc::bind(fd, &a as *const _ as *const libc::sockaddr, len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let b = sin(*dst.ip(), dst.port());
+        if libc::connect(fd, &b as *const _ as *const libc::sockaddr, len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(s)
+    }
+}
+
+fn mpa_try_stream(mut s: TcpStream) -> std::io::Result<(TcpStream, bool)> {
     s.set_read_timeout(Some(T))?;
     s.write_all(&mpa_request())?;
     let mut h = [0u8; 20];
@@ -822,7 +867,8 @@ fn ten_thousand_half_open_rdma_connections() {
 }
 
 /// 1 000 connections that finish MPA and never AUTH: the server rejects
-/// above `max_connections` (256 live at once) with an MPA reject "busy",
+/// above `max_connections` (256 live at once; the per-host cap is lifted
+/// here so that the global one is what is reached) with an MPA reject "busy",
 /// closes each accepted one after the auth timeout and keeps serving the good
 /// client, and its RSS stays bounded. (Before registered buffers became their
 /// own mappings it grew +375..490 MiB and kept it: glibc's dynamic mmap
@@ -832,7 +878,7 @@ fn ten_thousand_half_open_rdma_connections() {
 fn unauthenticated_rdma_connections_memory() {
     let _g = serial();
     raise_nofile(3 * FLOOD as u64 + 4096);
-    let mut e = env();
+    let mut e = env_with(|r| r.max_connections_per_host = 1024);
     e.check_good();
     let rss0 = vm_rss_kib();
     let mut peak = rss0;
@@ -999,5 +1045,80 @@ fn truncated_and_oversized_messages() {
         eprintln!("side frame {i}: closed after {:?}", t.elapsed());
     }
     e.check_good();
+    e.final_check();
+}
+
+/// Per-host cap on the RDMA listener: one host (127.0.0.2 when it can be
+/// bound, else 127.0.0.1) opens cap + 5 connections that finish MPA and
+/// never AUTH. Exactly the cap is accepted, the rest get an MPA reject
+/// ("busy"); another address is still accepted and the good client served;
+/// once the host's connections close, it is accepted again.
+#[test]
+fn rdma_per_host_cap() {
+    let _g = serial();
+    const CAP: usize = 8;
+    let mut e = env_with(|r| {
+        r.max_connections_per_host = CAP;
+        // Keep the silent connections alive for the whole test.
+        r.proto.auth_timeout = Duration::from_secs(30);
+    });
+    e.check_good();
+    let addr = e.s.rdma_addr;
+    let other_ip: std::net::Ipv4Addr = "127.0.0.2".parse().unwrap();
+    let (src, other_host) = match connect_from(other_ip, addr) {
+        Ok(s) => {
+            drop(s);
+            (other_ip, true)
+        }
+        Err(err) => {
+            eprintln!("cannot bind 127.0.0.2 ({err}): flooding from 127.0.0.1");
+            ("127.0.0.1".parse().unwrap(), false)
+        }
+    };
+    // Let the probe connection (no MPA request) go away before counting.
+    std::thread::sleep(MPA_TIMEOUT + Duration::from_millis(500));
+    // From 127.0.0.1 the good client already holds one slot.
+    let room = if other_host { CAP } else { CAP - 1 };
+    let mut held = Vec::new();
+    let mut busy = 0;
+    for _ in 0..CAP + 5 {
+        let (st, rejected) = mpa_try_stream(connect_from(src, addr).unwrap()).unwrap();
+        if rejected {
+            busy += 1;
+        } else {
+            held.push(st);
+        }
+    }
+    eprintln!(
+        "per-host cap {CAP}: {} accepted, {busy} rejected busy from {src}",
+        held.len()
+    );
+    assert_eq!(held.len(), room, "accepted up to the per-host cap");
+    assert_eq!(busy, CAP + 5 - room, "the rest rejected busy");
+    e.check_good();
+    if other_host {
+        // Another address is not affected by 127.0.0.2's cap.
+        let (st, rejected) = mpa_try(addr).unwrap();
+        assert!(!rejected, "a connection from 127.0.0.1 is accepted");
+        drop(st);
+    }
+    // Closing the host's connections frees its slots.
+    for s in &held {
+        let _ = s.shutdown(Shutdown::Both);
+    }
+    drop(held);
+    let t = Instant::now();
+    loop {
+        let (st, rejected) = mpa_try_stream(connect_from(src, addr).unwrap()).unwrap();
+        drop(st);
+        if !rejected {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "slots not freed after the connections closed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     e.final_check();
 }

@@ -87,6 +87,7 @@ pub fn rdma_options(c: &Config, listen: SocketAddr) -> RdmaServerOptions {
         provider: c.provider,
         listen,
         shutdown_grace: c.limits.shutdown_grace,
+        max_connections_per_host: c.limits.max_rdma_connections_per_host,
         proto: lwio_proto::server::ServerConfig {
             allow_md5: c.compat_md5_auth,
             ..d.proto
@@ -138,7 +139,11 @@ mod tests {
             !rdma_options(&c, bound).proto.allow_md5,
             "MD5 off by default"
         );
+        assert_eq!(rdma_options(&c, bound).max_connections_per_host, 32);
         let c = Config::from_toml("compat_md5_auth = true\n").unwrap();
         assert!(rdma_options(&c, bound).proto.allow_md5);
+        let c = Config::from_toml("[limits]\nmax_rdma_connections_per_host = 3\n").unwrap();
+        assert_eq!(rdma_options(&c, bound).max_connections_per_host, 3);
+        assert!(Config::from_toml("[limits]\nmax_rdma_connections_per_host = 0\n").is_err());
     }
 }

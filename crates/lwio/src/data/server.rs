@@ -69,6 +69,9 @@ pub struct RdmaServerOptions {
     /// connection by a random value).
     pub proto: ServerConfig,
     pub max_connections: usize,
+    /// Live connections from one peer IP address (authenticated or not);
+    /// further connection requests from it are rejected "busy".
+    pub max_connections_per_host: usize,
     /// Registered memory (bytes) across all connections.
     pub max_memory: usize,
     /// Credits across all connections: the pool the balancer grants from.
@@ -99,6 +102,7 @@ impl Default for RdmaServerOptions {
                 ..ServerConfig::default()
             },
             max_connections: 256,
+            max_connections_per_host: 32,
             max_memory: 512 << 20,
             credit_budget: 4096,
             max_credits_per_conn: 128,
@@ -144,6 +148,8 @@ struct ConnEntry {
 struct Shared {
     opts: RdmaServerOptions,
     conns: Mutex<HashMap<u64, ConnEntry>>,
+    /// Live connections per peer IP address.
+    per_host: Mutex<HashMap<IpAddr, usize>>,
     next_conn: AtomicU64,
     consumed_keys: Mutex<HashMap<Guid, Instant>>,
     mem_used: AtomicUsize,
@@ -159,6 +165,33 @@ struct Shared {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Take a per-host slot for `ip`; false if the host is at its cap.
+    fn host_acquire(&self, ip: IpAddr) -> bool {
+        let mut m = lock(&self.per_host);
+        let n = m.entry(ip).or_insert(0);
+        if *n >= self.opts.max_connections_per_host {
+            if *n == 0 {
+                m.remove(&ip);
+            }
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    /// Give back a slot taken by [`Shared::host_acquire`].
+    fn host_release(&self, ip: IpAddr) {
+        let mut m = lock(&self.per_host);
+        if let Some(n) = m.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&ip);
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -308,6 +341,7 @@ impl RdmaServer {
         let shared = Arc::new(Shared {
             opts,
             conns: Mutex::new(HashMap::new()),
+            per_host: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             consumed_keys: Mutex::new(HashMap::new()),
             mem_used: AtomicUsize::new(0),
@@ -364,6 +398,13 @@ impl RdmaPhase for RdmaServer {
                 let _ = req.reject(b"busy");
                 continue;
             }
+            let ip = peer.ip();
+            if !sh.host_acquire(ip) {
+                warn!(%peer, limit = sh.opts.max_connections_per_host, "RDMA connection limit per host reached; rejecting");
+                sh.rejected.fetch_add(1, Ordering::Relaxed);
+                let _ = req.reject(b"busy");
+                continue;
+            }
             let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
             match Conn::accept(id, &self.ctx, req, sh.clone(), state.clone(), pool.clone()) {
                 Ok((conn, entry)) => {
@@ -375,17 +416,20 @@ impl RdmaPhase for RdmaServer {
                         .spawn(move || {
                             conn.run();
                             lock(&sh2.conns).remove(&id);
+                            sh2.host_release(ip);
                         }) {
                         Ok(t) => threads.push((id, t)),
                         Err(e) => {
                             warn!(error = %e, "cannot start a connection thread");
                             lock(&sh.conns).remove(&id);
+                            sh.host_release(ip);
                         }
                     }
                 }
                 Err(e) => {
                     warn!(%peer, error = %e, "cannot accept RDMA connection");
                     sh.rejected.fetch_add(1, Ordering::Relaxed);
+                    sh.host_release(ip);
                 }
             }
         }
