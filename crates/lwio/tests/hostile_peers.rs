@@ -18,13 +18,15 @@ use lwio::config::Limits;
 use lwio::data::server::RdmaServerOptions;
 use lwio::data::testkit::LocalServer;
 use lwio_proto::status::*;
-use lwio_proto::wire::auth::{derive_session_secret, ENDIAN_64};
-use lwio_proto::wire::common::{CompletionMode, RequestOp};
+use lwio_proto::wire::auth::ENDIAN_64;
+use lwio_proto::wire::common::RequestOp;
 use lwio_proto::wire::{
-    AddressBlockRepr, AuthParamsRepr, Guid, NegotiateRequestRepr, RequestRepr, SignatureAlg,
-    StatusResponse, COMMON_HEADER_LEN, LWIO_REV_ID,
+    AuthParamsRepr, Guid, RequestRepr, SignatureAlg, COMMON_HEADER_LEN, LWIO_REV_ID,
 };
 use lwio_rdma::*;
+
+mod common;
+use common::hostile::{blank, connect, intr, req_bytes, Hostile};
 
 const TOKEN: &str = "hostile-peers-token-0123456789";
 const T: Duration = Duration::from_secs(5);
@@ -139,166 +141,11 @@ impl Env {
 // ---------------------------------------------------------- hostile client
 
 /// A raw RDMA connection plus a logged-in side channel.
-struct Hostile {
-    side: lwio::side::Client,
-    key: Guid,
-    secret: Vec<u8>,
-    qp: Qp,
-    cq: Cq,
-    _pd: Pd,
-    recv: Mr,
-    send: Mr,
-    mem: Mr,
-    /// The server's MaxRecvBufferSize (after AUTH).
-    server_max_recv: u32,
-}
-
 fn hostile(s: &LocalServer) -> Hostile {
-    let login = lwio::side::Login::Token(lwio::side::Token::new(TOKEN).unwrap());
-    let mut side = lwio::side::Client::connect(
-        &s.side_addr.to_string(),
-        &lwio::side::ClientOptions::new(login),
-    )
-    .unwrap();
-    let resp = side
-        .negotiate(&NegotiateRequestRepr {
-            client_name: "hostile".into(),
-            key: Guid::from_u128(9),
-            response_length: 4096,
-            providers: vec![AddressBlockRepr {
-                name: "soft".into(),
-                instances: vec![],
-            }],
-        })
-        .unwrap();
-    let secret = derive_session_secret(&side.session().secret.0, &resp.key).to_vec();
-    let ctx = provider("soft")
-        .unwrap()
-        .open(None, &Config::default())
-        .unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(1024, None).unwrap();
-    let init = QpInit {
-        pd: pd.clone(),
-        send_cq: cq.clone(),
-        recv_cq: cq.clone(),
-        cap: QpCap::default(),
-        sq_sig_all: true,
-    };
-    let qp = ctx
-        .connect(s.rdma_addr, &init, &ConnParams::default())
-        .unwrap();
-    let recv = pd.alloc_mr(64 * 64, Access::LOCAL_WRITE).unwrap();
-    for i in 0..32 {
-        qp.post_recv(&[RecvWr {
-            wr_id: i,
-            sg_list: &[recv.sge(i as usize * 64, 64)],
-        }])
-        .unwrap();
-    }
-    let send = pd.alloc_mr(1 << 20, Access::LOCAL_WRITE).unwrap();
-    let mem = pd
-        .alloc_mr(1 << 20, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-        .unwrap();
-    Hostile {
-        side,
-        key: resp.key,
-        secret,
-        qp,
-        cq,
-        _pd: pd,
-        recv,
-        send,
-        mem,
-        server_max_recv: 0,
-    }
-}
-
-fn intr(cookie: u64) -> CompletionMode {
-    CompletionMode::Interrupt {
-        cookie,
-        immediate_cookie: cookie as u32,
-    }
-}
-
-fn blank() -> Wc {
-    Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-    }
-}
-
-fn req_bytes(op: RequestOp<'_>) -> Vec<u8> {
-    RequestRepr {
-        credits: 1,
-        sequence: 0,
-        tid: 0,
-        op,
-    }
-    .to_bytes()
-    .unwrap()
+    connect(s, TOKEN, Guid::from_u128(9))
 }
 
 impl Hostile {
-    fn send_bytes(&self, b: &[u8]) {
-        self.send.write_at(0, b).unwrap();
-        let _ = self.qp.post_send(&[SendWr::new(
-            1000,
-            SendOp::Send,
-            &[self.send.sge(0, b.len() as u32)],
-        )]);
-    }
-
-    fn send_req(&self, op: RequestOp<'_>) {
-        self.send_bytes(&req_bytes(op));
-    }
-
-    /// Next status response, or None if the connection died / timeout.
-    fn recv_status(&self, timeout: Duration) -> Option<StatusResponse> {
-        let t = Instant::now();
-        let mut wc = [blank(); 8];
-        while t.elapsed() < timeout {
-            let n = self.cq.poll(&mut wc).unwrap_or(0);
-            for w in &wc[..n] {
-                if w.opcode == WcOpcode::Recv {
-                    if !w.is_ok() {
-                        return None;
-                    }
-                    let mut b = vec![0u8; w.byte_len as usize];
-                    self.recv.read_at(w.wr_id as usize * 64, &mut b).unwrap();
-                    let _ = self.qp.post_recv(&[RecvWr {
-                        wr_id: w.wr_id,
-                        sg_list: &[self.recv.sge(w.wr_id as usize * 64, 64)],
-                    }]);
-                    return StatusResponse::from_bytes(&b).ok();
-                }
-            }
-            if n == 0 {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-        None
-    }
-
-    fn terminated(&self, timeout: Duration) -> bool {
-        let t = Instant::now();
-        while t.elapsed() < timeout {
-            if self.qp.state() == QpState::Error {
-                return true;
-            }
-            let mut wc = [blank(); 8];
-            let _ = self.cq.poll(&mut wc);
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        false
-    }
-
     fn auth(&mut self) {
         let p = AuthParamsRepr {
             rev_id: LWIO_REV_ID,
