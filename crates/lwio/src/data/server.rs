@@ -83,6 +83,9 @@ pub struct RdmaServerOptions {
     /// A connection idle this long gives its extra credits back.
     pub idle_reclaim: Duration,
     pub storage_threads: usize,
+    /// Try file I/O on the connection thread first with `RWF_NOWAIT`
+    /// (page-cache hits complete without a hand-off to a storage thread).
+    pub inline_io: bool,
     /// On shutdown, how long in-flight I/O may take before connections are cut.
     pub shutdown_grace: Duration,
     pub rdma: lwio_rdma::Config,
@@ -109,6 +112,7 @@ impl Default for RdmaServerOptions {
             auto_credits: true,
             idle_reclaim: Duration::from_secs(2),
             storage_threads: 4,
+            inline_io: true,
             shutdown_grace: Duration::from_secs(10),
             rdma: lwio_rdma::Config::default(),
         }
@@ -655,6 +659,10 @@ struct Conn {
     closing: Option<Instant>,
     draining: Option<Instant>,
     dead: bool,
+    /// I/Os completed on this thread by the page-cache fast path.
+    inline_ios: u64,
+    /// (file handle, write) pairs whose file system refused RWF_NOWAIT.
+    nowait_unsupported: std::collections::HashSet<(u64, bool)>,
 }
 
 impl Conn {
@@ -774,6 +782,8 @@ impl Conn {
                 closing: None,
                 draining: None,
                 dead: false,
+                inline_ios: 0,
+                nowait_unsupported: Default::default(),
             },
             entry,
         ))
@@ -1269,6 +1279,12 @@ impl Conn {
     }
 
     fn dispatch(&mut self, op: OpId, f: OpenFile, offset: u64, kind: JobKind) {
+        if let Some(r) = self.try_inline(&f, offset, &kind) {
+            self.inline_ios += 1;
+            drop(kind);
+            self.storage_done(op, Ok(r));
+            return;
+        }
         let cancel = Arc::new(AtomicBool::new(false));
         let job = Job {
             op,
@@ -1296,6 +1312,68 @@ impl Conn {
                 );
             }
         }
+    }
+
+    /// The page-cache fast path: try the I/O on this thread with
+    /// `RWF_NOWAIT`, which fails with `EAGAIN` instead of blocking (data not
+    /// cached, writeback or locks needed). `Some(n)` = done, all of it;
+    /// `None` = hand it to the storage pool (which redoes a partial
+    /// transfer whole: reads and writes of the same bytes are idempotent).
+    /// Skipped for `O_DIRECT` files and when `inline_io` is off; a file
+    /// system without `RWF_NOWAIT` support is remembered and not asked
+    /// again.
+    fn try_inline(&mut self, f: &OpenFile, offset: u64, kind: &JobKind) -> Option<u32> {
+        if !self.shared.opts.inline_io || f.direct {
+            return None;
+        }
+        let write = matches!(kind, JobKind::Write { .. });
+        let key = (f.handle, write);
+        if self.nowait_unsupported.contains(&key) {
+            return None;
+        }
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&*f.file);
+        let off = libc::off_t::try_from(offset).ok()?;
+        let (r, want) = match kind {
+            JobKind::Read { buf, len } => {
+                let len = (*len).min(buf.len());
+                let iov = libc::iovec {
+                    iov_base: buf.addr() as *mut libc::c_void,
+                    iov_len: len,
+                };
+                // SAFETY: `buf` is a server read buffer registered with
+                // LOCAL_WRITE only (no remote key reaches it) and no RDMA
+                // Write from it is posted until this op completes, so the
+                // kernel's write into [addr, addr+len) races with nothing;
+                // `len <= buf.len()` and the Arc keeps the mapping alive for
+                // the call.
+                (
+                    unsafe { libc::preadv2(fd, &iov, 1, off, libc::RWF_NOWAIT) },
+                    len,
+                )
+            }
+            JobKind::Write { data } => {
+                let iov = libc::iovec {
+                    iov_base: data.as_ptr() as *mut libc::c_void,
+                    iov_len: data.len(),
+                };
+                // SAFETY: the kernel only reads `data` (a live Vec we own)
+                // for the length of the call.
+                (
+                    unsafe { libc::pwritev2(fd, &iov, 1, off, libc::RWF_NOWAIT) },
+                    data.len(),
+                )
+            }
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error().raw_os_error();
+            if e != Some(libc::EAGAIN) {
+                // EOPNOTSUPP/EINVAL: no RWF_NOWAIT here; real errors are
+                // reported by the pool's blocking attempt.
+                self.nowait_unsupported.insert(key);
+            }
+            return None;
+        }
+        (r as usize == want).then_some(want as u32)
     }
 
     /// Post a Send (remote = None) or an RDMA Write of owned bytes.
