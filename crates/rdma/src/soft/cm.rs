@@ -268,7 +268,6 @@ impl SoftListener {
                     h,
                     private_data,
                     ird_ord: io.map(|p| (p.ird.min(255) as u8, p.ord.min(255) as u8)),
-                    ctx: self.ctx.clone(),
                 }))
             }
             _ => Ok(None),
@@ -381,7 +380,6 @@ pub struct SoftConnRequest {
     h: MpaHandshake,
     private_data: Vec<u8>,
     ird_ord: Option<(u8, u8)>,
-    ctx: Arc<CtxShared>,
 }
 
 impl ConnRequestOps for SoftConnRequest {
@@ -397,7 +395,13 @@ impl ConnRequestOps for SoftConnRequest {
 
     fn accept(self: Box<Self>, init: &QpInit, params: &ConnParams) -> Result<Arc<dyn QpOps>> {
         check_pd(params)?;
-        check_init(&self.ctx, init)?;
+        // The QP joins the soft context that owns `init`'s PD and CQs, which
+        // may be another than the listener's (same provider, same process):
+        // a server gives each connection its own context, so under manual
+        // progress a connection's thread drives only its own socket (like
+        // migrating an rdma_cm id to another event channel).
+        let ctx = super::soft_cq(&init.recv_cq)?.ctx().clone();
+        check_init(&ctx, init)?;
         let mut me = *self;
         let n =
             me.h.accept(
@@ -420,7 +424,7 @@ impl ConnRequestOps for SoftConnRequest {
             ird,
             ord,
         };
-        create_qp(me.ctx, init, est)
+        create_qp(ctx, init, est)
     }
 
     fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()> {

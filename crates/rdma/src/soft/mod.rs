@@ -221,6 +221,13 @@ impl CtxShared {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .push(qp.clone());
+                    if self.manual {
+                        // The socket has no new edge to report the work
+                        // left: make the context (and so every manual
+                        // channel's fd) readable, or a waiter would sleep
+                        // with bytes already in the socket.
+                        sys::eventfd_write(self.wake.as_raw_fd());
+                    }
                 }
                 n
             }
@@ -561,6 +568,11 @@ pub(crate) fn create_qp(
         ird: est.ird as u32,
         ord: est.ord as u32,
         indicate_window: ctx.config.indicate_window,
+        rx_budget: if ctx.manual {
+            qp::RX_BUDGET_MANUAL
+        } else {
+            qp::RX_BUDGET
+        },
     };
     let token = ctx.next_token.fetch_add(1, Ordering::Relaxed);
     let sh = Arc::new(QpShared {

@@ -79,6 +79,10 @@ pub const TX_BATCH: usize = 32;
 pub const TX_BATCH_BYTES: usize = 256 * 1024;
 /// Segments one `rx_process` call handles before yielding to other QPs.
 pub const RX_BUDGET: usize = 256;
+/// Under manual progress the thread that drives also consumes the
+/// completions: it returns to them after this many segments, so a long
+/// stream of placements does not hold back completions already made.
+pub const RX_BUDGET_MANUAL: usize = 16;
 /// Per-message accounting overhead of an anonymous buffer (so zero-length
 /// sends cannot queue without bound).
 pub const ANON_OVERHEAD: usize = 64;
@@ -345,6 +349,8 @@ pub struct QpParams {
     pub ird: u32,
     pub ord: u32,
     pub indicate_window: usize,
+    /// Segments one `rx_process` call handles at most.
+    pub rx_budget: usize,
 }
 
 pub struct QpCore {
@@ -1349,7 +1355,7 @@ impl QpCore {
             return Ok(0);
         }
         loop {
-            if segs >= RX_BUDGET {
+            if segs >= self.p.rx_budget {
                 // Fairness: let other QPs run. The socket may still hold
                 // data and no new edge will say so: the driver must come
                 // back (see `rx_more`).

@@ -98,6 +98,7 @@ fn side(ctx: &Arc<CtxShared>, qpn: u32, crc: bool, max_payload: usize) -> Side {
         ird: 8,
         ord: 8,
         indicate_window: 64 * 1024,
+        rx_budget: super::qp::RX_BUDGET,
     });
     Side { core, pd, cq }
 }
