@@ -131,6 +131,46 @@ impl Default for IoConfig {
     }
 }
 
+/// `[rdma]`: how the RDMA data path runs.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RdmaConfig {
+    /// Try file I/O on the connection thread with `RWF_NOWAIT` before a
+    /// storage thread (page-cache hits then cost no hand-off).
+    pub inline_io: bool,
+    /// After its last activity a connection thread keeps polling this long
+    /// before it sleeps (lower latency, burns a core; 0 = off).
+    #[serde(deserialize_with = "de_duration")]
+    pub busy_poll: Duration,
+    /// Soft provider: `connection` = each connection has its own context
+    /// whose socket its thread reads (no engine thread); `engine` = one
+    /// shared context with an engine thread.
+    pub progress: ProgressChoice,
+    /// Payload bytes of one WRITE request (each receive buffer is this plus
+    /// the 56-byte header). Larger = fewer messages per big write, more
+    /// registered memory per credit.
+    pub max_write_size: u32,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            inline_io: true,
+            busy_poll: Duration::ZERO,
+            progress: ProgressChoice::Connection,
+            max_write_size: 64 * 1024,
+        }
+    }
+}
+
+/// `[rdma] progress`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProgressChoice {
+    Connection,
+    Engine,
+}
+
 /// One `[exports]` entry: a path, or a table with options.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(untagged)]
@@ -202,6 +242,7 @@ pub struct Config {
     pub exports: BTreeMap<String, ExportEntry>,
     pub limits: Limits,
     pub io: IoConfig,
+    pub rdma: RdmaConfig,
 }
 
 impl Default for Config {
@@ -222,6 +263,7 @@ impl Default for Config {
             exports: BTreeMap::new(),
             limits: Limits::default(),
             io: IoConfig::default(),
+            rdma: RdmaConfig::default(),
         }
     }
 }

@@ -260,6 +260,14 @@ pub struct Engine {
     stop: AtomicBool,
     progress: Mutex<Option<JoinHandle<()>>>,
     provider: &'static str,
+    /// Held by the one thread that sleeps on the completion channel and
+    /// processes what arrives (the *driver*): a waiting caller when there
+    /// is one, so its completion wakes it directly, else the progress
+    /// thread.
+    driver: Mutex<()>,
+    /// Callers inside [`Engine::wait`]; while non-zero the progress thread
+    /// stands by instead of taking the driver role.
+    waiters: std::sync::atomic::AtomicUsize,
 }
 
 struct AuthMem<'a>(&'a Mr);
@@ -456,6 +464,8 @@ impl Engine {
             stop: AtomicBool::new(false),
             progress: Mutex::new(None),
             provider,
+            driver: Mutex::new(()),
+            waiters: std::sync::atomic::AtomicUsize::new(0),
         });
         let weak = Arc::downgrade(&e);
         let t = std::thread::Builder::new()
@@ -804,6 +814,48 @@ impl Engine {
         true
     }
 
+    /// One round as the driver (the caller holds `self.driver`): sleep on
+    /// the completion channel up to `timeout` (the soft provider's manual
+    /// progress reads the socket in this thread), then process every
+    /// completion, status block and action. False once the connection is
+    /// lost (completions drained).
+    fn drive(&self, timeout: Duration) -> bool {
+        let mut wcs = [empty_wc(); 32];
+        let n = match self.cq.wait(&self.chan, &mut wcs, Some(timeout)) {
+            Ok(n) => n,
+            Err(err) => {
+                let mut st = lock(&self.st);
+                self.mark_lost(&mut st, format!("completion channel failed: {err}"));
+                return false;
+            }
+        };
+        if n > 0 {
+            let mut st = lock(&self.st);
+            for w in wcs[..n].iter().copied() {
+                self.completion(&mut st, w);
+            }
+            drop(st);
+            self.poll_cq();
+        }
+        let mut st = lock(&self.st);
+        if self.cfg.completion == Completion::Poll {
+            self.scan_slots(&mut st);
+        }
+        self.run_actions(&mut st);
+        if st.lost.is_none() && self.qp.state() == QpState::Error {
+            self.mark_lost(&mut st, "the server closed the connection".into());
+        }
+        let lost = st.lost.is_some();
+        drop(st);
+        if lost {
+            self.cv.notify_all();
+            // Keep draining flushes so resources are accounted, then stop.
+            let _ = self.cq.poll(&mut wcs);
+            return false;
+        }
+        true
+    }
+
     fn poll_cq(&self) -> bool {
         let mut wcs = [empty_wc(); 32];
         let mut any = false;
@@ -835,6 +887,7 @@ impl Engine {
     /// Wait until a request can be issued and the resources exist, then run
     /// `issue` under the lock.
     fn issue<T>(&self, mut issue: impl FnMut(&Engine, &mut St) -> Option<Result<T>>) -> Result<T> {
+        let _waiting = Waiting::new(&self.waiters);
         let deadline = Instant::now() + self.cfg.op_timeout;
         let mut st = lock(&self.st);
         loop {
@@ -871,11 +924,8 @@ impl Engine {
                     50
                 },
             ));
-            st = self
-                .cv
-                .wait_timeout(st, wait)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            self.sleep_or_drive(st, wait);
+            st = lock(&self.st);
         }
     }
 
@@ -1148,6 +1198,7 @@ impl Engine {
 
     /// Wait for a request's completion: (information, status).
     pub fn wait(&self, req: ReqId, slot: Option<u32>) -> Result<(u32, NtStatus)> {
+        let _waiting = Waiting::new(&self.waiters);
         let deadline = Instant::now() + self.cfg.op_timeout;
         let spin_until = Instant::now() + self.cfg.poll_spin;
         let mut spins = 0u32;
@@ -1159,6 +1210,10 @@ impl Engine {
                     .load_u64(self.status_off + s as usize * 8)
                     .unwrap_or(0);
                 if (v >> 32) as u32 == STATUS_PENDING && Instant::now() < spin_until {
+                    // Progress in this thread: the soft provider's manual
+                    // mode places the data and the status block here,
+                    // without waking another thread.
+                    self.poll_cq();
                     spins += 1;
                     if spins.is_multiple_of(64) {
                         std::thread::yield_now();
@@ -1204,14 +1259,31 @@ impl Engine {
                     wait = Duration::from_millis(1);
                 }
             }
-            let wait = wait.min(deadline - now);
-            drop(
-                self.cv
-                    .wait_timeout(st, wait)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0,
-            );
+            self.sleep_or_drive(st, wait.min(deadline - now));
         }
+    }
+
+    /// Block for at most `wait`: as the driver if nobody is (the completion
+    /// that ends the wait then wakes this thread directly), else on the
+    /// condition variable the driver signals.
+    fn sleep_or_drive(&self, st: MutexGuard<'_, St>, wait: Duration) {
+        if let Ok(driver) = self.driver.try_lock() {
+            drop(st);
+            self.drive(wait);
+            drop(driver);
+            if self.waiters.load(Ordering::Acquire) > 1 {
+                // Others wait on the condition variable: one of them takes
+                // the driver role now.
+                self.cv.notify_all();
+            }
+            return;
+        }
+        drop(
+            self.cv
+                .wait_timeout(st, wait)
+                .unwrap_or_else(|p| p.into_inner())
+                .0,
+        );
     }
 
     fn peek_done(&self, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
@@ -1442,47 +1514,48 @@ impl Drop for Engine {
     }
 }
 
+/// Counts a caller inside `wait`/`issue` for as long as it lives.
+struct Waiting<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(n: &'a std::sync::atomic::AtomicUsize) -> Waiting<'a> {
+        n.fetch_add(1, Ordering::AcqRel);
+        Waiting(n)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 fn progress_loop(weak: std::sync::Weak<Engine>) {
-    let mut wcs = [empty_wc(); 32];
     loop {
         let Some(e) = weak.upgrade() else { return };
         if e.stop.load(Ordering::Acquire) {
             return;
         }
-        let n = match e
-            .cq
-            .wait(&e.chan, &mut wcs, Some(Duration::from_millis(20)))
-        {
-            Ok(n) => n,
-            Err(err) => {
-                let mut st = lock(&e.st);
-                e.mark_lost(&mut st, format!("completion channel failed: {err}"));
-                return;
-            }
+        // A caller is waiting and drives the CQ itself: stand by (short
+        // naps, so an idle client still answers credit messages promptly).
+        if e.waiters.load(Ordering::Acquire) > 0 {
+            drop(e);
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        let Ok(driver) = e.driver.try_lock() else {
+            drop(e);
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
         };
-        let mut st = lock(&e.st);
-        for w in wcs[..n].iter().copied() {
-            e.completion(&mut st, w);
-        }
-        drop(st);
-        if n > 0 {
-            e.poll_cq();
-        }
-        let mut st = lock(&e.st);
-        if e.cfg.completion == Completion::Poll {
-            e.scan_slots(&mut st);
-        }
-        e.run_actions(&mut st);
-        if st.lost.is_none() && e.qp.state() == QpState::Error {
-            e.mark_lost(&mut st, "the server closed the connection".into());
-        }
-        let lost = st.lost.is_some();
-        drop(st);
-        if lost {
-            e.cv.notify_all();
-            // Keep draining flushes so resources are accounted, then stop.
-            let _ = e.cq.poll(&mut wcs);
+        if !e.drive(Duration::from_millis(20)) {
             return;
+        }
+        drop(driver);
+        if e.waiters.load(Ordering::Acquire) > 0 {
+            // A caller started waiting meanwhile (on the condition
+            // variable, the driver role being taken): hand it over.
+            e.cv.notify_all();
         }
     }
 }

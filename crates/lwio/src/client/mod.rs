@@ -221,7 +221,13 @@ impl Default for ClientOptions {
             op_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             client_name: crate::server::host_name(),
-            rdma: lwio_rdma::Config::default(),
+            // The soft provider's receive work runs in the thread that
+            // waits for a completion (or in the progress thread when nobody
+            // waits): no engine thread between the socket and the caller.
+            rdma: lwio_rdma::Config {
+                progress: lwio_rdma::Progress::Manual,
+                ..lwio_rdma::Config::default()
+            },
         }
     }
 }

@@ -541,13 +541,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             CliCompletion::Interrupt => Completion::Interrupt,
         },
         provider: a.provider,
-        credits: qd.clamp(1, 1024) as u16,
+        credits: (qd * chunks).clamp(1, 1024) as u16,
         read_chunk,
         stage_slots,
         write_chunk: bs.clamp(512, 64 * 1024),
         send_slots: (qd * 2).clamp(16, 1024),
         ..ClientOptions::default()
     };
+
     let mut client_args = a.client.clone();
     if let Some(e) = &embedded {
         // Log in with the token generated for this run.

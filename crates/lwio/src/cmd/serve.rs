@@ -90,8 +90,12 @@ pub fn rdma_options(c: &Config, listen: SocketAddr) -> RdmaServerOptions {
         max_connections_per_host: c.limits.max_rdma_connections_per_host,
         proto: lwio_proto::server::ServerConfig {
             allow_md5: c.compat_md5_auth,
+            max_recv_buffer_size: c.rdma.max_write_size,
             ..d.proto
         },
+        inline_io: c.rdma.inline_io,
+        busy_poll: c.rdma.busy_poll,
+        conn_contexts: c.rdma.progress == crate::config::ProgressChoice::Connection,
         ..d
     }
 }

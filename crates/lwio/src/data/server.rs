@@ -86,6 +86,12 @@ pub struct RdmaServerOptions {
     /// Try file I/O on the connection thread first with `RWF_NOWAIT`
     /// (page-cache hits complete without a hand-off to a storage thread).
     pub inline_io: bool,
+    /// A connection thread polls this long after its last activity before
+    /// it sleeps.
+    pub busy_poll: Duration,
+    /// Soft provider: give each connection its own context with manual
+    /// progress (its thread reads its own socket; no engine thread).
+    pub conn_contexts: bool,
     /// On shutdown, how long in-flight I/O may take before connections are cut.
     pub shutdown_grace: Duration,
     pub rdma: lwio_rdma::Config,
@@ -113,6 +119,8 @@ impl Default for RdmaServerOptions {
             idle_reclaim: Duration::from_secs(2),
             storage_threads: 4,
             inline_io: true,
+            busy_poll: Duration::ZERO,
+            conn_contexts: true,
             shutdown_grace: Duration::from_secs(10),
             rdma: lwio_rdma::Config::default(),
         }
@@ -324,6 +332,11 @@ impl RdmaServer {
     pub fn bind(mut opts: RdmaServerOptions) -> Result<RdmaServer, lwio_rdma::Error> {
         // The soft provider has no RDMA Write with immediate; use it only
         // where the device has it.
+        if opts.conn_contexts {
+            // Connections get their own contexts (soft provider): the
+            // listener's needs no engine thread either.
+            opts.rdma.progress = lwio_rdma::Progress::Manual;
+        }
         let ctx = super::open_context(opts.provider, opts.device.as_deref(), &opts.rdma)?;
         let caps = ctx.device().caps.clone();
         opts.proto.use_write_with_imm =
@@ -564,6 +577,33 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
     }
 }
 
+/// The connection thread's fast path for one file and direction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InlineMode {
+    /// tmpfs/ramfs: plain calls (memory copies, never a device wait).
+    Memory,
+    /// `RWF_NOWAIT`, falling back to the pool on `EAGAIN`.
+    NoWait,
+    /// Always the pool (`RWF_NOWAIT` refused).
+    Off,
+}
+
+fn inline_mode_of(fd: std::os::fd::RawFd) -> InlineMode {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    // SAFETY: statfs is plain old data; all-zero bytes are a valid value.
+    let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes into the struct we own; `fd` is an open file.
+    if unsafe { libc::fstatfs(fd, &mut sfs) } == 0 {
+        #[allow(clippy::unnecessary_cast)]
+        let t = sfs.f_type as i64;
+        if t == TMPFS_MAGIC || t == RAMFS_MAGIC {
+            return InlineMode::Memory;
+        }
+    }
+    InlineMode::NoWait
+}
+
 // --------------------------------------------------------------- connection
 
 /// Per-connection hook state: the side-channel session found at AUTH and
@@ -661,8 +701,11 @@ struct Conn {
     dead: bool,
     /// I/Os completed on this thread by the page-cache fast path.
     inline_ios: u64,
-    /// (file handle, write) pairs whose file system refused RWF_NOWAIT.
-    nowait_unsupported: std::collections::HashSet<(u64, bool)>,
+    /// How the fast path treats each (file handle, write).
+    inline_mode: HashMap<(u64, bool), InlineMode>,
+    /// The connection's own soft context (declared last: dropped after the
+    /// QP, CQ and PD that live in it).
+    _ctx: Option<Context>,
 }
 
 impl Conn {
@@ -679,6 +722,19 @@ impl Conn {
         cfg.session_id = crate::fs::table::random_u64() | 1;
         let nrecv = usize::from(shared.opts.max_credits_per_conn.max(cfg.max_credits)) + 2;
         let sq_depth = 1024usize;
+        // Soft provider: this connection's own context, driven by its thread
+        // alone (the QP joins it at accept).
+        let own_ctx = match lwio_rdma::soft::context_config(ctx) {
+            Some(c) if shared.opts.conn_contexts => {
+                let c = lwio_rdma::Config {
+                    progress: lwio_rdma::Progress::Manual,
+                    ..c
+                };
+                Some(super::open_context(ProviderChoice::Soft, None, &c)?)
+            }
+            _ => None,
+        };
+        let ctx = own_ctx.as_ref().unwrap_or(ctx);
         let pd = ctx.alloc_pd()?;
         let chan = ctx.create_comp_channel()?;
         let cq = ctx.create_cq((nrecv + sq_depth + 16) as u32, Some(&chan))?;
@@ -783,7 +839,8 @@ impl Conn {
                 draining: None,
                 dead: false,
                 inline_ios: 0,
-                nowait_unsupported: Default::default(),
+                inline_mode: HashMap::new(),
+                _ctx: own_ctx,
             },
             entry,
         ))
@@ -792,6 +849,7 @@ impl Conn {
     fn run(mut self) {
         let mut wcs = [super::empty_wc(); 32];
         let mut last_tick = Instant::now();
+        let mut last_busy = last_tick;
         loop {
             let mut busy = false;
             while let Ok(c) = self.ctl_rx.try_recv() {
@@ -833,6 +891,13 @@ impl Conn {
                 break;
             }
             if busy {
+                last_busy = now;
+                continue;
+            }
+            if now.duration_since(last_busy) < self.shared.opts.busy_poll {
+                // Busy polling: the next request is picked up without a
+                // wake-up. Yield so a peer on this CPU still runs.
+                std::thread::yield_now();
                 continue;
             }
             // Sleep: arm, re-poll (close the race), then wait on the channel
@@ -1314,24 +1379,30 @@ impl Conn {
         }
     }
 
-    /// The page-cache fast path: try the I/O on this thread with
-    /// `RWF_NOWAIT`, which fails with `EAGAIN` instead of blocking (data not
+    /// The page-cache fast path: do the I/O on this thread when it cannot
+    /// block on a device. On tmpfs/ramfs a file's data is memory, so plain
+    /// `pread`/`pwrite` are memory copies; elsewhere the call carries
+    /// `RWF_NOWAIT` and fails with `EAGAIN` instead of blocking (data not
     /// cached, writeback or locks needed). `Some(n)` = done, all of it;
-    /// `None` = hand it to the storage pool (which redoes a partial
-    /// transfer whole: reads and writes of the same bytes are idempotent).
-    /// Skipped for `O_DIRECT` files and when `inline_io` is off; a file
-    /// system without `RWF_NOWAIT` support is remembered and not asked
-    /// again.
+    /// `None` = hand it to the storage pool (which redoes a partial transfer
+    /// whole: reads and writes of the same bytes are idempotent). Skipped
+    /// for `O_DIRECT` files and when `inline_io` is off; a file system that
+    /// refuses `RWF_NOWAIT` is remembered per file and direction.
     fn try_inline(&mut self, f: &OpenFile, offset: u64, kind: &JobKind) -> Option<u32> {
         if !self.shared.opts.inline_io || f.direct {
             return None;
         }
         let write = matches!(kind, JobKind::Write { .. });
-        let key = (f.handle, write);
-        if self.nowait_unsupported.contains(&key) {
-            return None;
-        }
         let fd = std::os::fd::AsRawFd::as_raw_fd(&*f.file);
+        let mode = *self
+            .inline_mode
+            .entry((f.handle, write))
+            .or_insert_with(|| inline_mode_of(fd));
+        let flags = match mode {
+            InlineMode::Off => return None,
+            InlineMode::Memory => 0,
+            InlineMode::NoWait => libc::RWF_NOWAIT,
+        };
         let off = libc::off_t::try_from(offset).ok()?;
         let (r, want) = match kind {
             JobKind::Read { buf, len } => {
@@ -1346,10 +1417,7 @@ impl Conn {
                 // kernel's write into [addr, addr+len) races with nothing;
                 // `len <= buf.len()` and the Arc keeps the mapping alive for
                 // the call.
-                (
-                    unsafe { libc::preadv2(fd, &iov, 1, off, libc::RWF_NOWAIT) },
-                    len,
-                )
+                (unsafe { libc::preadv2(fd, &iov, 1, off, flags) }, len)
             }
             JobKind::Write { data } => {
                 let iov = libc::iovec {
@@ -1359,18 +1427,19 @@ impl Conn {
                 // SAFETY: the kernel only reads `data` (a live Vec we own)
                 // for the length of the call.
                 (
-                    unsafe { libc::pwritev2(fd, &iov, 1, off, libc::RWF_NOWAIT) },
+                    unsafe { libc::pwritev2(fd, &iov, 1, off, flags) },
                     data.len(),
                 )
             }
         };
         if r < 0 {
             let e = std::io::Error::last_os_error().raw_os_error();
-            if e != Some(libc::EAGAIN) {
-                // EOPNOTSUPP/EINVAL: no RWF_NOWAIT here; real errors are
-                // reported by the pool's blocking attempt.
-                self.nowait_unsupported.insert(key);
+            if e == Some(libc::EOPNOTSUPP) {
+                // No RWF_NOWAIT here: always the pool for this file.
+                self.inline_mode.insert((f.handle, write), InlineMode::Off);
             }
+            // Real errors (and EAGAIN) are left to the pool's attempt,
+            // which reports them.
             return None;
         }
         (r as usize == want).then_some(want as u32)
