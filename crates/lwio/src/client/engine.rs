@@ -53,6 +53,8 @@ const BOUNCE_SLOTS: usize = 64;
 const RECV_SLOT: usize = 64;
 const AUTH_BUF: usize = 256;
 const STATUS_SLOTS: u32 = 256;
+/// Request messages posted together at most (one post list).
+const SEND_BATCH: usize = 32;
 
 /// Engine sizing (from `ClientOptions`).
 #[derive(Debug, Clone)]
@@ -649,7 +651,12 @@ impl Engine {
                 }
             }
         }
-        self.flush_sends(st);
+        // Request messages wait for the caller to block (`wait`, a credit
+        // wait, the driver's sleep), so a burst of requests leaves in one
+        // post and one system call; before AUTH completes they go at once.
+        if !matches!(st.auth, Some(Ok(_))) || st.send_backlog.len() >= SEND_BATCH {
+            self.flush_sends(st);
+        }
         let mut notify = false;
         while let Some(ev) = st.conn.poll_event() {
             notify = true;
@@ -685,24 +692,39 @@ impl Engine {
         }
     }
 
+    /// Post the queued request messages, as few post calls as possible (the
+    /// soft provider writes one post list with one `writev`).
     fn flush_sends(&self, st: &mut St) {
-        while !st.send_backlog.is_empty() {
-            let Some(slot) = st.send_free.pop() else {
-                return;
-            };
-            let Some(bytes) = st.send_backlog.pop_front() else {
-                return;
-            };
-            let off = slot as usize * self.send_slot;
-            if bytes.len() > self.send_slot || self.send_mr.write_at(off, &bytes).is_err() {
-                st.send_free.push(slot);
-                self.mark_lost(st, "request larger than a send slot".into());
-                return;
+        while !st.send_backlog.is_empty() && !st.send_free.is_empty() {
+            let mut sges: Vec<[lwio_rdma::Sge; 1]> = Vec::new();
+            let mut slots: Vec<u32> = Vec::new();
+            while sges.len() < SEND_BATCH {
+                let Some(slot) = st.send_free.pop() else {
+                    break;
+                };
+                let Some(bytes) = st.send_backlog.pop_front() else {
+                    st.send_free.push(slot);
+                    break;
+                };
+                let off = slot as usize * self.send_slot;
+                if bytes.len() > self.send_slot || self.send_mr.write_at(off, &bytes).is_err() {
+                    st.send_free.push(slot);
+                    st.send_free.extend(slots);
+                    self.mark_lost(st, "request larger than a send slot".into());
+                    return;
+                }
+                sges.push([self.send_mr.sge(off, bytes.len() as u32)]);
+                slots.push(slot);
             }
-            let sge = [self.send_mr.sge(off, bytes.len() as u32)];
-            let wr = SendWr::new(wrid::SEND | u64::from(slot), SendOp::Send, &sge);
-            if let Err(e) = self.qp.post_send(&[wr]) {
-                st.send_free.push(slot);
+            let wrs: Vec<SendWr<'_>> = sges
+                .iter()
+                .zip(&slots)
+                .map(|(sge, &slot)| SendWr::new(wrid::SEND | u64::from(slot), SendOp::Send, sge))
+                .collect();
+            if let Err(e) = self.qp.post_send(&wrs) {
+                // Those before the failed one were posted: their slots come
+                // back with their (flushed) completions.
+                st.send_free.extend(slots.iter().skip(e.index));
                 self.mark_lost(st, format!("posting a send failed: {}", e.error));
                 return;
             }
@@ -842,6 +864,7 @@ impl Engine {
             self.scan_slots(&mut st);
         }
         self.run_actions(&mut st);
+        self.flush_sends(&mut st);
         if st.lost.is_none() && self.qp.state() == QpState::Error {
             self.mark_lost(&mut st, "the server closed the connection".into());
         }
@@ -1183,6 +1206,7 @@ impl Engine {
             if now >= deadline {
                 return Err(Error::TimedOut("INTERRUPT".into()));
             }
+            self.flush_sends(&mut st);
             st = self
                 .cv
                 .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))
@@ -1199,6 +1223,15 @@ impl Engine {
     /// Wait for a request's completion: (information, status).
     pub fn wait(&self, req: ReqId, slot: Option<u32>) -> Result<(u32, NtStatus)> {
         let _waiting = Waiting::new(&self.waiters);
+        {
+            // Done already (its completion came in a batch)? Then the
+            // requests queued since stay queued for the next real wait.
+            let mut st = lock(&self.st);
+            if let Some(r) = st.done.remove(&req) {
+                return Ok(r);
+            }
+            self.flush_sends(&mut st);
+        }
         let deadline = Instant::now() + self.cfg.op_timeout;
         let spin_until = Instant::now() + self.cfg.poll_spin;
         let mut spins = 0u32;
@@ -1266,7 +1299,8 @@ impl Engine {
     /// Block for at most `wait`: as the driver if nobody is (the completion
     /// that ends the wait then wakes this thread directly), else on the
     /// condition variable the driver signals.
-    fn sleep_or_drive(&self, st: MutexGuard<'_, St>, wait: Duration) {
+    fn sleep_or_drive(&self, mut st: MutexGuard<'_, St>, wait: Duration) {
+        self.flush_sends(&mut st);
         if let Ok(driver) = self.driver.try_lock() {
             drop(st);
             self.drive(wait);
@@ -1443,6 +1477,7 @@ impl Engine {
                 kill(&mut st, "invalidating caller-memory windows timed out");
                 return;
             }
+            self.flush_sends(&mut st);
             st = self
                 .cv
                 .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))

@@ -703,6 +703,9 @@ struct Conn {
     inline_ios: u64,
     /// How the fast path treats each (file handle, write).
     inline_mode: HashMap<(u64, bool), InlineMode>,
+    /// Work requests of this round of actions, posted together by
+    /// `flush_sq`: (wr_id, operation, SGE).
+    sq_pending: Vec<(u64, SendOp, Option<lwio_rdma::Sge>)>,
     /// The connection's own soft context (declared last: dropped after the
     /// QP, CQ and PD that live in it).
     _ctx: Option<Context>,
@@ -840,6 +843,7 @@ impl Conn {
                 dead: false,
                 inline_ios: 0,
                 inline_mode: HashMap::new(),
+                sq_pending: Vec::new(),
                 _ctx: own_ctx,
             },
             entry,
@@ -1169,15 +1173,16 @@ impl Conn {
                 Some(a) => a,
                 None => match self.sconn.poll_action() {
                     Some(a) => a,
-                    None => return,
+                    None => break,
                 },
             };
             if let Err(a) = self.action(a) {
                 // No send-queue room: wait for completions.
                 self.deferred.push_front(a);
-                return;
+                break;
             }
         }
+        self.flush_sq();
     }
 
     fn close_conn(&mut self, why: &str) {
@@ -1229,16 +1234,10 @@ impl Conn {
                     },
                     None => SendOp::Write { remote_addr, rkey },
                 };
-                let wr = SendWr::new(wrid::READBUF | op, opk, if len == 0 { &[] } else { &sge });
-                match self.qp.post_send(&[wr]) {
-                    Ok(()) => {
-                        b.writes_inflight += 1;
-                        self.sq_inflight += 1;
-                    }
-                    Err(e) => {
-                        self.close_conn(&format!("posting an RDMA write failed: {}", e.error))
-                    }
-                }
+                b.writes_inflight += 1;
+                self.sq_inflight += 1;
+                self.sq_pending
+                    .push((wrid::READBUF | op, opk, (len > 0).then_some(sge[0])));
                 Ok(())
             }
             ServerAction::FileRead {
@@ -1489,21 +1488,55 @@ impl Conn {
                 imm,
             },
         };
-        let wr = SendWr::new(
+        self.sq_inflight += 1;
+        self.sq_pending.push((
             wrid::SEND | u64::from(slot),
             op,
-            if bytes.is_empty() { &[] } else { &sge },
-        );
-        match self.qp.post_send(&[wr]) {
-            Ok(()) => self.sq_inflight += 1,
-            Err(e) => {
-                self.send_free.push(slot);
-                if self.closing.is_none() {
-                    debug!(conn = self.id, error = %e.error, "posting a send failed (connection gone)");
-                }
-                self.begin_close(Instant::now());
-            }
-        }
+            (!bytes.is_empty()).then_some(sge[0]),
+        ));
         Ok(())
+    }
+
+    /// Post the work requests queued by this round of actions as one list:
+    /// the soft provider sends a whole list (RDMA Writes and statuses of a
+    /// batch of requests) with one `writev`.
+    fn flush_sq(&mut self) {
+        if self.sq_pending.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.sq_pending);
+        let none = lwio_rdma::Sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        let sges: Vec<[lwio_rdma::Sge; 1]> =
+            pending.iter().map(|p| [p.2.unwrap_or(none)]).collect();
+        let wrs: Vec<SendWr<'_>> = pending
+            .iter()
+            .zip(&sges)
+            .map(|(p, sge)| SendWr::new(p.0, p.1, if p.2.is_some() { sge } else { &[] }))
+            .collect();
+        if let Err(e) = self.qp.post_send(&wrs) {
+            // Those from the failed one on were not posted: no completion
+            // will return their resources.
+            for p in &pending[e.index.min(pending.len())..] {
+                self.sq_inflight = self.sq_inflight.saturating_sub(1);
+                let v = wrid::value(p.0);
+                match wrid::kind(p.0) {
+                    wrid::SEND => self.send_free.push(v as u32),
+                    wrid::READBUF => {
+                        if let Some(b) = self.read_bufs.get_mut(&v) {
+                            b.writes_inflight = b.writes_inflight.saturating_sub(1);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if self.closing.is_none() {
+                debug!(conn = self.id, error = %e.error, "posting a send failed (connection gone)");
+            }
+            self.begin_close(Instant::now());
+        }
     }
 }
