@@ -1288,9 +1288,10 @@ impl Engine {
                         self.run_actions(&mut st);
                     }
                 }
-                if st.interrupt_req.is_none() {
-                    wait = Duration::from_millis(1);
-                }
+                // A polled completion is a status-block write, which wakes
+                // nobody: look again at least every millisecond (the
+                // INTERRUPT answer usually ends the sleep sooner).
+                wait = Duration::from_millis(1);
             }
             self.sleep_or_drive(st, wait.min(deadline - now));
         }

@@ -1082,36 +1082,41 @@ impl Conn {
                 }
                 let slot = v as usize;
                 let len = (w.byte_len as usize).min(self.recv_slot);
-                let mut msg = vec![0u8; len];
                 let Some(mr) = self.recv_mr.as_ref() else {
                     return;
                 };
-                if mr.read_at(slot * self.recv_slot, &mut msg).is_err() {
+                let at = slot * self.recv_slot;
+                if at + len > mr.len() {
                     return;
                 }
-                // Repost at once: the message is copied out.
-                let sge = [mr.sge(slot * self.recv_slot, self.recv_slot as u32)];
+                if self.closing.is_none() {
+                    // SAFETY: this receive buffer is registered LOCAL_WRITE
+                    // only (no rkey of it exists) and its receive has
+                    // completed and is not reposted until after this view
+                    // is gone, so nothing — peer or provider — writes to
+                    // [at, at+len) while the slice lives; the Mr outlives it.
+                    let msg = unsafe { &mr.as_slice()[at..at + len] };
+                    let was_auth = self.sconn.is_authenticated();
+                    let mut hooks = Hooks {
+                        state: &self.state,
+                        shared: &self.shared,
+                        session: &mut self.session,
+                        files: &mut self.files,
+                        next_file: &mut self.next_file,
+                        peer: self.peer,
+                    };
+                    self.sconn.handle_recv(Instant::now(), msg, &mut hooks);
+                    if !was_auth && self.sconn.is_authenticated() {
+                        self.shared.auth_ok.fetch_add(1, Ordering::Relaxed);
+                        info!(conn = self.id, peer = %self.peer, session = ?self.session, credits = self.sconn.credits(), "AUTH ok");
+                    }
+                }
+                // Repost: the state machine kept nothing that points into it.
+                let sge = [mr.sge(at, self.recv_slot as u32)];
                 let _ = self.qp.post_recv(&[RecvWr {
                     wr_id: w.wr_id,
                     sg_list: &sge,
                 }]);
-                if self.closing.is_some() {
-                    return;
-                }
-                let was_auth = self.sconn.is_authenticated();
-                let mut hooks = Hooks {
-                    state: &self.state,
-                    shared: &self.shared,
-                    session: &mut self.session,
-                    files: &mut self.files,
-                    next_file: &mut self.next_file,
-                    peer: self.peer,
-                };
-                self.sconn.handle_recv(Instant::now(), &msg, &mut hooks);
-                if !was_auth && self.sconn.is_authenticated() {
-                    self.shared.auth_ok.fetch_add(1, Ordering::Relaxed);
-                    info!(conn = self.id, peer = %self.peer, session = ?self.session, credits = self.sconn.credits(), "AUTH ok");
-                }
             }
             wrid::SEND => {
                 self.sq_inflight = self.sq_inflight.saturating_sub(1);
