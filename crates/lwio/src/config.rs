@@ -523,6 +523,12 @@ max_rdma_connections_per_host = 32
 [io]
 backend = "auto"
 workers = 4
+
+[rdma]
+inline_io = true
+busy_poll = "0s"
+progress = "connection"
+max_write_size = 65536
 "#;
 
 #[cfg(test)]
@@ -560,6 +566,35 @@ mod tests {
             Limits::default(),
             "the example shows the defaults"
         );
+    }
+
+    #[test]
+    fn rdma_table() {
+        let c = Config::from_toml(EXAMPLE).unwrap();
+        assert_eq!(
+            c.rdma,
+            RdmaConfig::default(),
+            "the example shows the defaults"
+        );
+        let c = Config::from_toml(
+            "[rdma]\ninline_io = false\nbusy_poll = \"250us\"\nprogress = \"engine\"\nmax_write_size = 262144",
+        )
+        .unwrap();
+        assert_eq!(
+            c.rdma,
+            RdmaConfig {
+                inline_io: false,
+                busy_poll: Duration::from_micros(250),
+                progress: ProgressChoice::Engine,
+                max_write_size: 262144,
+            }
+        );
+        let e = Config::from_toml("[rdma]\nprogress = \"threads\"").unwrap_err();
+        assert!(e.0.contains("unknown variant"), "{e}");
+        let o = crate::cmd::serve::rdma_options(&c, "127.0.0.1:0".parse().unwrap());
+        assert!(!o.inline_io && !o.conn_contexts);
+        assert_eq!(o.busy_poll, Duration::from_micros(250));
+        assert_eq!(o.proto.max_recv_buffer_size, 262144);
     }
 
     #[test]
