@@ -74,6 +74,11 @@ pub static DIRECT_PLACEMENT: std::sync::atomic::AtomicBool =
 
 /// How much a header/small read pulls into the staging buffer (CRC off).
 pub const HDR_FILL: usize = 1024;
+/// Segments with payloads below this mark the stream as small-message
+/// traffic (see `Stage::small`).
+pub const SMALL_SEG: usize = 16 * 1024;
+/// In small-message mode, payloads go direct from this size up.
+pub const SMALL_DIRECT_MIN: usize = 32 * 1024;
 /// Frames, and bytes, one transmit `sendmsg` may carry.
 pub const TX_BATCH: usize = 32;
 pub const TX_BATCH_BYTES: usize = 256 * 1024;
@@ -221,6 +226,11 @@ struct Seg {
 struct Stage {
     /// CRC on: every byte is staged (and checksummed) before it is copied.
     all_staged: bool,
+    /// The last segment carried a small payload (< `SMALL_SEG`): the stream
+    /// is probably many small messages, so refills pull a whole stage (one
+    /// `read` for many segments) instead of just a header, and payloads go
+    /// direct only from `SMALL_DIRECT_MIN` up.
+    small: bool,
     buf: Box<[u8]>,
     start: usize,
     end: usize,
@@ -262,8 +272,12 @@ impl Stage {
     ) -> io::Result<usize> {
         if self.avail() == 0 {
             if let (Some(d), false) = (dst, self.all_staged) {
-                if len >= DIRECT_MIN && DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
-                {
+                let min = if self.small {
+                    SMALL_DIRECT_MIN
+                } else {
+                    DIRECT_MIN
+                };
+                if len >= min && DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed) {
                     let n = io.read(d, len)?;
                     stats.direct += n as u64;
                     return Ok(n);
@@ -273,6 +287,7 @@ impl Stage {
             // payloads are read straight into their target; with CRC every
             // byte passes through here anyway.
             let limit = if self.all_staged
+                || self.small
                 || !DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
             {
                 STAGE
@@ -469,6 +484,7 @@ impl QpCore {
             rx: RxState::Hdr,
             stage: Stage {
                 all_staged: crc,
+                small: true,
                 buf: vec![0u8; STAGE].into_boxed_slice(),
                 start: 0,
                 end: 0,
@@ -1561,6 +1577,7 @@ impl QpCore {
         } else {
             0
         };
+        self.stage.small = s.ulpdu_len < SMALL_SEG;
         self.seg = s;
         if h[2] & 0x03 != wire::DDP_V1 {
             let c = if tagged {
