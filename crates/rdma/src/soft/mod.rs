@@ -37,7 +37,12 @@
 //! Placement: with CRC off, payload ≥ 4 KiB is `read(2)` straight into the
 //! registered memory; headers and small payloads come through a 64 KiB
 //! staging buffer (header fills are capped at 1 KiB so a large payload that
-//! follows is not swallowed by the stage) and are copied once. With CRC on,
+//! follows is not swallowed by the stage) and are copied once. After a
+//! segment under 16 KiB the receiver switches to small-message mode: a
+//! refill reads up to a whole stage (many segments per system call) and only
+//! payloads from 32 KiB go direct; the next large segment switches back.
+//! (4 KiB reads at queue depth 32: one `read` per batch instead of two or
+//! three per message.) With CRC on,
 //! every received byte is staged and checksummed from our own buffer, then
 //! copied once, and every sent payload is copied once into the frame and
 //! checksummed there (otherwise `writev` sends straight from registered
