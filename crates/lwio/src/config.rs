@@ -142,6 +142,11 @@ pub struct RdmaConfig {
     /// before it sleeps (lower latency, burns a core; 0 = off).
     #[serde(deserialize_with = "de_duration")]
     pub busy_poll: Duration,
+    /// After completing a request whose client polls (completion by status
+    /// block), keep polling this long: a polling client gets a polling
+    /// server, an interrupt-mode client costs no server spinning.
+    #[serde(deserialize_with = "de_duration")]
+    pub busy_poll_polled: Duration,
     /// Soft provider: `connection` = each connection has its own context
     /// whose socket its thread reads (no engine thread); `engine` = one
     /// shared context with an engine thread.
@@ -157,6 +162,7 @@ impl Default for RdmaConfig {
         RdmaConfig {
             inline_io: true,
             busy_poll: Duration::ZERO,
+            busy_poll_polled: Duration::from_micros(100),
             progress: ProgressChoice::Connection,
             max_write_size: 64 * 1024,
         }
@@ -527,6 +533,7 @@ workers = 4
 [rdma]
 inline_io = true
 busy_poll = "0s"
+busy_poll_polled = "100us"
 progress = "connection"
 max_write_size = 65536
 "#;
@@ -585,6 +592,7 @@ mod tests {
             RdmaConfig {
                 inline_io: false,
                 busy_poll: Duration::from_micros(250),
+                busy_poll_polled: Duration::from_micros(100),
                 progress: ProgressChoice::Engine,
                 max_write_size: 262144,
             }

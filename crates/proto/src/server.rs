@@ -197,6 +197,7 @@ pub struct ServerConn {
     client: Option<AuthParamsRepr>,
     credits: u16,
     outstanding: u32,
+    polled_completions: u64,
     credit_hint: u8,
     credit_tx: Option<CreditTx>,
     unused_credits_reported: u32,
@@ -219,6 +220,7 @@ impl ServerConn {
             client: None,
             credits: 1,
             outstanding: 0,
+            polled_completions: 0,
             credit_hint: 0,
             credit_tx: None,
             unused_credits_reported: 0,
@@ -241,6 +243,12 @@ impl ServerConn {
         self.state == State::Closed
     }
     /// Current credit limit.
+    /// Requests completed through the client's status block (polling
+    /// mode) so far: a server may busy-poll while its client does.
+    pub fn polled_completions(&self) -> u64 {
+        self.polled_completions
+    }
+
     pub fn credits(&self) -> u16 {
         self.credits
     }
@@ -349,6 +357,7 @@ impl ServerConn {
                 }
             }
             CompletionMode::Polled { ios_va, ios_mh } => {
+                self.polled_completions += 1;
                 let b = IoStatusBlock {
                     information,
                     status,

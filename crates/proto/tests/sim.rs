@@ -451,6 +451,13 @@ fn run_all_opcodes(mode: Mode, imm: bool) {
     assert_eq!(s.completion(r), Some((3000, STATUS_SUCCESS)));
     assert_eq!(s.mem.read_at(DATA.addr, 3000), file[100..3100]);
 
+    // The server counts status-block completions (it busy-polls after
+    // them): one for the polled READ, none in interrupt mode.
+    assert_eq!(
+        s.server.polled_completions(),
+        u64::from(matches!(mode, Mode::Polled))
+    );
+
     // Short read at the end of the file, then END_OF_FILE.
     let r = s.client.read(fid, 9_000, 4096, DATA, mode).unwrap();
     s.pump();

@@ -95,6 +95,7 @@ pub fn rdma_options(c: &Config, listen: SocketAddr) -> RdmaServerOptions {
         },
         inline_io: c.rdma.inline_io,
         busy_poll: c.rdma.busy_poll,
+        busy_poll_polled: c.rdma.busy_poll_polled,
         conn_contexts: c.rdma.progress == crate::config::ProgressChoice::Connection,
         ..d
     }

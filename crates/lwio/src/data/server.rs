@@ -89,6 +89,9 @@ pub struct RdmaServerOptions {
     /// A connection thread polls this long after its last activity before
     /// it sleeps.
     pub busy_poll: Duration,
+    /// After completing a request its client polls for (status block), the
+    /// connection thread polls this long before it sleeps.
+    pub busy_poll_polled: Duration,
     /// Soft provider: give each connection its own context with manual
     /// progress (its thread reads its own socket; no engine thread).
     pub conn_contexts: bool,
@@ -120,6 +123,7 @@ impl Default for RdmaServerOptions {
             storage_threads: 4,
             inline_io: true,
             busy_poll: Duration::ZERO,
+            busy_poll_polled: Duration::from_micros(100),
             conn_contexts: true,
             shutdown_grace: Duration::from_secs(10),
             rdma: lwio_rdma::Config::default(),
@@ -854,6 +858,8 @@ impl Conn {
         let mut wcs = [super::empty_wc(); 32];
         let mut last_tick = Instant::now();
         let mut last_busy = last_tick;
+        // Polling clients: keep polling a while after each polled completion.
+        let (mut last_polled, mut last_polled_count) = (last_tick, 0u64);
         loop {
             let mut busy = false;
             while let Ok(c) = self.ctl_rx.try_recv() {
@@ -894,11 +900,18 @@ impl Conn {
             if self.finished(now) {
                 break;
             }
+            let polled = self.sconn.polled_completions();
+            if polled != last_polled_count {
+                last_polled_count = polled;
+                last_polled = now;
+            }
             if busy {
                 last_busy = now;
                 continue;
             }
-            if now.duration_since(last_busy) < self.shared.opts.busy_poll {
+            if now.duration_since(last_busy) < self.shared.opts.busy_poll
+                || now.duration_since(last_polled) < self.shared.opts.busy_poll_polled
+            {
                 // Busy polling: the next request is picked up without a
                 // wake-up. Yield so a peer on this CPU still runs.
                 std::thread::yield_now();
