@@ -74,6 +74,20 @@ pub trait ServerHooks {
         resume_key: &SrvResumeKey,
         flags_and_attributes: u32,
     ) -> Result<u64, NtStatus>;
+
+    /// Optionally carry out a WRITE at once, straight from the request's
+    /// bytes (no copy): `Some(Ok(n))`/`Some(Err(status))` completes it now,
+    /// `None` (the default) emits [`ServerAction::FileWrite`] with a copy of
+    /// the data instead. `file` is a handle `open_file` returned; the
+    /// embedder checks that it may be written, as for `FileWrite`.
+    fn write_now(
+        &mut self,
+        _file: u64,
+        _offset: u64,
+        _data: &[u8],
+    ) -> Option<Result<u32, NtStatus>> {
+        None
+    }
 }
 
 /// Where the bytes of an RDMA write come from.
@@ -475,7 +489,7 @@ impl ServerConn {
                 if !self.payload_ok(data.len()) {
                     return self.close(CloseReason::PayloadTooLarge);
                 }
-                self.start_write(fid, offset, data.to_vec(), mode, false)
+                self.write_in_place(fid, offset, data, mode, hooks)
             }
             RequestOp::VecWrite {
                 fid,
@@ -491,7 +505,7 @@ impl ServerConn {
                     return self.close(CloseReason::PayloadTooLarge);
                 }
                 if !collapse {
-                    return self.start_write(fid, offset, data.to_vec(), mode, false);
+                    return self.write_in_place(fid, offset, data, mode, hooks);
                 }
                 match self.expand_collapsed(fid, length, num_pages, page_size, data) {
                     Ok(buf) => self.start_write(fid, offset, buf, mode, true),
@@ -849,6 +863,31 @@ impl ServerConn {
             out.extend_from_slice(&page[..take]);
         }
         Ok(out)
+    }
+
+    /// A write whose data is the request's own bytes: offered to
+    /// [`ServerHooks::write_now`] first, else copied into a `FileWrite`.
+    fn write_in_place(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        data: &[u8],
+        mode: CompletionMode,
+        hooks: &mut dyn ServerHooks,
+    ) {
+        if !data.is_empty() {
+            if let Ok(file) = self.check_io(fid, offset, data.len() as u32) {
+                if let Some(r) = hooks.write_now(file, offset, data) {
+                    return match r {
+                        Ok(n) => {
+                            self.complete_io(mode, n.min(data.len() as u32), STATUS_SUCCESS, false)
+                        }
+                        Err(st) => self.complete_io(mode, 0, normalize(st), false),
+                    };
+                }
+            }
+        }
+        self.start_write(fid, offset, data.to_vec(), mode, false)
     }
 
     fn start_write(

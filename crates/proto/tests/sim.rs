@@ -80,6 +80,9 @@ impl LocalMemory for Mem {
 
 struct Hooks {
     secrets: HashMap<Guid, Vec<u8>>,
+    /// `Some`: take writes at once (`write_now`), recording them; `Err`
+    /// answers them with that status.
+    direct: Option<Result<Vec<(u64, u64, Vec<u8>)>, NtStatus>>,
 }
 
 impl ServerHooks for Hooks {
@@ -91,6 +94,15 @@ impl ServerHooks for Hooks {
             77 => Ok(1),
             78 if flags & FILE_NO_INTERMEDIATE_BUFFERING != 0 => Ok(1),
             _ => Err(STATUS_ACCESS_DENIED),
+        }
+    }
+    fn write_now(&mut self, file: u64, offset: u64, data: &[u8]) -> Option<Result<u32, NtStatus>> {
+        match self.direct.as_mut()? {
+            Ok(log) => {
+                log.push((file, offset, data.to_vec()));
+                Some(Ok(data.len() as u32))
+            }
+            Err(st) => Some(Err(*st)),
         }
     }
 }
@@ -207,6 +219,7 @@ impl Sim {
             mem,
             hooks: Hooks {
                 secrets: HashMap::from([(KEY, SECRET.to_vec())]),
+                direct: None,
             },
             storage,
             to_server: VecDeque::new(),
@@ -586,6 +599,41 @@ fn all_opcodes_interrupt_mode_with_immediate() {
 #[test]
 fn all_opcodes_polling_mode() {
     run_all_opcodes(Mode::Polled, false);
+}
+
+#[test]
+fn write_now_hook_completes_writes_without_file_write() {
+    let mut s = Sim::with(server_cfg(), client_cfg());
+    s.connect();
+    let fid = s.register(RK_NOBUF, FILE_NO_INTERMEDIATE_BUFFERING);
+    let before = s.storage.files[&1].clone();
+    s.hooks.direct = Some(Ok(Vec::new()));
+    for mode in [Mode::Interrupt, Mode::Polled] {
+        let r = s.client.write(fid, 70, b"in place", mode).unwrap();
+        s.pump();
+        assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
+    }
+    // Taken by the hook, straight from the request: no FileWrite reached
+    // the storage, and the hook saw the exact bytes and place.
+    assert_eq!(s.storage.files[&1], before);
+    assert_eq!(
+        s.hooks.direct,
+        Some(Ok(vec![
+            (1, 70, b"in place".to_vec()),
+            (1, 70, b"in place".to_vec())
+        ]))
+    );
+    // A hook failure is the request's status.
+    s.hooks.direct = Some(Err(STATUS_DISK_FULL));
+    let r = s.client.write(fid, 0, b"x", Mode::Interrupt).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((0, STATUS_DISK_FULL)));
+    // Without the hook, the FileWrite path as before.
+    s.hooks.direct = None;
+    let r = s.client.write(fid, 0, b"y", Mode::Interrupt).unwrap();
+    s.pump();
+    assert_eq!(s.completion(r), Some((1, STATUS_SUCCESS)));
+    assert_eq!(s.storage.files[&1][0], b'y');
 }
 
 #[test]

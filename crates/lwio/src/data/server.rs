@@ -148,6 +148,9 @@ pub struct ServerStats {
     pub auth_ok: u64,
     pub auth_failed: u64,
     pub closed_by_protocol: u64,
+    /// File I/Os done by connection threads themselves (page-cache fast
+    /// path, `inline_io`) rather than by storage threads.
+    pub inline_ios: u64,
 }
 
 enum Control {
@@ -177,6 +180,7 @@ struct Shared {
     auth_ok: AtomicU64,
     auth_failed: AtomicU64,
     closed_by_protocol: AtomicU64,
+    inline_ios: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -290,6 +294,7 @@ impl ServerHandle {
             auth_ok: s.auth_ok.load(Ordering::Relaxed),
             auth_failed: s.auth_failed.load(Ordering::Relaxed),
             closed_by_protocol: s.closed_by_protocol.load(Ordering::Relaxed),
+            inline_ios: s.inline_ios.load(Ordering::Relaxed),
         }
     }
 
@@ -374,6 +379,7 @@ impl RdmaServer {
             auth_ok: AtomicU64::new(0),
             auth_failed: AtomicU64::new(0),
             closed_by_protocol: AtomicU64::new(0),
+            inline_ios: AtomicU64::new(0),
         });
         Ok(RdmaServer {
             ctx,
@@ -608,6 +614,59 @@ fn inline_mode_of(fd: std::os::fd::RawFd) -> InlineMode {
     InlineMode::NoWait
 }
 
+/// The fast path's system call (see `Conn::try_inline`): `Some(n)` when
+/// all `len` bytes moved without blocking; `None` = use the storage pool.
+///
+/// # Safety
+/// For a read, `ptr..ptr+len` must be valid for writes and not accessed by
+/// anything else during the call; for a write, valid for reads.
+unsafe fn inline_io(
+    cache: &mut HashMap<(u64, bool), InlineMode>,
+    enabled: bool,
+    f: &OpenFile,
+    offset: u64,
+    ptr: *mut u8,
+    len: usize,
+    write: bool,
+) -> Option<u32> {
+    if !enabled || f.direct || len == 0 {
+        return None;
+    }
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&*f.file);
+    let mode = *cache
+        .entry((f.handle, write))
+        .or_insert_with(|| inline_mode_of(fd));
+    let flags = match mode {
+        InlineMode::Off => return None,
+        InlineMode::Memory => 0,
+        InlineMode::NoWait => libc::RWF_NOWAIT,
+    };
+    let off = libc::off_t::try_from(offset).ok()?;
+    let iov = libc::iovec {
+        iov_base: ptr.cast(),
+        iov_len: len,
+    };
+    // SAFETY: the caller vouches for [ptr, ptr+len); `iov` lives across the
+    // call; `fd` is an open file.
+    let r = unsafe {
+        if write {
+            libc::pwritev2(fd, &iov, 1, off, flags)
+        } else {
+            libc::preadv2(fd, &iov, 1, off, flags)
+        }
+    };
+    if r < 0 {
+        if std::io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP) {
+            // No RWF_NOWAIT here: always the pool for this file.
+            cache.insert((f.handle, write), InlineMode::Off);
+        }
+        // Real errors (and EAGAIN) are left to the pool's attempt, which
+        // reports them.
+        return None;
+    }
+    (r as usize == len).then_some(len as u32)
+}
+
 // --------------------------------------------------------------- connection
 
 /// Per-connection hook state: the side-channel session found at AUTH and
@@ -619,9 +678,36 @@ struct Hooks<'a> {
     files: &'a mut HashMap<u64, OpenFile>,
     next_file: &'a mut u64,
     peer: SocketAddr,
+    inline_mode: &'a mut HashMap<(u64, bool), InlineMode>,
 }
 
 impl ServerHooks for Hooks<'_> {
+    /// Page-cache writes straight from the receive buffer (no copy), by the
+    /// fast path's rules (`Conn::try_inline`); the rest goes the FileWrite
+    /// way.
+    fn write_now(&mut self, file: u64, offset: u64, data: &[u8]) -> Option<Result<u32, NtStatus>> {
+        let f = self.files.get(&file)?;
+        if !f.rights.write {
+            return Some(Err(STATUS_ACCESS_DENIED));
+        }
+        // SAFETY: the kernel only reads `data`, which the state machine
+        // lends for this call (the request's receive buffer, not reposted
+        // until the request has been handled).
+        let r = unsafe {
+            inline_io(
+                self.inline_mode,
+                self.shared.opts.inline_io,
+                f,
+                offset,
+                data.as_ptr() as *mut u8,
+                data.len(),
+                true,
+            )
+        }?;
+        self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
+        Some(Ok(r))
+    }
+
     fn session_secret(&mut self, key: &Guid) -> Option<Vec<u8>> {
         let Some(n) = self.state.lookup_negotiate_key(key) else {
             info!(peer = %self.peer, %key, "AUTH with an unknown or expired negotiate key");
@@ -703,8 +789,6 @@ struct Conn {
     closing: Option<Instant>,
     draining: Option<Instant>,
     dead: bool,
-    /// I/Os completed on this thread by the page-cache fast path.
-    inline_ios: u64,
     /// How the fast path treats each (file handle, write).
     inline_mode: HashMap<(u64, bool), InlineMode>,
     /// Work requests of this round of actions, posted together by
@@ -845,7 +929,6 @@ impl Conn {
                 closing: None,
                 draining: None,
                 dead: false,
-                inline_ios: 0,
                 inline_mode: HashMap::new(),
                 sq_pending: Vec::new(),
                 _ctx: own_ctx,
@@ -1117,6 +1200,7 @@ impl Conn {
                         files: &mut self.files,
                         next_file: &mut self.next_file,
                         peer: self.peer,
+                        inline_mode: &mut self.inline_mode,
                     };
                     self.sconn.handle_recv(Instant::now(), msg, &mut hooks);
                     if !was_auth && self.sconn.is_authenticated() {
@@ -1362,7 +1446,7 @@ impl Conn {
 
     fn dispatch(&mut self, op: OpId, f: OpenFile, offset: u64, kind: JobKind) {
         if let Some(r) = self.try_inline(&f, offset, &kind) {
-            self.inline_ios += 1;
+            self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
             drop(kind);
             self.storage_done(op, Ok(r));
             return;
@@ -1406,60 +1490,37 @@ impl Conn {
     /// for `O_DIRECT` files and when `inline_io` is off; a file system that
     /// refuses `RWF_NOWAIT` is remembered per file and direction.
     fn try_inline(&mut self, f: &OpenFile, offset: u64, kind: &JobKind) -> Option<u32> {
-        if !self.shared.opts.inline_io || f.direct {
-            return None;
-        }
-        let write = matches!(kind, JobKind::Write { .. });
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&*f.file);
-        let mode = *self
-            .inline_mode
-            .entry((f.handle, write))
-            .or_insert_with(|| inline_mode_of(fd));
-        let flags = match mode {
-            InlineMode::Off => return None,
-            InlineMode::Memory => 0,
-            InlineMode::NoWait => libc::RWF_NOWAIT,
-        };
-        let off = libc::off_t::try_from(offset).ok()?;
-        let (r, want) = match kind {
-            JobKind::Read { buf, len } => {
-                let len = (*len).min(buf.len());
-                let iov = libc::iovec {
-                    iov_base: buf.addr() as *mut libc::c_void,
-                    iov_len: len,
-                };
-                // SAFETY: `buf` is a server read buffer registered with
-                // LOCAL_WRITE only (no remote key reaches it) and no RDMA
-                // Write from it is posted until this op completes, so the
-                // kernel's write into [addr, addr+len) races with nothing;
-                // `len <= buf.len()` and the Arc keeps the mapping alive for
-                // the call.
-                (unsafe { libc::preadv2(fd, &iov, 1, off, flags) }, len)
-            }
-            JobKind::Write { data } => {
-                let iov = libc::iovec {
-                    iov_base: data.as_ptr() as *mut libc::c_void,
-                    iov_len: data.len(),
-                };
-                // SAFETY: the kernel only reads `data` (a live Vec we own)
-                // for the length of the call.
-                (
-                    unsafe { libc::pwritev2(fd, &iov, 1, off, flags) },
-                    data.len(),
+        let enabled = self.shared.opts.inline_io;
+        match kind {
+            // SAFETY: `buf` is a server read buffer registered with
+            // LOCAL_WRITE only (no remote key reaches it) and no RDMA Write
+            // from it is posted until this op completes, so the kernel's
+            // write into it races with nothing; the length is clamped to
+            // the buffer and the Arc keeps the mapping alive for the call.
+            JobKind::Read { buf, len } => unsafe {
+                inline_io(
+                    &mut self.inline_mode,
+                    enabled,
+                    f,
+                    offset,
+                    buf.addr() as *mut u8,
+                    (*len).min(buf.len()),
+                    false,
                 )
-            }
-        };
-        if r < 0 {
-            let e = std::io::Error::last_os_error().raw_os_error();
-            if e == Some(libc::EOPNOTSUPP) {
-                // No RWF_NOWAIT here: always the pool for this file.
-                self.inline_mode.insert((f.handle, write), InlineMode::Off);
-            }
-            // Real errors (and EAGAIN) are left to the pool's attempt,
-            // which reports them.
-            return None;
+            },
+            // SAFETY: the kernel only reads `data`, a live Vec we own.
+            JobKind::Write { data } => unsafe {
+                inline_io(
+                    &mut self.inline_mode,
+                    enabled,
+                    f,
+                    offset,
+                    data.as_ptr() as *mut u8,
+                    data.len(),
+                    true,
+                )
+            },
         }
-        (r as usize == want).then_some(want as u32)
     }
 
     /// Post a Send (remote = None) or an RDMA Write of owned bytes.
