@@ -328,13 +328,40 @@ impl ClientConn {
         slot: Option<u32>,
         imm: Option<u32>,
     ) -> Result<(), ClientError> {
+        self.emit_request_to(op, cookie, opcode, slot, imm, None)
+            .map(|_| ())
+    }
+
+    /// Encode a request and record it as outstanding. With `out`, the
+    /// message is written there (the caller sends it, in order with the
+    /// `Send` actions already taken) and its length returned; without, it
+    /// becomes a `Send` action.
+    fn emit_request_to(
+        &mut self,
+        op: RequestOp<'_>,
+        cookie: ReqId,
+        opcode: Opcode,
+        slot: Option<u32>,
+        imm: Option<u32>,
+        out: Option<&mut [u8]>,
+    ) -> Result<usize, ClientError> {
         let r = RequestRepr {
             credits: u8::try_from(self.reqs.len() + 1).unwrap_or(u8::MAX),
             sequence: self.sequence,
             tid: self.cfg.tid,
             op,
         };
-        let bytes = r.to_bytes().map_err(|_| ClientError::InvalidArgument)?;
+        let (bytes, len) = match out {
+            Some(buf) => {
+                let n = r.emit(buf).map_err(|_| ClientError::InvalidArgument)?;
+                (None, n)
+            }
+            None => {
+                let b = r.to_bytes().map_err(|_| ClientError::InvalidArgument)?;
+                let n = b.len();
+                (Some(b), n)
+            }
+        };
         self.sequence = self.sequence.wrapping_add(1);
         if let (Some(s), Some(addr)) = (slot, slot.and_then(|s| self.slot_addr(s))) {
             self.actions
@@ -353,8 +380,10 @@ impl ClientConn {
                 length: 0,
             },
         );
-        self.actions.push_back(ClientAction::Send(bytes));
-        Ok(())
+        if let Some(b) = bytes {
+            self.actions.push_back(ClientAction::Send(b));
+        }
+        Ok(len)
     }
 
     fn check_issue(&self) -> Result<(), ClientError> {
@@ -541,6 +570,35 @@ impl ClientConn {
         };
         self.emit_request(op, cookie, Opcode::Write, slot, imm)?;
         Ok(cookie)
+    }
+
+    /// WRITE encoded straight into `out` (e.g. a registered send buffer)
+    /// instead of a `Send` action: no intermediate copy of `data`. Returns
+    /// the request and the message length; the caller sends `out[..len]`
+    /// after every `Send` action taken before this call. `out` shorter than
+    /// the message: `InvalidArgument`, nothing recorded.
+    pub fn write_into(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        data: &[u8],
+        mode: Mode,
+        out: &mut [u8],
+    ) -> Result<(ReqId, usize), ClientError> {
+        self.check_payload(data.len())?;
+        self.check_issue()?;
+        if out.len() < COMMON_HEADER_LEN + data.len() {
+            return Err(ClientError::InvalidArgument);
+        }
+        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
+        let op = RequestOp::Write {
+            fid,
+            offset,
+            data,
+            mode: cm,
+        };
+        let n = self.emit_request_to(op, cookie, Opcode::Write, slot, imm, Some(out))?;
+        Ok((cookie, n))
     }
 
     /// VEC_WRITE. Without `collapse`, `data` holds all `length` bytes; with

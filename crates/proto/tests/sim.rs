@@ -602,6 +602,64 @@ fn all_opcodes_polling_mode() {
 }
 
 #[test]
+fn write_into_encodes_the_same_message_in_place() {
+    for mode in [Mode::Interrupt, Mode::Polled] {
+        let mut s = Sim::with(server_cfg(), client_cfg());
+        s.connect();
+        let fid = s.register(RK_NOBUF, FILE_NO_INTERMEDIATE_BUFFERING);
+        // Too small a buffer: refused, nothing recorded or queued.
+        let before = s.client.outstanding();
+        let mut small = [0u8; 60];
+        assert_eq!(
+            s.client.write_into(fid, 0, b"0123456789", mode, &mut small),
+            Err(ClientError::InvalidArgument)
+        );
+        assert_eq!(s.client.outstanding(), before);
+        // In place: the caller sends it; the server completes it as a WRITE.
+        let mut buf = [0xAAu8; 200];
+        let (r, n) = s
+            .client
+            .write_into(fid, 33, b"0123456789", mode, &mut buf)
+            .unwrap();
+        assert_eq!(n, 56 + 10);
+        assert!(
+            buf[n..].iter().all(|&b| b == 0xAA),
+            "wrote past the message"
+        );
+        while let Some(a) = s.client.poll_action() {
+            assert!(!matches!(a, ClientAction::Send(_)), "queued a Send too");
+            if let ClientAction::ResetStatusBlock { addr, .. } = a {
+                assert!(s.mem.write(addr, 3, &IoStatusBlock::PENDING.to_bytes()));
+            }
+        }
+        s.to_server.push_back(buf[..n].to_vec());
+        s.pump();
+        assert_eq!(s.completion(r), Some((10, STATUS_SUCCESS)));
+        assert_eq!(&s.storage.files[&1][33..43], b"0123456789");
+        // The same request through `write` is the same bytes but for the
+        // cookie and sequence number: the next one's encoding matches.
+        let r2 = s.client.write(fid, 33, b"0123456789", mode).unwrap();
+        let mut sent = None;
+        while let Some(a) = s.client.poll_action() {
+            match a {
+                ClientAction::Send(b) => sent = Some(b),
+                ClientAction::ResetStatusBlock { addr, .. } => {
+                    assert!(s.mem.write(addr, 3, &IoStatusBlock::PENDING.to_bytes()))
+                }
+                _ => {}
+            }
+        }
+        let b = sent.expect("no Send for write()");
+        assert_eq!(b.len(), n);
+        // Past the common header (cookie, sequence): the same payload.
+        assert_eq!(&b[56..], &buf[56..n]);
+        s.to_server.push_back(b);
+        s.pump();
+        assert_eq!(s.completion(r2), Some((10, STATUS_SUCCESS)));
+    }
+}
+
+#[test]
 fn write_now_hook_completes_writes_without_file_write() {
     let mut s = Sim::with(server_cfg(), client_cfg());
     s.connect();

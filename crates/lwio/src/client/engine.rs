@@ -225,7 +225,7 @@ struct St {
     /// yet: its next PostRecv actions are served from these first.
     recv_prepost: u32,
     send_free: Vec<u32>,
-    send_backlog: VecDeque<Vec<u8>>,
+    send_backlog: VecDeque<Outgoing>,
     stage_free: Vec<usize>,
     bounce_free: Vec<usize>,
     mw_free: Vec<Mw>,
@@ -617,7 +617,7 @@ impl Engine {
         while let Some(a) = st.conn.poll_action() {
             match a {
                 ClientAction::Send(bytes) => {
-                    st.send_backlog.push_back(bytes);
+                    st.send_backlog.push_back(Outgoing::Bytes(bytes));
                 }
                 ClientAction::PostRecv(n) => {
                     let from_pre = n.min(st.recv_prepost);
@@ -695,25 +695,36 @@ impl Engine {
     /// Post the queued request messages, as few post calls as possible (the
     /// soft provider writes one post list with one `writev`).
     fn flush_sends(&self, st: &mut St) {
-        while !st.send_backlog.is_empty() && !st.send_free.is_empty() {
+        while let Some(front) = st.send_backlog.front() {
+            // A message already in its slot needs none; bytes need a free one.
+            if matches!(front, Outgoing::Bytes(_)) && st.send_free.is_empty() {
+                return;
+            }
             let mut sges: Vec<[lwio_rdma::Sge; 1]> = Vec::new();
             let mut slots: Vec<u32> = Vec::new();
             while sges.len() < SEND_BATCH {
-                let Some(slot) = st.send_free.pop() else {
-                    break;
+                let (slot, len) = match st.send_backlog.front() {
+                    None => break,
+                    Some(Outgoing::Slot { slot, len }) => (*slot, *len),
+                    Some(Outgoing::Bytes(bytes)) => {
+                        let Some(slot) = st.send_free.pop() else {
+                            break;
+                        };
+                        let off = slot as usize * self.send_slot;
+                        if bytes.len() > self.send_slot
+                            || self.send_mr.write_at(off, bytes).is_err()
+                        {
+                            st.send_free.push(slot);
+                            st.send_free.extend(slots);
+                            self.mark_lost(st, "request larger than a send slot".into());
+                            return;
+                        }
+                        (slot, bytes.len())
+                    }
                 };
-                let Some(bytes) = st.send_backlog.pop_front() else {
-                    st.send_free.push(slot);
-                    break;
-                };
+                st.send_backlog.pop_front();
                 let off = slot as usize * self.send_slot;
-                if bytes.len() > self.send_slot || self.send_mr.write_at(off, &bytes).is_err() {
-                    st.send_free.push(slot);
-                    st.send_free.extend(slots);
-                    self.mark_lost(st, "request larger than a send slot".into());
-                    return;
-                }
-                sges.push([self.send_mr.sge(off, bytes.len() as u32)]);
+                sges.push([self.send_mr.sge(off, len as u32)]);
                 slots.push(slot);
             }
             let wrs: Vec<SendWr<'_>> = sges
@@ -1129,7 +1140,29 @@ impl Engine {
 
     pub fn issue_write(&self, fid: u16, offset: u64, data: &[u8]) -> Result<ReqId> {
         let mode = self.mode();
-        self.issue(|_, st| Some(st.conn.write(fid, offset, data, mode).map_err(client_err)))
+        self.issue(|e, st| {
+            // Encode straight into a free send slot (no copy of the data
+            // besides this one); without a free slot, queue the bytes.
+            let Some(slot) = st.send_free.pop() else {
+                return Some(st.conn.write(fid, offset, data, mode).map_err(client_err));
+            };
+            let off = slot as usize * e.send_slot;
+            // SAFETY: the send region is registered without remote access
+            // (no peer can write it) and this slot is free: no posted send
+            // reads it and no other view of it exists while we hold the
+            // engine lock; `off + send_slot` is inside the region.
+            let out = unsafe { &mut e.send_mr.as_mut_slice()[off..off + e.send_slot] };
+            match st.conn.write_into(fid, offset, data, mode, out) {
+                Ok((req, len)) => {
+                    st.send_backlog.push_back(Outgoing::Slot { slot, len });
+                    Some(Ok(req))
+                }
+                Err(err) => {
+                    st.send_free.push(slot);
+                    Some(Err(client_err(err)))
+                }
+            }
+        })
     }
 
     pub fn issue_vec_write(
@@ -1548,6 +1581,14 @@ impl Drop for Engine {
         self.stop.store(true, Ordering::Release);
         let _ = self.qp.disconnect();
     }
+}
+
+/// A request message waiting to be posted, in order.
+enum Outgoing {
+    /// Encoded by the state machine; copied into a free slot when posted.
+    Bytes(Vec<u8>),
+    /// Already encoded in send slot `slot`.
+    Slot { slot: u32, len: usize },
 }
 
 /// Counts a caller inside `wait`/`issue` for as long as it lives.

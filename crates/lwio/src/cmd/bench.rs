@@ -544,8 +544,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         credits: (qd * chunks).clamp(1, 1024) as u16,
         read_chunk,
         stage_slots,
-        write_chunk: bs.clamp(512, 256 * 1024),
-        send_slots: (qd * 2).clamp(16, 1024),
+        write_chunk: bs.clamp(512, 64 * 1024),
+        // Every write request in flight is encoded in its own send slot.
+        send_slots: (qd * bs.div_ceil(64 * 1024)).clamp(16, 1024),
         // Polling means polling: a waiter spins up to 10 ms (a 1 MiB read
         // at QD 8 takes milliseconds) before it falls back to INTERRUPT.
         poll_spin: Duration::from_millis(10),
