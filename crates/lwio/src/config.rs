@@ -161,7 +161,7 @@ impl Default for RdmaConfig {
     fn default() -> Self {
         RdmaConfig {
             inline_io: true,
-            busy_poll: Duration::ZERO,
+            busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
             progress: ProgressChoice::Connection,
             max_write_size: 64 * 1024,
@@ -532,7 +532,7 @@ workers = 4
 
 [rdma]
 inline_io = true
-busy_poll = "0s"
+busy_poll = "20us"
 busy_poll_polled = "100us"
 progress = "connection"
 max_write_size = 65536

@@ -1267,7 +1267,6 @@ impl Engine {
         }
         let deadline = Instant::now() + self.cfg.op_timeout;
         let spin_until = Instant::now() + self.cfg.poll_spin;
-        let mut spins = 0u32;
         loop {
             // Polling: watch our own status block without the lock.
             if let (Completion::Poll, Some(s)) = (self.cfg.completion, slot) {
@@ -1280,12 +1279,12 @@ impl Engine {
                     // mode places the data and the status block here,
                     // without waking another thread.
                     self.poll_cq();
-                    spins += 1;
-                    if spins.is_multiple_of(64) {
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
+                    // Yield every round: a server (or anything else) on
+                    // this CPU runs at once instead of after our time slice
+                    // (measured: 4 KiB QD1 with both ends on one vCPU,
+                    // p50 42.5 µs yielding every 64th round, 24.8 µs every
+                    // round; unpinned unchanged at 15 µs).
+                    std::thread::yield_now();
                     if let Some(r) = self.peek_done(req)? {
                         return Ok(r);
                     }

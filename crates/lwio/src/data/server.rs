@@ -122,7 +122,7 @@ impl Default for RdmaServerOptions {
             idle_reclaim: Duration::from_secs(2),
             storage_threads: 4,
             inline_io: true,
-            busy_poll: Duration::ZERO,
+            busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
             conn_contexts: true,
             shutdown_grace: Duration::from_secs(10),
