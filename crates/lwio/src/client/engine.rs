@@ -2,12 +2,20 @@
 //! `lwio_proto::client::ClientConn`.
 //!
 //! Threads: callers issue requests under the engine lock and then wait for
-//! their own completion. A **progress thread** sleeps on the CQ's
+//! their own completion. Request messages are queued and posted together
+//! (one post list, one `writev` on the soft provider) when the caller
+//! blocks; a WRITE is encoded straight into its registered send slot. The
+//! thread that blocks first becomes the **driver**: it sleeps on the CQ's
 //! completion channel and handles every receive (status responses, the
-//! server's delta-credit messages) and send completion, so an idle client
+//! server's delta-credit messages) and send completion — under the soft
+//! provider's manual progress it also reads the socket — so the completion
+//! it waits for wakes it directly; other waiters sleep on a condition
+//! variable and one of them takes over when the driver leaves. A
+//! **progress thread** drives only while nobody waits, so an idle client
 //! still answers credit transactions. In polling mode a waiter spins on its
-//! own IO_STATUS_BLOCK (`Mr::load_u64`, no receive involved); when the spin
-//! budget is spent it sends INTERRUPT and sleeps until the server answers.
+//! own IO_STATUS_BLOCK (`Mr::load_u64`, no receive involved), driving the
+//! CQ and yielding the CPU each round; when the spin budget is spent it
+//! sends INTERRUPT and sleeps until the server answers.
 //!
 //! Memory: reads under [`BOUNCE_THRESHOLD`] land in an engine-owned bounce
 //! area and are copied out. Larger blocking reads of at least

@@ -6,11 +6,17 @@
 //! a dedicated thread.
 //!
 //! Each accepted connection gets its own protection domain, CQ, completion
-//! channel and **driver thread** running one `lwio_proto::server::ServerConn`.
-//! The thread sleeps in `poll(2)` on the completion channel and on an eventfd
-//! that storage workers and the control plane (credit balancing, shutdown)
-//! use to wake it. File I/O runs on a small pool of storage threads over the
-//! [`crate::fs::backend::Backend`] (io_uring where available).
+//! channel and **driver thread** running one `lwio_proto::server::ServerConn`
+//! (with the soft provider also its own context under manual progress, so
+//! the thread reads its own socket). The thread polls for `busy_poll` after
+//! activity (`busy_poll_polled` after a polled completion), then sleeps in
+//! `poll(2)` on the completion channel and on an eventfd that storage
+//! workers and the control plane (credit balancing, shutdown) use to wake
+//! it. Page-cache I/O runs on the thread itself (`inline_io`: tmpfs plain
+//! calls, else `RWF_NOWAIT`; writes straight from the receive buffer via
+//! `ServerHooks::write_now`); what would block runs on a small pool of
+//! storage threads over the [`crate::fs::backend::Backend`] (io_uring where
+//! available). Each round's RDMA Writes and sends are posted as one list.
 //!
 //! Memory: **the server never exposes memory**. Every region it registers
 //! (receive buffers, send/inline buffers, read buffers) has `LOCAL_WRITE` at
