@@ -78,11 +78,14 @@ impl LocalMemory for Mem {
     }
 }
 
+/// Writes taken by `write_now`: (file, offset, data).
+type DirectWrites = Vec<(u64, u64, Vec<u8>)>;
+
 struct Hooks {
     secrets: HashMap<Guid, Vec<u8>>,
     /// `Some`: take writes at once (`write_now`), recording them; `Err`
     /// answers them with that status.
-    direct: Option<Result<Vec<(u64, u64, Vec<u8>)>, NtStatus>>,
+    direct: Option<Result<DirectWrites, NtStatus>>,
 }
 
 impl ServerHooks for Hooks {
