@@ -275,8 +275,9 @@ pub struct Engine {
     /// is one, so its completion wakes it directly, else the progress
     /// thread.
     driver: Mutex<()>,
-    /// Callers inside [`Engine::wait`]; while non-zero the progress thread
-    /// stands by instead of taking the driver role.
+    /// Callers that may block (inside `wait`, `issue`, `interrupt`,
+    /// `fence_group`); while non-zero the progress thread stands by
+    /// instead of taking the driver role.
     waiters: std::sync::atomic::AtomicUsize,
 }
 
@@ -708,7 +709,7 @@ impl Engine {
             if matches!(front, Outgoing::Bytes(_)) && st.send_free.is_empty() {
                 return;
             }
-            let mut sges: Vec<[lwio_rdma::Sge; 1]> = Vec::new();
+            let mut sges: Vec<lwio_rdma::Sge> = Vec::new();
             let mut slots: Vec<u32> = Vec::new();
             while sges.len() < SEND_BATCH {
                 let (slot, len) = match st.send_backlog.front() {
@@ -732,13 +733,19 @@ impl Engine {
                 };
                 st.send_backlog.pop_front();
                 let off = slot as usize * self.send_slot;
-                sges.push([self.send_mr.sge(off, len as u32)]);
+                sges.push(self.send_mr.sge(off, len as u32));
                 slots.push(slot);
             }
             let wrs: Vec<SendWr<'_>> = sges
                 .iter()
                 .zip(&slots)
-                .map(|(sge, &slot)| SendWr::new(wrid::SEND | u64::from(slot), SendOp::Send, sge))
+                .map(|(sge, &slot)| {
+                    SendWr::new(
+                        wrid::SEND | u64::from(slot),
+                        SendOp::Send,
+                        std::slice::from_ref(sge),
+                    )
+                })
                 .collect();
             if let Err(e) = self.qp.post_send(&wrs) {
                 // Those before the failed one were posted: their slots come
@@ -1233,6 +1240,7 @@ impl Engine {
             }
         };
         // Wait for the interrupt's answer: it is a normal status response.
+        let _waiting = Waiting::new(&self.waiters);
         let deadline = Instant::now() + self.cfg.op_timeout;
         let mut st = lock(&self.st);
         loop {
@@ -1247,12 +1255,8 @@ impl Engine {
             if now >= deadline {
                 return Err(Error::TimedOut("INTERRUPT".into()));
             }
-            self.flush_sends(&mut st);
-            st = self
-                .cv
-                .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            self.sleep_or_drive(st, (deadline - now).min(Duration::from_millis(50)));
+            st = lock(&self.st);
         }
     }
 
@@ -1488,6 +1492,7 @@ impl Engine {
     /// complete in time, the queue pair is moved to the error state (no
     /// further remote access is executed) and the connection is lost.
     pub fn fence_group(&self, group: u64) {
+        let _waiting = Waiting::new(&self.waiters);
         let deadline = Instant::now() + self.cfg.op_timeout;
         let mut st = lock(&self.st);
         let kill = |st: &mut St, why: &str| {
@@ -1518,12 +1523,8 @@ impl Engine {
                 kill(&mut st, "invalidating caller-memory windows timed out");
                 return;
             }
-            self.flush_sends(&mut st);
-            st = self
-                .cv
-                .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            self.sleep_or_drive(st, (deadline - now).min(Duration::from_millis(50)));
+            st = lock(&self.st);
         }
     }
 
