@@ -38,6 +38,9 @@ use crate::url::LwioUrl;
 
 /// Largest block size accepted.
 const MAX_BS: u64 = 64 << 20;
+/// Largest WRITE payload per request the benchmark offers (the server's
+/// default `[rdma] max_write_size`).
+const WRITE_CHUNK: usize = 64 * 1024;
 /// Registered staging memory per job, at most.
 const MAX_STAGE_BYTES: usize = 64 << 20;
 
@@ -544,15 +547,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         credits: (qd * chunks).clamp(1, 1024) as u16,
         read_chunk,
         stage_slots,
-        write_chunk: bs.clamp(512, 64 * 1024),
+        write_chunk: bs.clamp(512, WRITE_CHUNK),
         // Every write request in flight is encoded in its own send slot.
-        send_slots: (qd * bs.div_ceil(64 * 1024)).clamp(16, 1024),
+        send_slots: (qd * bs.div_ceil(WRITE_CHUNK)).clamp(16, 1024),
         // Polling means polling: a waiter spins up to 10 ms (a 1 MiB read
         // at QD 8 takes milliseconds) before it falls back to INTERRUPT.
         poll_spin: Duration::from_millis(10),
         ..ClientOptions::default()
     };
-
     let mut client_args = a.client.clone();
     if let Some(e) = &embedded {
         // Log in with the token generated for this run.

@@ -89,8 +89,8 @@ pub struct RdmaServerOptions {
     /// A connection idle this long gives its extra credits back.
     pub idle_reclaim: Duration,
     pub storage_threads: usize,
-    /// Try file I/O on the connection thread first with `RWF_NOWAIT`
-    /// (page-cache hits complete without a hand-off to a storage thread).
+    /// Do page-cache file I/O on the connection thread (tmpfs/ramfs: plain
+    /// calls; elsewhere `RWF_NOWAIT`, falling back to a storage thread).
     pub inline_io: bool,
     /// A connection thread polls this long after its last activity before
     /// it sleeps.
@@ -1453,6 +1453,8 @@ impl Conn {
     fn dispatch(&mut self, op: OpId, f: OpenFile, offset: u64, kind: JobKind) {
         if let Some(r) = self.try_inline(&f, offset, &kind) {
             self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
+            // Release the read buffer's Arc before `storage_done`, which
+            // takes the buffer back with `Arc::try_unwrap`.
             drop(kind);
             self.storage_done(op, Ok(r));
             return;
@@ -1496,36 +1498,26 @@ impl Conn {
     /// for `O_DIRECT` files and when `inline_io` is off; a file system that
     /// refuses `RWF_NOWAIT` is remembered per file and direction.
     fn try_inline(&mut self, f: &OpenFile, offset: u64, kind: &JobKind) -> Option<u32> {
-        let enabled = self.shared.opts.inline_io;
-        match kind {
-            // SAFETY: `buf` is a server read buffer registered with
-            // LOCAL_WRITE only (no remote key reaches it) and no RDMA Write
-            // from it is posted until this op completes, so the kernel's
-            // write into it races with nothing; the length is clamped to
-            // the buffer and the Arc keeps the mapping alive for the call.
-            JobKind::Read { buf, len } => unsafe {
-                inline_io(
-                    &mut self.inline_mode,
-                    enabled,
-                    f,
-                    offset,
-                    buf.addr() as *mut u8,
-                    (*len).min(buf.len()),
-                    false,
-                )
-            },
-            // SAFETY: the kernel only reads `data`, a live Vec we own.
-            JobKind::Write { data } => unsafe {
-                inline_io(
-                    &mut self.inline_mode,
-                    enabled,
-                    f,
-                    offset,
-                    data.as_ptr() as *mut u8,
-                    data.len(),
-                    true,
-                )
-            },
+        let (ptr, len, write) = match kind {
+            JobKind::Read { buf, len } => (buf.addr() as *mut u8, (*len).min(buf.len()), false),
+            JobKind::Write { data } => (data.as_ptr() as *mut u8, data.len(), true),
+        };
+        // SAFETY: a read lands in a server read buffer registered with
+        // LOCAL_WRITE only (no remote key reaches it) from which no RDMA
+        // Write is posted until this op completes, so the kernel's write
+        // races with nothing; its length is clamped to the buffer and the
+        // Arc in `kind` keeps the mapping alive. A write's source is a live
+        // Vec in `kind`, only read.
+        unsafe {
+            inline_io(
+                &mut self.inline_mode,
+                self.shared.opts.inline_io,
+                f,
+                offset,
+                ptr,
+                len,
+                write,
+            )
         }
     }
 
@@ -1590,17 +1582,9 @@ impl Conn {
             return;
         }
         let pending = std::mem::take(&mut self.sq_pending);
-        let none = lwio_rdma::Sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        };
-        let sges: Vec<[lwio_rdma::Sge; 1]> =
-            pending.iter().map(|p| [p.2.unwrap_or(none)]).collect();
         let wrs: Vec<SendWr<'_>> = pending
             .iter()
-            .zip(&sges)
-            .map(|(p, sge)| SendWr::new(p.0, p.1, if p.2.is_some() { sge } else { &[] }))
+            .map(|(id, op, sge)| SendWr::new(*id, *op, sge.as_slice()))
             .collect();
         if let Err(e) = self.qp.post_send(&wrs) {
             // Those from the failed one on were not posted: no completion
