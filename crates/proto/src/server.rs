@@ -256,13 +256,13 @@ impl ServerConn {
     pub fn is_closed(&self) -> bool {
         self.state == State::Closed
     }
-    /// Current credit limit.
     /// Requests completed through the client's status block (polling
     /// mode) so far: a server may busy-poll while its client does.
     pub fn polled_completions(&self) -> u64 {
         self.polled_completions
     }
 
+    /// Current credit limit.
     pub fn credits(&self) -> u16 {
         self.credits
     }

@@ -221,18 +221,18 @@ impl CtxShared {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| qp.drive()));
         match r {
             Ok((n, more)) => {
-                if more {
+                if more && self.manual {
+                    // The socket has no new edge to report the work left:
+                    // `schedule` also makes the context (and so every
+                    // manual channel's fd) readable, or a waiter would
+                    // sleep with bytes already in the socket.
+                    self.schedule(qp.clone());
+                } else if more {
+                    // The engine thread looks at the ready list next round.
                     self.ready
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .push(qp.clone());
-                    if self.manual {
-                        // The socket has no new edge to report the work
-                        // left: make the context (and so every manual
-                        // channel's fd) readable, or a waiter would sleep
-                        // with bytes already in the socket.
-                        sys::eventfd_write(self.wake.as_raw_fd());
-                    }
                 }
                 n
             }
