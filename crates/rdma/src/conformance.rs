@@ -1940,6 +1940,16 @@ pub struct Deviation {
     pub reference: &'static str,
 }
 
+/// Why siw fails the Send-with-Invalidate cases (shared by two entries).
+const SIW_INVALIDATED_RKEY: &str =
+    "siw invalidates the STag but reports the invalidated key only to kernel CQs \
+     (siw_rqe_complete), so a user-space receive has no invalidated_rkey";
+/// Why a refused Read's error class differs with siw (shared by three entries).
+const SIW_TERMINATE_NIBBLES: &str =
+    "siw's Terminate for a refused Read has layer and etype nibbles swapped \
+     (little-endian bitfields): RDMAP/remote-protection arrives as DDP/0, \
+     which RFC 5040 maps to a remote operation error, not an access error";
+
 /// Every known deviation. Only list what was reproduced in the VM and is
 /// explained by the driver's source (docs/interop.md, "Known deviations").
 pub const DEVIATIONS: &[Deviation] = &[
@@ -1948,8 +1958,7 @@ pub const DEVIATIONS: &[Deviation] = &[
         side: Side::Server,
         peer: None,
         case: "send_with_invalidate_sizes",
-        reason: "siw invalidates the STag but reports the invalidated key only to kernel CQs \
-                 (siw_rqe_complete), so a user-space receive has no invalidated_rkey",
+        reason: SIW_INVALIDATED_RKEY,
         reference: "docs/interop.md#siw-invalidated-rkey",
     },
     Deviation {
@@ -1957,8 +1966,7 @@ pub const DEVIATIONS: &[Deviation] = &[
         side: Side::Server,
         peer: None,
         case: "mw_send_with_invalidate",
-        reason: "siw invalidates the STag but reports the invalidated key only to kernel CQs \
-                 (siw_rqe_complete), so a user-space receive has no invalidated_rkey",
+        reason: SIW_INVALIDATED_RKEY,
         reference: "docs/interop.md#siw-invalidated-rkey",
     },
     Deviation {
@@ -1984,9 +1992,7 @@ pub const DEVIATIONS: &[Deviation] = &[
         side: Side::Server,
         peer: Some("soft"),
         case: "prot_read_wrong_key",
-        reason: "siw's Terminate for a refused Read has layer and etype nibbles swapped \
-                 (little-endian bitfields): RDMAP/remote-protection arrives as DDP/0, \
-                 which RFC 5040 maps to a remote operation error, not an access error",
+        reason: SIW_TERMINATE_NIBBLES,
         reference: "docs/interop.md#siw-terminate-nibbles",
     },
     Deviation {
@@ -1994,9 +2000,7 @@ pub const DEVIATIONS: &[Deviation] = &[
         side: Side::Server,
         peer: Some("soft"),
         case: "prot_read_oob_low",
-        reason: "siw's Terminate for a refused Read has layer and etype nibbles swapped \
-                 (little-endian bitfields): RDMAP/remote-protection arrives as DDP/0, \
-                 which RFC 5040 maps to a remote operation error, not an access error",
+        reason: SIW_TERMINATE_NIBBLES,
         reference: "docs/interop.md#siw-terminate-nibbles",
     },
     Deviation {
@@ -2004,9 +2008,7 @@ pub const DEVIATIONS: &[Deviation] = &[
         side: Side::Server,
         peer: Some("soft"),
         case: "prot_read_oob_high",
-        reason: "siw's Terminate for a refused Read has layer and etype nibbles swapped \
-                 (little-endian bitfields): RDMAP/remote-protection arrives as DDP/0, \
-                 which RFC 5040 maps to a remote operation error, not an access error",
+        reason: SIW_TERMINATE_NIBBLES,
         reference: "docs/interop.md#siw-terminate-nibbles",
     },
 ];
