@@ -24,17 +24,9 @@ use lwio::data::testkit::LocalServer;
 
 const TOKEN: &str = "lwio-e2e-vm-token-0123456789";
 
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+#[path = "../tests/common/pattern.rs"]
+mod pattern;
+use pattern::pattern;
 
 fn local_read(path: &Path, off: u64, len: usize) -> Vec<u8> {
     let Ok(f) = std::fs::File::open(path) else {

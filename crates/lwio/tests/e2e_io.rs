@@ -7,6 +7,9 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Duration;
 
+mod common;
+
+use common::pattern::pattern;
 use lwio::client::{AsyncClient, Client, ClientOptions, Completion, Error, OpenOptions};
 use lwio::config::Limits;
 use lwio::data::server::RdmaServerOptions;
@@ -41,18 +44,6 @@ fn client(s: &LocalServer, completion: Completion) -> Client {
     };
     Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
         .expect("client connects")
-}
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn local_read(path: &Path, off: u64, len: usize) -> Vec<u8> {
