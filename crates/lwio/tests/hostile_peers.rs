@@ -26,7 +26,7 @@ use lwio_proto::wire::{
 use lwio_rdma::*;
 
 mod common;
-use common::hostile::{blank, connect, intr, req_bytes, Hostile};
+use common::hostile::{connect, intr, req_bytes, Hostile};
 
 const TOKEN: &str = "hostile-peers-token-0123456789";
 const T: Duration = Duration::from_secs(5);
@@ -308,7 +308,7 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
                 ],
             )
             .unwrap();
-        let mut wc = [blank(); 8];
+        let mut wc = [Wc::BLANK; 8];
         let t = Instant::now();
         // Wait for the READ request and parse it as a server would.
         let (va, mh, len) = loop {
@@ -454,7 +454,7 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
     if attack == Attack::AfterInvalidate {
         qp.invalidate(rkey, 302, true).unwrap();
         // Wait for the invalidation to complete, then say "go".
-        let mut wc = [blank(); 8];
+        let mut wc = [Wc::BLANK; 8];
         let t = Instant::now();
         let mut ok = false;
         while !ok && t.elapsed() < T {
@@ -470,7 +470,7 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
     // The client sees the Terminate: its QP is in error (a clean error the
     // engine maps to a failed request), not a crash.
     let t = Instant::now();
-    let mut wc = [blank(); 8];
+    let mut wc = [Wc::BLANK; 8];
     while qp.state() != QpState::Error && t.elapsed() < T {
         let _ = cq.poll(&mut wc);
         std::thread::sleep(Duration::from_millis(2));

@@ -212,7 +212,7 @@ impl<'a> Env<'a> {
     /// Wait for exactly `n` completions on `cq`.
     fn wait(&self, cq: &Cq, n: usize) -> std::result::Result<Vec<Wc>, String> {
         let mut out = Vec::with_capacity(n);
-        let mut buf = [blank_wc(); 32];
+        let mut buf = [Wc::BLANK; 32];
         let t = Instant::now();
         let mut idle = 0u32;
         while out.len() < n {
@@ -244,7 +244,7 @@ impl<'a> Env<'a> {
     /// Poll for `d`, expecting no completion.
     fn quiet(&self, cq: &Cq, d: Duration) -> std::result::Result<(), String> {
         let t = Instant::now();
-        let mut buf = [blank_wc(); 4];
+        let mut buf = [Wc::BLANK; 4];
         while t.elapsed() < d {
             let k = cq.poll(&mut buf).map_err(|e| format!("poll: {e}"))?;
             if k > 0 {
@@ -361,20 +361,6 @@ struct End {
 struct Conn {
     s: End,
     c: End,
-}
-
-/// A placeholder completion for poll buffers.
-pub fn blank_wc() -> Wc {
-    Wc {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-    }
 }
 
 /// A deterministic byte pattern.
@@ -886,7 +872,7 @@ fn case_flush_set_error(env: &Env<'_>) -> R {
     // answered unsignalled one completes nothing) + 2 late posts.
     let mut got = env.wait(&c.c.cq, 10)?;
     let t = Instant::now();
-    let mut buf = [blank_wc(); 8];
+    let mut buf = [Wc::BLANK; 8];
     while t.elapsed() < Duration::from_millis(200) {
         let k = c.c.cq.poll(&mut buf).map_err(|e| e.to_string())?;
         got.extend_from_slice(&buf[..k]);
@@ -1139,7 +1125,7 @@ fn case_channel_wait(env: &Env<'_>) -> R {
     // (driving its own context meanwhile).
     let got = std::thread::scope(|sc| {
         let h = sc.spawn(|| {
-            let mut out = [blank_wc(); 4];
+            let mut out = [Wc::BLANK; 4];
             scq.wait(&ch, &mut out, Some(TIMEOUT))
                 .map(|n| out[..n].to_vec())
         });
@@ -1148,7 +1134,7 @@ fn case_channel_wait(env: &Env<'_>) -> R {
         let t = Instant::now();
         while !h.is_finished() && t.elapsed() < TIMEOUT {
             let _ = env.client.progress();
-            let mut b = [blank_wc(); 4];
+            let mut b = [Wc::BLANK; 4];
             let _ = ccq.poll(&mut b);
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -1850,7 +1836,7 @@ fn case_flow_control(env: &Env<'_>) -> R {
         "receiver QP torn down: {:?}",
         c.s.qp.state()
     );
-    let mut buf = [blank_wc(); 4];
+    let mut buf = [Wc::BLANK; 4];
     ensure!(
         c.s.cq.poll(&mut buf)? == 0,
         "receiver completed something with no receive posted"

@@ -355,7 +355,7 @@ fn serve(end: &End, l: &Listener) -> Result<()> {
             .unwrap_or(&[]),
     )?;
     let size = plan.size;
-    let mut wcs = [crate::conformance::blank_wc(); 64];
+    let mut wcs = [crate::verbs::Wc::BLANK; 64];
     match plan.op {
         PerfOp::Send => {
             // Latency: echo each message back.
@@ -462,7 +462,7 @@ fn client(end: &End, opts: &PerfOpts, addr: SocketAddr) -> Result<PerfReport> {
         PerfOp::Read => plan.depth.min(qp.negotiated().ord.max(1) as u32),
         _ => plan.depth,
     } as u64;
-    let mut wcs = [crate::conformance::blank_wc(); 64];
+    let mut wcs = [crate::verbs::Wc::BLANK; 64];
     let mut lat = Vec::with_capacity(plan.lat_iters as usize);
     let write = SendOp::Write {
         remote_addr: raddr,

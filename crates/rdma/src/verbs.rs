@@ -375,6 +375,20 @@ pub struct Wc {
 }
 
 impl Wc {
+    /// A placeholder for the arrays handed to [`Cq::poll`]: entries past
+    /// the count `poll` returns are not completions (the error status keeps
+    /// an unfilled one from passing for a success).
+    pub const BLANK: Wc = Wc {
+        wr_id: 0,
+        status: WcStatus::GeneralErr,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        invalidated_rkey: None,
+        qp_num: 0,
+        vendor_err: 0,
+    };
+
     pub fn is_ok(&self) -> bool {
         self.status == WcStatus::Success
     }

@@ -31,7 +31,7 @@ fn init(pd: &Pd, cq: &Cq) -> QpInit {
 }
 
 fn wait_one(cq: &Cq) -> Wc {
-    let mut out = [conformance::blank_wc(); 1];
+    let mut out = [Wc::BLANK; 1];
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         if cq.poll(&mut out).unwrap() == 1 {
@@ -183,7 +183,7 @@ fn run(progress: Progress) {
     // Drive the server side (its context only) until the client sees the
     // rejection.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let mut out = [conformance::blank_wc(); 4];
+    let mut out = [Wc::BLANK; 4];
     let mut errored = false;
     while !errored && std::time::Instant::now() < deadline {
         let _ = scq.poll(&mut out);

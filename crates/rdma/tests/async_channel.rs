@@ -26,7 +26,7 @@ fn open(progress: Progress) -> Context {
 }
 
 async fn next_completion(cq: &Cq, ch: &CompChannel, afd: &AsyncFd<Fd>) -> Wc {
-    let mut out = [lwio_rdma::conformance::blank_wc(); 1];
+    let mut out = [lwio_rdma::Wc::BLANK; 1];
     loop {
         if cq.poll(&mut out).unwrap() == 1 {
             return out[0];

@@ -147,7 +147,7 @@ fn connect(s: &Context, c: &Context) -> Conn {
 
 fn wait(ctxs: &[&Context], cq: &Cq, n: usize) -> Vec<Wc> {
     let mut v = Vec::new();
-    let mut b = [lwio_rdma::conformance::blank_wc(); 32];
+    let mut b = [lwio_rdma::Wc::BLANK; 32];
     let t = std::time::Instant::now();
     while v.len() < n {
         let k = cq.poll(&mut b[..(n - v.len()).min(32)]).unwrap();

@@ -46,7 +46,7 @@ fn res(c: &Context) -> Res {
 fn wait(cq: &Cq, n: usize) -> Vec<Wc> {
     let mut v = Vec::new();
     let t = Instant::now();
-    let mut b = [lwio_rdma::conformance::blank_wc(); 8];
+    let mut b = [lwio_rdma::Wc::BLANK; 8];
     while v.len() < n {
         let k = cq.poll(&mut b).unwrap();
         v.extend_from_slice(&b[..k]);

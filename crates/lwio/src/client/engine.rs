@@ -53,7 +53,7 @@ use lwio_rdma::{
 use tracing::{debug, info, warn};
 
 use super::{Completion, Error, Result};
-use crate::data::{empty_wc, wrid};
+use crate::data::wrid;
 
 /// Reads shorter than this use the bounce area.
 pub const BOUNCE_THRESHOLD: usize = 1024;
@@ -868,7 +868,7 @@ impl Engine {
     /// completion, status block and action. False once the connection is
     /// lost (completions drained).
     fn drive(&self, timeout: Duration) -> bool {
-        let mut wcs = [empty_wc(); 32];
+        let mut wcs = [Wc::BLANK; 32];
         let n = match self.cq.wait(&self.chan, &mut wcs, Some(timeout)) {
             Ok(n) => n,
             Err(err) => {
@@ -906,7 +906,7 @@ impl Engine {
     }
 
     fn poll_cq(&self) -> bool {
-        let mut wcs = [empty_wc(); 32];
+        let mut wcs = [Wc::BLANK; 32];
         let mut any = false;
         loop {
             let n = match self.cq.poll(&mut wcs) {

@@ -155,17 +155,3 @@ pub(crate) mod wrid {
         w & !MASK
     }
 }
-
-/// A blank work completion (for completion arrays).
-pub(crate) fn empty_wc() -> lwio_rdma::Wc {
-    lwio_rdma::Wc {
-        wr_id: 0,
-        status: lwio_rdma::WcStatus::Success,
-        opcode: lwio_rdma::WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-    }
-}

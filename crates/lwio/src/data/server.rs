@@ -944,7 +944,7 @@ impl Conn {
     }
 
     fn run(mut self) {
-        let mut wcs = [super::empty_wc(); 32];
+        let mut wcs = [Wc::BLANK; 32];
         let mut last_tick = Instant::now();
         let mut last_busy = last_tick;
         // Polling clients: keep polling a while after each polled completion.

@@ -99,19 +99,6 @@ pub fn intr(cookie: u64) -> CompletionMode {
     }
 }
 
-pub fn blank() -> Wc {
-    Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-    }
-}
-
 pub fn req_bytes(op: RequestOp<'_>) -> Vec<u8> {
     RequestRepr {
         credits: 1,
@@ -140,7 +127,7 @@ impl Hostile {
     /// Next status response, or None if the connection died / timeout.
     pub fn recv_status(&self, timeout: Duration) -> Option<StatusResponse> {
         let t = Instant::now();
-        let mut wc = [blank(); 8];
+        let mut wc = [Wc::BLANK; 8];
         while t.elapsed() < timeout {
             let n = self.cq.poll(&mut wc).unwrap_or(0);
             for w in &wc[..n] {
@@ -170,7 +157,7 @@ impl Hostile {
             if self.qp.state() == QpState::Error {
                 return true;
             }
-            let mut wc = [blank(); 8];
+            let mut wc = [Wc::BLANK; 8];
             let _ = self.cq.poll(&mut wc);
             std::thread::sleep(Duration::from_millis(2));
         }

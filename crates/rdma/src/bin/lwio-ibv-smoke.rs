@@ -28,16 +28,7 @@ fn next_addr(ip: IpAddr) -> SocketAddr {
 /// Wait for one completion (polling, or through `ch` when given).
 fn wait_one(cq: &Cq, ch: Option<&CompChannel>, secs: u64) -> R<Wc> {
     let deadline = Instant::now() + Duration::from_secs(secs);
-    let mut out = [Wc {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-    }];
+    let mut out = [Wc::BLANK];
     loop {
         let n = match ch {
             Some(ch) => cq

@@ -367,16 +367,7 @@ impl Session {
                     self.qp.state()
                 )));
             }
-            let mut wcs = [Wc {
-                wr_id: 0,
-                status: WcStatus::GeneralErr,
-                opcode: WcOpcode::Send,
-                byte_len: 0,
-                imm: None,
-                invalidated_rkey: None,
-                qp_num: 0,
-                vendor_err: 0,
-            }; 16];
+            let mut wcs = [Wc::BLANK; 16];
             let n = self
                 .cq
                 .wait(
