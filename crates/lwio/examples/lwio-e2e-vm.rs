@@ -21,12 +21,9 @@ use lwio::client::{Client, ClientOptions, Completion, OpenOptions};
 use lwio::config::{Limits, ProviderChoice};
 use lwio::data::server::RdmaServerOptions;
 use lwio::data::testkit::LocalServer;
+use lwio_rdma::conformance::pattern;
 
 const TOKEN: &str = "lwio-e2e-vm-token-0123456789";
-
-#[path = "../tests/common/pattern.rs"]
-mod pattern;
-use pattern::pattern;
 
 fn local_read(path: &Path, off: u64, len: usize) -> Vec<u8> {
     let Ok(f) = std::fs::File::open(path) else {
@@ -64,7 +61,7 @@ fn io_case(c: &Client, root: &Path, name: &str) -> R {
     let f = c
         .open(name, &OpenOptions::read_write().create(true))
         .map_err(e2s)?;
-    let data = pattern(700_001, 1);
+    let data = pattern(1, 700_001);
     check(f.write_at(&data, 3).map_err(e2s)? == data.len(), || {
         "short write".into()
     })?;
@@ -93,8 +90,8 @@ fn io_case(c: &Client, root: &Path, name: &str) -> R {
     })?;
     drop(rb);
     // Vectored.
-    let a = pattern(5000, 21);
-    let b = pattern(11_000, 22);
+    let a = pattern(21, 5000);
+    let b = pattern(22, 11_000);
     f.write_vectored_at(&[IoSlice::new(&a), IoSlice::new(&b)], 1_000_003)
         .map_err(e2s)?;
     let mut want = a.clone();
@@ -111,7 +108,7 @@ fn io_case(c: &Client, root: &Path, name: &str) -> R {
     )?;
     // Past 4 GiB.
     let far = (5u64 << 30) + 4093;
-    let d = pattern(300_007, 9);
+    let d = pattern(9, 300_007);
     f.write_at(&d, far).map_err(e2s)?;
     let mut back = vec![0u8; d.len()];
     f.read_at(&mut back, far).map_err(e2s)?;

@@ -7,14 +7,12 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Duration;
 
-mod common;
-
-use common::pattern::pattern;
 use lwio::client::{AsyncClient, Client, ClientOptions, Completion, Error, OpenOptions};
 use lwio::config::Limits;
 use lwio::data::server::RdmaServerOptions;
 use lwio::data::testkit::LocalServer;
 use lwio_proto::status::{STATUS_ACCESS_DENIED, STATUS_INVALID_PARAMETER, STATUS_SUCCESS};
+use lwio_rdma::conformance::pattern;
 
 const TOKEN: &str = "e2e-test-token-0123456789";
 
@@ -73,7 +71,7 @@ fn io_suite(completion: Completion) {
         .expect("open");
 
     // WRITE: odd offsets/lengths, including multi-request (> MaxRecvBufferSize).
-    let data = pattern(300_007, 1);
+    let data = pattern(1, 300_007);
     assert_eq!(f.write_at(&data, 3).unwrap(), data.len());
     assert_eq!(local_read(&path, 3, data.len()), data);
     for (off, len) in [
@@ -83,7 +81,7 @@ fn io_suite(completion: Completion) {
         (77_777, 12_345),
         (8191, 8193),
     ] {
-        let d = pattern(len, off + 7);
+        let d = pattern(off + 7, len);
         assert_eq!(f.write_at(&d, off).unwrap(), len);
         assert_eq!(local_read(&path, off, len), d, "write at {off}+{len}");
     }
@@ -116,7 +114,7 @@ fn io_suite(completion: Completion) {
 
     // Past 4 GiB (sparse).
     let far = (5u64 << 30) + 4093;
-    let d = pattern(20_011, 9);
+    let d = pattern(9, 20_011);
     assert_eq!(f.write_at(&d, far).unwrap(), d.len());
     let mut back = vec![0u8; 20_011 + 30];
     assert_eq!(f.read_at(&mut back, far - 30).unwrap(), back.len());
@@ -125,7 +123,7 @@ fn io_suite(completion: Completion) {
     assert_eq!(local_read(&path, far, d.len()), d);
     // ... and a read past 4 GiB large enough to land in the caller's buffer
     // (registered) rather than a staging slot.
-    let d2 = pattern(300_001, 10);
+    let d2 = pattern(10, 300_001);
     assert_eq!(f.write_at(&d2, far + 50_000).unwrap(), d2.len());
     let calls = c.stats().call_registrations;
     let mut back = vec![0u8; 300_001];
@@ -140,8 +138,8 @@ fn io_suite(completion: Completion) {
     ));
 
     // VEC_WRITE (gathered) and VEC_READ (scattered, one window per page).
-    let a = pattern(5000, 21);
-    let b = pattern(11_000, 22);
+    let a = pattern(21, 5000);
+    let b = pattern(22, 11_000);
     let n = f
         .write_vectored_at(&[IoSlice::new(&a), IoSlice::new(&b)], 1_000_003)
         .unwrap();
@@ -209,7 +207,7 @@ fn control_suite(completion: Completion) {
     let s = server(dir.path(), no_auto());
     let c = client(&s, completion);
     let path = dir.path().join("ctl.bin");
-    let data = pattern(1 << 20, 5);
+    let data = pattern(5, 1 << 20);
     std::fs::write(&path, &data).unwrap();
     let f = c.open("ctl.bin", &OpenOptions::read_write()).unwrap();
 
@@ -326,7 +324,7 @@ fn async_api_and_dropped_future() {
             .open("async.bin", &OpenOptions::read_write().create(true))
             .await
             .unwrap();
-        let data = pattern(777_777, 3);
+        let data = pattern(3, 777_777);
         assert_eq!(f.write_at(&data, 11).await.unwrap(), data.len());
         assert_eq!(f.len().await.unwrap(), 11 + data.len() as u64);
         let mut b = vec![0u8; data.len()];
@@ -394,7 +392,7 @@ fn registered_suite(completion: Completion) {
         ..ClientOptions::default()
     };
     let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts).unwrap();
-    let data = pattern(3 << 20, 77);
+    let data = pattern(77, 3 << 20);
     std::fs::write(dir.path().join("r.bin"), &data).unwrap();
     let f = c.open("r.bin", &OpenOptions::read_only()).unwrap();
 
@@ -473,7 +471,7 @@ fn soft_default_stages_plain_reads() {
     )
     .unwrap();
     assert_eq!(c.provider(), "soft");
-    let data = pattern(1 << 20, 8);
+    let data = pattern(8, 1 << 20);
     std::fs::write(dir.path().join("d.bin"), &data).unwrap();
     let f = c.open("d.bin", &OpenOptions::read_only()).unwrap();
     let mut plain = vec![0u8; 1 << 20];
@@ -546,7 +544,7 @@ fn direct_suite(completion: Completion) {
         fd_flags(&path)
     );
     // Aligned writes (several requests) and reads (staged and registered).
-    let d = pattern(512 * 1024, 31);
+    let d = pattern(31, 512 * 1024);
     assert_eq!(f.write_at(&d, 8192).unwrap(), d.len());
     assert_eq!(local_read(&path, 8192, d.len()), d);
     let mut b = vec![0u8; 3 * 4096];
@@ -557,11 +555,11 @@ fn direct_suite(completion: Completion) {
     assert_eq!(&big[..], &d[65_536..65_536 + 256 * 1024]);
     // Unaligned offset or length: INVALID_PARAMETER, nothing written.
     assert_eq!(
-        status_of(f.write_at(&pattern(4096, 1), 8193)),
+        status_of(f.write_at(&pattern(1, 4096), 8193)),
         STATUS_INVALID_PARAMETER
     );
     assert_eq!(
-        status_of(f.write_at(&pattern(1000, 1), 8192)),
+        status_of(f.write_at(&pattern(1, 1000), 8192)),
         STATUS_INVALID_PARAMETER
     );
     assert_eq!(local_read(&path, 8192, d.len()), d);
@@ -577,7 +575,7 @@ fn direct_suite(completion: Completion) {
     );
 
     // COLLAPSE: one page on the wire per request, 40 pages on disk.
-    let page = pattern(4096, 41);
+    let page = pattern(41, 4096);
     let reqs = c.stats().requests;
     let total = 40 * 4096u64;
     assert_eq!(f.write_repeated_at(&page, total, 1 << 20).unwrap(), total);
@@ -643,7 +641,7 @@ fn write_through_open() {
         !flags.is_empty() && flags.iter().all(|fl| fl & libc::O_DSYNC == libc::O_DSYNC),
         "server fds are O_DSYNC: {flags:?}"
     );
-    let d = pattern(100_003, 12);
+    let d = pattern(12, 100_003);
     assert_eq!(f.write_at(&d, 17).unwrap(), d.len());
     assert_eq!(local_read(&path, 17, d.len()), d);
     let mut b = vec![0u8; d.len()];
@@ -661,7 +659,7 @@ fn read_only_key_cannot_write() {
     let s = server(dir.path(), no_auto());
     let c = client(&s, Completion::Interrupt);
     let path = dir.path().join("ro.bin");
-    let data = pattern(64 * 1024, 3);
+    let data = pattern(3, 64 * 1024);
     std::fs::write(&path, &data).unwrap();
     let f = c.open("ro.bin", &OpenOptions::read_only()).unwrap();
     assert!(matches!(
@@ -669,7 +667,7 @@ fn read_only_key_cannot_write() {
         Err(Error::AccessDenied(_))
     ));
     assert!(matches!(
-        f.write_at(&pattern(100_000, 4), 0),
+        f.write_at(&pattern(4, 100_000), 0),
         Err(Error::AccessDenied(_))
     ));
     assert!(matches!(
@@ -682,7 +680,7 @@ fn read_only_key_cannot_write() {
     let g = c
         .open("ro.bin", &OpenOptions::read_only().no_buffering(true))
         .unwrap();
-    let page = pattern(4096, 5);
+    let page = pattern(5, 4096);
     assert!(matches!(
         g.write_repeated_at(&page, 8192, 0),
         Err(Error::AccessDenied(_))
@@ -737,7 +735,7 @@ fn many_clients_many_files() {
                     .open(&name, &OpenOptions::read_write().create(true))
                     .unwrap();
                 let seed = (ci * 10 + fi) as u64;
-                let d = pattern(200_000 + fi * 50_001, seed);
+                let d = pattern(seed, 200_000 + fi * 50_001);
                 for round in 0..3u64 {
                     let off = round * 1_000_003 + fi as u64;
                     assert_eq!(f.write_at(&d, off).unwrap(), d.len());
@@ -797,7 +795,7 @@ fn graceful_shutdown_keeps_acknowledged_writes() {
                 .unwrap();
             let mut acked = Vec::new();
             for k in 0..100_000u64 {
-                let d = pattern(64 * 1024, k + 1000 * ci as u64);
+                let d = pattern(k + 1000 * ci as u64, 64 * 1024);
                 match f.write_at(&d, k * 65_536) {
                     Ok(n) => {
                         assert_eq!(n, d.len());
@@ -827,7 +825,7 @@ fn graceful_shutdown_keeps_acknowledged_writes() {
         assert!(!acked.is_empty(), "client {ci} wrote before the shutdown");
         let path = dir.path().join(format!("sd{ci}.bin"));
         for k in acked {
-            let d = pattern(64 * 1024, k + 1000 * ci as u64);
+            let d = pattern(k + 1000 * ci as u64, 64 * 1024);
             assert_eq!(
                 local_read(&path, k * 65_536, d.len()),
                 d,
@@ -858,7 +856,7 @@ fn tmpfs_suite(inline_io: bool) {
         let f = c
             .open(&name, &OpenOptions::read_write().create(true))
             .unwrap();
-        let data = pattern(300_000, 11);
+        let data = pattern(11, 300_000);
         assert_eq!(f.write_at(&data, 5).unwrap(), data.len());
         assert_eq!(f.write_at(b"tail", 300_005).unwrap(), 4);
         let mut want = vec![0u8; 5];

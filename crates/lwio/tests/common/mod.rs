@@ -3,4 +3,3 @@
 #![allow(dead_code)]
 
 pub mod hostile;
-pub mod pattern;
