@@ -238,17 +238,10 @@ pub struct OpenOptions(pub crate::fs::OpenOptions);
 
 impl OpenOptions {
     pub fn read_only() -> OpenOptions {
-        OpenOptions(crate::fs::OpenOptions {
-            read: true,
-            ..Default::default()
-        })
+        OpenOptions(crate::fs::OpenOptions::READ)
     }
     pub fn read_write() -> OpenOptions {
-        OpenOptions(crate::fs::OpenOptions {
-            read: true,
-            write: true,
-            ..Default::default()
-        })
+        OpenOptions(crate::fs::OpenOptions::READ_WRITE)
     }
     pub fn create(mut self, on: bool) -> Self {
         self.0.create = on;

@@ -347,6 +347,24 @@ pub struct OpenOptions {
     pub write_through: bool,
 }
 
+impl OpenOptions {
+    /// Read only.
+    pub const READ: OpenOptions = OpenOptions {
+        read: true,
+        write: false,
+        create: false,
+        exclusive: false,
+        truncate: false,
+        no_buffering: false,
+        write_through: false,
+    };
+    /// Read and write.
+    pub const READ_WRITE: OpenOptions = OpenOptions {
+        write: true,
+        ..OpenOptions::READ
+    };
+}
+
 /// A file opened beneath an export.
 #[derive(Debug)]
 pub struct OpenedFile {

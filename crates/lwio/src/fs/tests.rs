@@ -44,15 +44,7 @@ fn export(f: &Fixture, mode: ResolveMode) -> Export {
     Export::open(&spec, mode).unwrap()
 }
 
-const RO: OpenOptions = OpenOptions {
-    read: true,
-    write: false,
-    create: false,
-    exclusive: false,
-    truncate: false,
-    no_buffering: false,
-    write_through: false,
-};
+const RO: OpenOptions = OpenOptions::READ;
 
 #[test]
 fn split_rejects_dotdot_and_absolute() {

@@ -133,23 +133,10 @@ fn pin(id: &ServerIdentity) -> ClientTls {
     ClientTls::Fingerprint(parse_fingerprint(&id.fingerprint).unwrap())
 }
 
-const RO: OpenOptions = OpenOptions {
-    read: true,
-    write: false,
-    create: false,
-    exclusive: false,
-    truncate: false,
-    no_buffering: false,
-    write_through: false,
-};
+const RO: OpenOptions = OpenOptions::READ;
 const RW: OpenOptions = OpenOptions {
-    read: true,
-    write: true,
     create: true,
-    exclusive: false,
-    truncate: false,
-    no_buffering: false,
-    write_through: false,
+    ..OpenOptions::READ_WRITE
 };
 
 #[tokio::test]

@@ -60,13 +60,8 @@ fn token_opts() -> ClientOptions {
 }
 
 const RW: OpenOptions = OpenOptions {
-    read: true,
-    write: true,
     create: true,
-    exclusive: false,
-    truncate: false,
-    no_buffering: false,
-    write_through: false,
+    ..OpenOptions::READ_WRITE
 };
 
 #[tokio::test]
