@@ -48,6 +48,16 @@ fn wait_one(cq: &Cq, ch: Option<&CompChannel>, secs: u64) -> R<Wc> {
     }
 }
 
+/// `mr[off..off + want.len()]` must equal `want`; else the error `differs`.
+fn expect_bytes(mr: &Mr, off: usize, want: &[u8], differs: &str) -> R<()> {
+    let mut got = vec![0u8; want.len()];
+    mr.read_at(off, &mut got).map_err(e("read_at"))?;
+    if got != want {
+        return Err(differs.into());
+    }
+    Ok(())
+}
+
 fn expect_ok(wc: Wc, op: WcOpcode, wr_id: u64) -> R<Wc> {
     if wc.status != WcStatus::Success || wc.opcode != op || wc.wr_id != wr_id {
         return Err(format!("expected {op:?} #{wr_id} Success, got {wc:?}"));
@@ -236,12 +246,7 @@ fn test_send_recv_write_read(ctx: &Context, ip: IpAddr) -> Vec<(&'static str, R<
             if wc.byte_len != 4096 {
                 return Err(format!("recv byte_len {}", wc.byte_len));
             }
-            let mut got = vec![0; 4096];
-            smr.read_at(0, &mut got).map_err(e("read_at"))?;
-            if got != data {
-                return Err("received data differs".into());
-            }
-            Ok(())
+            expect_bytes(&smr, 0, &data, "received data differs")
         })(),
     ));
     // RDMA Write
@@ -262,12 +267,7 @@ fn test_send_recv_write_read(ctx: &Context, ip: IpAddr) -> Vec<(&'static str, R<
                 )])
                 .map_err(e("post_send"))?;
             expect_ok(wait_one(&p.cli.cq, None, 10)?, WcOpcode::RdmaWrite, 21)?;
-            let mut got = vec![0; LEN / 2];
-            smr.read_at(100, &mut got).map_err(e("read_at"))?;
-            if got != data {
-                return Err("written data differs".into());
-            }
-            Ok(())
+            expect_bytes(&smr, 100, &data, "written data differs")
         })(),
     ));
     // RDMA Read
@@ -292,12 +292,7 @@ fn test_send_recv_write_read(ctx: &Context, ip: IpAddr) -> Vec<(&'static str, R<
             if wc.byte_len != (LEN / 4) as u32 {
                 return Err(format!("read byte_len {}", wc.byte_len));
             }
-            let mut got = vec![0; LEN / 4];
-            cmr.read_at(8, &mut got).map_err(e("read_at"))?;
-            if got != data {
-                return Err("read data differs".into());
-            }
-            Ok(())
+            expect_bytes(&cmr, 8, &data, "read data differs")
         })(),
     ));
     // Unsignaled write followed by a signaled one, then a disconnect flush
@@ -406,11 +401,7 @@ fn test_window(ctx: &Context, ip: IpAddr, caps: &DeviceCaps) -> Vec<(&'static st
             )])
             .map_err(e("post_send"))?;
         expect_ok(wait_one(&p.cli.cq, None, 10)?, WcOpcode::RdmaWrite, 52)?;
-        let mut got = vec![0; 8192];
-        smr.read_at(4096, &mut got).map_err(e("read_at"))?;
-        if got != data {
-            return Err("data written through the window differs".into());
-        }
+        expect_bytes(&smr, 4096, &data, "data written through the window differs")?;
         // read back through the window
         cmr.fill(0, 8192, 0).map_err(e("fill"))?;
         p.cli
@@ -425,10 +416,7 @@ fn test_window(ctx: &Context, ip: IpAddr, caps: &DeviceCaps) -> Vec<(&'static st
             )])
             .map_err(e("post_send"))?;
         expect_ok(wait_one(&p.cli.cq, None, 10)?, WcOpcode::RdmaRead, 53)?;
-        cmr.read_at(0, &mut got).map_err(e("read_at"))?;
-        if got != data {
-            return Err("data read through the window differs".into());
-        }
+        expect_bytes(&cmr, 0, &data, "data read through the window differs")?;
         Ok(rkey)
     })();
     let rkey = match bound {
@@ -563,11 +551,7 @@ fn test_window_invalidate(ctx: &Context, ip: IpAddr) -> R<()> {
             &[cmr.sge(128, 8)],
         ),
     )?;
-    let mut got = [0u8; 64];
-    smr.read_at(0, &mut got).map_err(e("read_at"))?;
-    if got != [0u8; 64] {
-        return Err("target memory changed".into());
-    }
+    expect_bytes(&smr, 0, &[0u8; 64], "target memory changed")?;
     println!("  write after local invalidate: {seen}");
     Ok(())
 }
@@ -684,11 +668,7 @@ fn test_protection(ctx: &Context, ip: IpAddr) -> R<()> {
         ),
     )?;
     println!("  wrong rkey: {seen}");
-    let mut got = vec![0u8; 4096];
-    smr.read_at(0, &mut got).map_err(e("read_at"))?;
-    if got.iter().any(|&b| b != 0) {
-        return Err("target memory changed".into());
-    }
+    expect_bytes(&smr, 0, &[0u8; 4096], "target memory changed")?;
     // the server's QP fails too (iWARP: Terminate; IB: NAK): its receive flushes
     match wait_one(&p.srv.cq, Some(&p.srv.ch), 10) {
         Ok(wc) => println!("  server side: {:?} #{}", wc.status, wc.wr_id),
