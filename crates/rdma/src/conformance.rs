@@ -1494,40 +1494,30 @@ fn prot_read_oob_high(env: &Env<'_>) -> R {
     prot_oob(env, false, false)
 }
 
-fn prot_write_ro(env: &Env<'_>) -> R {
+/// A write to a region with only REMOTE_READ (`write`), or a read of one
+/// with only REMOTE_WRITE.
+fn prot_missing_right(env: &Env<'_>, write: bool) -> R {
     let c = env.connect(&params(b""), &params(b""))?;
-    let t = filled(&c.s.pd, 8192, Access::LOCAL_WRITE | Access::REMOTE_READ, 5)?;
-    expect_violation(
-        env,
-        &c,
-        Attempt::Write {
-            addr: t.addr(),
-            rkey: t.rkey(),
-            len: 512,
-        },
-        &t,
-        0,
-        8192,
-        V_RDMAP_ACCESS,
-    )
+    let (right, seed) = if write {
+        (Access::REMOTE_READ, 5)
+    } else {
+        (Access::REMOTE_WRITE, 6)
+    };
+    let t = filled(&c.s.pd, 8192, Access::LOCAL_WRITE | right, seed)?;
+    let (addr, rkey, len) = (t.addr(), t.rkey(), 512);
+    let a = if write {
+        Attempt::Write { addr, rkey, len }
+    } else {
+        Attempt::Read { addr, rkey, len }
+    };
+    expect_violation(env, &c, a, &t, 0, 8192, V_RDMAP_ACCESS)
 }
 
+fn prot_write_ro(env: &Env<'_>) -> R {
+    prot_missing_right(env, true)
+}
 fn prot_read_wo(env: &Env<'_>) -> R {
-    let c = env.connect(&params(b""), &params(b""))?;
-    let t = filled(&c.s.pd, 8192, Access::LOCAL_WRITE | Access::REMOTE_WRITE, 6)?;
-    expect_violation(
-        env,
-        &c,
-        Attempt::Read {
-            addr: t.addr(),
-            rkey: t.rkey(),
-            len: 512,
-        },
-        &t,
-        0,
-        8192,
-        V_RDMAP_ACCESS,
-    )
+    prot_missing_right(env, false)
 }
 
 fn bind(
