@@ -2,7 +2,7 @@
 //! The lwio side-channel codec: no input panics the decoder, and whatever
 //! decodes re-encodes to bytes that decode to the same message.
 use libfuzzer_sys::fuzz_target;
-use lwio::side::codec::{Request, Response};
+use lwio_side::codec::{Request, Response};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok((id, req)) = Request::decode(data) {

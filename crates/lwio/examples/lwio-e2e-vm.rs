@@ -17,11 +17,11 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Duration;
 
-use lwio::client::{Client, ClientOptions, Completion, OpenOptions};
-use lwio::config::{Limits, ProviderChoice};
-use lwio::data::server::RdmaServerOptions;
-use lwio::data::testkit::LocalServer;
+use lwio_client::{Client, ClientOptions, Completion, OpenOptions};
 use lwio_rdma::conformance::pattern;
+use lwio_server::config::{Limits, ProviderChoice};
+use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "lwio-e2e-vm-token-0123456789";
 

@@ -13,10 +13,10 @@
 
 use std::time::{Duration, Instant};
 
-use lwio::client::{Client, ClientOptions, Completion, OpenOptions};
-use lwio::config::Limits;
-use lwio::data::server::RdmaServerOptions;
-use lwio::data::testkit::LocalServer;
+use lwio_client::{Client, ClientOptions, Completion, OpenOptions};
+use lwio_server::config::Limits;
+use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "read-bench-token-0123456789";
 const FILE: usize = 64 << 20;

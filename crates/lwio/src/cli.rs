@@ -7,15 +7,17 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
-use crate::config::{default_token_file, Config, ProviderChoice};
-use crate::error::{Error, ErrorCode};
-use crate::fs::backend::BackendChoice;
-use crate::fs::{Attr, ExportSpec, FileKind};
-use crate::server::{Security, Server, ServerOptions};
-use crate::side::tls::{parse_fingerprint, ServerIdentity};
-use crate::side::{Client, ClientOptions, ClientTls, Login, Token};
-use crate::units::{parse_duration, parse_size};
-use crate::url::LwioUrl;
+use lwio_client::side::{Client, ClientOptions};
+use lwio_client::url::LwioUrl;
+use lwio_server::config::{default_token_file, Config, ProviderChoice};
+use lwio_server::fs::backend::BackendChoice;
+use lwio_server::fs::{Attr, ExportSpec, FileKind};
+use lwio_server::server::{Security, Server, ServerOptions};
+use lwio_server::side::tls::ServerIdentity;
+use lwio_side::error::{Error, ErrorCode};
+use lwio_side::tls::parse_fingerprint;
+use lwio_side::units::{parse_duration, parse_size};
+use lwio_side::{ClientTls, Login, Token};
 
 const MAIN_EXAMPLES: &str = "\
 Examples:
@@ -30,6 +32,17 @@ segments are percent-decoded, e.g. %20 for a space).
 Logging: RUST_LOG (default info). Token: --token-file FILE or LWIO_TOKEN.
 The side channel uses TLS 1.3: pin the server with --fingerprint sha256:…
 (printed by `lwio serve`, or LWIO_FINGERPRINT), or --ca FILE. See docs/security.md.";
+
+/// `--provider auto|soft|verbs` (the values are listed in `--help`).
+fn provider_parser() -> impl clap::builder::TypedValueParser<Value = ProviderChoice> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(ProviderChoice::ALL.map(ProviderChoice::as_str)).map(
+        |s| {
+            s.parse::<ProviderChoice>()
+                .expect("a listed provider name parses")
+        },
+    )
+}
 
 /// lwio: RDMA I/O offload. An application server hands its file reads and
 /// writes to a storage server over RDMA.
@@ -186,7 +199,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// RDMA provider for the data path.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = provider_parser())]
     pub provider: Option<ProviderChoice>,
     /// File I/O backend: auto, io-uring, threads.
     #[arg(long, value_name = "BACKEND")]
@@ -325,7 +338,7 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value = "poll")]
     pub completion: Completion,
     /// RDMA provider.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_parser = provider_parser(), default_value = "auto")]
     pub provider: ProviderChoice,
     /// Print results as JSON.
     #[arg(long)]
@@ -421,7 +434,7 @@ fn first_line(text: &str) -> &str {
 /// default token file if it exists, else anonymously.
 pub fn client_login(args: &ClientArgs) -> anyhow::Result<Login> {
     if let Some(user) = &args.user {
-        crate::side::access::validate_user_name(user)
+        lwio_server::side::access::validate_user_name(user)
             .map_err(|e| anyhow::anyhow!("--user: {e}"))?;
         let token = match &args.token_file {
             Some(p) => Some(Token::load(p)?),
@@ -529,7 +542,7 @@ fn read_secret(what: &str, confirm: bool) -> anyhow::Result<String> {
 }
 
 fn hash_password(a: HashPasswordArgs) -> CliResult {
-    use crate::side::access::{self, TokenVerifier};
+    use lwio_server::side::access::{self, TokenVerifier};
     let mut out = std::io::stdout().lock();
     if a.new_token {
         let t = Token::generate();
@@ -828,10 +841,7 @@ fn serve(a: ServeArgs) -> CliResult {
         let Some(dir) = token_path.as_ref().and_then(|p| p.parent()) else {
             anyhow::bail!("no place for a self-signed TLS certificate: give --tls-cert FILE --tls-key FILE (or --token-file FILE)");
         };
-        let name = c
-            .server_name
-            .clone()
-            .unwrap_or_else(crate::server::host_name);
+        let name = c.server_name.clone().unwrap_or_else(lwio_side::host_name);
         let mut names = vec![
             name,
             "localhost".to_string(),
@@ -840,7 +850,7 @@ fn serve(a: ServeArgs) -> CliResult {
         ];
         names.dedup();
         let (id, created) = ServerIdentity::self_signed(dir, &names)?;
-        let cert = dir.join(crate::side::tls::SELF_SIGNED_CERT);
+        let cert = dir.join(lwio_side::tls::SELF_SIGNED_CERT);
         if created {
             tracing::info!(path = %cert.display(), "created a self-signed TLS certificate (key mode 0600)");
         } else {

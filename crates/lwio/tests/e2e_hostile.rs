@@ -4,10 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use lwio::client::{Client, ClientOptions, Completion, File, OpenOptions};
-use lwio::config::Limits;
-use lwio::data::server::RdmaServerOptions;
-use lwio::data::testkit::LocalServer;
+use lwio_client::{Client, ClientOptions, Completion, File, OpenOptions};
 use lwio_proto::status::*;
 use lwio_proto::wire::auth::ENDIAN_64;
 use lwio_proto::wire::common::RequestOp;
@@ -16,6 +13,9 @@ use lwio_proto::wire::{
     COMMON_HEADER_LEN, LWIO_REV_ID,
 };
 use lwio_rdma::*;
+use lwio_server::config::Limits;
+use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::testkit::LocalServer;
 
 mod common;
 use common::hostile::{connect, intr, Hostile};
@@ -178,8 +178,8 @@ impl Hostile {
 }
 
 /// Open f.bin over a side channel; its resume key.
-fn open_key(side: &mut lwio::side::Client) -> SrvResumeKey {
-    let o = lwio::fs::OpenOptions {
+fn open_key(side: &mut lwio_client::side::Client) -> SrvResumeKey {
+    let o = lwio_side::types::OpenOptions {
         read: true,
         ..Default::default()
     };
@@ -352,8 +352,11 @@ fn hostile_cases() {
 #[test]
 fn md5_auth_only_with_compat_md5_auth() {
     for (toml, accepted) in [("", false), ("compat_md5_auth = true\n", true)] {
-        let cfg = lwio::config::Config::from_toml(toml).unwrap();
-        let mut rdma = lwio::cmd::serve::rdma_options(&cfg, "127.0.0.1:0".parse().unwrap());
+        let cfg = lwio_server::config::Config::from_toml(toml).unwrap();
+        let mut rdma = lwio_server::io_phase::server::RdmaServerOptions::from_config(
+            &cfg,
+            "127.0.0.1:0".parse().unwrap(),
+        );
         rdma.auto_credits = false;
         rdma.proto.auth_timeout = Duration::from_millis(400);
         assert_eq!(rdma.proto.allow_md5, accepted);

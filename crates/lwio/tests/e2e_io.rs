@@ -7,12 +7,12 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Duration;
 
-use lwio::client::{AsyncClient, Client, ClientOptions, Completion, Error, OpenOptions};
-use lwio::config::Limits;
-use lwio::data::server::RdmaServerOptions;
-use lwio::data::testkit::LocalServer;
+use lwio_client::{AsyncClient, Client, ClientOptions, Completion, Error, OpenOptions};
 use lwio_proto::status::{STATUS_ACCESS_DENIED, STATUS_INVALID_PARAMETER, STATUS_SUCCESS};
 use lwio_rdma::conformance::pattern;
+use lwio_server::config::Limits;
+use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "e2e-test-token-0123456789";
 
@@ -694,7 +694,7 @@ fn read_only_key_cannot_write() {
     let w = c
         .open(
             "ro.bin",
-            &OpenOptions(lwio::fs::OpenOptions {
+            &OpenOptions(lwio_side::types::OpenOptions {
                 write: true,
                 ..Default::default()
             }),

@@ -13,10 +13,7 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use lwio::client::{Client, ClientOptions, Completion, File, OpenOptions};
-use lwio::config::Limits;
-use lwio::data::server::RdmaServerOptions;
-use lwio::data::testkit::LocalServer;
+use lwio_client::{Client, ClientOptions, Completion, File, OpenOptions};
 use lwio_proto::status::*;
 use lwio_proto::wire::auth::ENDIAN_64;
 use lwio_proto::wire::common::RequestOp;
@@ -24,6 +21,9 @@ use lwio_proto::wire::{
     AuthParamsRepr, Guid, RequestRepr, SignatureAlg, COMMON_HEADER_LEN, LWIO_REV_ID,
 };
 use lwio_rdma::*;
+use lwio_server::config::Limits;
+use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::testkit::LocalServer;
 
 mod common;
 use common::hostile::{connect, intr, req_bytes, Hostile};
@@ -200,7 +200,7 @@ fn fid_from_another_connection() {
     h.auth();
     // B also has a file of its own open on the side channel (not registered
     // over RDMA), so its session is a real one with rights.
-    let o = lwio::fs::OpenOptions {
+    let o = lwio_side::types::OpenOptions {
         read: true,
         write: true,
         ..Default::default()

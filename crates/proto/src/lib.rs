@@ -38,3 +38,20 @@ pub mod status;
 pub mod wire;
 
 pub use status::NtStatus;
+
+/// Work-request id tags: the top byte says what a completion belongs to.
+pub mod wrid {
+    pub const RECV: u64 = 1 << 56;
+    pub const SEND: u64 = 2 << 56;
+    pub const READBUF: u64 = 3 << 56;
+    pub const BIND: u64 = 4 << 56;
+    pub const INVAL: u64 = 5 << 56;
+    pub const MASK: u64 = 0xff << 56;
+
+    pub fn kind(w: u64) -> u64 {
+        w & MASK
+    }
+    pub fn value(w: u64) -> u64 {
+        w & !MASK
+    }
+}

@@ -8,12 +8,14 @@
 //! [`providers`] lists the providers compiled in; a provider that cannot be
 //! used on this host is still listed, with the reason, by `devices()`.
 
+pub mod choice;
 pub mod conformance;
 pub mod ibv;
 pub mod perf;
 pub mod soft;
 pub mod verbs;
 
+pub use choice::{open_context, providers_for, ProviderChoice};
 pub use verbs::*;
 
 /// Every provider compiled into this build, in preference order for `auto`.

@@ -31,10 +31,10 @@ use lwio_proto::status::STATUS_SUCCESS;
 
 use super::{connect_data, ctx, describe};
 use crate::cli::{BenchArgs, Completion as CliCompletion, RwPattern};
-use crate::client::engine::{status_text, Stage};
-use crate::client::{Client, ClientOptions, Completion, File, OpenOptions};
-use crate::units::{format_duration, format_size};
-use crate::url::LwioUrl;
+use lwio_client::engine::{status_text, Stage};
+use lwio_client::url::LwioUrl;
+use lwio_client::{Client, ClientOptions, Completion, File, OpenOptions};
+use lwio_side::units::{format_duration, format_size};
 
 /// Largest block size accepted.
 const MAX_BS: u64 = 64 << 20;
@@ -139,7 +139,7 @@ impl Embedded {
                 .map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.0.display()))?;
         }
         // A token for this run only.
-        let token = crate::side::Token::generate();
+        let token = lwio_side::Token::generate();
         let token_path = dir.0.join("token");
         {
             use std::os::unix::fs::OpenOptionsExt;
@@ -275,7 +275,7 @@ struct Rng(u64);
 impl Rng {
     fn new() -> Rng {
         let mut b = [0u8; 8];
-        crate::random_bytes(&mut b);
+        lwio_side::random_bytes(&mut b);
         Rng(u64::from_le_bytes(b) | 1)
     }
     fn next(&mut self) -> u64 {
@@ -336,7 +336,7 @@ fn job(
     let mut hist = Histogram::<u64>::new_with_bounds(1, 120_000_000_000, 3)
         .map_err(|e| anyhow::anyhow!("histogram: {e}"))?;
     // Requests outstanding at most: what the staging slots hold.
-    let budget = e.cfg.stage_slots.max(1);
+    let budget = e.config().stage_slots.max(1);
     let mut inflight: std::collections::VecDeque<InFlight> = Default::default();
     // Read requests outstanding (each holds a staging slot).
     let mut staged = 0usize;

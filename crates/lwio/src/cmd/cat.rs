@@ -8,7 +8,7 @@ use std::io::Write;
 
 use super::{connect_data, ctx, pump, RemoteReader};
 use crate::cli::CatArgs;
-use crate::client::OpenOptions;
+use lwio_client::OpenOptions;
 
 pub fn run(a: CatArgs) -> anyhow::Result<()> {
     let export = a.url.require_export()?.to_string();

@@ -17,9 +17,9 @@ use std::path::{Path, PathBuf};
 
 use super::{connect_data, ctx, pump, random_suffix, LocalReader, ReadAt, RemoteReader};
 use crate::cli::{ClientArgs, CpArgs};
-use crate::client::{Client, OpenOptions};
-use crate::fs::FileKind;
-use crate::url::LwioUrl;
+use lwio_client::url::LwioUrl;
+use lwio_client::{Client, OpenOptions};
+use lwio_server::fs::FileKind;
 
 /// One end of a copy.
 #[derive(Debug, Clone)]
@@ -90,7 +90,7 @@ impl Loc {
 }
 
 fn io_msg(e: &std::io::Error) -> String {
-    crate::Error::from_io(e, "")
+    lwio_side::Error::from_io(e, "")
         .message
         .trim_start_matches(": ")
         .to_string()
@@ -136,13 +136,13 @@ impl Clients<'_> {
                 let export = u.require_export()?.to_string();
                 // Keep the side channel's own error code: "no such file"
                 // means Missing, "no such export" is an error.
-                match c.0.side(|s| Ok(s.stat(&export, &u.path))) {
+                match c.side(|s| Ok(s.stat(&export, &u.path))) {
                     Ok(Ok(a)) => Ok(match a.kind {
                         FileKind::Dir => Kind::Dir,
                         FileKind::File => Kind::File(a.size),
                         _ => Kind::Other,
                     }),
-                    Ok(Err(e)) if e.code == crate::ErrorCode::NotFound => Ok(Kind::Missing),
+                    Ok(Err(e)) if e.code == lwio_side::ErrorCode::NotFound => Ok(Kind::Missing),
                     Ok(Err(e)) => Err(ctx(u, e.into())),
                     Err(e) => Err(ctx(u, e)),
                 }
@@ -173,9 +173,9 @@ impl Clients<'_> {
             Loc::Remote(u) => {
                 let c = self.get(u)?;
                 let export = u.require_export()?.to_string();
-                let entries =
-                    c.0.side(|s| s.list_dir(&export, &u.path))
-                        .map_err(|e| ctx(u, e))?;
+                let entries = c
+                    .side(|s| s.list_dir(&export, &u.path))
+                    .map_err(|e| ctx(u, e))?;
                 for e in entries {
                     let k = match e.attr.kind {
                         FileKind::Dir => Kind::Dir,
@@ -341,7 +341,7 @@ fn mkdir(clients: &mut Clients<'_>, d: &Loc) -> anyhow::Result<()> {
         Loc::Remote(u) => {
             let c = clients.get(u)?;
             let export = u.require_export()?.to_string();
-            c.0.side(|s| s.mkdir(&export, &u.path, 0o755, true))
+            c.side(|s| s.mkdir(&export, &u.path, 0o755, true))
                 .map_err(|e| ctx(u, e))
         }
     }
@@ -364,7 +364,7 @@ enum Sink<'a> {
         final_path: &'a Path,
     },
     Remote {
-        file: Option<crate::client::File>,
+        file: Option<lwio_client::File>,
         client: Client,
         url: &'a LwioUrl,
         export: String,
@@ -415,7 +415,6 @@ impl Sink<'_> {
                     f.close().map_err(|e| ctx(&**url, e))?;
                 }
                 client
-                    .0
                     .side(|s| s.rename(export, temp, &url.path, true))
                     .map_err(|e| ctx(&**url, e))
             }
@@ -437,7 +436,6 @@ impl Sink<'_> {
             } => {
                 drop(file.take());
                 client
-                    .0
                     .side(|s| s.remove(export, temp))
                     .err()
                     .map(|_| format!("the partial copy {export}/{temp} stays on the server"))
@@ -514,7 +512,7 @@ fn copy_file(
                     &OpenOptions::read_write().create(true).exclusive(true),
                 )
                 .map_err(|e| match e {
-                    crate::client::Error::NotFound(_) => no_dir(dst),
+                    lwio_client::Error::NotFound(_) => no_dir(dst),
                     e => ctx(u, e),
                 })?;
             Sink::Remote {

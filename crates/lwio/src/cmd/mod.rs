@@ -19,9 +19,9 @@ use std::time::Duration;
 use lwio_proto::status::{STATUS_CANCELLED, STATUS_DISK_FULL, STATUS_END_OF_FILE};
 
 use crate::cli::ClientArgs;
-use crate::client::{self, ClientOptions, Completion};
-use crate::config::ProviderChoice;
-use crate::url::LwioUrl;
+use lwio_client::url::LwioUrl;
+use lwio_client::{ClientOptions, Completion};
+use lwio_server::config::ProviderChoice;
 
 /// Bytes per I/O call of `cat` and `cp` (the client splits each into
 /// pipelined requests of the negotiated size).
@@ -32,11 +32,11 @@ pub fn connect_data(
     url: &LwioUrl,
     args: &ClientArgs,
     mut opts: ClientOptions,
-) -> anyhow::Result<client::Client> {
+) -> anyhow::Result<lwio_client::Client> {
     let mut side = crate::cli::client_options(args)?;
     side.client_name = opts.client_name.clone();
     opts.connect_timeout = args.connect_timeout;
-    client::Client::connect_with(&url.authority(), &side, opts)
+    lwio_client::Client::connect_with(&url.authority(), &side, opts)
         .map_err(|e| anyhow::anyhow!(describe(&e)))
 }
 
@@ -55,8 +55,8 @@ pub fn bulk_options() -> ClientOptions {
 }
 
 /// One line a person can act on, for a client error.
-pub fn describe(e: &client::Error) -> String {
-    use client::Error as E;
+pub fn describe(e: &lwio_client::Error) -> String {
+    use lwio_client::Error as E;
     match e {
         E::Unreachable(m) => m.clone(),
         // The side channel's own messages name the path and the reason.
@@ -80,7 +80,7 @@ pub fn describe(e: &client::Error) -> String {
 }
 
 /// A client error with what was being done.
-pub fn ctx(what: impl std::fmt::Display, e: client::Error) -> anyhow::Error {
+pub fn ctx(what: impl std::fmt::Display, e: lwio_client::Error) -> anyhow::Error {
     let what = what.to_string();
     let d = describe(&e);
     if d.contains(&what) {
@@ -162,7 +162,7 @@ pub fn byte_bar(total: u64, label: &str) -> indicatif::ProgressBar {
 /// A short random hex string (temporary names).
 pub fn random_suffix() -> String {
     let mut b = [0u8; 4];
-    crate::random_bytes(&mut b);
+    lwio_side::random_bytes(&mut b);
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -176,7 +176,7 @@ pub trait ReadAt: Sync {
 
 /// A remote file opened over the data path.
 pub struct RemoteReader<'a> {
-    pub file: &'a client::File,
+    pub file: &'a lwio_client::File,
     /// For messages (the URL).
     pub name: String,
 }
@@ -200,7 +200,7 @@ impl ReadAt for LocalReader<'_> {
             match self.file.read_at(buf, off) {
                 Ok(n) => return Ok(n),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => anyhow::bail!("{}: {}", self.name, crate::Error::from_io(&e, "read")),
+                Err(e) => anyhow::bail!("{}: {}", self.name, lwio_side::Error::from_io(&e, "read")),
             }
         }
     }

@@ -13,9 +13,9 @@ use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 
-use crate::config::{Config, ProviderChoice};
-use crate::data::server::{RdmaServer, RdmaServerOptions};
-use crate::server::{RdmaPhase, Server};
+use lwio_server::config::{Config, ProviderChoice};
+use lwio_server::io_phase::server::{RdmaServer, RdmaServerOptions};
+use lwio_server::server::{RdmaPhase, Server};
 
 /// The RDMA listen address: `explicit` if given, else the side channel's
 /// bound IP with the configured side-channel port + 1 (0 stays 0).
@@ -57,7 +57,7 @@ pub fn attach_rdma(
     let side = server.local_addr()?;
     let explicit = rdma_listen.or(c.rdma_listen.as_deref());
     let listen = rdma_listen_addr(explicit, &c.listen, side)?;
-    let opts = rdma_options(c, listen);
+    let opts = RdmaServerOptions::from_config(c, listen);
     if opts.proto.allow_md5 {
         tracing::warn!(
             "compat_md5_auth is on: the RDMA listener also accepts the seed's unkeyed MD5 AUTH signature, which authenticates nothing (anyone who learns a negotiate Key can connect); use only on a trusted fabric for interoperability tests"
@@ -77,28 +77,6 @@ pub fn attach_rdma(
     }
     server.set_rdma_phase(Arc::new(phase));
     Ok(())
-}
-
-/// The RDMA listener options the configuration asks for, listening on
-/// `listen` (`compat_md5_auth` → `proto.allow_md5`, limits, grace).
-pub fn rdma_options(c: &Config, listen: SocketAddr) -> RdmaServerOptions {
-    let d = RdmaServerOptions::default();
-    RdmaServerOptions {
-        provider: c.provider,
-        listen,
-        shutdown_grace: c.limits.shutdown_grace,
-        max_connections_per_host: c.limits.max_rdma_connections_per_host,
-        proto: lwio_proto::server::ServerConfig {
-            allow_md5: c.compat_md5_auth,
-            max_recv_buffer_size: c.rdma.max_write_size,
-            ..d.proto
-        },
-        inline_io: c.rdma.inline_io,
-        busy_poll: c.rdma.busy_poll,
-        busy_poll_polled: c.rdma.busy_poll_polled,
-        conn_contexts: c.rdma.progress == crate::config::ProgressChoice::Connection,
-        ..d
-    }
 }
 
 fn bind_error(choice: ProviderChoice, listen: SocketAddr, e: lwio_rdma::Error) -> anyhow::Error {
@@ -141,14 +119,20 @@ mod tests {
         let c = Config::from_toml("rdma_listen = \"127.0.0.1:9000\"\n").unwrap();
         assert_eq!(c.rdma_listen.as_deref(), Some("127.0.0.1:9000"));
         assert!(
-            !rdma_options(&c, bound).proto.allow_md5,
+            !RdmaServerOptions::from_config(&c, bound).proto.allow_md5,
             "MD5 off by default"
         );
-        assert_eq!(rdma_options(&c, bound).max_connections_per_host, 32);
+        assert_eq!(
+            RdmaServerOptions::from_config(&c, bound).max_connections_per_host,
+            32
+        );
         let c = Config::from_toml("compat_md5_auth = true\n").unwrap();
-        assert!(rdma_options(&c, bound).proto.allow_md5);
+        assert!(RdmaServerOptions::from_config(&c, bound).proto.allow_md5);
         let c = Config::from_toml("[limits]\nmax_rdma_connections_per_host = 3\n").unwrap();
-        assert_eq!(rdma_options(&c, bound).max_connections_per_host, 3);
+        assert_eq!(
+            RdmaServerOptions::from_config(&c, bound).max_connections_per_host,
+            3
+        );
         assert!(Config::from_toml("[limits]\nmax_rdma_connections_per_host = 0\n").is_err());
     }
 }

@@ -5,14 +5,14 @@
 
 use std::time::{Duration, Instant};
 
-use lwio::data::testkit::LocalServer;
 use lwio_proto::wire::auth::derive_session_secret;
 use lwio_proto::wire::common::{CompletionMode, RequestOp};
 use lwio_proto::wire::{AddressBlockRepr, Guid, NegotiateRequestRepr, RequestRepr, StatusResponse};
 use lwio_rdma::*;
+use lwio_server::io_phase::testkit::LocalServer;
 
 pub struct Hostile {
-    pub side: lwio::side::Client,
+    pub side: lwio_client::side::Client,
     pub key: Guid,
     pub secret: Vec<u8>,
     pub qp: Qp,
@@ -31,10 +31,10 @@ pub struct Hostile {
 /// and connect an RDMA QP (soft provider) to the server: a client that speaks
 /// LWIO only through the wire types, so it can say anything.
 pub fn connect(s: &LocalServer, token: &str, client_key: Guid) -> Hostile {
-    let login = lwio::side::Login::Token(lwio::side::Token::new(token).unwrap());
-    let mut side = lwio::side::Client::connect(
+    let login = lwio_client::side::Login::Token(lwio_client::side::Token::new(token).unwrap());
+    let mut side = lwio_client::side::Client::connect(
         &s.side_addr.to_string(),
-        &lwio::side::ClientOptions::new(login),
+        &lwio_client::side::ClientOptions::new(login),
     )
     .unwrap();
     let resp = side

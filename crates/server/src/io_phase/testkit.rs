@@ -11,7 +11,7 @@ use super::server::{RdmaServer, RdmaServerOptions, ServerHandle};
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, ResolveMode};
 use crate::server::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
-use crate::side::Token;
+use lwio_side::Token;
 
 /// A running server.
 pub struct LocalServer {
@@ -43,7 +43,7 @@ impl LocalServer {
         token: &str,
         limits: Limits,
         mut rdma: RdmaServerOptions,
-    ) -> crate::Result<LocalServer> {
+    ) -> lwio_side::Result<LocalServer> {
         rdma.listen = "127.0.0.1:0".parse().expect("literal address");
         rdma.provider = ProviderChoice::Soft;
         rdma.device = None;
@@ -59,7 +59,7 @@ impl LocalServer {
         token: &str,
         limits: Limits,
         rdma: RdmaServerOptions,
-    ) -> crate::Result<LocalServer> {
+    ) -> lwio_side::Result<LocalServer> {
         let provider = rdma.provider;
         let opts = ServerOptions {
             listen: "127.0.0.1:0".into(),
@@ -79,20 +79,21 @@ impl LocalServer {
             provider,
             resolve: ResolveMode::Auto,
         };
-        let phase = RdmaServer::bind(rdma)
-            .map_err(|e| crate::Error::new(crate::ErrorCode::Io, format!("RDMA listener: {e}")))?;
+        let phase = RdmaServer::bind(rdma).map_err(|e| {
+            lwio_side::Error::new(lwio_side::ErrorCode::Io, format!("RDMA listener: {e}"))
+        })?;
         let rdma_addr = phase.local_addr();
         let handle = phase.handle();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
-            .map_err(|e| crate::Error::from_io(&e, "tokio runtime"))?;
+            .map_err(|e| lwio_side::Error::from_io(&e, "tokio runtime"))?;
         let mut server = rt.block_on(Server::bind(opts))?;
         server.set_rdma_phase(Arc::new(phase));
         let side_addr = server
             .local_addr()
-            .map_err(|e| crate::Error::from_io(&e, "side channel address"))?;
+            .map_err(|e| lwio_side::Error::from_io(&e, "side channel address"))?;
         let state = server.state().clone();
         let shutdown = server.shutdown_handle();
         let thread = std::thread::Builder::new()
@@ -102,7 +103,7 @@ impl LocalServer {
                     tracing::warn!(error = %e, "local server stopped with an error");
                 }
             })
-            .map_err(|e| crate::Error::from_io(&e, "server thread"))?;
+            .map_err(|e| lwio_side::Error::from_io(&e, "server thread"))?;
         Ok(LocalServer {
             side_addr,
             rdma_addr,

@@ -53,11 +53,13 @@ use lwio_rdma::{
 };
 use tracing::{debug, info, warn};
 
-use super::{io_error_status, poll_readable, wrid, Waker};
-use crate::config::ProviderChoice;
+use super::{io_error_status, poll_readable, Waker};
 use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
 use crate::server::{RdmaPhase, ServerState, Shutdown};
+use lwio_proto::wrid;
+use lwio_rdma::open_context;
+use lwio_rdma::ProviderChoice;
 
 /// Configuration of the RDMA listener.
 #[derive(Debug, Clone)]
@@ -352,7 +354,7 @@ impl RdmaServer {
             // listener's needs no engine thread either.
             opts.rdma.progress = lwio_rdma::Progress::Manual;
         }
-        let ctx = super::open_context(opts.provider, opts.device.as_deref(), &opts.rdma)?;
+        let ctx = open_context(opts.provider, opts.device.as_deref(), &opts.rdma)?;
         let caps = ctx.device().caps.clone();
         opts.proto.use_write_with_imm =
             opts.proto.use_write_with_imm && caps.as_ref().is_some_and(|c| c.write_with_imm);
@@ -367,7 +369,7 @@ impl RdmaServer {
         }
         let endpoints = vec![AddressBlockRepr {
             name: ctx.device().provider.to_string(),
-            instances: vec![crate::side::negotiate::net_address(adv)],
+            instances: vec![lwio_side::negotiate::net_address(adv)],
         }];
         info!(provider = ctx.device().provider, device = %ctx.device().name, addr = %local, "RDMA listener");
         let shared = Arc::new(Shared {
@@ -827,7 +829,7 @@ impl Conn {
                     progress: lwio_rdma::Progress::Manual,
                     ..c
                 };
-                Some(super::open_context(ProviderChoice::Soft, None, &c)?)
+                Some(open_context(ProviderChoice::Soft, None, &c)?)
             }
             _ => None,
         };
@@ -1606,6 +1608,30 @@ impl Conn {
                 debug!(conn = self.id, error = %e.error, "posting a send failed (connection gone)");
             }
             self.begin_close(Instant::now());
+        }
+    }
+}
+
+impl RdmaServerOptions {
+    /// The RDMA listener options the configuration asks for, listening on
+    /// `listen` (`compat_md5_auth` → `proto.allow_md5`, limits, grace).
+    pub fn from_config(c: &crate::config::Config, listen: SocketAddr) -> RdmaServerOptions {
+        let d = RdmaServerOptions::default();
+        RdmaServerOptions {
+            provider: c.provider,
+            listen,
+            shutdown_grace: c.limits.shutdown_grace,
+            max_connections_per_host: c.limits.max_rdma_connections_per_host,
+            proto: lwio_proto::server::ServerConfig {
+                allow_md5: c.compat_md5_auth,
+                max_recv_buffer_size: c.rdma.max_write_size,
+                ..d.proto
+            },
+            inline_io: c.rdma.inline_io,
+            busy_poll: c.rdma.busy_poll,
+            busy_poll_polled: c.rdma.busy_poll_polled,
+            conn_contexts: c.rdma.progress == crate::config::ProgressChoice::Connection,
+            ..d
         }
     }
 }

@@ -21,7 +21,7 @@ use std::path::Path;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use super::codec::{MAC_LEN, NONCE_LEN};
+use crate::codec::{MAC_LEN, NONCE_LEN};
 use crate::error::{Error, ErrorCode, Result};
 
 type HmacSha256 = Hmac<Sha256>;
@@ -293,5 +293,15 @@ mod tests {
         let e = Token::load(&d.path().join("missing")).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
         assert!(e.message.contains("token file"), "{e}");
+    }
+}
+
+/// A 32-byte per-session secret; `Debug` does not show it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SessionSecret(pub [u8; 32]);
+
+impl std::fmt::Debug for SessionSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionSecret(<redacted>)")
     }
 }

@@ -20,7 +20,7 @@
 //! Memory: reads under [`BOUNCE_THRESHOLD`] land in an engine-owned bounce
 //! area and are copied out. Larger blocking reads of at least
 //! `EngineConfig::register_threshold` bytes land **directly in the caller's
-//! buffer**: a buffer from [`crate::client::Client::register_buffer`] is found
+//! buffer**: a buffer from [`crate::Client::register_buffer`] is found
 //! in the registration cache ([`RegCache`]: page-aligned ranges, LRU, bounded
 //! by bytes and entries, released explicitly when the buffer is dropped);
 //! any other buffer is registered for the duration of the call only (the
@@ -53,7 +53,7 @@ use lwio_rdma::{
 use tracing::{debug, info, warn};
 
 use super::{Completion, Error, Result};
-use crate::data::wrid;
+use lwio_proto::wrid;
 
 /// Reads shorter than this use the bounce area.
 pub const BOUNCE_THRESHOLD: usize = 1024;
@@ -166,7 +166,7 @@ struct CacheEntry {
 }
 
 /// The registration cache of explicitly registered buffers
-/// ([`crate::client::RegisteredBuf`]). Keyed by the buffer's page-aligned
+/// ([`crate::RegisteredBuf`]). Keyed by the buffer's page-aligned
 /// start address; an entry covers `start..start + len` (whole pages). The
 /// entry holds the memory, so it cannot outlive it; the buffer's drop
 /// releases the entry (explicit invalidation). Registrations are bounded by
@@ -312,6 +312,11 @@ fn client_err(e: ClientError) -> Error {
 }
 
 impl Engine {
+    /// The configuration this engine was built with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
     /// Connect the RDMA channel to `addr`, authenticate with `key`/`secret`.
     pub fn connect(
         ctx: &Context,
@@ -1408,7 +1413,7 @@ impl Engine {
 
     /// Where a read of `len` bytes at `ptr` lands in caller memory: the
     /// cached registration when the range lies in a
-    /// [`crate::client::RegisteredBuf`], otherwise (if `per_call`) a
+    /// [`crate::RegisteredBuf`], otherwise (if `per_call`) a
     /// registration made now for this call, dropped with the returned value;
     /// `None` when neither applies. Each call gets a new group for
     /// [`Engine::fence_group`].

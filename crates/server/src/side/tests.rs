@@ -5,9 +5,12 @@ use std::time::Duration;
 
 use super::*;
 use crate::config::{IoConfig, Limits, ProviderChoice};
-use crate::error::ErrorCode;
 use crate::fs::{ExportSpec, FileKind, OpenOptions, ResolveMode};
 use crate::server::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
+use lwio_client::side::{AsyncClient, Client, ClientOptions};
+use lwio_side::error::ErrorCode;
+use lwio_side::negotiate::{AddressBlockRepr, NegotiateRequestRepr};
+use lwio_side::{codec, Login, Token};
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::OpenedFile;
-use crate::error::{Error, ErrorCode, Result};
+use lwio_side::error::{Error, ErrorCode, Result};
 
 /// Identifies a side-channel session (assigned at login).
 pub type SessionId = u64;
@@ -110,7 +110,7 @@ impl std::fmt::Debug for OpenFileTable {
 /// 8 bytes from the OS CSPRNG.
 pub fn random_u64() -> u64 {
     let mut b = [0u8; 8];
-    crate::random_bytes(&mut b);
+    lwio_side::random_bytes(&mut b);
     u64::from_le_bytes(b)
 }
 

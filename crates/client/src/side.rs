@@ -6,15 +6,17 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
-use super::access;
-use super::auth::{self, Login};
-use super::codec::*;
-use super::negotiate::{self, NegotiateRequestRepr, NegotiateResponseRepr};
-use super::tls::{self, ClientTls, SideStream};
-use crate::error::{Error, ErrorCode, Result};
-use crate::fs::table::{decode_request_resume_key, SrvRequestResumeKey};
-use crate::fs::{Attr, DirEntry, OpenOptions};
-use crate::server::SessionSecret;
+use lwio_proto::sidechannel::parse_request_resume_key;
+use lwio_proto::wire::RequestResumeKeyRepr as SrvRequestResumeKey;
+use lwio_side::auth;
+use lwio_side::codec::*;
+use lwio_side::error::{Error, ErrorCode, Result};
+use lwio_side::negotiate::{self, NegotiateRequestRepr, NegotiateResponseRepr};
+use lwio_side::tls::SideStream;
+use lwio_side::types::{Attr, DirEntry, OpenOptions};
+use lwio_side::SessionSecret;
+/// What an application needs to log in and secure the side channel.
+pub use lwio_side::{tls, ClientTls, Login, Token};
 
 /// How to connect and log in.
 #[derive(Debug, Clone)]
@@ -39,7 +41,7 @@ impl ClientOptions {
     pub fn new(login: Login) -> ClientOptions {
         ClientOptions {
             login,
-            client_name: crate::server::host_name(),
+            client_name: lwio_side::host_name(),
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             max_frame: HARD_MAX_FRAME,
@@ -221,7 +223,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
                         password: password.clone(),
                         client_nonce: cn,
                     },
-                    access::user_session_secret(password.as_bytes(), &sn, &cn),
+                    lwio_side::user_token::user_session_secret(password.as_bytes(), &sn, &cn),
                     Some(user.clone()),
                 )
             }
@@ -229,10 +231,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
                 LoginRequest::UserToken {
                     user: user.clone(),
                     client_nonce: cn,
-                    proof: access::user_token_proof(token.expose(), user, &sn, &cn),
+                    proof: lwio_side::user_token::user_token_proof(token.expose(), user, &sn, &cn),
                 },
-                access::user_session_secret(
-                    &access::user_token_client_key(token.expose()),
+                lwio_side::user_token::user_session_secret(
+                    &lwio_side::user_token::user_token_client_key(token.expose()),
                     &sn,
                     &cn,
                 ),
@@ -249,13 +251,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         };
         let server_ok = match &opts.login {
             Login::Token(t) => auth::verify_server_proof(t, &sn, &cn, &server_proof),
-            Login::UserToken { user, token } => access::verify_user_token_server_proof(
-                token.expose(),
-                user,
-                &sn,
-                &cn,
-                &server_proof,
-            ),
+            Login::UserToken { user, token } => {
+                lwio_side::user_token::verify_user_token_server_proof(
+                    token.expose(),
+                    user,
+                    &sn,
+                    &cn,
+                    &server_proof,
+                )
+            }
             // Nothing to prove with a password (TLS authenticates the
             // server) or anonymously.
             Login::Anonymous | Login::Password { .. } => true,
@@ -434,9 +438,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         else {
             return Err(unexpected(&r));
         };
-        let resume_key = decode_request_resume_key(&resume_key).ok_or_else(|| {
-            Error::new(ErrorCode::BadRequest, "server sent a malformed resume key")
-        })?;
+        let resume_key = parse_request_resume_key(&resume_key)
+            .map_err(|_| Error::new(ErrorCode::BadRequest, "server sent a malformed resume key"))?;
         Ok(RemoteFile {
             handle,
             size,

@@ -2,8 +2,8 @@
 //! server over RDMA.
 //!
 //! ```no_run
-//! use lwio::client::{Client, ClientOptions, Completion, OpenOptions};
-//! # fn main() -> Result<(), lwio::client::Error> {
+//! use lwio_client::{Client, ClientOptions, Completion, OpenOptions};
+//! # fn main() -> Result<(), lwio_client::Error> {
 //! let opts = ClientOptions { completion: Completion::Poll, ..ClientOptions::default() };
 //! let client = Client::connect("lwio://storage1/data", Some("s3cret-token"), opts)?;
 //! let f = client.open("logs/app.log", &OpenOptions::read_write().create(true))?;
@@ -27,6 +27,8 @@
 
 pub mod asynch;
 pub mod engine;
+pub mod side;
+pub mod url;
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
@@ -42,10 +44,10 @@ pub use asynch::{AsyncClient, AsyncFile};
 use engine::{status_text, EngineConfig};
 pub use engine::{ClientStats, Engine};
 
-use crate::config::ProviderChoice;
-use crate::error::ErrorCode;
-use crate::side::{Login, Token};
 use crate::url::{LwioUrl, DEFAULT_PORT};
+use lwio_rdma::ProviderChoice;
+use lwio_side::error::ErrorCode;
+use lwio_side::{Login, Token};
 
 /// How completions reach the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -99,8 +101,8 @@ impl From<lwio_rdma::Error> for Error {
     }
 }
 
-impl From<crate::Error> for Error {
-    fn from(e: crate::Error) -> Error {
+impl From<lwio_side::Error> for Error {
+    fn from(e: lwio_side::Error) -> Error {
         let m = e.to_string();
         match e.code {
             ErrorCode::ConnectFailed => Error::Unreachable(m),
@@ -220,7 +222,7 @@ impl Default for ClientOptions {
             reg_cache_entries: 64,
             op_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
-            client_name: crate::server::host_name(),
+            client_name: lwio_side::host_name(),
             // The soft provider's receive work runs in the thread that
             // waits for a completion (or in the progress thread when nobody
             // waits): no engine thread between the socket and the caller.
@@ -234,14 +236,14 @@ impl Default for ClientOptions {
 
 /// How to open a file (mirrors `std::fs::OpenOptions`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct OpenOptions(pub crate::fs::OpenOptions);
+pub struct OpenOptions(pub lwio_side::types::OpenOptions);
 
 impl OpenOptions {
     pub fn read_only() -> OpenOptions {
-        OpenOptions(crate::fs::OpenOptions::READ)
+        OpenOptions(lwio_side::types::OpenOptions::READ)
     }
     pub fn read_write() -> OpenOptions {
-        OpenOptions(crate::fs::OpenOptions::READ_WRITE)
+        OpenOptions(lwio_side::types::OpenOptions::READ_WRITE)
     }
     pub fn create(mut self, on: bool) -> Self {
         self.0.create = on;
@@ -278,7 +280,7 @@ impl Inner {
     /// Run a side-channel call.
     pub(crate) fn side<T>(
         &self,
-        f: impl FnOnce(&mut crate::side::Client) -> crate::Result<T>,
+        f: impl FnOnce(&mut crate::side::Client) -> lwio_side::Result<T>,
     ) -> Result<T> {
         let mut g = self.side.lock().unwrap_or_else(|p| p.into_inner());
         match g.as_mut() {
@@ -336,6 +338,15 @@ fn parse_target(target: &str) -> Result<(String, String, Option<String>)> {
 }
 
 impl Client {
+    /// Run a call on this client's side-channel session: the namespace
+    /// operations (stat, list, mkdir, rename, remove) that do not move data.
+    pub fn side<T>(
+        &self,
+        f: impl FnOnce(&mut crate::side::Client) -> lwio_side::Result<T>,
+    ) -> Result<T> {
+        self.0.side(f)
+    }
+
     /// Connect to `target` (`lwio://HOST[:PORT][/EXPORT]` or `HOST[:PORT]`)
     /// with a token (None = anonymous).
     pub fn connect(target: &str, token: Option<&str>, opts: ClientOptions) -> Result<Client> {
@@ -368,11 +379,11 @@ impl Client {
             .and_then(|mut a| a.next())
             .map(|a| a.ip());
         // Negotiate over the pipe.
-        let providers = crate::data::providers_for(opts.provider);
+        let providers = lwio_rdma::providers_for(opts.provider);
         let names: Vec<String> = providers.iter().map(|p| p.name().to_string()).collect();
         let req = NegotiateRequestRepr {
             client_name: truncate_name(&opts.client_name),
-            key: crate::side::negotiate::random_guid(),
+            key: lwio_side::negotiate::random_guid(),
             response_length: 4096,
             providers: names
                 .iter()
@@ -419,7 +430,7 @@ impl Client {
                 }
             };
             for inst in &p.instances {
-                let Some(mut addr) = crate::side::negotiate::socket_addr(inst) else {
+                let Some(mut addr) = lwio_side::negotiate::socket_addr(inst) else {
                     continue;
                 };
                 if addr.ip().is_unspecified() {

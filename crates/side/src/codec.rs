@@ -10,7 +10,7 @@
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, ErrorCode};
-use crate::fs::{Attr, FileKind};
+use crate::types::{Attr, FileKind};
 
 /// Side-channel protocol version spoken by this build.
 pub const PROTOCOL_VERSION: u16 = 1;

@@ -7,13 +7,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::access::{hash_password, Acl, TokenVerifier, UserCredentials, UserDb};
-use super::codec::{self, LoginRequest, Request, Response};
-use super::tls::{fingerprint, parse_fingerprint, ServerIdentity};
+use super::tls::ServerIdentity;
 use super::*;
 use crate::config::{IoConfig, Limits, ProviderChoice};
-use crate::error::ErrorCode;
 use crate::fs::{ExportSpec, OpenOptions, ResolveMode};
 use crate::server::{AuthPolicy, Security, Server, ServerOptions, ServerState, Shutdown};
+use lwio_client::side::{AsyncClient, ClientOptions};
+use lwio_side::codec::{self, LoginRequest, Request, Response};
+use lwio_side::error::ErrorCode;
+use lwio_side::tls::{fingerprint, parse_fingerprint};
+use lwio_side::{ClientTls, Login, Token};
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 const BOB_TOKEN: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
@@ -279,7 +282,7 @@ async fn rights_are_enforced_on_every_operation() {
         .await
         .unwrap();
     let denied = "user bob may not write to export data";
-    let check = |e: crate::Error| {
+    let check = |e: lwio_side::Error| {
         assert_eq!(e.code, ErrorCode::PermissionDenied, "{e}");
         assert_eq!(e.to_string(), denied);
     };
@@ -435,7 +438,7 @@ async fn tls_verification_modes() {
     let other = tempfile::tempdir().unwrap();
     let ca = other.path().join("ca.pem");
     ServerIdentity::self_signed(other.path(), &["localhost".into()]).unwrap();
-    std::fs::copy(other.path().join(tls::SELF_SIGNED_CERT), &ca).unwrap();
+    std::fs::copy(other.path().join(lwio_side::tls::SELF_SIGNED_CERT), &ca).unwrap();
     let e = AsyncClient::connect(&s.addr, &opts(tok(), ClientTls::CaFile(ca)))
         .await
         .unwrap_err();
@@ -451,7 +454,7 @@ async fn tls_verification_modes() {
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::Unsupported);
-    assert_eq!(e.to_string(), server::TLS_REQUIRED_MSG);
+    assert_eq!(e.to_string(), super::TLS_REQUIRED_MSG);
     assert!(t0.elapsed() < Duration::from_secs(3));
     s.stop().await;
 
@@ -467,7 +470,7 @@ async fn tls_verification_modes() {
         format!(
             "{} did not speak TLS; it answered in plain TCP: {}",
             s.addr,
-            server::NOT_TLS_MSG
+            super::NOT_TLS_MSG
         )
     );
     assert!(t0.elapsed() < Duration::from_secs(3));

@@ -24,25 +24,16 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
 use crate::config::{Config, IoConfig, Limits, ProviderChoice};
-use crate::error::{Error, ErrorCode, Result};
 use crate::fs::backend::{open_backend, Backend};
 use crate::fs::table::{Denied, OpenFile, OpenFileTable, Rights, SessionId, SrvResumeKey};
 use crate::fs::{ExportSpec, Exports, ResolveMode};
 use crate::side::access::{Acl, Principal, UserDb};
 use crate::side::admission::Admission;
-use crate::side::auth::Token;
-use crate::side::negotiate::{AddressBlockRepr, Guid};
 use crate::side::tls::ServerIdentity;
-
-/// A 32-byte per-session secret; `Debug` does not show it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct SessionSecret(pub [u8; 32]);
-
-impl std::fmt::Debug for SessionSecret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SessionSecret(<redacted>)")
-    }
-}
+use lwio_side::auth::Token;
+use lwio_side::error::{Error, ErrorCode, Result};
+use lwio_side::negotiate::{AddressBlockRepr, Guid};
+use lwio_side::{host_name, SessionSecret};
 
 /// A logged-in side-channel session, as the server knows it.
 #[derive(Debug, Clone)]
@@ -321,21 +312,6 @@ pub struct ServerOptions {
     pub resolve: ResolveMode,
 }
 
-/// This host's name, for the default server name.
-pub fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into our buffer.
-    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if r == 0 {
-        let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-        let s = String::from_utf8_lossy(&buf[..n]).into_owned();
-        if !s.is_empty() {
-            return s;
-        }
-    }
-    "lwio-server".to_string()
-}
-
 impl ServerOptions {
     /// Options from a (flag-merged) config and the loaded token.
     pub fn from_config(c: &Config, token: Option<Token>) -> ServerOptions {
@@ -486,7 +462,7 @@ impl Server {
                 None
             }
         };
-        crate::side::server::accept_loop(listener, state.clone(), shutdown.clone()).await;
+        crate::side::accept_loop(listener, state.clone(), shutdown.clone()).await;
         shutdown.trigger();
         if let Some(t) = rdma_thread {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;

@@ -1,8 +1,10 @@
 //! The README's client-library example: write and read back a file over LWIO.
 //!
 //! `LWIO_TOKEN=… LWIO_FINGERPRINT=sha256:… cargo run --example quickstart -- lwio://storage1/data`
-use lwio::client::{Client, ClientOptions, Completion, OpenOptions};
-use lwio::side::{tls::parse_fingerprint, ClientOptions as SideOptions, ClientTls, Login, Token};
+use lwio_client::side::{
+    tls::parse_fingerprint, ClientOptions as SideOptions, ClientTls, Login, Token,
+};
+use lwio_client::{Client, ClientOptions, Completion, OpenOptions};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::args()

@@ -14,7 +14,7 @@
 use std::fmt;
 
 /// The side channel's default TCP port.
-pub const DEFAULT_PORT: u16 = 7420;
+pub use lwio_side::DEFAULT_PORT;
 
 /// A parsed `lwio://` URL.
 #[derive(Debug, Clone, PartialEq, Eq)]

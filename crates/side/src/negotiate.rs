@@ -8,8 +8,8 @@
 //! ([`lwio_proto::sidechannel`]). This module adds the glue: IP addresses
 //! as LWIO_NET_ADDRESS and error mapping.
 //!
-//! [`Request::Negotiate`]: super::codec::Request::Negotiate
-//! [`Response::Negotiated`]: super::codec::Response::Negotiated
+//! [`Request::Negotiate`]: crate::codec::Request::Negotiate
+//! [`Response::Negotiated`]: crate::codec::Response::Negotiated
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 

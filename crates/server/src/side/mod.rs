@@ -12,15 +12,25 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
-use super::access::{self, Principal};
-use super::admission::ConnGuard;
-use super::auth;
-use super::codec::*;
-use super::negotiate;
-use crate::error::{Error, ErrorCode};
+pub mod access;
+pub mod admission;
+pub mod tls;
+
+#[cfg(test)]
+mod security_tests;
+#[cfg(test)]
+mod tests;
+
 use crate::fs::table::Rights;
 use crate::fs::OpenOptions;
-use crate::server::{NegotiatedClient, ServerState, SessionInfo, SessionSecret, Shutdown};
+use crate::server::{NegotiatedClient, ServerState, SessionInfo, Shutdown};
+use access::Principal;
+use admission::ConnGuard;
+use lwio_side::auth;
+use lwio_side::codec::*;
+use lwio_side::error::{Error, ErrorCode};
+use lwio_side::negotiate;
+use lwio_side::SessionSecret;
 
 /// Message a TLS client gets from a plain server.
 pub const NOT_TLS_MSG: &str =

@@ -13,33 +13,17 @@ use crate::side::access::{
     check_password_hash, validate_user_name, Acl, TokenVerifier, UserCredentials, UserDb,
     ANONYMOUS, ANY_USER,
 };
-use crate::side::codec::{DEFAULT_MAX_FRAME, HARD_MAX_FRAME, MIN_MAX_FRAME};
-use crate::units::parse_duration;
+use lwio_side::codec::{DEFAULT_MAX_FRAME, HARD_MAX_FRAME, MIN_MAX_FRAME};
+use lwio_side::units::parse_duration;
 
 /// Default side-channel listen address.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:7420";
 
-/// Which RDMA provider the server (and `lwio` clients) use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum ProviderChoice {
-    /// The first usable provider, in `lwio_rdma::providers()` order.
-    #[default]
-    Auto,
-    /// The user-space iWARP provider over TCP (runs anywhere).
-    Soft,
-    /// libibverbs: RDMA NICs, rxe, siw.
-    Verbs,
-}
+pub use lwio_rdma::ProviderChoice;
 
-impl ProviderChoice {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ProviderChoice::Auto => "auto",
-            ProviderChoice::Soft => "soft",
-            ProviderChoice::Verbs => "verbs",
-        }
-    }
+fn de_provider<'de, D: Deserializer<'de>>(d: D) -> Result<ProviderChoice, D::Error> {
+    let s = String::deserialize(d)?;
+    s.parse().map_err(serde::de::Error::custom)
 }
 
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
@@ -236,6 +220,7 @@ pub struct Config {
     /// Users by name.
     pub users: BTreeMap<String, UserEntry>,
     /// RDMA provider for the data path.
+    #[serde(deserialize_with = "de_provider")]
     pub provider: ProviderChoice,
     /// RDMA listen address (`HOST:PORT`); default: the side channel's host
     /// with its port + 1 (port 0 stays 0). `--rdma-listen` overrides it.
@@ -562,8 +547,8 @@ mod tests {
         assert!(users["alice"].password.is_some());
         assert!(users["backup"].token.is_some());
         let acls = c.acls();
-        let alice = crate::side::Principal::User("alice".into());
-        let backup = crate::side::Principal::User("backup".into());
+        let alice = crate::side::access::Principal::User("alice".into());
+        let backup = crate::side::access::Principal::User("backup".into());
         assert!(acls["data"].rights(&alice).write);
         assert!(!acls["data"].rights(&backup).write);
         assert!(acls["data"].rights(&backup).read);
@@ -599,7 +584,10 @@ mod tests {
         );
         let e = Config::from_toml("[rdma]\nprogress = \"threads\"").unwrap_err();
         assert!(e.0.contains("unknown variant"), "{e}");
-        let o = crate::cmd::serve::rdma_options(&c, "127.0.0.1:0".parse().unwrap());
+        let o = crate::io_phase::server::RdmaServerOptions::from_config(
+            &c,
+            "127.0.0.1:0".parse().unwrap(),
+        );
         assert!(!o.inline_io && !o.conn_contexts);
         assert_eq!(o.busy_poll, Duration::from_micros(250));
         assert_eq!(o.proto.max_recv_buffer_size, 262144);

@@ -15,49 +15,9 @@ use std::time::Duration;
 
 use lwio_proto::status::*;
 use lwio_proto::NtStatus;
-use lwio_rdma::{Context, Provider};
-
-use crate::config::ProviderChoice;
 
 /// STATUS_UNEXPECTED_IO_ERROR: a backend failure without a closer NTSTATUS.
 pub const STATUS_UNEXPECTED_IO_ERROR: NtStatus = 0xC000_00E9;
-
-/// Providers to try for a choice, in preference order (`auto`: soft first —
-/// it runs anywhere; verbs where both hosts share a device is chosen
-/// explicitly).
-pub fn providers_for(choice: ProviderChoice) -> Vec<Provider> {
-    let all = lwio_rdma::providers();
-    match choice {
-        ProviderChoice::Auto => all,
-        ProviderChoice::Soft => all.into_iter().filter(|p| p.name() == "soft").collect(),
-        ProviderChoice::Verbs => all.into_iter().filter(|p| p.name() == "verbs").collect(),
-    }
-}
-
-/// Open `device` (None = the first usable one) of the first provider that
-/// works.
-pub fn open_context(
-    choice: ProviderChoice,
-    device: Option<&str>,
-    cfg: &lwio_rdma::Config,
-) -> Result<Context, lwio_rdma::Error> {
-    let mut last = None;
-    for p in providers_for(choice) {
-        match p.open(device, cfg) {
-            Ok(c) => return Ok(c),
-            Err(e) => {
-                tracing::debug!(provider = p.name(), error = %e, "provider not usable");
-                last = Some(e);
-            }
-        }
-    }
-    Err(last.unwrap_or_else(|| {
-        lwio_rdma::Error::ProviderUnavailable(format!(
-            "no RDMA provider for choice {:?} in this build",
-            choice.as_str()
-        ))
-    }))
-}
 
 /// Map a backend I/O error to the NTSTATUS a client sees.
 pub fn io_error_status(e: &io::Error) -> NtStatus {
@@ -137,21 +97,4 @@ pub fn poll_readable(fds: &[RawFd], timeout: Duration) -> io::Result<Vec<bool>> 
         return Err(e);
     }
     Ok(p.iter().map(|x| x.revents != 0).collect())
-}
-
-/// Work-request id tags: the top byte says what a completion belongs to.
-pub(crate) mod wrid {
-    pub const RECV: u64 = 1 << 56;
-    pub const SEND: u64 = 2 << 56;
-    pub const READBUF: u64 = 3 << 56;
-    pub const BIND: u64 = 4 << 56;
-    pub const INVAL: u64 = 5 << 56;
-    pub const MASK: u64 = 0xff << 56;
-
-    pub fn kind(w: u64) -> u64 {
-        w & MASK
-    }
-    pub fn value(w: u64) -> u64 {
-        w & !MASK
-    }
 }

@@ -1,0 +1,86 @@
+//! Choosing a provider: `auto`, `soft` or `verbs`, as the server's
+//! configuration and the clients' `--provider` say.
+
+use crate::{Config, Context, Error, Provider};
+
+/// Which RDMA provider to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProviderChoice {
+    /// The first usable provider, in [`crate::providers()`] order.
+    #[default]
+    Auto,
+    /// The user-space iWARP provider over TCP (runs anywhere).
+    Soft,
+    /// libibverbs: RDMA NICs, rxe, siw.
+    Verbs,
+}
+
+impl ProviderChoice {
+    /// Every choice, in the order help texts list them.
+    pub const ALL: [ProviderChoice; 3] = [
+        ProviderChoice::Auto,
+        ProviderChoice::Soft,
+        ProviderChoice::Verbs,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderChoice::Auto => "auto",
+            ProviderChoice::Soft => "soft",
+            ProviderChoice::Verbs => "verbs",
+        }
+    }
+}
+
+impl std::fmt::Display for ProviderChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ProviderChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        ProviderChoice::ALL
+            .into_iter()
+            .find(|c| c.as_str() == s)
+            .ok_or_else(|| format!("unknown provider `{s}` (expected auto, soft or verbs)"))
+    }
+}
+
+/// Providers to try for a choice, in preference order (`auto`: soft first —
+/// it runs anywhere; verbs where both hosts share a device is chosen
+/// explicitly).
+pub fn providers_for(choice: ProviderChoice) -> Vec<Provider> {
+    let all = crate::providers();
+    match choice {
+        ProviderChoice::Auto => all,
+        ProviderChoice::Soft => all.into_iter().filter(|p| p.name() == "soft").collect(),
+        ProviderChoice::Verbs => all.into_iter().filter(|p| p.name() == "verbs").collect(),
+    }
+}
+
+/// Open `device` (None = the first usable one) of the first provider that
+/// works.
+pub fn open_context(
+    choice: ProviderChoice,
+    device: Option<&str>,
+    cfg: &Config,
+) -> Result<Context, Error> {
+    let mut last = None;
+    for p in providers_for(choice) {
+        match p.open(device, cfg) {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                tracing::debug!(provider = p.name(), error = %e, "provider not usable");
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        Error::ProviderUnavailable(format!(
+            "no RDMA provider for choice {:?} in this build",
+            choice.as_str()
+        ))
+    }))
+}

@@ -1,0 +1,13 @@
+//! The lwio storage server: exports and their file backends ([`fs`]), the
+//! side channel's server ([`side`]: login, users and rights, admission, TLS
+//! identity), the LWIO I/O phase over RDMA ([`io_phase`]), the
+//! configuration ([`config`]) and the process that ties them together
+//! ([`server`]). Clients link `lwio-client`, not this crate.
+
+pub mod config;
+pub mod fs;
+pub mod io_phase;
+pub mod server;
+pub mod side;
+
+pub use server::{Server, ServerOptions, ServerState, Shutdown};
