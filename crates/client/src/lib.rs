@@ -26,6 +26,7 @@
 //! modes).
 
 pub mod asynch;
+pub mod discovery;
 pub mod engine;
 pub mod side;
 pub mod url;
@@ -36,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lwio_proto::status::*;
-use lwio_proto::wire::{AddressBlockRepr, NegotiateRequestRepr, FILE_NO_INTERMEDIATE_BUFFERING};
+use lwio_proto::wire::{NegotiateRequestRepr, FILE_NO_INTERMEDIATE_BUFFERING};
 use lwio_proto::NtStatus;
 use tracing::{debug, info};
 
@@ -69,8 +70,10 @@ pub enum Error {
     Unreachable(String),
     #[error("login refused: {0}")]
     WrongToken(String),
-    #[error("no RDMA provider in common with the server (client offers {client:?}, server has {server})")]
-    NoCommonProvider { client: Vec<String>, server: String },
+    /// Negotiate found no wire transport both hosts speak (the message
+    /// names the transports of each side).
+    #[error("{0}")]
+    NoCommonTransport(String),
     #[error("access denied: {0}")]
     AccessDenied(String),
     #[error("not found: {0}")]
@@ -369,7 +372,7 @@ impl Client {
         so: &crate::side::ClientOptions,
         opts: ClientOptions,
     ) -> Result<Client> {
-        let (authority, host, export) = parse_target(target)?;
+        let (authority, _, export) = parse_target(target)?;
         let mut side = crate::side::Client::connect(&authority, so)?;
         let session = side.session().clone();
         let side_ip: Option<IpAddr> = (authority.as_str(), 0)
@@ -378,28 +381,28 @@ impl Client {
             .or_else(|| authority.to_socket_addrs().ok())
             .and_then(|mut a| a.next())
             .map(|a| a.ip());
-        // Negotiate over the pipe.
-        let providers = lwio_rdma::providers_for(opts.provider);
-        let names: Vec<String> = providers.iter().map(|p| p.name().to_string()).collect();
+        // Negotiate over the pipe: offer every local instance the options
+        // allow, by wire transport (docs/protocol.md §2.8).
+        let cands = discovery::local_candidates(opts.provider, opts.device.as_deref(), side_ip);
+        let offered: Vec<_> = cands.iter().map(|c| c.instance).collect();
+        let client_key = lwio_side::negotiate::random_guid();
         let req = NegotiateRequestRepr {
             client_name: truncate_name(&opts.client_name),
-            key: lwio_side::negotiate::random_guid(),
+            key: client_key,
             response_length: 4096,
-            providers: names
-                .iter()
-                .map(|n| AddressBlockRepr {
-                    name: n.clone(),
-                    instances: Vec::new(),
-                })
-                .collect(),
+            providers: lwio_proto::transport::to_blocks(&offered),
         };
-        let resp = side.negotiate(&req)?;
-        if resp.providers.is_empty() {
-            return Err(Error::NoCommonProvider {
-                client: names,
-                server: format!("{:?}", resp.server_name),
-            });
-        }
+        let resp = match side.negotiate(&req) {
+            Ok(r) => r,
+            Err(e)
+                if e.message
+                    .starts_with(lwio_side::negotiate::NO_COMMON_TRANSPORT) =>
+            {
+                return Err(Error::NoCommonTransport(e.message));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let server = lwio_proto::transport::from_blocks(&resp.providers);
         let secret =
             lwio_proto::wire::auth::derive_session_secret(&session.secret.0, &resp.key).to_vec();
         let cfg = EngineConfig {
@@ -416,57 +419,64 @@ impl Client {
             reg_cache_bytes: opts.reg_cache_bytes,
             reg_cache_entries: opts.reg_cache_entries,
         };
+        let paths = discovery::paths(&cands, &server, side_ip);
+        if paths.is_empty() {
+            return Err(Error::NoCommonTransport(format!(
+                "{}: the client offers {}, the server offers {}",
+                lwio_side::negotiate::NO_COMMON_TRANSPORT,
+                discovery::describe_local(&cands),
+                lwio_proto::transport::describe(&server, true)
+            )));
+        }
         let mut last: Option<Error> = None;
-        for p in &resp.providers {
-            let Some(provider) = providers.iter().find(|q| q.name() == p.name) else {
-                continue;
-            };
-            let ctx = match provider.open(opts.device.as_deref(), &opts.rdma) {
-                Ok(c) => c,
-                Err(e) => {
-                    debug!(provider = %p.name, error = %e, "provider not usable here");
-                    last = Some(e.into());
-                    continue;
-                }
-            };
-            for inst in &p.instances {
-                let Some(mut addr) = lwio_side::negotiate::socket_addr(inst) else {
-                    continue;
-                };
-                if addr.ip().is_unspecified() {
-                    match side_ip {
-                        Some(ip) => addr.set_ip(ip),
-                        None => continue,
+        let mut opened: Vec<(usize, lwio_rdma::Context)> = Vec::new();
+        for (ci, addr) in paths {
+            let cand = &cands[ci];
+            let ctx = match opened.iter().find(|(i, _)| *i == ci) {
+                Some((_, c)) => c.clone(),
+                None => match cand.provider.open(Some(&cand.device.name), &opts.rdma) {
+                    Ok(c) => {
+                        opened.push((ci, c.clone()));
+                        c
                     }
-                }
-                let mut cfg = cfg.clone();
-                cfg.register_threshold = opts
-                    .register_threshold
-                    .unwrap_or_else(|| default_register_threshold(provider.name()))
-                    .max(engine::BOUNCE_THRESHOLD);
-                match Engine::connect(&ctx, addr, resp.key, secret.clone(), cfg) {
-                    Ok(engine) => {
-                        info!(server = %resp.server_name, %addr, provider = %p.name, "connected");
-                        return Ok(Client(Arc::new(Inner {
-                            side: Mutex::new(Some(side)),
-                            engine,
-                            export,
-                            server_name: resp.server_name.clone(),
-                        })));
-                    }
-                    Err(e @ Error::AccessDenied(_)) => return Err(e),
                     Err(e) => {
-                        debug!(%addr, error = %e, "RDMA connect failed");
-                        last = Some(e);
+                        debug!(device = %cand.device.name, error = %e, "device not usable here");
+                        last = Some(e.into());
+                        continue;
                     }
+                },
+            };
+            let mut cfg = cfg.clone();
+            cfg.register_threshold = opts
+                .register_threshold
+                .unwrap_or_else(|| default_register_threshold(cand.provider.name()))
+                .max(engine::BOUNCE_THRESHOLD);
+            match Engine::connect(&ctx, addr, resp.key, secret.clone(), cfg) {
+                Ok(engine) => {
+                    info!(
+                        server = %resp.server_name,
+                        %addr,
+                        provider = cand.provider.name(),
+                        device = %cand.device.name,
+                        transport = %cand.instance.transport,
+                        client_uuid = %client_key,
+                        "connected"
+                    );
+                    return Ok(Client(Arc::new(Inner {
+                        side: Mutex::new(Some(side)),
+                        engine,
+                        export,
+                        server_name: resp.server_name.clone(),
+                    })));
+                }
+                Err(e @ Error::AccessDenied(_)) => return Err(e),
+                Err(e) => {
+                    debug!(%addr, device = %cand.device.name, error = %e, "RDMA connect failed");
+                    last = Some(e);
                 }
             }
         }
-        let _ = host;
-        Err(last.unwrap_or(Error::NoCommonProvider {
-            client: names,
-            server: "no usable address".into(),
-        }))
+        Err(last.unwrap_or_else(|| Error::NoCommonTransport("no usable RDMA path".into())))
     }
 
     /// Open a file: `EXPORT/PATH`, or `PATH` when the URL named the export.

@@ -896,3 +896,46 @@ fn tmpfs_fast_path() {
 fn tmpfs_storage_threads() {
     tmpfs_suite(false);
 }
+
+/// Discovery: a server that advertises only RoCE (here: the soft server's
+/// state told so) and a soft client (iWARP only) share no transport; the
+/// client's error names both sides in one line, and no RDMA connection is
+/// made.
+#[test]
+fn transport_mismatch_is_one_line_naming_both_sides() {
+    use lwio_proto::transport::{Instance, WireTransport};
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let roce: std::net::SocketAddr = "127.0.0.1:7999".parse().unwrap();
+    // The server advertises its real listener once it runs; replace that.
+    let t0 = std::time::Instant::now();
+    while s.state.rdma_endpoints().is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "server never listened"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(s.state.rdma_endpoints()[0].transport, WireTransport::Iwarp);
+    s.state
+        .set_rdma_endpoints(vec![Instance::new(WireTransport::RoceV2, roce)]);
+    let opts = ClientOptions {
+        provider: lwio_rdma::ProviderChoice::Soft,
+        ..ClientOptions::default()
+    };
+    let e = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
+        .err()
+        .expect("no common transport");
+    assert_eq!(
+        e,
+        Error::NoCommonTransport(
+            "no RDMA transport in common: the client offers iWARP, the server offers RoCEv2 at 127.0.0.1:7999"
+                .into()
+        )
+    );
+    assert_eq!(
+        e.to_string(),
+        "no RDMA transport in common: the client offers iWARP, the server offers RoCEv2 at 127.0.0.1:7999"
+    );
+    assert_eq!(s.rdma.stats().accepted, 0, "no RDMA connection was made");
+}

@@ -35,6 +35,7 @@ pub mod client;
 pub mod server;
 pub mod sidechannel;
 pub mod status;
+pub mod transport;
 pub mod wire;
 
 pub use status::NtStatus;

@@ -1,7 +1,7 @@
 //! Choosing a provider: `auto`, `soft` or `verbs`, as the server's
 //! configuration and the clients' `--provider` say.
 
-use crate::{Config, Context, Error, Provider};
+use crate::{Config, Context, DeviceInfo, Error, Provider};
 
 /// Which RDMA provider to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,4 +83,34 @@ pub fn open_context(
             choice.as_str()
         ))
     }))
+}
+
+/// The devices a choice may use, in preference order, with their provider:
+/// `verbs` — the named device or every verbs device; `soft` — the soft
+/// provider's device; `auto` — every verbs device (hardware first), then
+/// the soft provider. Unusable devices are listed too (`usable` says why);
+/// callers skip them.
+pub fn devices_for(choice: ProviderChoice, device: Option<&str>) -> Vec<(Provider, DeviceInfo)> {
+    let mut all = crate::providers();
+    // Hardware first: verbs before soft, whatever the build's order.
+    all.sort_by_key(|p| p.name() == "soft");
+    let mut out = Vec::new();
+    for p in all {
+        let wanted = match choice {
+            ProviderChoice::Auto => true,
+            ProviderChoice::Soft => p.name() == "soft",
+            ProviderChoice::Verbs => p.name() == "verbs",
+        };
+        if !wanted {
+            continue;
+        }
+        for d in p.devices() {
+            if device.is_none_or(|n| n == d.name)
+                || (device.is_some() && p.name() == "soft" && choice == ProviderChoice::Auto)
+            {
+                out.push((p.clone(), d));
+            }
+        }
+    }
+    out
 }

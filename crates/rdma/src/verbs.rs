@@ -70,6 +70,20 @@ pub enum Transport {
     Other,
 }
 
+impl Transport {
+    /// The name LWIO's negotiate gives this wire transport (`iwarp`,
+    /// `rocev2`, `ib`; docs/protocol.md §2.8), or `None` for one it has no
+    /// name for.
+    pub fn wire_name(self) -> Option<&'static str> {
+        match self {
+            Transport::Iwarp => Some("iwarp"),
+            Transport::Roce => Some("rocev2"),
+            Transport::Infiniband => Some("ib"),
+            Transport::Other => None,
+        }
+    }
+}
+
 impl fmt::Display for Transport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

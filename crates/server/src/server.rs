@@ -30,9 +30,10 @@ use crate::fs::{ExportSpec, Exports, ResolveMode};
 use crate::side::access::{Acl, Principal, UserDb};
 use crate::side::admission::Admission;
 use crate::side::tls::ServerIdentity;
+use lwio_proto::transport::Instance;
 use lwio_side::auth::Token;
 use lwio_side::error::{Error, ErrorCode, Result};
-use lwio_side::negotiate::{AddressBlockRepr, Guid};
+use lwio_side::negotiate::Guid;
 use lwio_side::{host_name, SessionSecret};
 
 /// A logged-in side-channel session, as the server knows it.
@@ -61,8 +62,8 @@ pub struct NegotiatedClient {
     pub client_name: String,
     /// The client's own UUID from the negotiate request.
     pub client_key: Guid,
-    /// Names of the providers both sides share.
-    pub providers: Vec<String>,
+    /// The server instances offered to this client (both sides share them).
+    pub offered: Vec<Instance>,
     pub expires: Instant,
 }
 
@@ -163,9 +164,10 @@ impl Shutdown {
 /// The RDMA phase (written separately): implemented by the RDMA listener and
 /// attached with [`Server::set_rdma_phase`].
 pub trait RdmaPhase: Send + Sync + 'static {
-    /// Providers and addresses to advertise in negotiate responses (the
-    /// addresses clients connect their RDMA channels to).
-    fn endpoints(&self) -> Vec<AddressBlockRepr>;
+    /// The provider instances to advertise in negotiate responses: wire
+    /// transport, address and policies of every listener (the addresses
+    /// clients connect their RDMA channels to).
+    fn endpoints(&self) -> Vec<Instance>;
 
     /// Serve RDMA connections until `shutdown` triggers. Called once by
     /// [`Server::run`] on a dedicated thread; it must return promptly after
@@ -193,7 +195,7 @@ pub struct ServerState {
     pub(crate) password_checks: Arc<tokio::sync::Semaphore>,
     sessions: Mutex<HashMap<SessionId, SessionInfo>>,
     negotiations: Mutex<HashMap<Guid, NegotiatedClient>>,
-    rdma_endpoints: RwLock<Vec<AddressBlockRepr>>,
+    rdma_endpoints: RwLock<Vec<Instance>>,
     next_session: AtomicU64,
 }
 
@@ -259,8 +261,8 @@ impl ServerState {
         lock(&self.sessions).len()
     }
 
-    /// Providers/addresses advertised in negotiate responses.
-    pub fn rdma_endpoints(&self) -> Vec<AddressBlockRepr> {
+    /// Provider instances advertised in negotiate responses.
+    pub fn rdma_endpoints(&self) -> Vec<Instance> {
         self.rdma_endpoints
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -268,7 +270,7 @@ impl ServerState {
     }
 
     /// Replace the advertised endpoints (the RDMA phase, once listening).
-    pub fn set_rdma_endpoints(&self, v: Vec<AddressBlockRepr>) {
+    pub fn set_rdma_endpoints(&self, v: Vec<Instance>) {
         *self
             .rdma_endpoints
             .write()

@@ -17,6 +17,8 @@ pub use lwio_proto::wire::{
     AddressBlockRepr, Guid, NegotiateRequestRepr, NegotiateResponseRepr, NetAddressRepr,
 };
 
+use lwio_proto::transport::{self, Instance};
+
 use crate::error::{Error, ErrorCode};
 
 /// An IP endpoint as LWIO_NET_ADDRESS: 4 or 16 address bytes, u16 LE port
@@ -69,17 +71,35 @@ pub fn decode_request(b: &[u8]) -> Result<NegotiateRequestRepr, Error> {
         .map_err(|e| wire_err("negotiate request", e))
 }
 
-/// Server side: the response to `req` — common providers with the server's
-/// addresses, trimmed to the client's ResponseLength — and its bytes.
+/// Server side: the response to `req` — the server's instances that share
+/// a wire transport (and its policies) with one of the client's, trimmed
+/// to the client's ResponseLength — and its bytes. Nothing in common is an
+/// error naming the transports of both sides (`ErrorCode::Unsupported`).
 pub fn build_response(
     req: &NegotiateRequestRepr,
     server_name: &str,
     key: Guid,
-    server_providers: &[AddressBlockRepr],
+    server: &[Instance],
 ) -> Result<(NegotiateResponseRepr, Vec<u8>), Error> {
-    lwio_proto::sidechannel::build_negotiate_response(req, server_name, key, server_providers)
-        .map_err(|e| wire_err("negotiate request (ResponseLength too small?)", e))
+    let (resp, bytes) =
+        lwio_proto::sidechannel::build_negotiate_response(req, server_name, key, server)
+            .map_err(|e| wire_err("negotiate request (ResponseLength too small?)", e))?;
+    if resp.providers.is_empty() {
+        let client = transport::from_blocks(&req.providers);
+        return Err(Error::new(
+            ErrorCode::Unsupported,
+            format!(
+                "{NO_COMMON_TRANSPORT}: the client offers {}, the server offers {}",
+                transport::describe(&client, false),
+                transport::describe(server, true)
+            ),
+        ));
+    }
+    Ok((resp, bytes))
 }
+
+/// How a negotiate refusal for want of a common transport begins.
+pub const NO_COMMON_TRANSPORT: &str = "no RDMA transport in common";
 
 /// Parse a negotiate response packet (client side).
 pub fn decode_response(b: &[u8]) -> Result<NegotiateResponseRepr, Error> {
@@ -115,29 +135,31 @@ mod tests {
 
     #[test]
     fn request_response() {
-        let prov = |name: &str, a: &str| AddressBlockRepr {
-            name: name.into(),
-            instances: vec![net_address(a.parse().unwrap())],
-        };
+        use lwio_proto::transport::WireTransport::{Iwarp, RoceV2};
+        let i = |t, a: &str| Instance::new(t, a.parse().unwrap());
         let req = NegotiateRequestRepr {
             client_name: "app1".into(),
             key: random_guid(),
             response_length: 4096,
-            providers: vec![prov("softiwarp", "10.0.0.2:0"), prov("other", "10.0.0.2:0")],
+            providers: transport::to_blocks(&[i(Iwarp, "10.0.0.2:0")]),
         };
         let b = encode_request(&req).unwrap();
         assert_eq!(&b[..4], b"LWIO");
         assert_eq!(decode_request(&b).unwrap(), req);
-        let server = vec![
-            prov("softiwarp", "10.0.0.1:7471"),
-            prov("verbs", "10.0.0.1:7472"),
-        ];
+        let server = vec![i(Iwarp, "10.0.0.1:7471"), i(RoceV2, "10.0.0.1:7472")];
         let key = random_guid();
         let (resp, bytes) = build_response(&req, "stor1", key, &server).unwrap();
-        assert_eq!(resp.providers, vec![server[0].clone()]);
+        assert_eq!(transport::from_blocks(&resp.providers), vec![server[0]]);
         assert_eq!(decode_response(&bytes).unwrap(), resp);
         assert_eq!(resp.key, key);
         assert_ne!(random_guid(), random_guid());
         assert!(decode_request(&b[..20]).is_err());
+        // A RoCE-only server and an iWARP client: one line naming both sides.
+        let e = build_response(&req, "stor1", key, &server[1..]).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Unsupported);
+        assert_eq!(
+            e.message,
+            "no RDMA transport in common: the client offers iWARP, the server offers RoCEv2 at 10.0.0.1:7472"
+        );
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use lwio_server::config::{Config, ProviderChoice};
 use lwio_server::io_phase::server::{RdmaServer, RdmaServerOptions};
-use lwio_server::server::{RdmaPhase, Server};
+use lwio_server::server::Server;
 
 /// The RDMA listen address: `explicit` if given, else the side channel's
 /// bound IP with the configured side-channel port + 1 (0 stays 0).
@@ -48,7 +48,8 @@ pub fn rdma_listen_addr(
 }
 
 /// Bind the RDMA listener for `c` and attach it to `server`; prints
-/// `lwio: RDMA listening on ADDR (provider P)` on stdout.
+/// `lwio: RDMA listening on ADDR (provider P, DEVICE, TRANSPORT)` on stdout,
+/// one line per listener.
 pub fn attach_rdma(
     server: &mut Server,
     c: &Config,
@@ -64,15 +65,16 @@ pub fn attach_rdma(
         );
     }
     let phase = RdmaServer::bind(opts).map_err(|e| bind_error(c.provider, listen, e))?;
-    let addr = phase.local_addr();
-    let provider = phase
-        .endpoints()
-        .first()
-        .map_or_else(|| "?".to_string(), |e| e.name.clone());
-    tracing::info!(%addr, "RDMA phase ready");
+    tracing::info!(addr = %phase.local_addr(), "RDMA phase ready");
     {
         let mut out = std::io::stdout().lock();
-        writeln!(out, "lwio: RDMA listening on {addr} (provider {provider})")?;
+        for (addr, provider, device, inst) in phase.listeners() {
+            writeln!(
+                out,
+                "lwio: RDMA listening on {addr} (provider {provider}, {device}, {})",
+                inst.transport
+            )?;
+        }
         out.flush()?;
     }
     server.set_rdma_phase(Arc::new(phase));

@@ -44,8 +44,9 @@ use lwio_proto::server::{
     CloseReason, DataSource, OpId, ServerAction, ServerConfig, ServerConn, ServerHooks,
 };
 use lwio_proto::status::*;
+use lwio_proto::transport::{CrcPolicy, Instance, WireTransport};
 use lwio_proto::wire::auth::derive_session_secret;
-use lwio_proto::wire::{AddressBlockRepr, Guid, SrvResumeKey, COMMON_HEADER_LEN};
+use lwio_proto::wire::{Guid, SrvResumeKey, COMMON_HEADER_LEN};
 use lwio_proto::NtStatus;
 use lwio_rdma::{
     Access, CompChannel, ConnParams, Context, Cq, Mr, Pd, Qp, QpCap, QpInit, QpState, RecvWr,
@@ -327,51 +328,165 @@ impl ServerHandle {
     }
 }
 
-/// The RDMA listener: implements [`RdmaPhase`].
-pub struct RdmaServer {
+/// One listening provider instance: a soft listener or a verbs device.
+struct Listening {
     ctx: Context,
     listener: lwio_rdma::Listener,
+    /// What negotiate advertises for it.
+    instance: Instance,
+    /// Connection protocol settings for this device (Write with immediate
+    /// where the device has it).
+    proto: ServerConfig,
+}
+
+/// The RDMA listeners: implements [`RdmaPhase`]. One per provider instance
+/// the options select (`auto`: every usable verbs device and the soft
+/// provider), all serving the same exports and sharing one budget.
+pub struct RdmaServer {
+    listeners: Vec<Listening>,
     shared: Arc<Shared>,
-    endpoints: Vec<AddressBlockRepr>,
 }
 
 impl std::fmt::Debug for RdmaServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaServer")
-            .field("provider", &self.ctx.device().provider)
-            .field("addr", &self.listener.local_addr())
+            .field(
+                "listeners",
+                &self
+                    .listeners
+                    .iter()
+                    .map(|l| l.describe())
+                    .collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
 
+impl Listening {
+    fn describe(&self) -> String {
+        format!(
+            "{} on {} ({} {})",
+            self.instance.transport,
+            self.listener.local_addr(),
+            self.ctx.device().provider,
+            self.ctx.device().name
+        )
+    }
+}
+
+/// The wire transport of a local device, as negotiate names it.
+pub fn wire_transport(t: lwio_rdma::Transport) -> Option<WireTransport> {
+    WireTransport::from_wire_name(t.wire_name()?)
+}
+
 impl RdmaServer {
-    /// Open the provider and start listening.
+    /// Open the providers the options select and start listening on each.
+    ///
+    /// * `soft`: the soft provider on `listen`;
+    /// * `verbs`: the named `device`, or every usable verbs device;
+    /// * `auto`: every usable verbs device, then the soft provider.
+    ///
+    /// The first listener takes `listen`'s port, the next ones the ports
+    /// after it (port 0: each its own ephemeral port). A verbs device
+    /// listens on `listen`'s address if it owns it (a specific address
+    /// that it does not own skips it), else on its own first address.
     pub fn bind(mut opts: RdmaServerOptions) -> Result<RdmaServer, lwio_rdma::Error> {
-        // The soft provider has no RDMA Write with immediate; use it only
-        // where the device has it.
         if opts.conn_contexts {
             // Connections get their own contexts (soft provider): the
             // listener's needs no engine thread either.
             opts.rdma.progress = lwio_rdma::Progress::Manual;
         }
-        let ctx = open_context(opts.provider, opts.device.as_deref(), &opts.rdma)?;
-        let caps = ctx.device().caps.clone();
-        opts.proto.use_write_with_imm =
-            opts.proto.use_write_with_imm && caps.as_ref().is_some_and(|c| c.write_with_imm);
-        opts.proto.rdma_read_supported = false;
-        let listener = ctx.listen(opts.listen, 128)?;
-        let local = listener.local_addr();
-        let mut adv = local;
-        if local.ip().is_unspecified() {
-            if let Some(ip) = opts.advertise {
-                adv.set_ip(ip);
+        let mut listeners: Vec<Listening> = Vec::new();
+        let mut last_err = None;
+        for (provider, dev) in lwio_rdma::devices_for(opts.provider, opts.device.as_deref()) {
+            if let Err(why) = &dev.usable {
+                debug!(provider = provider.name(), device = %dev.name, %why, "device not usable; not listening");
+                last_err = Some(lwio_rdma::Error::ProviderUnavailable(format!(
+                    "{} {}: {why}",
+                    provider.name(),
+                    dev.name
+                )));
+                continue;
             }
+            let Some(transport) = wire_transport(dev.transport) else {
+                debug!(device = %dev.name, transport = %dev.transport, "unknown wire transport; not listening");
+                continue;
+            };
+            let soft = provider.name() == "soft";
+            let ip = if soft || !opts.listen.ip().is_unspecified() {
+                if !soft && !dev.addresses.contains(&opts.listen.ip()) {
+                    debug!(device = %dev.name, listen = %opts.listen, "device does not own the listen address; not listening");
+                    continue;
+                }
+                opts.listen.ip()
+            } else {
+                match dev.addresses.first() {
+                    Some(ip) => *ip,
+                    None => {
+                        debug!(device = %dev.name, "device has no IP address; not listening");
+                        continue;
+                    }
+                }
+            };
+            let port = match opts.listen.port() {
+                0 => 0,
+                p => p.saturating_add(listeners.len() as u16),
+            };
+            let addr = SocketAddr::new(ip, port);
+            let ctx = match provider.open(Some(&dev.name), &opts.rdma) {
+                Ok(c) => c,
+                Err(e) => {
+                    warn!(provider = provider.name(), device = %dev.name, error = %e, "cannot open RDMA device");
+                    last_err = Some(e);
+                    continue;
+                }
+            };
+            let listener = match ctx.listen(addr, 128) {
+                Ok(l) => l,
+                Err(e) => {
+                    warn!(provider = provider.name(), device = %dev.name, %addr, error = %e, "cannot listen");
+                    last_err = Some(e);
+                    continue;
+                }
+            };
+            let local = listener.local_addr();
+            let mut adv = local;
+            if local.ip().is_unspecified() {
+                if let Some(ip) = opts.advertise {
+                    adv.set_ip(ip);
+                }
+            }
+            let mut instance = Instance::new(transport, adv);
+            if transport == WireTransport::Iwarp && soft {
+                instance.crc = match opts.rdma.mpa_crc {
+                    lwio_rdma::CrcPolicy::Required => CrcPolicy::Required,
+                    _ => CrcPolicy::Optional,
+                };
+            }
+            let caps = ctx.device().caps.clone();
+            let mut proto = opts.proto.clone();
+            // Write with immediate completes full reads without a status
+            // message; only where this device has it.
+            proto.use_write_with_imm =
+                proto.use_write_with_imm && caps.as_ref().is_some_and(|c| c.write_with_imm);
+            proto.rdma_read_supported = false;
+            let l = Listening {
+                ctx,
+                listener,
+                instance,
+                proto,
+            };
+            info!(listener = %l.describe(), "RDMA listener");
+            listeners.push(l);
         }
-        let endpoints = vec![AddressBlockRepr {
-            name: ctx.device().provider.to_string(),
-            instances: vec![lwio_side::negotiate::net_address(adv)],
-        }];
-        info!(provider = ctx.device().provider, device = %ctx.device().name, addr = %local, "RDMA listener");
+        if listeners.is_empty() {
+            return Err(last_err.unwrap_or_else(|| {
+                lwio_rdma::Error::ProviderUnavailable(format!(
+                    "no usable RDMA device for provider {}",
+                    opts.provider
+                ))
+            }));
+        }
         let shared = Arc::new(Shared {
             opts,
             conns: Mutex::new(HashMap::new()),
@@ -389,16 +504,28 @@ impl RdmaServer {
             closed_by_protocol: AtomicU64::new(0),
             inline_ios: AtomicU64::new(0),
         });
-        Ok(RdmaServer {
-            ctx,
-            listener,
-            shared,
-            endpoints,
-        })
+        Ok(RdmaServer { listeners, shared })
     }
 
+    /// The first listener's address.
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr()
+        self.listeners[0].listener.local_addr()
+    }
+
+    /// Every listener: its bound address, provider and device name, and
+    /// what negotiate advertises for it.
+    pub fn listeners(&self) -> Vec<(SocketAddr, &'static str, String, Instance)> {
+        self.listeners
+            .iter()
+            .map(|l| {
+                (
+                    l.listener.local_addr(),
+                    l.ctx.device().provider,
+                    l.ctx.device().name.clone(),
+                    l.instance,
+                )
+            })
+            .collect()
     }
 
     pub fn handle(&self) -> ServerHandle {
@@ -407,8 +534,8 @@ impl RdmaServer {
 }
 
 impl RdmaPhase for RdmaServer {
-    fn endpoints(&self) -> Vec<AddressBlockRepr> {
-        self.endpoints.clone()
+    fn endpoints(&self) -> Vec<Instance> {
+        self.listeners.iter().map(|l| l.instance).collect()
     }
 
     fn serve(&self, state: Arc<ServerState>, shutdown: Shutdown) {
@@ -417,14 +544,25 @@ impl RdmaPhase for RdmaServer {
         let mut threads: Vec<(u64, JoinHandle<()>)> = Vec::new();
         while !shutdown.is_triggered() {
             threads.retain(|(_, t)| !t.is_finished());
-            let req = match self.listener.get_request(Some(Duration::from_millis(100))) {
-                Ok(Some(r)) => r,
-                Ok(None) => continue,
-                Err(e) => {
-                    warn!(error = %e, "RDMA listener failed");
-                    std::thread::sleep(Duration::from_millis(50));
-                    continue;
+            // One listener waits 100 ms; with several, each is polled in
+            // turn with a short wait.
+            let wait = Duration::from_millis(if self.listeners.len() == 1 { 100 } else { 20 });
+            let mut got = None;
+            for l in &self.listeners {
+                match l.listener.get_request(Some(wait)) {
+                    Ok(Some(r)) => {
+                        got = Some((l, r));
+                        break;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        warn!(listener = %l.describe(), error = %e, "RDMA listener failed");
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
                 }
+            }
+            let Some((listening, req)) = got else {
+                continue;
             };
             let peer = req.peer_addr();
             if lock(&sh.conns).len() >= sh.opts.max_connections {
@@ -441,7 +579,7 @@ impl RdmaPhase for RdmaServer {
                 continue;
             }
             let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
-            match Conn::accept(id, &self.ctx, req, sh.clone(), state.clone(), pool.clone()) {
+            match Conn::accept(id, listening, req, sh.clone(), state.clone(), pool.clone()) {
                 Ok((conn, entry)) => {
                     sh.accepted.fetch_add(1, Ordering::Relaxed);
                     lock(&sh.conns).insert(id, entry);
@@ -810,14 +948,15 @@ struct Conn {
 impl Conn {
     fn accept(
         id: u64,
-        ctx: &Context,
+        listening: &Listening,
         req: lwio_rdma::ConnRequest,
         shared: Arc<Shared>,
         state: Arc<ServerState>,
         pool: StoragePool,
     ) -> Result<(Conn, ConnEntry), lwio_rdma::Error> {
         let peer = req.peer_addr();
-        let mut cfg = shared.opts.proto.clone();
+        let ctx = &listening.ctx;
+        let mut cfg = listening.proto.clone();
         cfg.session_id = crate::fs::table::random_u64() | 1;
         let nrecv = usize::from(shared.opts.max_credits_per_conn.max(cfg.max_credits)) + 2;
         let sq_depth = 1024usize;

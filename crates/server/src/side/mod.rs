@@ -780,13 +780,14 @@ async fn handle(
                 session_secret: info.secret,
                 client_name: req.client_name.clone(),
                 client_key: req.key,
-                providers: resp.providers.iter().map(|p| p.name.clone()).collect(),
+                offered: lwio_proto::transport::from_blocks(&resp.providers),
                 expires: Instant::now() + state.limits.resume_key_ttl,
             });
             info!(
                 session,
                 client = %req.client_name,
-                offered = req.providers.len(),
+                client_uuid = %req.key,
+                offered = %lwio_proto::transport::describe(&lwio_proto::transport::from_blocks(&req.providers), false),
                 common = resp.providers.len(),
                 "negotiate"
             );

@@ -9,7 +9,7 @@ use crate::fs::{ExportSpec, FileKind, OpenOptions, ResolveMode};
 use crate::server::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
 use lwio_client::side::{AsyncClient, Client, ClientOptions};
 use lwio_side::error::ErrorCode;
-use lwio_side::negotiate::{AddressBlockRepr, NegotiateRequestRepr};
+use lwio_side::negotiate::NegotiateRequestRepr;
 use lwio_side::{codec, Login, Token};
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
@@ -216,29 +216,38 @@ async fn unreachable() {
 #[tokio::test]
 async fn negotiate_over_the_pipe() {
     let s = start(Limits::default(), false).await;
-    let ep = |name: &str, a: &str| AddressBlockRepr {
-        name: name.into(),
-        instances: vec![negotiate::net_address(a.parse().unwrap())],
-    };
-    s.state
-        .set_rdma_endpoints(vec![ep("softiwarp", "127.0.0.1:7471")]);
+    use lwio_proto::transport::{self, Instance, WireTransport::*};
+    let i = |t, a: &str| Instance::new(t, a.parse().unwrap());
+    let server = vec![i(RoceV2, "127.0.0.1:7472"), i(Iwarp, "127.0.0.1:7471")];
+    s.state.set_rdma_endpoints(server.clone());
     let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
     let req = NegotiateRequestRepr {
         client_name: "app".into(),
         key: negotiate::random_guid(),
         response_length: 4096,
-        providers: vec![ep("softiwarp", "127.0.0.1:0"), ep("ib", "127.0.0.1:0")],
+        providers: transport::to_blocks(&[i(Iwarp, "127.0.0.1:0"), i(Infiniband, "127.0.0.1:0")]),
     };
     let r1 = c.negotiate(&req).await.unwrap();
     assert_eq!(r1.server_name, "stor1");
-    assert_eq!(r1.providers, vec![ep("softiwarp", "127.0.0.1:7471")]);
+    assert_eq!(transport::from_blocks(&r1.providers), vec![server[1]]);
     let r2 = c.negotiate(&req).await.unwrap();
     assert_ne!(r1.key, r2.key, "a fresh Key per negotiate");
     let n = s.state.lookup_negotiate_key(&r1.key).unwrap();
     assert_eq!(n.session, c.session().id);
     assert_eq!(n.session_secret, c.session().secret);
     assert_eq!(n.client_key, req.key);
-    assert_eq!(n.providers, vec!["softiwarp".to_string()]);
+    assert_eq!(n.offered, vec![server[1]]);
+    // An InfiniBand-only client: refused in one line naming both sides.
+    let ib_only = NegotiateRequestRepr {
+        providers: transport::to_blocks(&[i(Infiniband, "127.0.0.1:0")]),
+        ..req.clone()
+    };
+    let e = c.negotiate(&ib_only).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::Unsupported);
+    assert_eq!(
+        e.message,
+        "no RDMA transport in common: the client offers InfiniBand, the server offers RoCEv2 at 127.0.0.1:7472, iWARP at 127.0.0.1:7471"
+    );
     // Garbage on the pipe is a clean error.
     let e = c
         .call(codec::Request::Negotiate {
