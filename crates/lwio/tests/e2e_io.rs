@@ -923,9 +923,9 @@ fn transport_mismatch_is_one_line_naming_both_sides() {
         provider: lwio_rdma::ProviderChoice::Soft,
         ..ClientOptions::default()
     };
-    let e = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
-        .err()
-        .expect("no common transport");
+    let Err(e) = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts) else {
+        panic!("connected without a common transport");
+    };
     assert_eq!(
         e,
         Error::NoCommonTransport(
