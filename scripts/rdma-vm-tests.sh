@@ -57,6 +57,10 @@ conformance-soft-to-siw-crc | main | 600 | target/release/lwio-conformance | - |
 conformance-siw-to-soft-crc | main | 600 | target/release/lwio-conformance | - | siw_param mpa_crc_required Y; ./lwio-conformance --client-provider verbs --client-device $SIW_DEV --server-provider soft --addr $SIW_IP:7475 --crc on; r=$?; siw_param mpa_crc_required N; exit $r
 lwio-e2e-rxe        | main  | 180 | target/release/examples/lwio-e2e-vm scripts/vm/lwio-e2e.sh | - | sh ./lwio-e2e.sh $RXE_DEV $RXE_IP
 lwio-e2e-siw        | main  | 180 | target/release/examples/lwio-e2e-vm scripts/vm/lwio-e2e.sh | - | sh ./lwio-e2e.sh $SIW_DEV $SIW_IP
+lwio-xprov-siw-server-soft-client | main | 240 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh siw-server-soft-client
+lwio-xprov-soft-server-siw-client | main | 240 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh soft-server-siw-client
+lwio-xprov-both                   | main | 300 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh both
+lwio-xprov-rxe-server-soft-client | main | 120 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh rxe-server-soft-client
 mpa-tcp-to-siw      | netns | 30  | - | - | rping -s -a $SIW_IP -C 1 & wait_tcp $SIW_IP 7174 && { (printf 'MPA ID Req Frame\000\001\000\000'; sleep 2) | timeout 5 inpeer nc $SIW_IP 7174 > /tmp/rep; }; head -c 16 /tmp/rep | grep -x 'MPA ID Rep Frame'
 mpa-tcp-to-siw-crc  | netns | 30  | - | - | rping -s -a $SIW_IP -C 1 & wait_tcp $SIW_IP 7174 && { (printf 'MPA ID Req Frame\100\001\000\000'; sleep 2) | timeout 5 inpeer nc $SIW_IP 7174 > /tmp/rep; }; head -c 16 /tmp/rep | grep -x 'MPA ID Rep Frame' && [ "$(mpa_flags /tmp/rep)" = 40 ]
 mpa-siw-to-tcp      | netns | 30  | - | - | inpeer nc -l -p 7174 > /tmp/req & sleep 1; timeout -s KILL 4 rping -c -a $PEER_IP -C 1; head -c 16 /tmp/req | grep -x 'MPA ID Req Frame' && [ "$(mpa_flags /tmp/req)" = 10 ]

@@ -182,6 +182,13 @@ pub struct ClientArgs {
     /// Plain TCP, for servers configured with `tls = false`.
     #[arg(long)]
     pub no_tls: bool,
+    /// RDMA provider of the data path: `auto` tries the verbs devices that
+    /// route to the server first, then the soft provider; `soft`; `verbs`.
+    #[arg(long, value_parser = provider_parser(), default_value = "auto")]
+    pub provider: ProviderChoice,
+    /// Verbs device to use (default: the ones that route to the server).
+    #[arg(long, value_name = "NAME")]
+    pub device: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -337,9 +344,6 @@ pub struct BenchArgs {
     /// Completion mode.
     #[arg(long, value_enum, default_value = "poll")]
     pub completion: Completion,
-    /// RDMA provider.
-    #[arg(long, value_parser = provider_parser(), default_value = "auto")]
-    pub provider: ProviderChoice,
     /// Print results as JSON.
     #[arg(long)]
     pub json: bool,

@@ -77,9 +77,12 @@ pub fn equivalent_command(a: &BenchArgs) -> String {
         format_size(a.size),
         format_duration(a.runtime),
         completion_name(a.completion),
-        a.provider.as_str()
+        a.client.provider.as_str()
     ));
     let c = &a.client;
+    if let Some(d) = &c.device {
+        s.push_str(&format!(" --device {d}"));
+    }
     if let Some(u) = &c.user {
         s.push_str(&format!(" --user {u}"));
     }
@@ -168,7 +171,7 @@ impl Embedded {
             .arg(&token_path)
             .arg("--ready-file")
             .arg(&ready)
-            .args(["--provider", a.provider.as_str()])
+            .args(["--provider", a.client.provider.as_str()])
             // Loopback only, with a token made for this run: the side
             // channel needs no TLS (the data path is RDMA either way).
             .arg("--no-tls")
@@ -543,7 +546,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             CliCompletion::Poll => Completion::Poll,
             CliCompletion::Interrupt => Completion::Interrupt,
         },
-        provider: a.provider,
+        provider: a.client.provider,
+        device: a.client.device.clone(),
         credits: (qd * chunks).clamp(1, 1024) as u16,
         read_chunk,
         stage_slots,

@@ -36,6 +36,8 @@ pub fn connect_data(
     let mut side = crate::cli::client_options(args)?;
     side.client_name = opts.client_name.clone();
     opts.connect_timeout = args.connect_timeout;
+    opts.provider = args.provider;
+    opts.device = args.device.clone();
     lwio_client::Client::connect_with(&url.authority(), &side, opts)
         .map_err(|e| anyhow::anyhow!(describe(&e)))
 }
