@@ -12,10 +12,10 @@
 //!    addresses — not merely the first device on the list;
 //! 2. the soft provider, where the server speaks iWARP.
 
-use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, SocketAddr};
 
 use lwio_proto::transport::{Instance, WireTransport};
-use lwio_rdma::{DeviceInfo, Provider, ProviderChoice};
+use lwio_rdma::{source_ip, DeviceInfo, Provider, ProviderChoice};
 
 /// A local provider instance the client may use.
 #[derive(Clone)]
@@ -36,18 +36,6 @@ impl std::fmt::Debug for Candidate {
             self.instance
         )
     }
-}
-
-/// The local source address the kernel would use to reach `dst` (a UDP
-/// socket's connect sends nothing; it only picks the route).
-pub fn source_ip(dst: IpAddr) -> Option<IpAddr> {
-    let bind: SocketAddr = match dst {
-        IpAddr::V4(_) => "0.0.0.0:0".parse().ok()?,
-        IpAddr::V6(_) => "[::]:0".parse().ok()?,
-    };
-    let s = UdpSocket::bind(bind).ok()?;
-    s.connect(SocketAddr::new(dst, 9)).ok()?;
-    Some(s.local_addr().ok()?.ip())
 }
 
 /// The local instances `choice` allows, in the client's preference order

@@ -114,3 +114,27 @@ pub fn devices_for(choice: ProviderChoice, device: Option<&str>) -> Vec<(Provide
     }
     out
 }
+
+/// The local source address the kernel would use to reach `dst` (a UDP
+/// socket's connect sends nothing; it only picks the route).
+pub fn source_ip(dst: std::net::IpAddr) -> Option<std::net::IpAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+    let any = match dst {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    let s = UdpSocket::bind(SocketAddr::new(any, 0)).ok()?;
+    s.connect(SocketAddr::new(dst, 9)).ok()?;
+    Some(s.local_addr().ok()?.ip())
+}
+
+/// The usable device of `provider` that owns the address `ip` (the device
+/// a listener on `ip` must use, or the one a connection whose route leaves
+/// from `ip` goes out of).
+pub fn device_owning(provider: &Provider, ip: std::net::IpAddr) -> Option<String> {
+    provider
+        .devices()
+        .into_iter()
+        .find(|d| d.usable.is_ok() && d.addresses.contains(&ip))
+        .map(|d| d.name)
+}

@@ -15,7 +15,9 @@ pub mod perf;
 pub mod soft;
 pub mod verbs;
 
-pub use choice::{devices_for, open_context, providers_for, ProviderChoice};
+pub use choice::{
+    device_owning, devices_for, open_context, providers_for, source_ip, ProviderChoice,
+};
 pub use verbs::*;
 
 /// Every provider compiled into this build, in preference order for `auto`.

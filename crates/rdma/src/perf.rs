@@ -225,7 +225,22 @@ struct End {
 
 impl End {
     fn new(opts: &PerfOpts) -> Result<End> {
-        let ctx = crate::provider(&opts.provider)?.open(opts.device.as_deref(), &opts.config)?;
+        let provider = crate::provider(&opts.provider)?;
+        // Verbs without --device: the device that owns the listen address,
+        // or the one the route to the peer leaves from — not merely the
+        // first device on the list.
+        let device = opts.device.clone().or_else(|| {
+            if provider.name() != "verbs" {
+                return None;
+            }
+            let ip = match (opts.listen, opts.connect) {
+                (Some(l), _) if !l.ip().is_unspecified() => Some(l.ip()),
+                (_, Some(c)) => crate::source_ip(c.ip()),
+                _ => None,
+            }?;
+            crate::device_owning(&provider, ip)
+        });
+        let ctx = provider.open(device.as_deref(), &opts.config)?;
         let pd = ctx.alloc_pd()?;
         let ch = ctx.create_comp_channel()?;
         let cq = ctx.create_cq(4 * opts.depth.max(16) + 16, Some(&ch))?;
@@ -333,6 +348,16 @@ const ACCESS: Access = Access::LOCAL_WRITE
     .union(Access::REMOTE_WRITE)
     .union(Access::REMOTE_READ);
 
+/// wr_id of the server's credit messages.
+const CREDIT_WR: u64 = u64::MAX - 1;
+
+/// Send bandwidth flow control: the receives the server posts first, and
+/// how many more each 1-byte credit message grants.
+fn send_credits(iters: u64, depth: u32) -> (u64, u64) {
+    let window = iters.min(u64::from(depth) + 4);
+    (window, (u64::from(depth) / 2).max(1))
+}
+
 /// Serve one client on `l` (the server end).
 fn serve(end: &End, l: &Listener) -> Result<()> {
     let req = l
@@ -365,25 +390,46 @@ fn serve(end: &End, l: &Listener) -> Result<()> {
                 post(&qp, SendOp::Send, mr.sge(0, size as u32), i, true)?;
                 end.wait(&mut wcs[..1])?;
             }
-            // Bandwidth: receive `iters` messages, then acknowledge.
+            // Bandwidth: receive `iters` messages, then acknowledge. iWARP
+            // has no RNR retry: a Send that finds no receive posted breaks
+            // the connection, and a sender's completions say only that the
+            // data left. So the client sends within credits: the window of
+            // receives posted first, plus CREDIT_STEP for every 1-byte
+            // credit message we send after reposting that many.
+            let (window, step) = send_credits(plan.iters, plan.depth);
             let mut posted = 0u64;
             let mut got = 0u64;
-            while posted < plan.iters.min(plan.depth as u64 + 4) {
+            let mut since_credit = 0u64;
+            while posted < window {
                 recv(&qp, &mr, half, size, posted)?;
                 posted += 1;
             }
             while got < plan.iters {
                 let n = end.wait(&mut wcs)?;
-                got += n as u64;
-                for _ in 0..n {
+                for w in &wcs[..n] {
+                    if w.opcode != WcOpcode::Recv {
+                        continue; // a credit message's send completion
+                    }
+                    got += 1;
                     if posted < plan.iters {
                         recv(&qp, &mr, half, size, posted)?;
                         posted += 1;
+                        since_credit += 1;
+                        if since_credit == step {
+                            since_credit = 0;
+                            post(&qp, SendOp::Send, mr.sge(0, 1), CREDIT_WR, true)?;
+                        }
                     }
                 }
             }
             post(&qp, SendOp::Send, mr.sge(0, 0), 0, true)?;
-            end.wait(&mut wcs[..1])?;
+            // Our final send's completion (credit sends may still complete).
+            loop {
+                let n = end.wait(&mut wcs[..1])?;
+                if n == 1 && wcs[0].wr_id != CREDIT_WR {
+                    break;
+                }
+            }
         }
         PerfOp::Write => {
             if size > 0 {
@@ -515,22 +561,42 @@ fn client(end: &End, opts: &PerfOpts, addr: SocketAddr) -> Result<PerfReport> {
         PerfOp::Read => read,
         PerfOp::Send => SendOp::Send,
     };
+    // Sends go within the server's credits (see `serve`); the final ack
+    // and the 1-byte credit messages land in receives posted here.
+    let (window, step) = send_credits(plan.iters, plan.depth);
+    let mut granted = if opts.op == PerfOp::Send {
+        window
+    } else {
+        u64::MAX
+    };
+    let credit_recvs = if opts.op == PerfOp::Send {
+        u64::from(plan.depth / 2).max(1)
+    } else {
+        0
+    };
     if opts.op != PerfOp::Read {
-        recv(&qp, &mr, 0, 0, u64::MAX)?;
+        for _ in 0..=credit_recvs {
+            recv(&qp, &mr, half, 1, u64::MAX)?;
+        }
     }
     let t = Instant::now();
     let cpu0 = cpu_now();
     let eng0 = engine_cpu();
     let (mut posted, mut done, mut acked) = (0u64, 0u64, false);
     while done < plan.iters {
-        while posted < plan.iters && posted - done < depth {
+        while posted < plan.iters && posted - done < depth && posted < granted {
             post(&qp, op, mr.sge(0, size as u32), posted, true)?;
             posted += 1;
         }
         let n = end.wait(&mut wcs)?;
         for w in &wcs[..n] {
             if w.opcode == WcOpcode::Recv {
-                acked = true;
+                if w.byte_len == 1 {
+                    granted = granted.saturating_add(step);
+                    recv(&qp, &mr, half, 1, u64::MAX)?;
+                } else {
+                    acked = true;
+                }
             } else {
                 done += 1;
             }
@@ -546,8 +612,12 @@ fn client(end: &End, opts: &PerfOpts, addr: SocketAddr) -> Result<PerfReport> {
             }
         }
         PerfOp::Send => {
-            if !acked {
-                end.wait(&mut wcs[..1])?;
+            // The ack is the 0-byte message; late credit messages may come first.
+            while !acked {
+                let n = end.wait(&mut wcs[..1])?;
+                if n == 1 && wcs[0].opcode == WcOpcode::Recv && wcs[0].byte_len == 0 {
+                    acked = true;
+                }
             }
         }
         PerfOp::Read => {
