@@ -208,6 +208,9 @@ pub struct ServeArgs {
     /// RDMA provider for the data path.
     #[arg(long, value_parser = provider_parser())]
     pub provider: Option<ProviderChoice>,
+    /// Only this verbs device listens (default: every usable one).
+    #[arg(long, value_name = "NAME")]
+    pub device: Option<String>,
     /// File I/O backend: auto, io-uring, threads.
     #[arg(long, value_name = "BACKEND")]
     pub io_backend: Option<BackendChoice>,
@@ -778,6 +781,9 @@ pub fn serve_config(a: &ServeArgs) -> anyhow::Result<Config> {
     }
     if let Some(p) = a.provider {
         c.provider = p;
+    }
+    if let Some(d) = &a.device {
+        c.device = Some(d.clone());
     }
     if let Some(b) = a.io_backend {
         c.io.backend = b;

@@ -372,7 +372,29 @@ fn serve(end: &End, l: &Listener) -> Result<()> {
         ird: 16,
         ord: 16,
     };
-    let qp = req.accept(&end.init(plan.depth), &params)?;
+    // iWARP has no RNR retry: a Send that finds no receive posted breaks
+    // the connection. So every receive is posted before the client can
+    // send what lands in it: the first one before the acceptance reaches
+    // the client, the next one before each echo, the bandwidth window
+    // before the last echo.
+    let (window, step) = send_credits(plan.iters, plan.depth);
+    let first: Vec<Sge> = match plan.op {
+        PerfOp::Send if plan.lat_iters > 0 => vec![mr.sge(half, plan.size as u32)],
+        PerfOp::Send => (0..window)
+            .map(|_| mr.sge(half, plan.size as u32))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let sgl: Vec<[Sge; 1]> = first.iter().map(|s| [*s]).collect();
+    let pre: Vec<RecvWr<'_>> = sgl
+        .iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr {
+            wr_id: i as u64,
+            sg_list: s,
+        })
+        .collect();
+    let qp = req.accept_with_recvs(&end.init(plan.depth), &params, &pre)?;
     let (raddr, rkey) = parse_remote(
         qp.negotiated()
             .peer_private_data
@@ -383,27 +405,28 @@ fn serve(end: &End, l: &Listener) -> Result<()> {
     let mut wcs = [crate::verbs::Wc::BLANK; 64];
     match plan.op {
         PerfOp::Send => {
-            // Latency: echo each message back.
+            // Latency: echo each message back (the receive for the next
+            // one, or the bandwidth window, posted before the echo).
             for i in 0..plan.lat_iters {
-                recv(&qp, &mr, half, size, i)?;
                 end.wait(&mut wcs[..1])?;
+                if i + 1 < plan.lat_iters {
+                    recv(&qp, &mr, half, size, i + 1)?;
+                } else {
+                    for w in 0..window {
+                        recv(&qp, &mr, half, size, w)?;
+                    }
+                }
                 post(&qp, SendOp::Send, mr.sge(0, size as u32), i, true)?;
                 end.wait(&mut wcs[..1])?;
             }
-            // Bandwidth: receive `iters` messages, then acknowledge. iWARP
-            // has no RNR retry: a Send that finds no receive posted breaks
-            // the connection, and a sender's completions say only that the
-            // data left. So the client sends within credits: the window of
-            // receives posted first, plus CREDIT_STEP for every 1-byte
-            // credit message we send after reposting that many.
-            let (window, step) = send_credits(plan.iters, plan.depth);
-            let mut posted = 0u64;
+            // Bandwidth: receive `iters` messages, then acknowledge. A
+            // sender's completions say only that its data left, so the
+            // client sends within credits: the window of receives posted
+            // first, plus `step` for every 1-byte credit message we send
+            // after reposting that many (and after the last repost).
+            let mut posted = window;
             let mut got = 0u64;
             let mut since_credit = 0u64;
-            while posted < window {
-                recv(&qp, &mr, half, size, posted)?;
-                posted += 1;
-            }
             while got < plan.iters {
                 let n = end.wait(&mut wcs)?;
                 for w in &wcs[..n] {
@@ -415,7 +438,7 @@ fn serve(end: &End, l: &Listener) -> Result<()> {
                         recv(&qp, &mr, half, size, posted)?;
                         posted += 1;
                         since_credit += 1;
-                        if since_credit == step {
+                        if since_credit == step || posted == plan.iters {
                             since_credit = 0;
                             post(&qp, SendOp::Send, mr.sge(0, 1), CREDIT_WR, true)?;
                         }
@@ -569,8 +592,10 @@ fn client(end: &End, opts: &PerfOpts, addr: SocketAddr) -> Result<PerfReport> {
     } else {
         u64::MAX
     };
+    // Credit messages unread at once: at most one per `step` of the window,
+    // plus the last one; and the final ack.
     let credit_recvs = if opts.op == PerfOp::Send {
-        u64::from(plan.depth / 2).max(1)
+        window / step + 2
     } else {
         0
     };
@@ -778,6 +803,27 @@ mod tests {
         }
         quick(PerfOp::Send, 0, Progress::Auto, true);
         quick(PerfOp::Write, 0, Progress::Manual, true);
+    }
+
+    /// Send bandwidth runs within the server's credits, including a last
+    /// partial step (203 messages: a window of 12, then steps of 4).
+    #[test]
+    fn send_credits_cover_every_message() {
+        assert_eq!(send_credits(203, 8), (12, 4));
+        assert_eq!(send_credits(3, 8), (3, 4));
+        assert_eq!(send_credits(1000, 1), (5, 1));
+        for iters in [1, 3, 12, 13, 203] {
+            let opts = PerfOpts {
+                op: PerfOp::Send,
+                size: 512,
+                iters,
+                lat_iters: 3,
+                depth: 8,
+                ..PerfOpts::default()
+            };
+            let r = run(&opts).unwrap_or_else(|e| panic!("{iters} sends: {e}"));
+            assert_eq!(r.iters, iters);
+        }
     }
 
     #[test]

@@ -222,6 +222,9 @@ pub struct Config {
     /// RDMA provider for the data path.
     #[serde(deserialize_with = "de_provider")]
     pub provider: ProviderChoice,
+    /// Only this verbs device listens (with `provider` `verbs` or `auto`);
+    /// default: every usable one.
+    pub device: Option<String>,
     /// RDMA listen address (`HOST:PORT`); default: the side channel's host
     /// with its port + 1 (port 0 stays 0). `--rdma-listen` overrides it.
     pub rdma_listen: Option<String>,
@@ -249,6 +252,7 @@ impl Default for Config {
             allow_password_without_tls: false,
             users: BTreeMap::new(),
             provider: ProviderChoice::Auto,
+            device: None,
             rdma_listen: None,
             compat_md5_auth: false,
             exports: BTreeMap::new(),

@@ -1758,6 +1758,7 @@ impl RdmaServerOptions {
         let d = RdmaServerOptions::default();
         RdmaServerOptions {
             provider: c.provider,
+            device: c.device.clone(),
             listen,
             shutdown_grace: c.limits.shutdown_grace,
             max_connections_per_host: c.limits.max_rdma_connections_per_host,
