@@ -201,6 +201,10 @@ pub struct ClientOptions {
     /// registrations are dropped past them).
     pub reg_cache_bytes: usize,
     pub reg_cache_entries: usize,
+    /// RDMA connections to open over the transports both hosts share
+    /// (seed 000 claim 9): each file is registered on one of them, in
+    /// turn, so several cores or NICs carry one client's I/O. Default 1.
+    pub channels: usize,
     /// Per-request timeout.
     pub op_timeout: Duration,
     pub connect_timeout: Duration,
@@ -223,6 +227,7 @@ impl Default for ClientOptions {
             register_threshold: None,
             reg_cache_bytes: 256 << 20,
             reg_cache_entries: 64,
+            channels: 1,
             op_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             client_name: lwio_side::host_name(),
@@ -274,12 +279,29 @@ impl OpenOptions {
 
 pub(crate) struct Inner {
     pub(crate) side: Mutex<Option<crate::side::Client>>,
+    /// Channel 0: the first RDMA connection.
     pub(crate) engine: Arc<Engine>,
+    /// Channels 1.. ([`ClientOptions::channels`]).
+    pub(crate) extra: Vec<Arc<Engine>>,
+    /// Round-robin channel choice for `open`.
+    next_channel: std::sync::atomic::AtomicUsize,
     export: Option<String>,
     pub(crate) server_name: String,
 }
 
 impl Inner {
+    /// Every RDMA channel, channel 0 first.
+    pub(crate) fn channels(&self) -> impl Iterator<Item = &Arc<Engine>> {
+        std::iter::once(&self.engine).chain(self.extra.iter())
+    }
+
+    /// Channel `n` (0 = the first).
+    pub(crate) fn channel(&self, n: usize) -> &Arc<Engine> {
+        n.checked_sub(1)
+            .and_then(|i| self.extra.get(i))
+            .unwrap_or(&self.engine)
+    }
+
     /// Run a side-channel call.
     pub(crate) fn side<T>(
         &self,
@@ -295,7 +317,9 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        self.engine.shutdown();
+        for e in self.channels() {
+            e.shutdown();
+        }
         // The blocking side-channel client owns a tokio runtime, which must
         // not be dropped inside an async context (the async API's last
         // handle may go away there).
@@ -392,19 +416,6 @@ impl Client {
             response_length: 4096,
             providers: lwio_proto::transport::to_blocks(&offered),
         };
-        let resp = match side.negotiate(&req) {
-            Ok(r) => r,
-            Err(e)
-                if e.message
-                    .starts_with(lwio_side::negotiate::NO_COMMON_TRANSPORT) =>
-            {
-                return Err(Error::NoCommonTransport(e.message));
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let server = lwio_proto::transport::from_blocks(&resp.providers);
-        let secret =
-            lwio_proto::wire::auth::derive_session_secret(&session.secret.0, &resp.key).to_vec();
         let cfg = EngineConfig {
             completion: opts.completion,
             credits: opts.credits,
@@ -419,64 +430,34 @@ impl Client {
             reg_cache_bytes: opts.reg_cache_bytes,
             reg_cache_entries: opts.reg_cache_entries,
         };
-        let paths = discovery::paths(&cands, &server, side_ip);
-        if paths.is_empty() {
-            return Err(Error::NoCommonTransport(format!(
-                "{}: the client offers {}, the server offers {}",
-                lwio_side::negotiate::NO_COMMON_TRANSPORT,
-                discovery::describe_local(&cands),
-                lwio_proto::transport::describe(&server, true)
-            )));
-        }
-        let mut last: Option<Error> = None;
-        let mut opened: Vec<(usize, lwio_rdma::Context)> = Vec::new();
-        for (ci, addr) in paths {
-            let cand = &cands[ci];
-            let ctx = match opened.iter().find(|(i, _)| *i == ci) {
-                Some((_, c)) => c.clone(),
-                None => match cand.provider.open(Some(&cand.device.name), &opts.rdma) {
-                    Ok(c) => {
-                        opened.push((ci, c.clone()));
-                        c
-                    }
-                    Err(e) => {
-                        debug!(device = %cand.device.name, error = %e, "device not usable here");
-                        last = Some(e.into());
-                        continue;
-                    }
-                },
+        let mut dial = Dial {
+            cands: &cands,
+            opened: Vec::new(),
+            opts: &opts,
+            cfg,
+            side_ip,
+            client_key,
+        };
+        // Channel 0, then (claim 9) the other channels: each negotiates a
+        // Key of its own (the server takes each Key once) and starts at
+        // another shared path where there are several.
+        let (engine, server_name) = dial.channel(&mut side, &req, &session, 0)?;
+        let mut extra = Vec::new();
+        for n in 1..opts.channels.max(1) {
+            let req = NegotiateRequestRepr {
+                key: client_key,
+                ..req.clone()
             };
-            let mut cfg = cfg.clone();
-            cfg.register_threshold = opts
-                .register_threshold
-                .unwrap_or_else(|| default_register_threshold(cand.provider.name()))
-                .max(engine::BOUNCE_THRESHOLD);
-            match Engine::connect(&ctx, addr, resp.key, secret.clone(), cfg) {
-                Ok(engine) => {
-                    info!(
-                        server = %resp.server_name,
-                        %addr,
-                        provider = cand.provider.name(),
-                        device = %cand.device.name,
-                        transport = %cand.instance.transport,
-                        client_uuid = %client_key,
-                        "connected"
-                    );
-                    return Ok(Client(Arc::new(Inner {
-                        side: Mutex::new(Some(side)),
-                        engine,
-                        export,
-                        server_name: resp.server_name.clone(),
-                    })));
-                }
-                Err(e @ Error::AccessDenied(_)) => return Err(e),
-                Err(e) => {
-                    debug!(%addr, device = %cand.device.name, error = %e, "RDMA connect failed");
-                    last = Some(e);
-                }
-            }
+            extra.push(dial.channel(&mut side, &req, &session, n)?.0);
         }
-        Err(last.unwrap_or_else(|| Error::NoCommonTransport("no usable RDMA path".into())))
+        Ok(Client(Arc::new(Inner {
+            side: Mutex::new(Some(side)),
+            engine,
+            extra,
+            next_channel: std::sync::atomic::AtomicUsize::new(0),
+            export,
+            server_name,
+        })))
     }
 
     /// Open a file: `EXPORT/PATH`, or `PATH` when the URL named the export.
@@ -488,13 +469,19 @@ impl Client {
         } else {
             0
         };
-        let e = &self.0.engine;
+        let channel = self
+            .0
+            .next_channel
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            % (1 + self.0.extra.len());
+        let e = self.0.channel(channel);
         let reg = e
             .issue_register(rf.resume_key.key, flags)
             .and_then(|r| e.wait(r, None));
         match reg {
             Ok((fid, STATUS_SUCCESS)) if fid != 0 && fid <= 0xffff => Ok(File {
                 client: self.clone(),
+                channel,
                 fid: fid as u16,
                 handle: rf.handle,
                 export,
@@ -531,8 +518,19 @@ impl Client {
         self.0.engine.interrupt()
     }
 
+    /// Statistics of channel 0 (see [`Client::channel_stats`]).
     pub fn stats(&self) -> ClientStats {
         self.0.engine.stats()
+    }
+
+    /// How many RDMA channels this client holds ([`ClientOptions::channels`]).
+    pub fn channels(&self) -> usize {
+        1 + self.0.extra.len()
+    }
+
+    /// Statistics of channel `n`, if it exists.
+    pub fn channel_stats(&self, n: usize) -> Option<ClientStats> {
+        (n < self.channels()).then(|| self.0.channel(n).stats())
     }
 
     /// Restart the `max_outstanding` high-water mark of [`ClientStats`].
@@ -552,7 +550,8 @@ impl Client {
         self.0.engine.cfg.completion
     }
 
-    /// The RDMA engine (for tools and tests that issue raw requests).
+    /// The RDMA engine of channel 0 (for tools and tests that issue raw
+    /// requests).
     pub fn engine(&self) -> &Arc<Engine> {
         &self.0.engine
     }
@@ -573,6 +572,100 @@ fn truncate_name(s: &str) -> String {
     }
 }
 
+/// Connecting RDMA channels over the paths negotiate found.
+struct Dial<'a> {
+    cands: &'a [discovery::Candidate],
+    /// Devices opened so far (index into `cands`).
+    opened: Vec<(usize, lwio_rdma::Context)>,
+    opts: &'a ClientOptions,
+    cfg: EngineConfig,
+    side_ip: Option<IpAddr>,
+    client_key: lwio_proto::wire::Guid,
+}
+
+impl Dial<'_> {
+    /// Negotiate and connect channel `n`: the best shared path first (for
+    /// n > 0 rotated by n, so channels spread over several paths), until one
+    /// connects and authenticates.
+    fn channel(
+        &mut self,
+        side: &mut crate::side::Client,
+        req: &NegotiateRequestRepr,
+        session: &crate::side::Session,
+        n: usize,
+    ) -> Result<(Arc<Engine>, String)> {
+        let resp = match side.negotiate(req) {
+            Ok(r) => r,
+            Err(e)
+                if e.message
+                    .starts_with(lwio_side::negotiate::NO_COMMON_TRANSPORT) =>
+            {
+                return Err(Error::NoCommonTransport(e.message));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let server = lwio_proto::transport::from_blocks(&resp.providers);
+        let secret =
+            lwio_proto::wire::auth::derive_session_secret(&session.secret.0, &resp.key).to_vec();
+        let mut paths = discovery::paths(self.cands, &server, self.side_ip);
+        if paths.is_empty() {
+            return Err(Error::NoCommonTransport(format!(
+                "{}: the client offers {}, the server offers {}",
+                lwio_side::negotiate::NO_COMMON_TRANSPORT,
+                discovery::describe_local(self.cands),
+                lwio_proto::transport::describe(&server, true)
+            )));
+        }
+        let k = n % paths.len();
+        paths.rotate_left(k);
+        let mut last: Option<Error> = None;
+        for (ci, addr) in paths {
+            let cand = &self.cands[ci];
+            let ctx = match self.opened.iter().find(|(i, _)| *i == ci) {
+                Some((_, c)) => c.clone(),
+                None => match cand.provider.open(Some(&cand.device.name), &self.opts.rdma) {
+                    Ok(c) => {
+                        self.opened.push((ci, c.clone()));
+                        c
+                    }
+                    Err(e) => {
+                        debug!(device = %cand.device.name, error = %e, "device not usable here");
+                        last = Some(e.into());
+                        continue;
+                    }
+                },
+            };
+            let mut cfg = self.cfg.clone();
+            cfg.register_threshold = self
+                .opts
+                .register_threshold
+                .unwrap_or_else(|| default_register_threshold(cand.provider.name()))
+                .max(engine::BOUNCE_THRESHOLD);
+            match Engine::connect(&ctx, addr, resp.key, secret.clone(), cfg) {
+                Ok(engine) => {
+                    info!(
+                        server = %resp.server_name,
+                        %addr,
+                        channel = n,
+                        provider = cand.provider.name(),
+                        device = %cand.device.name,
+                        transport = %cand.instance.transport,
+                        client_uuid = %self.client_key,
+                        "connected"
+                    );
+                    return Ok((engine, resp.server_name.clone()));
+                }
+                Err(e @ Error::AccessDenied(_)) => return Err(e),
+                Err(e) => {
+                    debug!(%addr, device = %cand.device.name, error = %e, "RDMA connect failed");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::NoCommonTransport("no usable RDMA path".into())))
+    }
+}
+
 /// Where a read's data goes: copied out of staging into the caller's
 /// slice, or written directly into registered caller memory.
 enum ReadInto<'a> {
@@ -588,7 +681,8 @@ enum ReadInto<'a> {
 pub struct RegisteredBuf {
     mem: Arc<lwio_rdma::RegBuf>,
     len: usize,
-    engine: std::sync::Weak<Engine>,
+    /// Every channel's registration cache holds it.
+    engines: Vec<std::sync::Weak<Engine>>,
 }
 
 impl std::fmt::Debug for RegisteredBuf {
@@ -621,7 +715,7 @@ impl Drop for RegisteredBuf {
     fn drop(&mut self) {
         // Explicit release: the cache entry (and its registration) goes.
         // Even without it the entry would keep the memory alive.
-        if let Some(e) = self.engine.upgrade() {
+        for e in self.engines.iter().filter_map(|e| e.upgrade()) {
             e.cache_release(self.mem.as_ptr() as usize);
         }
     }
@@ -636,11 +730,13 @@ impl Client {
     pub fn register_buffer(&self, len: usize) -> Result<RegisteredBuf> {
         let mem = lwio_rdma::RegBuf::new(len.max(1).next_multiple_of(4096))?;
         let mem = Arc::new(mem);
-        self.0.engine.cache_insert(mem.clone())?;
+        for e in self.0.channels() {
+            e.cache_insert(mem.clone())?;
+        }
         Ok(RegisteredBuf {
             mem,
             len,
-            engine: Arc::downgrade(&self.0.engine),
+            engines: self.0.channels().map(Arc::downgrade).collect(),
         })
     }
 }
@@ -648,6 +744,8 @@ impl Client {
 /// An open, registered file.
 pub struct File {
     client: Client,
+    /// The RDMA channel the file is registered on.
+    channel: usize,
     fid: u16,
     handle: u64,
     export: String,
@@ -668,7 +766,12 @@ impl File {
     }
 
     fn engine(&self) -> &Engine {
-        &self.client.0.engine
+        self.client.0.channel(self.channel)
+    }
+
+    /// The RDMA channel this file's requests use (0 = the first).
+    pub fn channel(&self) -> usize {
+        self.channel
     }
 
     /// Read into `buf` at `offset`; returns the bytes read (short only at end
@@ -1001,11 +1104,12 @@ impl Drop for File {
             // Dropped in async code: the blocking side-channel client must
             // not run here. Close on a helper thread.
             self.closed = true;
-            let (client, fid, handle) = (self.client.clone(), self.fid, self.handle);
+            let (client, channel, fid, handle) =
+                (self.client.clone(), self.channel, self.fid, self.handle);
             let _ = std::thread::Builder::new()
                 .name("lwio-file-close".into())
                 .spawn(move || {
-                    let e = &client.0.engine;
+                    let e = client.0.channel(channel);
                     let _ = e.issue_close(fid).and_then(|r| e.wait(r, None));
                     let _ = client.0.side(|s| s.close(handle));
                 });
