@@ -97,7 +97,17 @@ both)
   expect_listener "(provider soft, soft0, iWARP)"
   check_client soft --provider soft
   check_client siw --provider verbs --device $SIW_DEV
+  # auto: hardware devices that route to the server's address come first,
+  # so every connection of the auto client lands on a verbs listener
+  # (rxe0's or siw0's, both local addresses), none on the soft one.
+  n0=$(grep -c 'RDMA connection accepted' $ERR)
   check_client auto
+  accepted=$(grep 'RDMA connection accepted' $ERR | tail -n +$((n0 + 1)))
+  if [ -n "$accepted" ] && ! echo "$accepted" | grep -qv "(verbs "; then
+    echo "PASS auto client: $(echo "$accepted" | wc -l) connection(s), all on verbs listeners: $(echo "$accepted" | grep -o '(verbs [a-z0-9]*)' | sort -u | tr '\n' ' ')"
+  else
+    fail "auto client connections not all on verbs listeners: $accepted"
+  fi
   stop_server ;;
 rxe-server-soft-client)
   SIDE=$RXE_IP:7490

@@ -1033,7 +1033,7 @@ impl Conn {
         let credits_pub = Arc::new(AtomicUsize::new(1));
         let now = Instant::now();
         let base_credits = cfg.max_credits;
-        info!(conn = id, %peer, qpn = qp.qp_num(), "RDMA connection accepted");
+        info!(conn = id, %peer, qpn = qp.qp_num(), listener = %listening.describe(), "RDMA connection accepted");
         let entry = ConnEntry {
             ctl: ctl_tx,
             waker: waker.clone(),
