@@ -32,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod fragment;
 pub mod server;
 pub mod sidechannel;
 pub mod status;

@@ -11,6 +11,7 @@ use core::fmt;
 pub mod auth;
 pub mod common;
 pub mod control;
+pub mod fragment;
 pub mod resume;
 pub mod small;
 
