@@ -5,13 +5,11 @@
 //! The side channel carries the packets of docs/protocol.md §2.6/§2.7 as
 //! opaque bytes ([`Request::Negotiate`], [`Response::Negotiated`]); the
 //! layouts and the provider intersection are `lwio-proto`'s
-//! ([`lwio_proto::sidechannel`]). This module adds the glue: IP addresses
-//! as LWIO_NET_ADDRESS and error mapping.
+//! ([`lwio_proto::sidechannel`]). This module adds the glue: error mapping
+//! (addresses and transports are [`lwio_proto::transport`]).
 //!
 //! [`Request::Negotiate`]: crate::codec::Request::Negotiate
 //! [`Response::Negotiated`]: crate::codec::Response::Negotiated
-
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 pub use lwio_proto::wire::{
     AddressBlockRepr, Guid, NegotiateRequestRepr, NegotiateResponseRepr, NetAddressRepr,
@@ -20,34 +18,6 @@ pub use lwio_proto::wire::{
 use lwio_proto::transport::{self, Instance};
 
 use crate::error::{Error, ErrorCode};
-
-/// An IP endpoint as LWIO_NET_ADDRESS: 4 or 16 address bytes, u16 LE port
-/// as the discriminator.
-pub fn net_address(a: SocketAddr) -> NetAddressRepr {
-    let host_address = match a.ip() {
-        IpAddr::V4(v) => v.octets().to_vec(),
-        IpAddr::V6(v) => v.octets().to_vec(),
-    };
-    NetAddressRepr {
-        host_address,
-        discriminator: a.port().to_le_bytes().to_vec(),
-    }
-}
-
-/// The IP endpoint of an LWIO_NET_ADDRESS, when it has that shape.
-pub fn socket_addr(n: &NetAddressRepr) -> Option<SocketAddr> {
-    let port = u16::from_le_bytes(n.discriminator.as_slice().try_into().ok()?);
-    let ip = match n.host_address.len() {
-        4 => IpAddr::V4(Ipv4Addr::from(
-            <[u8; 4]>::try_from(&n.host_address[..]).ok()?,
-        )),
-        16 => IpAddr::V6(Ipv6Addr::from(
-            <[u8; 16]>::try_from(&n.host_address[..]).ok()?,
-        )),
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, port))
-}
 
 fn wire_err(what: &str, e: lwio_proto::wire::Error) -> Error {
     Error::new(ErrorCode::BadRequest, format!("{what}: {e}"))
@@ -119,19 +89,6 @@ pub fn random_guid() -> Guid {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn addresses() {
-        for a in ["10.1.2.3:7471", "[fe80::1]:9"] {
-            let sa: SocketAddr = a.parse().unwrap();
-            assert_eq!(socket_addr(&net_address(sa)), Some(sa));
-        }
-        let n = NetAddressRepr {
-            host_address: vec![1],
-            discriminator: vec![0, 0],
-        };
-        assert_eq!(socket_addr(&n), None);
-    }
 
     #[test]
     fn request_response() {
