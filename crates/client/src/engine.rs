@@ -43,7 +43,7 @@ use lwio_proto::client::{
     ClientAction, ClientConfig, ClientConn, ClientError, ClientEvent, LocalMemory, Mode, RemoteBuf,
     ReqId, StatusBlockArea,
 };
-use lwio_proto::status::*;
+use lwio_proto::wire::small::{poll_block_written, POLL_SENTINEL};
 use lwio_proto::wire::{Guid, Opcode, RdmaRegion, SrvResumeKey, COMMON_HEADER_LEN};
 use lwio_proto::NtStatus;
 use lwio_rdma::{
@@ -656,7 +656,7 @@ impl Engine {
                 }
                 ClientAction::ResetStatusBlock { slot, addr: _ } => {
                     let off = self.status_off + slot as usize * 8;
-                    let _ = self.win_mr.store_u64(off, u64::from(STATUS_PENDING) << 32);
+                    let _ = self.win_mr.store_u64(off, POLL_SENTINEL);
                     st.last_slot = Some(slot);
                 }
                 ClientAction::CloseConnection(reason) => {
@@ -857,10 +857,10 @@ impl Engine {
         let Ok(v) = self.win_mr.load_u64(self.status_off + slot as usize * 8) else {
             return false;
         };
-        let (info, status) = (v as u32, (v >> 32) as u32);
-        if status == STATUS_PENDING {
+        if !poll_block_written(v) {
             return false;
         }
+        let (info, status) = (v as u32, (v >> 32) as u32);
         st.stats.polled_completions += 1;
         st.conn
             .status_block_updated(Instant::now(), slot, info, status);
@@ -1291,7 +1291,7 @@ impl Engine {
                     .win_mr
                     .load_u64(self.status_off + s as usize * 8)
                     .unwrap_or(0);
-                if (v >> 32) as u32 == STATUS_PENDING && Instant::now() < spin_until {
+                if !poll_block_written(v) && Instant::now() < spin_until {
                     // Progress in this thread: the soft provider's manual
                     // mode places the data and the status block here,
                     // without waking another thread.

@@ -99,7 +99,7 @@ pub enum ClientAction {
     Send(Vec<u8>),
     /// Post this many additional receive buffers (≥ 16 bytes each).
     PostRecv(u32),
-    /// Write the sentinel {0, STATUS_PENDING} into status block `slot` at
+    /// Write the sentinel (`wire::small::POLL_SENTINEL`) into status block `slot` at
     /// `addr` before the request that follows is sent.
     ResetStatusBlock { slot: u32, addr: u64 },
     /// Terminate the connection.
@@ -750,7 +750,8 @@ impl ClientConn {
     }
 
     /// The caller observed status block `slot` reading (information, status).
-    /// STATUS_PENDING (the sentinel) is ignored.
+    /// The sentinel, a partly placed block (`wire::small::poll_block_written`)
+    /// and STATUS_PENDING are ignored.
     pub fn status_block_updated(
         &mut self,
         now: Instant,
@@ -759,7 +760,11 @@ impl ClientConn {
         status: NtStatus,
     ) {
         let _ = now;
-        if status == STATUS_PENDING || self.state == State::Closed {
+        let raw = u64::from(status) << 32 | u64::from(information);
+        if !crate::wire::small::poll_block_written(raw)
+            || status == STATUS_PENDING
+            || self.state == State::Closed
+        {
             return;
         }
         if let Some(req) = self.by_slot.get(&slot).copied() {

@@ -1013,7 +1013,10 @@ impl ServerConn {
 
 fn normalize(st: NtStatus) -> NtStatus {
     // Never complete with a value the client treats specially.
-    if st == STATUS_SUCCESS || st == STATUS_PENDING || st == LWIO_NOTIFY_CREDIT {
+    // ... and never with a top byte of 0xFF, which a polling client reads as
+    // its sentinel (wire::small::poll_block_written).
+    if st == STATUS_SUCCESS || st == STATUS_PENDING || st == LWIO_NOTIFY_CREDIT || st >> 24 == 0xFF
+    {
         STATUS_INSUFFICIENT_RESOURCES
     } else {
         st

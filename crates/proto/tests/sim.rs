@@ -254,7 +254,7 @@ impl Sim {
                     },
                     ClientAction::PostRecv(n) => self.client_recvs += n,
                     ClientAction::ResetStatusBlock { addr, .. } => {
-                        assert!(self.mem.write(addr, 3, &IoStatusBlock::PENDING.to_bytes()))
+                        assert!(self.mem.write(addr, 3, &IoStatusBlock::SENTINEL.to_bytes()))
                     }
                     ClientAction::CloseConnection(r) => self.client_closed = Some(r),
                 }
@@ -284,7 +284,7 @@ impl Sim {
             for slot in self.client.polled_slots() {
                 let addr = IOS_BASE + 8 * u64::from(slot);
                 let ios = IoStatusBlock::from_bytes(&self.mem.read_at(addr, 8)).unwrap();
-                if ios.status != STATUS_PENDING {
+                if ios != IoStatusBlock::SENTINEL {
                     progress = true;
                     self.client
                         .status_block_updated(self.now, slot, ios.information, ios.status);
@@ -632,7 +632,7 @@ fn write_into_encodes_the_same_message_in_place() {
         while let Some(a) = s.client.poll_action() {
             assert!(!matches!(a, ClientAction::Send(_)), "queued a Send too");
             if let ClientAction::ResetStatusBlock { addr, .. } = a {
-                assert!(s.mem.write(addr, 3, &IoStatusBlock::PENDING.to_bytes()));
+                assert!(s.mem.write(addr, 3, &IoStatusBlock::SENTINEL.to_bytes()));
             }
         }
         s.to_server.push_back(buf[..n].to_vec());
@@ -647,7 +647,7 @@ fn write_into_encodes_the_same_message_in_place() {
             match a {
                 ClientAction::Send(b) => sent = Some(b),
                 ClientAction::ResetStatusBlock { addr, .. } => {
-                    assert!(s.mem.write(addr, 3, &IoStatusBlock::PENDING.to_bytes()))
+                    assert!(s.mem.write(addr, 3, &IoStatusBlock::SENTINEL.to_bytes()))
                 }
                 _ => {}
             }
@@ -1356,10 +1356,15 @@ fn polled_sentinel_is_ignored_and_immediate_only_on_last_region() {
     let slot = s.client.polled_slots()[0];
     assert_eq!(
         s.mem.read_at(IOS_BASE + 8 * u64::from(slot), 8),
-        IoStatusBlock::PENDING.to_bytes().to_vec()
+        IoStatusBlock::SENTINEL.to_bytes().to_vec()
     );
     s.client
-        .status_block_updated(s.now, slot, 0, STATUS_PENDING);
+        .status_block_updated(s.now, slot, u32::MAX, u32::MAX);
+    assert_eq!(s.client.outstanding(), 1);
+    // A block caught half placed (the Information and the low bytes of
+    // Status new, the top byte still the sentinel's) is not a completion.
+    s.client.status_block_updated(s.now, slot, 8, 0xFFFF_FF00);
+    s.client.status_block_updated(s.now, slot, 8, 0xFF00_0000);
     assert_eq!(s.client.outstanding(), 1);
     s.release_held();
     assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));

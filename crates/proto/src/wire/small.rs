@@ -108,6 +108,26 @@ impl FidParamsRepr {
 /// Size of LWIO_IO_STATUS_BLOCK.
 pub const IO_STATUS_BLOCK_LEN: usize = 8;
 
+/// What a client writes into a polled status block before the request that
+/// the server completes there: every byte 0xFF (docs/protocol.md §4.1).
+pub const POLL_SENTINEL: u64 = u64::MAX;
+
+/// Whether a polled status block, loaded as one little-endian u64, has been
+/// written completely by the server.
+///
+/// RDMA does not make an 8-byte placement atomic: siw places a WRITE as TCP
+/// delivers it, so a block split across two segments is half new, half
+/// sentinel for a moment (seen in CI: Status 0x00000100, the low byte of
+/// STATUS_SUCCESS under the upper bytes of the old sentinel 0x00000103).
+/// Providers place a message's bytes in increasing address order, so the
+/// block is whole once its last byte, the top byte of Status, is no longer
+/// the sentinel's 0xFF. No server completes with a Status whose top byte is
+/// 0xFF (severity 3 with facility 0xFxx is not an NTSTATUS anyone issues, and
+/// the server's `normalize` never emits one).
+pub fn poll_block_written(v: u64) -> bool {
+    (v >> 56) as u8 != 0xFF
+}
+
 fixed_packet!(
     IoStatusBlockPacket,
     IO_STATUS_BLOCK_LEN,
@@ -140,10 +160,11 @@ pub struct IoStatusBlock {
 }
 
 impl IoStatusBlock {
-    /// The polled-status "not yet written" sentinel: {0, STATUS_PENDING}.
-    pub const PENDING: IoStatusBlock = IoStatusBlock {
-        information: 0,
-        status: crate::status::STATUS_PENDING,
+    /// The polled-status "not yet written" sentinel: every byte 0xFF
+    /// ([`POLL_SENTINEL`]).
+    pub const SENTINEL: IoStatusBlock = IoStatusBlock {
+        information: u32::MAX,
+        status: u32::MAX,
     };
 
     pub fn parse<T: AsRef<[u8]>>(p: &IoStatusBlockPacket<T>) -> Result<Self> {

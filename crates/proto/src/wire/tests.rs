@@ -389,9 +389,20 @@ fn golden_status_response_and_iosb() {
         i
     );
     assert_eq!(
-        IoStatusBlock::PENDING.to_bytes().to_vec(),
-        hex("00000000 03010000")
+        IoStatusBlock::SENTINEL.to_bytes().to_vec(),
+        hex("ffffffff ffffffff")
     );
+    assert_eq!(
+        crate::wire::small::POLL_SENTINEL.to_le_bytes().to_vec(),
+        IoStatusBlock::SENTINEL.to_bytes().to_vec()
+    );
+    // Written only once the last byte (Status's top byte) has left 0xFF.
+    use crate::wire::small::poll_block_written;
+    assert!(!poll_block_written(u64::MAX));
+    assert!(!poll_block_written(0xFF00_0000_0000_0000));
+    assert!(!poll_block_written(0xFFFF_FF00_0000_0200));
+    assert!(poll_block_written(0x0000_0000_0000_0200));
+    assert!(poll_block_written(0xC000_0011_0000_0000));
 
     // Delta credit of -2: Information is i32 two's complement.
     let d = StatusResponse {
