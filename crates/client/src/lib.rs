@@ -462,8 +462,14 @@ impl Client {
 
     /// Open a file: `EXPORT/PATH`, or `PATH` when the URL named the export.
     pub fn open(&self, path: &str, o: &OpenOptions) -> Result<File> {
+        self.open_mode(path, o, 0o644)
+    }
+
+    /// [`Client::open`] with the permission bits a created file gets (before
+    /// the server's umask).
+    pub fn open_mode(&self, path: &str, o: &OpenOptions, mode: u32) -> Result<File> {
         let (export, rel) = self.split(path)?;
-        let rf = self.0.side(|s| s.open(&export, &rel, &o.0, 0o644))?;
+        let rf = self.0.side(|s| s.open(&export, &rel, &o.0, mode))?;
         let flags = if o.0.no_buffering {
             FILE_NO_INTERMEDIATE_BUFFERING
         } else {
@@ -510,6 +516,11 @@ impl Client {
                 ))),
             },
         }
+    }
+
+    /// The export named by the URL this client connected to, if any.
+    pub fn export(&self) -> Option<&str> {
+        self.0.export.as_deref()
     }
 
     /// Send INTERRUPT and return when the server answers it (after the next
@@ -1071,6 +1082,27 @@ impl File {
     /// Truncate or extend (side channel).
     pub fn set_len(&self, size: u64) -> Result<()> {
         self.client.0.side(|s| s.set_size(self.handle, size))
+    }
+
+    /// fsync(2) on the server: data and metadata reach stable storage.
+    pub fn sync_all(&self) -> Result<()> {
+        self.client.0.side(|s| s.fsync(self.handle, false))
+    }
+
+    /// fdatasync(2) on the server.
+    pub fn sync_data(&self) -> Result<()> {
+        self.client.0.side(|s| s.fsync(self.handle, true))
+    }
+
+    /// The side-channel handle of this open file (for side-channel calls
+    /// that act on an open file, through [`Client::side`]).
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// The export and the path within it that this file was opened as.
+    pub fn export_path(&self) -> (&str, &str) {
+        (&self.export, &self.path)
     }
 
     /// CLOSE on the RDMA channel, then close the side-channel handle.

@@ -104,6 +104,25 @@ Examples:
   lwio cp lwio://storage1/data/remote.bin ./copy.bin
   lwio cp -r ./dir lwio://storage1/data/dir")]
     Cp(CpArgs),
+    /// Mount an export (or a directory in it) as a file system (FUSE): any
+    /// program reads and writes it, file data over RDMA.
+    #[command(after_help = "\
+Examples:
+  lwio mount lwio://localhost/data /mnt/data          foreground; Ctrl-C unmounts
+  lwio mount --daemon lwio://srv/data/db /mnt/db -o ro,provider=soft
+  fusermount3 -u /mnt/data                            unmount (or umount as root)
+
+Options (-o, comma-separated, as mount(8) passes them):
+  ro, rw, allow_other, allow_root, default_permissions,
+  attr_timeout=SECS, entry_timeout=SECS (default 1), threads=N (default 4),
+  max_io=BYTES (largest read/write, default 1 MiB), fsname=NAME,
+  completion=interrupt|poll, provider=auto|soft|verbs, device=NAME,
+  token_file=FILE, user=NAME, password_file=FILE, fingerprint=sha256:HEX,
+  ca=FILE, insecure, no_tls, connect_timeout=DURATION.
+/etc/fstab:
+  lwio://srv/data  /mnt/data  fuse.lwio  defaults,_netdev,token_file=/etc/lwio/token  0 0
+See docs/mount.md.")]
+    Mount(MountArgs),
     /// Benchmark file I/O through lwio (fio-like). Without a URL: an embedded
     /// server on loopback with the soft provider and a temporary file.
     #[command(after_help = "\
@@ -289,6 +308,29 @@ pub struct CatArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct MountArgs {
+    /// lwio://HOST[:PORT]/EXPORT[/SUBDIR]
+    #[arg(value_parser = LwioUrl::parse)]
+    pub url: LwioUrl,
+    /// An existing empty directory.
+    pub mountpoint: PathBuf,
+    /// Mount options, comma-separated (repeatable): see below.
+    #[arg(short = 'o', value_name = "OPTIONS")]
+    pub options: Vec<String>,
+    /// Detach once mounted (the default when run by mount(8) from /etc/fstab).
+    #[arg(long)]
+    pub daemon: bool,
+    /// With --daemon: append the mount's log here (default: discarded).
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
+    /// How the data path reaps completions (`-o completion=`).
+    #[arg(long, value_enum, default_value = "interrupt")]
+    pub completion: Completion,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
 pub struct CpArgs {
     /// Source: a local path or an lwio:// URL.
     pub src: String,
@@ -422,6 +464,7 @@ pub fn run(cli: Cli) -> CliResult {
             Ok(())
         }
         Command::Cat(a) => crate::cmd::cat::run(a),
+        Command::Mount(a) => crate::cmd::mount::run(a),
         Command::Cp(a) => crate::cmd::cp::run(a),
         Command::Bench(a) => crate::cmd::bench::run(a),
         Command::Devices => devices(),

@@ -19,7 +19,17 @@ fn main() -> ExitCode {
             .unwrap_or_default();
         eprintln!("lwio: internal error: {msg}{at} (please report this)");
     }));
-    let cli = match lwio::cli::Cli::try_parse() {
+    // mount(8) runs a `fuse.lwio` (or `lwio#URL`) line of /etc/fstab as
+    // `lwio URL MOUNTPOINT -o OPTIONS`: that is `lwio mount --daemon …`.
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args
+        .get(1)
+        .and_then(|a| a.to_str())
+        .is_some_and(|a| a.starts_with("lwio://"))
+    {
+        args.splice(1..1, ["mount".into(), "--daemon".into()]);
+    }
+    let cli = match lwio::cli::Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {
             // A bad value (URL, size, duration) is one actionable line; other

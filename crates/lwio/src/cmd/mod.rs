@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod cat;
 pub mod cp;
+pub mod mount;
 pub mod rdma_bench;
 pub mod serve;
 

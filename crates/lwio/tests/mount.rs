@@ -1,0 +1,310 @@
+//! `lwio mount` end to end: a real server (side channel + soft RDMA on
+//! loopback), a real FUSE mount in a temporary directory, and plain std::fs
+//! calls on it, as any program would make them. Contents are compared byte
+//! for byte with the server's directory, and failures by their exact errno.
+//!
+//! These tests need /dev/fuse and fusermount3 (Debian `fuse3`; .ci/run
+//! installs it). Without them they fail: a skipped mount test is not a pass.
+
+use std::fs;
+use std::io::{ErrorKind, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
+use std::time::Duration;
+
+use lwio_client::{Client, ClientOptions, Completion};
+use lwio_mount::{MountConfig, Mounted};
+use lwio_rdma::conformance::pattern;
+use lwio_server::config::Limits;
+use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::testkit::LocalServer;
+
+const TOKEN: &str = "mount-test-token-0123456789";
+
+fn require_fuse() {
+    assert!(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse is missing: the mount tests need FUSE (apt-get install fuse3)"
+    );
+    assert!(
+        std::process::Command::new("fusermount3")
+            .arg("-V")
+            .output()
+            .is_ok_and(|o| o.status.success()),
+        "fusermount3 is missing: apt-get install fuse3"
+    );
+}
+
+struct Fixture {
+    server: LocalServer,
+    dir: tempfile::TempDir,
+    mnt: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        require_fuse();
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .with_test_writer()
+            .try_init();
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("export")).unwrap();
+        let server = LocalServer::start(
+            &dir.path().join("export"),
+            "ex",
+            TOKEN,
+            Limits::default(),
+            RdmaServerOptions::default(),
+        )
+        .expect("server starts");
+        let mnt = tempfile::tempdir().unwrap();
+        Fixture { server, dir, mnt }
+    }
+
+    fn client(&self) -> Client {
+        let opts = ClientOptions {
+            completion: Completion::Interrupt,
+            op_timeout: Duration::from_secs(20),
+            ..ClientOptions::default()
+        };
+        Client::connect(&self.server.side_addr.to_string(), Some(TOKEN), opts)
+            .expect("client connects")
+    }
+
+    fn mount(&self, cfg: &MountConfig) -> Mounted {
+        self.mount_at(self.mnt.path(), "", cfg)
+    }
+
+    fn mount_at(&self, at: &Path, subdir: &str, cfg: &MountConfig) -> Mounted {
+        lwio_mount::mount(self.client(), "ex", subdir, at, cfg).expect("mounts")
+    }
+
+    /// The server's copy of `rel`.
+    fn srv(&self, rel: &str) -> std::path::PathBuf {
+        self.dir.path().join("export").join(rel)
+    }
+
+    fn m(&self, rel: &str) -> std::path::PathBuf {
+        self.mnt.path().join(rel)
+    }
+}
+
+fn errno(e: std::io::Error) -> i32 {
+    e.raw_os_error()
+        .unwrap_or_else(|| panic!("not an OS error: {e}"))
+}
+
+fn is_mountpoint(p: &Path) -> bool {
+    let parent = p.parent().unwrap();
+    fs::metadata(p).map(|m| m.dev()).ok() != fs::metadata(parent).map(|m| m.dev()).ok()
+}
+
+#[test]
+fn files_written_and_read_through_the_mount_are_byte_exact() {
+    let f = Fixture::new();
+    let m = f.mount(&MountConfig::default());
+    assert!(is_mountpoint(f.mnt.path()));
+
+    // Written through the mount: the server's file has the same bytes.
+    let big = pattern(7, 5 * 1024 * 1024 + 12_345);
+    fs::write(f.m("big.bin"), &big).unwrap();
+    assert_eq!(fs::read(f.srv("big.bin")).unwrap(), big);
+    // Written on the server: the mount reads the same bytes.
+    let other = pattern(9, 3 * 1024 * 1024 + 1);
+    fs::write(f.srv("server.bin"), &other).unwrap();
+    assert_eq!(fs::read(f.m("server.bin")).unwrap(), other);
+
+    // pwrite/pread at odd offsets, past the end (a hole reads as zeros).
+    let h = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(f.m("big.bin"))
+        .unwrap();
+    h.write_all_at(b"middle", 1_000_003).unwrap();
+    h.write_all_at(b"tail", big.len() as u64 + 4096).unwrap();
+    h.sync_all().unwrap();
+    let mut want = big.clone();
+    want[1_000_003..1_000_009].copy_from_slice(b"middle");
+    want.resize(big.len() + 4096, 0);
+    want.extend_from_slice(b"tail");
+    assert_eq!(fs::read(f.srv("big.bin")).unwrap(), want);
+    let mut got = vec![0u8; 10];
+    h.read_exact_at(&mut got, 1_000_000).unwrap();
+    assert_eq!(&got, &want[1_000_000..1_000_010]);
+    // Truncate through an open handle and by path.
+    h.set_len(100).unwrap();
+    drop(h);
+    assert_eq!(fs::read(f.srv("big.bin")).unwrap(), &want[..100]);
+    fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(f.m("big.bin"))
+        .unwrap();
+    assert_eq!(fs::metadata(f.srv("big.bin")).unwrap().len(), 0);
+
+    // Append mode.
+    let mut a = fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(f.m("log.txt"))
+        .unwrap();
+    a.write_all(b"one\n").unwrap();
+    a.write_all(b"two\n").unwrap();
+    drop(a);
+    assert_eq!(fs::read(f.srv("log.txt")).unwrap(), b"one\ntwo\n");
+
+    // O_DIRECT opens and moves the same bytes with aligned offsets and
+    // lengths, as on a local disk (tmpfs may refuse O_DIRECT: then the
+    // exact errno is EINVAL, as on a local tmpfs).
+    match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(f.m("server.bin"))
+    {
+        Ok(d) => {
+            // A page-aligned buffer, as O_DIRECT wants of any file system.
+            let mut raw = vec![0u8; (1 << 20) + 4096];
+            let at = raw.as_ptr().align_offset(4096);
+            let v = &mut raw[at..at + (1 << 20)];
+            let mut got = Vec::new();
+            loop {
+                let n = d.read_at(v, got.len() as u64).unwrap();
+                got.extend_from_slice(&v[..n]);
+                if n < v.len() {
+                    break;
+                }
+            }
+            assert_eq!(got, other);
+        }
+        Err(e) => assert_eq!(errno(e), libc::EINVAL),
+    }
+
+    // Sizes and kinds as the server sees them.
+    let md = fs::metadata(f.m("server.bin")).unwrap();
+    assert_eq!(md.len(), other.len() as u64);
+    assert!(md.is_file());
+    assert!(fs::metadata(f.mnt.path()).unwrap().is_dir());
+
+    m.unmount().unwrap();
+    assert!(!is_mountpoint(f.mnt.path()));
+    // Nothing written was lost by the unmount.
+    assert_eq!(fs::read(f.srv("log.txt")).unwrap(), b"one\ntwo\n");
+}
+
+#[test]
+fn directories_listing_rename_and_exact_errnos() {
+    let f = Fixture::new();
+    let _m = f.mount(&MountConfig::default());
+
+    fs::create_dir(f.m("d")).unwrap();
+    fs::create_dir(f.m("d/e")).unwrap();
+    fs::write(f.m("d/e/x"), b"x").unwrap();
+    assert!(f.srv("d/e/x").is_file());
+    let mut names: Vec<_> = fs::read_dir(f.m("d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["e"]);
+    // A listing of many entries (several readdir calls) is complete.
+    for i in 0..300 {
+        fs::write(f.srv(&format!("d/f{i:03}")), i.to_string()).unwrap();
+    }
+    let n = fs::read_dir(f.m("d")).unwrap().count();
+    assert_eq!(n, 301);
+    assert_eq!(fs::read_to_string(f.m("d/f123")).unwrap(), "123");
+
+    // Rename a directory: what was beneath it follows.
+    fs::rename(f.m("d/e"), f.m("d/g")).unwrap();
+    assert_eq!(fs::read(f.m("d/g/x")).unwrap(), b"x");
+    assert!(f.srv("d/g/x").is_file() && !f.srv("d/e").exists());
+    // Rename a file over another: replaced.
+    fs::write(f.m("a"), b"A").unwrap();
+    fs::write(f.m("b"), b"B").unwrap();
+    fs::rename(f.m("a"), f.m("b")).unwrap();
+    assert_eq!(fs::read(f.srv("b")).unwrap(), b"A");
+    assert!(!f.srv("a").exists());
+
+    // The exact errno of each failure.
+    let e = |r: std::io::Result<()>| errno(r.unwrap_err());
+    assert_eq!(e(fs::read(f.m("nope")).map(drop)), libc::ENOENT);
+    assert_eq!(e(fs::create_dir(f.m("d"))), libc::EEXIST);
+    assert_eq!(
+        e(fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(f.m("b"))
+            .map(drop)),
+        libc::EEXIST
+    );
+    assert_eq!(e(fs::remove_dir(f.m("d"))), libc::ENOTEMPTY);
+    assert_eq!(e(fs::write(f.m("d"), b"x")), libc::EISDIR);
+    assert_eq!(e(fs::write(f.m("b/x"), b"x")), libc::ENOTDIR);
+    assert_eq!(e(fs::write(f.m("nodir/x"), b"x")), libc::ENOENT);
+    let long = "n".repeat(256);
+    assert_eq!(e(fs::write(f.m(&long), b"x")), libc::ENAMETOOLONG);
+    assert_eq!(e(fs::rename(f.m("nope"), f.m("z"))), libc::ENOENT);
+
+    // Remove files and directories.
+    fs::remove_file(f.m("b")).unwrap();
+    assert!(!f.srv("b").exists());
+    assert_eq!(e(fs::remove_file(f.m("b"))), libc::ENOENT);
+    fs::remove_dir_all(f.m("d")).unwrap();
+    assert!(!f.srv("d").exists());
+}
+
+#[test]
+fn read_only_mount_refuses_writes_and_writes_nothing() {
+    let f = Fixture::new();
+    fs::write(f.srv("keep"), b"original").unwrap();
+    let cfg = MountConfig {
+        read_only: true,
+        ..MountConfig::default()
+    };
+    let _m = f.mount(&cfg);
+    assert_eq!(fs::read(f.m("keep")).unwrap(), b"original");
+    let e = |r: std::io::Result<()>| errno(r.unwrap_err());
+    assert_eq!(e(fs::write(f.m("keep"), b"changed")), libc::EROFS);
+    assert_eq!(e(fs::write(f.m("new"), b"x")), libc::EROFS);
+    assert_eq!(e(fs::create_dir(f.m("dir"))), libc::EROFS);
+    assert_eq!(e(fs::remove_file(f.m("keep"))), libc::EROFS);
+    assert_eq!(fs::read(f.srv("keep")).unwrap(), b"original");
+    assert!(!f.srv("new").exists() && !f.srv("dir").exists());
+}
+
+#[test]
+fn a_subdirectory_mount_sees_only_its_tree() {
+    let f = Fixture::new();
+    fs::create_dir_all(f.srv("db/inner")).unwrap();
+    fs::write(f.srv("db/inner/f"), b"inside").unwrap();
+    fs::write(f.srv("outside"), b"no").unwrap();
+    let _m = f.mount_at(f.mnt.path(), "db", &MountConfig::default());
+    assert_eq!(fs::read(f.m("inner/f")).unwrap(), b"inside");
+    assert_eq!(
+        fs::read(f.m("outside")).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    let mut w = fs::File::create(f.m("inner/new")).unwrap();
+    w.write_all(b"made in db").unwrap();
+    w.seek(SeekFrom::Start(0)).unwrap();
+    drop(w);
+    assert_eq!(fs::read(f.srv("db/inner/new")).unwrap(), b"made in db");
+}
+
+#[test]
+fn a_mount_of_a_missing_directory_fails_before_mounting() {
+    let f = Fixture::new();
+    let e = lwio_mount::mount(
+        f.client(),
+        "ex",
+        "no/such/dir",
+        f.mnt.path(),
+        &MountConfig::default(),
+    )
+    .err()
+    .expect("refused");
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    assert_eq!(e.to_string(), "ex/no/such/dir: No such file or directory");
+    assert!(!is_mountpoint(f.mnt.path()));
+}

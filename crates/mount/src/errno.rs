@@ -1,0 +1,82 @@
+//! Errors to errno values for the kernel.
+
+use libc::*;
+use lwio_proto::status::*;
+use lwio_side::ErrorCode as C;
+
+/// The errno for a side-channel error: the server's own errno when it sent
+/// one, else the natural one for its code.
+pub fn side(e: &lwio_side::Error) -> i32 {
+    match e.code {
+        C::NotFound | C::NoSuchExport => ENOENT,
+        C::PermissionDenied | C::OutsideExport | C::AuthFailed | C::NotLoggedIn => EACCES,
+        C::Exists => EEXIST,
+        C::NotADirectory => ENOTDIR,
+        C::IsADirectory => EISDIR,
+        C::NoSpace => ENOSPC,
+        C::DirectoryNotEmpty => ENOTEMPTY,
+        C::TooManyOpenFiles => EMFILE,
+        C::BadHandle => EBADF,
+        C::InvalidArgument | C::BadRequest => EINVAL,
+        C::Busy => EBUSY,
+        C::ReadOnly => EROFS,
+        C::NameTooLong => ENAMETOOLONG,
+        C::Unsupported => EOPNOTSUPP,
+        C::TimedOut => ETIMEDOUT,
+        C::FrameTooLarge => E2BIG,
+        C::UnsupportedVersion | C::Io | C::Disconnected | C::ConnectFailed => EIO,
+    }
+}
+
+/// The errno for a client (data path or connection) error.
+pub fn client(e: &lwio_client::Error) -> i32 {
+    use lwio_client::Error as E;
+    match e {
+        E::NotFound(_) => ENOENT,
+        E::AccessDenied(_) | E::WrongToken(_) => EACCES,
+        E::InvalidArgument(_) => EINVAL,
+        E::Busy(_) => EBUSY,
+        E::Cancelled => EINTR,
+        E::TimedOut(_) => ETIMEDOUT,
+        E::Status { status, .. } => match *status {
+            STATUS_DISK_FULL => ENOSPC,
+            STATUS_INVALID_HANDLE | STATUS_FILE_CLOSED => EBADF,
+            STATUS_INVALID_PARAMETER | STATUS_INVALID_BUFFER_SIZE => EINVAL,
+            STATUS_ACCESS_DENIED => EACCES,
+            STATUS_NOT_SUPPORTED | STATUS_INVALID_DEVICE_REQUEST => EOPNOTSUPP,
+            STATUS_IO_TIMEOUT => ETIMEDOUT,
+            STATUS_INSUFFICIENT_RESOURCES => ENOMEM,
+            _ => EIO,
+        },
+        _ => EIO,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_map_to_the_errno_programs_expect() {
+        let e = |c| side(&lwio_side::Error::new(c, "x"));
+        assert_eq!(e(C::NotFound), ENOENT);
+        assert_eq!(e(C::Exists), EEXIST);
+        assert_eq!(e(C::DirectoryNotEmpty), ENOTEMPTY);
+        assert_eq!(e(C::IsADirectory), EISDIR);
+        assert_eq!(e(C::NotADirectory), ENOTDIR);
+        assert_eq!(e(C::ReadOnly), EROFS);
+        assert_eq!(e(C::NameTooLong), ENAMETOOLONG);
+        let s = |status| {
+            client(&lwio_client::Error::Status {
+                what: "READ".into(),
+                status,
+            })
+        };
+        assert_eq!(s(STATUS_DISK_FULL), ENOSPC);
+        assert_eq!(s(0xC000_0185), EIO);
+        assert_eq!(
+            client(&lwio_client::Error::ConnectionLost("gone".into())),
+            EIO
+        );
+    }
+}

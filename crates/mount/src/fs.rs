@@ -1,0 +1,686 @@
+//! The FUSE file system over one lwio client.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
+};
+use lwio_client::{Client, File, OpenOptions};
+use lwio_side::types::{Attr, DirEntry, FileKind};
+use tracing::{debug, warn};
+
+use crate::errno;
+use crate::inodes::{join, Inodes};
+use crate::{MountConfig, Stats};
+
+type Res<T> = Result<T, i32>;
+
+fn err(e: i32) -> Errno {
+    Errno::from_i32(e)
+}
+
+/// An lwio export (or a directory in it) as a FUSE file system.
+pub struct LwioFs {
+    client: Client,
+    export: String,
+    cfg: MountConfig,
+    stats: Arc<Stats>,
+    inodes: Mutex<Inodes>,
+    files: Mutex<HashMap<u64, Arc<File>>>,
+    dirs: Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>,
+    next_fh: AtomicU64,
+    /// Owner reported for every file (the server's ids mean nothing here).
+    uid: u32,
+    gid: u32,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn name_str(name: &OsStr) -> Res<&str> {
+    // The side channel names files in UTF-8 (docs/side-channel.md §6).
+    name.to_str().ok_or(libc::EILSEQ)
+}
+
+fn time(ns: i64) -> SystemTime {
+    if ns >= 0 {
+        UNIX_EPOCH + Duration::from_nanos(ns as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_nanos(ns.unsigned_abs())
+    }
+}
+
+impl LwioFs {
+    /// The file system of `export`/`subdir` (checked to be a directory).
+    pub fn new(
+        client: Client,
+        export: &str,
+        subdir: &str,
+        cfg: MountConfig,
+        stats: Arc<Stats>,
+    ) -> io::Result<LwioFs> {
+        if let Some(e) = client.export().filter(|e| *e != export) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("the client was connected to export {e}, not {export}"),
+            ));
+        }
+        let fs = LwioFs {
+            client,
+            export: export.to_string(),
+            cfg,
+            stats,
+            inodes: Mutex::new(Inodes::new(subdir)),
+            files: Mutex::new(HashMap::new()),
+            dirs: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            // SAFETY: getuid/getgid cannot fail and touch no memory.
+            uid: unsafe { libc::getuid() },
+            gid: unsafe { libc::getgid() },
+        };
+        let root = fs.stat(subdir).map_err(|e| {
+            io::Error::new(
+                io::Error::from_raw_os_error(e).kind(),
+                format!(
+                    "{export}/{subdir}: {}",
+                    io::Error::from_raw_os_error(e)
+                        .to_string()
+                        .split(" (os error")
+                        .next()
+                        .unwrap_or("")
+                ),
+            )
+        })?;
+        if root.kind != FileKind::Dir {
+            return Err(io::Error::new(
+                io::ErrorKind::NotADirectory,
+                format!("{export}/{subdir}: not a directory"),
+            ));
+        }
+        Ok(fs)
+    }
+
+    /// A side-channel call, counted.
+    fn side<T>(
+        &self,
+        f: impl FnOnce(&mut lwio_client::side::Client) -> lwio_side::Result<T>,
+    ) -> Res<T> {
+        Stats::add(&self.stats.side_calls, 1);
+        match self.client.side(|s| Ok(f(s))) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                debug!(error = %e, "side channel");
+                Err(errno::side(&e))
+            }
+            Err(e) => {
+                warn!(error = %e, "side channel");
+                Err(errno::client(&e))
+            }
+        }
+    }
+
+    fn stat(&self, path: &str) -> Res<Attr> {
+        let export = &self.export;
+        self.side(|s| s.stat(export, path))
+    }
+
+    fn path(&self, ino: INodeNo) -> Res<String> {
+        lock(&self.inodes).path(ino.0).ok_or(libc::ESTALE)
+    }
+
+    fn child(&self, parent: INodeNo, name: &OsStr) -> Res<String> {
+        Ok(join(&self.path(parent)?, name_str(name)?))
+    }
+
+    fn attr(&self, ino: u64, a: &Attr) -> FileAttr {
+        let kind = match a.kind {
+            FileKind::Dir => FileType::Directory,
+            FileKind::Symlink => FileType::Symlink,
+            FileKind::File => FileType::RegularFile,
+            FileKind::Other => FileType::RegularFile,
+        };
+        let t = time(a.mtime_ns);
+        FileAttr {
+            ino: INodeNo(ino),
+            size: a.size,
+            blocks: a.size.div_ceil(512),
+            atime: t,
+            mtime: t,
+            ctime: t,
+            crtime: t,
+            kind,
+            perm: (a.perm & 0o7777) as u16,
+            nlink: if kind == FileType::Directory { 2 } else { 1 },
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 1 << 20,
+            flags: 0,
+        }
+    }
+
+    /// Look `path` up: count a kernel reference and answer with its entry.
+    fn entry(&self, path: &str, a: &Attr, reply: ReplyEntry) {
+        let ino = lock(&self.inodes).lookup(path);
+        reply.entry_with_ttls(
+            &self.cfg.attr_ttl,
+            &self.cfg.entry_ttl,
+            &self.attr(ino, a),
+            Generation(0),
+        );
+    }
+
+    fn reply_attr(&self, ino: INodeNo, r: Res<Attr>, reply: ReplyAttr) {
+        match r {
+            Ok(a) => reply.attr(&self.cfg.attr_ttl, &self.attr(ino.0, &a)),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn file(&self, fh: FileHandle) -> Res<Arc<File>> {
+        lock(&self.files).get(&fh.0).cloned().ok_or(libc::EBADF)
+    }
+
+    fn add_file(&self, f: File) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        lock(&self.files).insert(fh, Arc::new(f));
+        fh
+    }
+
+    /// Open `path` over the data path (side-channel open + RDMA register).
+    fn open_path(&self, path: &str, flags: i32, create_mode: Option<u32>) -> Res<File> {
+        let acc = flags & libc::O_ACCMODE;
+        if self.cfg.read_only && (acc != libc::O_RDONLY || flags & libc::O_TRUNC != 0) {
+            return Err(libc::EROFS);
+        }
+        let mut o = OpenOptions::read_only();
+        o.0.read = acc != libc::O_WRONLY;
+        o.0.write = acc != libc::O_RDONLY;
+        o.0.truncate = flags & libc::O_TRUNC != 0 && o.0.write;
+        o.0.create = create_mode.is_some();
+        o.0.exclusive = create_mode.is_some() && flags & libc::O_EXCL != 0;
+        o.0.no_buffering = flags & libc::O_DIRECT != 0;
+        o.0.write_through = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+        Stats::add(&self.stats.opens, 1);
+        Stats::add(&self.stats.side_calls, 1);
+        // `Client::open` takes EXPORT/PATH, or PATH when the client's URL
+        // named the export (`new` checked that it is this one).
+        let full = match self.client.export() {
+            Some(_) => path.to_string(),
+            None => format!("{}/{path}", self.export),
+        };
+        self.client
+            .open_mode(&full, &o, create_mode.unwrap_or(0o644))
+            .map_err(|e| {
+                debug!(path, error = %e, "open");
+                errno::client(&e)
+            })
+    }
+
+    fn fopen_flags(flags: i32) -> FopenFlags {
+        if flags & libc::O_DIRECT != 0 {
+            FopenFlags::FOPEN_DIRECT_IO
+        } else {
+            FopenFlags::empty()
+        }
+    }
+
+    /// Truncate `path` (no open handle): open for writing, set the size,
+    /// close.
+    fn truncate_path(&self, path: &str, size: u64) -> Res<()> {
+        let export = &self.export;
+        self.side(|s| {
+            let o = lwio_side::types::OpenOptions {
+                read: false,
+                write: true,
+                ..Default::default()
+            };
+            let f = s.open(export, path, &o, 0)?;
+            let r = s.set_size(f.handle, size);
+            let c = s.close(f.handle);
+            r.and(c)
+        })
+    }
+
+    fn read_into(&self, f: &File, offset: u64, size: u32) -> Res<Vec<u8>> {
+        let mut buf = vec![0u8; size as usize];
+        let mut done = 0usize;
+        while done < buf.len() {
+            match f.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) => {
+                    if done > 0 {
+                        break;
+                    }
+                    debug!(error = %e, "read");
+                    return Err(errno::client(&e));
+                }
+            }
+        }
+        buf.truncate(done);
+        Stats::add(&self.stats.reads, 1);
+        Stats::add(&self.stats.read_bytes, done as u64);
+        Ok(buf)
+    }
+
+    fn write_all(&self, f: &File, offset: u64, data: &[u8]) -> Res<u32> {
+        let mut done = 0usize;
+        while done < data.len() {
+            match f.write_at(&data[done..], offset + done as u64) {
+                Ok(0) => return Err(libc::EIO),
+                Ok(n) => done += n,
+                Err(e) => {
+                    if done > 0 {
+                        break;
+                    }
+                    debug!(error = %e, "write");
+                    return Err(errno::client(&e));
+                }
+            }
+        }
+        Stats::add(&self.stats.writes, 1);
+        Stats::add(&self.stats.write_bytes, done as u64);
+        Ok(done as u32)
+    }
+
+    fn readdir_entries(&self, fh: FileHandle) -> Res<Arc<Vec<DirEntry>>> {
+        lock(&self.dirs).get(&fh.0).cloned().ok_or(libc::EBADF)
+    }
+
+    /// A node id for a listed entry: the looked-up one if the kernel knows
+    /// it, else a stable stand-in (readdir's d_ino is informational; the
+    /// kernel takes the real id from the lookup that follows).
+    fn listed_ino(&self, path: &str) -> u64 {
+        if let Some(i) = lock(&self.inodes).peek(path) {
+            return i;
+        }
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in path.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+        h | (1 << 63)
+    }
+
+    fn forget_path(&self, path: &str) {
+        lock(&self.inodes).unlinked(path);
+    }
+}
+
+impl Filesystem for LwioFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+        let _ = config.set_max_write(self.cfg.max_io);
+        let _ = config.set_max_readahead(self.cfg.max_io);
+        let want = InitFlags::FUSE_ATOMIC_O_TRUNC | InitFlags::FUSE_PARALLEL_DIROPS;
+        if let Err(missing) = config.add_capabilities(want) {
+            debug!(?missing, "kernel lacks FUSE capabilities");
+        }
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        let files: Vec<_> = lock(&self.files).drain().map(|(_, f)| f).collect();
+        for f in files {
+            if let Ok(f) = Arc::try_unwrap(f) {
+                let _ = f.close();
+            }
+        }
+        tracing::info!(stats = %self.stats.summary(), "unmounted");
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        Stats::add(&self.stats.lookups, 1);
+        let r = self
+            .child(parent, name)
+            .and_then(|p| Ok((self.stat(&p)?, p)));
+        match r {
+            Ok((a, p)) => self.entry(&p, &a, reply),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        lock(&self.inodes).forget(ino.0, nlookup);
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let r = self.path(ino).and_then(|p| self.stat(&p));
+        self.reply_attr(ino, r, reply)
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let r = (|| -> Res<Attr> {
+            let path = self.path(ino)?;
+            if self.cfg.read_only {
+                return Err(libc::EROFS);
+            }
+            if mode.is_some()
+                || uid.is_some()
+                || gid.is_some()
+                || atime.is_some()
+                || mtime.is_some()
+            {
+                return Err(libc::ENOSYS);
+            }
+            if let Some(size) = size {
+                match fh.map(|fh| self.file(fh)) {
+                    Some(Ok(f)) => f.set_len(size).map_err(|e| errno::client(&e))?,
+                    _ => self.truncate_path(&path, size)?,
+                }
+            }
+            self.stat(&path)
+        })();
+        self.reply_attr(ino, r, reply)
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let r = (|| -> Res<(String, Attr)> {
+            let path = self.child(parent, name)?;
+            let export = &self.export;
+            self.side(|s| s.mkdir(export, &path, mode & !umask & 0o7777, false))?;
+            Ok((path.clone(), self.stat(&path)?))
+        })();
+        match r {
+            Ok((p, a)) => self.entry(&p, &a, reply),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = (|| -> Res<()> {
+            let path = self.child(parent, name)?;
+            let export = &self.export;
+            self.side(|s| s.remove(export, &path))?;
+            self.forget_path(&path);
+            Ok(())
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.unlink(req, parent, name, reply)
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let r = (|| -> Res<()> {
+            let from = self.child(parent, name)?;
+            let to = self.child(newparent, newname)?;
+            if flags.contains(RenameFlags::RENAME_EXCHANGE) {
+                return Err(libc::EINVAL);
+            }
+            let replace = !flags.contains(RenameFlags::RENAME_NOREPLACE);
+            let export = &self.export;
+            self.side(|s| s.rename(export, &from, &to, replace))?;
+            lock(&self.inodes).renamed(&from, &to);
+            Ok(())
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let r = self
+            .path(ino)
+            .and_then(|p| self.open_path(&p, flags.0, None));
+        match r {
+            Ok(f) => reply.opened(FileHandle(self.add_file(f)), Self::fopen_flags(flags.0)),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn create(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let r = (|| -> Res<(String, File, Attr)> {
+            let path = self.child(parent, name)?;
+            let f = self.open_path(&path, flags, Some(mode & !umask & 0o7777))?;
+            let a = self.stat(&path)?;
+            Ok((path, f, a))
+        })();
+        match r {
+            Ok((path, f, a)) => {
+                let ino = lock(&self.inodes).lookup(&path);
+                let fh = self.add_file(f);
+                reply.created(
+                    &self.cfg.attr_ttl,
+                    &self.attr(ino, &a),
+                    Generation(0),
+                    FileHandle(fh),
+                    Self::fopen_flags(flags),
+                );
+            }
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.file(fh).and_then(|f| self.read_into(&f, offset, size)) {
+            Ok(buf) => reply.data(&buf),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: fuser::WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        match self.file(fh).and_then(|f| self.write_all(&f, offset, data)) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        // Writes are synchronous (no write-back cache): nothing to push.
+        match self.file(fh) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let f = lock(&self.files).remove(&fh.0);
+        // A read or write still running on another thread holds the other
+        // reference; the file then closes when that one drops it.
+        if let Some(Ok(f)) = f.map(Arc::try_unwrap) {
+            if let Err(e) = f.close() {
+                warn!(error = %e, "close");
+            }
+        }
+        reply.ok();
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let r = self.file(fh).and_then(|f| {
+            Stats::add(&self.stats.side_calls, 1);
+            if datasync {
+                f.sync_data()
+            } else {
+                f.sync_all()
+            }
+            .map_err(|e| errno::client(&e))
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let r = self.path(ino).and_then(|p| {
+            let export = &self.export;
+            self.side(|s| s.list_dir(export, &p))
+        });
+        match r {
+            Ok(list) => {
+                let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+                lock(&self.dirs).insert(fh, Arc::new(list));
+                reply.opened(FileHandle(fh), FopenFlags::empty());
+            }
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let r = self
+            .readdir_entries(fh)
+            .and_then(|l| Ok((l, self.path(ino)?)));
+        let (list, dir) = match r {
+            Ok(v) => v,
+            Err(e) => return reply.error(err(e)),
+        };
+        // Offsets: 1 after ".", 2 after "..", 3 + i after entry i.
+        let mut i = offset;
+        while i < 2 + list.len() as u64 {
+            let full = match i {
+                0 => reply.add(ino, 1, FileType::Directory, "."),
+                1 => reply.add(INodeNo(1), 2, FileType::Directory, ".."),
+                _ => {
+                    let e = &list[(i - 2) as usize];
+                    let kind = match e.attr.kind {
+                        FileKind::Dir => FileType::Directory,
+                        FileKind::Symlink => FileType::Symlink,
+                        _ => FileType::RegularFile,
+                    };
+                    let ino = self.listed_ino(&join(&dir, &e.name));
+                    reply.add(INodeNo(ino), i + 1, kind, &e.name)
+                }
+            };
+            if full {
+                break;
+            }
+            i += 1;
+        }
+        reply.ok();
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        lock(&self.dirs).remove(&fh.0);
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        // Directory operations are synchronous on the server.
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        reply.statfs(0, 0, 0, 0, 0, 4096, 255, 4096);
+    }
+}

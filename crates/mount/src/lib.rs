@@ -1,0 +1,171 @@
+//! `lwio mount`: an lwio export as a POSIX file system, on FUSE.
+//!
+//! Namespace operations (lookup, getattr, mkdir, rename, …) go over the
+//! client's side-channel session; file data moves over the LWIO data path
+//! (READ and WRITE on RDMA), never over the side channel. See
+//! docs/mount.md for the semantics, the options and what a second client
+//! sees.
+//!
+//! The file system itself is [`fs::LwioFs`]; [`mount`] starts a FUSE
+//! session for it on a mount point and returns a [`Mounted`] handle that
+//! unmounts it.
+
+pub mod errno;
+pub mod fs;
+mod inodes;
+pub mod options;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+pub use options::{MountConfig, OptionError};
+
+/// Counters of a mount (what it served and how).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// FUSE lookups served.
+    pub lookups: AtomicU64,
+    /// Side-channel calls made (each is one round trip to the server).
+    pub side_calls: AtomicU64,
+    /// READ calls over the data path, and their bytes.
+    pub reads: AtomicU64,
+    pub read_bytes: AtomicU64,
+    /// WRITE calls over the data path, and their bytes.
+    pub writes: AtomicU64,
+    pub write_bytes: AtomicU64,
+    /// Files opened (side-channel open + RDMA register).
+    pub opens: AtomicU64,
+}
+
+impl Stats {
+    pub(crate) fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// One line for logs.
+    pub fn summary(&self) -> String {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        format!(
+            "{} lookups, {} side-channel calls, {} opens, {} reads ({} bytes), {} writes ({} bytes)",
+            g(&self.lookups),
+            g(&self.side_calls),
+            g(&self.opens),
+            g(&self.reads),
+            g(&self.read_bytes),
+            g(&self.writes),
+            g(&self.write_bytes)
+        )
+    }
+}
+
+/// A mounted file system. Dropping it unmounts.
+pub struct Mounted {
+    mountpoint: PathBuf,
+    unmounter: Option<fuser::SessionUnmounter>,
+    thread: Option<JoinHandle<io::Result<()>>>,
+    stats: Arc<Stats>,
+}
+
+impl Mounted {
+    /// Where it is mounted.
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// The mount's counters.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Whether the FUSE session ended (unmounted from outside with
+    /// `fusermount3 -u` or `umount`, or the kernel connection aborted).
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Unmount (the kernel flushes and releases every open file first: our
+    /// writes are synchronous, so nothing dirty stays behind) and wait for
+    /// the session to end.
+    pub fn unmount(mut self) -> io::Result<()> {
+        self.unmount_inner()
+    }
+
+    /// Wait until the session ends (an unmount from outside).
+    pub fn join(mut self) -> io::Result<()> {
+        let r = match self.thread.take() {
+            Some(t) => t
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the FUSE session thread panicked"))),
+            None => Ok(()),
+        };
+        self.unmounter = None;
+        r
+    }
+
+    fn unmount_inner(&mut self) -> io::Result<()> {
+        let mut first = Ok(());
+        if !self.is_finished() {
+            if let Some(u) = self.unmounter.as_mut() {
+                first = u.unmount();
+            }
+        }
+        self.unmounter = None;
+        let r = match self.thread.take() {
+            Some(t) => t
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the FUSE session thread panicked"))),
+            None => Ok(()),
+        };
+        first.and(r)
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            if let Err(e) = self.unmount_inner() {
+                tracing::warn!(mountpoint = %self.mountpoint.display(), error = %e, "unmount");
+            }
+        }
+    }
+}
+
+/// Mount `export`/`subdir` of a connected client on `mountpoint`. Returns
+/// once the kernel has accepted the mount (the FUSE INIT exchange is done),
+/// so a failure (no /dev/fuse, no fusermount3, a busy mount point) is
+/// reported here, before anything is mounted.
+pub fn mount(
+    client: lwio_client::Client,
+    export: &str,
+    subdir: &str,
+    mountpoint: &Path,
+    cfg: &MountConfig,
+) -> io::Result<Mounted> {
+    let stats = Arc::new(Stats::default());
+    let fs = fs::LwioFs::new(client, export, subdir, cfg.clone(), stats.clone())?;
+    let mut config = fuser::Config::default();
+    config.mount_options = cfg.fuse_options(export, subdir);
+    config.acl = if cfg.allow_other {
+        fuser::SessionACL::All
+    } else if cfg.allow_root {
+        fuser::SessionACL::RootAndOwner
+    } else {
+        fuser::SessionACL::Owner
+    };
+    config.n_threads = Some(cfg.threads.max(1));
+    config.clone_fd = cfg.threads > 1;
+    let mut session = fuser::Session::new(fs, mountpoint, &config)?;
+    let unmounter = session.unmount_callable();
+    let thread = std::thread::Builder::new()
+        .name("lwio-fuse".into())
+        .spawn(move || session.run())?;
+    Ok(Mounted {
+        mountpoint: mountpoint.to_path_buf(),
+        unmounter: Some(unmounter),
+        thread: Some(thread),
+        stats,
+    })
+}
