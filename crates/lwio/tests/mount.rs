@@ -3,8 +3,9 @@
 //! calls on it, as any program would make them. Contents are compared byte
 //! for byte with the server's directory, and failures by their exact errno.
 //!
-//! These tests need /dev/fuse and fusermount3 (Debian `fuse3`; .ci/run
-//! installs it). Without them they fail: a skipped mount test is not a pass.
+//! These tests need /dev/fuse, and root or fusermount3 (Debian `fuse3`;
+//! .ci/run installs it): as root the mount is a plain mount(2). Without
+//! them they fail: a skipped mount test is not a pass.
 
 use std::fs;
 use std::io::{ErrorKind, Seek, SeekFrom, Write};
@@ -25,13 +26,6 @@ fn require_fuse() {
     assert!(
         Path::new("/dev/fuse").exists(),
         "/dev/fuse is missing: the mount tests need FUSE (apt-get install fuse3)"
-    );
-    assert!(
-        std::process::Command::new("fusermount3")
-            .arg("-V")
-            .output()
-            .is_ok_and(|o| o.status.success()),
-        "fusermount3 is missing: apt-get install fuse3"
     );
 }
 

@@ -1,0 +1,225 @@
+#!/usr/bin/env bash
+# mount-tests.sh - real programs that nobody here wrote, run on `lwio mount`
+# as their users run them; their own integrity checks are the referee.
+#
+# usage: scripts/mount-tests.sh [CASE ...]     (default: every case)
+# env:   LWIO      the lwio binary (default: target/release/lwio, built if missing)
+#        KEEP=1    keep the scratch directory
+#
+# A server (`lwio serve`, soft provider, loopback) exports a scratch directory;
+# `lwio mount --daemon` mounts it; each case runs a program on the mount and
+# prints PASS or FAIL with the program's own verdict. Any FAIL fails the run.
+# Needs root-less FUSE (/dev/fuse, fusermount3) and the Debian packages
+# fuse3 sqlite3 fio stress-ng sysbench git tar (.ci/run installs them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+if [ -z "${LWIO:-}" ]; then
+  cargo build --release -q -p lwio || exit 1
+  LWIO=$ROOT/target/release/lwio
+fi
+for p in fusermount3 sqlite3 fio stress-ng sysbench git tar; do
+  command -v "$p" >/dev/null || { echo "FAIL: $p is not installed (apt-get install fuse3 sqlite3 fio stress-ng sysbench git tar)"; exit 1; }
+done
+[ -e /dev/fuse ] || { echo "FAIL: /dev/fuse is missing"; exit 1; }
+
+W=$(mktemp -d /tmp/lwio-mount-tests.XXXXXX)
+export HOME=$W/home LWIO_KNOWN_HOSTS=$W/known_hosts
+mkdir -p "$HOME" "$W/export" "$W/mnt" "$W/mnt2" "$W/scratch"
+SERVER_PID=
+FAILS=0
+RUN=0
+
+cleanup() {
+  for m in "$W/mnt" "$W/mnt2"; do
+    mountpoint -q "$m" && { fusermount3 -u "$m" 2>/dev/null || fusermount3 -uz "$m"; }
+  done
+  [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
+  if [ "${KEEP:-0}" = 1 ]; then echo "kept $W"; else rm -rf "$W"; fi
+}
+trap cleanup EXIT
+
+pass() { echo "PASS $1 ($(( $(date +%s) - T0 ))s)"; }
+fail() { echo "FAIL $1: $2"; FAILS=$((FAILS + 1)); }
+
+start_server() {
+  PORT=$(( 20000 + RANDOM % 20000 ))
+  "$LWIO" serve --export "data=$W/export" --listen "127.0.0.1:$PORT" --provider soft \
+    >"$W/serve.log" 2>&1 &
+  SERVER_PID=$!
+  for _ in $(seq 1 100); do
+    grep -q "RDMA listening" "$W/serve.log" && break
+    sleep 0.1
+  done
+  FP=$(grep -o 'sha256:[0-9A-F:]*' "$W/serve.log" | head -1)
+  [ -n "$FP" ] || { echo "FAIL: server did not start"; cat "$W/serve.log"; exit 1; }
+  export LWIO_FINGERPRINT=$FP
+  URL=lwio://127.0.0.1:$PORT/data
+}
+
+do_mount() { # mountpoint [extra args]
+  local m=$1; shift
+  "$LWIO" mount --daemon --log "$W/mount-$(basename "$m").log" "$URL" "$m" --provider soft "$@"
+}
+
+start_server
+do_mount "$W/mnt" || { echo "FAIL: mount"; exit 1; }
+M=$W/mnt
+
+# ---------------------------------------------------------------- cases
+
+case_sqlite() {
+  local db=$M/sqlite/t.db
+  mkdir -p "$M/sqlite"
+  {
+    echo "PRAGMA journal_mode=WAL; CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT, n INTEGER);"
+    for t in $(seq 0 9); do
+      echo "BEGIN;"
+      for i in $(seq 1 1000); do echo "INSERT INTO t(v, n) VALUES (hex(randomblob(32)), $((t * 1000 + i)));"; done
+      echo "COMMIT;"
+    done
+    echo "CREATE INDEX tv ON t(v); DELETE FROM t WHERE n % 7 = 0; VACUUM;"
+  } | sqlite3 "$db" >/dev/null || { fail sqlite "sqlite3 failed"; return; }
+  local ic cnt
+  ic=$(sqlite3 "$db" "PRAGMA integrity_check;")
+  cnt=$(sqlite3 "$db" "SELECT count(*) FROM t;")
+  # The server's own copy, read with no FUSE in the way.
+  local ic2
+  ic2=$(sqlite3 "file:$W/export/sqlite/t.db?mode=ro" "PRAGMA integrity_check;" 2>&1)
+  if [ "$ic" = ok ] && [ "$cnt" = 8572 ] && [ "$ic2" = ok ]; then pass "sqlite (10000 rows in 10 transactions, integrity_check ok on the mount and on the server, $cnt rows left)"
+  else fail sqlite "integrity_check=$ic server=$ic2 rows=$cnt (want ok ok 8572)"; fi
+}
+
+case_fio() {
+  local eng out
+  for eng in psync io_uring; do
+    out=$(fio --name="verify-$eng" --directory="$M" --filename="fio-$eng.dat" --size=64M --bs=64k \
+      --rw=randwrite --ioengine=$eng --iodepth=8 --verify=crc32c --do_verify=1 --verify_fatal=1 \
+      --verify_backlog=64 2>&1)
+    if [ $? -eq 0 ] && grep -q "err= 0" <<<"$out" && ! grep -qi "verify.*bad\|crc32c.*fail" <<<"$out"; then
+      pass "fio $eng randwrite 64M bs=64k --verify=crc32c"
+    else
+      fail "fio $eng" "$(grep -i "err=\|verify\|error" <<<"$out" | head -3)"
+    fi
+  done
+}
+
+case_stress_ng() {
+  local out
+  out=$(cd "$M" && mkdir -p stress && stress-ng --temp-path "$M/stress" --hdd 2 --hdd-bytes 16M \
+    --dir 2 --rename 2 --verify --timeout 15s --metrics-brief 2>&1)
+  if [ $? -eq 0 ] && ! grep -qi "fail\|error" <<<"$(grep -v "metrc\|skipped" <<<"$out")"; then
+    pass "stress-ng --hdd 2 --dir 2 --rename 2 --verify (15 s)"
+  else
+    fail stress-ng "$(grep -i "fail\|error" <<<"$out" | head -3)"
+  fi
+}
+
+case_sysbench() {
+  local out
+  # prepare writes blocks without checksums: a validated seqwr writes them
+  # all first, then rndrw and seqrd check every block they read.
+  local sb="sysbench fileio --file-total-size=64M --file-num=8 --validate=on"
+  out=$(cd "$M" && mkdir -p sysbench && cd sysbench &&
+    $sb prepare >/dev/null &&
+    $sb --file-test-mode=seqwr run 2>&1 &&
+    $sb --file-test-mode=rndrw --time=10 run 2>&1 &&
+    $sb --file-test-mode=seqrd run 2>&1 &&
+    $sb cleanup >/dev/null)
+  if [ $? -eq 0 ] && grep -q "reads/s" <<<"$out" && ! grep -qi "validation failed\|FATAL" <<<"$out"; then
+    pass "sysbench fileio --validate=on: seqwr, rndrw (10 s), seqrd"
+  else
+    fail sysbench "$(grep -i "fatal\|valid\|error" <<<"$out" | head -3)"
+  fi
+}
+
+case_tar_git() {
+  local src=$W/scratch/src
+  rm -rf "$src"; mkdir -p "$src"
+  cp -r "$ROOT/crates/proto" "$ROOT/crates/side" "$ROOT/docs" "$src/"
+  ln -s docs "$src/docs-link"
+  chmod 0750 "$src/docs"
+  tar -C "$W/scratch" -cf "$W/scratch/src.tar" src
+  mkdir -p "$M/tar" && tar -C "$M/tar" -xf "$W/scratch/src.tar" || { fail tar "tar x on the mount failed"; return; }
+  if ! diff -r --no-dereference "$src" "$M/tar/src" >"$W/diff.out" 2>&1; then
+    fail tar "diff -r: $(head -3 "$W/diff.out")"; return
+  fi
+  tar -C "$M/tar" -cf "$W/scratch/back.tar" src && mkdir -p "$W/scratch/back" &&
+    tar -C "$W/scratch/back" -xf "$W/scratch/back.tar" &&
+    diff -r --no-dereference "$src" "$W/scratch/back/src" >"$W/diff2.out" 2>&1 ||
+    { fail tar "tar out of the mount: $(head -3 "$W/diff2.out")"; return; }
+  pass "tar x into the mount and c out of it, diff -r equal ($(find "$src" | wc -l) entries)"
+  T0=$(date +%s)
+  local g=$M/git
+  git init -q "$g" && cp -r "$src/." "$g/" && (cd "$g" &&
+    git add -A && git -c user.email=ci@lwio -c user.name=ci commit -qm "tree" &&
+    echo change >>proto/Cargo.toml && git -c user.email=ci@lwio -c user.name=ci commit -qam "change" &&
+    git fsck --full --strict 2>&1 && git gc -q && git fsck --full --strict 2>&1) >"$W/git.out" 2>&1
+  if [ $? -eq 0 ] && [ "$(cd "$g" && git rev-list --count HEAD)" = 2 ]; then
+    pass "git init, add, commit twice, fsck --full --strict, gc, fsck"
+  else
+    fail git "$(tail -3 "$W/git.out")"
+  fi
+}
+
+case_fstab() {
+  # mount(8)'s helper runs `lwio URL MOUNTPOINT -o OPTIONS` for a fuse.lwio line.
+  local bin=$W/bin
+  mkdir -p "$bin" && ln -sf "$LWIO" "$bin/lwio"
+  if PATH=$bin:$PATH mount.fuse3 "$URL" "$W/mnt2" -t lwio -o "ro,provider=soft,_netdev" >"$W/fstab.out" 2>&1 &&
+    mountpoint -q "$W/mnt2" && cmp -s "$W/mnt2/sqlite/t.db" "$W/export/sqlite/t.db" &&
+    ! touch "$W/mnt2/ro-test" 2>/dev/null; then
+    fusermount3 -u "$W/mnt2" && pass "fstab form (mount.fuse3 -t lwio, -o ro): mounted, read equal, write refused, unmounted"
+  else
+    fail fstab "$(cat "$W/fstab.out" | head -3)"
+  fi
+}
+
+case_bad_input() {
+  local out n
+  # One line each, before anything is mounted.
+  for what in "unreachable:lwio://127.0.0.1:1/data" "no-export:$URL/../nosuch" "wrong-token:$URL"; do
+    local name=${what%%:*} url=${what#*:} extra=()
+    [ "$name" = no-export ] && url=lwio://127.0.0.1:$PORT/nosuch
+    [ "$name" = wrong-token ] && { echo wrong >"$W/bad.token"; extra=(--token-file "$W/bad.token"); }
+    out=$("$LWIO" mount --daemon "$url" "$W/mnt2" --provider soft --connect-timeout 2s "${extra[@]}" 2>&1)
+    local rc=$?
+    n=$(printf '%s\n' "$out" | grep -c .)
+    if [ $rc -eq 0 ] || mountpoint -q "$W/mnt2" || [ "$n" != 1 ] || ! grep -q "^lwio: error: " <<<"$out"; then
+      fail "bad-input $name" "got: $out"
+    else
+      pass "bad input ($name): one line, nothing mounted: $out"
+    fi
+    T0=$(date +%s)
+  done
+}
+
+case_server_death() {
+  # Kill the server under a mount: calls fail with EIO in bounded time; the
+  # mount can be unmounted; after a restart a new mount works.
+  echo data >"$W/export/alive"
+  kill -9 "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=
+  local rc
+  timeout 60 cat "$M/alive" >/dev/null 2>"$W/dead.err"; rc=$?
+  if [ $rc -eq 124 ]; then fail server-death "cat hung for 60 s"; return; fi
+  if [ $rc -eq 0 ]; then
+    # The attribute cache may still answer; a new file's data cannot.
+    timeout 60 sh -c "echo x >'$M/new-after-death'" 2>"$W/dead.err"; rc=$?
+  fi
+  grep -q "Input/output error\|Transport endpoint\|No such" "$W/dead.err" && [ $rc -ne 0 ] && [ $rc -ne 124 ] ||
+    { fail server-death "rc=$rc: $(cat "$W/dead.err")"; return; }
+  fusermount3 -u "$M" || { fail server-death "unmount after death"; return; }
+  start_server
+  do_mount "$M" && [ "$(cat "$M/alive")" = data ] ||
+    { fail server-death "a new mount after the restart"; return; }
+  pass "server killed: $(head -1 "$W/dead.err"); unmounted; remounted after restart"
+}
+
+CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death})
+for c in "${CASES[@]}"; do
+  T0=$(date +%s); RUN=$((RUN + 1))
+  "case_$c"
+done
+echo "mount-tests: $RUN case groups, $FAILS failure(s)"
+[ "$FAILS" = 0 ]
