@@ -182,7 +182,7 @@ case_bad_input() {
   for what in "unreachable:lwio://127.0.0.1:1/data" "no-export:$URL/../nosuch" "wrong-token:$URL"; do
     local name=${what%%:*} url=${what#*:} extra=()
     [ "$name" = no-export ] && url=lwio://127.0.0.1:$PORT/nosuch
-    [ "$name" = wrong-token ] && { echo wrong >"$W/bad.token"; extra=(--token-file "$W/bad.token"); }
+    [ "$name" = wrong-token ] && { echo "wrong-token-0123456789abcdef0123" >"$W/bad.token"; extra=(--token-file "$W/bad.token"); }
     out=$("$LWIO" mount --daemon "$url" "$W/mnt2" --provider soft --connect-timeout 2s "${extra[@]}" 2>&1)
     local rc=$?
     n=$(printf '%s\n' "$out" | grep -c .)

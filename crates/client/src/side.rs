@@ -13,7 +13,7 @@ use lwio_side::codec::*;
 use lwio_side::error::{Error, ErrorCode, Result};
 use lwio_side::negotiate::{self, NegotiateRequestRepr, NegotiateResponseRepr};
 use lwio_side::tls::SideStream;
-use lwio_side::types::{Attr, DirEntry, OpenOptions};
+use lwio_side::types::{Attr, AttrX, DirEntry, OpenOptions, RemoveKind, SetAttr, StatFs};
 use lwio_side::SessionSecret;
 /// What an application needs to log in and secure the side channel.
 pub use lwio_side::{tls, ClientTls, Login, Token};
@@ -502,6 +502,107 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         self.ok(Request::Fsync { handle, data_only }).await
     }
 
+    async fn attrx(&mut self, req: Request) -> Result<AttrX> {
+        match self.call(req).await? {
+            Response::AttrX(a) => Ok(a),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Full attributes of a path (`follow` = false: lstat).
+    pub async fn statx(&mut self, export: &str, path: &str, follow: bool) -> Result<AttrX> {
+        self.attrx(Request::StatX {
+            export: export.into(),
+            path: path.into(),
+            follow,
+        })
+        .await
+    }
+
+    /// Full attributes of an open file (fstat).
+    pub async fn stat_handle(&mut self, handle: u64) -> Result<AttrX> {
+        self.attrx(Request::StatHandle { handle }).await
+    }
+
+    /// chmod, chown, truncate, utimens of a path (never through a final
+    /// symlink); the attributes after the change.
+    pub async fn set_attr(&mut self, export: &str, path: &str, set: &SetAttr) -> Result<AttrX> {
+        self.attrx(Request::SetAttr {
+            export: export.into(),
+            path: path.into(),
+            set: *set,
+        })
+        .await
+    }
+
+    /// The same on an open file.
+    pub async fn set_attr_handle(&mut self, handle: u64, set: &SetAttr) -> Result<AttrX> {
+        self.attrx(Request::SetAttrHandle { handle, set: *set })
+            .await
+    }
+
+    /// Create a symbolic link `path` → `target`.
+    pub async fn symlink(&mut self, export: &str, path: &str, target: &str) -> Result<AttrX> {
+        self.attrx(Request::Symlink {
+            export: export.into(),
+            path: path.into(),
+            target: target.into(),
+        })
+        .await
+    }
+
+    pub async fn readlink(&mut self, export: &str, path: &str) -> Result<String> {
+        match self
+            .call(Request::Readlink {
+                export: export.into(),
+                path: path.into(),
+            })
+            .await?
+        {
+            Response::Target(t) => Ok(t),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    pub async fn statfs(&mut self, export: &str) -> Result<StatFs> {
+        match self
+            .call(Request::Statfs {
+                export: export.into(),
+            })
+            .await?
+        {
+            Response::StatFs(f) => Ok(f),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// unlink(2) or rmdir(2) semantics ([`RemoveKind`]).
+    pub async fn remove_kind(&mut self, export: &str, path: &str, kind: RemoveKind) -> Result<()> {
+        self.ok(Request::Remove2 {
+            export: export.into(),
+            path: path.into(),
+            kind,
+        })
+        .await
+    }
+
+    /// renameat2(2) flags: `types::RENAME_NOREPLACE`, `types::RENAME_EXCHANGE`.
+    pub async fn rename_flags(
+        &mut self,
+        export: &str,
+        from: &str,
+        to: &str,
+        flags: u32,
+    ) -> Result<()> {
+        self.ok(Request::Rename2 {
+            export: export.into(),
+            from: from.into(),
+            to: to.into(),
+            flags,
+        })
+        .await
+    }
+
     /// The pipe: send our providers, get the common ones, a server Key and
     /// the addresses to connect to.
     pub async fn negotiate(&mut self, req: &NegotiateRequestRepr) -> Result<NegotiateResponseRepr> {
@@ -591,5 +692,33 @@ impl Client {
     }
     pub fn negotiate(&mut self, req: &NegotiateRequestRepr) -> Result<NegotiateResponseRepr> {
         self.rt.block_on(self.inner.negotiate(req))
+    }
+    pub fn statx(&mut self, export: &str, path: &str, follow: bool) -> Result<AttrX> {
+        self.rt.block_on(self.inner.statx(export, path, follow))
+    }
+    pub fn stat_handle(&mut self, handle: u64) -> Result<AttrX> {
+        self.rt.block_on(self.inner.stat_handle(handle))
+    }
+    pub fn set_attr(&mut self, export: &str, path: &str, set: &SetAttr) -> Result<AttrX> {
+        self.rt.block_on(self.inner.set_attr(export, path, set))
+    }
+    pub fn set_attr_handle(&mut self, handle: u64, set: &SetAttr) -> Result<AttrX> {
+        self.rt.block_on(self.inner.set_attr_handle(handle, set))
+    }
+    pub fn symlink(&mut self, export: &str, path: &str, target: &str) -> Result<AttrX> {
+        self.rt.block_on(self.inner.symlink(export, path, target))
+    }
+    pub fn readlink(&mut self, export: &str, path: &str) -> Result<String> {
+        self.rt.block_on(self.inner.readlink(export, path))
+    }
+    pub fn statfs(&mut self, export: &str) -> Result<StatFs> {
+        self.rt.block_on(self.inner.statfs(export))
+    }
+    pub fn remove_kind(&mut self, export: &str, path: &str, kind: RemoveKind) -> Result<()> {
+        self.rt.block_on(self.inner.remove_kind(export, path, kind))
+    }
+    pub fn rename_flags(&mut self, export: &str, from: &str, to: &str, flags: u32) -> Result<()> {
+        self.rt
+            .block_on(self.inner.rename_flags(export, from, to, flags))
     }
 }

@@ -302,3 +302,141 @@ fn a_mount_of_a_missing_directory_fails_before_mounting() {
     assert_eq!(e.to_string(), "ex/no/such/dir: No such file or directory");
     assert!(!is_mountpoint(f.mnt.path()));
 }
+
+#[test]
+fn posix_attributes_links_and_rename_flags() {
+    use std::os::unix::fs::PermissionsExt;
+    let f = Fixture::new();
+    let _m = f.mount(&MountConfig::default());
+    let e = |r: std::io::Result<()>| errno(r.unwrap_err());
+
+    // chmod and utimens reach the server's file.
+    fs::write(f.m("a"), b"data").unwrap();
+    fs::set_permissions(f.m("a"), fs::Permissions::from_mode(0o640)).unwrap();
+    assert_eq!(fs::metadata(f.srv("a")).unwrap().mode() & 0o7777, 0o640);
+    assert_eq!(fs::metadata(f.m("a")).unwrap().mode() & 0o7777, 0o640);
+    let t = std::time::UNIX_EPOCH + Duration::new(1_600_000_000, 123_456_789);
+    fs::File::options()
+        .write(true)
+        .open(f.m("a"))
+        .unwrap()
+        .set_modified(t)
+        .unwrap();
+    assert_eq!(fs::metadata(f.srv("a")).unwrap().modified().unwrap(), t);
+    assert_eq!(fs::metadata(f.m("a")).unwrap().modified().unwrap(), t);
+    // Owners are the server's (root runs these tests: chown works).
+    let srv = fs::metadata(f.srv("a")).unwrap();
+    let m = fs::metadata(f.m("a")).unwrap();
+    assert_eq!(
+        (m.uid(), m.gid(), m.ino() != 0),
+        (srv.uid(), srv.gid(), true)
+    );
+    std::os::unix::fs::chown(f.m("a"), Some(1234), Some(4321)).unwrap();
+    let srv = fs::metadata(f.srv("a")).unwrap();
+    assert_eq!((srv.uid(), srv.gid()), (1234, 4321));
+
+    // Symlinks: created verbatim, read back, listed and lstat'ed as links,
+    // followed inside the export.
+    std::os::unix::fs::symlink("a", f.m("link")).unwrap();
+    assert_eq!(fs::read_link(f.srv("link")).unwrap(), Path::new("a"));
+    assert_eq!(fs::read_link(f.m("link")).unwrap(), Path::new("a"));
+    assert!(fs::symlink_metadata(f.m("link"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(fs::read(f.m("link")).unwrap(), b"data");
+    assert_eq!(
+        e(std::os::unix::fs::symlink("a", f.m("link"))),
+        libc::EEXIST
+    );
+    // A link out of the export is stored verbatim. The client's kernel
+    // resolves it on the client, as with NFS (so it reads the client's own
+    // /etc/hostname); the server never follows it: opening it or changing
+    // its attributes through the side channel is refused.
+    std::os::unix::fs::symlink("/etc/hostname", f.m("out")).unwrap();
+    assert_eq!(
+        fs::read_link(f.m("out")).unwrap(),
+        Path::new("/etc/hostname")
+    );
+    let c = f.client();
+    let refused = c.open("ex/out", &lwio_client::OpenOptions::read_only());
+    assert!(
+        matches!(refused, Err(lwio_client::Error::AccessDenied(_))),
+        "{refused:?}"
+    );
+    let chmod = c.side(|s| {
+        Ok(s.set_attr(
+            "ex",
+            "out",
+            &lwio_side::SetAttr {
+                mode: Some(0o777),
+                ..Default::default()
+            },
+        ))
+    });
+    assert_eq!(
+        chmod.unwrap().unwrap_err().code,
+        lwio_side::ErrorCode::Unsupported,
+        "chmod of a symlink changes nothing, as on Linux"
+    );
+
+    // unlink of a directory and rmdir of a file fail as the OS says.
+    fs::create_dir(f.m("dir")).unwrap();
+    assert_eq!(e(fs::remove_file(f.m("dir"))), libc::EISDIR);
+    assert_eq!(e(fs::remove_dir(f.m("a"))), libc::ENOTDIR);
+
+    // renameat2: NOREPLACE refuses an existing target, EXCHANGE swaps.
+    fs::write(f.m("b"), b"bee").unwrap();
+    let rn = |a: &str, b: &str, flags: libc::c_uint| -> std::io::Result<()> {
+        let a = std::ffi::CString::new(f.m(a).into_os_string().into_encoded_bytes()).unwrap();
+        let b = std::ffi::CString::new(f.m(b).into_os_string().into_encoded_bytes()).unwrap();
+        // SAFETY: valid NUL-terminated paths.
+        let r = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                a.as_ptr(),
+                libc::AT_FDCWD,
+                b.as_ptr(),
+                flags,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    assert_eq!(e(rn("a", "b", libc::RENAME_NOREPLACE)), libc::EEXIST);
+    rn("a", "b", libc::RENAME_EXCHANGE).unwrap();
+    assert_eq!(fs::read(f.srv("a")).unwrap(), b"bee");
+    assert_eq!(fs::read(f.srv("b")).unwrap(), b"data");
+    assert_eq!(fs::read(f.m("a")).unwrap(), b"bee");
+    assert_eq!(fs::read(f.m("b")).unwrap(), b"data");
+
+    // An open file keeps working, and fstat answers, after its name goes.
+    let mut h = fs::File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(f.m("tmp"))
+        .unwrap();
+    fs::remove_file(f.m("tmp")).unwrap();
+    assert!(!f.srv("tmp").exists());
+    h.write_all(b"still here").unwrap();
+    assert_eq!(h.metadata().unwrap().len(), 10);
+    h.set_len(4).unwrap();
+    assert_eq!(h.metadata().unwrap().len(), 4);
+
+    // statfs reports the server's file system.
+    // SAFETY: statvfs is plain data; valid path and out-pointer.
+    let (mut sm, mut ss): (libc::statvfs, libc::statvfs) = unsafe { std::mem::zeroed() };
+    let cm = std::ffi::CString::new(f.mnt.path().as_os_str().as_encoded_bytes()).unwrap();
+    let cs = std::ffi::CString::new(f.srv("").as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::statvfs(cm.as_ptr(), &mut sm) }, 0);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::statvfs(cs.as_ptr(), &mut ss) }, 0);
+    assert_eq!(sm.f_blocks * sm.f_frsize, ss.f_blocks * ss.f_frsize);
+    assert!(sm.f_bavail > 0 && sm.f_namemax == ss.f_namemax);
+}

@@ -13,7 +13,9 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
 };
 use lwio_client::{Client, File, OpenOptions};
-use lwio_side::types::{Attr, DirEntry, FileKind};
+use lwio_side::types::{
+    AttrX, DirEntry, FileKind, RemoveKind, SetAttr, SetTime, RENAME_EXCHANGE, RENAME_NOREPLACE,
+};
 use tracing::{debug, warn};
 
 use crate::errno;
@@ -33,12 +35,10 @@ pub struct LwioFs {
     cfg: MountConfig,
     stats: Arc<Stats>,
     inodes: Mutex<Inodes>,
-    files: Mutex<HashMap<u64, Arc<File>>>,
+    /// Open files: FUSE handle → (node, file).
+    files: Mutex<HashMap<u64, (u64, Arc<File>)>>,
     dirs: Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>,
     next_fh: AtomicU64,
-    /// Owner reported for every file (the server's ids mean nothing here).
-    uid: u32,
-    gid: u32,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -82,23 +82,17 @@ impl LwioFs {
             files: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-            // SAFETY: getuid/getgid cannot fail and touch no memory.
-            uid: unsafe { libc::getuid() },
-            gid: unsafe { libc::getgid() },
         };
-        let root = fs.stat(subdir).map_err(|e| {
-            io::Error::new(
-                io::Error::from_raw_os_error(e).kind(),
-                format!(
-                    "{export}/{subdir}: {}",
-                    io::Error::from_raw_os_error(e)
-                        .to_string()
-                        .split(" (os error")
-                        .next()
-                        .unwrap_or("")
-                ),
-            )
-        })?;
+        // The server's own message ("data/x: No such file or directory",
+        // "no such export: nosuch") is the one line the user sees.
+        let root = match fs.client.side(|s| Ok(s.statx(export, subdir, true))) {
+            Ok(Ok(a)) => a,
+            Ok(Err(e)) => {
+                let kind = io::Error::from_raw_os_error(errno::side(&e)).kind();
+                return Err(io::Error::new(kind, e.to_string()));
+            }
+            Err(e) => return Err(io::Error::other(e.to_string())),
+        };
         if root.kind != FileKind::Dir {
             return Err(io::Error::new(
                 io::ErrorKind::NotADirectory,
@@ -127,48 +121,72 @@ impl LwioFs {
         }
     }
 
-    fn stat(&self, path: &str) -> Res<Attr> {
+    /// lstat(2) of a path on the server.
+    fn stat(&self, path: &str) -> Res<AttrX> {
         let export = &self.export;
-        self.side(|s| s.stat(export, path))
+        self.side(|s| s.statx(export, path, false))
     }
 
     fn path(&self, ino: INodeNo) -> Res<String> {
-        lock(&self.inodes).path(ino.0).ok_or(libc::ESTALE)
+        lock(&self.inodes).path(ino.0).ok_or(libc::ENOENT)
+    }
+
+    /// The side-channel handle of a file open on node `ino`, for a node
+    /// whose name is gone (unlinked while open).
+    fn open_handle_of(&self, ino: INodeNo) -> Option<u64> {
+        lock(&self.files)
+            .values()
+            .find(|(i, _)| *i == ino.0)
+            .map(|(_, f)| f.handle())
+    }
+
+    /// The server handle to act on for `ino`: the given open file, else
+    /// (for a node with no name left) any file open on it; None: by path.
+    fn handle_for(&self, ino: INodeNo, fh: Option<FileHandle>) -> Res<Option<u64>> {
+        if let Some(Ok(f)) = fh.map(|fh| self.file(fh)) {
+            return Ok(Some(f.handle()));
+        }
+        if lock(&self.inodes).path(ino.0).is_some() {
+            return Ok(None);
+        }
+        self.open_handle_of(ino).map(Some).ok_or(libc::ENOENT)
     }
 
     fn child(&self, parent: INodeNo, name: &OsStr) -> Res<String> {
         Ok(join(&self.path(parent)?, name_str(name)?))
     }
 
-    fn attr(&self, ino: u64, a: &Attr) -> FileAttr {
+    /// The kernel's attributes: the server's, with our node id. Owners are
+    /// the server's uids and gids, as NFS shows them.
+    fn attr(&self, ino: u64, a: &AttrX) -> FileAttr {
         let kind = match a.kind {
             FileKind::Dir => FileType::Directory,
             FileKind::Symlink => FileType::Symlink,
             FileKind::File => FileType::RegularFile,
             FileKind::Other => FileType::RegularFile,
         };
-        let t = time(a.mtime_ns);
         FileAttr {
             ino: INodeNo(ino),
             size: a.size,
-            blocks: a.size.div_ceil(512),
-            atime: t,
-            mtime: t,
-            ctime: t,
-            crtime: t,
+            blocks: a.blocks,
+            atime: time(a.atime_ns),
+            mtime: time(a.mtime_ns),
+            ctime: time(a.ctime_ns),
+            crtime: time(a.ctime_ns),
             kind,
             perm: (a.perm & 0o7777) as u16,
-            nlink: if kind == FileType::Directory { 2 } else { 1 },
-            uid: self.uid,
-            gid: self.gid,
+            nlink: a.nlink,
+            uid: a.uid,
+            gid: a.gid,
             rdev: 0,
-            blksize: 1 << 20,
+            // Large reads and writes: the data path's unit, not the disk's.
+            blksize: self.cfg.max_io,
             flags: 0,
         }
     }
 
     /// Look `path` up: count a kernel reference and answer with its entry.
-    fn entry(&self, path: &str, a: &Attr, reply: ReplyEntry) {
+    fn entry(&self, path: &str, a: &AttrX, reply: ReplyEntry) {
         let ino = lock(&self.inodes).lookup(path);
         reply.entry_with_ttls(
             &self.cfg.attr_ttl,
@@ -178,7 +196,7 @@ impl LwioFs {
         );
     }
 
-    fn reply_attr(&self, ino: INodeNo, r: Res<Attr>, reply: ReplyAttr) {
+    fn reply_attr(&self, ino: INodeNo, r: Res<AttrX>, reply: ReplyAttr) {
         match r {
             Ok(a) => reply.attr(&self.cfg.attr_ttl, &self.attr(ino.0, &a)),
             Err(e) => reply.error(err(e)),
@@ -186,12 +204,15 @@ impl LwioFs {
     }
 
     fn file(&self, fh: FileHandle) -> Res<Arc<File>> {
-        lock(&self.files).get(&fh.0).cloned().ok_or(libc::EBADF)
+        lock(&self.files)
+            .get(&fh.0)
+            .map(|(_, f)| f.clone())
+            .ok_or(libc::EBADF)
     }
 
-    fn add_file(&self, f: File) -> u64 {
+    fn add_file(&self, ino: u64, f: File) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        lock(&self.files).insert(fh, Arc::new(f));
+        lock(&self.files).insert(fh, (ino, Arc::new(f)));
         fh
     }
 
@@ -200,6 +221,24 @@ impl LwioFs {
         let acc = flags & libc::O_ACCMODE;
         if self.cfg.read_only && (acc != libc::O_RDONLY || flags & libc::O_TRUNC != 0) {
             return Err(libc::EROFS);
+        }
+        let mut create_mode = create_mode;
+        if let (Some(mode), libc::O_RDONLY) = (create_mode, acc) {
+            // O_RDONLY|O_CREAT is legal; the server creates only with write
+            // access: create (honouring O_EXCL) and close, then open for
+            // reading.
+            let export = &self.export;
+            let c = lwio_side::types::OpenOptions {
+                write: true,
+                create: true,
+                exclusive: flags & libc::O_EXCL != 0,
+                ..Default::default()
+            };
+            self.side(|s| {
+                let f = s.open(export, path, &c, mode)?;
+                s.close(f.handle)
+            })?;
+            create_mode = None;
         }
         let mut o = OpenOptions::read_only();
         o.0.read = acc != libc::O_WRONLY;
@@ -231,23 +270,6 @@ impl LwioFs {
         } else {
             FopenFlags::empty()
         }
-    }
-
-    /// Truncate `path` (no open handle): open for writing, set the size,
-    /// close.
-    fn truncate_path(&self, path: &str, size: u64) -> Res<()> {
-        let export = &self.export;
-        self.side(|s| {
-            let o = lwio_side::types::OpenOptions {
-                read: false,
-                write: true,
-                ..Default::default()
-            };
-            let f = s.open(export, path, &o, 0)?;
-            let r = s.set_size(f.handle, size);
-            let c = s.close(f.handle);
-            r.and(c)
-        })
     }
 
     fn read_into(&self, f: &File, offset: u64, size: u32) -> Res<Vec<u8>> {
@@ -310,8 +332,18 @@ impl LwioFs {
         h | (1 << 63)
     }
 
-    fn forget_path(&self, path: &str) {
-        lock(&self.inodes).unlinked(path);
+    fn remove(&self, parent: INodeNo, name: &OsStr, kind: RemoveKind, reply: ReplyEmpty) {
+        let r = (|| -> Res<()> {
+            let path = self.child(parent, name)?;
+            let export = &self.export;
+            self.side(|s| s.remove_kind(export, &path, kind))?;
+            lock(&self.inodes).unlinked(&path);
+            Ok(())
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
     }
 }
 
@@ -327,7 +359,7 @@ impl Filesystem for LwioFs {
     }
 
     fn destroy(&mut self) {
-        let files: Vec<_> = lock(&self.files).drain().map(|(_, f)| f).collect();
+        let files: Vec<_> = lock(&self.files).drain().map(|(_, (_, f))| f).collect();
         for f in files {
             if let Ok(f) = Arc::try_unwrap(f) {
                 let _ = f.close();
@@ -351,8 +383,14 @@ impl Filesystem for LwioFs {
         lock(&self.inodes).forget(ino.0, nlookup);
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let r = self.path(ino).and_then(|p| self.stat(&p));
+    fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        // fstat of an open file asks by handle: right even after the name
+        // was unlinked or renamed by someone else.
+        let r = match self.handle_for(ino, fh) {
+            Ok(Some(h)) => self.side(|s| s.stat_handle(h)),
+            Ok(None) => self.path(ino).and_then(|p| self.stat(&p)),
+            Err(e) => Err(e),
+        };
         self.reply_attr(ino, r, reply)
     }
 
@@ -374,26 +412,37 @@ impl Filesystem for LwioFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let r = (|| -> Res<Attr> {
-            let path = self.path(ino)?;
+        let r = (|| -> Res<AttrX> {
             if self.cfg.read_only {
                 return Err(libc::EROFS);
             }
-            if mode.is_some()
-                || uid.is_some()
-                || gid.is_some()
-                || atime.is_some()
-                || mtime.is_some()
-            {
-                return Err(libc::ENOSYS);
-            }
-            if let Some(size) = size {
-                match fh.map(|fh| self.file(fh)) {
-                    Some(Ok(f)) => f.set_len(size).map_err(|e| errno::client(&e))?,
-                    _ => self.truncate_path(&path, size)?,
+            let t = |t: Option<TimeOrNow>| {
+                t.map(|t| match t {
+                    TimeOrNow::Now => SetTime::Now,
+                    TimeOrNow::SpecificTime(st) => {
+                        SetTime::At(match st.duration_since(UNIX_EPOCH) {
+                            Ok(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
+                            Err(e) => -i64::try_from(e.duration().as_nanos()).unwrap_or(i64::MAX),
+                        })
+                    }
+                })
+            };
+            let set = SetAttr {
+                mode: mode.map(|m| m & 0o7777),
+                uid,
+                gid,
+                size,
+                atime: t(atime),
+                mtime: t(mtime),
+            };
+            match self.handle_for(ino, fh)? {
+                Some(h) => self.side(|s| s.set_attr_handle(h, &set)),
+                None => {
+                    let path = self.path(ino)?;
+                    let export = &self.export;
+                    self.side(|s| s.set_attr(export, &path, &set))
                 }
             }
-            self.stat(&path)
         })();
         self.reply_attr(ino, r, reply)
     }
@@ -407,7 +456,7 @@ impl Filesystem for LwioFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let r = (|| -> Res<(String, Attr)> {
+        let r = (|| -> Res<(String, AttrX)> {
             let path = self.child(parent, name)?;
             let export = &self.export;
             self.side(|s| s.mkdir(export, &path, mode & !umask & 0o7777, false))?;
@@ -420,21 +469,43 @@ impl Filesystem for LwioFs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let r = (|| -> Res<()> {
-            let path = self.child(parent, name)?;
+        self.remove(parent, name, RemoveKind::NotDir, reply)
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.remove(parent, name, RemoveKind::Dir, reply)
+    }
+
+    fn symlink(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &std::path::Path,
+        reply: ReplyEntry,
+    ) {
+        let r = (|| -> Res<(String, AttrX)> {
+            let path = self.child(parent, link_name)?;
+            let target = target.to_str().ok_or(libc::EILSEQ)?;
             let export = &self.export;
-            self.side(|s| s.remove(export, &path))?;
-            self.forget_path(&path);
-            Ok(())
+            let a = self.side(|s| s.symlink(export, &path, target))?;
+            Ok((path, a))
         })();
         match r {
-            Ok(()) => reply.ok(),
+            Ok((p, a)) => self.entry(&p, &a, reply),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.unlink(req, parent, name, reply)
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let r = self.path(ino).and_then(|p| {
+            let export = &self.export;
+            self.side(|s| s.readlink(export, &p))
+        });
+        match r {
+            Ok(t) => reply.data(t.as_bytes()),
+            Err(e) => reply.error(err(e)),
+        }
     }
 
     fn rename(
@@ -450,13 +521,31 @@ impl Filesystem for LwioFs {
         let r = (|| -> Res<()> {
             let from = self.child(parent, name)?;
             let to = self.child(newparent, newname)?;
-            if flags.contains(RenameFlags::RENAME_EXCHANGE) {
-                return Err(libc::EINVAL);
+            let mut f = 0;
+            if flags.contains(RenameFlags::RENAME_NOREPLACE) {
+                f |= RENAME_NOREPLACE;
             }
-            let replace = !flags.contains(RenameFlags::RENAME_NOREPLACE);
+            let exchange = flags.contains(RenameFlags::RENAME_EXCHANGE);
+            if exchange {
+                f |= RENAME_EXCHANGE;
+            }
             let export = &self.export;
-            self.side(|s| s.rename(export, &from, &to, replace))?;
-            lock(&self.inodes).renamed(&from, &to);
+            // The server refuses a rename across its file systems as
+            // Unsupported: that is EXDEV, which mv(1) handles by copying.
+            self.side(|s| s.rename_flags(export, &from, &to, f))
+                .map_err(|e| {
+                    if e == libc::EOPNOTSUPP {
+                        libc::EXDEV
+                    } else {
+                        e
+                    }
+                })?;
+            let mut t = lock(&self.inodes);
+            if exchange {
+                t.exchanged(&from, &to);
+            } else {
+                t.renamed(&from, &to);
+            }
             Ok(())
         })();
         match r {
@@ -470,7 +559,10 @@ impl Filesystem for LwioFs {
             .path(ino)
             .and_then(|p| self.open_path(&p, flags.0, None));
         match r {
-            Ok(f) => reply.opened(FileHandle(self.add_file(f)), Self::fopen_flags(flags.0)),
+            Ok(f) => reply.opened(
+                FileHandle(self.add_file(ino.0, f)),
+                Self::fopen_flags(flags.0),
+            ),
             Err(e) => reply.error(err(e)),
         }
     }
@@ -485,7 +577,7 @@ impl Filesystem for LwioFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        let r = (|| -> Res<(String, File, Attr)> {
+        let r = (|| -> Res<(String, File, AttrX)> {
             let path = self.child(parent, name)?;
             let f = self.open_path(&path, flags, Some(mode & !umask & 0o7777))?;
             let a = self.stat(&path)?;
@@ -494,7 +586,7 @@ impl Filesystem for LwioFs {
         match r {
             Ok((path, f, a)) => {
                 let ino = lock(&self.inodes).lookup(&path);
-                let fh = self.add_file(f);
+                let fh = self.add_file(ino, f);
                 reply.created(
                     &self.cfg.attr_ttl,
                     &self.attr(ino, &a),
@@ -567,7 +659,7 @@ impl Filesystem for LwioFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let f = lock(&self.files).remove(&fh.0);
+        let f = lock(&self.files).remove(&fh.0).map(|(_, f)| f);
         // A read or write still running on another thread holds the other
         // reference; the file then closes when that one drops it.
         if let Some(Ok(f)) = f.map(Arc::try_unwrap) {
@@ -681,6 +773,12 @@ impl Filesystem for LwioFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        reply.statfs(0, 0, 0, 0, 0, 4096, 255, 4096);
+        let export = &self.export;
+        match self.side(|s| s.statfs(export)) {
+            Ok(f) => reply.statfs(
+                f.blocks, f.bfree, f.bavail, f.files, f.ffree, f.bsize, f.namelen, f.frsize,
+            ),
+            Err(e) => reply.error(err(e)),
+        }
     }
 }

@@ -12,6 +12,9 @@ pub(crate) const ROOT: u64 = 1;
 struct Node {
     path: String,
     lookups: u64,
+    /// Its name was removed (unlink, rmdir, replaced by a rename): it is
+    /// reachable only through files still open on it.
+    unlinked: bool,
 }
 
 pub(crate) struct Inodes {
@@ -41,14 +44,19 @@ impl Inodes {
             Node {
                 path: root.to_string(),
                 lookups: 1,
+                unlinked: false,
             },
         );
         t.by_path.insert(root.to_string(), ROOT);
         t
     }
 
+    /// The path of a node that still has a name.
     pub(crate) fn path(&self, ino: u64) -> Option<String> {
-        self.by_ino.get(&ino).map(|n| n.path.clone())
+        self.by_ino
+            .get(&ino)
+            .filter(|n| !n.unlinked)
+            .map(|n| n.path.clone())
     }
 
     /// The node of `path`, without counting a lookup.
@@ -72,6 +80,7 @@ impl Inodes {
             Node {
                 path: path.to_string(),
                 lookups: 1,
+                unlinked: false,
             },
         );
         self.by_path.insert(path.to_string(), ino);
@@ -98,7 +107,11 @@ impl Inodes {
     /// `path` no longer names its node (unlink, rmdir, or replaced by a
     /// rename).
     pub(crate) fn unlinked(&mut self, path: &str) {
-        self.by_path.remove(path);
+        if let Some(ino) = self.by_path.remove(path) {
+            if let Some(n) = self.by_ino.get_mut(&ino) {
+                n.unlinked = true;
+            }
+        }
     }
 
     /// `from` was renamed to `to`: the node of `to` (if any) is replaced,
@@ -109,7 +122,6 @@ impl Inodes {
     }
 
     /// `a` and `b` were exchanged (RENAME_EXCHANGE).
-    #[allow(dead_code)] // RENAME_EXCHANGE arrives with side-channel v2
     pub(crate) fn exchanged(&mut self, a: &str, b: &str) {
         let tmp = format!("\0exchange\0{a}");
         self.move_tree(a, &tmp);
@@ -177,7 +189,8 @@ mod tests {
         let y = t.lookup("y");
         t.renamed("z", "y");
         assert_eq!(t.peek("y"), Some(ax));
-        assert_eq!(t.path(y).unwrap(), "y");
+        // The replaced node no longer has a name (only its open files).
+        assert_eq!(t.path(y), None);
         t.forget(y, 1);
         assert_eq!(t.peek("y"), Some(ax));
         t.forget(ROOT, 10);

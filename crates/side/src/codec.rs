@@ -10,7 +10,9 @@
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, ErrorCode};
-use crate::types::{Attr, FileKind};
+use crate::types::{
+    Attr, AttrX, FileKind, RemoveKind, SetAttr, SetTime, StatFs, RENAME_EXCHANGE, RENAME_NOREPLACE,
+};
 
 /// Side-channel protocol version spoken by this build.
 pub const PROTOCOL_VERSION: u16 = 1;
@@ -51,6 +53,16 @@ pub const OPEN_NO_BUFFERING: u32 = 0x8;
 /// Write-through → O_DSYNC.
 pub const OPEN_WRITE_THROUGH: u32 = 0x10;
 const OPEN_KNOWN: u32 = 0x1f;
+/// `SetAttr` mask bits.
+pub const SET_MODE: u32 = 0x01;
+pub const SET_UID: u32 = 0x02;
+pub const SET_GID: u32 = 0x04;
+pub const SET_SIZE: u32 = 0x08;
+pub const SET_ATIME: u32 = 0x10;
+pub const SET_ATIME_NOW: u32 = 0x20;
+pub const SET_MTIME: u32 = 0x40;
+pub const SET_MTIME_NOW: u32 = 0x80;
+const SET_KNOWN: u32 = 0xff;
 
 /// Login method of [`Request::Login`]. `Debug` hides passwords.
 #[derive(Clone, PartialEq, Eq)]
@@ -162,6 +174,52 @@ pub enum Request {
     },
     Ping,
     Bye,
+    /// Full attributes of a path; `follow` = false is lstat (docs §4.1).
+    StatX {
+        export: String,
+        path: String,
+        follow: bool,
+    },
+    /// Full attributes of an open file (fstat).
+    StatHandle {
+        handle: u64,
+    },
+    /// chmod/chown/truncate/utimens of a path, never through a final symlink.
+    SetAttr {
+        export: String,
+        path: String,
+        set: SetAttr,
+    },
+    /// The same on an open file.
+    SetAttrHandle {
+        handle: u64,
+        set: SetAttr,
+    },
+    Symlink {
+        export: String,
+        path: String,
+        target: String,
+    },
+    Readlink {
+        export: String,
+        path: String,
+    },
+    Statfs {
+        export: String,
+    },
+    /// Remove with unlink(2) or rmdir(2) semantics.
+    Remove2 {
+        export: String,
+        path: String,
+        kind: RemoveKind,
+    },
+    /// renameat2(2) with `RENAME_NOREPLACE`/`RENAME_EXCHANGE`.
+    Rename2 {
+        export: String,
+        from: String,
+        to: String,
+        flags: u32,
+    },
 }
 
 /// One export as listed.
@@ -209,6 +267,10 @@ pub enum Response {
     Negotiated {
         response: Vec<u8>,
     },
+    AttrX(AttrX),
+    /// A symlink's target (`Readlink`).
+    Target(String),
+    StatFs(StatFs),
 }
 
 /// Message type codes.
@@ -228,6 +290,15 @@ pub mod ty {
     pub const NEGOTIATE: u16 = 0x000d;
     pub const PING: u16 = 0x000e;
     pub const BYE: u16 = 0x000f;
+    pub const STATX: u16 = 0x0010;
+    pub const STAT_HANDLE: u16 = 0x0011;
+    pub const SET_ATTR: u16 = 0x0012;
+    pub const SET_ATTR_HANDLE: u16 = 0x0013;
+    pub const SYMLINK: u16 = 0x0014;
+    pub const READLINK: u16 = 0x0015;
+    pub const STATFS: u16 = 0x0016;
+    pub const REMOVE2: u16 = 0x0017;
+    pub const RENAME2: u16 = 0x0018;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -237,6 +308,9 @@ pub mod ty {
     pub const ATTR: u16 = 0x8005;
     pub const OPENED: u16 = 0x8006;
     pub const NEGOTIATED: u16 = 0x800d;
+    pub const ATTRX: u16 = 0x8010;
+    pub const TARGET: u16 = 0x8015;
+    pub const STATFS_OK: u16 = 0x8016;
     pub const ERROR: u16 = 0x80ff;
 }
 
@@ -297,6 +371,47 @@ impl W {
     pub(crate) fn bytes(&mut self, b: &[u8]) {
         self.u32(b.len() as u32);
         self.raw(b);
+    }
+    fn attrx(&mut self, a: &AttrX) {
+        self.u8(a.kind as u8);
+        self.u32(a.perm);
+        self.u64(a.size);
+        self.u64(a.ino);
+        self.u32(a.nlink);
+        self.u32(a.uid);
+        self.u32(a.gid);
+        self.u64(a.blocks);
+        self.u32(a.blksize);
+        self.i64(a.atime_ns);
+        self.i64(a.mtime_ns);
+        self.i64(a.ctime_ns);
+    }
+    fn set_attr(&mut self, s: &SetAttr) {
+        let mut mask = 0;
+        let time = |t: Option<SetTime>, set: u32, now: u32| match t {
+            Some(SetTime::Now) => (now, 0),
+            Some(SetTime::At(ns)) => (set, ns),
+            None => (0, 0),
+        };
+        let (am, at) = time(s.atime, SET_ATIME, SET_ATIME_NOW);
+        let (mm, mt) = time(s.mtime, SET_MTIME, SET_MTIME_NOW);
+        for (on, bit) in [
+            (s.mode.is_some(), SET_MODE),
+            (s.uid.is_some(), SET_UID),
+            (s.gid.is_some(), SET_GID),
+            (s.size.is_some(), SET_SIZE),
+        ] {
+            if on {
+                mask |= bit;
+            }
+        }
+        self.u32(mask | am | mm);
+        self.u32(s.mode.unwrap_or(0));
+        self.u32(s.uid.unwrap_or(0));
+        self.u32(s.gid.unwrap_or(0));
+        self.u64(s.size.unwrap_or(0));
+        self.i64(at);
+        self.i64(mt);
     }
     fn attr(&mut self, a: &Attr) {
         self.u8(a.kind as u8);
@@ -364,6 +479,59 @@ impl<'a> R<'a> {
             return Err(DecodeError("count exceeds message"));
         }
         Ok(n)
+    }
+    fn attrx(&mut self) -> Result<AttrX, DecodeError> {
+        let kind = FileKind::from_u8(self.u8()?).ok_or(DecodeError("unknown file kind"))?;
+        Ok(AttrX {
+            kind,
+            perm: self.u32()?,
+            size: self.u64()?,
+            ino: self.u64()?,
+            nlink: self.u32()?,
+            uid: self.u32()?,
+            gid: self.u32()?,
+            blocks: self.u64()?,
+            blksize: self.u32()?,
+            atime_ns: self.i64()?,
+            mtime_ns: self.i64()?,
+            ctime_ns: self.i64()?,
+        })
+    }
+    fn set_attr(&mut self) -> Result<SetAttr, DecodeError> {
+        let mask = self.u32()?;
+        if mask & !SET_KNOWN != 0 {
+            return Err(DecodeError("unknown set-attribute bits"));
+        }
+        if mask & SET_ATIME != 0 && mask & SET_ATIME_NOW != 0
+            || mask & SET_MTIME != 0 && mask & SET_MTIME_NOW != 0
+        {
+            return Err(DecodeError("a time both given and now"));
+        }
+        let (mode, uid, gid, size, at, mt) = (
+            self.u32()?,
+            self.u32()?,
+            self.u32()?,
+            self.u64()?,
+            self.i64()?,
+            self.i64()?,
+        );
+        let time = |set: u32, now: u32, ns: i64| {
+            if mask & now != 0 {
+                Some(SetTime::Now)
+            } else if mask & set != 0 {
+                Some(SetTime::At(ns))
+            } else {
+                None
+            }
+        };
+        Ok(SetAttr {
+            mode: (mask & SET_MODE != 0).then_some(mode),
+            uid: (mask & SET_UID != 0).then_some(uid),
+            gid: (mask & SET_GID != 0).then_some(gid),
+            size: (mask & SET_SIZE != 0).then_some(size),
+            atime: time(SET_ATIME, SET_ATIME_NOW, at),
+            mtime: time(SET_MTIME, SET_MTIME_NOW, mt),
+        })
     }
     fn attr(&mut self) -> Result<Attr, DecodeError> {
         let kind = FileKind::from_u8(self.u8()?).ok_or(DecodeError("unknown file kind"))?;
@@ -527,6 +695,68 @@ impl Request {
             }
             Request::Ping => w = W::head(ty::PING, id),
             Request::Bye => w = W::head(ty::BYE, id),
+            Request::StatX {
+                export,
+                path,
+                follow,
+            } => {
+                w = W::head(ty::STATX, id);
+                w.str(export);
+                w.str(path);
+                w.bool(*follow);
+            }
+            Request::StatHandle { handle } => {
+                w = W::head(ty::STAT_HANDLE, id);
+                w.u64(*handle);
+            }
+            Request::SetAttr { export, path, set } => {
+                w = W::head(ty::SET_ATTR, id);
+                w.str(export);
+                w.str(path);
+                w.set_attr(set);
+            }
+            Request::SetAttrHandle { handle, set } => {
+                w = W::head(ty::SET_ATTR_HANDLE, id);
+                w.u64(*handle);
+                w.set_attr(set);
+            }
+            Request::Symlink {
+                export,
+                path,
+                target,
+            } => {
+                w = W::head(ty::SYMLINK, id);
+                w.str(export);
+                w.str(path);
+                w.str(target);
+            }
+            Request::Readlink { export, path } => {
+                w = W::head(ty::READLINK, id);
+                w.str(export);
+                w.str(path);
+            }
+            Request::Statfs { export } => {
+                w = W::head(ty::STATFS, id);
+                w.str(export);
+            }
+            Request::Remove2 { export, path, kind } => {
+                w = W::head(ty::REMOVE2, id);
+                w.str(export);
+                w.str(path);
+                w.u8(*kind as u8);
+            }
+            Request::Rename2 {
+                export,
+                from,
+                to,
+                flags,
+            } => {
+                w = W::head(ty::RENAME2, id);
+                w.str(export);
+                w.str(from);
+                w.str(to);
+                w.u32(*flags);
+            }
         }
         w.0
     }
@@ -617,6 +847,55 @@ impl Request {
             },
             ty::PING => Request::Ping,
             ty::BYE => Request::Bye,
+            ty::STATX => Request::StatX {
+                export: r.str()?,
+                path: r.str()?,
+                follow: r.bool()?,
+            },
+            ty::STAT_HANDLE => Request::StatHandle { handle: r.u64()? },
+            ty::SET_ATTR => Request::SetAttr {
+                export: r.str()?,
+                path: r.str()?,
+                set: r.set_attr()?,
+            },
+            ty::SET_ATTR_HANDLE => Request::SetAttrHandle {
+                handle: r.u64()?,
+                set: r.set_attr()?,
+            },
+            ty::SYMLINK => Request::Symlink {
+                export: r.str()?,
+                path: r.str()?,
+                target: r.str()?,
+            },
+            ty::READLINK => Request::Readlink {
+                export: r.str()?,
+                path: r.str()?,
+            },
+            ty::STATFS => Request::Statfs { export: r.str()? },
+            ty::REMOVE2 => Request::Remove2 {
+                export: r.str()?,
+                path: r.str()?,
+                kind: match r.u8()? {
+                    0 => RemoveKind::Any,
+                    1 => RemoveKind::NotDir,
+                    2 => RemoveKind::Dir,
+                    _ => return Err(DecodeError("unknown remove kind")),
+                },
+            },
+            ty::RENAME2 => {
+                let (export, from, to, flags) = (r.str()?, r.str()?, r.str()?, r.u32()?);
+                if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0
+                    || flags == RENAME_NOREPLACE | RENAME_EXCHANGE
+                {
+                    return Err(DecodeError("unknown or conflicting rename flags"));
+                }
+                Request::Rename2 {
+                    export,
+                    from,
+                    to,
+                    flags,
+                }
+            }
             _ => return Err(DecodeError("unknown request type")),
         };
         r.end()?;
@@ -698,6 +977,25 @@ impl Response {
                 w = W::head(ty::NEGOTIATED, id);
                 w.bytes(response);
             }
+            Response::AttrX(a) => {
+                w = W::head(ty::ATTRX, id);
+                w.attrx(a);
+            }
+            Response::Target(t) => {
+                w = W::head(ty::TARGET, id);
+                w.str(t);
+            }
+            Response::StatFs(f) => {
+                w = W::head(ty::STATFS_OK, id);
+                w.u32(f.bsize);
+                w.u32(f.frsize);
+                w.u64(f.blocks);
+                w.u64(f.bfree);
+                w.u64(f.bavail);
+                w.u64(f.files);
+                w.u64(f.ffree);
+                w.u32(f.namelen);
+            }
         }
         w.0
     }
@@ -772,6 +1070,18 @@ impl Response {
             ty::NEGOTIATED => Response::Negotiated {
                 response: r.bytes()?,
             },
+            ty::ATTRX => Response::AttrX(r.attrx()?),
+            ty::TARGET => Response::Target(r.str()?),
+            ty::STATFS_OK => Response::StatFs(StatFs {
+                bsize: r.u32()?,
+                frsize: r.u32()?,
+                blocks: r.u64()?,
+                bfree: r.u64()?,
+                bavail: r.u64()?,
+                files: r.u64()?,
+                ffree: r.u64()?,
+                namelen: r.u32()?,
+            }),
             _ => return Err(DecodeError("unknown response type")),
         };
         r.end()?;

@@ -28,7 +28,9 @@ pub use negotiate::{
     AddressBlockRepr, Guid, NegotiateRequestRepr, NegotiateResponseRepr, NetAddressRepr,
 };
 pub use tls::{ClientTls, SideStream};
-pub use types::{Attr, DirEntry, FileKind, OpenOptions};
+pub use types::{
+    Attr, AttrX, DirEntry, FileKind, OpenOptions, RemoveKind, SetAttr, SetTime, StatFs,
+};
 
 /// The side channel's default TCP port.
 pub const DEFAULT_PORT: u16 = 7420;

@@ -56,6 +56,112 @@ impl Attr {
     }
 }
 
+fn ns(sec: i64, nsec: i64) -> i64 {
+    sec.saturating_mul(1_000_000_000).saturating_add(nsec)
+}
+
+/// Full attributes (`StatX`, `StatHandle`, `SetAttr`: docs/side-channel.md
+/// §4.1), what a POSIX file system reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttrX {
+    pub kind: FileKind,
+    /// Permission bits (`mode & 0o7777`).
+    pub perm: u32,
+    pub size: u64,
+    /// Inode number on the server.
+    pub ino: u64,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Allocated 512-byte blocks.
+    pub blocks: u64,
+    pub blksize: u32,
+    /// Times, nanoseconds since the Unix epoch.
+    pub atime_ns: i64,
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
+}
+
+/// Encoded size of [`AttrX`].
+pub const ATTRX_LEN: usize = 69;
+
+impl AttrX {
+    pub fn from_stat(st: &libc::stat) -> AttrX {
+        AttrX {
+            kind: FileKind::from_mode(st.st_mode),
+            perm: st.st_mode & 0o7777,
+            size: st.st_size.max(0) as u64,
+            ino: st.st_ino,
+            nlink: st.st_nlink.min(u64::from(u32::MAX)) as u32,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            blocks: st.st_blocks.max(0) as u64,
+            blksize: st.st_blksize.clamp(0, i64::from(u32::MAX)) as u32,
+            atime_ns: ns(st.st_atime, st.st_atime_nsec),
+            mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
+            ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
+        }
+    }
+}
+
+/// A time to set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetTime {
+    /// The server's clock.
+    Now,
+    /// Nanoseconds since the Unix epoch.
+    At(i64),
+}
+
+/// Attribute changes (`SetAttr`, `SetAttrHandle`); `None` leaves one alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SetAttr {
+    /// Permission bits (& 0o7777).
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    /// Truncate or extend (regular files).
+    pub size: Option<u64>,
+    pub atime: Option<SetTime>,
+    pub mtime: Option<SetTime>,
+}
+
+impl SetAttr {
+    /// Whether it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        *self == SetAttr::default()
+    }
+}
+
+/// File system figures of an export (`Statfs`), as statvfs(3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StatFs {
+    pub bsize: u32,
+    pub frsize: u32,
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub namelen: u32,
+}
+
+/// What `Remove2` may remove.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RemoveKind {
+    /// A file, a symlink or an empty directory (as `Remove`).
+    Any = 0,
+    /// unlink(2): a directory fails with `IsADirectory` (EISDIR).
+    NotDir = 1,
+    /// rmdir(2): anything else fails with `NotADirectory` (ENOTDIR).
+    Dir = 2,
+}
+
+/// `Rename2` flags (renameat2(2)).
+pub const RENAME_NOREPLACE: u32 = 1;
+pub const RENAME_EXCHANGE: u32 = 2;
+
 /// One entry of a directory listing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirEntry {

@@ -200,5 +200,8 @@ fn spawn_daemon(mountpoint: &Path) -> anyhow::Result<()> {
         .find_map(|l| l.strip_prefix("lwio: error: "))
         .map(str::to_string)
         .unwrap_or_else(|| format!("the mount daemon exited with {status}"));
+    if msg.contains(&*mountpoint.to_string_lossy()) {
+        bail!("{msg}")
+    }
     bail!("{msg} (mounting on {})", mountpoint.display())
 }

@@ -42,7 +42,9 @@ use std::sync::{Arc, OnceLock};
 use lwio_side::error::{Error, ErrorCode, Result};
 
 pub use backend::{Backend, BackendKind, IoBuf, IoOp, ThreadPoolBackend, UringBackend};
-pub use lwio_side::types::{Attr, DirEntry, FileKind, OpenOptions};
+pub use lwio_side::types::{
+    Attr, AttrX, DirEntry, FileKind, OpenOptions, RemoveKind, SetAttr, SetTime, StatFs,
+};
 pub use table::{Denied, OpenFile, OpenFileTable, SessionId, SrvRequestResumeKey, SrvResumeKey};
 
 /// Longest path (bytes) accepted from a client.
@@ -220,6 +222,79 @@ fn fstatat_nofollow(dirfd: RawFd, name: &CStr) -> std::result::Result<libc::stat
     } else {
         Err(errno())
     }
+}
+
+/// `/proc/self/fd/N`: names the inode behind `fd` for the calls that have
+/// no fd form for O_PATH descriptors (chmod, reopening for writing).
+fn proc_fd(fd: RawFd) -> CString {
+    CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL in a formatted number")
+}
+
+/// Reopen the inode behind an O_PATH `fd` with `flags`.
+fn reopen(fd: RawFd, flags: i32) -> std::result::Result<OwnedFd, i32> {
+    let p = proc_fd(fd);
+    sys_openat(
+        libc::AT_FDCWD,
+        &p,
+        flags | libc::O_CLOEXEC | libc::O_NOCTTY,
+        0,
+    )
+}
+
+/// utimensat(2) argument for one time.
+fn timespec(t: Option<SetTime>) -> libc::timespec {
+    match t {
+        None => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        Some(SetTime::Now) => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_NOW,
+        },
+        Some(SetTime::At(ns)) => libc::timespec {
+            tv_sec: ns.div_euclid(1_000_000_000),
+            tv_nsec: ns.rem_euclid(1_000_000_000),
+        },
+    }
+}
+
+/// Apply attribute changes to an open file's descriptor.
+pub fn set_attr_fd(fd: RawFd, set: &SetAttr, what: &str) -> Result<AttrX> {
+    if let Some(size) = set.size {
+        // SAFETY: plain syscall on a caller-owned fd.
+        if unsafe { libc::ftruncate(fd, size.min(i64::MAX as u64) as i64) } != 0 {
+            return Err(Error::from_errno(errno(), what));
+        }
+    }
+    if let Some(mode) = set.mode {
+        // SAFETY: plain syscall.
+        if unsafe { libc::fchmod(fd, (mode & 0o7777) as libc::mode_t) } != 0 {
+            return Err(Error::from_errno(errno(), what));
+        }
+    }
+    if set.uid.is_some() || set.gid.is_some() {
+        let (u, g) = (set.uid.unwrap_or(u32::MAX), set.gid.unwrap_or(u32::MAX));
+        // SAFETY: plain syscall.
+        if unsafe { libc::fchown(fd, u, g) } != 0 {
+            return Err(Error::from_errno(errno(), what));
+        }
+    }
+    if set.atime.is_some() || set.mtime.is_some() {
+        let ts = [timespec(set.atime), timespec(set.mtime)];
+        // SAFETY: a two-element timespec array.
+        if unsafe { libc::futimens(fd, ts.as_ptr()) } != 0 {
+            return Err(Error::from_errno(errno(), what));
+        }
+    }
+    let st = fstat(fd).map_err(|e| Error::from_errno(e, what))?;
+    Ok(AttrX::from_stat(&st))
+}
+
+/// fstat(2) of an open file.
+pub fn statx_fd(fd: RawFd, what: &str) -> Result<AttrX> {
+    let st = fstat(fd).map_err(|e| Error::from_errno(e, what))?;
+    Ok(AttrX::from_stat(&st))
 }
 
 fn cstr(s: &str) -> Result<CString> {
@@ -631,6 +706,242 @@ impl Export {
                 e,
                 format!("{} -> {}", self.describe(&fc), self.describe(&tc)),
             ));
+        }
+        Ok(())
+    }
+
+    /// Full attributes of a path; without `follow`, of a final symlink
+    /// itself (lstat).
+    pub fn statx(&self, path: &str, follow: bool) -> Result<AttrX> {
+        let comps = split_rel_path(path)?;
+        let st = if follow || comps.is_empty() {
+            let fd = self.resolve(&comps, libc::O_PATH, 0)?;
+            fstat(fd.as_raw_fd())
+        } else {
+            let (dir, name) = self.resolve_parent(&comps)?;
+            fstatat_nofollow(dir.as_raw_fd(), &name)
+        }
+        .map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
+        Ok(AttrX::from_stat(&st))
+    }
+
+    /// Change attributes of a path, never through a final symbolic link
+    /// (its own owner and times change; its mode cannot, as on Linux).
+    pub fn set_attr(&self, path: &str, set: &SetAttr) -> Result<AttrX> {
+        self.check_writable()?;
+        let comps = split_rel_path(path)?;
+        let what = self.describe(&comps);
+        // The object itself, opened without following it: an O_PATH fd
+        // pins the inode, so a concurrent rename or a symlink swapped in at
+        // the name cannot redirect the changes below.
+        let fd = if comps.is_empty() {
+            self.resolve(&comps, libc::O_PATH, 0)?
+        } else {
+            let (dir, name) = self.resolve_parent(&comps)?;
+            sys_openat(
+                dir.as_raw_fd(),
+                &name,
+                libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                0,
+            )
+            .map_err(|e| Error::from_errno(e, &what))?
+        };
+        let st = fstat(fd.as_raw_fd()).map_err(|e| Error::from_errno(e, &what))?;
+        let is_link = st.st_mode & libc::S_IFMT == libc::S_IFLNK;
+        if let Some(size) = set.size {
+            // truncate(2) of the pinned inode: reopen it for writing
+            // through /proc/self/fd (never a symlink: refused first).
+            if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+                let e = if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                    libc::EISDIR
+                } else {
+                    libc::EINVAL
+                };
+                return Err(Error::from_errno(e, &what));
+            }
+            let w =
+                reopen(fd.as_raw_fd(), libc::O_WRONLY).map_err(|e| Error::from_errno(e, &what))?;
+            // SAFETY: plain syscall on an fd we own.
+            if unsafe { libc::ftruncate(w.as_raw_fd(), size.min(i64::MAX as u64) as i64) } != 0 {
+                return Err(Error::from_errno(errno(), &what));
+            }
+        }
+        if let Some(mode) = set.mode {
+            if is_link {
+                return Err(Error::from_errno(libc::EOPNOTSUPP, &what));
+            }
+            // chmod(2) of the pinned inode: /proc/self/fd/N names it (the
+            // magic link is followed to that inode, never by name).
+            let p = proc_fd(fd.as_raw_fd());
+            // SAFETY: valid NUL-terminated path.
+            if unsafe { libc::chmod(p.as_ptr(), (mode & 0o7777) as libc::mode_t) } != 0 {
+                return Err(Error::from_errno(errno(), &what));
+            }
+        }
+        if set.uid.is_some() || set.gid.is_some() {
+            let (u, g) = (set.uid.unwrap_or(u32::MAX), set.gid.unwrap_or(u32::MAX));
+            // SAFETY: empty NUL-terminated path with AT_EMPTY_PATH acts on
+            // the fd itself (the link itself for a symlink's O_PATH fd).
+            let r = unsafe {
+                libc::fchownat(
+                    fd.as_raw_fd(),
+                    c"".as_ptr(),
+                    u,
+                    g,
+                    libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+                )
+            };
+            if r != 0 {
+                return Err(Error::from_errno(errno(), &what));
+            }
+        }
+        if set.atime.is_some() || set.mtime.is_some() {
+            let ts = [timespec(set.atime), timespec(set.mtime)];
+            let r = if comps.is_empty() {
+                let p = proc_fd(fd.as_raw_fd());
+                // SAFETY: valid path and a two-element timespec array.
+                unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), ts.as_ptr(), 0) }
+            } else {
+                // By name in the confined parent, never following it: the
+                // name is the same object or a new one in that directory.
+                let (dir, name) = self.resolve_parent(&comps)?;
+                // SAFETY: valid dirfd, name and timespec array.
+                unsafe {
+                    libc::utimensat(
+                        dir.as_raw_fd(),
+                        name.as_ptr(),
+                        ts.as_ptr(),
+                        libc::AT_SYMLINK_NOFOLLOW,
+                    )
+                }
+            };
+            if r != 0 {
+                return Err(Error::from_errno(errno(), &what));
+            }
+        }
+        let st = fstat(fd.as_raw_fd()).map_err(|e| Error::from_errno(e, &what))?;
+        Ok(AttrX::from_stat(&st))
+    }
+
+    /// Create a symbolic link at `path` holding `target` verbatim (the
+    /// server never follows a link out of the export, §6).
+    pub fn symlink(&self, path: &str, target: &str) -> Result<AttrX> {
+        self.check_writable()?;
+        let comps = split_rel_path(path)?;
+        if target.is_empty() || target.len() > 4095 {
+            return Err(Error::from_errno(
+                if target.is_empty() {
+                    libc::ENOENT
+                } else {
+                    libc::ENAMETOOLONG
+                },
+                self.describe(&comps),
+            ));
+        }
+        let t = cstr(target)?;
+        let (dir, name) = self.resolve_parent(&comps)?;
+        // SAFETY: valid NUL-terminated strings and dirfd.
+        if unsafe { libc::symlinkat(t.as_ptr(), dir.as_raw_fd(), name.as_ptr()) } != 0 {
+            return Err(Error::from_errno(errno(), self.describe(&comps)));
+        }
+        let st = fstatat_nofollow(dir.as_raw_fd(), &name)
+            .map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
+        Ok(AttrX::from_stat(&st))
+    }
+
+    /// The target of the symbolic link at `path`.
+    pub fn readlink(&self, path: &str) -> Result<String> {
+        let comps = split_rel_path(path)?;
+        let (dir, name) = self.resolve_parent(&comps)?;
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: valid dirfd and name; the buffer has buf.len() bytes.
+        let n = unsafe {
+            libc::readlinkat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        if n < 0 {
+            return Err(Error::from_errno(errno(), self.describe(&comps)));
+        }
+        buf.truncate(n as usize);
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+
+    /// statvfs(3) of the export's file system.
+    pub fn statfs(&self) -> Result<StatFs> {
+        // SAFETY: statvfs is plain data that fstatvfs fills.
+        let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid fd and out-pointer.
+        if unsafe { libc::fstatvfs(self.root_fd.as_raw_fd(), &mut v) } != 0 {
+            return Err(Error::from_errno(errno(), &self.name));
+        }
+        Ok(StatFs {
+            bsize: v.f_bsize as u32,
+            frsize: v.f_frsize as u32,
+            blocks: v.f_blocks,
+            bfree: v.f_bfree,
+            bavail: v.f_bavail,
+            files: v.f_files,
+            ffree: v.f_ffree,
+            namelen: v.f_namemax as u32,
+        })
+    }
+
+    /// unlink(2) ([`RemoveKind::NotDir`]) or rmdir(2) ([`RemoveKind::Dir`])
+    /// with the OS's own errors; [`RemoveKind::Any`] is [`Export::remove`].
+    pub fn remove_kind(&self, path: &str, kind: RemoveKind) -> Result<()> {
+        let flag = match kind {
+            RemoveKind::Any => return self.remove(path),
+            RemoveKind::NotDir => 0,
+            RemoveKind::Dir => libc::AT_REMOVEDIR,
+        };
+        self.check_writable()?;
+        let comps = split_rel_path(path)?;
+        let (dir, name) = self.resolve_parent(&comps)?;
+        // SAFETY: valid dirfd and NUL-terminated name.
+        if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flag) } != 0 {
+            return Err(Error::from_errno(errno(), self.describe(&comps)));
+        }
+        Ok(())
+    }
+
+    /// renameat2(2) with `flags` (RENAME_NOREPLACE, RENAME_EXCHANGE).
+    pub fn rename_flags(&self, from: &str, to: &str, flags: u32) -> Result<()> {
+        self.check_writable()?;
+        let fc = split_rel_path(from)?;
+        let tc = split_rel_path(to)?;
+        let (fd, fname) = self.resolve_parent(&fc)?;
+        let (td, tname) = self.resolve_parent(&tc)?;
+        let mut f = 0;
+        if flags & lwio_side::types::RENAME_NOREPLACE != 0 {
+            f |= libc::RENAME_NOREPLACE;
+        }
+        if flags & lwio_side::types::RENAME_EXCHANGE != 0 {
+            f |= libc::RENAME_EXCHANGE;
+        }
+        // SAFETY: valid dirfds and NUL-terminated names.
+        let r = unsafe {
+            libc::renameat2(
+                fd.as_raw_fd(),
+                fname.as_ptr(),
+                td.as_raw_fd(),
+                tname.as_ptr(),
+                f,
+            )
+        };
+        if r != 0 {
+            let e = errno();
+            let what = format!("{} -> {}", self.describe(&fc), self.describe(&tc));
+            if e == libc::EXDEV {
+                return Err(Error::new(
+                    ErrorCode::Unsupported,
+                    format!("{what}: cannot rename across filesystems"),
+                ));
+            }
+            return Err(Error::from_errno(e, what));
         }
         Ok(())
     }

@@ -3,6 +3,7 @@
 //! session code is generic over the transport (`AsyncRead + AsyncWrite`).
 
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -765,6 +766,92 @@ async fn handle(
                 Ok(Response::Ok)
             })
             .await
+        }
+        Request::StatX {
+            export,
+            path,
+            follow,
+        } => {
+            check(state, who, &export, READ)?;
+            let ex = state.exports.get(&export)?.clone();
+            blocking(move || Ok(Response::AttrX(ex.statx(&path, follow)?))).await
+        }
+        Request::StatHandle { handle } => {
+            let f = state.open_files.get(handle, session)?;
+            blocking(move || {
+                let what = format!("{}/{}", f.export, f.path);
+                Ok(Response::AttrX(crate::fs::statx_fd(
+                    f.file.as_raw_fd(),
+                    &what,
+                )?))
+            })
+            .await
+        }
+        Request::SetAttr { export, path, set } => {
+            check(state, who, &export, WRITE)?;
+            let ex = state.exports.get(&export)?.clone();
+            blocking(move || Ok(Response::AttrX(ex.set_attr(&path, &set)?))).await
+        }
+        Request::SetAttrHandle { handle, set } => {
+            let f = state.open_files.get(handle, session)?;
+            if !set.is_empty() {
+                check(state, who, &f.export, WRITE)?;
+                if state.exports.get(&f.export)?.read_only {
+                    return Err(Error::new(
+                        ErrorCode::ReadOnly,
+                        format!("export {} is read-only", f.export),
+                    ));
+                }
+            }
+            if set.size.is_some() && !f.rights.write {
+                return Err(Error::new(
+                    ErrorCode::PermissionDenied,
+                    "set-size needs a file opened for writing",
+                ));
+            }
+            blocking(move || {
+                let what = format!("{}/{}", f.export, f.path);
+                Ok(Response::AttrX(crate::fs::set_attr_fd(
+                    f.file.as_raw_fd(),
+                    &set,
+                    &what,
+                )?))
+            })
+            .await
+        }
+        Request::Symlink {
+            export,
+            path,
+            target,
+        } => {
+            check(state, who, &export, WRITE)?;
+            let ex = state.exports.get(&export)?.clone();
+            blocking(move || Ok(Response::AttrX(ex.symlink(&path, &target)?))).await
+        }
+        Request::Readlink { export, path } => {
+            check(state, who, &export, READ)?;
+            let ex = state.exports.get(&export)?.clone();
+            blocking(move || Ok(Response::Target(ex.readlink(&path)?))).await
+        }
+        Request::Statfs { export } => {
+            check(state, who, &export, READ)?;
+            let ex = state.exports.get(&export)?.clone();
+            blocking(move || Ok(Response::StatFs(ex.statfs()?))).await
+        }
+        Request::Remove2 { export, path, kind } => {
+            check(state, who, &export, WRITE)?;
+            let ex = state.exports.get(&export)?.clone();
+            blocking(move || ex.remove_kind(&path, kind).map(|_| Response::Ok)).await
+        }
+        Request::Rename2 {
+            export,
+            from,
+            to,
+            flags,
+        } => {
+            check(state, who, &export, WRITE)?;
+            let ex = state.exports.get(&export)?.clone();
+            blocking(move || ex.rename_flags(&from, &to, flags).map(|_| Response::Ok)).await
         }
         Request::Negotiate { request } => {
             let req = negotiate::decode_request(&request)?;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::types::{AttrX, RemoveKind, SetAttr, SetTime, StatFs, RENAME_EXCHANGE};
 use proptest::prelude::*;
 
 fn attr() -> Attr {
@@ -78,7 +79,67 @@ fn all_requests() -> Vec<Request> {
         },
         Request::Ping,
         Request::Bye,
+        Request::StatX {
+            export: "e".into(),
+            path: "l".into(),
+            follow: false,
+        },
+        Request::StatHandle { handle: 9 },
+        Request::SetAttr {
+            export: "e".into(),
+            path: "f".into(),
+            set: SetAttr {
+                mode: Some(0o640),
+                uid: None,
+                gid: Some(100),
+                size: Some(7),
+                atime: Some(SetTime::Now),
+                mtime: Some(SetTime::At(-5)),
+            },
+        },
+        Request::SetAttrHandle {
+            handle: 3,
+            set: SetAttr::default(),
+        },
+        Request::Symlink {
+            export: "e".into(),
+            path: "l".into(),
+            target: "../t".into(),
+        },
+        Request::Readlink {
+            export: "e".into(),
+            path: "l".into(),
+        },
+        Request::Statfs { export: "e".into() },
+        Request::Remove2 {
+            export: "e".into(),
+            path: "d".into(),
+            kind: RemoveKind::Dir,
+        },
+        Request::Rename2 {
+            export: "e".into(),
+            from: "a".into(),
+            to: "b".into(),
+            flags: RENAME_EXCHANGE,
+        },
     ]
+}
+
+fn attrx() -> AttrX {
+    AttrX {
+        kind: FileKind::Symlink,
+        perm: 0o777,
+        size: 4,
+        ino: 0x0102_0304_0506_0708,
+        nlink: 1,
+        uid: 1000,
+        gid: 1001,
+        blocks: 8,
+        blksize: 4096,
+        atime_ns: 1,
+        mtime_ns: -2,
+        ctime_ns: 3,
+    }
 }
 
 fn all_responses() -> Vec<Response> {
@@ -120,7 +181,75 @@ fn all_responses() -> Vec<Response> {
         Response::Negotiated {
             response: vec![4, 5],
         },
+        Response::AttrX(attrx()),
+        Response::Target("../t".into()),
+        Response::StatFs(StatFs {
+            bsize: 4096,
+            frsize: 4096,
+            blocks: 10,
+            bfree: 5,
+            bavail: 4,
+            files: 100,
+            ffree: 50,
+            namelen: 255,
+        }),
     ]
+}
+
+#[test]
+fn golden_set_attr_and_attrx() {
+    // chmod 0640 and mtime = now: mask 0x81, mode, uid, gid, size, atime, mtime.
+    let b = Request::SetAttr {
+        export: "e".into(),
+        path: "f".into(),
+        set: SetAttr {
+            mode: Some(0o640),
+            mtime: Some(SetTime::Now),
+            ..SetAttr::default()
+        },
+    }
+    .encode(2);
+    let mut want = vec![0x12, 0, 0, 0, 2, 0, 0, 0, 1, 0, b'e', 1, 0, b'f'];
+    want.extend_from_slice(&[0x81, 0, 0, 0]);
+    want.extend_from_slice(&0o640u32.to_le_bytes());
+    want.extend_from_slice(&[0; 32]);
+    assert_eq!(b, want);
+    let b = Response::AttrX(attrx()).encode(2);
+    assert_eq!(b.len(), BODY_HEADER_LEN + crate::types::ATTRX_LEN);
+    assert_eq!(&b[..9], &[0x10, 0x80, 0, 0, 2, 0, 0, 0, 3]);
+    assert_eq!(&b[13..21], &4u64.to_le_bytes());
+    assert_eq!(&b[21..29], &[8, 7, 6, 5, 4, 3, 2, 1]);
+    // Unknown mask bits, a time both set and now, unknown rename flags and
+    // remove kinds are refused.
+    let mut bad = Request::SetAttrHandle {
+        handle: 1,
+        set: SetAttr::default(),
+    }
+    .encode(1);
+    bad[16] = 0x30;
+    assert!(Request::decode(&bad).is_err());
+    bad[16] = 0x100u32 as u8;
+    bad[17] = 1;
+    assert!(Request::decode(&bad).is_err());
+    let mut r = Request::Rename2 {
+        export: "e".into(),
+        from: "a".into(),
+        to: "b".into(),
+        flags: 0,
+    }
+    .encode(1);
+    let n = r.len();
+    r[n - 4] = 3;
+    assert!(Request::decode(&r).is_err());
+    let mut d = Request::Remove2 {
+        export: "e".into(),
+        path: "d".into(),
+        kind: RemoveKind::Any,
+    }
+    .encode(1);
+    let n = d.len();
+    d[n - 1] = 3;
+    assert!(Request::decode(&d).is_err());
 }
 
 #[test]
