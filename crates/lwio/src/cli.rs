@@ -201,6 +201,17 @@ pub struct ClientArgs {
     /// Plain TCP, for servers configured with `tls = false`.
     #[arg(long)]
     pub no_tls: bool,
+    /// Servers trusted on first use, as ssh's known_hosts (default
+    /// $LWIO_KNOWN_HOSTS, else ~/.config/lwio/known_hosts): without
+    /// --fingerprint/--ca, a server not yet there is recorded with its
+    /// certificate's fingerprint, and a changed certificate is refused.
+    #[arg(long, value_name = "FILE")]
+    pub known_hosts: Option<PathBuf>,
+    /// Refuse servers that are not in known_hosts instead of trusting them
+    /// on first use (ssh's StrictHostKeyChecking=yes; also
+    /// LWIO_STRICT_HOST_KEY_CHECKING=yes).
+    #[arg(long)]
+    pub strict_host_key_checking: bool,
     /// RDMA provider of the data path: `auto` tries the verbs devices that
     /// route to the server first, then the soft provider; `soft`; `verbs`.
     #[arg(long, value_parser = provider_parser(), default_value = "auto")]
@@ -555,8 +566,25 @@ pub fn client_tls(args: &ClientArgs) -> anyhow::Result<ClientTls> {
     if let Some(f) = fp {
         return Ok(ClientTls::Fingerprint(parse_fingerprint(&f)?));
     }
-    Ok(match &args.ca {
-        Some(p) => ClientTls::CaFile(p.clone()),
+    if let Some(p) = &args.ca {
+        return Ok(ClientTls::CaFile(p.clone()));
+    }
+    // Trust on first use, as ssh does (docs/security.md).
+    let file = args
+        .known_hosts
+        .clone()
+        .or_else(|| {
+            std::env::var_os("LWIO_KNOWN_HOSTS")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        })
+        .or_else(lwio_side::known_hosts::default_path);
+    let strict = args.strict_host_key_checking
+        || std::env::var("LWIO_STRICT_HOST_KEY_CHECKING")
+            .is_ok_and(|v| matches!(v.as_str(), "yes" | "1" | "true"));
+    Ok(match file {
+        Some(file) => ClientTls::KnownHosts { file, strict },
+        // No HOME and no file given: only a CA-signed certificate will do.
         None => ClientTls::SystemRoots,
     })
 }

@@ -14,8 +14,21 @@ fn lwio() -> assert_cmd::Command {
         .env("LWIO_TOKEN_FILE", "/nonexistent/lwio-test-token")
         .env_remove("LWIO_FINGERPRINT")
         .env_remove("LWIO_PASSWORD")
+        .env_remove("LWIO_STRICT_HOST_KEY_CHECKING")
+        .env("LWIO_KNOWN_HOSTS", fresh_known_hosts())
         .env_remove("RUST_LOG");
     c
+}
+
+/// A known_hosts path of its own for each command (never the developer's
+/// ~/.config): every command is a first use unless a test says otherwise.
+fn fresh_known_hosts() -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let d = DIR.get_or_init(|| tempfile::tempdir().unwrap());
+    d.path()
+        .join(format!("known_hosts.{}", N.fetch_add(1, Ordering::Relaxed)))
 }
 
 struct Served {
@@ -431,16 +444,73 @@ fn tls_by_default_with_a_pinned_self_signed_certificate() {
             "TLS: the server's certificate fingerprint {} does not match the pinned {wrong}; refusing to connect",
             s.fingerprint
         ))));
-    // No pin, no CA: the system roots do not know a self-signed certificate.
-    lwio()
-        .args(["ls", &s.url("data")])
-        .arg("--token-file")
-        .arg(&s.token)
-        .assert()
+    // No pin, no CA, strict host key checking: the system roots do not
+    // know a self-signed certificate, and known_hosts does not either.
+    let kh_dir = tempfile::tempdir().unwrap();
+    let kh = kh_dir.path().join("known_hosts");
+    let ls = |extra: &[&str]| {
+        let mut c = lwio();
+        c.args(["ls", &s.url("data")])
+            .args(extra)
+            .arg("--known-hosts")
+            .arg(&kh)
+            .arg("--token-file")
+            .arg(&s.token);
+        c.assert()
+    };
+    ls(&["--strict-host-key-checking"])
         .failure()
-        .stderr(one_line_error().and(predicate::str::contains(
-            "TLS: cannot verify the certificate",
-        )));
+        .stderr(one_line_error().and(predicate::str::contains(format!(
+            "is not in {} and strict host key checking is on; its certificate fingerprint is {}",
+            kh.display(),
+            s.fingerprint
+        ))));
+    assert!(!kh.exists(), "strict mode wrote known_hosts");
+    // Trust on first use: recorded once, announced once.
+    let addr = s
+        .url("")
+        .trim_start_matches("lwio://")
+        .trim_end_matches('/')
+        .to_string();
+    let first = ls(&[])
+        .success()
+        .stdout(predicate::str::contains("hello.txt"));
+    assert_eq!(
+        String::from_utf8_lossy(&first.get_output().stderr).trim_end(),
+        format!(
+            "lwio: trusting {addr} on first use: {} (recorded in {})",
+            s.fingerprint,
+            kh.display()
+        )
+    );
+    let recorded = std::fs::read_to_string(&kh).unwrap();
+    assert_eq!(recorded, format!("{addr} {}\n", s.fingerprint));
+    // Known now: silent, and the file is unchanged.
+    ls(&["--strict-host-key-checking"])
+        .success()
+        .stderr(predicate::str::is_empty());
+    assert_eq!(std::fs::read_to_string(&kh).unwrap(), recorded);
+    // A changed certificate (the record says otherwise) is refused, naming
+    // both fingerprints and the line to delete; nothing is written.
+    let other = format!("sha256:{}", ["AB"; 32].join(":"));
+    let changed = format!("# servers\n{addr} {other}\n");
+    std::fs::write(&kh, &changed).unwrap();
+    ls(&[])
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains(format!(
+        "TLS: the certificate of {addr} HAS CHANGED: it is now {}, but {} line 2 records {other}",
+        s.fingerprint,
+        kh.display()
+    ))));
+    assert_eq!(std::fs::read_to_string(&kh).unwrap(), changed);
+    // A malformed line is one error naming the file and line.
+    std::fs::write(&kh, "garbage\n").unwrap();
+    ls(&[])
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains(format!(
+            "{}:1: malformed known_hosts line",
+            kh.display()
+        ))));
     // --insecure works, with a warning.
     lwio()
         .args(["ls", &s.url("data"), "--insecure"])

@@ -15,8 +15,21 @@ fn lwio() -> assert_cmd::Command {
         .env("LWIO_TOKEN_FILE", "/nonexistent/lwio-test-token")
         .env_remove("LWIO_FINGERPRINT")
         .env_remove("LWIO_PASSWORD")
+        .env_remove("LWIO_STRICT_HOST_KEY_CHECKING")
+        .env("LWIO_KNOWN_HOSTS", fresh_known_hosts())
         .env_remove("RUST_LOG");
     c
+}
+
+/// A known_hosts path of its own for each command (never the developer's
+/// ~/.config): every command is a first use unless a test says otherwise.
+fn fresh_known_hosts() -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let d = DIR.get_or_init(|| tempfile::tempdir().unwrap());
+    d.path()
+        .join(format!("known_hosts.{}", N.fetch_add(1, Ordering::Relaxed)))
 }
 
 /// stderr is exactly one line starting with "lwio: error: ".

@@ -15,6 +15,7 @@
 pub mod auth;
 pub mod codec;
 pub mod error;
+pub mod known_hosts;
 pub mod negotiate;
 pub mod tls;
 pub mod types;

@@ -51,6 +51,11 @@ pub fn fingerprint(der: &[u8]) -> String {
     format!("sha256:{}", hex.join(":"))
 }
 
+/// `sha256:AB:CD:…` of a SHA-256 digest.
+pub fn fingerprint_of_digest(d: &[u8; 32]) -> String {
+    fingerprint_hex(d)
+}
+
 /// Parse a fingerprint: optional `sha256:` prefix, 64 hex digits, colons
 /// optional, any case.
 pub fn parse_fingerprint(s: &str) -> Result<[u8; 32]> {
@@ -92,6 +97,11 @@ pub enum ClientTls {
     /// TLS without verifying the server (encrypts, but does not stop an
     /// active attacker). Logs a warning.
     Insecure,
+    /// TLS, trust on first use as ssh does (crate::known_hosts): a server
+    /// recorded in `file` must show the recorded fingerprint; an unknown one
+    /// is accepted if the system roots verify it, else recorded (and
+    /// announced on stderr) unless `strict`, which refuses it.
+    KnownHosts { file: PathBuf, strict: bool },
 }
 
 impl ClientTls {
@@ -108,29 +118,80 @@ struct PinVerifier {
     pin: Option<[u8; 32]>,
     provider: Arc<CryptoProvider>,
     why: Why,
+    tofu: Option<Tofu>,
+}
+
+/// Trust-on-first-use state of one connection.
+#[derive(Debug)]
+struct Tofu {
+    file: PathBuf,
+    host: String,
+    strict: bool,
+    /// The known_hosts line of the pin, when there is one.
+    line: Option<usize>,
+    /// The system roots, to accept a certificate a real CA signed.
+    webpki: Option<Arc<rustls::client::WebPkiServerVerifier>>,
+    /// A fingerprint to record once the handshake has succeeded.
+    seen: Arc<Mutex<Option<[u8; 32]>>>,
 }
 
 impl ServerCertVerifier for PinVerifier {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
         let Some(pin) = self.pin else {
+            let Some(t) = &self.tofu else {
+                return Ok(ServerCertVerified::assertion()); // --insecure
+            };
+            // Unknown host: a certificate the system roots verify needs no
+            // record; otherwise trust it on first use (not in strict mode).
+            if let Some(w) = &t.webpki {
+                if w.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+                    .is_ok()
+                {
+                    return Ok(ServerCertVerified::assertion());
+                }
+            }
+            if t.strict {
+                let msg = format!(
+                    "TLS: {} is not in {} and strict host key checking is on; its certificate fingerprint is {} (check it with the server's `lwio serve` output, then connect once with --fingerprint {} or add the line \"{} {}\")",
+                    t.host,
+                    t.file.display(),
+                    fingerprint_hex(&got),
+                    fingerprint_hex(&got),
+                    t.host,
+                    fingerprint_hex(&got)
+                );
+                *self.why.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg.clone());
+                return Err(rustls::Error::General(msg));
+            }
+            *t.seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(got);
             return Ok(ServerCertVerified::assertion());
         };
-        let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
         if got == pin {
             return Ok(ServerCertVerified::assertion());
         }
-        let msg = format!(
-            "TLS: the server's certificate fingerprint {} does not match the pinned {}; refusing to connect",
-            fingerprint(end_entity.as_ref()),
-            fingerprint_hex(&pin)
-        );
+        let msg = match &self.tofu {
+            Some(t) => format!(
+                "TLS: the certificate of {} HAS CHANGED: it is now {}, but {} line {} records {}; someone may be impersonating the server, or its certificate was replaced: if you trust the new one, delete that line and connect again",
+                t.host,
+                fingerprint_hex(&got),
+                t.file.display(),
+                t.line.unwrap_or(0),
+                fingerprint_hex(&pin)
+            ),
+            None => format!(
+                "TLS: the server's certificate fingerprint {} does not match the pinned {}; refusing to connect",
+                fingerprint(end_entity.as_ref()),
+                fingerprint_hex(&pin)
+            ),
+        };
         *self.why.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg.clone());
         Err(rustls::Error::General(msg))
     }
@@ -175,7 +236,7 @@ fn fingerprint_hex(d: &[u8; 32]) -> String {
     format!("sha256:{}", hex.join(":"))
 }
 
-fn client_config(tls: &ClientTls, why: &Why) -> Result<Arc<ClientConfig>> {
+fn client_config(tls: &ClientTls, why: &Why, tofu: Option<Tofu>) -> Result<Arc<ClientConfig>> {
     let p = provider();
     let b = ClientConfig::builder_with_provider(p.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -214,6 +275,7 @@ fn client_config(tls: &ClientTls, why: &Why) -> Result<Arc<ClientConfig>> {
                 pin: Some(*pin),
                 provider: p,
                 why: why.clone(),
+                tofu: None,
             }))
             .with_no_client_auth(),
         ClientTls::Insecure => b
@@ -222,8 +284,37 @@ fn client_config(tls: &ClientTls, why: &Why) -> Result<Arc<ClientConfig>> {
                 pin: None,
                 provider: p,
                 why: why.clone(),
+                tofu: None,
             }))
             .with_no_client_auth(),
+        ClientTls::KnownHosts { .. } => {
+            let mut t = tofu.ok_or_else(|| tls_err("known_hosts state missing"))?;
+            let pin = match t.line {
+                Some(_) => *t.seen.lock().unwrap_or_else(|e| e.into_inner()),
+                None => None,
+            };
+            *t.seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            if pin.is_none() {
+                let mut roots = rustls::RootCertStore::empty();
+                roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+                if !roots.is_empty() {
+                    t.webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
+                        Arc::new(roots),
+                        p.clone(),
+                    )
+                    .build()
+                    .ok();
+                }
+            }
+            b.dangerous()
+                .with_custom_certificate_verifier(Arc::new(PinVerifier {
+                    pin,
+                    provider: p,
+                    why: why.clone(),
+                    tofu: Some(t),
+                }))
+                .with_no_client_auth()
+        }
     };
     Ok(Arc::new(cfg))
 }
@@ -364,22 +455,52 @@ pub async fn connect(
         );
     }
     let why: Why = Arc::default();
-    let cfg = client_config(tls, &why)?;
+    // Trust on first use: the recorded fingerprint, if any, is the pin
+    // (handed to client_config through `seen`).
+    let seen: Arc<Mutex<Option<[u8; 32]>>> = Arc::default();
+    let tofu = match tls {
+        ClientTls::KnownHosts { file, strict } => {
+            let known = crate::known_hosts::lookup(file, addr)?;
+            *seen.lock().unwrap_or_else(|p| p.into_inner()) = known.as_ref().map(|k| k.fingerprint);
+            Some(Tofu {
+                file: file.clone(),
+                host: addr.to_string(),
+                strict: *strict,
+                line: known.map(|k| k.line),
+                webpki: None,
+                seen: seen.clone(),
+            })
+        }
+        _ => None,
+    };
+    let cfg = client_config(tls, &why, tofu)?;
     let host = host_of(addr).to_string();
     let name = ServerName::try_from(host.clone()).map_err(|_| {
         tls_err(format!(
             "{host:?} is not a valid TLS server name (DNS name or IP address)"
         ))
     })?;
-    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sniffed = Arc::new(Mutex::new(Vec::new()));
     let sniff = Sniff {
         inner: tcp,
-        seen: seen.clone(),
+        seen: sniffed.clone(),
     };
     let connector = tokio_rustls::TlsConnector::from(cfg);
     let r = tokio::time::timeout(timeout, connector.connect(name, sniff)).await;
     let e = match r {
-        Ok(Ok(s)) => return Ok(SideStream::Tls(Box::new(s))),
+        Ok(Ok(s)) => {
+            // The handshake proved the key: now record a first-use host.
+            let first = seen.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let (ClientTls::KnownHosts { file, .. }, Some(fp)) = (tls, first) {
+                crate::known_hosts::record(file, addr, &fp)?;
+                eprintln!(
+                    "lwio: trusting {addr} on first use: {} (recorded in {})",
+                    fingerprint_hex(&fp),
+                    file.display()
+                );
+            }
+            return Ok(SideStream::Tls(Box::new(s)));
+        }
         Ok(Err(e)) => e,
         Err(_) => {
             return Err(Error::new(
@@ -391,8 +512,8 @@ pub async fn connect(
     if let Some(m) = why.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(Error::new(ErrorCode::AuthFailed, m));
     }
-    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    if let Some(pe) = plain_error_in(&seen) {
+    let sniffed = sniffed.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if let Some(pe) = plain_error_in(&sniffed) {
         if pe.code == ErrorCode::Busy {
             return Err(pe);
         }

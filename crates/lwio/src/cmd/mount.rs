@@ -56,6 +56,8 @@ fn client_option(
         "ca" => a.ca = Some(need(v)?.into()),
         "insecure" if v.is_none() => a.insecure = true,
         "no_tls" if v.is_none() => a.no_tls = true,
+        "known_hosts" => a.known_hosts = Some(need(v)?.into()),
+        "strict_host_key_checking" if v.is_none() => a.strict_host_key_checking = true,
         "connect_timeout" => {
             let v = need(v)?;
             a.connect_timeout = parse_duration(&v)
