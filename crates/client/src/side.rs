@@ -380,6 +380,33 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         }
     }
 
+    /// All entries of a directory with full attributes (follows pages).
+    pub async fn list_dir_x(&mut self, export: &str, path: &str) -> Result<Vec<(String, AttrX)>> {
+        let mut out = Vec::new();
+        let mut cookie = 0;
+        loop {
+            let r = self
+                .call(Request::ListDirX {
+                    export: export.into(),
+                    path: path.into(),
+                    cookie,
+                })
+                .await?;
+            let Response::DirPageX {
+                entries,
+                next_cookie,
+            } = r
+            else {
+                return Err(unexpected(&r));
+            };
+            out.extend(entries);
+            if next_cookie == 0 || next_cookie <= cookie {
+                return Ok(out);
+            }
+            cookie = next_cookie;
+        }
+    }
+
     pub async fn stat(&mut self, export: &str, path: &str) -> Result<Attr> {
         match self
             .call(Request::Stat {
@@ -692,6 +719,9 @@ impl Client {
     }
     pub fn negotiate(&mut self, req: &NegotiateRequestRepr) -> Result<NegotiateResponseRepr> {
         self.rt.block_on(self.inner.negotiate(req))
+    }
+    pub fn list_dir_x(&mut self, export: &str, path: &str) -> Result<Vec<(String, AttrX)>> {
+        self.rt.block_on(self.inner.list_dir_x(export, path))
     }
     pub fn statx(&mut self, export: &str, path: &str, follow: bool) -> Result<AttrX> {
         self.rt.block_on(self.inner.statx(export, path, follow))

@@ -115,7 +115,7 @@ Examples:
 Options (-o, comma-separated, as mount(8) passes them):
   ro, rw, allow_other, allow_root, default_permissions,
   attr_timeout=SECS, entry_timeout=SECS (default 1), threads=N (default 4),
-  max_io=BYTES (largest read/write, default 1 MiB), fsname=NAME,
+  max_io=BYTES (largest read/write, default 1 MiB), fsname=NAME, direct_io,
   completion=interrupt|poll, provider=auto|soft|verbs, device=NAME,
   token_file=FILE, user=NAME, password_file=FILE, fingerprint=sha256:HEX,
   ca=FILE, insecure, no_tls, connect_timeout=DURATION.

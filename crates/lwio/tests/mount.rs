@@ -190,6 +190,7 @@ fn files_written_and_read_through_the_mount_are_byte_exact() {
 fn directories_listing_rename_and_exact_errnos() {
     let f = Fixture::new();
     let _m = f.mount(&MountConfig::default());
+    let _m = &_m;
 
     fs::create_dir(f.m("d")).unwrap();
     fs::create_dir(f.m("d/e")).unwrap();
@@ -205,8 +206,27 @@ fn directories_listing_rename_and_exact_errnos() {
     for i in 0..300 {
         fs::write(f.srv(&format!("d/f{i:03}")), i.to_string()).unwrap();
     }
-    let n = fs::read_dir(f.m("d")).unwrap().count();
+    // `ls -l` of 301 entries: the listing carries their attributes
+    // (readdirplus), so the sizes come with no round trip per entry.
+    let st = _m.stats().clone();
+    let calls = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let (side0, lookups0) = (calls(&st.side_calls), calls(&st.lookups));
+    let mut n = 0;
+    for e in fs::read_dir(f.m("d")).unwrap() {
+        let e = e.unwrap();
+        let md = e.metadata().unwrap();
+        let name = e.file_name().into_string().unwrap();
+        if let Some(i) = name.strip_prefix('f') {
+            assert_eq!(md.len(), i.parse::<u64>().unwrap().to_string().len() as u64);
+        }
+        n += 1;
+    }
     assert_eq!(n, 301);
+    let (side, lookups) = (calls(&st.side_calls) - side0, calls(&st.lookups) - lookups0);
+    assert!(
+        side < 10 && lookups < 5,
+        "ls -l of 301 entries took {side} side-channel calls and {lookups} lookups"
+    );
     assert_eq!(fs::read_to_string(f.m("d/f123")).unwrap(), "123");
 
     // Rename a directory: what was beneath it follows.

@@ -14,7 +14,7 @@ use fuser::{
 };
 use lwio_client::{Client, File, OpenOptions};
 use lwio_side::types::{
-    AttrX, DirEntry, FileKind, RemoveKind, SetAttr, SetTime, RENAME_EXCHANGE, RENAME_NOREPLACE,
+    AttrX, FileKind, RemoveKind, SetAttr, SetTime, RENAME_EXCHANGE, RENAME_NOREPLACE,
 };
 use tracing::{debug, warn};
 
@@ -23,6 +23,9 @@ use crate::inodes::{join, Inodes};
 use crate::{MountConfig, Stats};
 
 type Res<T> = Result<T, i32>;
+
+/// A directory listing: names and full attributes.
+type Listing = Vec<(String, AttrX)>;
 
 fn err(e: i32) -> Errno {
     Errno::from_i32(e)
@@ -37,7 +40,8 @@ pub struct LwioFs {
     inodes: Mutex<Inodes>,
     /// Open files: FUSE handle → (node, file).
     files: Mutex<HashMap<u64, (u64, Arc<File>)>>,
-    dirs: Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>,
+    /// Open directories: the listing taken at opendir.
+    dirs: Mutex<HashMap<u64, Arc<Listing>>>,
     next_fh: AtomicU64,
 }
 
@@ -49,6 +53,30 @@ fn name_str(name: &OsStr) -> Res<&str> {
     // The side channel names files in UTF-8 (docs/side-channel.md §6).
     name.to_str().ok_or(libc::EILSEQ)
 }
+
+fn kind_of(a: &AttrX) -> FileType {
+    match a.kind {
+        FileKind::Dir => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::File | FileKind::Other => FileType::RegularFile,
+    }
+}
+
+/// Attributes for "." and ".." of an empty directory's readdirplus.
+const DIR_ATTR: AttrX = AttrX {
+    kind: FileKind::Dir,
+    perm: 0o755,
+    size: 0,
+    ino: 0,
+    nlink: 2,
+    uid: 0,
+    gid: 0,
+    blocks: 0,
+    blksize: 0,
+    atime_ns: 0,
+    mtime_ns: 0,
+    ctime_ns: 0,
+};
 
 fn time(ns: i64) -> SystemTime {
     if ns >= 0 {
@@ -159,12 +187,7 @@ impl LwioFs {
     /// The kernel's attributes: the server's, with our node id. Owners are
     /// the server's uids and gids, as NFS shows them.
     fn attr(&self, ino: u64, a: &AttrX) -> FileAttr {
-        let kind = match a.kind {
-            FileKind::Dir => FileType::Directory,
-            FileKind::Symlink => FileType::Symlink,
-            FileKind::File => FileType::RegularFile,
-            FileKind::Other => FileType::RegularFile,
-        };
+        let kind = kind_of(a);
         FileAttr {
             ino: INodeNo(ino),
             size: a.size,
@@ -264,8 +287,8 @@ impl LwioFs {
             })
     }
 
-    fn fopen_flags(flags: i32) -> FopenFlags {
-        if flags & libc::O_DIRECT != 0 {
+    fn fopen_flags(&self, flags: i32) -> FopenFlags {
+        if flags & libc::O_DIRECT != 0 || self.cfg.direct_io {
             FopenFlags::FOPEN_DIRECT_IO
         } else {
             FopenFlags::empty()
@@ -314,7 +337,7 @@ impl LwioFs {
         Ok(done as u32)
     }
 
-    fn readdir_entries(&self, fh: FileHandle) -> Res<Arc<Vec<DirEntry>>> {
+    fn readdir_entries(&self, fh: FileHandle) -> Res<Arc<Listing>> {
         lock(&self.dirs).get(&fh.0).cloned().ok_or(libc::EBADF)
     }
 
@@ -351,7 +374,13 @@ impl Filesystem for LwioFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
         let _ = config.set_max_write(self.cfg.max_io);
         let _ = config.set_max_readahead(self.cfg.max_io);
-        let want = InitFlags::FUSE_ATOMIC_O_TRUNC | InitFlags::FUSE_PARALLEL_DIROPS;
+        // readdirplus: a listing carries every entry's attributes, so `ls -l`
+        // and `find -ls` need no lookup round trip per entry (the kernel
+        // picks plain readdir or readdirplus itself: READDIRPLUS_AUTO).
+        let want = InitFlags::FUSE_ATOMIC_O_TRUNC
+            | InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO;
         if let Err(missing) = config.add_capabilities(want) {
             debug!(?missing, "kernel lacks FUSE capabilities");
         }
@@ -561,7 +590,7 @@ impl Filesystem for LwioFs {
         match r {
             Ok(f) => reply.opened(
                 FileHandle(self.add_file(ino.0, f)),
-                Self::fopen_flags(flags.0),
+                self.fopen_flags(flags.0),
             ),
             Err(e) => reply.error(err(e)),
         }
@@ -592,7 +621,7 @@ impl Filesystem for LwioFs {
                     &self.attr(ino, &a),
                     Generation(0),
                     FileHandle(fh),
-                    Self::fopen_flags(flags),
+                    self.fopen_flags(flags),
                 );
             }
             Err(e) => reply.error(err(e)),
@@ -696,7 +725,7 @@ impl Filesystem for LwioFs {
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let r = self.path(ino).and_then(|p| {
             let export = &self.export;
-            self.side(|s| s.list_dir(export, &p))
+            self.side(|s| s.list_dir_x(export, &p))
         });
         match r {
             Ok(list) => {
@@ -730,14 +759,65 @@ impl Filesystem for LwioFs {
                 0 => reply.add(ino, 1, FileType::Directory, "."),
                 1 => reply.add(INodeNo(1), 2, FileType::Directory, ".."),
                 _ => {
-                    let e = &list[(i - 2) as usize];
-                    let kind = match e.attr.kind {
-                        FileKind::Dir => FileType::Directory,
-                        FileKind::Symlink => FileType::Symlink,
-                        _ => FileType::RegularFile,
-                    };
-                    let ino = self.listed_ino(&join(&dir, &e.name));
-                    reply.add(INodeNo(ino), i + 1, kind, &e.name)
+                    let (name, a) = &list[(i - 2) as usize];
+                    let ino = self.listed_ino(&join(&dir, name));
+                    reply.add(INodeNo(ino), i + 1, kind_of(a), name)
+                }
+            };
+            if full {
+                break;
+            }
+            i += 1;
+        }
+        reply.ok();
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: fuser::ReplyDirectoryPlus,
+    ) {
+        let r = self
+            .readdir_entries(fh)
+            .and_then(|l| Ok((l, self.path(ino)?)));
+        let (list, dir) = match r {
+            Ok(v) => v,
+            Err(e) => return reply.error(err(e)),
+        };
+        let ttl = self.cfg.attr_ttl;
+        // "." and "..": the kernel makes no entries (nor lookup counts) of
+        // them, so any directory attributes do.
+        let dot = FileAttr {
+            ino,
+            kind: FileType::Directory,
+            ..self.attr(ino.0, &list.first().map(|e| e.1).unwrap_or(DIR_ATTR))
+        };
+        let mut i = offset;
+        while i < 2 + list.len() as u64 {
+            let full = match i {
+                0 => reply.add(ino, 1, ".", &ttl, &dot, Generation(0)),
+                1 => reply.add(INodeNo(1), 2, "..", &ttl, &dot, Generation(0)),
+                _ => {
+                    // Each entry handed over is a lookup the kernel will
+                    // forget; one that did not fit is not.
+                    let (name, a) = &list[(i - 2) as usize];
+                    let path = join(&dir, name);
+                    let child = lock(&self.inodes).lookup(&path);
+                    let full = reply.add(
+                        INodeNo(child),
+                        i + 1,
+                        name,
+                        &ttl,
+                        &self.attr(child, a),
+                        Generation(0),
+                    );
+                    if full {
+                        lock(&self.inodes).forget(child, 1);
+                    }
+                    full
                 }
             };
             if full {

@@ -24,6 +24,10 @@ pub struct MountConfig {
     pub max_io: u32,
     /// `fsname=NAME`: the source shown in /proc/mounts.
     pub fsname: Option<String>,
+    /// `direct_io`: no client page cache (every read and write goes to the
+    /// server, as sshfs's option of that name); the server's file is still
+    /// opened normally.
+    pub direct_io: bool,
 }
 
 impl Default for MountConfig {
@@ -38,6 +42,7 @@ impl Default for MountConfig {
             threads: 4,
             max_io: 1 << 20,
             fsname: None,
+            direct_io: false,
         }
     }
 }
@@ -126,6 +131,7 @@ impl MountConfig {
                         .ok_or_else(|| bad("expected bytes: a multiple of 4096 up to 16777216"))?
                 }
                 ("fsname", Some(v)) => self.fsname = Some(v.to_string()),
+                ("direct_io", None) => self.direct_io = true,
                 ("hard", None) => {
                     return Err(bad(
                         "not supported yet: this lwio has no reconnect, so calls fail with EIO when the server goes away (the default, `soft`)",

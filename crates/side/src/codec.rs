@@ -220,6 +220,12 @@ pub enum Request {
         to: String,
         flags: u32,
     },
+    /// ListDir with full attributes (readdirplus).
+    ListDirX {
+        export: String,
+        path: String,
+        cookie: u64,
+    },
 }
 
 /// One export as listed.
@@ -271,6 +277,10 @@ pub enum Response {
     /// A symlink's target (`Readlink`).
     Target(String),
     StatFs(StatFs),
+    DirPageX {
+        entries: Vec<(String, AttrX)>,
+        next_cookie: u64,
+    },
 }
 
 /// Message type codes.
@@ -299,6 +309,7 @@ pub mod ty {
     pub const STATFS: u16 = 0x0016;
     pub const REMOVE2: u16 = 0x0017;
     pub const RENAME2: u16 = 0x0018;
+    pub const LIST_DIR_X: u16 = 0x0019;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -311,6 +322,7 @@ pub mod ty {
     pub const ATTRX: u16 = 0x8010;
     pub const TARGET: u16 = 0x8015;
     pub const STATFS_OK: u16 = 0x8016;
+    pub const DIR_PAGE_X: u16 = 0x8019;
     pub const ERROR: u16 = 0x80ff;
 }
 
@@ -563,6 +575,11 @@ pub fn split_body(body: &[u8]) -> Result<(u16, u32, &[u8]), DecodeError> {
     Ok((t, id, r.b))
 }
 
+/// Serialised size of one full-attribute listing entry (for paging).
+pub fn dir_entry_x_len(name: &str) -> usize {
+    2 + name.len().min(u16::MAX as usize) + crate::types::ATTRX_LEN
+}
+
 /// Serialised size of one listing entry (for paging).
 pub fn dir_entry_len(e: &WireDirEntry) -> usize {
     2 + e.name.len().min(u16::MAX as usize) + 21
@@ -745,6 +762,16 @@ impl Request {
                 w.str(path);
                 w.u8(*kind as u8);
             }
+            Request::ListDirX {
+                export,
+                path,
+                cookie,
+            } => {
+                w = W::head(ty::LIST_DIR_X, id);
+                w.str(export);
+                w.str(path);
+                w.u64(*cookie);
+            }
             Request::Rename2 {
                 export,
                 from,
@@ -872,6 +899,11 @@ impl Request {
                 path: r.str()?,
             },
             ty::STATFS => Request::Statfs { export: r.str()? },
+            ty::LIST_DIR_X => Request::ListDirX {
+                export: r.str()?,
+                path: r.str()?,
+                cookie: r.u64()?,
+            },
             ty::REMOVE2 => Request::Remove2 {
                 export: r.str()?,
                 path: r.str()?,
@@ -985,6 +1017,18 @@ impl Response {
                 w = W::head(ty::TARGET, id);
                 w.str(t);
             }
+            Response::DirPageX {
+                entries,
+                next_cookie,
+            } => {
+                w = W::head(ty::DIR_PAGE_X, id);
+                w.u64(*next_cookie);
+                w.u32(entries.len() as u32);
+                for (name, a) in entries {
+                    w.str(name);
+                    w.attrx(a);
+                }
+            }
             Response::StatFs(f) => {
                 w = W::head(ty::STATFS_OK, id);
                 w.u32(f.bsize);
@@ -1072,6 +1116,18 @@ impl Response {
             },
             ty::ATTRX => Response::AttrX(r.attrx()?),
             ty::TARGET => Response::Target(r.str()?),
+            ty::DIR_PAGE_X => {
+                let next_cookie = r.u64()?;
+                let n = r.count(2 + crate::types::ATTRX_LEN)?;
+                let mut entries = Vec::with_capacity(n);
+                for _ in 0..n {
+                    entries.push((r.str()?, r.attrx()?));
+                }
+                Response::DirPageX {
+                    entries,
+                    next_cookie,
+                }
+            }
             ty::STATFS_OK => Response::StatFs(StatFs {
                 bsize: r.u32()?,
                 frsize: r.u32()?,

@@ -539,6 +539,23 @@ impl Export {
     /// List a directory, sorted by name. Entries are not followed: a symlink
     /// is listed as [`FileKind::Symlink`].
     pub fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
+        Ok(self
+            .list_x(path)?
+            .into_iter()
+            .map(|(name, a)| DirEntry {
+                name,
+                attr: Attr {
+                    kind: a.kind,
+                    perm: a.perm,
+                    size: a.size,
+                    mtime_ns: a.mtime_ns,
+                },
+            })
+            .collect())
+    }
+
+    /// [`Export::list`] with full attributes (lstat of each entry).
+    pub fn list_x(&self, path: &str) -> Result<Vec<(String, AttrX)>> {
         let comps = split_rel_path(path)?;
         let fd = self.resolve(&comps, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
         let what = self.describe(&comps);
@@ -585,16 +602,13 @@ impl Export {
             // SAFETY: `guard.0` is a valid DIR; dirfd does not transfer ownership.
             let dfd = unsafe { libc::dirfd(guard.0) };
             let attr = match fstatat_nofollow(dfd, &name) {
-                Ok(st) => Attr::from_stat(&st),
+                Ok(st) => AttrX::from_stat(&st),
                 Err(_) => continue, // removed meanwhile
             };
-            out.push(DirEntry {
-                name: String::from_utf8_lossy(name.to_bytes()).into_owned(),
-                attr,
-            });
+            out.push((String::from_utf8_lossy(name.to_bytes()).into_owned(), attr));
         }
         drop(guard);
-        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
     }
 

@@ -562,6 +562,27 @@ fn denied(who: &Principal, verb: &str, export: &str) -> Error {
 }
 
 /// `Ok` if `who` has the rights `need` on `export`.
+/// One page of a listing from `cookie` (the index of its first entry): as
+/// many entries as fit in `budget` bytes (at least one), and the next
+/// cookie (0 = done).
+fn page<T>(all: &[T], cookie: u64, budget: usize, len: impl Fn(&T) -> usize) -> (&[T], u64) {
+    let start = usize::try_from(cookie).unwrap_or(usize::MAX).min(all.len());
+    let mut used = 0;
+    let mut n = 0;
+    for e in &all[start..] {
+        used += len(e);
+        if used > budget && n > 0 {
+            break;
+        }
+        n += 1;
+    }
+    let next = start + n;
+    (
+        &all[start..next],
+        if next < all.len() { next as u64 } else { 0 },
+    )
+}
+
 fn check(state: &ServerState, who: &Principal, export: &str, need: Rights) -> Result<(), Error> {
     // Unknown exports answer NoSuchExport first.
     state.exports.get(export)?;
@@ -628,25 +649,17 @@ async fn handle(
             let ex = state.exports.get(&export)?.clone();
             let budget = (state.limits.max_frame as usize).saturating_sub(64);
             blocking(move || {
-                let all = ex.list(&path)?;
-                let start = usize::try_from(cookie).unwrap_or(usize::MAX).min(all.len());
-                let mut used = 0;
-                let mut entries = Vec::new();
-                for e in &all[start..] {
-                    let we = WireDirEntry {
-                        name: e.name.clone(),
+                let all: Vec<WireDirEntry> = ex
+                    .list(&path)?
+                    .into_iter()
+                    .map(|e| WireDirEntry {
+                        name: e.name,
                         attr: e.attr,
-                    };
-                    used += dir_entry_len(&we);
-                    if used > budget && !entries.is_empty() {
-                        break;
-                    }
-                    entries.push(we);
-                }
-                let next = start + entries.len();
-                let next_cookie = if next < all.len() { next as u64 } else { 0 };
+                    })
+                    .collect();
+                let (page, next_cookie) = page(&all, cookie, budget, dir_entry_len);
                 Ok(Response::DirPage {
-                    entries,
+                    entries: page.to_vec(),
                     next_cookie,
                 })
             })
@@ -764,6 +777,24 @@ async fn handle(
                 };
                 r.map_err(|e| Error::from_io(&e, format!("{}/{}", f.export, f.path)))?;
                 Ok(Response::Ok)
+            })
+            .await
+        }
+        Request::ListDirX {
+            export,
+            path,
+            cookie,
+        } => {
+            check(state, who, &export, READ)?;
+            let ex = state.exports.get(&export)?.clone();
+            let budget = (state.limits.max_frame as usize).saturating_sub(64);
+            blocking(move || {
+                let all = ex.list_x(&path)?;
+                let (page, next_cookie) = page(&all, cookie, budget, |e| dir_entry_x_len(&e.0));
+                Ok(Response::DirPageX {
+                    entries: page.to_vec(),
+                    next_cookie,
+                })
             })
             .await
         }

@@ -111,6 +111,11 @@ fn all_requests() -> Vec<Request> {
             path: "l".into(),
         },
         Request::Statfs { export: "e".into() },
+        Request::ListDirX {
+            export: "e".into(),
+            path: "d".into(),
+            cookie: 5,
+        },
         Request::Remove2 {
             export: "e".into(),
             path: "d".into(),
@@ -183,6 +188,10 @@ fn all_responses() -> Vec<Response> {
         },
         Response::AttrX(attrx()),
         Response::Target("../t".into()),
+        Response::DirPageX {
+            entries: vec![("l".into(), attrx())],
+            next_cookie: 3,
+        },
         Response::StatFs(StatFs {
             bsize: 4096,
             frsize: 4096,
