@@ -460,3 +460,37 @@ fn posix_attributes_links_and_rename_flags() {
     assert_eq!(sm.f_blocks * sm.f_frsize, ss.f_blocks * ss.f_frsize);
     assert!(sm.f_bavail > 0 && sm.f_namemax == ss.f_namemax);
 }
+
+#[test]
+fn two_mounts_of_one_export_see_each_other() {
+    // Two mounts on one host are two clients (two sessions, two RDMA
+    // connections). Without directory leases, B asks the server every time
+    // with zero timeouts, and contents follow close-to-open.
+    let f = Fixture::new();
+    let a = f.mount(&MountConfig::default());
+    let mnt_b = tempfile::tempdir().unwrap();
+    let b_cfg = MountConfig {
+        attr_ttl: Duration::ZERO,
+        entry_ttl: Duration::ZERO,
+        ..MountConfig::default()
+    };
+    let b = f.mount_at(mnt_b.path(), "", &b_cfg);
+    let pa = |r: &str| a.mountpoint().join(r);
+    let pb = |r: &str| b.mountpoint().join(r);
+    fs::write(pa("shared"), b"version 1").unwrap();
+    assert_eq!(fs::read(pb("shared")).unwrap(), b"version 1");
+    fs::write(pa("shared"), b"version 2, longer").unwrap();
+    assert_eq!(fs::read(pb("shared")).unwrap(), b"version 2, longer");
+    assert_eq!(fs::metadata(pb("shared")).unwrap().len(), 17);
+    fs::create_dir(pa("dir")).unwrap();
+    fs::rename(pa("shared"), pa("dir/moved")).unwrap();
+    assert_eq!(errno(fs::metadata(pb("shared")).unwrap_err()), libc::ENOENT);
+    assert_eq!(fs::read(pb("dir/moved")).unwrap(), b"version 2, longer");
+    let names: Vec<_> = fs::read_dir(pb("dir"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["moved"]);
+    fs::remove_file(pb("dir/moved")).unwrap();
+    assert!(!f.srv("dir/moved").exists());
+}
