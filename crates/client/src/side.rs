@@ -568,6 +568,42 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
             .await
     }
 
+    /// A hard link `to` of `from` (where the export allows hard links).
+    pub async fn link(&mut self, export: &str, from: &str, to: &str) -> Result<AttrX> {
+        self.attrx(Request::Link {
+            export: export.into(),
+            from: from.into(),
+            to: to.into(),
+        })
+        .await
+    }
+
+    /// fallocate(2) on an open file (`codec::FALLOC_KNOWN` mode bits).
+    pub async fn fallocate(&mut self, handle: u64, mode: u32, offset: u64, len: u64) -> Result<()> {
+        self.ok(Request::Fallocate {
+            handle,
+            mode,
+            offset,
+            len,
+        })
+        .await
+    }
+
+    /// lseek(2) SEEK_DATA / SEEK_HOLE (`codec::SEEK_DATA`, `codec::SEEK_HOLE`).
+    pub async fn seek(&mut self, handle: u64, offset: u64, whence: u8) -> Result<u64> {
+        match self
+            .call(Request::Seek {
+                handle,
+                offset,
+                whence,
+            })
+            .await?
+        {
+            Response::Offset(o) => Ok(o),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// Create a symbolic link `path` → `target`.
     pub async fn symlink(&mut self, export: &str, path: &str, target: &str) -> Result<AttrX> {
         self.attrx(Request::Symlink {
@@ -734,6 +770,16 @@ impl Client {
     }
     pub fn set_attr_handle(&mut self, handle: u64, set: &SetAttr) -> Result<AttrX> {
         self.rt.block_on(self.inner.set_attr_handle(handle, set))
+    }
+    pub fn link(&mut self, export: &str, from: &str, to: &str) -> Result<AttrX> {
+        self.rt.block_on(self.inner.link(export, from, to))
+    }
+    pub fn fallocate(&mut self, handle: u64, mode: u32, offset: u64, len: u64) -> Result<()> {
+        self.rt
+            .block_on(self.inner.fallocate(handle, mode, offset, len))
+    }
+    pub fn seek(&mut self, handle: u64, offset: u64, whence: u8) -> Result<u64> {
+        self.rt.block_on(self.inner.seek(handle, offset, whence))
     }
     pub fn symlink(&mut self, export: &str, path: &str, target: &str) -> Result<AttrX> {
         self.rt.block_on(self.inner.symlink(export, path, target))

@@ -494,3 +494,74 @@ fn two_mounts_of_one_export_see_each_other() {
     fs::remove_file(pb("dir/moved")).unwrap();
     assert!(!f.srv("dir/moved").exists());
 }
+
+#[test]
+fn holes_fallocate_and_hard_links() {
+    let f = Fixture::new();
+    let _m = f.mount(&MountConfig::default());
+    let file = fs::File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(f.m("sparse"))
+        .unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+    // 1 MiB of data, then a hole punched in its middle.
+    file.write_all_at(&vec![7u8; 1 << 20], 0).unwrap();
+    file.sync_all().unwrap();
+    // SAFETY: plain syscalls on an fd we own.
+    let r = unsafe {
+        libc::fallocate(
+            fd,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            256 << 10,
+            256 << 10,
+        )
+    };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    let mut back = vec![0u8; 1 << 20];
+    file.read_exact_at(&mut back, 0).unwrap();
+    let mut want = vec![7u8; 1 << 20];
+    want[256 << 10..512 << 10].fill(0);
+    assert!(
+        back == want,
+        "punched range reads as zeros, the rest as data"
+    );
+    assert_eq!(fs::read(f.srv("sparse")).unwrap(), want);
+    // SEEK_HOLE / SEEK_DATA are the server file system's answers.
+    // SAFETY: as above.
+    let hole = unsafe { libc::lseek(fd, 0, libc::SEEK_HOLE) };
+    // SAFETY: as above.
+    let data = unsafe { libc::lseek(fd, 256 << 10, libc::SEEK_DATA) };
+    let local = fs::File::open(f.srv("sparse")).unwrap();
+    let lfd = std::os::fd::AsRawFd::as_raw_fd(&local);
+    // SAFETY: as above.
+    let (lhole, ldata) = unsafe {
+        (
+            libc::lseek(lfd, 0, libc::SEEK_HOLE),
+            libc::lseek(lfd, 256 << 10, libc::SEEK_DATA),
+        )
+    };
+    assert_eq!((hole, data), (lhole, ldata));
+    // Past the end: ENXIO, as locally.
+    // SAFETY: as above.
+    let past = unsafe { libc::lseek(fd, 4 << 20, libc::SEEK_DATA) };
+    assert_eq!(past, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::ENXIO)
+    );
+    // Preallocation grows the file (mode 0) as posix_fallocate does.
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::fallocate(fd, 0, 0, 2 << 20) }, 0);
+    assert_eq!(fs::metadata(f.srv("sparse")).unwrap().len(), 2 << 20);
+
+    // Hard links: this export does not allow them (a second name would
+    // make the file unopenable, docs/side-channel.md §6): EPERM, nothing made.
+    assert_eq!(
+        errno(fs::hard_link(f.m("sparse"), f.m("second")).unwrap_err()),
+        libc::EPERM
+    );
+    assert!(!f.srv("second").exists());
+}

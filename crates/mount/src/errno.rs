@@ -24,6 +24,7 @@ pub fn side(e: &lwio_side::Error) -> i32 {
         C::Unsupported => EOPNOTSUPP,
         C::TimedOut => ETIMEDOUT,
         C::FrameTooLarge => E2BIG,
+        C::NoSuchOffset => ENXIO,
         C::UnsupportedVersion | C::Io | C::Disconnected | C::ConnectFailed => EIO,
     }
 }

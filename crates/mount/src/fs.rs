@@ -526,6 +526,85 @@ impl Filesystem for LwioFs {
         }
     }
 
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let r = (|| -> Res<(String, AttrX)> {
+            let from = self.path(ino)?;
+            let to = self.child(newparent, newname)?;
+            let export = &self.export;
+            // An export without allow_hardlinks refuses as a file system
+            // without hard links does: link(2)'s EPERM.
+            let a = self.side(|s| s.link(export, &from, &to)).map_err(|e| {
+                if e == libc::EACCES {
+                    libc::EPERM
+                } else {
+                    e
+                }
+            })?;
+            Ok((to, a))
+        })();
+        match r {
+            Ok((p, a)) => self.entry(&p, &a, reply),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        let r = self.file(fh).and_then(|f| {
+            if mode as u32 & !lwio_side::codec::FALLOC_KNOWN != 0 {
+                return Err(libc::EOPNOTSUPP);
+            }
+            let h = f.handle();
+            self.side(|s| s.fallocate(h, mode as u32, offset, length))
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: fuser::ReplyLseek,
+    ) {
+        // The kernel handles SEEK_SET/CUR/END itself; DATA and HOLE ask the
+        // server's file system.
+        let r = self.file(fh).and_then(|f| {
+            let w = match whence {
+                libc::SEEK_DATA => lwio_side::codec::SEEK_DATA,
+                libc::SEEK_HOLE => lwio_side::codec::SEEK_HOLE,
+                _ => return Err(libc::EINVAL),
+            };
+            let off = u64::try_from(offset).map_err(|_| libc::ENXIO)?;
+            let h = f.handle();
+            self.side(|s| s.seek(h, off, w))
+        });
+        match r {
+            Ok(o) => reply.offset(o as i64),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let r = self.path(ino).and_then(|p| {
             let export = &self.export;

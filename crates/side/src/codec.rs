@@ -63,6 +63,11 @@ pub const SET_ATIME_NOW: u32 = 0x20;
 pub const SET_MTIME: u32 = 0x40;
 pub const SET_MTIME_NOW: u32 = 0x80;
 const SET_KNOWN: u32 = 0xff;
+/// `Fallocate` mode bits (Linux FALLOC_FL_*): KEEP_SIZE, PUNCH_HOLE, ZERO_RANGE.
+pub const FALLOC_KNOWN: u32 = 0x01 | 0x02 | 0x10;
+/// `Seek` whence values.
+pub const SEEK_DATA: u8 = 3;
+pub const SEEK_HOLE: u8 = 4;
 
 /// Login method of [`Request::Login`]. `Debug` hides passwords.
 #[derive(Clone, PartialEq, Eq)]
@@ -226,6 +231,26 @@ pub enum Request {
         path: String,
         cookie: u64,
     },
+    /// A hard link `to` of `from` (only where the export allows hard links).
+    Link {
+        export: String,
+        from: String,
+        to: String,
+    },
+    /// fallocate(2) on an open file (mode: FALLOC_FL_KEEP_SIZE 1,
+    /// PUNCH_HOLE 2, ZERO_RANGE 0x10).
+    Fallocate {
+        handle: u64,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    },
+    /// lseek(2) SEEK_DATA (3) or SEEK_HOLE (4) on an open file.
+    Seek {
+        handle: u64,
+        offset: u64,
+        whence: u8,
+    },
 }
 
 /// One export as listed.
@@ -281,6 +306,8 @@ pub enum Response {
         entries: Vec<(String, AttrX)>,
         next_cookie: u64,
     },
+    /// A file offset (`Seek`).
+    Offset(u64),
 }
 
 /// Message type codes.
@@ -310,6 +337,9 @@ pub mod ty {
     pub const REMOVE2: u16 = 0x0017;
     pub const RENAME2: u16 = 0x0018;
     pub const LIST_DIR_X: u16 = 0x0019;
+    pub const LINK: u16 = 0x001a;
+    pub const FALLOCATE: u16 = 0x001b;
+    pub const SEEK: u16 = 0x001c;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -323,6 +353,7 @@ pub mod ty {
     pub const TARGET: u16 = 0x8015;
     pub const STATFS_OK: u16 = 0x8016;
     pub const DIR_PAGE_X: u16 = 0x8019;
+    pub const OFFSET: u16 = 0x801c;
     pub const ERROR: u16 = 0x80ff;
 }
 
@@ -762,6 +793,34 @@ impl Request {
                 w.str(path);
                 w.u8(*kind as u8);
             }
+            Request::Link { export, from, to } => {
+                w = W::head(ty::LINK, id);
+                w.str(export);
+                w.str(from);
+                w.str(to);
+            }
+            Request::Fallocate {
+                handle,
+                mode,
+                offset,
+                len,
+            } => {
+                w = W::head(ty::FALLOCATE, id);
+                w.u64(*handle);
+                w.u32(*mode);
+                w.u64(*offset);
+                w.u64(*len);
+            }
+            Request::Seek {
+                handle,
+                offset,
+                whence,
+            } => {
+                w = W::head(ty::SEEK, id);
+                w.u64(*handle);
+                w.u64(*offset);
+                w.u8(*whence);
+            }
             Request::ListDirX {
                 export,
                 path,
@@ -899,6 +958,34 @@ impl Request {
                 path: r.str()?,
             },
             ty::STATFS => Request::Statfs { export: r.str()? },
+            ty::LINK => Request::Link {
+                export: r.str()?,
+                from: r.str()?,
+                to: r.str()?,
+            },
+            ty::FALLOCATE => {
+                let (handle, mode, offset, len) = (r.u64()?, r.u32()?, r.u64()?, r.u64()?);
+                if mode & !FALLOC_KNOWN != 0 {
+                    return Err(DecodeError("unknown fallocate mode bits"));
+                }
+                Request::Fallocate {
+                    handle,
+                    mode,
+                    offset,
+                    len,
+                }
+            }
+            ty::SEEK => {
+                let (handle, offset, whence) = (r.u64()?, r.u64()?, r.u8()?);
+                if whence != SEEK_DATA && whence != SEEK_HOLE {
+                    return Err(DecodeError("seek whence is not SEEK_DATA or SEEK_HOLE"));
+                }
+                Request::Seek {
+                    handle,
+                    offset,
+                    whence,
+                }
+            }
             ty::LIST_DIR_X => Request::ListDirX {
                 export: r.str()?,
                 path: r.str()?,
@@ -1017,6 +1104,10 @@ impl Response {
                 w = W::head(ty::TARGET, id);
                 w.str(t);
             }
+            Response::Offset(o) => {
+                w = W::head(ty::OFFSET, id);
+                w.u64(*o);
+            }
             Response::DirPageX {
                 entries,
                 next_cookie,
@@ -1116,6 +1207,7 @@ impl Response {
             },
             ty::ATTRX => Response::AttrX(r.attrx()?),
             ty::TARGET => Response::Target(r.str()?),
+            ty::OFFSET => Response::Offset(r.u64()?),
             ty::DIR_PAGE_X => {
                 let next_cookie = r.u64()?;
                 let n = r.count(2 + crate::types::ATTRX_LEN)?;

@@ -51,11 +51,13 @@ pub enum ErrorCode {
     Disconnected = 24,
     /// The server could not be reached (client side only, never sent).
     ConnectFailed = 25,
+    /// No data (or hole) at or after the offset (ENXIO of SEEK_DATA/HOLE).
+    NoSuchOffset = 26,
 }
 
 impl ErrorCode {
     /// All codes, for tests and docs.
-    pub const ALL: [ErrorCode; 25] = [
+    pub const ALL: [ErrorCode; 26] = [
         ErrorCode::BadRequest,
         ErrorCode::NotFound,
         ErrorCode::PermissionDenied,
@@ -81,6 +83,7 @@ impl ErrorCode {
         ErrorCode::TimedOut,
         ErrorCode::Disconnected,
         ErrorCode::ConnectFailed,
+        ErrorCode::NoSuchOffset,
     ];
 
     pub fn from_u16(v: u16) -> Option<ErrorCode> {
@@ -111,6 +114,7 @@ impl ErrorCode {
             ErrorCode::TimedOut => K::TimedOut,
             ErrorCode::Disconnected => K::ConnectionAborted,
             ErrorCode::ConnectFailed => K::ConnectionRefused,
+            ErrorCode::NoSuchOffset => K::InvalidInput,
         }
     }
 
@@ -142,6 +146,7 @@ impl ErrorCode {
             ErrorCode::TimedOut => "timed out",
             ErrorCode::Disconnected => "connection lost",
             ErrorCode::ConnectFailed => "cannot connect",
+            ErrorCode::NoSuchOffset => "no data or hole at or after the offset",
         }
     }
 
@@ -162,6 +167,7 @@ impl ErrorCode {
             libc::EOPNOTSUPP | libc::ENOSYS => ErrorCode::Unsupported,
             libc::EBADF => ErrorCode::BadHandle,
             libc::ETIMEDOUT => ErrorCode::TimedOut,
+            libc::ENXIO => ErrorCode::NoSuchOffset,
             _ => ErrorCode::Io,
         }
     }

@@ -291,6 +291,31 @@ pub fn set_attr_fd(fd: RawFd, set: &SetAttr, what: &str) -> Result<AttrX> {
     Ok(AttrX::from_stat(&st))
 }
 
+/// fallocate(2) on an open file.
+pub fn fallocate_fd(fd: RawFd, mode: u32, offset: u64, len: u64, what: &str) -> Result<()> {
+    let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return Err(Error::from_errno(libc::EFBIG, what));
+    };
+    // SAFETY: plain syscall on a caller-owned fd.
+    if unsafe { libc::fallocate(fd, mode as i32, off, len) } != 0 {
+        return Err(Error::from_errno(errno(), what));
+    }
+    Ok(())
+}
+
+/// lseek(2) with SEEK_DATA or SEEK_HOLE on an open file (ENXIO, no data
+/// at or after the offset, is `NoSuchOffset`).
+pub fn seek_fd(fd: RawFd, offset: u64, whence: i32, what: &str) -> Result<u64> {
+    let off = i64::try_from(offset).map_err(|_| Error::from_errno(libc::ENXIO, what))?;
+    // SAFETY: plain syscall on a caller-owned fd. lseek on a shared fd moves
+    // its offset, which LWIO never uses (every I/O is positional).
+    let r = unsafe { libc::lseek(fd, off, whence) };
+    if r < 0 {
+        return Err(Error::from_errno(errno(), what));
+    }
+    Ok(r as u64)
+}
+
 /// fstat(2) of an open file.
 pub fn statx_fd(fd: RawFd, what: &str) -> Result<AttrX> {
     let st = fstat(fd).map_err(|e| Error::from_errno(e, what))?;
@@ -882,6 +907,44 @@ impl Export {
         }
         buf.truncate(n as usize);
         Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+
+    /// A hard link `to` of the file `from`. Only where the export allows
+    /// hard links: elsewhere a second name makes the file unopenable (§6).
+    pub fn link(&self, from: &str, to: &str) -> Result<AttrX> {
+        self.check_writable()?;
+        let fc = split_rel_path(from)?;
+        let tc = split_rel_path(to)?;
+        if !self.allow_hardlinks {
+            return Err(Error::from_errno(
+                libc::EPERM,
+                format!(
+                    "{}: hard links are refused on export {} (set allow_hardlinks on the export to permit)",
+                    self.describe(&tc),
+                    self.name
+                ),
+            ));
+        }
+        let (fd, fname) = self.resolve_parent(&fc)?;
+        let (td, tname) = self.resolve_parent(&tc)?;
+        // SAFETY: valid dirfds and NUL-terminated names; flags 0: a final
+        // symlink is linked itself, never followed.
+        let r = unsafe {
+            libc::linkat(
+                fd.as_raw_fd(),
+                fname.as_ptr(),
+                td.as_raw_fd(),
+                tname.as_ptr(),
+                0,
+            )
+        };
+        let what = format!("{} -> {}", self.describe(&fc), self.describe(&tc));
+        if r != 0 {
+            return Err(Error::from_errno(errno(), what));
+        }
+        let st =
+            fstatat_nofollow(td.as_raw_fd(), &tname).map_err(|e| Error::from_errno(e, &what))?;
+        Ok(AttrX::from_stat(&st))
     }
 
     /// statvfs(3) of the export's file system.

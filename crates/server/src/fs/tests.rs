@@ -419,3 +419,175 @@ fn direct_io_alignment_reported() {
         Err(err) => assert_eq!(err.code, ErrorCode::Unsupported, "{err}"),
     }
 }
+
+#[test]
+fn file_system_ops_never_leave_the_export_or_follow_a_final_link() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let f = fixture();
+    symlink(f.outside.join("secret"), f.root.join("out")).unwrap();
+    symlink("../outside", f.root.join("updir")).unwrap();
+    let mode_of = |p: &std::path::Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o7777;
+    let secret_mode = mode_of(&f.outside.join("secret"));
+    let secret_mtime = std::fs::metadata(f.outside.join("secret")).unwrap().mtime();
+    for m in modes() {
+        let e = export(&f, m);
+        // chmod/truncate of a final symlink that points outside: refused,
+        // and the target is untouched.
+        let chmod = SetAttr {
+            mode: Some(0o777),
+            ..SetAttr::default()
+        };
+        assert_eq!(
+            e.set_attr("out", &chmod).unwrap_err().code,
+            ErrorCode::Unsupported
+        );
+        let trunc = SetAttr {
+            size: Some(0),
+            ..SetAttr::default()
+        };
+        assert_eq!(
+            e.set_attr("out", &trunc).unwrap_err().code,
+            ErrorCode::InvalidArgument
+        );
+        // Times and owner of the link itself change; never the target's.
+        let times = SetAttr {
+            mtime: Some(SetTime::At(1_000_000_000)),
+            ..SetAttr::default()
+        };
+        let a = e.set_attr("out", &times).unwrap();
+        assert_eq!((a.kind, a.mtime_ns), (FileKind::Symlink, 1_000_000_000));
+        // Through a directory symlink that climbs out: refused.
+        assert!(matches!(
+            e.set_attr("updir/secret", &chmod).unwrap_err().code,
+            ErrorCode::OutsideExport | ErrorCode::NotADirectory | ErrorCode::NotFound
+        ));
+        assert_eq!(
+            e.set_attr("../outside/secret", &chmod).unwrap_err().code,
+            ErrorCode::OutsideExport
+        );
+        assert_eq!(
+            e.readlink("../outside/x").unwrap_err().code,
+            ErrorCode::OutsideExport
+        );
+        assert_eq!(
+            e.symlink("../evil", "/etc/passwd").unwrap_err().code,
+            ErrorCode::OutsideExport
+        );
+        assert!(e.remove_kind("updir/secret", RemoveKind::NotDir).is_err());
+        assert!(std::fs::metadata(f.outside.join("secret")).is_ok());
+        // The ordinary cases work, on the object itself.
+        let a = e
+            .set_attr(
+                "sub/file.txt",
+                &SetAttr {
+                    mode: Some(0o600),
+                    size: Some(2),
+                    ..SetAttr::default()
+                },
+            )
+            .unwrap();
+        assert_eq!((a.perm, a.size, a.kind), (0o600, 2, FileKind::File));
+        assert_eq!(std::fs::read(f.root.join("sub/file.txt")).unwrap(), b"he");
+        assert_eq!(mode_of(&f.root.join("sub/file.txt")), 0o600);
+        let l = e.symlink("sub/l", "file.txt").unwrap();
+        assert_eq!(l.kind, FileKind::Symlink);
+        assert_eq!(e.readlink("sub/l").unwrap(), "file.txt");
+        assert_eq!(e.statx("sub/l", false).unwrap().kind, FileKind::Symlink);
+        // Followed only by the openat2 resolver (the fallback follows none).
+        match m {
+            ResolveMode::Openat2 => {
+                assert_eq!(e.statx("sub/l", true).unwrap().kind, FileKind::File)
+            }
+            _ => assert_eq!(
+                e.statx("sub/l", true).unwrap_err().code,
+                ErrorCode::OutsideExport
+            ),
+        }
+        assert_eq!(e.symlink("sub/l", "x").unwrap_err().code, ErrorCode::Exists);
+        assert_eq!(
+            e.remove_kind("sub", RemoveKind::NotDir).unwrap_err().code,
+            ErrorCode::IsADirectory
+        );
+        assert_eq!(
+            e.remove_kind("sub/l", RemoveKind::Dir).unwrap_err().code,
+            ErrorCode::NotADirectory
+        );
+        e.remove_kind("sub/l", RemoveKind::NotDir).unwrap();
+        assert!(!f.root.join("sub/l").exists());
+        // Hard links only where allowed.
+        assert_eq!(
+            e.link("sub/file.txt", "hard").unwrap_err().code,
+            ErrorCode::PermissionDenied
+        );
+        assert!(!f.root.join("hard").exists());
+        // Rename flags.
+        std::fs::write(f.root.join("x"), b"x").unwrap();
+        std::fs::write(f.root.join("y"), b"y").unwrap();
+        assert_eq!(
+            e.rename_flags("x", "y", lwio_side::types::RENAME_NOREPLACE)
+                .unwrap_err()
+                .code,
+            ErrorCode::Exists
+        );
+        e.rename_flags("x", "y", lwio_side::types::RENAME_EXCHANGE)
+            .unwrap();
+        assert_eq!(std::fs::read(f.root.join("x")).unwrap(), b"y");
+        std::fs::remove_file(f.root.join("x")).unwrap();
+        std::fs::remove_file(f.root.join("y")).unwrap();
+        std::fs::set_permissions(
+            f.root.join("sub/file.txt"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        std::fs::write(f.root.join("sub/file.txt"), b"hello").unwrap();
+        let st = e.statfs().unwrap();
+        assert!(st.blocks > 0 && st.namelen >= 255);
+    }
+    assert_eq!(mode_of(&f.outside.join("secret")), secret_mode);
+    assert_eq!(
+        std::fs::metadata(f.outside.join("secret")).unwrap().mtime(),
+        secret_mtime
+    );
+    assert_eq!(std::fs::read(f.outside.join("secret")).unwrap(), b"secret");
+    // Where hard links are allowed, link makes a second name.
+    let spec = ExportSpec {
+        name: "data".into(),
+        path: f.root.clone(),
+        read_only: false,
+        allow_hardlinks: true,
+    };
+    let e = Export::open(&spec, ResolveMode::Auto).unwrap();
+    let a = e.link("sub/file.txt", "hard").unwrap();
+    assert_eq!((a.nlink, a.kind), (2, FileKind::File));
+    assert_eq!(std::fs::read(f.root.join("hard")).unwrap(), b"hello");
+    // A read-only export refuses every change.
+    let ro = Export::open(
+        &ExportSpec {
+            read_only: true,
+            ..spec
+        },
+        ResolveMode::Auto,
+    )
+    .unwrap();
+    assert_eq!(
+        ro.set_attr(
+            "hard",
+            &SetAttr {
+                mode: Some(0o600),
+                ..SetAttr::default()
+            }
+        )
+        .unwrap_err()
+        .code,
+        ErrorCode::ReadOnly
+    );
+    assert_eq!(
+        ro.symlink("l2", "hard").unwrap_err().code,
+        ErrorCode::ReadOnly
+    );
+    assert_eq!(ro.link("hard", "h3").unwrap_err().code, ErrorCode::ReadOnly);
+    assert_eq!(
+        ro.remove_kind("hard", RemoveKind::NotDir).unwrap_err().code,
+        ErrorCode::ReadOnly
+    );
+}

@@ -850,6 +850,53 @@ async fn handle(
             })
             .await
         }
+        Request::Link { export, from, to } => {
+            check(state, who, &export, WRITE)?;
+            let ex = state.exports.get(&export)?.clone();
+            blocking(move || Ok(Response::AttrX(ex.link(&from, &to)?))).await
+        }
+        Request::Fallocate {
+            handle,
+            mode,
+            offset,
+            len,
+        } => {
+            let f = state.open_files.get(handle, session)?;
+            if !f.rights.write {
+                return Err(Error::new(
+                    ErrorCode::PermissionDenied,
+                    "fallocate needs a file opened for writing",
+                ));
+            }
+            blocking(move || {
+                let what = format!("{}/{}", f.export, f.path);
+                crate::fs::fallocate_fd(f.file.as_raw_fd(), mode, offset, len, &what)?;
+                Ok(Response::Ok)
+            })
+            .await
+        }
+        Request::Seek {
+            handle,
+            offset,
+            whence,
+        } => {
+            let f = state.open_files.get(handle, session)?;
+            blocking(move || {
+                let what = format!("{}/{}", f.export, f.path);
+                let w = if whence == SEEK_DATA {
+                    libc::SEEK_DATA
+                } else {
+                    libc::SEEK_HOLE
+                };
+                Ok(Response::Offset(crate::fs::seek_fd(
+                    f.file.as_raw_fd(),
+                    offset,
+                    w,
+                    &what,
+                )?))
+            })
+            .await
+        }
         Request::Symlink {
             export,
             path,

@@ -116,6 +116,22 @@ fn all_requests() -> Vec<Request> {
             path: "d".into(),
             cookie: 5,
         },
+        Request::Link {
+            export: "e".into(),
+            from: "a".into(),
+            to: "b".into(),
+        },
+        Request::Fallocate {
+            handle: 2,
+            mode: 3,
+            offset: 4096,
+            len: 8192,
+        },
+        Request::Seek {
+            handle: 2,
+            offset: 1,
+            whence: SEEK_HOLE,
+        },
         Request::Remove2 {
             export: "e".into(),
             path: "d".into(),
@@ -188,6 +204,7 @@ fn all_responses() -> Vec<Response> {
         },
         Response::AttrX(attrx()),
         Response::Target("../t".into()),
+        Response::Offset(1 << 33),
         Response::DirPageX {
             entries: vec![("l".into(), attrx())],
             next_cookie: 3,
