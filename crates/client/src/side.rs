@@ -604,6 +604,31 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         }
     }
 
+    /// Copy up to 64 MiB between two open files on the server; the bytes
+    /// copied (0 at the source's end).
+    pub async fn copy_range(
+        &mut self,
+        src: u64,
+        src_offset: u64,
+        dst: u64,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<u64> {
+        match self
+            .call(Request::CopyRange {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            })
+            .await?
+        {
+            Response::Copied(n) => Ok(n),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// Create a symbolic link `path` → `target`.
     pub async fn symlink(&mut self, export: &str, path: &str, target: &str) -> Result<AttrX> {
         self.attrx(Request::Symlink {
@@ -770,6 +795,17 @@ impl Client {
     }
     pub fn set_attr_handle(&mut self, handle: u64, set: &SetAttr) -> Result<AttrX> {
         self.rt.block_on(self.inner.set_attr_handle(handle, set))
+    }
+    pub fn copy_range(
+        &mut self,
+        src: u64,
+        src_offset: u64,
+        dst: u64,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<u64> {
+        self.rt
+            .block_on(self.inner.copy_range(src, src_offset, dst, dst_offset, len))
     }
     pub fn link(&mut self, export: &str, from: &str, to: &str) -> Result<AttrX> {
         self.rt.block_on(self.inner.link(export, from, to))

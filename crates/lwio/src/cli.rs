@@ -457,6 +457,13 @@ pub type CliResult = anyhow::Result<()>;
 
 /// Run a parsed command.
 pub fn run(cli: Cli) -> CliResult {
+    // Client commands log only when asked (RUST_LOG): their output is
+    // their result and one-line errors. `serve` and `mount` set up their own.
+    if std::env::var_os("RUST_LOG").is_some()
+        && !matches!(cli.command, Command::Serve(_) | Command::Mount(_))
+    {
+        init_tracing_default("warn");
+    }
     match cli.command {
         Command::Serve(a) => serve(a),
         Command::Ls(a) => ls(a),
@@ -828,8 +835,13 @@ fn devices() -> CliResult {
 }
 
 fn init_tracing() {
+    init_tracing_default("info");
+}
+
+/// Logs on stderr: RUST_LOG, else `default`.
+pub fn init_tracing_default(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     // Colours only on a terminal: a log file or journal gets plain text.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)

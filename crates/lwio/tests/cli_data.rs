@@ -251,9 +251,15 @@ fn cp_and_cat_move_data_byte_for_byte() {
         .assert()
         .success();
     assert_eq!(std::fs::read(&back).unwrap(), data);
+    // Remote → remote on one server: the server copies, no data through us.
     s.cmd(&["cp", &s.url("data/big.bin"), &s.url("data/copy.bin")])
+        .env("RUST_LOG", "lwio::cmd::cp=info")
         .assert()
-        .success();
+        .success()
+        .stderr(predicate::str::contains(format!(
+            "copied on the server: no data through this client bytes={}",
+            data.len()
+        )));
     assert_eq!(std::fs::read(s.data.join("copy.bin")).unwrap(), data);
     // Into an existing directory: keeps the name.
     std::fs::create_dir(s.data.join("into")).unwrap();

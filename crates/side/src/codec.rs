@@ -65,6 +65,8 @@ pub const SET_MTIME_NOW: u32 = 0x80;
 const SET_KNOWN: u32 = 0xff;
 /// `Fallocate` mode bits (Linux FALLOC_FL_*): KEEP_SIZE, PUNCH_HOLE, ZERO_RANGE.
 pub const FALLOC_KNOWN: u32 = 0x01 | 0x02 | 0x10;
+/// The most one `CopyRange` copies.
+pub const COPY_RANGE_MAX: u64 = 64 << 20;
 /// `Seek` whence values.
 pub const SEEK_DATA: u8 = 3;
 pub const SEEK_HOLE: u8 = 4;
@@ -251,6 +253,15 @@ pub enum Request {
         offset: u64,
         whence: u8,
     },
+    /// copy_file_range(2) between two files this session has open, on the
+    /// server (no data through the client); at most 64 MiB per call.
+    CopyRange {
+        src: u64,
+        src_offset: u64,
+        dst: u64,
+        dst_offset: u64,
+        len: u64,
+    },
 }
 
 /// One export as listed.
@@ -308,6 +319,8 @@ pub enum Response {
     },
     /// A file offset (`Seek`).
     Offset(u64),
+    /// Bytes copied (`CopyRange`; 0 at the source's end).
+    Copied(u64),
 }
 
 /// Message type codes.
@@ -340,6 +353,7 @@ pub mod ty {
     pub const LINK: u16 = 0x001a;
     pub const FALLOCATE: u16 = 0x001b;
     pub const SEEK: u16 = 0x001c;
+    pub const COPY_RANGE: u16 = 0x001d;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -354,6 +368,7 @@ pub mod ty {
     pub const STATFS_OK: u16 = 0x8016;
     pub const DIR_PAGE_X: u16 = 0x8019;
     pub const OFFSET: u16 = 0x801c;
+    pub const COPIED: u16 = 0x801d;
     pub const ERROR: u16 = 0x80ff;
 }
 
@@ -793,6 +808,20 @@ impl Request {
                 w.str(path);
                 w.u8(*kind as u8);
             }
+            Request::CopyRange {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => {
+                w = W::head(ty::COPY_RANGE, id);
+                w.u64(*src);
+                w.u64(*src_offset);
+                w.u64(*dst);
+                w.u64(*dst_offset);
+                w.u64(*len);
+            }
             Request::Link { export, from, to } => {
                 w = W::head(ty::LINK, id);
                 w.str(export);
@@ -958,6 +987,13 @@ impl Request {
                 path: r.str()?,
             },
             ty::STATFS => Request::Statfs { export: r.str()? },
+            ty::COPY_RANGE => Request::CopyRange {
+                src: r.u64()?,
+                src_offset: r.u64()?,
+                dst: r.u64()?,
+                dst_offset: r.u64()?,
+                len: r.u64()?,
+            },
             ty::LINK => Request::Link {
                 export: r.str()?,
                 from: r.str()?,
@@ -1108,6 +1144,10 @@ impl Response {
                 w = W::head(ty::OFFSET, id);
                 w.u64(*o);
             }
+            Response::Copied(n) => {
+                w = W::head(ty::COPIED, id);
+                w.u64(*n);
+            }
             Response::DirPageX {
                 entries,
                 next_cookie,
@@ -1208,6 +1248,7 @@ impl Response {
             ty::ATTRX => Response::AttrX(r.attrx()?),
             ty::TARGET => Response::Target(r.str()?),
             ty::OFFSET => Response::Offset(r.u64()?),
+            ty::COPIED => Response::Copied(r.u64()?),
             ty::DIR_PAGE_X => {
                 let next_cookie = r.u64()?;
                 let n = r.count(2 + crate::types::ATTRX_LEN)?;

@@ -453,6 +453,7 @@ fn copy_file(
     // Open the source.
     let src_local;
     let src_remote;
+    let mut src_handle = None;
     let reader: Box<dyn ReadAt + '_> = match src {
         Loc::Local(p) => {
             src_local = std::fs::File::open(p)
@@ -468,6 +469,7 @@ fn copy_file(
             src_remote = c
                 .open(&format!("{export}/{}", u.path), &OpenOptions::read_only())
                 .map_err(|e| ctx(u, e))?;
+            src_handle = Some((u.authority(), src_remote.handle()));
             Box::new(RemoteReader {
                 file: &src_remote,
                 name: u.to_string(),
@@ -524,9 +526,44 @@ fn copy_file(
             }
         }
     };
-    let r = pump(&*reader, pb, |buf, off| {
-        sink.write_at(buf, off).map(|()| true)
-    })
+    // Both ends on one server: it copies (copy_file_range), and no byte
+    // crosses to this client.
+    let on_server = match (&src_handle, &sink) {
+        (
+            Some((auth, sh)),
+            Sink::Remote {
+                file: Some(df),
+                client,
+                url,
+                ..
+            },
+        ) if *auth == url.authority() => Some((client.clone(), *sh, df.handle(), *url)),
+        _ => None,
+    };
+    let r = match on_server {
+        Some((client, sh, dh, url)) => (|| {
+            let mut off = 0u64;
+            loop {
+                let n = client
+                    .side(|s| s.copy_range(sh, off, dh, off, lwio_side::codec::COPY_RANGE_MAX))
+                    .map_err(|e| ctx(url, e))?;
+                if n == 0 {
+                    break;
+                }
+                off += n;
+                pb.inc(n);
+            }
+            tracing::info!(
+                bytes = off,
+                "copied on the server: no data through this client"
+            );
+            Ok(())
+        })(),
+        None => pump(&*reader, pb, |buf, off| {
+            sink.write_at(buf, off).map(|()| true)
+        })
+        .map(|_| ()),
+    }
     .and_then(|_| sink.commit());
     if let Err(e) = r {
         return Err(match sink.abort() {

@@ -75,6 +75,9 @@ fn client_option(
 }
 
 pub fn run(mut a: MountArgs) -> anyhow::Result<()> {
+    // A mount is a service: its warnings (a lost server, a failed close)
+    // go to stderr, or to --log once detached.
+    crate::cli::init_tracing_default("warn");
     let export = a.url.require_export()?.to_string();
     let subdir = a.url.path.clone();
     let mut cfg = MountConfig::default();

@@ -291,6 +291,71 @@ pub fn set_attr_fd(fd: RawFd, set: &SetAttr, what: &str) -> Result<AttrX> {
     Ok(AttrX::from_stat(&st))
 }
 
+/// Copy `len` bytes (at most [`COPY_RANGE_MAX`]) from `src` at `src_off` to
+/// `dst` at `dst_off` on the server: copy_file_range(2), or reads and writes
+/// where the kernel cannot (EXDEV, EOPNOTSUPP, EINVAL). Returns the bytes
+/// copied (short at the source's end).
+pub fn copy_range_fd(
+    src: RawFd,
+    src_off: u64,
+    dst: RawFd,
+    dst_off: u64,
+    len: u64,
+    what: &str,
+) -> Result<u64> {
+    let len = len.min(lwio_side::codec::COPY_RANGE_MAX);
+    let (Ok(mut i), Ok(mut o)) = (i64::try_from(src_off), i64::try_from(dst_off)) else {
+        return Err(Error::from_errno(libc::EFBIG, what));
+    };
+    let mut done = 0u64;
+    let mut fallback = false;
+    while done < len {
+        let want = (len - done) as usize;
+        let n = if !fallback {
+            // SAFETY: valid fds and offset out-pointers; flags 0.
+            let n = unsafe { libc::copy_file_range(src, &mut i, dst, &mut o, want, 0) };
+            if n < 0 {
+                let e = errno();
+                if matches!(
+                    e,
+                    libc::EXDEV | libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS
+                ) && done == 0
+                {
+                    fallback = true;
+                    continue;
+                }
+                return Err(Error::from_errno(e, what));
+            }
+            n as u64
+        } else {
+            let mut buf = vec![0u8; want.min(1 << 20)];
+            // SAFETY: the buffer has buf.len() bytes.
+            let r = unsafe { libc::pread(src, buf.as_mut_ptr().cast(), buf.len(), i) };
+            if r < 0 {
+                return Err(Error::from_errno(errno(), what));
+            }
+            let r = r as usize;
+            let mut w = 0;
+            while w < r {
+                // SAFETY: buf[w..r] is initialised and in bounds.
+                let k = unsafe { libc::pwrite(dst, buf[w..].as_ptr().cast(), r - w, o + w as i64) };
+                if k < 0 {
+                    return Err(Error::from_errno(errno(), what));
+                }
+                w += k as usize;
+            }
+            i += r as i64;
+            o += r as i64;
+            r as u64
+        };
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    Ok(done)
+}
+
 /// fallocate(2) on an open file.
 pub fn fallocate_fd(fd: RawFd, mode: u32, offset: u64, len: u64, what: &str) -> Result<()> {
     let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {

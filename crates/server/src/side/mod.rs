@@ -850,6 +850,34 @@ async fn handle(
             })
             .await
         }
+        Request::CopyRange {
+            src,
+            src_offset,
+            dst,
+            dst_offset,
+            len,
+        } => {
+            let s = state.open_files.get(src, session)?;
+            let d = state.open_files.get(dst, session)?;
+            if !s.rights.read || !d.rights.write {
+                return Err(Error::new(
+                    ErrorCode::PermissionDenied,
+                    "copy-range needs a source opened for reading and a destination opened for writing",
+                ));
+            }
+            blocking(move || {
+                let what = format!("{}/{} -> {}/{}", s.export, s.path, d.export, d.path);
+                Ok(Response::Copied(crate::fs::copy_range_fd(
+                    s.file.as_raw_fd(),
+                    src_offset,
+                    d.file.as_raw_fd(),
+                    dst_offset,
+                    len,
+                    &what,
+                )?))
+            })
+            .await
+        }
         Request::Link { export, from, to } => {
             check(state, who, &export, WRITE)?;
             let ex = state.exports.get(&export)?.clone();

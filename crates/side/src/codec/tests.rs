@@ -132,6 +132,13 @@ fn all_requests() -> Vec<Request> {
             offset: 1,
             whence: SEEK_HOLE,
         },
+        Request::CopyRange {
+            src: 1,
+            src_offset: 2,
+            dst: 3,
+            dst_offset: 4,
+            len: 5,
+        },
         Request::Remove2 {
             export: "e".into(),
             path: "d".into(),
@@ -205,6 +212,7 @@ fn all_responses() -> Vec<Response> {
         Response::AttrX(attrx()),
         Response::Target("../t".into()),
         Response::Offset(1 << 33),
+        Response::Copied(77),
         Response::DirPageX {
             entries: vec![("l".into(), attrx())],
             next_cookie: 3,
