@@ -604,6 +604,54 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         }
     }
 
+    /// Take or release a POSIX byte-range lock for `owner` (`kind` 0 unlock,
+    /// 1 read, 2 write; `len` 0 = to the end); a conflict is `Locked`.
+    pub async fn lock(
+        &mut self,
+        handle: u64,
+        owner: u64,
+        kind: u8,
+        start: u64,
+        len: u64,
+    ) -> Result<()> {
+        self.ok(Request::Lock {
+            handle,
+            owner,
+            kind,
+            start,
+            len,
+            test: false,
+        })
+        .await
+    }
+
+    /// The lock that would conflict with this one: (kind, start, len), or
+    /// None.
+    pub async fn test_lock(
+        &mut self,
+        handle: u64,
+        owner: u64,
+        kind: u8,
+        start: u64,
+        len: u64,
+    ) -> Result<Option<(u8, u64, u64)>> {
+        match self
+            .call(Request::Lock {
+                handle,
+                owner,
+                kind,
+                start,
+                len,
+                test: true,
+            })
+            .await?
+        {
+            Response::LockInfo { kind: 0, .. } => Ok(None),
+            Response::LockInfo { kind, start, len } => Ok(Some((kind, start, len))),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// Copy up to 64 MiB between two open files on the server; the bytes
     /// copied (0 at the source's end).
     pub async fn copy_range(
@@ -795,6 +843,21 @@ impl Client {
     }
     pub fn set_attr_handle(&mut self, handle: u64, set: &SetAttr) -> Result<AttrX> {
         self.rt.block_on(self.inner.set_attr_handle(handle, set))
+    }
+    pub fn lock(&mut self, handle: u64, owner: u64, kind: u8, start: u64, len: u64) -> Result<()> {
+        self.rt
+            .block_on(self.inner.lock(handle, owner, kind, start, len))
+    }
+    pub fn test_lock(
+        &mut self,
+        handle: u64,
+        owner: u64,
+        kind: u8,
+        start: u64,
+        len: u64,
+    ) -> Result<Option<(u8, u64, u64)>> {
+        self.rt
+            .block_on(self.inner.test_lock(handle, owner, kind, start, len))
     }
     pub fn copy_range(
         &mut self,

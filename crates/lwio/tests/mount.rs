@@ -609,3 +609,75 @@ fn copy_file_range_copies_on_the_server() {
     // No byte of it crossed the data path to this client.
     assert_eq!(moved(&st) - before, 0);
 }
+
+/// fcntl(F_SETLK / F_SETLKW / F_GETLK) of a byte range; Err(errno).
+fn fcntl_lock(f: &fs::File, cmd: i32, typ: i32, start: i64, len: i64) -> Result<libc::flock, i32> {
+    // SAFETY: flock is plain data.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = typ as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = start;
+    fl.l_len = len;
+    // SAFETY: a valid fd and flock pointer.
+    let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(f), cmd, &mut fl) };
+    if r == 0 {
+        Ok(fl)
+    } else {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap())
+    }
+}
+
+#[test]
+fn posix_locks_hold_across_two_mounts() {
+    let f = Fixture::new();
+    let a = f.mount(&MountConfig::default());
+    let mnt_b = tempfile::tempdir().unwrap();
+    let b = f.mount_at(mnt_b.path(), "", &MountConfig::default());
+    fs::write(f.srv("db"), vec![0u8; 4096]).unwrap();
+    let open = |m: &Mounted| {
+        fs::File::options()
+            .read(true)
+            .write(true)
+            .open(m.mountpoint().join("db"))
+            .unwrap()
+    };
+    let (fa, fb) = (open(&a), open(&b));
+    // A write-locks bytes 0..100: B can neither write- nor read-lock them,
+    // and F_GETLK names A's lock; B may lock other bytes.
+    fcntl_lock(&fa, libc::F_SETLK, libc::F_WRLCK, 0, 100).unwrap();
+    assert_eq!(
+        fcntl_lock(&fb, libc::F_SETLK, libc::F_WRLCK, 50, 10).unwrap_err(),
+        libc::EAGAIN
+    );
+    assert_eq!(
+        fcntl_lock(&fb, libc::F_SETLK, libc::F_RDLCK, 0, 1).unwrap_err(),
+        libc::EAGAIN
+    );
+    let held = fcntl_lock(&fb, libc::F_GETLK, libc::F_WRLCK, 10, 1).unwrap();
+    assert_eq!(
+        (i32::from(held.l_type), held.l_start, held.l_len),
+        (libc::F_WRLCK, 0, 100)
+    );
+    fcntl_lock(&fb, libc::F_SETLK, libc::F_WRLCK, 100, 10).unwrap();
+    assert_eq!(
+        i32::from(
+            fcntl_lock(&fa, libc::F_GETLK, libc::F_WRLCK, 200, 0)
+                .unwrap()
+                .l_type
+        ),
+        libc::F_UNLCK
+    );
+    // Unlock: B gets it.
+    fcntl_lock(&fa, libc::F_SETLK, libc::F_UNLCK, 0, 100).unwrap();
+    fcntl_lock(&fb, libc::F_SETLK, libc::F_WRLCK, 0, 50).unwrap();
+    // A waits (F_SETLKW) until B's descriptor closes, which drops B's locks.
+    let waiter = std::thread::spawn(move || {
+        let t = std::time::Instant::now();
+        fcntl_lock(&fa, libc::F_SETLKW, libc::F_WRLCK, 0, 200).map(|_| t.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiter.is_finished(), "F_SETLKW did not wait for B's lock");
+    drop(fb);
+    let waited = waiter.join().unwrap().unwrap();
+    assert!(waited >= Duration::from_millis(250), "{waited:?}");
+}

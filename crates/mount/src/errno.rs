@@ -25,6 +25,7 @@ pub fn side(e: &lwio_side::Error) -> i32 {
         C::TimedOut => ETIMEDOUT,
         C::FrameTooLarge => E2BIG,
         C::NoSuchOffset => ENXIO,
+        C::Locked => EAGAIN,
         C::UnsupportedVersion | C::Io | C::Disconnected | C::ConnectFailed => EIO,
     }
 }

@@ -43,6 +43,9 @@ pub struct LwioFs {
     /// Open directories: the listing taken at opendir.
     dirs: Mutex<HashMap<u64, Arc<Listing>>>,
     next_fh: AtomicU64,
+    /// Lock owners that took a lock through each open file (their locks go
+    /// when one of their descriptors of it closes, as POSIX says).
+    lockers: Mutex<HashMap<u64, std::collections::HashSet<u64>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -52,6 +55,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 fn name_str(name: &OsStr) -> Res<&str> {
     // The side channel names files in UTF-8 (docs/side-channel.md §6).
     name.to_str().ok_or(libc::EILSEQ)
+}
+
+/// A FUSE lock range (inclusive end, OFFSET_MAX = to the end) and type as
+/// the side channel's (kind, len).
+fn lock_args(typ: i32, start: u64, end: u64) -> Res<(u8, u64)> {
+    let kind = match typ {
+        libc::F_UNLCK => 0,
+        libc::F_RDLCK => 1,
+        libc::F_WRLCK => 2,
+        _ => return Err(libc::EINVAL),
+    };
+    let len = if end >= i64::MAX as u64 {
+        0
+    } else {
+        end.checked_sub(start).ok_or(libc::EINVAL)? + 1
+    };
+    Ok((kind, len))
 }
 
 fn kind_of(a: &AttrX) -> FileType {
@@ -110,6 +130,7 @@ impl LwioFs {
             files: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
+            lockers: Mutex::new(HashMap::new()),
         };
         // The server's own message ("data/x: No such file or directory",
         // "no such export: nosuch") is the one line the user sees.
@@ -380,7 +401,9 @@ impl Filesystem for LwioFs {
         let want = InitFlags::FUSE_ATOMIC_O_TRUNC
             | InitFlags::FUSE_PARALLEL_DIROPS
             | InitFlags::FUSE_DO_READDIRPLUS
-            | InitFlags::FUSE_READDIRPLUS_AUTO;
+            | InitFlags::FUSE_READDIRPLUS_AUTO
+            // fcntl locks are the server's, so they hold across mounts.
+            | InitFlags::FUSE_POSIX_LOCKS;
         if let Err(missing) = config.add_capabilities(want) {
             debug!(?missing, "kernel lacks FUSE capabilities");
         }
@@ -631,6 +654,84 @@ impl Filesystem for LwioFs {
         }
     }
 
+    fn getlk(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        _pid: u32,
+        reply: fuser::ReplyLock,
+    ) {
+        let r = self.file(fh).and_then(|f| {
+            let h = f.handle();
+            let (kind, len) = lock_args(typ, start, end)?;
+            self.side(|s| s.test_lock(h, lock_owner.0, kind, start, len))
+        });
+        match r {
+            Ok(None) => reply.locked(start, end, libc::F_UNLCK, 0),
+            Ok(Some((kind, s, len))) => {
+                let end = if len == 0 {
+                    i64::MAX as u64
+                } else {
+                    s + len - 1
+                };
+                let typ = if kind == 2 {
+                    libc::F_WRLCK
+                } else {
+                    libc::F_RDLCK
+                };
+                // The holder is another client: no local pid to name.
+                reply.locked(s, end, typ, 0)
+            }
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn setlk(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        _pid: u32,
+        sleep: bool,
+        reply: ReplyEmpty,
+    ) {
+        let r = self.file(fh).and_then(|f| {
+            let h = f.handle();
+            let (kind, len) = lock_args(typ, start, end)?;
+            if kind != 0 {
+                lock(&self.lockers)
+                    .entry(fh.0)
+                    .or_default()
+                    .insert(lock_owner.0);
+            }
+            // F_SETLKW: the server never waits (a waiting lock would hold
+            // this mount's side channel); we retry, backing off to 50 ms.
+            let mut nap = Duration::from_millis(1);
+            loop {
+                match self.side(|s| s.lock(h, lock_owner.0, kind, start, len)) {
+                    Err(libc::EAGAIN) if sleep => {
+                        std::thread::sleep(nap);
+                        nap = (nap * 2).min(Duration::from_millis(50));
+                    }
+                    r => return r,
+                }
+            }
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let r = self.path(ino).and_then(|p| {
             let export = &self.export;
@@ -773,12 +874,23 @@ impl Filesystem for LwioFs {
         _req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
-        _lock_owner: LockOwner,
+        lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
         // Writes are synchronous (no write-back cache): nothing to push.
-        match self.file(fh) {
-            Ok(_) => reply.ok(),
+        // A close drops the closing owner's locks on the file (POSIX).
+        let r = self.file(fh).and_then(|f| {
+            let had = lock(&self.lockers)
+                .get_mut(&fh.0)
+                .is_some_and(|o| o.remove(&lock_owner.0));
+            if had {
+                let h = f.handle();
+                self.side(|s| s.lock(h, lock_owner.0, 0, 0, 0))?;
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
         }
     }
@@ -794,6 +906,8 @@ impl Filesystem for LwioFs {
         reply: ReplyEmpty,
     ) {
         let f = lock(&self.files).remove(&fh.0).map(|(_, f)| f);
+        // The server drops the handle's locks with it.
+        lock(&self.lockers).remove(&fh.0);
         // A read or write still running on another thread holds the other
         // reference; the file then closes when that one drops it.
         if let Some(Ok(f)) = f.map(Arc::try_unwrap) {

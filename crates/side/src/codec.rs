@@ -262,6 +262,17 @@ pub enum Request {
         dst_offset: u64,
         len: u64,
     },
+    /// A POSIX byte-range lock on an open file for one client lock owner
+    /// (`kind` 0 unlock, 1 read, 2 write; `len` 0 = to the end), or with
+    /// `test` the lock that would conflict (F_GETLK).
+    Lock {
+        handle: u64,
+        owner: u64,
+        kind: u8,
+        start: u64,
+        len: u64,
+        test: bool,
+    },
 }
 
 /// One export as listed.
@@ -321,6 +332,12 @@ pub enum Response {
     Offset(u64),
     /// Bytes copied (`CopyRange`; 0 at the source's end).
     Copied(u64),
+    /// The conflicting lock of a `Lock` test (`kind` 0: none).
+    LockInfo {
+        kind: u8,
+        start: u64,
+        len: u64,
+    },
 }
 
 /// Message type codes.
@@ -354,6 +371,7 @@ pub mod ty {
     pub const FALLOCATE: u16 = 0x001b;
     pub const SEEK: u16 = 0x001c;
     pub const COPY_RANGE: u16 = 0x001d;
+    pub const LOCK: u16 = 0x001e;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -369,6 +387,7 @@ pub mod ty {
     pub const DIR_PAGE_X: u16 = 0x8019;
     pub const OFFSET: u16 = 0x801c;
     pub const COPIED: u16 = 0x801d;
+    pub const LOCK_INFO: u16 = 0x801e;
     pub const ERROR: u16 = 0x80ff;
 }
 
@@ -808,6 +827,22 @@ impl Request {
                 w.str(path);
                 w.u8(*kind as u8);
             }
+            Request::Lock {
+                handle,
+                owner,
+                kind,
+                start,
+                len,
+                test,
+            } => {
+                w = W::head(ty::LOCK, id);
+                w.u64(*handle);
+                w.u64(*owner);
+                w.u8(*kind);
+                w.u64(*start);
+                w.u64(*len);
+                w.bool(*test);
+            }
             Request::CopyRange {
                 src,
                 src_offset,
@@ -987,6 +1022,20 @@ impl Request {
                 path: r.str()?,
             },
             ty::STATFS => Request::Statfs { export: r.str()? },
+            ty::LOCK => {
+                let (handle, owner, kind) = (r.u64()?, r.u64()?, r.u8()?);
+                if kind > 2 {
+                    return Err(DecodeError("unknown lock kind"));
+                }
+                Request::Lock {
+                    handle,
+                    owner,
+                    kind,
+                    start: r.u64()?,
+                    len: r.u64()?,
+                    test: r.bool()?,
+                }
+            }
             ty::COPY_RANGE => Request::CopyRange {
                 src: r.u64()?,
                 src_offset: r.u64()?,
@@ -1148,6 +1197,12 @@ impl Response {
                 w = W::head(ty::COPIED, id);
                 w.u64(*n);
             }
+            Response::LockInfo { kind, start, len } => {
+                w = W::head(ty::LOCK_INFO, id);
+                w.u8(*kind);
+                w.u64(*start);
+                w.u64(*len);
+            }
             Response::DirPageX {
                 entries,
                 next_cookie,
@@ -1249,6 +1304,17 @@ impl Response {
             ty::TARGET => Response::Target(r.str()?),
             ty::OFFSET => Response::Offset(r.u64()?),
             ty::COPIED => Response::Copied(r.u64()?),
+            ty::LOCK_INFO => {
+                let kind = r.u8()?;
+                if kind > 2 {
+                    return Err(DecodeError("unknown lock kind"));
+                }
+                Response::LockInfo {
+                    kind,
+                    start: r.u64()?,
+                    len: r.u64()?,
+                }
+            }
             ty::DIR_PAGE_X => {
                 let next_cookie = r.u64()?;
                 let n = r.count(2 + crate::types::ATTRX_LEN)?;

@@ -53,11 +53,13 @@ pub enum ErrorCode {
     ConnectFailed = 25,
     /// No data (or hole) at or after the offset (ENXIO of SEEK_DATA/HOLE).
     NoSuchOffset = 26,
+    /// A byte-range lock conflicts with another owner's (EAGAIN).
+    Locked = 27,
 }
 
 impl ErrorCode {
     /// All codes, for tests and docs.
-    pub const ALL: [ErrorCode; 26] = [
+    pub const ALL: [ErrorCode; 27] = [
         ErrorCode::BadRequest,
         ErrorCode::NotFound,
         ErrorCode::PermissionDenied,
@@ -84,6 +86,7 @@ impl ErrorCode {
         ErrorCode::Disconnected,
         ErrorCode::ConnectFailed,
         ErrorCode::NoSuchOffset,
+        ErrorCode::Locked,
     ];
 
     pub fn from_u16(v: u16) -> Option<ErrorCode> {
@@ -115,6 +118,7 @@ impl ErrorCode {
             ErrorCode::Disconnected => K::ConnectionAborted,
             ErrorCode::ConnectFailed => K::ConnectionRefused,
             ErrorCode::NoSuchOffset => K::InvalidInput,
+            ErrorCode::Locked => K::WouldBlock,
         }
     }
 
@@ -147,6 +151,7 @@ impl ErrorCode {
             ErrorCode::Disconnected => "connection lost",
             ErrorCode::ConnectFailed => "cannot connect",
             ErrorCode::NoSuchOffset => "no data or hole at or after the offset",
+            ErrorCode::Locked => "locked by another owner",
         }
     }
 

@@ -356,6 +356,81 @@ pub fn copy_range_fd(
     Ok(done)
 }
 
+/// A lock request on an open file for one client lock owner: `kind` 0
+/// unlock, 1 read, 2 write; `len` 0 = to the end of the file. With `test`,
+/// the conflicting lock (kind, start, len), if any (F_OFD_GETLK); else the
+/// lock is taken or released (F_OFD_SETLK, never waiting: a conflict is
+/// `Locked`). Unlocking the whole file drops the owner's description, and
+/// with it all its locks.
+pub fn lock_file(
+    f: &OpenFile,
+    owner: u64,
+    kind: u8,
+    start: u64,
+    len: u64,
+    test: bool,
+) -> Result<Option<(u8, u64, u64)>> {
+    let what = format!("{}/{}", f.export, f.path);
+    let mut locks = f.locks.lock().unwrap_or_else(|p| p.into_inner());
+    if kind == 0 && !test && start == 0 && len == 0 {
+        locks.remove(&owner);
+        return Ok(None);
+    }
+    let fd = match locks.entry(owner) {
+        std::collections::hash_map::Entry::Occupied(o) => o.get().as_raw_fd(),
+        std::collections::hash_map::Entry::Vacant(_) if kind == 0 && !test => return Ok(None),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            // A description of its own per owner, so that owners conflict
+            // with each other as processes do, here and across sessions.
+            let acc = match (f.rights.read, f.rights.write) {
+                (true, true) => libc::O_RDWR,
+                (false, true) => libc::O_WRONLY,
+                _ => libc::O_RDONLY,
+            };
+            let fd = reopen(f.file.as_raw_fd(), acc).map_err(|e| Error::from_errno(e, &what))?;
+            v.insert(fd).as_raw_fd()
+        }
+    };
+    let (Ok(s), Ok(l)) = (i64::try_from(start), i64::try_from(len)) else {
+        return Err(Error::from_errno(libc::EINVAL, &what));
+    };
+    // SAFETY: flock is plain data.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = match kind {
+        1 => libc::F_RDLCK,
+        2 => libc::F_WRLCK,
+        _ => libc::F_UNLCK,
+    } as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = s;
+    fl.l_len = l;
+    let cmd = if test {
+        libc::F_OFD_GETLK
+    } else {
+        libc::F_OFD_SETLK
+    };
+    // SAFETY: valid fd and flock out-pointer.
+    if unsafe { libc::fcntl(fd, cmd, &mut fl) } != 0 {
+        let e = errno();
+        if matches!(e, libc::EAGAIN | libc::EACCES) {
+            return Err(Error::new(
+                ErrorCode::Locked,
+                format!("{what}: locked by another owner"),
+            ));
+        }
+        return Err(Error::from_errno(e, &what));
+    }
+    if !test || fl.l_type == libc::F_UNLCK as i16 {
+        return Ok(None);
+    }
+    let k = if fl.l_type == libc::F_WRLCK as i16 {
+        2
+    } else {
+        1
+    };
+    Ok(Some((k, fl.l_start.max(0) as u64, fl.l_len.max(0) as u64)))
+}
+
 /// fallocate(2) on an open file.
 pub fn fallocate_fd(fd: RawFd, mode: u32, offset: u64, len: u64, what: &str) -> Result<()> {
     let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {

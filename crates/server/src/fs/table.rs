@@ -63,6 +63,10 @@ pub struct OpenFile {
     pub direct: bool,
     pub align: u32,
     pub key: SrvResumeKey,
+    /// POSIX byte-range locks taken through this handle: one open file
+    /// description per client lock owner, holding that owner's OFD locks
+    /// (docs/side-channel.md, Lock). They go when the handle closes.
+    pub locks: Arc<std::sync::Mutex<HashMap<u64, std::os::fd::OwnedFd>>>,
 }
 
 /// Why a resume key lookup was refused.
@@ -184,6 +188,7 @@ impl OpenFileTable {
             direct: opened.direct,
             align: opened.align,
             key,
+            locks: Arc::default(),
         };
         g.by_key.insert(rk, handle);
         g.by_handle.insert(

@@ -850,6 +850,30 @@ async fn handle(
             })
             .await
         }
+        Request::Lock {
+            handle,
+            owner,
+            kind,
+            start,
+            len,
+            test,
+        } => {
+            let f = state.open_files.get(handle, session)?;
+            blocking(move || {
+                Ok(
+                    match crate::fs::lock_file(&f, owner, kind, start, len, test)? {
+                        Some((kind, start, len)) => Response::LockInfo { kind, start, len },
+                        None if test => Response::LockInfo {
+                            kind: 0,
+                            start: 0,
+                            len: 0,
+                        },
+                        None => Response::Ok,
+                    },
+                )
+            })
+            .await
+        }
         Request::CopyRange {
             src,
             src_offset,

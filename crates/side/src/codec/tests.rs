@@ -132,6 +132,14 @@ fn all_requests() -> Vec<Request> {
             offset: 1,
             whence: SEEK_HOLE,
         },
+        Request::Lock {
+            handle: 1,
+            owner: 0xdead_beef,
+            kind: 2,
+            start: 10,
+            len: 0,
+            test: true,
+        },
         Request::CopyRange {
             src: 1,
             src_offset: 2,
@@ -213,6 +221,11 @@ fn all_responses() -> Vec<Response> {
         Response::Target("../t".into()),
         Response::Offset(1 << 33),
         Response::Copied(77),
+        Response::LockInfo {
+            kind: 1,
+            start: 5,
+            len: 6,
+        },
         Response::DirPageX {
             entries: vec![("l".into(), attrx())],
             next_cookie: 3,
