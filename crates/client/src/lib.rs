@@ -76,6 +76,9 @@ pub enum Error {
     NoCommonTransport(String),
     #[error("access denied: {0}")]
     AccessDenied(String),
+    /// The export (or the server's file system) is read-only.
+    #[error("{0}")]
+    ReadOnly(String),
     #[error("not found: {0}")]
     NotFound(String),
     #[error("the server went away: {0}")]
@@ -111,9 +114,8 @@ impl From<lwio_side::Error> for Error {
             ErrorCode::ConnectFailed => Error::Unreachable(m),
             ErrorCode::AuthFailed => Error::WrongToken(m),
             ErrorCode::NotFound | ErrorCode::NoSuchExport => Error::NotFound(m),
-            ErrorCode::PermissionDenied | ErrorCode::ReadOnly | ErrorCode::OutsideExport => {
-                Error::AccessDenied(m)
-            }
+            ErrorCode::PermissionDenied | ErrorCode::OutsideExport => Error::AccessDenied(m),
+            ErrorCode::ReadOnly => Error::ReadOnly(m),
             ErrorCode::Disconnected => Error::ConnectionLost(m),
             ErrorCode::TimedOut => Error::TimedOut(m),
             ErrorCode::InvalidArgument => Error::InvalidArgument(m),
@@ -128,6 +130,7 @@ impl From<Error> for std::io::Error {
         let kind = match &e {
             Error::Unreachable(_) => K::ConnectionRefused,
             Error::WrongToken(_) | Error::AccessDenied(_) => K::PermissionDenied,
+            Error::ReadOnly(_) => K::ReadOnlyFilesystem,
             Error::NotFound(_) => K::NotFound,
             Error::ConnectionLost(_) => K::ConnectionAborted,
             Error::TimedOut(_) => K::TimedOut,

@@ -681,3 +681,92 @@ fn posix_locks_hold_across_two_mounts() {
     let waited = waiter.join().unwrap().unwrap();
     assert!(waited >= Duration::from_millis(250), "{waited:?}");
 }
+
+#[test]
+fn read_only_export_and_rename_across_file_systems() {
+    // The server's own refusals, not the mount's: a read-only export gives
+    // EROFS for every change, and a rename between two file
+    // systems inside one export gives EXDEV (mv then copies).
+    require_fuse();
+    let dir = tempfile::tempdir().unwrap();
+    let (rw, ro) = (dir.path().join("rw"), dir.path().join("ro"));
+    fs::create_dir_all(rw.join("other")).unwrap();
+    fs::create_dir_all(&ro).unwrap();
+    fs::write(ro.join("keep"), b"kept").unwrap();
+    let spec = |name: &str, path: &Path, read_only| lwio_server::fs::ExportSpec {
+        name: name.into(),
+        path: path.to_path_buf(),
+        read_only,
+        allow_hardlinks: false,
+    };
+    let server = LocalServer::start_specs(
+        vec![spec("rw", &rw, false), spec("ro", &ro, true)],
+        TOKEN,
+        Limits::default(),
+        RdmaServerOptions::default(),
+    )
+    .expect("server starts");
+    let client = || {
+        Client::connect(
+            &server.side_addr.to_string(),
+            Some(TOKEN),
+            ClientOptions::default(),
+        )
+        .expect("client connects")
+    };
+    let (m_ro, m_rw) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let ro_mount =
+        lwio_mount::mount(client(), "ro", "", m_ro.path(), &MountConfig::default()).unwrap();
+    let p = |r: &str| ro_mount.mountpoint().join(r);
+    assert_eq!(fs::read(p("keep")).unwrap(), b"kept");
+    let e = |r: std::io::Result<()>| errno(r.unwrap_err());
+    assert_eq!(e(fs::write(p("keep"), b"x")), libc::EROFS);
+    assert_eq!(e(fs::write(p("new"), b"x")), libc::EROFS);
+    assert_eq!(e(fs::create_dir(p("d"))), libc::EROFS);
+    assert_eq!(e(fs::remove_file(p("keep"))), libc::EROFS);
+    assert_eq!(e(fs::rename(p("keep"), p("k2"))), libc::EROFS);
+    assert_eq!(e(std::os::unix::fs::symlink("keep", p("l"))), libc::EROFS);
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let chmod = fs::set_permissions(p("keep"), fs::Permissions::from_mode(0o600));
+        assert_eq!(e(chmod), libc::EROFS);
+    }
+    assert_eq!(fs::read(ro.join("keep")).unwrap(), b"kept");
+    assert_eq!(fs::read_dir(&ro).unwrap().count(), 1);
+
+    // A tmpfs mounted inside the rw export: a second file system.
+    let other = rw.join("other");
+    let c = std::ffi::CString::new(other.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: valid NUL-terminated strings; the tests run as root.
+    let r = unsafe {
+        libc::mount(
+            c"tmpfs".as_ptr(),
+            c.as_ptr(),
+            c"tmpfs".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "mounting a tmpfs for the EXDEV case: {}",
+        std::io::Error::last_os_error()
+    );
+    struct Umount(std::ffi::CString);
+    impl Drop for Umount {
+        fn drop(&mut self) {
+            // SAFETY: valid path.
+            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+    let _u = Umount(c);
+    let rw_mount =
+        lwio_mount::mount(client(), "rw", "", m_rw.path(), &MountConfig::default()).unwrap();
+    let q = |r: &str| rw_mount.mountpoint().join(r);
+    fs::write(q("f"), b"moving").unwrap();
+    assert_eq!(e(fs::rename(q("f"), q("other/f"))), libc::EXDEV);
+    assert!(rw.join("f").exists() && !other.join("f").exists());
+    drop(rw_mount);
+    drop(ro_mount);
+}

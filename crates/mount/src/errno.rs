@@ -36,6 +36,7 @@ pub fn client(e: &lwio_client::Error) -> i32 {
     match e {
         E::NotFound(_) => ENOENT,
         E::AccessDenied(_) | E::WrongToken(_) => EACCES,
+        E::ReadOnly(_) => EROFS,
         E::InvalidArgument(_) => EINVAL,
         E::Busy(_) => EBUSY,
         E::Cancelled => EINTR,

@@ -63,7 +63,9 @@ pub fn describe(e: &lwio_client::Error) -> String {
     match e {
         E::Unreachable(m) => m.clone(),
         // The side channel's own messages name the path and the reason.
-        E::WrongToken(m) | E::NotFound(m) | E::AccessDenied(m) | E::Side(m) => m.clone(),
+        E::WrongToken(m) | E::NotFound(m) | E::AccessDenied(m) | E::ReadOnly(m) | E::Side(m) => {
+            m.clone()
+        }
         E::ConnectionLost(m) => format!("the server went away: {m}"),
         E::Status { what, status } if *status == STATUS_DISK_FULL => {
             format!("{what}: no space left on the server's disk (STATUS_DISK_FULL)")

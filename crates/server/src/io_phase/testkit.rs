@@ -60,16 +60,39 @@ impl LocalServer {
         limits: Limits,
         rdma: RdmaServerOptions,
     ) -> lwio_side::Result<LocalServer> {
+        let spec = ExportSpec {
+            name: export.into(),
+            path: root.to_path_buf(),
+            read_only: false,
+            allow_hardlinks: false,
+        };
+        LocalServer::start_exports(vec![spec], token, limits, rdma)
+    }
+
+    /// [`LocalServer::start`] with these exports (read-only ones, several).
+    pub fn start_specs(
+        exports: Vec<ExportSpec>,
+        token: &str,
+        limits: Limits,
+        mut rdma: RdmaServerOptions,
+    ) -> lwio_side::Result<LocalServer> {
+        rdma.listen = "127.0.0.1:0".parse().expect("literal address");
+        rdma.provider = ProviderChoice::Soft;
+        rdma.device = None;
+        LocalServer::start_exports(exports, token, limits, rdma)
+    }
+
+    fn start_exports(
+        exports: Vec<ExportSpec>,
+        token: &str,
+        limits: Limits,
+        rdma: RdmaServerOptions,
+    ) -> lwio_side::Result<LocalServer> {
         let provider = rdma.provider;
         let opts = ServerOptions {
             listen: "127.0.0.1:0".into(),
             server_name: "lwio-test".into(),
-            exports: vec![ExportSpec {
-                name: export.into(),
-                path: root.to_path_buf(),
-                read_only: false,
-                allow_hardlinks: false,
-            }],
+            exports,
             auth: AuthPolicy {
                 token: Some(Token::new(token)?),
                 allow_anonymous: false,
