@@ -290,6 +290,10 @@ pub(crate) struct Inner {
     next_channel: std::sync::atomic::AtomicUsize,
     export: Option<String>,
     pub(crate) server_name: String,
+    /// Where and how the side channel was reached (for a second connection:
+    /// the lease-break watcher).
+    authority: String,
+    side_opts: crate::side::ClientOptions,
 }
 
 impl Inner {
@@ -460,7 +464,22 @@ impl Client {
             next_channel: std::sync::atomic::AtomicUsize::new(0),
             export,
             server_name,
+            authority,
+            side_opts: so.clone(),
         })))
+    }
+
+    /// Open a second side-channel connection, logged in as this client,
+    /// that carries this session's directory lease breaks
+    /// (docs/leases.md). Read breaks with
+    /// [`side::Client::next_break`](crate::side::Client::next_break) and
+    /// answer each with `ack_break`; leases are granted only while it is
+    /// open.
+    pub fn watch_breaks(&self) -> Result<crate::side::Client> {
+        let main = self.0.side(|s| Ok(s.session().clone()))?;
+        let mut w = crate::side::Client::connect(&self.0.authority, &self.0.side_opts)?;
+        w.watch(&main)?;
+        Ok(w)
     }
 
     /// Open a file: `EXPORT/PATH`, or `PATH` when the URL named the export.

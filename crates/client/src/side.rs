@@ -625,6 +625,85 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         .await
     }
 
+    /// Ask for a lease on directory `path` (`want`: [`LEASE_READ`] |
+    /// [`LEASE_HANDLE`]): (lease id, granted kinds); (0, 0) when refused.
+    /// Only a session with a watching connection ([`AsyncClient::watch`])
+    /// is granted leases (docs/leases.md).
+    pub async fn lease_dir(&mut self, export: &str, path: &str, want: u8) -> Result<(u64, u8)> {
+        match self
+            .call(Request::LeaseDir {
+                export: export.into(),
+                path: path.into(),
+                want,
+            })
+            .await?
+        {
+            Response::LeaseGranted { lease_id, granted } => Ok((lease_id, granted)),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Give a lease back.
+    pub async fn release_lease(&mut self, lease_id: u64) -> Result<()> {
+        self.ok(Request::ReleaseLease { lease_id }).await
+    }
+
+    /// Turn this connection into the carrier of the lease breaks of session
+    /// `main` (another logged-in session of the same user, whose secret
+    /// proves the binding). From then on, read breaks with
+    /// [`AsyncClient::next_break`] and answer each with
+    /// [`AsyncClient::ack_break`].
+    pub async fn watch(&mut self, main: &Session) -> Result<()> {
+        let mac = auth::breaks_mac(&main.secret, main.id);
+        self.ok(Request::WatchBreaks {
+            session_id: main.id,
+            mac,
+        })
+        .await
+    }
+
+    /// The next lease break on a watching connection: (lease id, export,
+    /// directory). Waits as long as it takes; an error means the watch (and
+    /// with it every lease of the session) is over.
+    pub async fn next_break(&mut self) -> Result<(u64, String, String)> {
+        let b = match read_frame(&mut self.stream, self.max_frame).await {
+            Ok(Some(b)) => b,
+            Ok(None) => return Err(lost("closed by the server")),
+            Err(FrameError::TooLarge(n, m)) => {
+                return Err(Error::new(
+                    ErrorCode::FrameTooLarge,
+                    format!("message of {n} bytes exceeds the limit of {m}"),
+                ))
+            }
+            Err(FrameError::Io(e)) => return Err(lost(e)),
+        };
+        match Response::decode(&b) {
+            Ok((
+                _,
+                Response::LeaseBreak {
+                    lease_id,
+                    export,
+                    path,
+                },
+            )) => Ok((lease_id, export, path)),
+            Ok((_, Response::Error(e))) => Err(e),
+            Ok((_, r)) => Err(unexpected(&r)),
+            Err(e) => Err(Error::new(
+                ErrorCode::BadRequest,
+                format!("server sent {e}"),
+            )),
+        }
+    }
+
+    /// Acknowledge a break: the cache of that lease is gone.
+    pub async fn ack_break(&mut self, lease_id: u64) -> Result<()> {
+        let body = Request::LeaseBreakAck { lease_id }.encode(0);
+        tokio::time::timeout(self.timeout, write_frame(&mut self.stream, &body))
+            .await
+            .map_err(|_| Error::new(ErrorCode::TimedOut, "acknowledging a lease break"))?
+            .map_err(lost)
+    }
+
     /// The lock that would conflict with this one: (kind, start, len), or
     /// None.
     pub async fn test_lock(
@@ -885,6 +964,24 @@ impl Client {
     }
     pub fn readlink(&mut self, export: &str, path: &str) -> Result<String> {
         self.rt.block_on(self.inner.readlink(export, path))
+    }
+    pub fn lease_dir(&mut self, export: &str, path: &str, want: u8) -> Result<(u64, u8)> {
+        self.rt.block_on(self.inner.lease_dir(export, path, want))
+    }
+    pub fn release_lease(&mut self, lease_id: u64) -> Result<()> {
+        self.rt.block_on(self.inner.release_lease(lease_id))
+    }
+    /// See [`AsyncClient::watch`].
+    pub fn watch(&mut self, main: &Session) -> Result<()> {
+        self.rt.block_on(self.inner.watch(main))
+    }
+    /// See [`AsyncClient::next_break`].
+    pub fn next_break(&mut self) -> Result<(u64, String, String)> {
+        self.rt.block_on(self.inner.next_break())
+    }
+    /// See [`AsyncClient::ack_break`].
+    pub fn ack_break(&mut self, lease_id: u64) -> Result<()> {
+        self.rt.block_on(self.inner.ack_break(lease_id))
     }
     pub fn statfs(&mut self, export: &str) -> Result<StatFs> {
         self.rt.block_on(self.inner.statfs(export))

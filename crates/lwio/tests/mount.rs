@@ -9,7 +9,7 @@
 
 use std::fs;
 use std::io::{ErrorKind, Seek, SeekFrom, Write};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::time::Duration;
 
@@ -37,6 +37,10 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Fixture {
+        Fixture::with_limits(Limits::default())
+    }
+
+    fn with_limits(limits: Limits) -> Fixture {
         require_fuse();
         let _ = tracing_subscriber::fmt()
             .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
@@ -48,7 +52,7 @@ impl Fixture {
             &dir.path().join("export"),
             "ex",
             TOKEN,
-            Limits::default(),
+            limits,
             RdmaServerOptions::default(),
         )
         .expect("server starts");
@@ -68,6 +72,14 @@ impl Fixture {
 
     fn mount(&self, cfg: &MountConfig) -> Mounted {
         self.mount_at(self.mnt.path(), "", cfg)
+    }
+
+    /// Two mounts of the export with default options: two clients.
+    fn two_mounts(&self) -> (Mounted, Mounted, tempfile::TempDir) {
+        let b_dir = tempfile::tempdir().unwrap();
+        let a = self.mount(&MountConfig::default());
+        let b = self.mount_at(b_dir.path(), "", &MountConfig::default());
+        (a, b, b_dir)
     }
 
     fn mount_at(&self, at: &Path, subdir: &str, cfg: &MountConfig) -> Mounted {
@@ -189,7 +201,13 @@ fn files_written_and_read_through_the_mount_are_byte_exact() {
 #[test]
 fn directories_listing_rename_and_exact_errnos() {
     let f = Fixture::new();
-    let _m = f.mount(&MountConfig::default());
+    // Files are added below straight into the server's directory, past
+    // lwio: only a mount without leases sees such changes at once (with
+    // leases, after lease_timeout; see the test after the lease test).
+    let _m = f.mount(&MountConfig {
+        leases: false,
+        ..MountConfig::default()
+    });
     let _m = &_m;
 
     fs::create_dir(f.m("d")).unwrap();
@@ -495,6 +513,165 @@ fn two_mounts_of_one_export_see_each_other() {
     assert!(!f.srv("dir/moved").exists());
 }
 
+/// Make the kernel forget cached dentries and inodes (root only), so that
+/// the next lookups reach the mount.
+fn drop_kernel_caches() {
+    fs::write("/proc/sys/vm/drop_caches", "2")
+        .expect("writing /proc/sys/vm/drop_caches (the lease test runs as root, as CI does)");
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn directory_leases_answer_without_round_trips_and_break_on_changes() {
+    // Both mounts hold leases (the default) and keep what a lease covers in
+    // the kernel for a minute (lease_timeout=60): only the breaks make the
+    // other mount's changes visible, and they must, at once.
+    let f = Fixture::new();
+    fs::create_dir(f.srv("d")).unwrap();
+    for i in 0..20 {
+        fs::write(f.srv(&format!("d/f{i}")), vec![b'x'; i]).unwrap();
+    }
+    let a = f.mount(&MountConfig::default());
+    let mnt_b = tempfile::tempdir().unwrap();
+    let b = f.mount_at(mnt_b.path(), "", &MountConfig::default());
+    let pa = |r: &str| a.mountpoint().join(r);
+    let pb = |r: &str| b.mountpoint().join(r);
+    let sa = a.stats().clone();
+    let g = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+
+    // A lists the root and d: it takes leases and keeps the listings.
+    assert_eq!(names(a.mountpoint()), ["d"]);
+    let want: Vec<String> = {
+        let mut v: Vec<String> = (0..20).map(|i| format!("f{i}")).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&pa("d")), want);
+    assert!(g(&sa.leases_granted) >= 1, "{}", sa.summary());
+
+    // The kernel forgets; A answers the lookups, attributes, a negative
+    // lookup and a second listing from the lease: no side-channel call.
+    drop_kernel_caches();
+    let calls = g(&sa.side_calls);
+    let hits = g(&sa.lease_hits);
+    for i in 0..20 {
+        assert_eq!(
+            fs::metadata(pa(&format!("d/f{i}"))).unwrap().len(),
+            i as u64
+        );
+    }
+    assert_eq!(errno(fs::metadata(pa("d/nope")).unwrap_err()), libc::ENOENT);
+    assert_eq!(names(&pa("d")), want);
+    assert_eq!(
+        g(&sa.side_calls),
+        calls,
+        "answered without a round trip: {}",
+        sa.summary()
+    );
+    let answered = g(&sa.lease_hits) - hits;
+    assert!(
+        answered >= 21,
+        "{answered} answers from the lease: {}",
+        sa.summary()
+    );
+
+    // B's changes break A's lease: A sees each at once.
+    fs::write(pb("d/new"), b"from b").unwrap();
+    assert_eq!(fs::read(pa("d/new")).unwrap(), b"from b");
+    assert!(names(&pa("d")).contains(&"new".to_string()));
+    fs::set_permissions(pb("d/f3"), fs::Permissions::from_mode(0o600)).unwrap();
+    assert_eq!(fs::metadata(pa("d/f3")).unwrap().mode() & 0o777, 0o600);
+    fs::rename(pb("d/f1"), pb("d/g1")).unwrap();
+    assert_eq!(errno(fs::metadata(pa("d/f1")).unwrap_err()), libc::ENOENT);
+    assert_eq!(fs::metadata(pa("d/g1")).unwrap().len(), 1);
+    fs::remove_file(pb("d/f2")).unwrap();
+    assert_eq!(errno(fs::metadata(pa("d/f2")).unwrap_err()), libc::ENOENT);
+    let mut h = fs::OpenOptions::new()
+        .append(true)
+        .open(pb("d/f5"))
+        .unwrap();
+    h.write_all(b"0123456789").unwrap();
+    drop(h);
+    assert_eq!(fs::metadata(pa("d/f5")).unwrap().len(), 15);
+    assert_eq!(fs::read(pa("d/f5")).unwrap(), b"xxxxx0123456789");
+    fs::create_dir(pb("d/sub")).unwrap();
+    assert!(fs::metadata(pa("d/sub")).unwrap().is_dir());
+    let mut now: Vec<String> = want
+        .iter()
+        .filter(|n| *n != "f1" && *n != "f2")
+        .cloned()
+        .chain(["g1", "new", "sub"].map(String::from))
+        .collect();
+    now.sort();
+    assert_eq!(names(&pa("d")), now);
+    assert!(g(&sa.lease_breaks) >= 1, "{}", sa.summary());
+
+    // A's own changes keep its own lease (no break) and its cache right.
+    let breaks = g(&sa.lease_breaks);
+    fs::write(pa("d/mine"), b"12345").unwrap();
+    fs::remove_file(pa("d/f4")).unwrap();
+    fs::rename(pa("d/f6"), pa("d/h6")).unwrap();
+    assert_eq!(fs::metadata(pa("d/mine")).unwrap().len(), 5);
+    assert_eq!(errno(fs::metadata(pa("d/f4")).unwrap_err()), libc::ENOENT);
+    drop_kernel_caches();
+    assert_eq!(fs::metadata(pa("d/mine")).unwrap().len(), 5);
+    assert_eq!(errno(fs::metadata(pa("d/f6")).unwrap_err()), libc::ENOENT);
+    assert_eq!(fs::metadata(pa("d/h6")).unwrap().len(), 6);
+    assert_eq!(
+        g(&sa.lease_breaks),
+        breaks,
+        "own changes break nothing of ours"
+    );
+    // And B, whose lease on d those changes broke, sees them.
+    assert_eq!(fs::read(pb("d/mine")).unwrap(), b"12345");
+    assert_eq!(errno(fs::metadata(pb("d/f4")).unwrap_err()), libc::ENOENT);
+    assert!(names(&pb("d")).contains(&"h6".to_string()));
+}
+
+#[test]
+fn changes_made_past_lwio_show_after_the_lease_timeout() {
+    let f = Fixture::new();
+    fs::create_dir(f.srv("d")).unwrap();
+    let a = f.mount(&MountConfig {
+        lease_ttl: Duration::from_millis(500),
+        ..MountConfig::default()
+    });
+    assert!(names(&a.mountpoint().join("d")).is_empty());
+    // Written on the server's disk by another program: no break comes.
+    fs::write(f.srv("d/local"), b"x").unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(names(&a.mountpoint().join("d")), ["local"]);
+    assert_eq!(fs::read(a.mountpoint().join("d/local")).unwrap(), b"x");
+}
+
+#[test]
+fn noleases_mounts_take_no_leases() {
+    let f = Fixture::new();
+    fs::create_dir(f.srv("d")).unwrap();
+    let cfg = MountConfig {
+        leases: false,
+        ..MountConfig::default()
+    };
+    let a = f.mount(&cfg);
+    fs::read_dir(a.mountpoint().join("d"))
+        .unwrap()
+        .for_each(drop);
+    let st = a.stats();
+    assert_eq!(
+        st.leases_granted.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    assert_eq!(f.server.state.leases.counts().held, 0);
+}
+
 #[test]
 fn holes_fallocate_and_hard_links() {
     let f = Fixture::new();
@@ -620,19 +797,13 @@ fn fcntl_lock(f: &fs::File, cmd: i32, typ: i32, start: i64, len: i64) -> Result<
     fl.l_len = len;
     // SAFETY: a valid fd and flock pointer.
     let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(f), cmd, &mut fl) };
-    if r == 0 {
-        Ok(fl)
-    } else {
-        Err(std::io::Error::last_os_error().raw_os_error().unwrap())
-    }
+    os_result(r).map(|()| fl)
 }
 
 #[test]
 fn posix_locks_hold_across_two_mounts() {
     let f = Fixture::new();
-    let a = f.mount(&MountConfig::default());
-    let mnt_b = tempfile::tempdir().unwrap();
-    let b = f.mount_at(mnt_b.path(), "", &MountConfig::default());
+    let (a, b, _mnt_b) = f.two_mounts();
     fs::write(f.srv("db"), vec![0u8; 4096]).unwrap();
     let open = |m: &Mounted| {
         fs::File::options()
@@ -680,6 +851,99 @@ fn posix_locks_hold_across_two_mounts() {
     drop(fb);
     let waited = waiter.join().unwrap().unwrap();
     assert!(waited >= Duration::from_millis(250), "{waited:?}");
+}
+
+/// 0 → Ok, else the errno of the call just made.
+fn os_result(r: i32) -> Result<(), i32> {
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap())
+    }
+}
+
+fn flock(f: &fs::File, op: i32) -> Result<(), i32> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock(2) on a descriptor we own; no memory is passed.
+    os_result(unsafe { libc::flock(f.as_raw_fd(), op) })
+}
+
+#[test]
+fn flock_holds_across_two_mounts() {
+    let f = Fixture::new();
+    let (a, b, _mnt_b) = f.two_mounts();
+    fs::write(f.srv("lockfile"), b"").unwrap();
+    let fa = fs::File::open(a.mountpoint().join("lockfile")).unwrap();
+    let fb = fs::File::open(b.mountpoint().join("lockfile")).unwrap();
+    let fb2 = fs::File::open(b.mountpoint().join("lockfile")).unwrap();
+    flock(&fa, libc::LOCK_EX | libc::LOCK_NB).unwrap();
+    assert_eq!(
+        flock(&fb, libc::LOCK_EX | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK)
+    );
+    assert_eq!(
+        flock(&fb, libc::LOCK_SH | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK)
+    );
+    // Downgraded to shared: B may share it, not take it exclusively.
+    flock(&fa, libc::LOCK_SH | libc::LOCK_NB).unwrap();
+    flock(&fb, libc::LOCK_SH | libc::LOCK_NB).unwrap();
+    assert_eq!(
+        flock(&fb2, libc::LOCK_EX | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK)
+    );
+    flock(&fb, libc::LOCK_UN).unwrap();
+    // A blocking LOCK_EX in B waits for A's close, then gets it.
+    let t = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        flock(&fb2, libc::LOCK_EX).unwrap();
+        (started.elapsed(), fb2)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    drop(fa);
+    let (waited, fb2) = t.join().unwrap();
+    assert!(waited >= Duration::from_millis(250), "{waited:?}");
+    // Held by B now: A's new descriptor is refused.
+    let fa = fs::File::open(a.mountpoint().join("lockfile")).unwrap();
+    assert_eq!(
+        flock(&fa, libc::LOCK_EX | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK)
+    );
+    drop(fb2);
+    // FUSE sends the release that drops a flock lock after close(2)
+    // returns: it arrives within moments.
+    let mut got = flock(&fa, libc::LOCK_EX | libc::LOCK_NB);
+    for _ in 0..100 {
+        if got.is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        got = flock(&fa, libc::LOCK_EX | libc::LOCK_NB);
+    }
+    assert_eq!(got, Ok(()));
+}
+
+#[test]
+fn an_idle_mount_keeps_its_session() {
+    // A server that closes sessions idle for one second; the mount pings
+    // every 300 ms and stays usable, open file included.
+    let f = Fixture::with_limits(Limits {
+        idle_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    });
+    let cfg = MountConfig {
+        keepalive: Duration::from_millis(300),
+        ..MountConfig::default()
+    };
+    let m = f.mount(&cfg);
+    let mut h = fs::File::create(m.mountpoint().join("f")).unwrap();
+    h.write_all(b"before").unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    h.write_all(b" after").unwrap();
+    drop(h);
+    fs::write(m.mountpoint().join("g"), b"new").unwrap();
+    assert_eq!(fs::read(f.srv("f")).unwrap(), b"before after");
+    assert_eq!(fs::read(f.srv("g")).unwrap(), b"new");
 }
 
 #[test]

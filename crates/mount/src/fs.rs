@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -20,12 +20,19 @@ use tracing::{debug, warn};
 
 use crate::errno;
 use crate::inodes::{join, Inodes};
+use crate::leases::{split, Hit, LeaseCache, Listing};
 use crate::{MountConfig, Stats};
 
 type Res<T> = Result<T, i32>;
 
-/// A directory listing: names and full attributes.
-type Listing = Vec<(String, AttrX)>;
+/// What the file system shares with its lease-break watcher.
+pub(crate) struct Shared {
+    pub(crate) inodes: Mutex<Inodes>,
+    pub(crate) leases: Mutex<LeaseCache>,
+    /// A watching connection is up: leases may be asked for.
+    pub(crate) leasing: AtomicBool,
+    pub(crate) stats: Arc<Stats>,
+}
 
 fn err(e: i32) -> Errno {
     Errno::from_i32(e)
@@ -37,18 +44,18 @@ pub struct LwioFs {
     export: String,
     cfg: MountConfig,
     stats: Arc<Stats>,
-    inodes: Mutex<Inodes>,
+    shared: Arc<Shared>,
     /// Open files: FUSE handle → (node, file).
     files: Mutex<HashMap<u64, (u64, Arc<File>)>>,
     /// Open directories: the listing taken at opendir.
-    dirs: Mutex<HashMap<u64, Arc<Listing>>>,
+    dirs: Mutex<HashMap<u64, (Arc<Listing>, bool)>>,
     next_fh: AtomicU64,
     /// Lock owners that took a lock through each open file (their locks go
     /// when one of their descriptors of it closes, as POSIX says).
     lockers: Mutex<HashMap<u64, std::collections::HashSet<u64>>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -108,13 +115,14 @@ fn time(ns: i64) -> SystemTime {
 
 impl LwioFs {
     /// The file system of `export`/`subdir` (checked to be a directory).
-    pub fn new(
+    pub(crate) fn new(
         client: Client,
         export: &str,
         subdir: &str,
         cfg: MountConfig,
-        stats: Arc<Stats>,
+        shared: Arc<Shared>,
     ) -> io::Result<LwioFs> {
+        let stats = shared.stats.clone();
         if let Some(e) = client.export().filter(|e| *e != export) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -126,7 +134,7 @@ impl LwioFs {
             export: export.to_string(),
             cfg,
             stats,
-            inodes: Mutex::new(Inodes::new(subdir)),
+            shared,
             files: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
@@ -177,7 +185,7 @@ impl LwioFs {
     }
 
     fn path(&self, ino: INodeNo) -> Res<String> {
-        lock(&self.inodes).path(ino.0).ok_or(libc::ENOENT)
+        lock(&self.shared.inodes).path(ino.0).ok_or(libc::ENOENT)
     }
 
     /// The side-channel handle of a file open on node `ino`, for a node
@@ -195,7 +203,7 @@ impl LwioFs {
         if let Some(Ok(f)) = fh.map(|fh| self.file(fh)) {
             return Ok(Some(f.handle()));
         }
-        if lock(&self.inodes).path(ino.0).is_some() {
+        if lock(&self.shared.inodes).path(ino.0).is_some() {
             return Ok(None);
         }
         self.open_handle_of(ino).map(Some).ok_or(libc::ENOENT)
@@ -231,13 +239,21 @@ impl LwioFs {
 
     /// Look `path` up: count a kernel reference and answer with its entry.
     fn entry(&self, path: &str, a: &AttrX, reply: ReplyEntry) {
-        let ino = lock(&self.inodes).lookup(path);
-        reply.entry_with_ttls(
-            &self.cfg.attr_ttl,
-            &self.cfg.entry_ttl,
-            &self.attr(ino, a),
-            Generation(0),
-        );
+        // Replied under the cache lock: a break drops the cache (and then
+        // tells the kernel) either before this, and the entry gets the
+        // short lifetimes, or after the kernel has it.
+        let c = lock(&self.shared.leases);
+        let leased = self.leasing() && split(path).is_some_and(|(d, _)| c.lease_of(&d).is_some());
+        self.reply_entry(path, a, leased, reply);
+        drop(c);
+    }
+
+    /// Answer a lookup (the caller holds the lease cache's lock when
+    /// `leased`).
+    fn reply_entry(&self, path: &str, a: &AttrX, leased: bool, reply: ReplyEntry) {
+        let ino = lock(&self.shared.inodes).lookup(path);
+        let (entry_ttl, attr_ttl) = self.ttls(leased);
+        reply.entry_with_ttls(&attr_ttl, &entry_ttl, &self.attr(ino, a), Generation(0));
     }
 
     fn reply_attr(&self, ino: INodeNo, r: Res<AttrX>, reply: ReplyAttr) {
@@ -358,7 +374,8 @@ impl LwioFs {
         Ok(done as u32)
     }
 
-    fn readdir_entries(&self, fh: FileHandle) -> Res<Arc<Listing>> {
+    /// An open directory's listing, and whether it came under a lease.
+    fn readdir_entries(&self, fh: FileHandle) -> Res<(Arc<Listing>, bool)> {
         lock(&self.dirs).get(&fh.0).cloned().ok_or(libc::EBADF)
     }
 
@@ -366,7 +383,7 @@ impl LwioFs {
     /// it, else a stable stand-in (readdir's d_ino is informational; the
     /// kernel takes the real id from the lookup that follows).
     fn listed_ino(&self, path: &str) -> u64 {
-        if let Some(i) = lock(&self.inodes).peek(path) {
+        if let Some(i) = lock(&self.shared.inodes).peek(path) {
             return i;
         }
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -381,12 +398,120 @@ impl LwioFs {
             let path = self.child(parent, name)?;
             let export = &self.export;
             self.side(|s| s.remove_kind(export, &path, kind))?;
-            lock(&self.inodes).unlinked(&path);
+            lock(&self.shared.inodes).unlinked(&path);
+            self.own_change(&path, Own::Removed);
+            if kind == RemoveKind::Dir {
+                // Our lease on the removed directory: give it back.
+                let gone = lock(&self.shared.leases).drop_tree(&path);
+                for id in gone {
+                    let _ = self.side(|s| s.release_lease(id));
+                }
+            }
             Ok(())
         })();
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
+        }
+    }
+}
+
+/// What this client itself did to an entry (its own changes keep its own
+/// lease cache right; they break only other clients' leases).
+enum Own<'a> {
+    /// Created or changed, with the attributes the server answered.
+    Is(&'a AttrX),
+    Removed,
+    /// Changed in a way only the server knows (a write, a rename target).
+    Stale,
+}
+
+impl LwioFs {
+    /// The kernel's entry and attribute lifetimes for an entry of `dir`:
+    /// long under a lease (a break invalidates them), else the options'.
+    fn ttls(&self, leased: bool) -> (Duration, Duration) {
+        if leased {
+            (self.cfg.lease_ttl, self.cfg.lease_ttl)
+        } else {
+            (self.cfg.entry_ttl, self.cfg.attr_ttl)
+        }
+    }
+
+    fn leasing(&self) -> bool {
+        self.shared.leasing.load(Ordering::Relaxed)
+    }
+
+    fn own_change(&self, path: &str, what: Own) {
+        if !self.leasing() {
+            return;
+        }
+        let Some((dir, name)) = split(path) else {
+            return;
+        };
+        let mut c = lock(&self.shared.leases);
+        match what {
+            Own::Is(a) => c.put(&dir, &name, a),
+            Own::Removed => c.del(&dir, &name),
+            Own::Stale => c.stale(&dir, &name),
+        }
+    }
+
+    /// The listing of directory `path`: from its lease when it has one,
+    /// else from the server (taking a lease first where leases are on, so
+    /// that the listing can be kept). (listing, from a lease).
+    fn dir_listing(&self, path: &str) -> Res<(Arc<Listing>, bool)> {
+        let export = &self.export;
+        if !self.leasing() {
+            return Ok((Arc::new(self.side(|s| s.list_dir_x(export, path))?), false));
+        }
+        if let Some(l) = lock(&self.shared.leases).listing(path) {
+            Stats::add(&self.stats.lease_hits, 1);
+            return Ok((l, true));
+        }
+        let held = lock(&self.shared.leases).lease_of(path);
+        let lease = match held {
+            Some(id) => Some(id),
+            None => self.take_lease(path),
+        };
+        let list = self.side(|s| s.list_dir_x(export, path))?;
+        match lease {
+            Some(id) => {
+                lock(&self.shared.leases).install(path, id, &list);
+                Ok((Arc::new(list), true))
+            }
+            None => Ok((Arc::new(list), false)),
+        }
+    }
+
+    /// Ask for a read+handle lease on `path` (giving the coldest one back at
+    /// the cap); the lease id if granted.
+    fn take_lease(&self, path: &str) -> Option<u64> {
+        let coldest = {
+            let c = lock(&self.shared.leases);
+            (c.len() >= self.cfg.max_leases)
+                .then(|| c.coldest())
+                .flatten()
+        };
+        if let Some((dir, id)) = coldest {
+            lock(&self.shared.leases).forget(&dir);
+            let _ = self.side(|s| s.release_lease(id));
+        }
+        let export = &self.export;
+        let want = lwio_side::codec::LEASE_READ | lwio_side::codec::LEASE_HANDLE;
+        match self.side(|s| s.lease_dir(export, path, want)) {
+            Ok((id, g)) if id != 0 && g != 0 => {
+                if lock(&self.shared.leases).granted(path, id) {
+                    Stats::add(&self.stats.leases_granted, 1);
+                    Some(id)
+                } else {
+                    None
+                }
+            }
+            Ok(_) => None,
+            Err(e) => {
+                debug!(path, errno = e, "lease");
+                None
+            }
         }
     }
 }
@@ -402,8 +527,11 @@ impl Filesystem for LwioFs {
             | InitFlags::FUSE_PARALLEL_DIROPS
             | InitFlags::FUSE_DO_READDIRPLUS
             | InitFlags::FUSE_READDIRPLUS_AUTO
-            // fcntl locks are the server's, so they hold across mounts.
-            | InitFlags::FUSE_POSIX_LOCKS;
+            // fcntl locks are the server's, so they hold across mounts;
+            // flock(2) locks too, as whole-file locks of their open file
+            // (as NFS does: they conflict with fcntl locks of others).
+            | InitFlags::FUSE_POSIX_LOCKS
+            | InitFlags::FUSE_FLOCK_LOCKS;
         if let Err(missing) = config.add_capabilities(want) {
             debug!(?missing, "kernel lacks FUSE capabilities");
         }
@@ -422,22 +550,58 @@ impl Filesystem for LwioFs {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         Stats::add(&self.stats.lookups, 1);
-        let r = self
-            .child(parent, name)
-            .and_then(|p| Ok((self.stat(&p)?, p)));
-        match r {
-            Ok((a, p)) => self.entry(&p, &a, reply),
-            Err(e) => reply.error(err(e)),
+        let path = match self.child(parent, name) {
+            Ok(p) => p,
+            Err(e) => return reply.error(err(e)),
+        };
+        if let (true, Some((dir, leaf))) = (self.leasing(), split(&path)) {
+            // Answered under the cache lock (see `entry`).
+            let mut c = lock(&self.shared.leases);
+            match c.lookup(&dir, &leaf) {
+                Some(Hit::Found(a)) => {
+                    Stats::add(&self.stats.lease_hits, 1);
+                    return self.reply_entry(&path, &a, true, reply);
+                }
+                Some(Hit::Absent) => {
+                    Stats::add(&self.stats.lease_hits, 1);
+                    return reply.error(err(libc::ENOENT));
+                }
+                None => {}
+            }
+        }
+        match self.stat(&path) {
+            Ok(a) => {
+                if self.leasing() {
+                    self.own_change(&path, Own::Is(&a));
+                }
+                self.entry(&path, &a, reply)
+            }
+            Err(e) => {
+                if e == libc::ENOENT {
+                    self.own_change(&path, Own::Removed);
+                }
+                reply.error(err(e))
+            }
         }
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        lock(&self.inodes).forget(ino.0, nlookup);
+        lock(&self.shared.inodes).forget(ino.0, nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         // fstat of an open file asks by handle: right even after the name
         // was unlinked or renamed by someone else.
+        if let (None, true, Ok(p)) = (fh, self.leasing(), self.path(ino)) {
+            if let Some((dir, leaf)) = split(&p) {
+                let mut c = lock(&self.shared.leases);
+                if let Some(Hit::Found(a)) = c.lookup(&dir, &leaf) {
+                    Stats::add(&self.stats.lease_hits, 1);
+                    let (_, ttl) = self.ttls(true);
+                    return reply.attr(&ttl, &self.attr(ino.0, &a));
+                }
+            }
+        }
         let r = match self.handle_for(ino, fh) {
             Ok(Some(h)) => self.side(|s| s.stat_handle(h)),
             Ok(None) => self.path(ino).and_then(|p| self.stat(&p)),
@@ -487,14 +651,18 @@ impl Filesystem for LwioFs {
                 atime: t(atime),
                 mtime: t(mtime),
             };
-            match self.handle_for(ino, fh)? {
-                Some(h) => self.side(|s| s.set_attr_handle(h, &set)),
+            let a = match self.handle_for(ino, fh)? {
+                Some(h) => self.side(|s| s.set_attr_handle(h, &set))?,
                 None => {
                     let path = self.path(ino)?;
                     let export = &self.export;
-                    self.side(|s| s.set_attr(export, &path, &set))
+                    self.side(|s| s.set_attr(export, &path, &set))?
                 }
+            };
+            if let Ok(p) = self.path(ino) {
+                self.own_change(&p, Own::Is(&a));
             }
+            Ok(a)
         })();
         self.reply_attr(ino, r, reply)
     }
@@ -512,7 +680,9 @@ impl Filesystem for LwioFs {
             let path = self.child(parent, name)?;
             let export = &self.export;
             self.side(|s| s.mkdir(export, &path, mode & !umask & 0o7777, false))?;
-            Ok((path.clone(), self.stat(&path)?))
+            let a = self.stat(&path)?;
+            self.own_change(&path, Own::Is(&a));
+            Ok((path, a))
         })();
         match r {
             Ok((p, a)) => self.entry(&p, &a, reply),
@@ -541,6 +711,7 @@ impl Filesystem for LwioFs {
             let target = target.to_str().ok_or(libc::EILSEQ)?;
             let export = &self.export;
             let a = self.side(|s| s.symlink(export, &path, target))?;
+            self.own_change(&path, Own::Is(&a));
             Ok((path, a))
         })();
         match r {
@@ -570,6 +741,9 @@ impl Filesystem for LwioFs {
                     e
                 }
             })?;
+            self.own_change(&to, Own::Is(&a));
+            // The source's link count changed too.
+            self.own_change(&from, Own::Stale);
             Ok((to, a))
         })();
         match r {
@@ -581,7 +755,7 @@ impl Filesystem for LwioFs {
     fn fallocate(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         length: u64,
@@ -595,6 +769,9 @@ impl Filesystem for LwioFs {
             let h = f.handle();
             self.side(|s| s.fallocate(h, mode as u32, offset, length))
         });
+        if let Ok(p) = self.path(ino) {
+            self.own_change(&p, Own::Stale);
+        }
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -634,7 +811,7 @@ impl Filesystem for LwioFs {
         _ino_in: INodeNo,
         fh_in: FileHandle,
         offset_in: u64,
-        _ino_out: INodeNo,
+        ino_out: INodeNo,
         fh_out: FileHandle,
         offset_out: u64,
         len: u64,
@@ -648,6 +825,9 @@ impl Filesystem for LwioFs {
             let len = len.min(lwio_side::codec::COPY_RANGE_MAX);
             self.side(|s| s.copy_range(h_in, offset_in, h_out, offset_out, len))
         });
+        if let Ok(p) = self.path(ino_out) {
+            self.own_change(&p, Own::Stale);
+        }
         match r {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(err(e)),
@@ -775,12 +955,25 @@ impl Filesystem for LwioFs {
                         e
                     }
                 })?;
-            let mut t = lock(&self.inodes);
-            if exchange {
-                t.exchanged(&from, &to);
-            } else {
-                t.renamed(&from, &to);
+            {
+                let mut t = lock(&self.shared.inodes);
+                if exchange {
+                    t.exchanged(&from, &to);
+                } else {
+                    t.renamed(&from, &to);
+                }
             }
+            if exchange {
+                self.own_change(&from, Own::Stale);
+            } else {
+                self.own_change(&from, Own::Removed);
+            }
+            self.own_change(&to, Own::Stale);
+            // Our leases at and below both paths named the old tree; the
+            // server dropped them with the rename.
+            let mut c = lock(&self.shared.leases);
+            c.drop_tree(&from);
+            c.drop_tree(&to);
             Ok(())
         })();
         match r {
@@ -790,9 +983,13 @@ impl Filesystem for LwioFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let r = self
-            .path(ino)
-            .and_then(|p| self.open_path(&p, flags.0, None));
+        let r = self.path(ino).and_then(|p| {
+            let f = self.open_path(&p, flags.0, None)?;
+            if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
+                self.own_change(&p, Own::Stale);
+            }
+            Ok(f)
+        });
         match r {
             Ok(f) => reply.opened(
                 FileHandle(self.add_file(ino.0, f)),
@@ -816,11 +1013,13 @@ impl Filesystem for LwioFs {
             let path = self.child(parent, name)?;
             let f = self.open_path(&path, flags, Some(mode & !umask & 0o7777))?;
             let a = self.stat(&path)?;
+            // Written next, through the data path.
+            self.own_change(&path, Own::Stale);
             Ok((path, f, a))
         })();
         match r {
             Ok((path, f, a)) => {
-                let ino = lock(&self.inodes).lookup(&path);
+                let ino = lock(&self.shared.inodes).lookup(&path);
                 let fh = self.add_file(ino, f);
                 reply.created(
                     &self.cfg.attr_ttl,
@@ -854,7 +1053,7 @@ impl Filesystem for LwioFs {
     fn write(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -863,7 +1062,11 @@ impl Filesystem for LwioFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        match self.file(fh).and_then(|f| self.write_all(&f, offset, data)) {
+        let r = self.file(fh).and_then(|f| self.write_all(&f, offset, data));
+        if let (true, Ok(p)) = (self.leasing(), self.path(ino)) {
+            self.own_change(&p, Own::Stale);
+        }
+        match r {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(err(e)),
         }
@@ -942,15 +1145,19 @@ impl Filesystem for LwioFs {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        let r = self.path(ino).and_then(|p| {
-            let export = &self.export;
-            self.side(|s| s.list_dir_x(export, &p))
-        });
+        let r = self.path(ino).and_then(|p| self.dir_listing(&p));
         match r {
-            Ok(list) => {
+            Ok((list, leased)) => {
                 let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-                lock(&self.dirs).insert(fh, Arc::new(list));
-                reply.opened(FileHandle(fh), FopenFlags::empty());
+                lock(&self.dirs).insert(fh, (list, leased));
+                // Under a lease the kernel may keep the listing too: a break
+                // invalidates it (and our own changes do, in the kernel).
+                let flags = if leased {
+                    FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE
+                } else {
+                    FopenFlags::empty()
+                };
+                reply.opened(FileHandle(fh), flags);
             }
             Err(e) => reply.error(err(e)),
         }
@@ -966,7 +1173,7 @@ impl Filesystem for LwioFs {
     ) {
         let r = self
             .readdir_entries(fh)
-            .and_then(|l| Ok((l, self.path(ino)?)));
+            .and_then(|l| Ok((l.0, self.path(ino)?)));
         let (list, dir) = match r {
             Ok(v) => v,
             Err(e) => return reply.error(err(e)),
@@ -1002,11 +1209,16 @@ impl Filesystem for LwioFs {
         let r = self
             .readdir_entries(fh)
             .and_then(|l| Ok((l, self.path(ino)?)));
-        let (list, dir) = match r {
+        let ((list, leased), dir) = match r {
             Ok(v) => v,
             Err(e) => return reply.error(err(e)),
         };
-        let ttl = self.cfg.attr_ttl;
+        // Entries from a listing taken under a lease live long in the
+        // kernel, if the lease still holds now (checked, and replied, under
+        // the cache lock: see `entry`).
+        let c = lock(&self.shared.leases);
+        let leased = leased && self.leasing() && c.lease_of(&dir).is_some();
+        let (_, ttl) = self.ttls(leased);
         // "." and "..": the kernel makes no entries (nor lookup counts) of
         // them, so any directory attributes do.
         let dot = FileAttr {
@@ -1024,7 +1236,7 @@ impl Filesystem for LwioFs {
                     // forget; one that did not fit is not.
                     let (name, a) = &list[(i - 2) as usize];
                     let path = join(&dir, name);
-                    let child = lock(&self.inodes).lookup(&path);
+                    let child = lock(&self.shared.inodes).lookup(&path);
                     let full = reply.add(
                         INodeNo(child),
                         i + 1,
@@ -1034,7 +1246,7 @@ impl Filesystem for LwioFs {
                         Generation(0),
                     );
                     if full {
-                        lock(&self.inodes).forget(child, 1);
+                        lock(&self.shared.inodes).forget(child, 1);
                     }
                     full
                 }
@@ -1045,6 +1257,7 @@ impl Filesystem for LwioFs {
             i += 1;
         }
         reply.ok();
+        drop(c);
     }
 
     fn releasedir(

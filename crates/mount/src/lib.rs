@@ -13,7 +13,9 @@
 pub mod errno;
 pub mod fs;
 mod inodes;
+mod leases;
 pub mod options;
+mod watcher;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -38,6 +40,13 @@ pub struct Stats {
     pub write_bytes: AtomicU64,
     /// Files opened (side-channel open + RDMA register).
     pub opens: AtomicU64,
+    /// Lookups, attributes and listings answered from a directory lease,
+    /// with no round trip.
+    pub lease_hits: AtomicU64,
+    /// Directory leases granted to this mount.
+    pub leases_granted: AtomicU64,
+    /// Lease breaks received (another client changed a leased directory).
+    pub lease_breaks: AtomicU64,
 }
 
 impl Stats {
@@ -49,14 +58,17 @@ impl Stats {
     pub fn summary(&self) -> String {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         format!(
-            "{} lookups, {} side-channel calls, {} opens, {} reads ({} bytes), {} writes ({} bytes)",
+            "{} lookups, {} side-channel calls, {} opens, {} reads ({} bytes), {} writes ({} bytes), {} answers from leases, {} leases, {} breaks",
             g(&self.lookups),
             g(&self.side_calls),
             g(&self.opens),
             g(&self.reads),
             g(&self.read_bytes),
             g(&self.writes),
-            g(&self.write_bytes)
+            g(&self.write_bytes),
+            g(&self.lease_hits),
+            g(&self.leases_granted),
+            g(&self.lease_breaks)
         )
     }
 }
@@ -67,6 +79,8 @@ pub struct Mounted {
     unmounter: Option<fuser::SessionUnmounter>,
     thread: Option<JoinHandle<io::Result<()>>>,
     stats: Arc<Stats>,
+    /// Dropped with the mount: stops the keepalive thread.
+    _keepalive: Option<std::sync::mpsc::Sender<()>>,
 }
 
 impl Mounted {
@@ -145,7 +159,27 @@ pub fn mount(
     cfg: &MountConfig,
 ) -> io::Result<Mounted> {
     let stats = Arc::new(Stats::default());
-    let fs = fs::LwioFs::new(client, export, subdir, cfg.clone(), stats.clone())?;
+    let root = leases::canonical(subdir);
+    let shared = Arc::new(fs::Shared {
+        inodes: std::sync::Mutex::new(inodes::Inodes::new(&root)),
+        leases: std::sync::Mutex::new(leases::LeaseCache::new(cfg.lease_ttl)),
+        leasing: std::sync::atomic::AtomicBool::new(false),
+        stats: stats.clone(),
+    });
+    // Lease breaks arrive on a second connection of this client's session.
+    let watch = if cfg.leases {
+        match client.watch_breaks() {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::info!(error = %e, "no directory leases (the server does not grant them)");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let keepalive = (!cfg.keepalive.is_zero()).then(|| keepalive(client.clone(), cfg.keepalive));
+    let fs = fs::LwioFs::new(client, export, &root, cfg.clone(), shared.clone())?;
     let mut config = fuser::Config::default();
     config.mount_options = cfg.fuse_options(export, subdir);
     config.acl = if cfg.allow_other {
@@ -159,6 +193,9 @@ pub fn mount(
     config.clone_fd = cfg.threads > 1;
     let mut session = fuser::Session::new(fs, mountpoint, &config)?;
     let unmounter = session.unmount_callable();
+    if let Some(w) = watch {
+        watcher::start(w, session.notifier(), shared)?;
+    }
     let thread = std::thread::Builder::new()
         .name("lwio-fuse".into())
         .spawn(move || session.run())?;
@@ -167,5 +204,29 @@ pub fn mount(
         unmounter: Some(unmounter),
         thread: Some(thread),
         stats,
+        _keepalive: keepalive,
     })
+}
+
+/// Ping the server every `every` so that an idle mount keeps its session
+/// (the server closes sessions idle for `idle_timeout`). Stops when the
+/// returned sender is dropped.
+fn keepalive(
+    client: lwio_client::Client,
+    every: std::time::Duration,
+) -> std::sync::mpsc::Sender<()> {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("lwio-keepalive".into())
+        .spawn(move || {
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(every) {
+                if let Err(e) = client.side(|s| s.ping()) {
+                    tracing::warn!(error = %e, "keepalive ping");
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no keepalive thread");
+    }
+    tx
 }

@@ -28,6 +28,21 @@ pub struct MountConfig {
     /// server, as sshfs's option of that name); the server's file is still
     /// opened normally.
     pub direct_io: bool,
+    /// `leases` (default) / `noleases`: hold directory leases, and answer
+    /// lookups, attributes and listings of leased directories from them
+    /// (docs/leases.md).
+    pub leases: bool,
+    /// `lease_timeout=SECS`: how long the kernel keeps names and attributes
+    /// of a leased directory, and how long a leased listing is trusted at
+    /// most (it bounds how long a change made on the server by a program
+    /// other than lwio stays unseen).
+    pub lease_ttl: Duration,
+    /// Directories leased at once; the least recently used is given back.
+    pub max_leases: usize,
+    /// `keepalive=SECS`: how often an idle mount pings the server, so that
+    /// the server's `idle_timeout` (5 minutes by default) never ends a
+    /// mounted session. 0 turns it off.
+    pub keepalive: Duration,
 }
 
 impl Default for MountConfig {
@@ -43,6 +58,10 @@ impl Default for MountConfig {
             max_io: 1 << 20,
             fsname: None,
             direct_io: false,
+            leases: true,
+            lease_ttl: Duration::from_secs(60),
+            max_leases: 512,
+            keepalive: Duration::from_secs(60),
         }
     }
 }
@@ -132,6 +151,10 @@ impl MountConfig {
                 }
                 ("fsname", Some(v)) => self.fsname = Some(v.to_string()),
                 ("direct_io", None) => self.direct_io = true,
+                ("leases", None) => self.leases = true,
+                ("noleases", None) => self.leases = false,
+                ("lease_timeout", v) => self.lease_ttl = secs(v)?,
+                ("keepalive", v) => self.keepalive = secs(v)?,
                 ("hard", None) => {
                     return Err(bad(
                         "not supported yet: this lwio has no reconnect, so calls fail with EIO when the server goes away (the default, `soft`)",

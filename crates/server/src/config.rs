@@ -72,6 +72,15 @@ pub struct Limits {
     /// Live RDMA connections from one IP address (authenticated or not);
     /// further connection requests are rejected "busy" at MPA time.
     pub max_rdma_connections_per_host: usize,
+    /// Directory leases one session may hold (docs/leases.md); past it,
+    /// LeaseDir is answered "not granted".
+    pub max_leases_per_session: usize,
+    /// Directory leases held server-wide.
+    pub max_leases: usize,
+    /// How long a change waits for the holders of leases it breaks to
+    /// acknowledge; an unacknowledged lease is then revoked.
+    #[serde(deserialize_with = "de_duration")]
+    pub lease_break_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -92,6 +101,9 @@ impl Default for Limits {
             unauth_rate: 200,
             unauth_burst: 400,
             max_rdma_connections_per_host: 32,
+            max_leases_per_session: 1024,
+            max_leases: 65_536,
+            lease_break_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -355,6 +367,7 @@ impl Config {
             ("idle_timeout", l.idle_timeout),
             ("login_timeout", l.login_timeout),
             ("resume_key_ttl", l.resume_key_ttl),
+            ("lease_break_timeout", l.lease_break_timeout),
         ] {
             if d.is_zero() {
                 return Err(ConfigError(format!("limits.{k} must be greater than zero")));
@@ -513,6 +526,9 @@ unauth_rate_per_host = 20
 unauth_burst_per_host = 40
 unauth_rate = 200
 unauth_burst = 400
+max_leases_per_session = 1024
+max_leases = 65536
+lease_break_timeout = "2s"
 max_rdma_connections_per_host = 32
 
 [io]

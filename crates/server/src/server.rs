@@ -182,6 +182,8 @@ pub struct ServerState {
     pub server_name: String,
     pub exports: Exports,
     pub open_files: OpenFileTable,
+    /// Directory leases (docs/leases.md).
+    pub leases: Arc<crate::side::leases::Leases>,
     pub backend: Arc<dyn Backend>,
     pub limits: Limits,
     /// Configured provider choice for the RDMA phase.
@@ -286,6 +288,7 @@ impl ServerState {
 
     pub(crate) fn end_session(&self, id: SessionId) {
         lock(&self.sessions).remove(&id);
+        self.leases.end_session(id);
         lock(&self.negotiations).retain(|_, n| n.session != id);
         let n = self.open_files.close_session(id);
         if n > 0 {
@@ -390,6 +393,7 @@ impl Server {
                 opts.limits.max_open_files_per_session,
                 opts.server_name.clone(),
             ),
+            leases: Arc::new(crate::side::leases::Leases::new(&opts.limits)),
             backend,
             limits: opts.limits.clone(),
             provider: opts.provider,

@@ -197,6 +197,26 @@ pub fn session_secret(
         .into()
 }
 
+const BREAKS_LABEL: &[u8] = b"lwio-breaks";
+
+/// The proof that binds a lease-break watching connection to session
+/// `session_id`: HMAC-SHA256(that session's secret, "lwio-breaks" ||
+/// session_id LE) (docs/leases.md). The secret itself never travels.
+pub fn breaks_mac(secret: &SessionSecret, session_id: u64) -> [u8; MAC_LEN] {
+    let mut m = <HmacSha256 as Mac>::new_from_slice(&secret.0).expect("HMAC takes any key");
+    m.update(BREAKS_LABEL);
+    m.update(&session_id.to_le_bytes());
+    m.finalize().into_bytes().into()
+}
+
+/// Constant-time check of [`breaks_mac`].
+pub fn verify_breaks_mac(secret: &SessionSecret, session_id: u64, mac: &[u8]) -> bool {
+    let mut m = <HmacSha256 as Mac>::new_from_slice(&secret.0).expect("HMAC takes any key");
+    m.update(BREAKS_LABEL);
+    m.update(&session_id.to_le_bytes());
+    m.verify_slice(mac).is_ok()
+}
+
 /// A fresh nonce.
 pub fn nonce() -> [u8; NONCE_LEN] {
     let mut n = [0u8; NONCE_LEN];

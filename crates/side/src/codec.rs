@@ -273,7 +273,35 @@ pub enum Request {
         len: u64,
         test: bool,
     },
+    /// Ask for a lease on a directory (`want`: [`LEASE_READ`] |
+    /// [`LEASE_HANDLE`]); answered by `LeaseGranted` (docs/leases.md).
+    LeaseDir {
+        export: String,
+        path: String,
+        want: u8,
+    },
+    /// Give a lease back.
+    ReleaseLease {
+        lease_id: u64,
+    },
+    /// Make this connection the carrier of lease breaks for session
+    /// `session_id`, proved by `mac` = HMAC-SHA256(that session's secret,
+    /// "lwio-breaks" || session_id LE). Answered by Ok; from then on the
+    /// server sends `LeaseBreak` frames on it unprompted.
+    WatchBreaks {
+        session_id: u64,
+        mac: [u8; MAC_LEN],
+    },
+    /// The holder dropped its cache of a broken lease (no answer).
+    LeaseBreakAck {
+        lease_id: u64,
+    },
 }
+
+/// Lease kinds (`LeaseDir::want`, `LeaseGranted::granted`).
+pub const LEASE_READ: u8 = 1;
+pub const LEASE_HANDLE: u8 = 2;
+const LEASE_KNOWN: u8 = LEASE_READ | LEASE_HANDLE;
 
 /// One export as listed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -338,6 +366,18 @@ pub enum Response {
         start: u64,
         len: u64,
     },
+    /// The answer to `LeaseDir`: `granted` 0 = refused (lease_id 0).
+    LeaseGranted {
+        lease_id: u64,
+        granted: u8,
+    },
+    /// Server-initiated, on a watching connection (id 0): drop the cache of
+    /// lease `lease_id` on `export`/`path`, then send `LeaseBreakAck`.
+    LeaseBreak {
+        lease_id: u64,
+        export: String,
+        path: String,
+    },
 }
 
 /// Message type codes.
@@ -372,6 +412,10 @@ pub mod ty {
     pub const SEEK: u16 = 0x001c;
     pub const COPY_RANGE: u16 = 0x001d;
     pub const LOCK: u16 = 0x001e;
+    pub const LEASE_DIR: u16 = 0x001f;
+    pub const RELEASE_LEASE: u16 = 0x0020;
+    pub const WATCH_BREAKS: u16 = 0x0021;
+    pub const LEASE_BREAK_ACK: u16 = 0x0022;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -388,6 +432,8 @@ pub mod ty {
     pub const OFFSET: u16 = 0x801c;
     pub const COPIED: u16 = 0x801d;
     pub const LOCK_INFO: u16 = 0x801e;
+    pub const LEASE_GRANTED: u16 = 0x801f;
+    pub const LEASE_BREAK: u16 = 0x8021;
     pub const ERROR: u16 = 0x80ff;
 }
 
@@ -907,6 +953,25 @@ impl Request {
                 w.str(to);
                 w.u32(*flags);
             }
+            Request::LeaseDir { export, path, want } => {
+                w = W::head(ty::LEASE_DIR, id);
+                w.str(export);
+                w.str(path);
+                w.u8(*want);
+            }
+            Request::ReleaseLease { lease_id } => {
+                w = W::head(ty::RELEASE_LEASE, id);
+                w.u64(*lease_id);
+            }
+            Request::WatchBreaks { session_id, mac } => {
+                w = W::head(ty::WATCH_BREAKS, id);
+                w.u64(*session_id);
+                w.raw(mac);
+            }
+            Request::LeaseBreakAck { lease_id } => {
+                w = W::head(ty::LEASE_BREAK_ACK, id);
+                w.u64(*lease_id);
+            }
         }
         w.0
     }
@@ -1100,6 +1165,19 @@ impl Request {
                     flags,
                 }
             }
+            ty::LEASE_DIR => {
+                let (export, path, want) = (r.str()?, r.str()?, r.u8()?);
+                if want == 0 || want & !LEASE_KNOWN != 0 {
+                    return Err(DecodeError("unknown lease kind"));
+                }
+                Request::LeaseDir { export, path, want }
+            }
+            ty::RELEASE_LEASE => Request::ReleaseLease { lease_id: r.u64()? },
+            ty::WATCH_BREAKS => Request::WatchBreaks {
+                session_id: r.u64()?,
+                mac: r.arr()?,
+            },
+            ty::LEASE_BREAK_ACK => Request::LeaseBreakAck { lease_id: r.u64()? },
             _ => return Err(DecodeError("unknown request type")),
         };
         r.end()?;
@@ -1196,6 +1274,21 @@ impl Response {
             Response::Copied(n) => {
                 w = W::head(ty::COPIED, id);
                 w.u64(*n);
+            }
+            Response::LeaseGranted { lease_id, granted } => {
+                w = W::head(ty::LEASE_GRANTED, id);
+                w.u64(*lease_id);
+                w.u8(*granted);
+            }
+            Response::LeaseBreak {
+                lease_id,
+                export,
+                path,
+            } => {
+                w = W::head(ty::LEASE_BREAK, id);
+                w.u64(*lease_id);
+                w.str(export);
+                w.str(path);
             }
             Response::LockInfo { kind, start, len } => {
                 w = W::head(ty::LOCK_INFO, id);
@@ -1337,6 +1430,18 @@ impl Response {
                 ffree: r.u64()?,
                 namelen: r.u32()?,
             }),
+            ty::LEASE_GRANTED => {
+                let (lease_id, granted) = (r.u64()?, r.u8()?);
+                if granted & !LEASE_KNOWN != 0 {
+                    return Err(DecodeError("unknown lease kind"));
+                }
+                Response::LeaseGranted { lease_id, granted }
+            }
+            ty::LEASE_BREAK => Response::LeaseBreak {
+                lease_id: r.u64()?,
+                export: r.str()?,
+                path: r.str()?,
+            },
             _ => return Err(DecodeError("unknown response type")),
         };
         r.end()?;

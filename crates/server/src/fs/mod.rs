@@ -382,12 +382,21 @@ pub fn lock_file(
         std::collections::hash_map::Entry::Vacant(v) => {
             // A description of its own per owner, so that owners conflict
             // with each other as processes do, here and across sessions.
+            // Opened read-write where the file allows it even for a reader:
+            // a client's flock(LOCK_EX) arrives as a whole-file write lock
+            // and flock(2) needs no write access (this description is used
+            // for locking only, never for I/O).
             let acc = match (f.rights.read, f.rights.write) {
                 (true, true) => libc::O_RDWR,
                 (false, true) => libc::O_WRONLY,
                 _ => libc::O_RDONLY,
             };
-            let fd = reopen(f.file.as_raw_fd(), acc).map_err(|e| Error::from_errno(e, &what))?;
+            let fd = match reopen(f.file.as_raw_fd(), libc::O_RDWR) {
+                Ok(fd) => fd,
+                Err(_) => {
+                    reopen(f.file.as_raw_fd(), acc).map_err(|e| Error::from_errno(e, &what))?
+                }
+            };
             v.insert(fd).as_raw_fd()
         }
     };

@@ -218,6 +218,22 @@ impl OpenFileTable {
         }
     }
 
+    /// Whether a session other than `except` has a file open for writing
+    /// directly in directory `dir` (a canonical lease key) of `export`.
+    pub fn writers_in(&self, export: &str, dir: &str, except: SessionId) -> bool {
+        let g = self.lock();
+        g.by_handle.values().any(|e| {
+            let f = &e.file;
+            f.rights.write
+                && f.session != except
+                && f.export == export
+                && crate::side::leases::parent_key(export, &f.path)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|(_, d)| d == dir)
+        })
+    }
+
     /// Close a handle of `session`.
     pub fn close(&self, handle: u64, session: SessionId) -> Result<()> {
         let mut g = self.lock();

@@ -15,6 +15,7 @@ use tracing::{debug, info, warn};
 
 pub mod access;
 pub mod admission;
+pub mod leases;
 pub mod tls;
 
 #[cfg(test)]
@@ -27,6 +28,7 @@ use crate::fs::OpenOptions;
 use crate::server::{NegotiatedClient, ServerState, SessionInfo, Shutdown};
 use access::Principal;
 use admission::ConnGuard;
+use leases::Change;
 use lwio_side::auth;
 use lwio_side::codec::*;
 use lwio_side::error::{Error, ErrorCode};
@@ -298,6 +300,32 @@ async fn serve_session<S>(
                 break;
             }
         };
+        if let (Phase::Ready { principal, .. }, Request::WatchBreaks { session_id, mac }) =
+            (&phase, &req)
+        {
+            let target = *session_id;
+            match watch_check(&state, principal, target, mac) {
+                Ok(()) => {
+                    if write_frame(&mut stream, &Response::Ok.encode(id))
+                        .await
+                        .is_ok()
+                    {
+                        watch(state.clone(), stream, target, peer, shutdown.clone()).await;
+                    }
+                    break;
+                }
+                Err(e) => {
+                    warn!(%peer, session = target, "watch refused");
+                    if write_frame(&mut stream, &Response::Error(e).encode(id))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                    continue;
+                }
+            }
+        }
         let (resp, close) = step(&state, &mut phase, peer, tls, req).await;
         if matches!(phase, Phase::Ready { .. }) {
             if let Some(g) = guard.as_mut() {
@@ -456,6 +484,10 @@ async fn step(
         (Phase::Ready { session, principal }, req) => {
             let session = *session;
             let principal = principal.clone();
+            // A change first breaks the other sessions' leases on what it
+            // touches, and makes no grants there until it is done.
+            let change = touches(state, session, &principal, &req);
+            let _breaking = state.leases.break_for(session, change).await;
             match handle(state, session, &principal, req).await {
                 Ok(r) => (r, false),
                 Err(e) => {
@@ -614,6 +646,199 @@ where
     tokio::task::spawn_blocking(f)
         .await
         .unwrap_or_else(|e| Err(Error::new(ErrorCode::Io, format!("internal error: {e}"))))
+}
+
+/// The directories a request changes (docs/leases.md, "What breaks a
+/// lease"): none for a request that changes nothing, or that its sender may
+/// not make (it fails without touching anything, and breaks nothing).
+fn touches(state: &ServerState, session: u64, who: &Principal, req: &Request) -> Change {
+    let mut c = Change::default();
+    let may_write = |export: &str| state.rights(export, who).write;
+    let parent = |c: &mut Change, export: &str, path: &str| {
+        if let Ok(Some(k)) = leases::parent_key(export, path) {
+            c.dirs.push(k);
+        }
+    };
+    let of_handle = |c: &mut Change, handle: u64| {
+        if let Ok(f) = state.open_files.get(handle, session) {
+            if f.rights.write {
+                if let Ok(Some(k)) = leases::parent_key(&f.export, &f.path) {
+                    c.dirs.push(k);
+                }
+            }
+        }
+    };
+    match req {
+        // Written through the data path, the entry's size and times change
+        // where the server does not look: break at open.
+        Request::Open {
+            export,
+            path,
+            access,
+            flags,
+            ..
+        } if (access & ACCESS_WRITE != 0 || flags & (OPEN_CREATE | OPEN_TRUNCATE) != 0)
+            && may_write(export) =>
+        {
+            parent(&mut c, export, path)
+        }
+        Request::Remove { export, path }
+        | Request::Remove2 { export, path, .. }
+        | Request::SetAttr { export, path, .. }
+        | Request::Symlink { export, path, .. }
+            if may_write(export) =>
+        {
+            parent(&mut c, export, path)
+        }
+        Request::Mkdir {
+            export,
+            path,
+            parents,
+            ..
+        } if may_write(export) => {
+            // With `parents`, every level may be created: each one's parent.
+            if let Ok(comps) = crate::fs::split_rel_path(path) {
+                let first = if *parents { 1 } else { comps.len().max(1) };
+                for n in first..=comps.len() {
+                    c.dirs.push((export.clone(), comps[..n - 1].join("/")));
+                }
+            }
+        }
+        Request::Link { export, from, to } if may_write(export) => {
+            // The source's link count changes too.
+            parent(&mut c, export, from);
+            parent(&mut c, export, to);
+        }
+        Request::Rename {
+            export, from, to, ..
+        }
+        | Request::Rename2 {
+            export, from, to, ..
+        } if may_write(export) => {
+            parent(&mut c, export, from);
+            parent(&mut c, export, to);
+            // Leases on the moved directories (and below) name old paths.
+            for p in [from, to] {
+                if let Ok(k) = leases::dir_key(export, p) {
+                    if !k.1.is_empty() {
+                        c.trees.push(k);
+                    }
+                }
+            }
+        }
+        Request::SetSize { handle, .. }
+        | Request::SetAttrHandle { handle, .. }
+        | Request::Fallocate { handle, .. } => of_handle(&mut c, *handle),
+        Request::CopyRange { dst, .. } => of_handle(&mut c, *dst),
+        _ => {}
+    }
+    c.dirs.sort();
+    c.dirs.dedup();
+    c
+}
+
+/// Check a `WatchBreaks`: session `target` is logged in as the same
+/// principal, and `mac` proves its secret.
+fn watch_check(state: &ServerState, who: &Principal, target: u64, mac: &[u8]) -> Result<(), Error> {
+    let refused = || {
+        Error::new(
+            ErrorCode::PermissionDenied,
+            "watch refused: no such session of yours, or a wrong proof",
+        )
+    };
+    let info = state.session(target).ok_or_else(refused)?;
+    if &info.principal != who || !auth::verify_breaks_mac(&info.secret, target, mac) {
+        return Err(refused());
+    }
+    Ok(())
+}
+
+/// A watching connection: carry session `target`'s lease breaks to its
+/// client and their acknowledgements back, until either side goes (the
+/// session ending closes it; no idle timeout: it lives as long as the
+/// session it serves).
+async fn watch<S>(
+    state: Arc<ServerState>,
+    stream: S,
+    target: u64,
+    peer: SocketAddr,
+    shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    enum Ev {
+        Ack(u64),
+        Ping(u32),
+    }
+    let (gen, mut breaks) = state.leases.watch(target);
+    info!(%peer, session = target, "watching for lease breaks");
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let (ev_tx, mut ev) = tokio::sync::mpsc::unbounded_channel();
+    let max = state.limits.max_frame;
+    // One reader future, polled across the loop (never dropped halfway
+    // through a frame).
+    let reader = async move {
+        loop {
+            let body = match read_frame(&mut rd, max).await {
+                Ok(Some(b)) => b,
+                _ => return,
+            };
+            let e = match Request::decode(&body) {
+                Ok((_, Request::LeaseBreakAck { lease_id })) => Ev::Ack(lease_id),
+                Ok((id, Request::Ping)) => Ev::Ping(id),
+                Ok((_, Request::Bye)) => return,
+                other => {
+                    warn!(%peer, request = ?other.map(|r| r.1), "not a watch message; closing");
+                    return;
+                }
+            };
+            if ev_tx.send(e).is_err() {
+                return;
+            }
+        }
+    };
+    tokio::pin!(reader);
+    let mut pending: std::collections::HashMap<u64, tokio::sync::oneshot::Sender<()>> =
+        std::collections::HashMap::new();
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.wait() => break,
+            _ = &mut reader => break,
+            e = ev.recv() => match e {
+                Some(Ev::Ack(id)) => {
+                    if let Some(a) = pending.remove(&id) {
+                        let _ = a.send(());
+                    }
+                }
+                Some(Ev::Ping(id)) => {
+                    if write_frame(&mut wr, &Response::Ok.encode(id)).await.is_err() {
+                        break;
+                    }
+                }
+                None => break,
+            },
+            m = breaks.recv() => match m {
+                Some(b) => {
+                    let f = Response::LeaseBreak {
+                        lease_id: b.lease_id,
+                        export: b.export,
+                        path: b.path,
+                    }
+                    .encode(0);
+                    pending.retain(|_, a| !a.is_closed());
+                    pending.insert(b.lease_id, b.ack);
+                    if write_frame(&mut wr, &f).await.is_err() {
+                        break;
+                    }
+                }
+                // The session ended.
+                None => break,
+            },
+        }
+    }
+    state.leases.unwatch(target, gen);
+    info!(%peer, session = target, "watching connection closed");
 }
 
 async fn handle(
@@ -983,6 +1208,25 @@ async fn handle(
             let ex = state.exports.get(&export)?.clone();
             blocking(move || ex.rename_flags(&from, &to, flags).map(|_| Response::Ok)).await
         }
+        Request::LeaseDir { export, path, want } => {
+            check(state, who, &export, READ)?;
+            let key = leases::dir_key(&export, &path)?;
+            let (lease_id, granted) = state.leases.grant(session, key.clone(), want, || {
+                state.open_files.writers_in(&key.0, &key.1, session)
+            });
+            if lease_id != 0 {
+                debug!(session, %export, dir = %key.1, lease_id, "lease granted");
+            }
+            Ok(Response::LeaseGranted { lease_id, granted })
+        }
+        Request::ReleaseLease { lease_id } => {
+            state.leases.release(session, lease_id)?;
+            Ok(Response::Ok)
+        }
+        Request::WatchBreaks { .. } | Request::LeaseBreakAck { .. } => Err(Error::new(
+            ErrorCode::BadRequest,
+            "not a watching connection",
+        )),
         Request::Negotiate { request } => {
             let req = negotiate::decode_request(&request)?;
             let info = state

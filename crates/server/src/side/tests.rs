@@ -420,3 +420,91 @@ async fn hard_linked_file_is_refused_over_the_side_channel() {
     s.stop.trigger();
     let _ = s.task.await;
 }
+
+#[tokio::test]
+async fn leases_over_the_wire_watch_grant_break_and_ack() {
+    let s = start(Limits::default(), true).await;
+    let mut a = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut b = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    std::fs::create_dir(s.dir.path().join("data/d")).unwrap();
+    // No watching connection: no lease.
+    assert_eq!(a.lease_dir("data", "d", 3).await.unwrap(), (0, 0));
+
+    // A watch needs the proof of the session's secret, and the same user.
+    let mut w = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut forged = a.session().clone();
+    forged.secret = lwio_side::SessionSecret([9; 32]);
+    let e = w.watch(&forged).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::PermissionDenied);
+    let mut anon = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+        .await
+        .unwrap();
+    let e = anon.watch(a.session()).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::PermissionDenied, "another user");
+    // Refused watches leave the connection usable; a right one turns it.
+    w.watch(a.session()).await.unwrap();
+
+    let (id, granted) = a.lease_dir("data", "d/", 3).await.unwrap();
+    assert!(id != 0 && granted == 3);
+    // A's own change does not break A's lease.
+    a.mkdir("data", "d/mine", 0o755, false).await.unwrap();
+    // B's change does: B's mkdir completes only after A's watcher acked.
+    let acker = tokio::spawn(async move {
+        let got = w.next_break().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        w.ack_break(got.0).await.unwrap();
+        (got, w)
+    });
+    let t = std::time::Instant::now();
+    b.mkdir("data", "d/theirs", 0o755, false).await.unwrap();
+    assert!(
+        t.elapsed() >= Duration::from_millis(100),
+        "{:?}",
+        t.elapsed()
+    );
+    let ((lease, export, dir), _w) = acker.await.unwrap();
+    assert_eq!((lease, export.as_str(), dir.as_str()), (id, "data", "d"));
+    assert!(s.dir.path().join("data/d/theirs").is_dir());
+    let c = s.state.leases.counts();
+    assert_eq!((c.held, c.breaks, c.revoked), (0, 1, 0));
+    // A break's lease is gone: releasing it is an error.
+    assert_eq!(
+        a.release_lease(id).await.unwrap_err().code,
+        ErrorCode::BadHandle
+    );
+    // An ack on a normal connection is a protocol error, not a crash.
+    let e = b
+        .call(Request::LeaseBreakAck { lease_id: 1 })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::BadRequest);
+    s.stop.trigger();
+    let _ = s.task.await;
+}
+
+#[tokio::test]
+async fn a_session_end_drops_its_leases_and_closes_its_watch() {
+    let s = start(Limits::default(), false).await;
+    let mut a = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut w = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    w.watch(a.session()).await.unwrap();
+    let (id, _) = a.lease_dir("data", "", 1).await.unwrap();
+    assert_ne!(id, 0);
+    assert_eq!(s.state.leases.counts().held, 1);
+    a.bye().await.unwrap();
+    // The watch ends with the session.
+    let e = tokio::time::timeout(Duration::from_secs(5), w.next_break())
+        .await
+        .expect("the watch closes")
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::Disconnected);
+    for _ in 0..100 {
+        if s.state.leases.counts().held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(s.state.leases.counts().held, 0);
+    s.stop.trigger();
+    let _ = s.task.await;
+}

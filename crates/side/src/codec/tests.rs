@@ -158,6 +158,17 @@ fn all_requests() -> Vec<Request> {
             to: "b".into(),
             flags: RENAME_EXCHANGE,
         },
+        Request::LeaseDir {
+            export: "e".into(),
+            path: "d/e".into(),
+            want: LEASE_READ | LEASE_HANDLE,
+        },
+        Request::ReleaseLease { lease_id: 9 },
+        Request::WatchBreaks {
+            session_id: 4,
+            mac: [7; MAC_LEN],
+        },
+        Request::LeaseBreakAck { lease_id: 9 },
     ]
 }
 
@@ -225,6 +236,15 @@ fn all_responses() -> Vec<Response> {
             kind: 1,
             start: 5,
             len: 6,
+        },
+        Response::LeaseGranted {
+            lease_id: 3,
+            granted: LEASE_READ,
+        },
+        Response::LeaseBreak {
+            lease_id: 3,
+            export: "e".into(),
+            path: "".into(),
         },
         Response::DirPageX {
             entries: vec![("l".into(), attrx())],
@@ -351,6 +371,63 @@ fn golden_stat_and_attr() {
     want.extend_from_slice(&[0x22, 0x11, 0, 0, 0, 0, 0, 0]);
     want.extend_from_slice(&[0xff; 8]);
     assert_eq!(b, want);
+}
+
+#[test]
+fn golden_leases() {
+    let b = Request::LeaseDir {
+        export: "e".into(),
+        path: "d".into(),
+        want: 3,
+    }
+    .encode(2);
+    assert_eq!(b, [0x1f, 0, 0, 0, 2, 0, 0, 0, 1, 0, b'e', 1, 0, b'd', 3]);
+    let b = Response::LeaseGranted {
+        lease_id: 0x0102,
+        granted: 3,
+    }
+    .encode(2);
+    assert_eq!(b, [0x1f, 0x80, 0, 0, 2, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0, 3]);
+    let b = Request::ReleaseLease { lease_id: 5 }.encode(3);
+    assert_eq!(b, [0x20, 0, 0, 0, 3, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0]);
+    let b = Request::WatchBreaks {
+        session_id: 6,
+        mac: [0xab; MAC_LEN],
+    }
+    .encode(4);
+    let mut want = vec![0x21, 0, 0, 0, 4, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0];
+    want.extend_from_slice(&[0xab; MAC_LEN]);
+    assert_eq!(b, want);
+    let b = Response::LeaseBreak {
+        lease_id: 5,
+        export: "e".into(),
+        path: "d".into(),
+    }
+    .encode(0);
+    assert_eq!(
+        b,
+        [0x21, 0x80, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 1, 0, b'e', 1, 0, b'd']
+    );
+    let b = Request::LeaseBreakAck { lease_id: 5 }.encode(0);
+    assert_eq!(b, [0x22, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0]);
+    // Unknown lease kinds are refused, in both directions.
+    for want in [0u8, 4, 0xff] {
+        let mut b = Request::LeaseDir {
+            export: "e".into(),
+            path: "d".into(),
+            want: 1,
+        }
+        .encode(2);
+        *b.last_mut().unwrap() = want;
+        assert!(Request::decode(&b).is_err(), "want {want}");
+    }
+    let mut b = Response::LeaseGranted {
+        lease_id: 1,
+        granted: 1,
+    }
+    .encode(2);
+    *b.last_mut().unwrap() = 8;
+    assert!(Response::decode(&b).is_err());
 }
 
 #[test]
