@@ -29,13 +29,13 @@ done
 
 PIDS=()
 cleanup() {
-  for m in "$ROOT/m-lwio" "$ROOT/m-sshfs"; do mountpoint -q "$m" && fusermount3 -u "$m"; done
+  for m in "$ROOT/m-lwio" "$ROOT/m-lwio-nl" "$ROOT/m-sshfs"; do mountpoint -q "$m" && fusermount3 -u "$m"; done
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
   mountpoint -q "$ROOT/data" && umount "$ROOT/data"
 }
 trap cleanup EXIT
-mkdir -p "$ROOT"/{data,m-lwio,m-sshfs,home,ssh,tree}
+mkdir -p "$ROOT"/{data,m-lwio,m-lwio-nl,m-sshfs,home,ssh,tree}
 mountpoint -q "$ROOT/data" || mount -t tmpfs -o size=3G tmpfs "$ROOT/data"
 F=$ROOT/data/file.bin
 [ -f "$F" ] || head -c 1G /dev/urandom >"$F"
@@ -47,6 +47,9 @@ PORT=7640
 PIDS+=($!)
 for _ in $(seq 50); do grep -q "RDMA listening" "$ROOT/serve.log" && break; sleep 0.1; done
 "$LWIO" mount --daemon lwio://127.0.0.1:$PORT/data "$ROOT/m-lwio" --provider soft -o direct_io >&2 || exit 1
+# The same without directory leases (1 s kernel timeouts only), for the
+# metadata comparison.
+"$LWIO" mount --daemon lwio://127.0.0.1:$PORT/data "$ROOT/m-lwio-nl" --provider soft -o direct_io,noleases >&2 || exit 1
 
 [ -f "$ROOT/ssh/id" ] || ssh-keygen -q -t ed25519 -N '' -f "$ROOT/ssh/id"
 [ -f "$ROOT/ssh/host" ] || ssh-keygen -q -t ed25519 -N '' -f "$ROOT/ssh/host"
@@ -102,18 +105,21 @@ if [ ! -f "$ROOT/tree.tar" ]; then
   for i in $(seq 0 49); do mkdir -p "$ROOT/tree/t/d$i"; for j in $(seq 0 99); do echo "$i $j" >"$ROOT/tree/t/d$i/f$j"; done; done
   tar -C "$ROOT/tree" -cf "$ROOT/tree.tar" t
 fi
-meta() { # dir -> "tar_s find_s"
-  local d=$1 t0 t1 t2
+meta() { # dir -> "tar_s find_cold_s find_again_s find_later_s"
+  local d=$1 t0 t1 t1b t2 t3 t4
   rm -rf "$d/t"
   t0=$(date +%s.%N); tar -C "$d" -xf "$ROOT/tree.tar"; t1=$(date +%s.%N)
   find "$d/t" -ls >/dev/null; t1b=$(date +%s.%N)
   find "$d/t" -ls >/dev/null; t2=$(date +%s.%N)
+  # Warm, later: past the kernel's 1 s attribute and entry timeouts.
+  sleep 2
+  t3=$(date +%s.%N); find "$d/t" -ls >/dev/null; t4=$(date +%s.%N)
   rm -rf "$d/t"
-  python3 -c "print('%.2f %.2f %.2f' % ($t1-$t0, $t1b-$t1, $t2-$t1b))"
+  python3 -c "print('%.3f %.3f %.3f %.3f' % ($t1-$t0, $t1b-$t1, $t2-$t1b, $t4-$t3))"
 }
-CMDS+=("tar -C MOUNT -xf tree.tar (50 dirs x 100 files); find MOUNT/t -ls (twice)")
-for sys in local lwio sshfs; do
-  case $sys in local) d=$ROOT/data ;; lwio) d=$ROOT/m-lwio ;; sshfs) d=$ROOT/m-sshfs ;; esac
+CMDS+=("tar -C MOUNT -xf tree.tar (50 dirs x 100 files); find MOUNT/t -ls; again at once; again after 2 s")
+for sys in local lwio lwionl sshfs; do
+  case $sys in local) d=$ROOT/data ;; lwio) d=$ROOT/m-lwio ;; lwionl) d=$ROOT/m-lwio-nl ;; sshfs) d=$ROOT/m-sshfs ;; esac
   R[$sys.meta]=$(meta "$d")
 done
 
@@ -132,11 +138,21 @@ echo "| 4 KiB random read QD1, IOPS (p50 µs) | $(f local.rr1 2) ($(f local.rr1 
 echo "| 1 MiB sequential read, MB/s | $(f local.seqread 1) | $(f lwio.seqread 1) | $(f sshfs.seqread 1) | $(f bench.seqread 1) | $(ratio "$(f lwio.seqread 1)" "$(f sshfs.seqread 1)") |"
 echo "| 1 MiB sequential write, MB/s | $(f local.seqwrite 1) | $(f lwio.seqwrite 1) | $(f sshfs.seqwrite 1) | - | $(ratio "$(f lwio.seqwrite 1)" "$(f sshfs.seqwrite 1)") |"
 echo "| tar x of 5000 files, s | $(f local.meta 1) | $(f lwio.meta 1) | $(f sshfs.meta 1) | - | $(ratio "$(f sshfs.meta 1)" "$(f lwio.meta 1)") (speed-up) |"
-echo "| find -ls, cold / warm, s | $(f local.meta 2) / $(f local.meta 3) | $(f lwio.meta 2) / $(f lwio.meta 3) | $(f sshfs.meta 2) / $(f sshfs.meta 3) | - | $(ratio "$(f sshfs.meta 3)" "$(f lwio.meta 3)") (warm speed-up) |"
+echo "| find -ls, cold / again at once / again after 2 s, s | $(f local.meta 2) / $(f local.meta 3) / $(f local.meta 4) | $(f lwio.meta 2) / $(f lwio.meta 3) / $(f lwio.meta 4) | $(f sshfs.meta 2) / $(f sshfs.meta 3) / $(f sshfs.meta 4) | - | $(ratio "$(f sshfs.meta 4)" "$(f lwio.meta 4)") (later speed-up) |"
+echo
+echo "Directory leases (the same export mounted twice, with leases and with -o noleases):"
+echo
+echo "| find -ls of 5000 files, s | with leases | -o noleases | noleases : leases |"
+echo "| --- | --- | --- | --- |"
+echo "| tar x (5000 creates) | $(f lwio.meta 1) | $(f lwionl.meta 1) | $(ratio "$(f lwionl.meta 1)" "$(f lwio.meta 1)") |"
+echo "| cold (first after tar) | $(f lwio.meta 2) | $(f lwionl.meta 2) | $(ratio "$(f lwionl.meta 2)" "$(f lwio.meta 2)") |"
+echo "| warm, at once | $(f lwio.meta 3) | $(f lwionl.meta 3) | $(ratio "$(f lwionl.meta 3)" "$(f lwio.meta 3)") |"
+echo "| warm, 2 s later (past the 1 s timeouts) | $(f lwio.meta 4) | $(f lwionl.meta 4) | $(ratio "$(f lwionl.meta 4)" "$(f lwio.meta 4)") |"
 echo
 echo "Commands:"
 echo
 sed 's/^/    /' "$ROOT/commands.txt"
 for c in "${CMDS[@]}"; do echo "    $c"; done
 echo "    lwio mount --daemon lwio://127.0.0.1:$PORT/data MOUNT --provider soft -o direct_io"
+echo "    lwio mount --daemon lwio://127.0.0.1:$PORT/data MOUNT --provider soft -o direct_io,noleases"
 echo "    sshfs -p 2299 -o IdentityFile=…,direct_io root@127.0.0.1:DATA MOUNT"

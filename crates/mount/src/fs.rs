@@ -25,13 +25,77 @@ use crate::{MountConfig, Stats};
 
 type Res<T> = Result<T, i32>;
 
-/// What the file system shares with its lease-break watcher.
+/// Makes a new client after the server went away (the same URL, options
+/// and login as the first); the error is one line.
+pub type Connect = Box<dyn Fn() -> Result<Client, String> + Send + Sync>;
+
+/// What the file system shares with its lease-break watcher and its
+/// keepalive.
 pub(crate) struct Shared {
+    /// The client; replaced when the server comes back after it went away.
+    pub(crate) client: std::sync::RwLock<Client>,
+    /// Bumped at each replacement.
+    pub(crate) client_gen: AtomicU64,
+    pub(crate) connect: Option<Connect>,
+    /// The last reconnection attempt (at most one a second).
+    pub(crate) last_attempt: Mutex<Option<std::time::Instant>>,
+    /// Kernel notifications (set once the FUSE session exists).
+    pub(crate) notifier: std::sync::OnceLock<fuser::Notifier>,
+    /// The current lease watcher (an older one, ending, leaves things be).
+    pub(crate) watch_gen: AtomicU64,
+    pub(crate) want_leases: bool,
     pub(crate) inodes: Mutex<Inodes>,
     pub(crate) leases: Mutex<LeaseCache>,
     /// A watching connection is up: leases may be asked for.
     pub(crate) leasing: AtomicBool,
     pub(crate) stats: Arc<Stats>,
+}
+
+/// A side-channel error that means the connection is gone.
+fn is_lost(e: &lwio_side::Error) -> bool {
+    use lwio_side::error::ErrorCode as C;
+    matches!(e.code, C::Disconnected)
+}
+
+impl Shared {
+    pub(crate) fn client(&self) -> Client {
+        self.client
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replace client generation `gen`, which lost its server, with a new
+    /// one. True when a client newer than `gen` is in place (made here or by
+    /// another thread meanwhile).
+    pub(crate) fn reconnect(self: &Arc<Self>, gen: u64) -> bool {
+        let Some(connect) = &self.connect else {
+            return false;
+        };
+        let mut last = lock(&self.last_attempt);
+        if self.client_gen.load(Ordering::Acquire) != gen {
+            return true;
+        }
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return false;
+        }
+        *last = Some(std::time::Instant::now());
+        let c = match connect() {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "server still away; calls fail with EIO until it is back");
+                return false;
+            }
+        };
+        *self.client.write().unwrap_or_else(|p| p.into_inner()) = c.clone();
+        self.client_gen.fetch_add(1, Ordering::AcqRel);
+        tracing::warn!(
+            "connected to the server again: new calls and opens work; files open before are lost"
+        );
+        // The old session's leases went with it.
+        crate::watcher::restart(self, &c);
+        true
+    }
 }
 
 fn err(e: i32) -> Errno {
@@ -40,7 +104,6 @@ fn err(e: i32) -> Errno {
 
 /// An lwio export (or a directory in it) as a FUSE file system.
 pub struct LwioFs {
-    client: Client,
     export: String,
     cfg: MountConfig,
     stats: Arc<Stats>,
@@ -116,21 +179,19 @@ fn time(ns: i64) -> SystemTime {
 impl LwioFs {
     /// The file system of `export`/`subdir` (checked to be a directory).
     pub(crate) fn new(
-        client: Client,
         export: &str,
         subdir: &str,
         cfg: MountConfig,
         shared: Arc<Shared>,
     ) -> io::Result<LwioFs> {
         let stats = shared.stats.clone();
-        if let Some(e) = client.export().filter(|e| *e != export) {
+        if let Some(e) = shared.client().export().filter(|e| *e != export) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("the client was connected to export {e}, not {export}"),
             ));
         }
         let fs = LwioFs {
-            client,
             export: export.to_string(),
             cfg,
             stats,
@@ -142,7 +203,7 @@ impl LwioFs {
         };
         // The server's own message ("data/x: No such file or directory",
         // "no such export: nosuch") is the one line the user sees.
-        let root = match fs.client.side(|s| Ok(s.statx(export, subdir, true))) {
+        let root = match fs.client().side(|s| Ok(s.statx(export, subdir, true))) {
             Ok(Ok(a)) => a,
             Ok(Err(e)) => {
                 let kind = io::Error::from_raw_os_error(errno::side(&e)).kind();
@@ -159,13 +220,34 @@ impl LwioFs {
         Ok(fs)
     }
 
-    /// A side-channel call, counted.
+    fn client(&self) -> Client {
+        self.shared.client()
+    }
+
+    /// A side-channel call, counted. When the connection to the server is
+    /// gone, the mount connects again (at most once a second) and, if that
+    /// works, makes the call once more on the new session: after a server
+    /// restart, new opens and every namespace call work again (files open
+    /// before it are lost: their calls fail with EIO).
     fn side<T>(
         &self,
-        f: impl FnOnce(&mut lwio_client::side::Client) -> lwio_side::Result<T>,
+        f: impl Fn(&mut lwio_client::side::Client) -> lwio_side::Result<T>,
     ) -> Res<T> {
         Stats::add(&self.stats.side_calls, 1);
-        match self.client.side(|s| Ok(f(s))) {
+        let gen = self.shared.client_gen.load(Ordering::Acquire);
+        let r = self.client().side(|s| Ok(f(s)));
+        let r = match r {
+            Ok(Err(e)) if is_lost(&e) && self.shared.reconnect(gen) => {
+                Stats::add(&self.stats.side_calls, 1);
+                self.client().side(|s| Ok(f(s)))
+            }
+            Err(lwio_client::Error::ConnectionLost(_)) if self.shared.reconnect(gen) => {
+                Stats::add(&self.stats.side_calls, 1);
+                self.client().side(|s| Ok(f(s)))
+            }
+            r => r,
+        };
+        match r {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
                 debug!(error = %e, "side channel");
@@ -312,11 +394,12 @@ impl LwioFs {
         Stats::add(&self.stats.side_calls, 1);
         // `Client::open` takes EXPORT/PATH, or PATH when the client's URL
         // named the export (`new` checked that it is this one).
-        let full = match self.client.export() {
+        let client = self.client();
+        let full = match client.export() {
             Some(_) => path.to_string(),
             None => format!("{}/{path}", self.export),
         };
-        self.client
+        client
             .open_mode(&full, &o, create_mode.unwrap_or(0o644))
             .map_err(|e| {
                 debug!(path, error = %e, "open");

@@ -158,9 +158,41 @@ pub fn mount(
     mountpoint: &Path,
     cfg: &MountConfig,
 ) -> io::Result<Mounted> {
+    mount_inner(client, None, export, subdir, mountpoint, cfg)
+}
+
+/// [`mount`] with a client made by `connect`, which the mount calls again
+/// when the server went away (a restart, a reset connection): then new
+/// calls and opens work again once the server is back.
+pub fn mount_reconnecting(
+    connect: fs::Connect,
+    export: &str,
+    subdir: &str,
+    mountpoint: &Path,
+    cfg: &MountConfig,
+) -> io::Result<Mounted> {
+    let client = connect().map_err(io::Error::other)?;
+    mount_inner(client, Some(connect), export, subdir, mountpoint, cfg)
+}
+
+fn mount_inner(
+    client: lwio_client::Client,
+    connect: Option<fs::Connect>,
+    export: &str,
+    subdir: &str,
+    mountpoint: &Path,
+    cfg: &MountConfig,
+) -> io::Result<Mounted> {
     let stats = Arc::new(Stats::default());
     let root = leases::canonical(subdir);
     let shared = Arc::new(fs::Shared {
+        client: std::sync::RwLock::new(client.clone()),
+        client_gen: AtomicU64::new(0),
+        connect,
+        last_attempt: std::sync::Mutex::new(None),
+        notifier: std::sync::OnceLock::new(),
+        watch_gen: AtomicU64::new(0),
+        want_leases: cfg.leases,
         inodes: std::sync::Mutex::new(inodes::Inodes::new(&root)),
         leases: std::sync::Mutex::new(leases::LeaseCache::new(cfg.lease_ttl)),
         leasing: std::sync::atomic::AtomicBool::new(false),
@@ -178,8 +210,9 @@ pub fn mount(
     } else {
         None
     };
-    let keepalive = (!cfg.keepalive.is_zero()).then(|| keepalive(client.clone(), cfg.keepalive));
-    let fs = fs::LwioFs::new(client, export, &root, cfg.clone(), shared.clone())?;
+    drop(client);
+    let fs = fs::LwioFs::new(export, &root, cfg.clone(), shared.clone())?;
+    let keepalive = (!cfg.keepalive.is_zero()).then(|| keepalive(shared.clone(), cfg.keepalive));
     let mut config = fuser::Config::default();
     config.mount_options = cfg.fuse_options(export, subdir);
     config.acl = if cfg.allow_other {
@@ -193,8 +226,9 @@ pub fn mount(
     config.clone_fd = cfg.threads > 1;
     let mut session = fuser::Session::new(fs, mountpoint, &config)?;
     let unmounter = session.unmount_callable();
+    let _ = shared.notifier.set(session.notifier());
     if let Some(w) = watch {
-        watcher::start(w, session.notifier(), shared)?;
+        watcher::start(w, shared)?;
     }
     let thread = std::thread::Builder::new()
         .name("lwio-fuse".into())
@@ -211,17 +245,18 @@ pub fn mount(
 /// Ping the server every `every` so that an idle mount keeps its session
 /// (the server closes sessions idle for `idle_timeout`). Stops when the
 /// returned sender is dropped.
-fn keepalive(
-    client: lwio_client::Client,
-    every: std::time::Duration,
-) -> std::sync::mpsc::Sender<()> {
+fn keepalive(shared: Arc<fs::Shared>, every: std::time::Duration) -> std::sync::mpsc::Sender<()> {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let spawned = std::thread::Builder::new()
         .name("lwio-keepalive".into())
         .spawn(move || {
             while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(every) {
-                if let Err(e) = client.side(|s| s.ping()) {
+                let gen = shared.client_gen.load(Ordering::Acquire);
+                let r = shared.client().side(|s| s.ping());
+                if let Err(e) = r {
                     tracing::warn!(error = %e, "keepalive ping");
+                    // Reconnect now rather than at the next program's call.
+                    shared.reconnect(gen);
                 }
             }
         });

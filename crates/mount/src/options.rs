@@ -218,6 +218,22 @@ mod tests {
     }
 
     #[test]
+    fn lease_and_keepalive_options() {
+        let mut c = MountConfig::default();
+        assert!(c.leases && c.lease_ttl == Duration::from_secs(60));
+        assert!(c
+            .apply("noleases,lease_timeout=5,keepalive=0")
+            .unwrap()
+            .is_empty());
+        assert!(!c.leases);
+        assert_eq!(c.lease_ttl, Duration::from_secs(5));
+        assert!(c.keepalive.is_zero());
+        c.apply("leases").unwrap();
+        assert!(c.leases);
+        assert!(c.apply("lease_timeout=-1").is_err());
+    }
+
+    #[test]
     fn bad_values_are_one_line_naming_the_option() {
         let mut c = MountConfig::default();
         let e = c.apply("threads=0").unwrap_err();

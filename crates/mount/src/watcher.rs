@@ -34,12 +34,36 @@ struct Forget {
     done: Option<mpsc::Sender<()>>,
 }
 
+/// After a reconnection: forget what the old session's leases covered and
+/// watch for the new session's breaks.
+pub(crate) fn restart(shared: &Arc<Shared>, client: &lwio_client::Client) {
+    shared.watch_gen.fetch_add(1, Ordering::AcqRel);
+    shared.leasing.store(false, Ordering::Relaxed);
+    let all = lock(&shared.leases).clear();
+    if let Some(n) = shared.notifier.get() {
+        for (dir, names) in all {
+            forget(n, &nodes(shared, &dir, names, None));
+        }
+    }
+    if !shared.want_leases {
+        return;
+    }
+    match client.watch_breaks() {
+        Ok(w) => {
+            if let Err(e) = start(w, shared.clone()) {
+                warn!(error = %e, "no lease watcher thread");
+            }
+        }
+        Err(e) => info!(error = %e, "no directory leases (the server does not grant them)"),
+    }
+}
+
 /// Start watching on `w` (already turned into a watching connection).
-pub(crate) fn start(
-    mut w: lwio_client::side::Client,
-    notifier: Notifier,
-    shared: Arc<Shared>,
-) -> io::Result<()> {
+pub(crate) fn start(mut w: lwio_client::side::Client, shared: Arc<Shared>) -> io::Result<()> {
+    let Some(notifier) = shared.notifier.get().cloned() else {
+        return Err(io::Error::other("no FUSE session to notify"));
+    };
+    let gen = shared.watch_gen.load(Ordering::Acquire);
     let (tx, rx) = mpsc::channel::<Forget>();
     std::thread::Builder::new()
         .name("lwio-notify".into())
@@ -78,7 +102,11 @@ pub(crate) fn start(
                 }
             };
             // The watch is over (unmount, or the connection is gone): no
-            // lease holds any more, so nothing may stay cached long.
+            // lease holds any more, so nothing may stay cached long. (A
+            // newer watcher, after a reconnection, has taken over already.)
+            if shared.watch_gen.load(Ordering::Acquire) != gen {
+                return;
+            }
             shared.leasing.store(false, Ordering::Relaxed);
             let all = lock(&shared.leases).clear();
             for (dir, names) in all {

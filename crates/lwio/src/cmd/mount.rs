@@ -108,9 +108,18 @@ pub fn run(mut a: MountArgs) -> anyhow::Result<()> {
         client_name: "lwio-mount".into(),
         ..super::bulk_options()
     };
-    let client = connect_data(&a.url, &a.client, opts)?;
+    let client = connect_data(&a.url, &a.client, opts.clone())?;
     let (provider, completion) = (client.provider(), client.completion());
-    let mounted = lwio_mount::mount(client, &export, &subdir, &a.mountpoint, &cfg)
+    // After the server went away, the mount connects again the same way.
+    let first = std::sync::Mutex::new(Some(client));
+    let (url, args) = (a.url.clone(), a.client.clone());
+    let connect: lwio_mount::fs::Connect = Box::new(move || {
+        if let Some(c) = first.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Ok(c);
+        }
+        connect_data(&url, &args, opts.clone()).map_err(|e| e.to_string())
+    });
+    let mounted = lwio_mount::mount_reconnecting(connect, &export, &subdir, &a.mountpoint, &cfg)
         .map_err(|e| anyhow!("mounting {} on {}: {e}", a.url, a.mountpoint.display()))?;
     eprintln!(
         "lwio: mounted {} on {} (provider {provider}, completion {completion:?}{})",
