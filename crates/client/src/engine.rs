@@ -1370,17 +1370,69 @@ impl Engine {
         );
     }
 
+    /// Staging buffers free now for a read of `len` bytes (small reads may
+    /// also take a bounce buffer). A caller that reaps its own completions
+    /// (the C batch API) issues staged reads only while this is enough:
+    /// staging buffers come back only when their reads are finished.
+    pub fn free_stages(&self, len: usize) -> usize {
+        let st = lock(&self.st);
+        st.stage_free.len()
+            + if len < BOUNCE_THRESHOLD {
+                st.bounce_free.len()
+            } else {
+                0
+            }
+    }
+
+    /// Reads at least this long into unregistered caller memory register it
+    /// for the call (and land with no copy); shorter ones are staged.
+    pub fn register_threshold(&self) -> usize {
+        self.cfg.register_threshold
+    }
+
+    /// How this engine reaps completions (polled status blocks or
+    /// interrupts).
+    pub fn completion_mode(&self) -> Completion {
+        self.cfg.completion
+    }
+
+    /// The completion of `req` if it has arrived, without blocking: drives
+    /// the completion queue once, as a waiting caller does (the C API's
+    /// batch reaping uses it).
+    pub fn try_wait(&self, req: ReqId, slot: Option<u32>) -> Result<Option<(u32, NtStatus)>> {
+        {
+            let mut st = lock(&self.st);
+            if let Some(r) = st.done.remove(&req) {
+                return Ok(Some(r));
+            }
+            self.flush_sends(&mut st);
+        }
+        self.poll_cq();
+        let mut st = lock(&self.st);
+        if let Some(s) = slot {
+            if self.cfg.completion == Completion::Poll && self.check_slot(&mut st, s) {
+                self.run_actions(&mut st);
+            }
+        }
+        self.take_done(&mut st, req)
+    }
+
     fn peek_done(&self, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
-        let mut st = match self.st.try_lock() {
-            Ok(g) => g,
-            Err(_) => return Ok(None),
-        };
+        match self.st.try_lock() {
+            Ok(mut st) => self.take_done(&mut st, req),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// `req`'s completion if it came; an error (and the request abandoned)
+    /// if the connection is lost.
+    fn take_done(&self, st: &mut St, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
         if let Some(r) = st.done.remove(&req) {
             return Ok(Some(r));
         }
         if let Some(l) = &st.lost {
             let l = l.clone();
-            self.abandon(&mut st, req);
+            self.abandon(st, req);
             return Err(Error::ConnectionLost(l));
         }
         Ok(None)

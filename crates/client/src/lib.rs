@@ -28,6 +28,7 @@
 pub mod asynch;
 pub mod discovery;
 pub mod engine;
+pub mod errno;
 pub mod side;
 pub mod url;
 
@@ -796,6 +797,18 @@ impl std::fmt::Debug for File {
 impl File {
     pub fn fid(&self) -> u16 {
         self.fid
+    }
+
+    /// The engine of the channel this file is registered on (for callers
+    /// that issue and reap requests themselves, as the C batch API does).
+    pub fn channel_engine(&self) -> &Arc<Engine> {
+        self.client.0.channel(self.channel)
+    }
+
+    /// fstat(2) of the open file, from the server (by its handle).
+    pub fn stat(&self) -> Result<lwio_side::types::AttrX> {
+        let h = self.handle;
+        self.client.side(|s| s.stat_handle(h))
     }
 
     fn engine(&self) -> &Engine {

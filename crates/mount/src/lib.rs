@@ -10,7 +10,8 @@
 //! session for it on a mount point and returns a [`Mounted`] handle that
 //! unmounts it.
 
-pub mod errno;
+/// Errors as errno values (the client library's mapping).
+pub use lwio_client::errno;
 pub mod fs;
 mod inodes;
 mod leases;

@@ -1,4 +1,5 @@
-//! Errors to errno values for the kernel.
+//! lwio errors as errno values: what the mount tells the kernel and what
+//! the C API returns (negated).
 
 use libc::*;
 use lwio_proto::status::*;
@@ -31,8 +32,8 @@ pub fn side(e: &lwio_side::Error) -> i32 {
 }
 
 /// The errno for a client (data path or connection) error.
-pub fn client(e: &lwio_client::Error) -> i32 {
-    use lwio_client::Error as E;
+pub fn client(e: &crate::Error) -> i32 {
+    use crate::Error as E;
     match e {
         E::NotFound(_) => ENOENT,
         E::AccessDenied(_) | E::WrongToken(_) => EACCES,
@@ -70,16 +71,13 @@ mod tests {
         assert_eq!(e(C::ReadOnly), EROFS);
         assert_eq!(e(C::NameTooLong), ENAMETOOLONG);
         let s = |status| {
-            client(&lwio_client::Error::Status {
+            client(&crate::Error::Status {
                 what: "READ".into(),
                 status,
             })
         };
         assert_eq!(s(STATUS_DISK_FULL), ENOSPC);
         assert_eq!(s(0xC000_0185), EIO);
-        assert_eq!(
-            client(&lwio_client::Error::ConnectionLost("gone".into())),
-            EIO
-        );
+        assert_eq!(client(&crate::Error::ConnectionLost("gone".into())), EIO);
     }
 }

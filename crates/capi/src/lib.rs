@@ -1,0 +1,1007 @@
+//! liblwio: the lwio client for programs in any language (C ABI).
+//!
+//! The header, `include/lwio.h`, is generated from this file by cbindgen
+//! (`cargo test -p lwio-capi` fails when the checked-in copy is stale).
+//! docs/capi.md describes the API; the C programs in `tests/c/` exercise it.
+//!
+//! Conventions: functions return `>= 0` on success and a negative errno on
+//! failure (`lwio_connect` returns NULL); `lwio_errmsg()` gives the last
+//! failure's message on the calling thread. Every pointer is checked for
+//! NULL and every length for overflow, a file descriptor used after close
+//! is `-EBADF`, and a panic never crosses the boundary: it is caught and
+//! reported as `-EIO` with its message.
+
+#![allow(clippy::missing_safety_doc, non_camel_case_types)]
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use lwio_client::engine::{Engine, Stage, UserDst, BOUNCE_THRESHOLD};
+use lwio_client::side::{ClientOptions as SideOptions, ClientTls, Login, Token};
+use lwio_client::{errno, Client, ClientOptions, Completion, File, OpenOptions, RegisteredBuf};
+use lwio_proto::status::{NtStatus, STATUS_END_OF_FILE, STATUS_SUCCESS};
+
+/// STATUS_CONNECTION_DISCONNECTED: a part whose completion never came
+/// (the connection was lost); reported as EIO.
+const LOST: NtStatus = 0xC000_020C;
+
+/// Completion modes (`lwio_options.completion`).
+pub const LWIO_COMPLETION_INTERRUPT: c_int = 0;
+pub const LWIO_COMPLETION_POLL: c_int = 1;
+/// Batch opcodes (`lwio_op.opcode`).
+pub const LWIO_OP_READ: c_uint = 0;
+pub const LWIO_OP_WRITE: c_uint = 1;
+
+/// How to connect. Initialise with `lwio_options_init`, then set fields;
+/// NULL strings mean "not given".
+#[repr(C)]
+pub struct lwio_options {
+    /// The export's shared token, or NULL.
+    pub token: *const c_char,
+    /// A file holding the token (read once), or NULL.
+    pub token_file: *const c_char,
+    /// Pin the server's TLS certificate: "sha256:AB:CD:…", or NULL.
+    pub fingerprint: *const c_char,
+    /// Trust on first use in this known_hosts file (NULL: the default
+    /// ~/.config/lwio/known_hosts), unless `fingerprint` is given.
+    pub known_hosts: *const c_char,
+    /// Non-zero: plain TCP side channel (a server with `tls = false`).
+    pub no_tls: c_int,
+    /// LWIO_COMPLETION_INTERRUPT (default) or LWIO_COMPLETION_POLL.
+    pub completion: c_int,
+    /// "soft", "verbs" or NULL (auto).
+    pub provider: *const c_char,
+    /// Connect timeout in milliseconds (0: 5000).
+    pub connect_timeout_ms: c_uint,
+    /// Per-operation timeout in milliseconds (0: 30000).
+    pub op_timeout_ms: c_uint,
+    /// Requests in flight on the connection (0: 64; the server may grant
+    /// fewer).
+    pub credits: c_uint,
+}
+
+/// A connected client (opaque; `lwio_client` in C).
+pub struct LwioClient {
+    id: u64,
+    client: Client,
+    /// Submitted batch operations, oldest first.
+    queue: Mutex<VecDeque<Pending>>,
+}
+
+/// `lwio_fstat`'s answer.
+#[repr(C)]
+pub struct lwio_stat {
+    pub size: u64,
+    /// Permission bits (mode & 07777).
+    pub mode: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub ino: u64,
+    /// 512-byte blocks.
+    pub blocks: u64,
+    pub atime_ns: i64,
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
+}
+
+/// One batch operation (io_uring's SQE, in short).
+#[repr(C)]
+pub struct lwio_op {
+    /// Returned in the completion.
+    pub user_data: u64,
+    pub fd: c_int,
+    /// LWIO_OP_READ or LWIO_OP_WRITE.
+    pub opcode: c_uint,
+    /// Must stay valid (and, for a read, untouched) until reaped.
+    pub buf: *mut c_void,
+    pub len: u64,
+    pub offset: u64,
+}
+
+/// One completion: `res` is the byte count (a read short of `len` ended at
+/// the end of the file) or a negative errno.
+#[repr(C)]
+pub struct lwio_cqe {
+    pub user_data: u64,
+    pub res: i64,
+}
+
+/// An iovec, as `struct iovec` (`<sys/uio.h>`) lays it out.
+#[repr(C)]
+pub struct lwio_iovec {
+    pub iov_base: *mut c_void,
+    pub iov_len: usize,
+}
+
+// ---------------------------------------------------------------- state
+
+struct OpenFile {
+    client_id: u64,
+    file: File,
+}
+
+#[derive(Default)]
+struct Tables {
+    /// fd → open file (an fd is an index; freed ones are reused lowest
+    /// first, as the kernel does).
+    files: Vec<Option<Arc<OpenFile>>>,
+    /// Live clients (by address), so a stale pointer is refused.
+    clients: HashSet<usize>,
+    /// Registered buffers by address.
+    bufs: HashMap<usize, RegisteredBuf>,
+}
+
+fn tables() -> MutexGuard<'static, Tables> {
+    static T: OnceLock<Mutex<Tables>> = OnceLock::new();
+    T.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+thread_local! {
+    static LAST: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Record `msg` as this thread's last error; returns `-errno`.
+fn fail(errno: c_int, msg: impl Into<String>) -> c_int {
+    let m = msg.into().replace('\0', " ");
+    LAST.with(|l| *l.borrow_mut() = CString::new(m).unwrap_or_default());
+    -errno
+}
+
+fn fail_client(e: &lwio_client::Error) -> c_int {
+    fail(errno::client(e), e.to_string())
+}
+
+/// Run `f`, turning a panic into -EIO with its message.
+fn guard<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown".into());
+            fail(libc::EIO, format!("internal error (panic): {msg}"));
+            on_panic
+        }
+    }
+}
+
+unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, c_int> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the caller passes a NUL-terminated string (the API's
+    // contract for every `const char *`), alive for this call.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map(Some)
+        .map_err(|_| fail(libc::EINVAL, format!("{what} is not UTF-8")))
+}
+
+fn file(fd: c_int) -> Result<Arc<OpenFile>, c_int> {
+    usize::try_from(fd)
+        .ok()
+        .and_then(|i| tables().files.get(i).cloned().flatten())
+        .ok_or_else(|| fail(libc::EBADF, format!("fd {fd} is not an open lwio file")))
+}
+
+fn client_ref<'a>(c: *const LwioClient) -> Result<&'a LwioClient, c_int> {
+    if c.is_null() || !tables().clients.contains(&(c as usize)) {
+        return Err(fail(libc::EBADF, "not a connected lwio client"));
+    }
+    // SAFETY: the address is in the live set: it came from Box::into_raw in
+    // lwio_connect and lwio_disconnect has not freed it yet (it removes it
+    // from the set first). A caller racing a disconnect with other calls
+    // on the same client breaks the API's contract, as with free(3).
+    Ok(unsafe { &*c })
+}
+
+// ---------------------------------------------------------------- API
+
+/// The message of the calling thread's last failure ("" if none). Valid
+/// until the next failing call on this thread.
+#[no_mangle]
+pub extern "C" fn lwio_errmsg() -> *const c_char {
+    LAST.with(|l| l.borrow().as_ptr())
+}
+
+/// Fill `opts` with the defaults (every string NULL, interrupt completions,
+/// TLS with trust on first use).
+#[no_mangle]
+pub unsafe extern "C" fn lwio_options_init(opts: *mut lwio_options) {
+    if opts.is_null() {
+        return;
+    }
+    // SAFETY: non-null, and the caller passes a writable lwio_options.
+    unsafe {
+        opts.write(lwio_options {
+            token: std::ptr::null(),
+            token_file: std::ptr::null(),
+            fingerprint: std::ptr::null(),
+            known_hosts: std::ptr::null(),
+            no_tls: 0,
+            completion: LWIO_COMPLETION_INTERRUPT,
+            provider: std::ptr::null(),
+            connect_timeout_ms: 0,
+            op_timeout_ms: 0,
+            credits: 0,
+        })
+    };
+}
+
+unsafe fn connect_inner(url: *const c_char, o: *const lwio_options) -> Result<LwioClient, c_int> {
+    // SAFETY (all opt_str calls): pointers from the caller's options.
+    let url = unsafe { opt_str(url, "url") }?.ok_or_else(|| fail(libc::EINVAL, "url is NULL"))?;
+    let mut d = std::mem::MaybeUninit::<lwio_options>::uninit();
+    let o: &lwio_options = if o.is_null() {
+        // SAFETY: lwio_options_init writes every field.
+        unsafe {
+            lwio_options_init(d.as_mut_ptr());
+            d.assume_init_ref()
+        }
+    } else {
+        // SAFETY: non-null, the caller's initialised options.
+        unsafe { &*o }
+    };
+    let token = match unsafe { opt_str(o.token, "token") }? {
+        Some(t) => Some(t.trim().to_string()),
+        None => match unsafe { opt_str(o.token_file, "token_file") }? {
+            Some(p) => Some(
+                std::fs::read_to_string(p)
+                    .map_err(|e| fail(libc::EACCES, format!("token file {p}: {e}")))?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        },
+    };
+    let login = match token {
+        Some(t) => {
+            Login::Token(Token::new(&t).map_err(|e| fail(libc::EINVAL, format!("token: {e}")))?)
+        }
+        None => Login::Anonymous,
+    };
+    let mut so = SideOptions::new(login);
+    so.client_name = "liblwio".into();
+    if o.connect_timeout_ms > 0 {
+        so.connect_timeout = Duration::from_millis(o.connect_timeout_ms.into());
+    }
+    so.tls = if o.no_tls != 0 {
+        ClientTls::Off
+    } else if let Some(fp) = unsafe { opt_str(o.fingerprint, "fingerprint") }? {
+        ClientTls::Fingerprint(
+            lwio_side::tls::parse_fingerprint(fp)
+                .map_err(|e| fail(libc::EINVAL, format!("fingerprint: {e}")))?,
+        )
+    } else {
+        let file = match unsafe { opt_str(o.known_hosts, "known_hosts") }? {
+            Some(p) => p.into(),
+            None => lwio_side::known_hosts::default_path().ok_or_else(|| {
+                fail(
+                    libc::EINVAL,
+                    "no known_hosts file: give one, or a fingerprint",
+                )
+            })?,
+        };
+        ClientTls::KnownHosts {
+            file,
+            strict: false,
+        }
+    };
+    let mut opts = ClientOptions {
+        completion: if o.completion == LWIO_COMPLETION_POLL {
+            Completion::Poll
+        } else {
+            Completion::Interrupt
+        },
+        client_name: "liblwio".into(),
+        connect_timeout: so.connect_timeout,
+        ..ClientOptions::default()
+    };
+    opts.credits = match o.credits {
+        0 => 64,
+        n => u16::try_from(n).map_err(|_| fail(libc::EINVAL, "credits: at most 65535"))?,
+    };
+    if o.op_timeout_ms > 0 {
+        opts.op_timeout = Duration::from_millis(o.op_timeout_ms.into());
+    }
+    if let Some(p) = unsafe { opt_str(o.provider, "provider") }? {
+        opts.provider = p
+            .parse()
+            .map_err(|e| fail(libc::EINVAL, format!("provider {p:?}: {e}")))?;
+    }
+    let client = Client::connect_with(url, &so, opts).map_err(|e| fail_client(&e))?;
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    Ok(LwioClient {
+        id: NEXT.fetch_add(1, Ordering::Relaxed),
+        client,
+        queue: Mutex::new(VecDeque::new()),
+    })
+}
+
+/// Connect and log in: `url` is `lwio://HOST[:PORT][/EXPORT]`; `opts` may
+/// be NULL for the defaults. NULL on failure (see `lwio_errmsg`).
+#[no_mangle]
+pub unsafe extern "C" fn lwio_connect(
+    url: *const c_char,
+    opts: *const lwio_options,
+) -> *mut LwioClient {
+    guard(std::ptr::null_mut(), || {
+        // SAFETY: the caller's strings and options, per the API contract.
+        match unsafe { connect_inner(url, opts) } {
+            Ok(c) => {
+                let p = Box::into_raw(Box::new(c));
+                tables().clients.insert(p as usize);
+                p
+            }
+            Err(_) => std::ptr::null_mut(),
+        }
+    })
+}
+
+/// Close every file of `c`, end its session and free it.
+#[no_mangle]
+pub unsafe extern "C" fn lwio_disconnect(c: *mut LwioClient) -> c_int {
+    guard(-libc::EIO, || {
+        let files: Vec<Arc<OpenFile>> = {
+            let mut t = tables();
+            if c.is_null() || !t.clients.remove(&(c as usize)) {
+                return fail(libc::EBADF, "not a connected lwio client");
+            }
+            // SAFETY: it was live (just removed from the set, so no other
+            // call will take it from now on).
+            let id = unsafe { (*c).id };
+            t.files
+                .iter_mut()
+                .filter(|f| f.as_ref().is_some_and(|f| f.client_id == id))
+                .filter_map(Option::take)
+                .collect()
+        };
+        drop(files);
+        // SAFETY: from Box::into_raw in lwio_connect, freed once (the set
+        // membership above was the token).
+        drop(unsafe { Box::from_raw(c) });
+        0
+    })
+}
+
+/// Open `path` (`EXPORT/PATH`, or `PATH` when the URL named the export)
+/// with open(2) flags (O_RDONLY, O_WRONLY, O_RDWR, O_CREAT, O_EXCL,
+/// O_TRUNC, O_DIRECT, O_SYNC, O_DSYNC) and, when creating, `mode`. A file
+/// descriptor of this library (not the kernel's) or -errno.
+#[no_mangle]
+pub unsafe extern "C" fn lwio_open(
+    c: *const LwioClient,
+    path: *const c_char,
+    flags: c_int,
+    mode: c_uint,
+) -> c_int {
+    guard(-libc::EIO, || {
+        let r = (|| -> Result<c_int, c_int> {
+            let c = client_ref(c)?;
+            // SAFETY: the caller's NUL-terminated path.
+            let path = unsafe { opt_str(path, "path") }?
+                .ok_or_else(|| fail(libc::EFAULT, "path is NULL"))?;
+            let acc = flags & libc::O_ACCMODE;
+            let mut o = OpenOptions::read_only();
+            o.0.read = acc != libc::O_WRONLY;
+            o.0.write = acc != libc::O_RDONLY;
+            o.0.create = flags & libc::O_CREAT != 0;
+            o.0.exclusive = flags & libc::O_EXCL != 0;
+            o.0.truncate = flags & libc::O_TRUNC != 0;
+            o.0.no_buffering = flags & libc::O_DIRECT != 0;
+            o.0.write_through = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+            if acc == libc::O_ACCMODE {
+                return Err(fail(libc::EINVAL, "flags: no access mode"));
+            }
+            let f = c
+                .client
+                .open_mode(path, &o, mode & 0o7777)
+                .map_err(|e| fail_client(&e))?;
+            let entry = Arc::new(OpenFile {
+                client_id: c.id,
+                file: f,
+            });
+            let mut t = tables();
+            let i = match t.files.iter().position(Option::is_none) {
+                Some(i) => i,
+                None => {
+                    t.files.push(None);
+                    t.files.len() - 1
+                }
+            };
+            let fd = c_int::try_from(i).map_err(|_| fail(libc::EMFILE, "too many open files"))?;
+            t.files[i] = Some(entry);
+            Ok(fd)
+        })();
+        r.unwrap_or_else(|e| e)
+    })
+}
+
+/// Close `fd` (its operations still in a batch complete first: the file
+/// closes when the last of them is reaped).
+#[no_mangle]
+pub extern "C" fn lwio_close(fd: c_int) -> c_int {
+    guard(-libc::EIO, || {
+        let f = usize::try_from(fd)
+            .ok()
+            .and_then(|i| tables().files.get_mut(i).and_then(Option::take));
+        let Some(f) = f else {
+            return fail(libc::EBADF, format!("fd {fd} is not an open lwio file"));
+        };
+        match Arc::try_unwrap(f) {
+            Ok(f) => f
+                .file
+                .close()
+                .map(|()| 0)
+                .unwrap_or_else(|e| fail_client(&e)),
+            // A reaper or a concurrent call still holds it: it closes when
+            // that one drops it.
+            Err(_) => 0,
+        }
+    })
+}
+
+fn len_ok(len: usize, off: u64) -> Result<(), c_int> {
+    if isize::try_from(len).is_err() || off.checked_add(len as u64).is_none() {
+        return Err(fail(libc::EINVAL, "offset + length overflows"));
+    }
+    Ok(())
+}
+
+/// The checks every data call makes: the open file, or the result to
+/// return at once (0 bytes for an empty call, or -errno).
+fn data_call(fd: c_int, buf: *const c_void, len: usize, offset: u64) -> Result<Arc<OpenFile>, i64> {
+    let f = file(fd).map_err(i64::from)?;
+    if len == 0 {
+        return Err(0);
+    }
+    if buf.is_null() {
+        return Err(fail(libc::EFAULT, "buf is NULL").into());
+    }
+    len_ok(len, offset).map_err(i64::from)?;
+    Ok(f)
+}
+
+/// pread(2): bytes read (fewer at the end of the file, 0 at or past it).
+#[no_mangle]
+pub unsafe extern "C" fn lwio_pread(fd: c_int, buf: *mut c_void, len: usize, offset: u64) -> i64 {
+    guard(-i64::from(libc::EIO), || {
+        let f = match data_call(fd, buf, len, offset) {
+            Ok(f) => f,
+            Err(r) => return r,
+        };
+        // SAFETY: the caller lends `len` writable bytes at `buf` for the
+        // call (pread's contract) and does not touch them meanwhile;
+        // `read_at` keeps every remote window over them inside the call.
+        let b = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len) };
+        match f.file.read_at(b, offset) {
+            Ok(n) => n as i64,
+            Err(e) => fail_client(&e).into(),
+        }
+    })
+}
+
+/// pwrite(2): bytes written (all of them, or -errno).
+#[no_mangle]
+pub unsafe extern "C" fn lwio_pwrite(
+    fd: c_int,
+    buf: *const c_void,
+    len: usize,
+    offset: u64,
+) -> i64 {
+    guard(-i64::from(libc::EIO), || {
+        let f = match data_call(fd, buf, len, offset) {
+            Ok(f) => f,
+            Err(r) => return r,
+        };
+        // SAFETY: the caller lends `len` readable bytes for the call.
+        let b = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) };
+        let mut done = 0usize;
+        while done < len {
+            match f.file.write_at(&b[done..], offset + done as u64) {
+                Ok(0) => return fail(libc::EIO, "write made no progress").into(),
+                Ok(n) => done += n,
+                Err(e) => return fail_client(&e).into(),
+            }
+        }
+        done as i64
+    })
+}
+
+unsafe fn iovecs<'a>(iov: *const lwio_iovec, n: c_int) -> Result<&'a [lwio_iovec], c_int> {
+    let n = usize::try_from(n).map_err(|_| fail(libc::EINVAL, "iovcnt < 0"))?;
+    if n > 1024 {
+        return Err(fail(libc::EINVAL, "iovcnt > IOV_MAX (1024)"));
+    }
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if iov.is_null() {
+        return Err(fail(libc::EFAULT, "iov is NULL"));
+    }
+    // SAFETY: the caller passes `n` iovecs.
+    let v = unsafe { std::slice::from_raw_parts(iov, n) };
+    if v.iter().any(|i| i.iov_base.is_null() && i.iov_len > 0) {
+        return Err(fail(libc::EFAULT, "an iov_base is NULL"));
+    }
+    Ok(v)
+}
+
+/// Run `each` over the iovecs at consecutive offsets: the total, or the
+/// first error if nothing was done; a read stops at a short piece.
+unsafe fn vectored(
+    fd: c_int,
+    iov: *const lwio_iovec,
+    iovcnt: c_int,
+    offset: u64,
+    read: bool,
+) -> i64 {
+    // SAFETY: the caller's iovec array.
+    let v = match unsafe { iovecs(iov, iovcnt) } {
+        Ok(v) => v,
+        Err(e) => return e.into(),
+    };
+    let mut total: i64 = 0;
+    for i in v {
+        let off = offset + total as u64;
+        // SAFETY: each iovec lends its bytes for the call.
+        let n = unsafe {
+            if read {
+                lwio_pread(fd, i.iov_base, i.iov_len, off)
+            } else {
+                lwio_pwrite(fd, i.iov_base, i.iov_len, off)
+            }
+        };
+        if n < 0 {
+            return if total > 0 { total } else { n };
+        }
+        total += n;
+        if read && (n as usize) < i.iov_len {
+            break;
+        }
+    }
+    total
+}
+
+/// preadv(2).
+#[no_mangle]
+pub unsafe extern "C" fn lwio_preadv(
+    fd: c_int,
+    iov: *const lwio_iovec,
+    iovcnt: c_int,
+    offset: u64,
+) -> i64 {
+    // SAFETY: the caller's iovecs, per preadv's contract.
+    guard(-i64::from(libc::EIO), || unsafe {
+        vectored(fd, iov, iovcnt, offset, true)
+    })
+}
+
+/// pwritev(2).
+#[no_mangle]
+pub unsafe extern "C" fn lwio_pwritev(
+    fd: c_int,
+    iov: *const lwio_iovec,
+    iovcnt: c_int,
+    offset: u64,
+) -> i64 {
+    // SAFETY: the caller's iovecs, per pwritev's contract.
+    guard(-i64::from(libc::EIO), || unsafe {
+        vectored(fd, iov, iovcnt, offset, false)
+    })
+}
+
+/// fsync(2), or fdatasync(2) when `datasync` is non-zero.
+#[no_mangle]
+pub extern "C" fn lwio_fsync(fd: c_int, datasync: c_int) -> c_int {
+    guard(-libc::EIO, || match file(fd) {
+        Ok(f) => {
+            let r = if datasync != 0 {
+                f.file.sync_data()
+            } else {
+                f.file.sync_all()
+            };
+            r.map(|()| 0).unwrap_or_else(|e| fail_client(&e))
+        }
+        Err(e) => e,
+    })
+}
+
+/// ftruncate(2).
+#[no_mangle]
+pub extern "C" fn lwio_ftruncate(fd: c_int, size: u64) -> c_int {
+    guard(-libc::EIO, || match file(fd) {
+        Ok(f) => f
+            .file
+            .set_len(size)
+            .map(|()| 0)
+            .unwrap_or_else(|e| fail_client(&e)),
+        Err(e) => e,
+    })
+}
+
+/// fstat(2) of an open file, from the server.
+#[no_mangle]
+pub unsafe extern "C" fn lwio_fstat(fd: c_int, st: *mut lwio_stat) -> c_int {
+    guard(-libc::EIO, || {
+        let f = match file(fd) {
+            Ok(f) => f,
+            Err(e) => return e,
+        };
+        if st.is_null() {
+            return fail(libc::EFAULT, "st is NULL");
+        }
+        match f.file.stat() {
+            Ok(a) => {
+                // SAFETY: non-null, the caller's writable lwio_stat.
+                unsafe {
+                    st.write(lwio_stat {
+                        size: a.size,
+                        mode: a.perm & 0o7777,
+                        nlink: a.nlink,
+                        uid: a.uid,
+                        gid: a.gid,
+                        ino: a.ino,
+                        blocks: a.blocks,
+                        atime_ns: a.atime_ns,
+                        mtime_ns: a.mtime_ns,
+                        ctime_ns: a.ctime_ns,
+                    })
+                };
+                0
+            }
+            Err(e) => fail_client(&e),
+        }
+    })
+}
+
+/// Allocate `len` zeroed bytes registered with the client: reads of at
+/// least 1 KiB into them land with no copy and no per-call registration.
+/// NULL on failure. Free with `lwio_buf_free`.
+#[no_mangle]
+pub unsafe extern "C" fn lwio_buf_alloc(c: *const LwioClient, len: usize) -> *mut c_void {
+    guard(std::ptr::null_mut(), || {
+        let c = match client_ref(c) {
+            Ok(c) => c,
+            Err(_) => return std::ptr::null_mut(),
+        };
+        if len == 0 || isize::try_from(len).is_err() {
+            fail(libc::EINVAL, "length 0 or too large");
+            return std::ptr::null_mut();
+        }
+        match c.client.register_buffer(len) {
+            Ok(mut b) => {
+                let p = b.as_mut_ptr();
+                tables().bufs.insert(p as usize, b);
+                p.cast()
+            }
+            Err(e) => {
+                fail_client(&e);
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Free a buffer of `lwio_buf_alloc` (-EINVAL for any other pointer).
+#[no_mangle]
+pub unsafe extern "C" fn lwio_buf_free(p: *mut c_void) -> c_int {
+    guard(-libc::EIO, || match tables().bufs.remove(&(p as usize)) {
+        Some(b) => {
+            drop(b);
+            0
+        }
+        None => fail(libc::EINVAL, "not a buffer of lwio_buf_alloc"),
+    })
+}
+
+// ---------------------------------------------------------------- batch
+
+struct Part {
+    req: u64,
+    slot: Option<u32>,
+    stage: Option<Stage>,
+    /// Offset in the operation's buffer, and length.
+    at: usize,
+    len: usize,
+    done: Option<(u32, NtStatus)>,
+}
+
+struct Pending {
+    user_data: u64,
+    read: bool,
+    buf: usize,
+    /// A read landing straight in the caller's memory (no staging).
+    dst: Option<UserDst>,
+    engine: Arc<Engine>,
+    /// Keeps the file open until the operation is reaped.
+    _file: Arc<OpenFile>,
+    parts: Vec<Part>,
+    /// A failure at issue time (no parts after it were issued).
+    issue_error: Option<i64>,
+}
+
+impl Pending {
+    /// Collect the parts' results (staging copies, releases) into a CQE.
+    fn finish(self) -> lwio_cqe {
+        if let Some(d) = &self.dst {
+            // No window over the caller's memory outlives the operation.
+            self.engine.fence_group(d.group());
+        }
+        let mut total: i64 = 0;
+        let mut err = None;
+        let mut ended = false;
+        for p in self.parts {
+            let (n, st) = p.done.unwrap_or((0, LOST));
+            match (st, p.stage) {
+                // Landed in the caller's memory (fenced above).
+                (STATUS_SUCCESS, Some(Stage::User)) if !ended && err.is_none() => {
+                    let n = (n as usize).min(p.len);
+                    total += n as i64;
+                    ended = n < p.len;
+                }
+                (STATUS_SUCCESS, Some(s)) if !ended && err.is_none() => {
+                    let n = (n as usize).min(p.len);
+                    // SAFETY: the caller lent `len` bytes at `buf` until
+                    // this operation is reaped (lwio_op's contract); this
+                    // copy out of staging is the only write to them.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut((self.buf as *mut u8).add(p.at), n)
+                    };
+                    self.engine.finish_stage(s, dst);
+                    total += n as i64;
+                    ended = n < p.len;
+                }
+                (STATUS_SUCCESS, None) if !ended && err.is_none() => {
+                    total += i64::from(n.min(p.len as u32));
+                }
+                (_, s) => {
+                    if let Some(s) = s {
+                        self.engine.release_stage(s);
+                    }
+                    if st == STATUS_END_OF_FILE {
+                        ended = true;
+                    } else if st != STATUS_SUCCESS && err.is_none() && !ended {
+                        err = Some(-i64::from(errno::client(&lwio_client::Error::Status {
+                            what: if self.read { "READ" } else { "WRITE" }.into(),
+                            status: st,
+                        })));
+                    }
+                }
+            }
+        }
+        let res = match (err, self.issue_error) {
+            (Some(e), _) if total == 0 => e,
+            (_, Some(e)) if total == 0 => e,
+            _ => total,
+        };
+        lwio_cqe {
+            user_data: self.user_data,
+            res,
+        }
+    }
+}
+
+/// Why an operation was not submitted.
+enum NotIssued {
+    /// No room now (staging buffers are all held by reads not yet reaped).
+    Full,
+    Err(c_int),
+}
+
+fn issue(op: &lwio_op) -> Result<Pending, NotIssued> {
+    issue_inner(op)
+        .map_err(NotIssued::Err)?
+        .ok_or(NotIssued::Full)
+}
+
+fn issue_inner(op: &lwio_op) -> Result<Option<Pending>, c_int> {
+    let f = file(op.fd)?;
+    if op.opcode != LWIO_OP_READ && op.opcode != LWIO_OP_WRITE {
+        return Err(fail(libc::EINVAL, format!("opcode {}", op.opcode)));
+    }
+    let len = usize::try_from(op.len).map_err(|_| fail(libc::EINVAL, "len too large"))?;
+    if len > 0 && op.buf.is_null() {
+        return Err(fail(libc::EFAULT, "buf is NULL"));
+    }
+    len_ok(len, op.offset)?;
+    let read = op.opcode == LWIO_OP_READ;
+    let e = f.file.channel_engine().clone();
+    let chunk = if read { e.max_read() } else { e.max_write() };
+    let poll = e.completion_mode() == Completion::Poll;
+    let parts = len.div_ceil(chunk).max(1);
+    // A read goes straight into the caller's memory when it lies in an
+    // lwio_buf_alloc buffer or is long enough to register for the call;
+    // else through staging buffers, which must all be free now.
+    let dst = if read && len >= BOUNCE_THRESHOLD {
+        // SAFETY: the caller lends `len` bytes at `buf`, untouched until
+        // this operation is reaped (lwio_op's contract), and `finish`
+        // fences the group before the completion is handed back.
+        unsafe { e.user_dst(op.buf.cast(), len, len >= e.register_threshold()) }.unwrap_or(None)
+    } else {
+        None
+    };
+    if read && dst.is_none() && e.free_stages(chunk.min(len)) < parts {
+        return Ok(None);
+    }
+    let mut p = Pending {
+        user_data: op.user_data,
+        read,
+        buf: op.buf as usize,
+        dst,
+        engine: e.clone(),
+        _file: f.clone(),
+        parts: Vec::new(),
+        issue_error: None,
+    };
+    let mut at = 0usize;
+    while at < len {
+        let n = chunk.min(len - at);
+        let off = op.offset + at as u64;
+        let r = if read {
+            let d = p.dst.as_ref().map(|d| (d, at));
+            e.issue_read_to(f.file.fid(), off, n, None, d)
+                .map(|(req, s)| (req, Some(s)))
+        } else {
+            // SAFETY: the caller lends `len` readable bytes until reaped;
+            // the engine copies them into its send slot here.
+            let data = unsafe { std::slice::from_raw_parts((op.buf as *const u8).add(at), n) };
+            e.issue_write(f.file.fid(), off, data)
+                .map(|req| (req, None))
+        };
+        match r {
+            Ok((req, stage)) => p.parts.push(Part {
+                req,
+                slot: if poll { e.last_slot() } else { None },
+                stage,
+                at,
+                len: n,
+                done: None,
+            }),
+            Err(err) => {
+                let code = fail_client(&err);
+                if p.parts.is_empty() {
+                    if let Some(d) = &p.dst {
+                        e.fence_group(d.group());
+                    }
+                    return Err(code);
+                }
+                p.issue_error = Some(code.into());
+                break;
+            }
+        }
+        at += n;
+    }
+    Ok(Some(p))
+}
+
+/// Submit `n` operations (io_uring's SQEs): the number submitted, or
+/// -errno if none was. Fewer than `n` are submitted when one fails (its
+/// error is in `lwio_errmsg`) or when there is no room: staged reads (small
+/// ones, into memory not from `lwio_buf_alloc`) hold a staging buffer until
+/// reaped, so reap and submit the rest (with no room and nothing submitted,
+/// -EAGAIN). Buffers must stay valid until reaped.
+#[no_mangle]
+pub unsafe extern "C" fn lwio_submit(
+    c: *const LwioClient,
+    ops: *const lwio_op,
+    n: c_uint,
+) -> c_int {
+    guard(-libc::EIO, || {
+        let c = match client_ref(c) {
+            Ok(c) => c,
+            Err(e) => return e,
+        };
+        if n == 0 {
+            return 0;
+        }
+        if ops.is_null() {
+            return fail(libc::EFAULT, "ops is NULL");
+        }
+        // SAFETY: the caller passes `n` operations.
+        let ops = unsafe { std::slice::from_raw_parts(ops, n as usize) };
+        let mut done: c_int = 0;
+        for op in ops {
+            match issue(op) {
+                Ok(p) => {
+                    lock(&c.queue).push_back(p);
+                    done += 1;
+                }
+                Err(NotIssued::Full) => {
+                    return if done > 0 {
+                        done
+                    } else {
+                        fail(libc::EAGAIN, "no room: reap completions first")
+                    }
+                }
+                Err(NotIssued::Err(e)) => return if done > 0 { done } else { e },
+            }
+        }
+        done
+    })
+}
+
+/// Reap completions into `cqes`: waits until at least `min` operations have
+/// completed, then adds those already complete, up to `max`. Completions
+/// come in submission order. The number reaped, or -errno.
+#[no_mangle]
+pub unsafe extern "C" fn lwio_reap(
+    c: *const LwioClient,
+    cqes: *mut lwio_cqe,
+    min: c_uint,
+    max: c_uint,
+) -> c_int {
+    guard(-libc::EIO, || {
+        let c = match client_ref(c) {
+            Ok(c) => c,
+            Err(e) => return e,
+        };
+        if max == 0 {
+            return 0;
+        }
+        if cqes.is_null() {
+            return fail(libc::EFAULT, "cqes is NULL");
+        }
+        let (min, max) = (min.min(max) as usize, max as usize);
+        let mut got = 0usize;
+        while got < max {
+            let front = {
+                let mut q = lock(&c.queue);
+                let Some(p) = q.front_mut() else { break };
+                // Already complete (or, past `min`, not): non-blocking look.
+                let mut all = true;
+                for part in p.parts.iter_mut().filter(|x| x.done.is_none()) {
+                    match p.engine.try_wait(part.req, part.slot) {
+                        Ok(Some(r)) => part.done = Some(r),
+                        Ok(None) => all = false,
+                        Err(_) => {
+                            // Abandoned: the engine frees its stage.
+                            part.stage = None;
+                            part.done = Some((0, LOST));
+                        }
+                    }
+                }
+                if all {
+                    q.pop_front()
+                } else if got < min {
+                    q.pop_front()
+                } else {
+                    None
+                }
+            };
+            let Some(mut p) = front else { break };
+            for part in p.parts.iter_mut().filter(|x| x.done.is_none()) {
+                part.done = Some(match p.engine.wait(part.req, part.slot) {
+                    Ok(r) => r,
+                    // Abandoned by the engine, which then frees its stage.
+                    Err(_) => {
+                        part.stage = None;
+                        (0, LOST)
+                    }
+                });
+            }
+            let cqe = p.finish();
+            // SAFETY: `got < max` and the caller passes room for `max`.
+            unsafe { cqes.add(got).write(cqe) };
+            got += 1;
+        }
+        got as c_int
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,99 @@
+//! The header is what cbindgen makes of this crate, and the API's checks
+//! hold without a server (the C programs in tests/c exercise it with one:
+//! scripts/capi-tests.sh).
+
+use super::*;
+
+#[test]
+fn the_checked_in_header_is_current() {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let mut out = Vec::new();
+    cbindgen::generate(dir)
+        .expect("cbindgen reads the crate")
+        .write(&mut out);
+    let fresh = String::from_utf8(out).unwrap();
+    let path = std::path::Path::new(dir).join("include/lwio.h");
+    if std::env::var_os("LWIO_BLESS_HEADER").is_some() {
+        std::fs::write(&path, fresh.as_bytes()).unwrap();
+        return;
+    }
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        old == fresh,
+        "crates/capi/include/lwio.h is stale: regenerate it with \
+         LWIO_BLESS_HEADER=1 cargo test -p lwio-capi the_checked_in_header"
+    );
+}
+
+fn msg() -> String {
+    // SAFETY: lwio_errmsg returns a valid NUL-terminated string.
+    unsafe { CStr::from_ptr(lwio_errmsg()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn bad_calls_fail_with_their_errno_and_a_message() {
+    assert_eq!(lwio_close(-1), -libc::EBADF);
+    assert!(msg().contains("fd -1"), "{}", msg());
+    assert_eq!(lwio_close(12345), -libc::EBADF);
+    let mut b = [0u8; 4];
+    // SAFETY: valid buffers; the fds are not open.
+    unsafe {
+        assert_eq!(
+            lwio_pread(7, b.as_mut_ptr().cast(), 4, 0),
+            -i64::from(libc::EBADF)
+        );
+        assert_eq!(
+            lwio_pwrite(7, b.as_ptr().cast(), 4, 0),
+            -i64::from(libc::EBADF)
+        );
+        assert_eq!(
+            lwio_open(std::ptr::null(), c"x".as_ptr(), 0, 0),
+            -libc::EBADF
+        );
+        assert_eq!(
+            lwio_open(0x1000 as *const LwioClient, c"x".as_ptr(), 0, 0),
+            -libc::EBADF,
+            "a pointer that is not a live client"
+        );
+        assert!(lwio_connect(std::ptr::null(), std::ptr::null()).is_null());
+        assert!(msg().contains("url is NULL"));
+        assert_eq!(lwio_disconnect(std::ptr::null_mut()), -libc::EBADF);
+        assert_eq!(lwio_buf_free(b.as_mut_ptr().cast()), -libc::EINVAL);
+        assert_eq!(lwio_fstat(3, std::ptr::null_mut()), -libc::EBADF);
+        assert_eq!(
+            lwio_submit(std::ptr::null(), std::ptr::null(), 1),
+            -libc::EBADF
+        );
+    }
+    assert_eq!(lwio_fsync(0, 0), -libc::EBADF);
+    assert_eq!(lwio_ftruncate(0, 0), -libc::EBADF);
+}
+
+#[test]
+fn connect_failures_are_one_line() {
+    let mut o = std::mem::MaybeUninit::<lwio_options>::uninit();
+    // SAFETY: init writes every field; the strings are literals.
+    unsafe {
+        lwio_options_init(o.as_mut_ptr());
+        let mut o = o.assume_init();
+        o.no_tls = 1;
+        o.token = c"0123456789abcdef0123456789abcdef".as_ptr();
+        o.connect_timeout_ms = 2000;
+        let c = lwio_connect(c"lwio://127.0.0.1:1/data".as_ptr(), &o);
+        assert!(c.is_null());
+        assert!(msg().contains("cannot connect to 127.0.0.1:1"), "{}", msg());
+        o.fingerprint = c"sha256:nonsense".as_ptr();
+        o.no_tls = 0;
+        assert!(lwio_connect(c"lwio://127.0.0.1:1/data".as_ptr(), &o).is_null());
+        assert!(msg().starts_with("fingerprint"), "{}", msg());
+    }
+}
+
+#[test]
+fn a_panic_inside_becomes_eio_with_its_message() {
+    let r = guard(-libc::EIO, || -> c_int { panic!("boom") });
+    assert_eq!(r, -libc::EIO);
+    assert!(msg().contains("boom"), "{}", msg());
+}
