@@ -46,7 +46,7 @@ fail() { echo "FAIL $1: $2"; FAILS=$((FAILS + 1)); }
 start_server() { # [port: the same one again]
   PORT=${1:-$(( 20000 + RANDOM % 20000 ))}
   "$LWIO" serve --export "data=$W/export" --listen "127.0.0.1:$PORT" --provider soft \
-    >"$W/serve.log" 2>&1 &
+    >"$W/serve.log" 2>&1 3>&- &
   SERVER_PID=$!
   for _ in $(seq 1 100); do
     grep -q "RDMA listening" "$W/serve.log" && break
@@ -199,6 +199,10 @@ case_server_death() {
   # Kill the server under a mount: calls fail with EIO in bounded time; the
   # mount can be unmounted; after a restart a new mount works.
   echo data >"$W/export/alive"
+  # A file held open across the restart: reopened by path on the new
+  # session at its next use.
+  echo "before restart" >"$M/held"
+  exec 3<>"$M/held"
   kill -9 "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=
   local rc
   timeout 60 cat "$M/alive" >/dev/null 2>"$W/dead.err"; rc=$?
@@ -220,11 +224,16 @@ case_server_death() {
     sleep 0.5
   done
   [ -n "$ok" ] && [ "$(cat "$W/export/after-restart")" = back ] ||
-    { fail server-death "the mount did not work again after the restart"; return; }
-  fusermount3 -u "$M" || { fail server-death "unmount after the restart"; return; }
+    { exec 3>&-; fail server-death "the mount did not work again after the restart"; return; }
+  printf 'AFTER!' >&3; local wrc=$?
+  exec 3>&-
+  [ $wrc = 0 ] && [ "$(cat "$W/export/held")" = "AFTER! restart" ] ||
+    { fail server-death "a file open across the restart: rc=$wrc, server has '$(cat "$W/export/held")'"; return; }
+  fusermount3 -u "$M" 2>"$W/umount.err" || { sleep 1; fusermount3 -u "$M" 2>>"$W/umount.err"; } ||
+    { fail server-death "unmount after the restart: $(cat "$W/umount.err"; fuser -vm "$M" 2>&1 | tail -3)"; return; }
   do_mount "$M" && [ "$(cat "$M/alive")" = data ] ||
     { fail server-death "a new mount after the restart"; return; }
-  pass "server killed: $(head -1 "$W/dead.err"); restarted: the same mount works again; remounted"
+  pass "server killed: $(head -1 "$W/dead.err"); restarted: the same mount works again, a file held open across it was reopened and written; remounted"
 }
 
 CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death})

@@ -975,9 +975,7 @@ pub unsafe extern "C" fn lwio_reap(
                         }
                     }
                 }
-                if all {
-                    q.pop_front()
-                } else if got < min {
+                if all || got < min {
                     q.pop_front()
                 } else {
                     None

@@ -102,14 +102,36 @@ fn err(e: i32) -> Errno {
     Errno::from_i32(e)
 }
 
+/// A file open through the mount. After the mount connected again (the
+/// server restarted, a connection reset), the file is reopened by path on
+/// the new session at its next use, checked to be the same file (the
+/// server's inode number), and the call goes on.
+struct OpenEntry {
+    /// The node it was opened on.
+    ino: u64,
+    /// open(2) flags (without O_CREAT, O_EXCL and O_TRUNC: a reopen must
+    /// neither create nor truncate).
+    flags: i32,
+    file: std::sync::RwLock<Arc<File>>,
+    /// The client generation the file belongs to.
+    gen: AtomicU64,
+    reopening: Mutex<()>,
+}
+
+impl OpenEntry {
+    fn current(&self) -> Arc<File> {
+        self.file.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
 /// An lwio export (or a directory in it) as a FUSE file system.
 pub struct LwioFs {
     export: String,
     cfg: MountConfig,
     stats: Arc<Stats>,
     shared: Arc<Shared>,
-    /// Open files: FUSE handle → (node, file).
-    files: Mutex<HashMap<u64, (u64, Arc<File>)>>,
+    /// Open files by FUSE handle.
+    files: Mutex<HashMap<u64, Arc<OpenEntry>>>,
     /// Open directories: the listing taken at opendir.
     dirs: Mutex<HashMap<u64, (Arc<Listing>, bool)>>,
     next_fh: AtomicU64,
@@ -275,8 +297,8 @@ impl LwioFs {
     fn open_handle_of(&self, ino: INodeNo) -> Option<u64> {
         lock(&self.files)
             .values()
-            .find(|(i, _)| *i == ino.0)
-            .map(|(_, f)| f.handle())
+            .find(|o| o.ino == ino.0)
+            .map(|o| o.current().handle())
     }
 
     /// The server handle to act on for `ino`: the given open file, else
@@ -333,7 +355,12 @@ impl LwioFs {
     /// Answer a lookup (the caller holds the lease cache's lock when
     /// `leased`).
     fn reply_entry(&self, path: &str, a: &AttrX, leased: bool, reply: ReplyEntry) {
-        let ino = lock(&self.shared.inodes).lookup(path);
+        let ino = {
+            let mut t = lock(&self.shared.inodes);
+            let ino = t.lookup(path);
+            t.set_server_ino(ino, a.ino);
+            ino
+        };
         let (entry_ttl, attr_ttl) = self.ttls(leased);
         reply.entry_with_ttls(&attr_ttl, &entry_ttl, &self.attr(ino, a), Generation(0));
     }
@@ -345,16 +372,98 @@ impl LwioFs {
         }
     }
 
-    fn file(&self, fh: FileHandle) -> Res<Arc<File>> {
-        lock(&self.files)
-            .get(&fh.0)
-            .map(|(_, f)| f.clone())
-            .ok_or(libc::EBADF)
+    fn entry_of(&self, fh: FileHandle) -> Res<Arc<OpenEntry>> {
+        lock(&self.files).get(&fh.0).cloned().ok_or(libc::EBADF)
     }
 
-    fn add_file(&self, ino: u64, f: File) -> u64 {
+    /// The open file of `fh`, reopened first if the mount connected again
+    /// since it was opened.
+    fn file(&self, fh: FileHandle) -> Res<Arc<File>> {
+        let o = self.entry_of(fh)?;
+        self.fresh(&o)?;
+        Ok(o.current())
+    }
+
+    /// Reopen `o` on the current client if it belongs to an older one.
+    fn fresh(&self, o: &OpenEntry) -> Res<()> {
+        let now = self.shared.client_gen.load(Ordering::Acquire);
+        if o.gen.load(Ordering::Acquire) == now {
+            return Ok(());
+        }
+        let _one = lock(&o.reopening);
+        if o.gen.load(Ordering::Acquire) == now {
+            return Ok(());
+        }
+        let (path, expect) = {
+            let t = lock(&self.shared.inodes);
+            (t.path(o.ino), t.server_ino(o.ino))
+        };
+        // A file whose name is gone cannot be found again.
+        let path = path.ok_or(libc::EIO)?;
+        let f = self.open_path(&path, o.flags, None).map_err(|e| {
+            warn!(path, errno = e, "cannot reopen after reconnecting");
+            libc::EIO
+        })?;
+        if let Some(want) = expect {
+            match f.stat() {
+                Ok(a) if a.ino == want => {}
+                _ => {
+                    warn!(path, "not the same file after reconnecting; not reopened");
+                    let _ = f.close();
+                    return Err(libc::ESTALE);
+                }
+            }
+        }
+        let old = std::mem::replace(
+            &mut *o.file.write().unwrap_or_else(|p| p.into_inner()),
+            Arc::new(f),
+        );
+        o.gen.store(now, Ordering::Release);
+        // The old session is gone, and its handle with it.
+        drop(old);
+        warn!(path, "reopened after reconnecting");
+        Ok(())
+    }
+
+    /// Run a data call on `fh`'s file; if the connection was lost under it,
+    /// connect again, reopen the file and make the call once more (a READ or
+    /// a WRITE at an offset may be repeated: the same bytes land in the same
+    /// place).
+    fn with_file<T>(
+        &self,
+        fh: FileHandle,
+        op: impl Fn(&File) -> Result<T, lwio_client::Error>,
+    ) -> Res<T> {
+        let o = self.entry_of(fh)?;
+        self.fresh(&o)?;
+        match op(&o.current()) {
+            Ok(v) => Ok(v),
+            Err(lwio_client::Error::ConnectionLost(m)) => {
+                let gen = o.gen.load(Ordering::Acquire);
+                if !self.shared.reconnect(gen) {
+                    debug!(error = %m, "connection lost");
+                    return Err(libc::EIO);
+                }
+                self.fresh(&o)?;
+                op(&o.current()).map_err(|e| errno::client(&e))
+            }
+            Err(e) => {
+                debug!(error = %e, "data call");
+                Err(errno::client(&e))
+            }
+        }
+    }
+
+    fn add_file(&self, ino: u64, flags: i32, f: File) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        lock(&self.files).insert(fh, (ino, Arc::new(f)));
+        let o = OpenEntry {
+            ino,
+            flags: flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC),
+            file: std::sync::RwLock::new(Arc::new(f)),
+            gen: AtomicU64::new(self.shared.client_gen.load(Ordering::Acquire)),
+            reopening: Mutex::new(()),
+        };
+        lock(&self.files).insert(fh, Arc::new(o));
         fh
     }
 
@@ -415,7 +524,7 @@ impl LwioFs {
         }
     }
 
-    fn read_into(&self, f: &File, offset: u64, size: u32) -> Res<Vec<u8>> {
+    fn read_into(&self, f: &File, offset: u64, size: u32) -> lwio_client::Result<Vec<u8>> {
         let mut buf = vec![0u8; size as usize];
         let mut done = 0usize;
         while done < buf.len() {
@@ -426,8 +535,7 @@ impl LwioFs {
                     if done > 0 {
                         break;
                     }
-                    debug!(error = %e, "read");
-                    return Err(errno::client(&e));
+                    return Err(e);
                 }
             }
         }
@@ -437,18 +545,17 @@ impl LwioFs {
         Ok(buf)
     }
 
-    fn write_all(&self, f: &File, offset: u64, data: &[u8]) -> Res<u32> {
+    fn write_all(&self, f: &File, offset: u64, data: &[u8]) -> lwio_client::Result<u32> {
         let mut done = 0usize;
         while done < data.len() {
             match f.write_at(&data[done..], offset + done as u64) {
-                Ok(0) => return Err(libc::EIO),
+                Ok(0) => return Err(lwio_client::Error::Io("write made no progress".into())),
                 Ok(n) => done += n,
                 Err(e) => {
                     if done > 0 {
                         break;
                     }
-                    debug!(error = %e, "write");
-                    return Err(errno::client(&e));
+                    return Err(e);
                 }
             }
         }
@@ -622,7 +729,10 @@ impl Filesystem for LwioFs {
     }
 
     fn destroy(&mut self) {
-        let files: Vec<_> = lock(&self.files).drain().map(|(_, (_, f))| f).collect();
+        let files: Vec<_> = lock(&self.files)
+            .drain()
+            .map(|(_, o)| o.current())
+            .collect();
         for f in files {
             if let Ok(f) = Arc::try_unwrap(f) {
                 let _ = f.close();
@@ -1075,7 +1185,7 @@ impl Filesystem for LwioFs {
         });
         match r {
             Ok(f) => reply.opened(
-                FileHandle(self.add_file(ino.0, f)),
+                FileHandle(self.add_file(ino.0, flags.0, f)),
                 self.fopen_flags(flags.0),
             ),
             Err(e) => reply.error(err(e)),
@@ -1103,7 +1213,8 @@ impl Filesystem for LwioFs {
         match r {
             Ok((path, f, a)) => {
                 let ino = lock(&self.shared.inodes).lookup(&path);
-                let fh = self.add_file(ino, f);
+                lock(&self.shared.inodes).set_server_ino(ino, a.ino);
+                let fh = self.add_file(ino, flags, f);
                 reply.created(
                     &self.cfg.attr_ttl,
                     &self.attr(ino, &a),
@@ -1127,7 +1238,7 @@ impl Filesystem for LwioFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.file(fh).and_then(|f| self.read_into(&f, offset, size)) {
+        match self.with_file(fh, |f| self.read_into(f, offset, size)) {
             Ok(buf) => reply.data(&buf),
             Err(e) => reply.error(err(e)),
         }
@@ -1145,7 +1256,7 @@ impl Filesystem for LwioFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let r = self.file(fh).and_then(|f| self.write_all(&f, offset, data));
+        let r = self.with_file(fh, |f| self.write_all(f, offset, data));
         if let (true, Ok(p)) = (self.leasing(), self.path(ino)) {
             self.own_change(&p, Own::Stale);
         }
@@ -1191,7 +1302,7 @@ impl Filesystem for LwioFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let f = lock(&self.files).remove(&fh.0).map(|(_, f)| f);
+        let f = lock(&self.files).remove(&fh.0).map(|o| o.current());
         // The server drops the handle's locks with it.
         lock(&self.lockers).remove(&fh.0);
         // A read or write still running on another thread holds the other
@@ -1212,14 +1323,13 @@ impl Filesystem for LwioFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        let r = self.file(fh).and_then(|f| {
-            Stats::add(&self.stats.side_calls, 1);
+        Stats::add(&self.stats.side_calls, 1);
+        let r = self.with_file(fh, |f| {
             if datasync {
                 f.sync_data()
             } else {
                 f.sync_all()
             }
-            .map_err(|e| errno::client(&e))
         });
         match r {
             Ok(()) => reply.ok(),
@@ -1319,7 +1429,12 @@ impl Filesystem for LwioFs {
                     // forget; one that did not fit is not.
                     let (name, a) = &list[(i - 2) as usize];
                     let path = join(&dir, name);
-                    let child = lock(&self.shared.inodes).lookup(&path);
+                    let child = {
+                        let mut t = lock(&self.shared.inodes);
+                        let child = t.lookup(&path);
+                        t.set_server_ino(child, a.ino);
+                        child
+                    };
                     let full = reply.add(
                         INodeNo(child),
                         i + 1,

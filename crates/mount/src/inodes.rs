@@ -15,6 +15,9 @@ struct Node {
     /// Its name was removed (unlink, rmdir, replaced by a rename): it is
     /// reachable only through files still open on it.
     unlinked: bool,
+    /// The server's inode number, as last seen (0: not seen): a file
+    /// reopened after a reconnection must have the same.
+    server_ino: u64,
 }
 
 pub(crate) struct Inodes {
@@ -45,6 +48,7 @@ impl Inodes {
                 path: root.to_string(),
                 lookups: 1,
                 unlinked: false,
+                server_ino: 0,
             },
         );
         t.by_path.insert(root.to_string(), ROOT);
@@ -57,6 +61,21 @@ impl Inodes {
             .get(&ino)
             .filter(|n| !n.unlinked)
             .map(|n| n.path.clone())
+    }
+
+    /// Record the server's inode number of node `ino`.
+    pub(crate) fn set_server_ino(&mut self, ino: u64, server_ino: u64) {
+        if let Some(n) = self.by_ino.get_mut(&ino) {
+            n.server_ino = server_ino;
+        }
+    }
+
+    /// The server's inode number of node `ino`, if seen.
+    pub(crate) fn server_ino(&self, ino: u64) -> Option<u64> {
+        self.by_ino
+            .get(&ino)
+            .map(|n| n.server_ino)
+            .filter(|&i| i != 0)
     }
 
     /// The node of `path`, without counting a lookup.
@@ -81,6 +100,7 @@ impl Inodes {
                 path: path.to_string(),
                 lookups: 1,
                 unlinked: false,
+                server_ino: 0,
             },
         );
         self.by_path.insert(path.to_string(), ino);
