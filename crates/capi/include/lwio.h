@@ -242,6 +242,16 @@ int lwio_reap(const struct lwio_client *c,
               unsigned int min,
               unsigned int max);
 
+/**
+ * A file descriptor that becomes readable when a batch operation of `c`
+ * completes (an eventfd: read its 8-byte counter to clear it, then
+ * `lwio_reap(c, cqes, 0, max)`), for epoll, poll or select. Owned by the
+ * library (closed by `lwio_disconnect`); interrupt completion mode only
+ * (-EINVAL with LWIO_COMPLETION_POLL, whose completions are status-block
+ * writes that wake nobody: poll with `lwio_reap`).
+ */
+int lwio_completion_fd(const struct lwio_client *c);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

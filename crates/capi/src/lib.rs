@@ -71,6 +71,8 @@ pub struct LwioClient {
     client: Client,
     /// Submitted batch operations, oldest first.
     queue: Mutex<VecDeque<Pending>>,
+    /// The eventfd of `lwio_completion_fd`, once asked for.
+    notify: Mutex<Option<Arc<std::os::fd::OwnedFd>>>,
 }
 
 /// `lwio_fstat`'s answer.
@@ -329,6 +331,7 @@ unsafe fn connect_inner(url: *const c_char, o: *const lwio_options) -> Result<Lw
         id: NEXT.fetch_add(1, Ordering::Relaxed),
         client,
         queue: Mutex::new(VecDeque::new()),
+        notify: Mutex::new(None),
     })
 }
 
@@ -373,7 +376,11 @@ pub unsafe extern "C" fn lwio_disconnect(c: *mut LwioClient) -> c_int {
         drop(files);
         // SAFETY: from Box::into_raw in lwio_connect, freed once (the set
         // membership above was the token).
-        drop(unsafe { Box::from_raw(c) });
+        let c = unsafe { Box::from_raw(c) };
+        for e in c.client.engines() {
+            e.set_notify(None);
+        }
+        drop(c);
         0
     })
 }
@@ -958,6 +965,9 @@ pub unsafe extern "C" fn lwio_reap(
         }
         let (min, max) = (min.min(max) as usize, max as usize);
         let mut got = 0usize;
+        // Run the completion queue once per call for the non-blocking
+        // looks; a blocking wait drives it itself.
+        let mut drive = true;
         while got < max {
             let front = {
                 let mut q = lock(&c.queue);
@@ -965,7 +975,9 @@ pub unsafe extern "C" fn lwio_reap(
                 // Already complete (or, past `min`, not): non-blocking look.
                 let mut all = true;
                 for part in p.parts.iter_mut().filter(|x| x.done.is_none()) {
-                    match p.engine.try_wait(part.req, part.slot) {
+                    let r = p.engine.try_wait(part.req, part.slot, drive);
+                    drive = false;
+                    match r {
                         Ok(Some(r)) => part.done = Some(r),
                         Ok(None) => all = false,
                         Err(_) => {
@@ -998,6 +1010,49 @@ pub unsafe extern "C" fn lwio_reap(
             got += 1;
         }
         got as c_int
+    })
+}
+
+/// A file descriptor that becomes readable when a batch operation of `c`
+/// completes (an eventfd: read its 8-byte counter to clear it, then
+/// `lwio_reap(c, cqes, 0, max)`), for epoll, poll or select. Owned by the
+/// library (closed by `lwio_disconnect`); interrupt completion mode only
+/// (-EINVAL with LWIO_COMPLETION_POLL, whose completions are status-block
+/// writes that wake nobody: poll with `lwio_reap`).
+#[no_mangle]
+pub unsafe extern "C" fn lwio_completion_fd(c: *const LwioClient) -> c_int {
+    guard(-libc::EIO, || {
+        let c = match client_ref(c) {
+            Ok(c) => c,
+            Err(e) => return e,
+        };
+        if c.client.completion() == Completion::Poll {
+            return fail(
+                libc::EINVAL,
+                "no completion fd in poll mode: reap by polling",
+            );
+        }
+        let mut n = lock(&c.notify);
+        if let Some(fd) = n.as_ref() {
+            return std::os::fd::AsRawFd::as_raw_fd(&**fd);
+        }
+        // SAFETY: eventfd(2) takes no pointers.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            let e = std::io::Error::last_os_error();
+            return fail(
+                e.raw_os_error().unwrap_or(libc::EIO),
+                format!("eventfd: {e}"),
+            );
+        }
+        // SAFETY: a new descriptor that nothing else owns.
+        let fd =
+            Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) });
+        for e in c.client.engines() {
+            e.set_notify(Some(fd.clone()));
+        }
+        *n = Some(fd);
+        raw
     })
 }
 

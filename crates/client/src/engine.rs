@@ -247,6 +247,8 @@ struct St {
     interrupt_req: Option<ReqId>,
     last_slot: Option<u32>,
     stats: ClientStats,
+    /// An eventfd signalled at every completion ([`Engine::set_notify`]).
+    notify: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
 /// The engine. Shared by `Client`, its `File`s and the progress thread.
@@ -460,6 +462,7 @@ impl Engine {
             interrupt_req: None,
             last_slot: None,
             stats: ClientStats::default(),
+            notify: None,
         };
         let e = Arc::new(Engine {
             cfg,
@@ -788,6 +791,28 @@ impl Engine {
             }
         }
         st.done.insert(req, (information, status));
+        if let Some(fd) = &st.notify {
+            // An eventfd counter: +1. Non-blocking; a full counter (2^64-2
+            // unread completions) cannot happen in practice, and EAGAIN
+            // would only mean it is readable already.
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writing 8 bytes from a local array to an fd we own.
+            let _ = unsafe {
+                libc::write(
+                    std::os::fd::AsRawFd::as_raw_fd(&**fd),
+                    one.as_ptr().cast(),
+                    one.len(),
+                )
+            };
+        }
+    }
+
+    /// Signal `fd` (an eventfd) at every request completion from now on, so
+    /// that a caller can sleep in epoll until there is something to reap.
+    /// Completions are seen when the engine runs its completion queue: by a
+    /// waiting caller, else by the progress thread (interrupt mode).
+    pub fn set_notify(&self, fd: Option<Arc<std::os::fd::OwnedFd>>) {
+        lock(&self.st).notify = fd;
     }
 
     fn completion(&self, st: &mut St, w: Wc) {
@@ -1396,10 +1421,17 @@ impl Engine {
         self.cfg.completion
     }
 
-    /// The completion of `req` if it has arrived, without blocking: drives
-    /// the completion queue once, as a waiting caller does (the C API's
-    /// batch reaping uses it).
-    pub fn try_wait(&self, req: ReqId, slot: Option<u32>) -> Result<Option<(u32, NtStatus)>> {
+    /// The completion of `req` if it has arrived, without blocking. With
+    /// `drive`, first runs the completion queue once, as a waiting caller
+    /// does; without, only looks (cheap: for the requests after the first
+    /// of a batch, whose completions the first one's progress brought in).
+    /// The C API's batch reaping uses it.
+    pub fn try_wait(
+        &self,
+        req: ReqId,
+        slot: Option<u32>,
+        drive: bool,
+    ) -> Result<Option<(u32, NtStatus)>> {
         {
             let mut st = lock(&self.st);
             if let Some(r) = st.done.remove(&req) {
@@ -1407,7 +1439,9 @@ impl Engine {
             }
             self.flush_sends(&mut st);
         }
-        self.poll_cq();
+        if drive {
+            self.poll_cq();
+        }
         let mut st = lock(&self.st);
         if let Some(s) = slot {
             if self.cfg.completion == Completion::Poll && self.check_slot(&mut st, s) {

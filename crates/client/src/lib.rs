@@ -562,6 +562,11 @@ impl Client {
         1 + self.0.extra.len()
     }
 
+    /// Every RDMA channel's engine, channel 0 first.
+    pub fn engines(&self) -> Vec<Arc<Engine>> {
+        self.0.channels().cloned().collect()
+    }
+
     /// Statistics of channel `n`, if it exists.
     pub fn channel_stats(&self, n: usize) -> Option<ClientStats> {
         (n < self.channels()).then(|| self.0.channel(n).stats())

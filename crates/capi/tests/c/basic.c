@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <unistd.h>
 
 #include <lwio.h>
@@ -183,6 +184,43 @@ int main(int argc, char **argv) {
     }
     CHECK(lwio_reap(c, cq, 0, Q) == 0, "nothing left to reap");
     printf("ok - 64 reads and 64 writes in flight, byte-exact\n");
+
+    /* Sleep in epoll until completions come (interrupt mode), reap them
+     * without blocking. */
+    int cfd = lwio_completion_fd(c);
+    if (o.completion == LWIO_COMPLETION_POLL) {
+        CHECK(cfd == -EINVAL, "completion fd in poll mode: %d", cfd);
+    } else {
+        CHECK(cfd >= 0, "completion fd: %d", cfd);
+        CHECK(lwio_completion_fd(c) == cfd, "the same fd again");
+        int ep = epoll_create1(EPOLL_CLOEXEC);
+        struct epoll_event ev = {.events = EPOLLIN, .data.fd = cfd};
+        CHECK(ep >= 0 && epoll_ctl(ep, EPOLL_CTL_ADD, cfd, &ev) == 0, "epoll on the fd");
+        for (int i = 0; i < 16; i++) {
+            ops[i] = (struct lwio_op){.user_data = 500 + i, .fd = fd, .opcode = LWIO_OP_READ,
+                                      .buf = bufs + i * BS, .len = BS, .offset = (uint64_t)i * 4099};
+        }
+        CHECK(lwio_submit(c, ops, 16) == 16, "submit 16 reads");
+        int have = 0, sleeps = 0;
+        while (have < 16) {
+            struct epoll_event out;
+            int k = epoll_wait(ep, &out, 1, 10000);
+            CHECK(k == 1, "epoll_wait: %d (completions never signalled)", k);
+            uint64_t cnt;
+            CHECK(read(cfd, &cnt, 8) == 8 && cnt >= 1, "eventfd read");
+            sleeps++;
+            int r = lwio_reap(c, cq + have, 0, 16 - have);
+            CHECK(r >= 0, "reap after epoll: %d", r);
+            have += r;
+        }
+        for (int i = 0; i < 16; i++) {
+            CHECK(cq[i].user_data == 500u + i && cq[i].res == BS &&
+                      !memcmp(bufs + i * BS, w + i * 4099, BS),
+                  "epoll-reaped read %d", i);
+        }
+        close(ep);
+        printf("ok - completion fd: 16 reads reaped after %d epoll wake-ups\n", sleeps);
+    }
     CHECK(lwio_buf_free(bufs) == 0, "free the batch buffer");
 
     /* Registered buffer: a 1 MiB read lands in it. */
