@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # install-liblwio.sh - build liblwio and install it for C programs:
 #   PREFIX/lib/liblwio.so, PREFIX/lib/liblwio.a, PREFIX/include/lwio.h,
-#   PREFIX/lib/pkgconfig/lwio.pc   (then: cc prog.c $(pkg-config --cflags --libs lwio))
+#   PREFIX/lib/pkgconfig/lwio.pc   (then: cc prog.c $(pkg-config --cflags --libs lwio)),
+#   PREFIX/lib/liblwio_preload.so  (LD_PRELOAD for programs on an `lwio mount`)
 #
 # usage: scripts/install-liblwio.sh [PREFIX]    (default /usr/local)
 # env:   PROFILE=debug|release (default release), CARGO_TARGET_DIR
@@ -10,12 +11,13 @@ cd "$(dirname "$0")/.."
 PREFIX=${1:-/usr/local}
 PROFILE=${PROFILE:-release}
 flag=(); [ "$PROFILE" = release ] && flag=(--release)
-cargo build -q "${flag[@]}" -p lwio-capi
+cargo build -q "${flag[@]}" -p lwio-capi -p lwio-preload
 T=${CARGO_TARGET_DIR:-target}/$PROFILE
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 install -d "$PREFIX/lib/pkgconfig" "$PREFIX/include"
 install -m 0755 "$T/liblwio.so" "$PREFIX/lib/liblwio.so"
 install -m 0644 "$T/liblwio.a" "$PREFIX/lib/liblwio.a"
+install -m 0755 "$T/liblwio_preload.so" "$PREFIX/lib/liblwio_preload.so"
 install -m 0644 crates/capi/include/lwio.h "$PREFIX/include/lwio.h"
 sed -e "s|@PREFIX@|$PREFIX|" -e "s|@VERSION@|$VERSION|" crates/capi/lwio.pc.in >"$PREFIX/lib/pkgconfig/lwio.pc"
 echo "installed liblwio $VERSION in $PREFIX"

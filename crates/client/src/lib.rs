@@ -29,6 +29,7 @@ pub mod asynch;
 pub mod discovery;
 pub mod engine;
 pub mod errno;
+pub mod handoff;
 pub mod side;
 pub mod url;
 
@@ -293,8 +294,11 @@ pub(crate) struct Inner {
     pub(crate) server_name: String,
     /// Where and how the side channel was reached (for a second connection:
     /// the lease-break watcher).
-    authority: String,
-    side_opts: crate::side::ClientOptions,
+    pub(crate) authority: String,
+    pub(crate) side_opts: crate::side::ClientOptions,
+    /// How the data path was chosen (for a [`handoff::Handoff`]).
+    pub(crate) provider_choice: ProviderChoice,
+    pub(crate) device: Option<String>,
 }
 
 impl Inner {
@@ -467,6 +471,8 @@ impl Client {
             server_name,
             authority,
             side_opts: so.clone(),
+            provider_choice: opts.provider,
+            device: opts.device.clone(),
         })))
     }
 

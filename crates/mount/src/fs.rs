@@ -1292,6 +1292,48 @@ impl Filesystem for LwioFs {
         }
     }
 
+    /// The handoff of liblwio_preload.so (docs/preload.md): how a program
+    /// of the mount's own user reaches this open file over RDMA itself.
+    fn ioctl(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        cmd: u32,
+        _in_data: &[u8],
+        out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        use lwio_client::handoff::{HANDOFF_MAX, IOC_HANDOFF};
+        if cmd != IOC_HANDOFF {
+            return reply.error(Errno::ENOTTY);
+        }
+        // SAFETY: getuid has no preconditions and cannot fail.
+        let owner = unsafe { libc::getuid() };
+        if !self.cfg.preload || (req.uid() != owner && req.uid() != 0) {
+            debug!(uid = req.uid(), "handoff refused");
+            return reply.error(Errno::EPERM);
+        }
+        let r = (|| -> Res<String> {
+            let o = self.entry_of(fh)?;
+            self.fresh(&o)?;
+            let f = o.current();
+            let ino = self.with_file(fh, |f| f.stat())?.ino;
+            let (_, path) = f.export_path();
+            Ok(self.client().handoff(&self.export, path, ino).encode())
+        })();
+        match r {
+            Ok(text) if text.len() < HANDOFF_MAX.min(out_size as usize) => {
+                let mut out = text.into_bytes();
+                out.push(0);
+                reply.ioctl(0, &out);
+            }
+            Ok(_) => reply.error(Errno::ERANGE),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
     fn release(
         &self,
         _req: &Request,

@@ -43,6 +43,12 @@ pub struct MountConfig {
     /// the server's `idle_timeout` (5 minutes by default) never ends a
     /// mounted session. 0 turns it off.
     pub keepalive: Duration,
+    /// `preload` (default) / `nopreload`: answer the handoff ioctl of
+    /// liblwio_preload.so for programs of the mount's own user (or root),
+    /// so that their reads and writes of the mount's files go straight to
+    /// the server over RDMA (docs/preload.md). `nopreload` refuses it
+    /// (EPERM): such programs then use the mount as any other.
+    pub preload: bool,
 }
 
 impl Default for MountConfig {
@@ -62,6 +68,7 @@ impl Default for MountConfig {
             lease_ttl: Duration::from_secs(60),
             max_leases: 512,
             keepalive: Duration::from_secs(60),
+            preload: true,
         }
     }
 }
@@ -155,6 +162,8 @@ impl MountConfig {
                 ("noleases", None) => self.leases = false,
                 ("lease_timeout", v) => self.lease_ttl = secs(v)?,
                 ("keepalive", v) => self.keepalive = secs(v)?,
+                ("preload", None) => self.preload = true,
+                ("nopreload", None) => self.preload = false,
                 ("hard", None) => {
                     return Err(bad(
                         "not supported yet: this lwio has no reconnect, so calls fail with EIO when the server goes away (the default, `soft`)",
