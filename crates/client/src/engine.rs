@@ -17,8 +17,10 @@
 //! CQ and yielding the CPU each round; when the spin budget is spent it
 //! sends INTERRUPT and sleeps until the server answers.
 //!
-//! Memory: reads under [`BOUNCE_THRESHOLD`] land in an engine-owned bounce
-//! area and are copied out. Larger blocking reads of at least
+//! Memory: staged reads of up to a page ([`BOUNCE_SLOT`]) land in an
+//! engine-owned bounce area while a slot of it is free, longer ones (and
+//! small ones when it is full) in `read_chunk`-sized staging slots, and are
+//! copied out. Larger blocking reads of at least
 //! `EngineConfig::register_threshold` bytes land **directly in the caller's
 //! buffer**: a buffer from [`crate::Client::register_buffer`] is found
 //! in the registration cache ([`RegCache`]: page-aligned ranges, LRU, bounded
@@ -55,8 +57,15 @@ use tracing::{debug, info, warn};
 use super::{Completion, Error, Result};
 use lwio_proto::wrid;
 
-/// Reads shorter than this use the bounce area.
+/// Reads shorter than this always use the bounce area (never caller
+/// memory, even registered: not worth a window of their own).
 pub const BOUNCE_THRESHOLD: usize = 1024;
+/// A bounce slot: staged reads up to a page take one of these before a
+/// `read_chunk`-sized staging slot, so small random reads (the 4 KiB of
+/// databases and fio) keep [`BOUNCE_SLOTS`] in flight whatever
+/// `stage_slots` is (the preload's 16 slots of 512 KiB once held 4 KiB AIO
+/// at queue depth 16).
+pub const BOUNCE_SLOT: usize = 4096;
 const BOUNCE_SLOTS: usize = 64;
 const RECV_SLOT: usize = 64;
 const AUTH_BUF: usize = 256;
@@ -245,7 +254,6 @@ struct St {
     cache: RegCache,
     auth: Option<std::result::Result<(u64, u16), NtStatus>>,
     interrupt_req: Option<ReqId>,
-    last_slot: Option<u32>,
     stats: ClientStats,
     /// An eventfd signalled at every completion ([`Engine::set_notify`]).
     notify: Option<Arc<std::os::fd::OwnedFd>>,
@@ -340,7 +348,7 @@ impl Engine {
         let status_off = AUTH_BUF;
         let bounce_off = status_off + STATUS_SLOTS as usize * 8;
         let bounce_off = bounce_off.next_multiple_of(4096);
-        let stage_off = (bounce_off + BOUNCE_SLOTS * BOUNCE_THRESHOLD).next_multiple_of(4096);
+        let stage_off = (bounce_off + BOUNCE_SLOTS * BOUNCE_SLOT).next_multiple_of(4096);
         let win_len = stage_off + cfg.read_chunk * cfg.stage_slots;
         let win_mr = pd.alloc_mr(
             win_len,
@@ -460,7 +468,6 @@ impl Engine {
             cache: RegCache::new(cfg.reg_cache_bytes, cfg.reg_cache_entries),
             auth: None,
             interrupt_req: None,
-            last_slot: None,
             stats: ClientStats::default(),
             notify: None,
         };
@@ -660,7 +667,6 @@ impl Engine {
                 ClientAction::ResetStatusBlock { slot, addr: _ } => {
                     let off = self.status_off + slot as usize * 8;
                     let _ = self.win_mr.store_u64(off, POLL_SENTINEL);
-                    st.last_slot = Some(slot);
                 }
                 ClientAction::CloseConnection(reason) => {
                     let _ = self.qp.disconnect();
@@ -711,6 +717,15 @@ impl Engine {
 
     /// Post the queued request messages, as few post calls as possible (the
     /// soft provider writes one post list with one `writev`).
+    /// Post the request messages issued so far now. Issuing only queues
+    /// them (a blocking caller's wait posts them together); a caller that
+    /// issues and returns without waiting (POSIX AIO, whose completions
+    /// another thread reaps) calls this so they go on the wire at once.
+    pub fn flush(&self) {
+        let mut st = lock(&self.st);
+        self.flush_sends(&mut st);
+    }
+
     fn flush_sends(&self, st: &mut St) {
         while let Some(front) = st.send_backlog.front() {
             // A message already in its slot needs none; bytes need a free one.
@@ -973,6 +988,12 @@ impl Engine {
             if let Some(l) = &st.lost {
                 return Err(Error::ConnectionLost(l.clone()));
             }
+            // A credit but not the resources (staging buffer, window, send
+            // slot): those come back only when other threads finish their
+            // requests, which takes this lock, so never retry without
+            // letting go of it (polling once spun here holding it while 32
+            // AIO threads waited to give their buffers back).
+            let mut short = false;
             if st.conn.can_issue() {
                 if let Some(r) = issue(self, &mut st) {
                     let out = st.conn.outstanding();
@@ -984,11 +1005,12 @@ impl Engine {
                     self.run_actions(&mut st);
                     return r;
                 }
+                short = true;
             }
             if self.cfg.completion == Completion::Poll {
                 self.scan_slots(&mut st);
                 self.run_actions(&mut st);
-                if st.conn.can_issue() {
+                if !short && st.conn.can_issue() {
                     continue;
                 }
             }
@@ -1045,14 +1067,14 @@ impl Engine {
 
     fn stage_off(&self, s: Stage) -> Option<usize> {
         match s {
-            Stage::Bounce(i) => Some(self.bounce_off + i * BOUNCE_THRESHOLD),
+            Stage::Bounce(i) => Some(self.bounce_off + i * BOUNCE_SLOT),
             Stage::Slot(i) => Some(self.stage_off + i * self.cfg.read_chunk),
             Stage::User => None,
         }
     }
 
     fn take_stage(&self, st: &mut St, len: usize) -> Option<Stage> {
-        if len < BOUNCE_THRESHOLD {
+        if len <= BOUNCE_SLOT {
             if let Some(i) = st.bounce_free.pop() {
                 return Some(Stage::Bounce(i));
             }
@@ -1290,9 +1312,15 @@ impl Engine {
         }
     }
 
-    /// The status block slot of the most recently issued polled request.
-    pub fn last_slot(&self) -> Option<u32> {
-        lock(&self.st).last_slot
+    /// The status block slot of an outstanding polled request, to pass to
+    /// [`Engine::wait`] (None once it completed, or with interrupts). Asked
+    /// by request, not "the last one issued", which another thread's issue
+    /// may have replaced in between.
+    pub fn slot_of(&self, req: ReqId) -> Option<u32> {
+        if self.cfg.completion != Completion::Poll {
+            return None;
+        }
+        lock(&self.st).conn.slot_of(req)
     }
 
     /// Wait for a request's completion: (information, status).
@@ -1402,7 +1430,7 @@ impl Engine {
     pub fn free_stages(&self, len: usize) -> usize {
         let st = lock(&self.st);
         st.stage_free.len()
-            + if len < BOUNCE_THRESHOLD {
+            + if len <= BOUNCE_SLOT {
                 st.bounce_free.len()
             } else {
                 0

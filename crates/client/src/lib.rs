@@ -906,7 +906,7 @@ impl File {
                 match e.issue_read_to(self.fid, offset + issued as u64, len, vec, dst) {
                     Ok((req, stage)) => {
                         let slot = if e.cfg.completion == Completion::Poll {
-                            e.last_slot()
+                            e.slot_of(req)
                         } else {
                             None
                         };
@@ -1025,7 +1025,7 @@ impl File {
                 match r {
                     Ok(req) => {
                         let slot = if e.cfg.completion == Completion::Poll {
-                            e.last_slot()
+                            e.slot_of(req)
                         } else {
                             None
                         };
@@ -1078,7 +1078,7 @@ impl File {
                 let data = &page[..(len as usize).min(ps)];
                 let req = e.issue_vec_write(self.fid, offset + done, ps as u16, len, data, true)?;
                 let slot = if e.cfg.completion == Completion::Poll {
-                    e.last_slot()
+                    e.slot_of(req)
                 } else {
                     None
                 };

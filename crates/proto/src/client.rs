@@ -247,6 +247,11 @@ impl ClientConn {
         v.sort_unstable();
         v
     }
+    /// The status block slot of an outstanding polled request (None once it
+    /// completed, or when it completes by interrupt).
+    pub fn slot_of(&self, req: ReqId) -> Option<u32> {
+        self.reqs.get(&req).and_then(|o| o.slot)
+    }
     /// Address of a status block slot.
     pub fn slot_addr(&self, slot: u32) -> Option<u64> {
         let a = self.cfg.status_blocks?;

@@ -395,7 +395,7 @@ fn job(
                 };
                 match r {
                     Ok((req, stage)) => {
-                        let slot = if poll { e.last_slot() } else { None };
+                        let slot = if poll { e.slot_of(req) } else { None };
                         io.reqs.push((req, slot, stage, len));
                     }
                     Err(err) => {
