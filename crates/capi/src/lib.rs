@@ -873,7 +873,7 @@ fn issue_inner(op: &lwio_op) -> Result<Option<Pending>, c_int> {
         match r {
             Ok((req, stage)) => p.parts.push(Part {
                 req,
-                slot: if poll { e.last_slot() } else { None },
+                slot: if poll { e.slot_of(req) } else { None },
                 stage,
                 at,
                 len: n,
@@ -922,23 +922,36 @@ pub unsafe extern "C" fn lwio_submit(
         // SAFETY: the caller passes `n` operations.
         let ops = unsafe { std::slice::from_raw_parts(ops, n as usize) };
         let mut done: c_int = 0;
-        for op in ops {
-            match issue(op) {
-                Ok(p) => {
-                    lock(&c.queue).push_back(p);
-                    done += 1;
-                }
-                Err(NotIssued::Full) => {
-                    return if done > 0 {
-                        done
-                    } else {
-                        fail(libc::EAGAIN, "no room: reap completions first")
+        // Issuing only queues the request messages: post them before
+        // returning, so a program that waits on lwio_completion_fd (not in
+        // lwio_reap, which would post them) has them on the wire.
+        let mut engines: Vec<Arc<Engine>> = Vec::new();
+        let r = (|| {
+            for op in ops {
+                match issue(op) {
+                    Ok(p) => {
+                        if !engines.iter().any(|e| Arc::ptr_eq(e, &p.engine)) {
+                            engines.push(p.engine.clone());
+                        }
+                        lock(&c.queue).push_back(p);
+                        done += 1;
                     }
+                    Err(NotIssued::Full) => {
+                        return if done > 0 {
+                            done
+                        } else {
+                            fail(libc::EAGAIN, "no room: reap completions first")
+                        }
+                    }
+                    Err(NotIssued::Err(e)) => return if done > 0 { done } else { e },
                 }
-                Err(NotIssued::Err(e)) => return if done > 0 { done } else { e },
             }
+            done
+        })();
+        for e in &engines {
+            e.flush();
         }
-        done
+        r
     })
 }
 

@@ -1,10 +1,18 @@
 //! POSIX AIO (aio_read, aio_write, aio_fsync, aio_error, aio_return,
-//! aio_suspend, aio_cancel) on files of a mount: each request runs on a
-//! worker thread of this library (up to [`MAX_WORKERS`], made as requests
-//! wait), so a program keeps as many requests in flight on the RDMA
-//! connection as it submits, as glibc's own AIO does with its threads.
-//! Requests on other files, and ones that ask for a notification thread
-//! (SIGEV_THREAD), are the C library's.
+//! aio_suspend, aio_cancel) on files of a mount.
+//!
+//! A read or write is issued on the RDMA connection by aio_read/aio_write
+//! itself, in the caller's thread, and left in flight: one **reaper**
+//! thread collects the completions in submission order (the first wait
+//! drives the completion queue, which brings in the ones behind it), copies
+//! read data out of the staging buffers and marks the control blocks done.
+//! So a program keeps as many requests on the wire as it submits, with no
+//! thread per request. What cannot be issued that way (a read when no
+//! staging buffer is free, a connection lost at issue, aio_fsync) runs on
+//! a worker thread of this library instead (up to [`MAX_WORKERS`]), as
+//! glibc's own AIO does with its threads. Requests on other files, and
+//! ones that ask for a notification thread (SIGEV_THREAD), are the C
+//! library's.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
@@ -13,6 +21,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use libc::{aiocb, ssize_t};
+use lwio_client::engine::{Engine, Stage};
+use lwio_proto::client::ReqId;
+use lwio_proto::status::{NtStatus, STATUS_END_OF_FILE, STATUS_SUCCESS};
 
 use crate::real;
 use crate::state::{self, busy, count, lock, set_errno, Open, COUNTERS};
@@ -54,6 +65,30 @@ struct Aio {
     done: Condvar,
     queue: Mutex<(VecDeque<Job>, usize, usize)>, // (jobs, workers, idle)
     work: Condvar,
+    /// Requests in flight on a connection, oldest first, and whether the
+    /// reaper thread runs.
+    flights: Mutex<(VecDeque<Flight>, bool)>,
+    landed: Condvar,
+}
+
+/// One request of a job on the wire.
+struct Part {
+    req: ReqId,
+    slot: Option<u32>,
+    /// A read's staging buffer (its data is copied out when reaped).
+    stage: Option<Stage>,
+    /// Offset in the job's buffer, and length.
+    at: usize,
+    len: usize,
+}
+
+/// A job issued on a connection, waiting for its completions.
+struct Flight {
+    job: Job,
+    engine: Arc<Engine>,
+    parts: Vec<Part>,
+    /// The errno of a part that could not be issued (none after it were).
+    issue_error: Option<c_int>,
 }
 
 static AIO: AtomicPtr<Aio> = AtomicPtr::new(std::ptr::null_mut());
@@ -64,6 +99,8 @@ fn aio() -> &'static Aio {
         done: Condvar::new(),
         queue: Mutex::new((VecDeque::new(), 0, 0)),
         work: Condvar::new(),
+        flights: Mutex::new((VecDeque::new(), false)),
+        landed: Condvar::new(),
     })
 }
 
@@ -140,13 +177,200 @@ fn worker(a: &'static Aio) {
         };
         let (ret, err) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&job)))
             .unwrap_or((-1, libc::EIO));
-        lock(&a.reqs).insert(job.cb, Req::Done { ret, err });
-        a.done.notify_all();
-        if let Some((sig, val)) = job.signal {
-            // SAFETY: queueing the program's chosen signal to itself.
-            unsafe { libc::sigqueue(libc::getpid(), sig, val) };
+        complete(a, &job, ret, err);
+    }
+}
+
+/// Mark a job done, wake aio_suspend, send the program's signal.
+fn complete(a: &Aio, job: &Job, ret: isize, err: c_int) {
+    lock(&a.reqs).insert(job.cb, Req::Done { ret, err });
+    a.done.notify_all();
+    if let Some((sig, val)) = job.signal {
+        // SAFETY: queueing the program's chosen signal to itself.
+        unsafe { libc::sigqueue(libc::getpid(), sig, val) };
+    }
+}
+
+/// Issue a read or write on the connection, left in flight for the reaper;
+/// the job back when it must run on a worker thread instead.
+fn issue(a: &'static Aio, j: Job) -> Result<(), Job> {
+    let write = match j.op {
+        Op::Read => false,
+        Op::Write => true,
+        Op::Sync { .. } => return Err(j),
+    };
+    let Ok(off) = u64::try_from(j.off) else {
+        return Err(j);
+    };
+    if j.len == 0 || j.buf == 0 || off.checked_add(j.len as u64).is_none() {
+        return Err(j); // the worker path gives the exact result or error
+    }
+    let e = j.o.file.channel_engine().clone();
+    let chunk = if write { e.max_write() } else { e.max_read() };
+    let n_parts = j.len.div_ceil(chunk);
+    // A read needs a staging buffer per part now; staging buffers come
+    // back only as the reaper finishes reads, so never wait for them here.
+    if !write && e.free_stages(chunk.min(j.len)) < n_parts {
+        return Err(j);
+    }
+    let fid = j.o.file.fid();
+    let mut parts = Vec::with_capacity(n_parts);
+    let mut issue_error = None;
+    let mut at = 0usize;
+    while at < j.len {
+        let n = chunk.min(j.len - at);
+        let pos = off + at as u64;
+        let r = if write {
+            // SAFETY: the program lent `aio_nbytes` readable bytes at
+            // `aio_buf` until aio_return; the engine copies them into its
+            // send slot before this returns.
+            let data = unsafe { std::slice::from_raw_parts((j.buf as *const u8).add(at), n) };
+            e.issue_write(fid, pos, data).map(|req| (req, None))
+        } else {
+            e.issue_read(fid, pos, n, None)
+                .map(|(req, s)| (req, Some(s)))
+        };
+        match r {
+            Ok((req, stage)) => parts.push(Part {
+                req,
+                slot: e.slot_of(req),
+                stage,
+                at,
+                len: n,
+            }),
+            // Nothing on the wire yet: the worker path runs it (and goes
+            // to the kernel if the connection is lost).
+            Err(_) if parts.is_empty() => return Err(j),
+            Err(err) => {
+                issue_error = Some(lwio_client::errno::client(&err));
+                break;
+            }
+        }
+        if write {
+            j.o.dirty.store(true, Ordering::Relaxed);
+        }
+        at += n;
+    }
+    // On the wire now: the reaper may be asleep waiting for an earlier one.
+    e.flush();
+    let mut f = lock(&a.flights);
+    f.0.push_back(Flight {
+        job: j,
+        engine: e,
+        parts,
+        issue_error,
+    });
+    if !f.1 {
+        let spawned = std::thread::Builder::new()
+            .name("lwio-aio-reap".into())
+            .spawn(move || reaper(a));
+        match spawned {
+            Ok(_) => f.1 = true,
+            Err(_) => {
+                // No reaper: finish this one here (the program's thread
+                // waits for it, as a synchronous call would).
+                let fl = f.0.pop_back();
+                drop(f);
+                if let Some(fl) = fl {
+                    land(a, fl);
+                }
+                return Ok(());
+            }
         }
     }
+    drop(f);
+    a.landed.notify_one();
+    Ok(())
+}
+
+/// The reaper: wait for each flight's completions in turn.
+fn reaper(a: &'static Aio) {
+    state::busy_forever();
+    loop {
+        let fl = {
+            let mut f = lock(&a.flights);
+            loop {
+                if let Some(fl) = f.0.pop_front() {
+                    break fl;
+                }
+                f = a.landed.wait(f).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        land(a, fl);
+    }
+}
+
+/// A request the engine abandoned (the connection is gone); the engine
+/// frees its staging buffer itself.
+const LOST: NtStatus = 0xC000_020C;
+
+/// Wait for a flight's parts, copy read data to the program, complete it.
+fn land(a: &Aio, mut fl: Flight) {
+    let j = &fl.job;
+    let write = matches!(j.op, Op::Write);
+    let mut total = 0usize;
+    let mut err = None;
+    let mut ended = false;
+    let mut lost = false;
+    for p in fl.parts.iter_mut() {
+        let (n, st) = match fl.engine.wait(p.req, p.slot) {
+            Ok(r) => r,
+            Err(_) => {
+                p.stage = None;
+                (0, LOST)
+            }
+        };
+        let n = (n as usize).min(p.len);
+        let good = st == STATUS_SUCCESS && !ended && err.is_none() && !lost;
+        match p.stage.take() {
+            Some(s) if good => {
+                // SAFETY: the program lent `aio_nbytes` writable bytes at
+                // `aio_buf` until aio_return; this copy out of the staging
+                // buffer is the only write to them.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut((j.buf as *mut u8).add(p.at), n) };
+                fl.engine.finish_stage(s, dst);
+            }
+            Some(s) => fl.engine.release_stage(s),
+            None => {}
+        }
+        if good {
+            total += n;
+            ended = n < p.len;
+        } else if st == LOST {
+            lost = true;
+        } else if st == STATUS_END_OF_FILE {
+            ended = true;
+        } else if err.is_none() && !ended && st != STATUS_SUCCESS {
+            err = Some(lwio_client::errno::client(&lwio_client::Error::Status {
+                what: if write { "WRITE" } else { "READ" }.into(),
+                status: st,
+            }));
+        }
+    }
+    if lost && !ended && err.is_none() {
+        // The server went away mid-request: the whole request again on the
+        // kernel path (a write of the same bytes to the same place is
+        // idempotent), as the synchronous calls do.
+        let (ret, e) = match transfer(j, write) {
+            Ok(n) => (n, 0),
+            Err(e) => (-1, e),
+        };
+        complete(a, j, ret, e);
+        return;
+    }
+    if write {
+        count(&COUNTERS.writes, 1);
+        count(&COUNTERS.write_bytes, total as u64);
+    } else {
+        count(&COUNTERS.reads, 1);
+        count(&COUNTERS.read_bytes, total as u64);
+    }
+    let (ret, e) = match (err.or(fl.issue_error), total) {
+        (Some(e), 0) => (-1, e),
+        _ => (total as isize, 0),
+    };
+    complete(a, j, ret, e);
 }
 
 /// Queue a request on our file; Err = not ours (the C library's).
@@ -187,6 +411,9 @@ fn submit(cb: *mut aiocb, op: Option<Op>) -> Result<c_int, ()> {
         off: c.aio_offset,
         signal,
         o,
+    };
+    let Err(job) = issue(a, job) else {
+        return Ok(0);
     };
     let mut q = lock(&a.queue);
     q.0.push_back(job);

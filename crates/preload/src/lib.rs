@@ -18,8 +18,9 @@
 //!   passes on to children like LD_PRELOAD itself);
 //! * `LWIO_PRELOAD_REPORT=1` (stderr) or `=PATH` (appended): at exit, one
 //!   line of what was intercepted and what fell back;
-//! * `LWIO_PRELOAD_COMPLETION=poll`: poll for completions (default:
-//!   interrupts).
+//! * `LWIO_PRELOAD_COMPLETION=interrupt`: sleep until the server's
+//!   completion arrives (default `poll`: spin on the status block for up
+//!   to 200 µs first, then ask for an interrupt).
 
 // Every exported function here is a C library function of the same name,
 // and its safety contract is that function's (its man page): the caller

@@ -363,9 +363,13 @@ fn client_for(h: &Handoff) -> Option<Client> {
         }
         return c.clone();
     }
+    // Polling by default: a waiting call spins on its status block for
+    // the engine's spin budget (200 µs), then sends INTERRUPT and sleeps,
+    // so the CPU it burns is bounded by that budget per call, and a 4 KiB
+    // read costs 22 µs instead of 135 µs (bench/RESULTS.md).
     let completion = match std::env::var("LWIO_PRELOAD_COMPLETION").as_deref() {
-        Ok("poll") => Completion::Poll,
-        _ => Completion::Interrupt,
+        Ok("interrupt") => Completion::Interrupt,
+        _ => Completion::Poll,
     };
     // Bulk settings, as `lwio mount` uses.
     let opts = ClientOptions {
