@@ -160,6 +160,17 @@ if out=$(pre "$W/mix" "$M/mix.bin" "$W/local/mix.expect" 2>&1); then
   else fail mix "the file read through the mount differs from what the program wrote"; fi
 else fail mix "$out"; fi
 
+# ------------------------------------------------------------ POSIX AIO
+cc -Wall -Wextra -Werror -O1 -o "$W/aio" crates/preload/tests/c/aio.c -lrt || fail aio "does not compile"
+if out=$(pre "$W/aio" "$M/aio.bin" 2>&1); then
+  # The same program on a local file gives the same bytes.
+  if "$W/aio" "$W/local/aio.bin" >/dev/null && cmp "$M/aio.bin" "$W/local/aio.bin" &&
+     read -r f r rb w wb ff <<<"$(totals)" && [ "$w" -ge 96 ] && [ "$r" -ge 52 ] && [ "$ff" = 0 ]; then
+    pass "POSIX AIO: $out"
+    sed 's/^/    /' "$W/report"
+  else fail aio "report: $(cat "$W/report")"; fi
+else fail aio "$out"; fi
+
 # ------------------------------------------------------------ off switches
 out=$(LWIO_PRELOAD=0 pre cat "$M/cp.bin" | sha256sum | cut -d' ' -f1)
 read -r f r rb w wb ff <<<"$(totals)"
