@@ -182,5 +182,58 @@ if [ "$out" = "$SUM" ] && [ "$f" = 0 ] && [ "$ff" = 1 ] && grep -q "refused the 
   pass "-o nopreload: the mount refuses the handoff, the program reads through it ($(head -1 "$W/stderr"))"
 else fail "-o nopreload" "sum $out, report: $(cat "$W/report"), stderr: $(cat "$W/stderr")"; fi
 
+# ------------------------------------------------------------ server restart
+# Last: it kills the server. A program under the preload reads a file in
+# 64 KiB steps and writes each step to a copy; halfway it pauses while the
+# server is killed and restarted on the same address (calls made while the
+# server is away fail with EIO, as on the mount: docs/mount.md). Then it
+# goes on: the preload's connection is gone, its files go back to the mount,
+# which connects again and reopens them, and not a byte is lost.
+head -c $((8 << 20)) /dev/urandom >"$W/export/restart.bin"
+cat >"$W/steps.py" <<'PY'
+import hashlib, os, sys, time
+src = os.open(sys.argv[1], os.O_RDONLY)
+dst = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+h, off = hashlib.sha256(), 0
+while True:
+    if off == 4 << 20:
+        open(sys.argv[3] + "/paused", "w").close()
+        t0 = time.time()
+        while not os.path.exists(sys.argv[3] + "/go"):
+            if time.time() - t0 > 60:
+                sys.exit("never told to go on")
+            time.sleep(0.05)
+    b = os.pread(src, 65536, off)
+    if not b:
+        break
+    os.pwrite(dst, b, off)
+    h.update(b)
+    off += len(b)
+os.fsync(dst)
+print(h.hexdigest(), off)
+PY
+(
+  for _ in $(seq 1 600); do [ -e "$W/paused" ] && break; sleep 0.1; done
+  kill -9 "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null
+  "$LWIO" serve --export "data=$W/export" --listen "127.0.0.1:$PORT" --provider soft \
+    >"$W/serve2.log" 2>&1 3>&- &
+  for _ in $(seq 1 100); do grep -q "RDMA listening" "$W/serve2.log" && break; sleep 0.1; done
+  touch "$W/go"
+) &
+KILLER=$!
+out=$(timeout 120 env LD_PRELOAD="$PRELOAD" LWIO_PRELOAD_REPORT="$W/report.restart" \
+  python3 "$W/steps.py" "$M/restart.bin" "$M/restart.copy" "$W" 2>&1); rc=$?
+wait "$KILLER"
+SERVER_PID=$(pgrep -f "serve --export data=$W/export" | head -1)
+want="$(sha256sum <"$W/export/restart.bin" | cut -d' ' -f1) $((8 << 20))"
+if [ $rc = 0 ] && [ "$(tail -1 <<<"$out")" = "$want" ] &&
+   cmp -s "$W/export/restart.bin" "$W/export/restart.copy" &&
+   grep "python" "$W/report.restart" | grep -q "2 files, 64 reads .* 2 files and .* fell back to the mount: the server went away"; then
+  pass "server killed and restarted under a program reading and writing: every byte read and copied"
+  grep python "$W/report.restart" | sed 's/^/    /'
+else
+  fail "server restart" "rc=$rc out='$out' want='$want' copy: $(cmp "$W/export/restart.bin" "$W/export/restart.copy" 2>&1); report: $(grep python "$W/report.restart" 2>/dev/null)"
+fi
+
 echo "preload-tests: $FAILS failure(s)"
 [ "$FAILS" = 0 ]
