@@ -38,7 +38,17 @@ fuzz_target!(|data: &[u8]| {
             2 => c.handle_immediate(now, u32::from(sel >> 3)),
             3 => c.status_block_updated(now, u32::from(sel >> 5), 1, u32::from(sel >> 3)),
             _ => {
-                let _ = c.read(1, 0, 16, RemoteBuf { addr: 0, rkey: 1 }, if sel & 8 != 0 { Mode::Polled } else { Mode::Interrupt });
+                // The engine polls with a window per status block
+                // (PolledWindow, the slot next_status_slot names).
+                let mode = match (sel & 8 != 0, sel & 16 != 0) {
+                    (false, _) => Mode::Interrupt,
+                    (true, false) => Mode::Polled,
+                    (true, true) => {
+                        let _ = c.next_status_slot();
+                        Mode::PolledWindow(u32::from(sel))
+                    }
+                };
+                let _ = c.read(1, 0, 16, RemoteBuf { addr: 0, rkey: 1 }, mode);
                 let _ = c.interrupt();
             }
         }

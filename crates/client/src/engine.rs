@@ -274,7 +274,6 @@ pub struct Engine {
     status_off: usize,
     bounce_off: usize,
     stage_off: usize,
-    status_mw: Mutex<Option<Mw>>,
     st: Mutex<St>,
     cv: Condvar,
     stop: AtomicBool,
@@ -340,7 +339,13 @@ impl Engine {
         let chan = ctx.create_comp_channel()?;
         let nrecv = 257usize;
         let send_slots = cfg.send_slots.max(4);
-        let sq_depth = (send_slots + cfg.stage_slots * 8 + BOUNCE_SLOTS * 2 + 64) as u32;
+        // Sends, window binds and invalidations of reads (a VEC_READ binds
+        // one per page), and in polling mode a status window per request.
+        let sq_depth = (send_slots
+            + cfg.stage_slots * 8
+            + BOUNCE_SLOTS * 2
+            + 2 * usize::from(cfg.credits)
+            + 64) as u32;
         let cq = ctx.create_cq(sq_depth + nrecv as u32 + 16, Some(&chan))?;
         let recv_mr = pd.alloc_mr(RECV_SLOT * nrecv, Access::LOCAL_WRITE)?;
         let send_slot = (COMMON_HEADER_LEN + cfg.write_chunk).next_multiple_of(64);
@@ -410,29 +415,15 @@ impl Engine {
             wrid::BIND,
             true,
         )?;
-        let mut status_area = None;
-        let mut status_mw = None;
-        if cfg.completion == Completion::Poll {
-            let mw = pd.alloc_mw()?;
-            let rkey = qp.bind_mw(
-                &mw,
-                &MwBind {
-                    mr: &win_mr,
-                    offset: status_off as u64,
-                    length: u64::from(STATUS_SLOTS) * 8,
-                    access: Access::REMOTE_WRITE,
-                    one_shot: false,
-                },
-                wrid::BIND,
-                true,
-            )?;
-            status_area = Some(StatusBlockArea {
-                base: win_mr.addr() + status_off as u64,
-                rkey,
-                slots: STATUS_SLOTS,
-            });
-            status_mw = Some(mw);
-        }
+        // Polling: each request's status block is reachable only through a
+        // one-shot window bound to its 8 bytes when it is issued
+        // (`Engine::req_mode`), never through a key for the whole area: a
+        // server cannot complete a request it was not asked, or one twice.
+        let status_area = (cfg.completion == Completion::Poll).then(|| StatusBlockArea {
+            base: win_mr.addr() + status_off as u64,
+            rkey: 0,
+            slots: STATUS_SLOTS,
+        });
         let mut ccfg = ClientConfig::new(
             key,
             secret,
@@ -484,7 +475,6 @@ impl Engine {
             status_off,
             bounce_off,
             stage_off,
-            status_mw: Mutex::new(status_mw),
             st: Mutex::new(st),
             cv: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -571,10 +561,6 @@ impl Engine {
                 let _ = t.join();
             }
         }
-        self.status_mw
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
     }
 
     pub fn stats(&self) -> ClientStats {
@@ -1030,10 +1016,45 @@ impl Engine {
         }
     }
 
-    fn mode(&self) -> Mode {
-        match self.cfg.completion {
-            Completion::Poll => Mode::Polled,
-            Completion::Interrupt => Mode::Interrupt,
+    /// The completion mode of a request about to be issued under `st`, and
+    /// in polling mode the one-shot window bound to exactly the status block
+    /// it will use (the caller keeps it with the request's other windows,
+    /// invalidated when it completes).
+    fn req_mode(&self, st: &mut St) -> Result<(Mode, Option<(Mw, u32)>)> {
+        if self.cfg.completion == Completion::Interrupt {
+            return Ok((Mode::Interrupt, None));
+        }
+        let (slot, _) = st
+            .conn
+            .next_status_slot()
+            .ok_or_else(|| client_err(ClientError::NoStatusBlock))?;
+        let (mw, rkey) =
+            self.bind_window(st, &self.win_mr, self.status_off + slot as usize * 8, 8)?;
+        Ok((Mode::PolledWindow(rkey), Some((mw, rkey))))
+    }
+
+    /// Invalidate and free windows of a request that was not issued.
+    fn drop_windows(&self, st: &mut St, windows: Vec<(Mw, u32)>, group: u64) {
+        for (mw, rkey) in windows {
+            if self.qp.invalidate(rkey, wrid::INVAL | group, true).is_ok() && group != 0 {
+                *st.inval_pending.entry(group).or_default() += 1;
+            }
+            st.mw_free.push(mw);
+        }
+    }
+
+    /// Keep a status window with its request until the request completes.
+    fn keep_window(st: &mut St, req: ReqId, w: Option<(Mw, u32)>) {
+        if let Some(w) = w {
+            st.res.insert(
+                req,
+                ReqRes {
+                    windows: vec![w],
+                    stage: None,
+                    abandoned: false,
+                    group: 0,
+                },
+            );
         }
     }
 
@@ -1114,7 +1135,6 @@ impl Engine {
                 return Err(Error::InvalidArgument("read outside its buffer".into()));
             }
         }
-        let mode = self.mode();
         self.issue(|e, st| {
             let (stage, mr, off, group) = match dst {
                 Some((d, at)) => (Stage::User, &d.reg.mr, d.off + at, d.group),
@@ -1125,6 +1145,8 @@ impl Engine {
             };
             let mut windows = Vec::new();
             let r = (|| -> Result<ReqId> {
+                let (mode, status) = e.req_mode(st)?;
+                windows.extend(status);
                 match vec_page {
                     None => {
                         let (mw, rkey) = e.bind_window(st, mr, off, len)?;
@@ -1172,12 +1194,7 @@ impl Engine {
                     Some(Ok((req, stage)))
                 }
                 Err(err) => {
-                    for (mw, rkey) in windows {
-                        if e.qp.invalidate(rkey, wrid::INVAL | group, true).is_ok() && group != 0 {
-                            *st.inval_pending.entry(group).or_default() += 1;
-                        }
-                        st.mw_free.push(mw);
-                    }
+                    e.drop_windows(st, windows, group);
                     free_stage(st, stage);
                     Some(Err(err))
                 }
@@ -1206,12 +1223,20 @@ impl Engine {
     }
 
     pub fn issue_write(&self, fid: u16, offset: u64, data: &[u8]) -> Result<ReqId> {
-        let mode = self.mode();
         self.issue(|e, st| {
+            let (mode, status) = match e.req_mode(st) {
+                Ok(m) => m,
+                Err(err) => return Some(Err(err)),
+            };
             // Encode straight into a free send slot (no copy of the data
             // besides this one); without a free slot, queue the bytes.
             let Some(slot) = st.send_free.pop() else {
-                return Some(st.conn.write(fid, offset, data, mode).map_err(client_err));
+                let r = st.conn.write(fid, offset, data, mode).map_err(client_err);
+                match &r {
+                    Ok(req) => Self::keep_window(st, *req, status),
+                    Err(_) => e.drop_windows(st, status.into_iter().collect(), 0),
+                }
+                return Some(r);
             };
             let off = slot as usize * e.send_slot;
             // SAFETY: the send region is registered without remote access
@@ -1222,10 +1247,12 @@ impl Engine {
             match st.conn.write_into(fid, offset, data, mode, out) {
                 Ok((req, len)) => {
                     st.send_backlog.push_back(Outgoing::Slot { slot, len });
+                    Self::keep_window(st, req, status);
                     Some(Ok(req))
                 }
                 Err(err) => {
                     st.send_free.push(slot);
+                    e.drop_windows(st, status.into_iter().collect(), 0);
                     Some(Err(client_err(err)))
                 }
             }
@@ -1241,13 +1268,20 @@ impl Engine {
         data: &[u8],
         collapse: bool,
     ) -> Result<ReqId> {
-        let mode = self.mode();
-        self.issue(|_, st| {
-            Some(
-                st.conn
-                    .vec_write(fid, offset, page_size, length, data, collapse, mode)
-                    .map_err(client_err),
-            )
+        self.issue(|e, st| {
+            let (mode, status) = match e.req_mode(st) {
+                Ok(m) => m,
+                Err(err) => return Some(Err(err)),
+            };
+            let r = st
+                .conn
+                .vec_write(fid, offset, page_size, length, data, collapse, mode)
+                .map_err(client_err);
+            match &r {
+                Ok(req) => Self::keep_window(st, *req, status),
+                Err(_) => e.drop_windows(st, status.into_iter().collect(), 0),
+            }
+            Some(r)
         })
     }
 

@@ -1042,3 +1042,46 @@ fn more_readers_than_staging_buffers_poll_mode() {
         }
     }
 }
+
+/// Polling: every request's status block gets a one-shot window of its own,
+/// bound when it is issued and invalidated when it completes (no window
+/// over the whole status area, which a server could write at any time). A
+/// write binds exactly one window; a read two (its data and its status);
+/// with interrupts a write binds none. All are gone afterwards.
+#[test]
+fn polled_status_block_window_per_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    for completion in [Completion::Poll, Completion::Interrupt] {
+        let c = client(&s, completion);
+        let f = c
+            .open("sw.bin", &OpenOptions::read_write().create(true))
+            .unwrap();
+        let s0 = c.stats();
+        for i in 0..10u64 {
+            assert_eq!(f.write_at(&[i as u8; 100], i * 100).unwrap(), 100);
+        }
+        let s1 = c.stats();
+        let per_write = u64::from(completion == Completion::Poll);
+        assert_eq!(
+            s1.windows_bound - s0.windows_bound,
+            10 * per_write,
+            "{s1:?}"
+        );
+        let mut b = [0u8; 100];
+        for i in 0..10u64 {
+            assert_eq!(f.read_at(&mut b, i * 100).unwrap(), 100);
+            assert_eq!(b, [i as u8; 100]);
+        }
+        let s2 = c.stats();
+        assert_eq!(
+            s2.windows_bound - s1.windows_bound,
+            10 * (1 + per_write),
+            "{s2:?}"
+        );
+        assert_eq!(s2.windows_bound, s2.windows_invalidated, "{s2:?}");
+        if completion == Completion::Poll {
+            assert!(s2.polled_completions >= 20, "{s2:?}");
+        }
+    }
+}

@@ -42,7 +42,15 @@ pub struct StatusBlockArea {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     Interrupt,
+    /// Polled, through the status area's own key (`StatusBlockArea::rkey`):
+    /// one window over every status block, for the connection's life.
     Polled,
+    /// Polled, through this key: a one-shot window the caller bound to
+    /// exactly the 8 bytes of the slot [`ClientConn::next_status_slot`]
+    /// names, and invalidates when the request completes. The server can
+    /// then write that status block once, for this request only (seed 002:
+    /// keys bound to byte ranges, one-shot).
+    PolledWindow(u32),
 }
 
 /// Reads local (client) memory; used to fetch the server's AUTH params
@@ -252,6 +260,13 @@ impl ClientConn {
     pub fn slot_of(&self, req: ReqId) -> Option<u32> {
         self.reqs.get(&req).and_then(|o| o.slot)
     }
+    /// The status block slot (and its address) that the next polled request
+    /// takes, for a caller that binds a window to it first
+    /// ([`Mode::PolledWindow`]); None when every slot is in use.
+    pub fn next_status_slot(&self) -> Option<(u32, u64)> {
+        let slot = *self.free_slots.last()?;
+        Some((slot, self.slot_addr(slot)?))
+    }
     /// Address of a status block slot.
     pub fn slot_addr(&self, slot: u32) -> Option<u64> {
         let a = self.cfg.status_blocks?;
@@ -422,17 +437,18 @@ impl ClientConn {
                     Some(imm),
                 ))
             }
-            Mode::Polled => {
+            Mode::Polled | Mode::PolledWindow(_) => {
                 let area = self.cfg.status_blocks.ok_or(ClientError::NoStatusBlock)?;
                 let slot = *self.free_slots.last().ok_or(ClientError::NoStatusBlock)?;
                 let ios_va = self.slot_addr(slot).ok_or(ClientError::InvalidArgument)?;
                 self.free_slots.pop();
+                let ios_mh = match mode {
+                    Mode::PolledWindow(k) => k,
+                    _ => area.rkey,
+                };
                 Ok((
                     cookie,
-                    CompletionMode::Polled {
-                        ios_va,
-                        ios_mh: area.rkey,
-                    },
+                    CompletionMode::Polled { ios_va, ios_mh },
                     Some(slot),
                     None,
                 ))

@@ -65,6 +65,16 @@ impl Mem {
             _ => false,
         }
     }
+    /// The client writing its own memory (no key involved).
+    fn local_write(&mut self, addr: u64, data: &[u8]) -> bool {
+        match self.find(addr, data.len()) {
+            Some((i, off)) => {
+                self.regions[i].bytes[off..off + data.len()].copy_from_slice(data);
+                true
+            }
+            None => false,
+        }
+    }
     fn read_at(&self, addr: u64, len: usize) -> Vec<u8> {
         let (i, off) = self.find(addr, len).expect("in range");
         self.regions[i].bytes[off..off + len].to_vec()
@@ -254,7 +264,9 @@ impl Sim {
                     },
                     ClientAction::PostRecv(n) => self.client_recvs += n,
                     ClientAction::ResetStatusBlock { addr, .. } => {
-                        assert!(self.mem.write(addr, 3, &IoStatusBlock::SENTINEL.to_bytes()))
+                        assert!(self
+                            .mem
+                            .local_write(addr, &IoStatusBlock::SENTINEL.to_bytes()))
                     }
                     ClientAction::CloseConnection(r) => self.client_closed = Some(r),
                 }
@@ -1482,4 +1494,47 @@ fn positive_credit_reply_rules() {
             CloseReason::ProtocolViolation("bad CREDIT value")
         )]
     );
+}
+
+/// A polled request whose status block is reachable only through its own
+/// key (`Mode::PolledWindow`): the request names the slot that
+/// `next_status_slot` announced and that key, so the server's status write
+/// lands through a window over those 8 bytes alone; the area's key is not
+/// sent (a write with it would miss the window and fail the sim).
+#[test]
+fn polled_window_names_its_own_status_block_key() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    for round in 0..3u32 {
+        let (slot, addr) = s.client.next_status_slot().unwrap();
+        assert_eq!(addr, IOS_BASE + 8 * u64::from(slot));
+        let key = 0x7700 + round;
+        // The window: exactly this slot, under its own key, found before
+        // the status area (whose key is 3).
+        s.mem.regions.insert(
+            0,
+            Region {
+                addr,
+                rkey: key,
+                bytes: IoStatusBlock::SENTINEL.to_bytes().to_vec(),
+            },
+        );
+        let r = s
+            .client
+            .read(
+                fid,
+                64 * u64::from(round),
+                64,
+                DATA,
+                Mode::PolledWindow(key),
+            )
+            .unwrap();
+        assert_eq!(s.client.slot_of(r), Some(slot));
+        s.pump();
+        assert_eq!(s.completion(r), Some((64, STATUS_SUCCESS)));
+        assert_eq!(s.client.slot_of(r), None, "completed: no slot");
+        // The window goes with the request.
+        s.mem.regions.remove(0);
+    }
 }
