@@ -343,6 +343,10 @@ fn hostile_cases() {
     e.check_good();
 
     let st = e.s.rdma.stats();
+    // The provider's own census of the server's domains (every connection
+    // above, closed ones included): it saw the server's registrations, and
+    // none with a remote right, and no window.
+    assert!(st.provider_mrs >= 20, "{st:?}");
     assert_eq!(st.mrs_remote_access, 0, "{st:?}");
     assert_eq!(st.mws_allocated, 0, "{st:?}");
 }

@@ -31,7 +31,6 @@ pub struct ServerConfig {
     pub max_credits: u16,
     /// Backend sector size; VEC_READ's last region must be a multiple.
     pub sector_size: u32,
-    pub rdma_read_supported: bool,
     /// Complete successful full reads with RDMA write with immediate.
     pub use_write_with_imm: bool,
     /// Accept the seed's MD5 signature (compatibility mode).
@@ -52,7 +51,6 @@ impl Default for ServerConfig {
             max_recv_buffer_size: 8 * 1024,
             max_credits: 32,
             sector_size: 512,
-            rdma_read_supported: false,
             use_write_with_imm: false,
             allow_md5: false,
             auth_timeout: Duration::from_secs(10),
@@ -508,7 +506,7 @@ impl ServerConn {
                     return self.write_in_place(fid, offset, data, mode, hooks);
                 }
                 match self.expand_collapsed(fid, length, num_pages, page_size, data) {
-                    Ok(buf) => self.start_write(fid, offset, buf, mode, true),
+                    Ok(buf) => self.start_write(fid, offset, buf, mode),
                     Err(st) => self.complete_io(mode, 0, st, false),
                 }
             }
@@ -571,7 +569,10 @@ impl ServerConn {
                     max_recv_buffer_size: self.cfg.max_recv_buffer_size,
                     header_size: COMMON_HEADER_LEN as u16,
                     credits: granted,
-                    rdma_read_supported: u16::from(self.cfg.rdma_read_supported),
+                    // This server never reads client memory by RDMA Read
+                    // (WRITE data comes in the request message): the
+                    // seed's RdmaReadSupported is always 0.
+                    rdma_read_supported: 0,
                     key: client.key,
                     session_id: Some(self.cfg.session_id),
                     signature: None,
@@ -887,17 +888,10 @@ impl ServerConn {
                 }
             }
         }
-        self.start_write(fid, offset, data.to_vec(), mode, false)
+        self.start_write(fid, offset, data.to_vec(), mode)
     }
 
-    fn start_write(
-        &mut self,
-        fid: u16,
-        offset: u64,
-        data: Vec<u8>,
-        mode: CompletionMode,
-        _collapsed: bool,
-    ) {
+    fn start_write(&mut self, fid: u16, offset: u64, data: Vec<u8>, mode: CompletionMode) {
         let len = data.len() as u32;
         let file = match self.check_io(fid, offset, len) {
             Ok(f) => f,

@@ -117,6 +117,7 @@ const CASES: &[(&str, CaseFn)] = &[
     ("mw_one_shot", case_mw_one_shot),
     ("mw_send_with_invalidate", case_mw_send_inv),
     ("recv_flow_control_indicate_window", case_flow_control),
+    ("pd_census_counts", case_pd_census),
 ];
 
 /// The environment of a run.
@@ -2018,6 +2019,46 @@ pub fn deviation(server: &Context, client: &Context, case: &str) -> Option<&'sta
         };
         d.case == case && d.driver == me && d.peer.is_none_or(|p| p == other)
     })
+}
+
+/// The provider's own count of what a domain holds (`Pd::census`), which a
+/// server reports to prove it never registered memory with a remote right:
+/// every region, those with a remote right, and windows, on this domain
+/// only, and cumulative (dropping does not make a registration unhappen).
+fn case_pd_census(env: &Env<'_>) -> R {
+    let pd = env.client.alloc_pd()?;
+    let other = env.client.alloc_pd()?;
+    ensure!(
+        pd.census() == PdCensus::default(),
+        "a new domain counts {:?}",
+        pd.census()
+    );
+    let a = pd.alloc_mr(4096, Access::LOCAL_WRITE)?;
+    let b = pd.alloc_mr(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    let c = pd.alloc_mr(4096, Access::LOCAL_WRITE | Access::REMOTE_READ)?;
+    let mw = pd.alloc_mw()?;
+    let want = PdCensus {
+        mrs: 3,
+        mrs_remote: 2,
+        mws: 1,
+    };
+    let got = pd.census();
+    ensure!(
+        got == want,
+        "counted {got:?} for 3 regions (2 with a remote right) and 1 window"
+    );
+    ensure!(
+        other.census() == PdCensus::default(),
+        "another domain counts {:?}",
+        other.census()
+    );
+    drop((a, b, c, mw));
+    ensure!(
+        pd.census() == want,
+        "dropping changed the count: {:?}",
+        pd.census()
+    );
+    Ok(())
 }
 
 #[cfg(test)]

@@ -545,6 +545,8 @@ pub mod ops {
     pub trait PdOps: AsAny {
         fn reg_mr(&self, mem: MemRegion, access: Access) -> Result<Arc<dyn MrOps>>;
         fn alloc_mw(&self) -> Result<Arc<dyn MwOps>>;
+        /// What the provider has made on this domain since it was created.
+        fn census(&self) -> super::PdCensus;
     }
 
     pub trait MrOps: AsAny {
@@ -705,11 +707,39 @@ impl Context {
     }
 }
 
+/// What a protection domain's provider made on it since it was created,
+/// counted where the provider registers (for verbs, every `ibv_reg_mr`,
+/// the per-request registrations of emulated windows included): so a
+/// server can prove it never exposed memory, by asking, not by counting
+/// its own intentions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PdCensus {
+    /// Memory regions registered.
+    pub mrs: u64,
+    /// Of those, registered with a remote right (remote read or write).
+    pub mrs_remote: u64,
+    /// Memory windows allocated.
+    pub mws: u64,
+}
+
+impl std::ops::AddAssign for PdCensus {
+    fn add_assign(&mut self, o: PdCensus) {
+        self.mrs += o.mrs;
+        self.mrs_remote += o.mrs_remote;
+        self.mws += o.mws;
+    }
+}
+
 /// A protection domain.
 #[derive(Clone)]
 pub struct Pd(pub Arc<dyn PdOps>);
 
 impl Pd {
+    /// What the provider has registered and allocated on this domain.
+    pub fn census(&self) -> PdCensus {
+        self.0.census()
+    }
+
     /// Register a library-owned buffer. The region keeps the buffer alive.
     pub fn register(&self, buf: RegBuf, access: Access) -> Result<Mr> {
         let buf = Arc::new(buf);

@@ -28,7 +28,7 @@ use std::ffi::c_void;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -307,6 +307,9 @@ impl ContextOps for VerbsContext {
             ctx: c.clone(),
             pd,
             windows: Mutex::new(HashMap::new()),
+            mrs: AtomicU64::new(0),
+            mrs_remote: AtomicU64::new(0),
+            mws: AtomicU64::new(0),
         }))))
     }
 
@@ -387,6 +390,11 @@ pub(crate) struct PdInner {
     pd: *mut ibv_pd,
     /// Per-request-registration windows by their current rkey (fallback mode).
     windows: Mutex<HashMap<u32, Weak<MwInner>>>,
+    /// `ibv_reg_mr` calls that succeeded, those with a remote right, and
+    /// windows allocated ([`PdCensus`]).
+    mrs: AtomicU64,
+    mrs_remote: AtomicU64,
+    mws: AtomicU64,
 }
 
 // SAFETY: an ibv_pd may be used from any thread (verbs are thread-safe); the
@@ -430,11 +438,23 @@ impl PdInner {
                 _ => Error::Io(e),
             });
         }
+        self.mrs.fetch_add(1, Ordering::Relaxed);
+        if access.intersects(Access::REMOTE_READ | Access::REMOTE_WRITE) {
+            self.mrs_remote.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(mr)
     }
 }
 
 impl PdOps for VerbsPd {
+    fn census(&self) -> PdCensus {
+        PdCensus {
+            mrs: self.0.mrs.load(Ordering::Relaxed),
+            mrs_remote: self.0.mrs_remote.load(Ordering::Relaxed),
+            mws: self.0.mws.load(Ordering::Relaxed),
+        }
+    }
+
     fn reg_mr(&self, mem: MemRegion, access: Access) -> Result<Arc<dyn MrOps>> {
         if mem.len == 0 {
             return Err(Error::InvalidArgument(
@@ -472,6 +492,7 @@ impl PdOps for VerbsPd {
         } else {
             (ptr::null_mut(), 0, MwKind::PerRequestRegistration)
         };
+        pd.mws.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(VerbsMw(Arc::new(MwInner {
             pd: pd.clone(),
             kind,

@@ -5,7 +5,7 @@
 //! time an index is reused, or a window is re-bound, the key byte advances,
 //! so a stale key never matches again (until 256 reuses wrap it).
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::wire::{term, TermCode};
@@ -264,6 +264,9 @@ enum Lookup {
 pub struct SoftPd {
     pub id: u32,
     pub table: Arc<MemTable>,
+    mrs: AtomicU64,
+    mrs_remote: AtomicU64,
+    mws: AtomicU64,
 }
 
 impl SoftPd {
@@ -271,6 +274,9 @@ impl SoftPd {
         SoftPd {
             id: NEXT_PD.fetch_add(1, Ordering::Relaxed),
             table,
+            mrs: AtomicU64::new(0),
+            mrs_remote: AtomicU64::new(0),
+            mws: AtomicU64::new(0),
         }
     }
 }
@@ -312,6 +318,10 @@ impl PdOps for SoftPd {
             Entry::Mr(s)
         })?;
         let state = state.ok_or_else(|| Error::ResourceExhausted("registration".into()))?;
+        self.mrs.fetch_add(1, Ordering::Relaxed);
+        if access.intersects(Access::REMOTE_READ | Access::REMOTE_WRITE) {
+            self.mrs_remote.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(Arc::new(SoftMr {
             state,
             table: self.table.clone(),
@@ -330,12 +340,21 @@ impl PdOps for SoftPd {
             Entry::Mw(s)
         })?;
         let state = state.ok_or_else(|| Error::ResourceExhausted("window".into()))?;
+        self.mws.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(SoftMw {
             state,
             index: stag::index(stag),
             table: self.table.clone(),
             deallocated: AtomicBool::new(false),
         }))
+    }
+
+    fn census(&self) -> PdCensus {
+        PdCensus {
+            mrs: self.mrs.load(Ordering::Relaxed),
+            mrs_remote: self.mrs_remote.load(Ordering::Relaxed),
+            mws: self.mws.load(Ordering::Relaxed),
+        }
     }
 }
 

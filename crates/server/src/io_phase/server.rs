@@ -49,8 +49,8 @@ use lwio_proto::wire::auth::derive_session_secret;
 use lwio_proto::wire::{Guid, SrvResumeKey, COMMON_HEADER_LEN};
 use lwio_proto::NtStatus;
 use lwio_rdma::{
-    Access, CompChannel, ConnParams, Context, Cq, Mr, Pd, Qp, QpCap, QpInit, QpState, RecvWr,
-    SendOp, SendWr, Wc, WcStatus,
+    Access, CompChannel, ConnParams, Context, Cq, Mr, Pd, PdCensus, Qp, QpCap, QpInit, QpState,
+    RecvWr, SendOp, SendWr, Wc, WcStatus,
 };
 use tracing::{debug, info, warn};
 
@@ -148,10 +148,20 @@ pub struct ServerStats {
     pub rejected: u64,
     /// Memory regions registered so far.
     pub mrs_registered: u64,
-    /// Of those, regions registered with any REMOTE_* or MW_BIND right (must be 0).
+    /// Regions the RDMA provider registered on the server's protection
+    /// domains, as it counts them (so the two counts below are read from
+    /// where the server's memory really is).
+    pub provider_mrs: u64,
+    /// Regions the RDMA provider registered with a remote right on the
+    /// server's protection domains, live and closed connections alike, as
+    /// the provider counts them (`Pd::census`): must be 0.
     pub mrs_remote_access: u64,
-    /// Windows allocated (must be 0: the server never binds windows).
+    /// Memory windows the provider allocated on the server's domains, as it
+    /// counts them: must be 0 (the server never exposes memory).
     pub mws_allocated: u64,
+    /// Registrations with a remote right that the server asked for and
+    /// refused itself (never happens by construction).
+    pub mrs_remote_refused: u64,
     pub registered_bytes: usize,
     pub credits_granted: i64,
     pub auth_ok: u64,
@@ -171,6 +181,8 @@ struct ConnEntry {
     ctl: mpsc::Sender<Control>,
     waker: Arc<Waker>,
     credits: Arc<AtomicUsize>,
+    /// The connection's protection domain, for its census.
+    pd: Pd,
 }
 
 struct Shared {
@@ -186,6 +198,9 @@ struct Shared {
     rejected: AtomicU64,
     mrs: AtomicU64,
     mrs_remote: AtomicU64,
+    /// The census of the domains of closed connections (added when their
+    /// entry leaves `conns`, under its lock).
+    closed_census: Mutex<PdCensus>,
     auth_ok: AtomicU64,
     auth_failed: AtomicU64,
     closed_by_protocol: AtomicU64,
@@ -224,6 +239,14 @@ impl Shared {
 }
 
 impl Shared {
+    /// A connection is gone: its entry leaves, its domain's census stays.
+    fn retire(&self, id: u64) {
+        let mut conns = lock(&self.conns);
+        if let Some(e) = conns.remove(&id) {
+            *lock(&self.closed_census) += e.pd.census();
+        }
+    }
+
     /// Register server memory: local access only, accounted against the budget.
     fn register(&self, pd: &Pd, len: usize, access: Access) -> Result<Mr, NtStatus> {
         let remote = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::MW_BIND;
@@ -291,13 +314,23 @@ impl std::fmt::Debug for ServerHandle {
 impl ServerHandle {
     pub fn stats(&self) -> ServerStats {
         let s = &self.0;
+        let (connections, census) = {
+            let conns = lock(&s.conns);
+            let mut c = *lock(&s.closed_census);
+            for e in conns.values() {
+                c += e.pd.census();
+            }
+            (conns.len(), c)
+        };
         ServerStats {
-            connections: lock(&s.conns).len(),
+            connections,
             accepted: s.accepted.load(Ordering::Relaxed),
             rejected: s.rejected.load(Ordering::Relaxed),
             mrs_registered: s.mrs.load(Ordering::Relaxed),
-            mrs_remote_access: s.mrs_remote.load(Ordering::Relaxed),
-            mws_allocated: 0,
+            provider_mrs: census.mrs,
+            mrs_remote_access: census.mrs_remote,
+            mws_allocated: census.mws,
+            mrs_remote_refused: s.mrs_remote.load(Ordering::Relaxed),
             registered_bytes: s.mem_used.load(Ordering::Relaxed),
             credits_granted: s.credits_granted.load(Ordering::Relaxed),
             auth_ok: s.auth_ok.load(Ordering::Relaxed),
@@ -469,7 +502,6 @@ impl RdmaServer {
             // message; only where this device has it.
             proto.use_write_with_imm =
                 proto.use_write_with_imm && caps.as_ref().is_some_and(|c| c.write_with_imm);
-            proto.rdma_read_supported = false;
             let l = Listening {
                 ctx,
                 listener,
@@ -499,6 +531,7 @@ impl RdmaServer {
             rejected: AtomicU64::new(0),
             mrs: AtomicU64::new(0),
             mrs_remote: AtomicU64::new(0),
+            closed_census: Mutex::new(PdCensus::default()),
             auth_ok: AtomicU64::new(0),
             auth_failed: AtomicU64::new(0),
             closed_by_protocol: AtomicU64::new(0),
@@ -588,13 +621,13 @@ impl RdmaPhase for RdmaServer {
                         .name(format!("lwio-rdma-conn-{id}"))
                         .spawn(move || {
                             conn.run();
-                            lock(&sh2.conns).remove(&id);
+                            sh2.retire(id);
                             sh2.host_release(ip);
                         }) {
                         Ok(t) => threads.push((id, t)),
                         Err(e) => {
                             warn!(error = %e, "cannot start a connection thread");
-                            lock(&sh.conns).remove(&id);
+                            sh.retire(id);
                             sh.host_release(ip);
                         }
                     }
@@ -1038,6 +1071,7 @@ impl Conn {
             ctl: ctl_tx,
             waker: waker.clone(),
             credits: credits_pub.clone(),
+            pd: pd.clone(),
         };
         let sconn = ServerConn::new(cfg, now);
         Ok((
@@ -1246,7 +1280,6 @@ impl Conn {
         self.shared
             .credits_granted
             .fetch_sub(self.credits_reported, Ordering::AcqRel);
-        let _ = &self.pd;
         info!(conn = self.id, peer = %self.peer, files = self.files.len(), "RDMA connection closed");
     }
 
