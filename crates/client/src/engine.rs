@@ -78,6 +78,8 @@ const SEND_BATCH: usize = 32;
 pub struct EngineConfig {
     pub completion: Completion,
     pub credits: u16,
+    /// The most credits this client uses at once (see `ClientOptions`).
+    pub max_credits: u16,
     /// Largest read per request (staging slot size).
     pub read_chunk: usize,
     pub stage_slots: usize,
@@ -433,6 +435,7 @@ impl Engine {
             },
         );
         ccfg.credits_wanted = cfg.credits.max(1);
+        ccfg.max_credits = cfg.max_credits.max(1);
         ccfg.max_rdma_window_size = cfg.read_chunk as u32;
         ccfg.max_send_buffer_size = send_slot as u32;
         ccfg.max_recv_buffer_size = RECV_SLOT as u32;

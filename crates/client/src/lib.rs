@@ -184,6 +184,10 @@ pub struct ClientOptions {
     pub device: Option<String>,
     /// Credits to ask for (the server may grant fewer, and adjusts later).
     pub credits: u16,
+    /// The most requests this client ever has in flight on a connection
+    /// (its deepest queue; 255 = no limit). Credits a server grants beyond
+    /// it are reported unused, and the server takes them back.
+    pub max_credits: u16,
     /// Largest read per request (the server's window may be smaller).
     pub read_chunk: usize,
     /// Concurrent large reads (registered staging slots of `read_chunk`).
@@ -224,6 +228,7 @@ impl Default for ClientOptions {
             provider: ProviderChoice::Auto,
             device: None,
             credits: 16,
+            max_credits: 255,
             read_chunk: 128 * 1024,
             stage_slots: 16,
             write_chunk: 16 * 1024,
@@ -431,6 +436,7 @@ impl Client {
         let cfg = EngineConfig {
             completion: opts.completion,
             credits: opts.credits,
+            max_credits: opts.max_credits,
             read_chunk: opts.read_chunk.next_multiple_of(4096).max(4096),
             stage_slots: opts.stage_slots.max(1),
             write_chunk: opts.write_chunk.max(512),

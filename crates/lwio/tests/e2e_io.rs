@@ -1085,3 +1085,48 @@ fn polled_status_block_window_per_request() {
         }
     }
 }
+
+/// A client that can use at most 10 credits (`max_credits`) and is granted
+/// 4 more than its 8 reports the 2 above 10 unused in its CREDIT reply
+/// (seed 000), and the server takes exactly those back: both sides end at
+/// 10. A client without a limit keeps all it is granted.
+#[test]
+fn unused_credits_are_reported_and_taken_back() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("u.bin"), pattern(3, 8192)).unwrap();
+    let s = server(dir.path(), no_auto());
+    for (max, want) in [(10u16, 10u16), (255, 12)] {
+        let opts = ClientOptions {
+            completion: Completion::Interrupt,
+            credits: 8,
+            max_credits: max,
+            ..ClientOptions::default()
+        };
+        let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
+            .expect("client connects");
+        let f = c.open("u.bin", &OpenOptions::read_only()).unwrap();
+        assert_eq!(c.credits(), 8);
+        assert_eq!(s.rdma.credit_delta_all(4), 1);
+        wait_for(
+            || {
+                let _ = f.read_at(&mut [0u8; 16], 0);
+                c.credits() == want && s.rdma.connection_credits() == vec![usize::from(want)]
+            },
+            "both sides settle",
+        );
+        // Settled, not passing through: still there a moment later.
+        std::thread::sleep(Duration::from_millis(100));
+        let _ = f.read_at(&mut [0u8; 16], 0);
+        assert_eq!(c.credits(), want);
+        assert_eq!(s.rdma.connection_credits(), vec![usize::from(want)]);
+        let hist = c.stats().credit_history;
+        if max == 10 {
+            assert_eq!(hist, vec![8, 12, 11, 10]);
+        } else {
+            assert_eq!(hist, vec![8, 12]);
+        }
+        drop(f);
+        drop(c);
+        wait_for(|| s.rdma.connection_credits().is_empty(), "client gone");
+    }
+}

@@ -69,6 +69,11 @@ pub struct ClientConfig {
     pub signature: SignatureAlg,
     pub page_size: u16,
     pub credits_wanted: u16,
+    /// The most credits this client can use at once (its deepest queue).
+    /// Credits a server grants beyond it are reported unused in the CREDIT
+    /// reply to the positive delta (seed 000: the upper 32 bits of its
+    /// Offset), so that the server takes them back.
+    pub max_credits: u16,
     pub max_rdma_window_size: u32,
     pub max_send_buffer_size: u32,
     pub max_recv_buffer_size: u32,
@@ -89,6 +94,7 @@ impl ClientConfig {
             signature: SignatureAlg::HmacSha256,
             page_size: 4096,
             credits_wanted: 8,
+            max_credits: 255,
             max_rdma_window_size: 64 * 1024,
             max_send_buffer_size: 8 * 1024,
             max_recv_buffer_size: 16,
@@ -808,7 +814,10 @@ impl ClientConn {
             self.events.push_back(ClientEvent::CreditsChanged {
                 credits: self.credits,
             });
-            self.pending_credit_msgs.push_back(0);
+            // Of the `delta` new credits, those above what this client can
+            // ever use (typically none: the seed's "typically zero").
+            let unused = (new - i64::from(self.cfg.max_credits.max(1))).clamp(0, i64::from(delta));
+            self.pending_credit_msgs.push_back(unused as i32);
         } else {
             for v in delta..0 {
                 self.pending_credit_msgs.push_back(v);

@@ -279,6 +279,12 @@ impl ServerConn {
     pub fn unused_credits_reported(&self) -> u32 {
         self.unused_credits_reported
     }
+    /// The credits the client reported unused since the last call (its
+    /// last CREDIT reply to a positive delta), for the embedder to take
+    /// back; 0 when there is no new report.
+    pub fn take_unused_credits(&mut self) -> u32 {
+        std::mem::take(&mut self.unused_credits_reported)
+    }
     /// The client's AUTH params once authenticated.
     pub fn client_params(&self) -> Option<&AuthParamsRepr> {
         self.client.as_ref()

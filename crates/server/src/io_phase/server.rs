@@ -964,6 +964,9 @@ struct Conn {
     credits_pub: Arc<AtomicUsize>,
     credits_reported: i64,
     base_credits: u16,
+    /// The most credits the client said it can use (learned from a CREDIT
+    /// reply that reported some unused): never granted beyond.
+    client_cap: Option<u16>,
     last_io: Instant,
     closing: Option<Instant>,
     draining: Option<Instant>,
@@ -1106,6 +1109,7 @@ impl Conn {
                 credits_pub,
                 credits_reported: 0,
                 base_credits,
+                client_cap: None,
                 last_io: now,
                 closing: None,
                 draining: None,
@@ -1308,18 +1312,42 @@ impl Conn {
             self.shared.credits_granted.fetch_add(d, Ordering::AcqRel);
             self.credits_reported += d;
         }
-        if !self.shared.opts.auto_credits
-            || !self.sconn.is_authenticated()
+        if !self.sconn.is_authenticated()
             || self.sconn.credit_transaction_active()
             || self.draining.is_some()
         {
+            return;
+        }
+        // Credits the client reported it cannot use (its reply to a
+        // positive delta): take them back at once and grant no more than it
+        // can use from now on, automatic balancing or not (seed 000: no new
+        // positive update before a negative one).
+        let unused = self.sconn.take_unused_credits();
+        if unused > 0 {
+            let cap = credits.saturating_sub(unused.min(255) as u16).max(1);
+            self.client_cap = Some(cap);
+            let delta = -i32::from(credits - cap);
+            if delta < 0 && self.sconn.start_credit_delta(now, delta).is_ok() {
+                debug!(
+                    conn = self.id,
+                    delta, cap, "taking back credits the client reported unused"
+                );
+            }
+            return;
+        }
+        if !self.shared.opts.auto_credits {
             return;
         }
         let busy = self.sconn.outstanding() + 1 >= u32::from(credits)
             || u16::from(self.sconn.credit_hint()) >= credits;
         if busy {
             self.last_io = now;
-            let max = self.shared.opts.max_credits_per_conn.min(255);
+            let max = self
+                .shared
+                .opts
+                .max_credits_per_conn
+                .min(255)
+                .min(self.client_cap.unwrap_or(255));
             let granted = self.shared.credits_granted.load(Ordering::Acquire);
             let room = i64::from(self.shared.opts.credit_budget) - granted;
             let want = i64::from(max.saturating_sub(credits)).min(8).min(room);
