@@ -1374,6 +1374,7 @@ impl Engine {
         }
         let deadline = Instant::now() + self.cfg.op_timeout;
         let spin_until = Instant::now() + self.cfg.poll_spin;
+        let mut sleeps = 0u32;
         loop {
             // Polling: watch our own status block without the lock.
             if let (Completion::Poll, Some(s)) = (self.cfg.completion, slot) {
@@ -1427,10 +1428,16 @@ impl Engine {
                         self.run_actions(&mut st);
                     }
                 }
-                // A polled completion is a status-block write, which wakes
-                // nobody: look again at least every millisecond (the
-                // INTERRUPT answer usually ends the sleep sooner).
-                wait = Duration::from_millis(1);
+                // Sleep until the INTERRUPT's answer wakes us (it follows
+                // the server's next completion). A polled completion itself
+                // wakes nobody, and ours may have landed just before the
+                // server saw the INTERRUPT, which then waits for a later
+                // completion: so the sleep is bounded, 1 ms at first and
+                // doubling to 64 ms while nothing comes (a long wait costs
+                // a few wake-ups, not one per millisecond; that race costs
+                // at most the current step).
+                wait = Duration::from_millis(1 << sleeps.min(6));
+                sleeps += 1;
             }
             self.sleep_or_drive(st, wait.min(deadline - now));
         }

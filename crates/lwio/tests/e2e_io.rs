@@ -1130,3 +1130,37 @@ fn unused_credits_are_reported_and_taken_back() {
         wait_for(|| s.rdma.connection_credits().is_empty(), "client gone");
     }
 }
+
+/// Polling with no spin budget: every wait goes straight to the automatic
+/// path (send INTERRUPT, sleep until its answer, which follows the server's
+/// next completion, with a bounded backoff). Every read returns its bytes,
+/// INTERRUPTs were sent, and no credit was overdrawn by them.
+#[test]
+fn polled_waits_sleep_on_interrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(21, 4 << 20);
+    std::fs::write(dir.path().join("i.bin"), &data).unwrap();
+    let s = server(dir.path(), no_auto());
+    let opts = ClientOptions {
+        completion: Completion::Poll,
+        credits: 8,
+        poll_spin: Duration::ZERO,
+        op_timeout: Duration::from_secs(20),
+        ..ClientOptions::default()
+    };
+    let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
+        .expect("client connects");
+    let f = c.open("i.bin", &OpenOptions::read_only()).unwrap();
+    let mut b = vec![0u8; 1 << 20];
+    for i in 0..24u64 {
+        let off = (i * 333_331) % (3 << 20);
+        assert_eq!(f.read_at(&mut b, off).unwrap(), b.len());
+        assert!(
+            b[..] == data[off as usize..off as usize + b.len()],
+            "read {i}"
+        );
+    }
+    let st = c.stats();
+    assert!(st.interrupts_sent > 0, "{st:?}");
+    assert_eq!(st.credit_violations, 0, "{st:?}");
+}
