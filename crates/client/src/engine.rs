@@ -357,10 +357,9 @@ impl Engine {
         let bounce_off = bounce_off.next_multiple_of(4096);
         let stage_off = (bounce_off + BOUNCE_SLOTS * BOUNCE_SLOT).next_multiple_of(4096);
         let win_len = stage_off + cfg.read_chunk * cfg.stage_slots;
-        let win_mr = pd.alloc_mr(
-            win_len,
-            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND,
-        )?;
+        // No remote right of its own: the server reaches it only through
+        // the one-shot windows bound per request.
+        let win_mr = pd.alloc_mr(win_len, Access::LOCAL_WRITE | Access::MW_BIND)?;
         let init = QpInit {
             pd: pd.clone(),
             send_cq: cq.clone(),
@@ -564,6 +563,12 @@ impl Engine {
                 let _ = t.join();
             }
         }
+    }
+
+    /// The RDMA provider's count of what this connection's protection
+    /// domain holds: regions, those with a remote right, windows.
+    pub fn census(&self) -> lwio_rdma::PdCensus {
+        self.pd.census()
     }
 
     pub fn stats(&self) -> ClientStats {
@@ -1587,7 +1592,9 @@ impl Engine {
         len: usize,
         per_call: bool,
     ) -> Result<Option<UserDst>> {
-        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND;
+        // Caller memory, like the engine's: no remote right of its own, only
+        // the windows bound per read.
+        let access = Access::LOCAL_WRITE | Access::MW_BIND;
         let mut st = lock(&self.st);
         let group = st.next_group;
         st.next_group += 1;

@@ -456,6 +456,12 @@ fn registered_suite(completion: Completion) {
     let st = c.stats();
     assert_eq!(st.windows_bound, st.windows_invalidated, "{st:?}");
     assert_eq!(st.credit_violations, 0);
+    // Least privilege (seed 002): the provider registered caller and engine
+    // memory with no remote right of its own (reached only through the
+    // windows bound per request), counted by the provider itself.
+    let census = c.engine().census();
+    assert!(census.mrs >= 5 && census.mws > 0, "{census:?}");
+    assert_eq!(census.mrs_remote, 0, "{census:?}");
 }
 
 /// Defaults on the soft provider: plain memory is staged (measured as fast

@@ -118,6 +118,7 @@ const CASES: &[(&str, CaseFn)] = &[
     ("mw_send_with_invalidate", case_mw_send_inv),
     ("recv_flow_control_indicate_window", case_flow_control),
     ("pd_census_counts", case_pd_census),
+    ("mw_on_region_without_remote_rights", case_mw_local_region),
 ];
 
 /// The environment of a run.
@@ -2019,6 +2020,36 @@ pub fn deviation(server: &Context, client: &Context, case: &str) -> Option<&'sta
         };
         d.case == case && d.driver == me && d.peer.is_none_or(|p| p == other)
     })
+}
+
+/// Verbs semantics of windows (IBA C10-75/C10-78): a region registered with
+/// no remote right of its own (LOCAL_WRITE | MW_BIND) carries a window that
+/// grants REMOTE_WRITE. Writes through the window land, byte for byte; a
+/// write with the region's own key is refused and writes nothing. (So a
+/// client registers its memory with no remote right at all.)
+fn case_mw_local_region(env: &Env<'_>) -> R {
+    let c = env.connect(&params(b""), &params(b""))?;
+    let t = filled(&c.s.pd, 8192, Access::LOCAL_WRITE | Access::MW_BIND, 16)?;
+    let mw = c.s.pd.alloc_mw()?;
+    let key = bind(&c, &mw, &t, 100, 4000, Access::REMOTE_WRITE, false)?;
+    let data = pattern(17, 4000);
+    let mut want = read_mr(&t, 0, 8192);
+    write_ok(env, &c, t.addr() + 100, key, &data, 50)?;
+    want[100..4100].copy_from_slice(&data);
+    cmp("through the window", &read_mr(&t, 0, 8192), &want)?;
+    expect_violation(
+        env,
+        &c,
+        Attempt::Write {
+            addr: t.addr() + 5000,
+            rkey: t.rkey(),
+            len: 512,
+        },
+        &t,
+        0,
+        8192,
+        V_RDMAP_ACCESS,
+    )
 }
 
 /// The provider's own count of what a domain holds (`Pd::census`), which a

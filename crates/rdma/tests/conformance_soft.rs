@@ -106,6 +106,7 @@ cases!(
     mw_send_with_invalidate,
     recv_flow_control_indicate_window,
     pd_census_counts,
+    mw_on_region_without_remote_rights,
 );
 
 // ---------------------------------------------------------------------------

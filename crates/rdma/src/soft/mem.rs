@@ -431,8 +431,16 @@ impl SoftMw {
         if !mrs.access.contains(Access::MW_BIND) {
             return Err(Error::Protection("region lacks MW_BIND".into()));
         }
+        // Verbs semantics (IBA C10-75/C10-78): the window's rights need not
+        // be the region's own. The region needs MW_BIND, and LOCAL_WRITE
+        // for a window that grants REMOTE_WRITE; a region registered with no
+        // remote right carries windows that grant one, while its own key
+        // grants nothing remote.
         let rights = Access::REMOTE_READ | Access::REMOTE_WRITE;
-        if !rights.contains(b.access) || !mrs.access.contains(b.access) {
+        if !rights.contains(b.access)
+            || (b.access.contains(Access::REMOTE_WRITE)
+                && !mrs.access.contains(Access::LOCAL_WRITE))
+        {
             return Err(Error::Protection(format!(
                 "window rights {:?} not allowed by region {:?}",
                 b.access, mrs.access
