@@ -32,7 +32,7 @@ FAILS=0
 RUN=0
 
 cleanup() {
-  for m in "$W/mnt" "$W/mnt2"; do
+  for m in "$W/mnt" "$W/mnt2" "$W/mnt-hard"; do
     mountpoint -q "$m" && { fusermount3 -u "$m" 2>/dev/null || fusermount3 -uz "$m"; }
   done
   [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
@@ -236,7 +236,35 @@ case_server_death() {
   pass "server killed: $(head -1 "$W/dead.err"); restarted: the same mount works again, a file held open across it was reopened and written; remounted"
 }
 
-CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death})
+case_hard() {
+  # -o hard: while the server is away a call waits for it instead of
+  # failing; once it is back the call completes with the right bytes.
+  local H=$W/mnt-hard
+  mkdir -p "$H"
+  head -c 300000 /dev/urandom >"$W/export/hard.bin"
+  do_mount "$H" -o hard || { fail hard "mount -o hard"; return; }
+  cmp -s "$H/hard.bin" "$W/export/hard.bin" || { fail hard "read before the kill"; return; }
+  kill -9 "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=
+  # A new name: no cache can answer it.
+  cp "$W/export/hard.bin" "$W/export/hard2.bin"
+  timeout 120 cat "$H/hard2.bin" >"$W/hard.out" 2>"$W/hard.err" &
+  local reader=$!
+  sleep 3
+  if ! kill -0 "$reader" 2>/dev/null; then
+    wait "$reader"; fail hard "the call did not wait for the server: rc=$? $(cat "$W/hard.err")"
+    start_server "$PORT"; return
+  fi
+  start_server "$PORT"
+  wait "$reader"; local rc=$?
+  if [ $rc = 0 ] && cmp -s "$W/hard.out" "$W/export/hard2.bin"; then
+    pass "-o hard: a read made while the server was away waited 3+ s and completed byte for byte once it was back"
+  else
+    fail hard "rc=$rc: $(cat "$W/hard.err"); $(cmp "$W/hard.out" "$W/export/hard2.bin" 2>&1)"
+  fi
+  fusermount3 -u "$H" 2>/dev/null || fusermount3 -uz "$H"
+}
+
+CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death hard})
 for c in "${CASES[@]}"; do
   T0=$(date +%s); RUN=$((RUN + 1))
   "case_$c"

@@ -49,6 +49,10 @@ pub(crate) struct Shared {
     /// A watching connection is up: leases may be asked for.
     pub(crate) leasing: AtomicBool,
     pub(crate) stats: Arc<Stats>,
+    /// `-o hard`: wait for the server instead of failing with EIO.
+    pub(crate) hard: bool,
+    /// The mount is going away: a hard wait gives up (EIO).
+    pub(crate) closing: AtomicBool,
 }
 
 /// A side-channel error that means the connection is gone.
@@ -69,6 +73,28 @@ impl Shared {
     /// one. True when a client newer than `gen` is in place (made here or by
     /// another thread meanwhile).
     pub(crate) fn reconnect(self: &Arc<Self>, gen: u64) -> bool {
+        if !self.hard {
+            return self.try_reconnect(gen);
+        }
+        // -o hard: wait until the server is back (or the mount goes away).
+        let mut told = false;
+        loop {
+            if self.try_reconnect(gen) {
+                return true;
+            }
+            if self.closing.load(Ordering::Acquire) || self.connect.is_none() {
+                return false;
+            }
+            if !told {
+                warn!("server away; -o hard: calls wait for it to come back");
+                told = true;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// One attempt (at most one a second across threads).
+    fn try_reconnect(self: &Arc<Self>, gen: u64) -> bool {
         let Some(connect) = &self.connect else {
             return false;
         };
@@ -256,18 +282,19 @@ impl LwioFs {
         f: impl Fn(&mut lwio_client::side::Client) -> lwio_side::Result<T>,
     ) -> Res<T> {
         Stats::add(&self.stats.side_calls, 1);
-        let gen = self.shared.client_gen.load(Ordering::Acquire);
-        let r = self.client().side(|s| Ok(f(s)));
-        let r = match r {
-            Ok(Err(e)) if is_lost(&e) && self.shared.reconnect(gen) => {
-                Stats::add(&self.stats.side_calls, 1);
-                self.client().side(|s| Ok(f(s)))
+        // Soft: one more try on a new connection. Hard: as many as it
+        // takes (the server may go away again while coming back).
+        let mut tries = 0;
+        let r = loop {
+            let gen = self.shared.client_gen.load(Ordering::Acquire);
+            let r = self.client().side(|s| Ok(f(s)));
+            let lost = matches!(&r, Ok(Err(e)) if is_lost(e))
+                || matches!(&r, Err(lwio_client::Error::ConnectionLost(_)));
+            if !lost || (tries > 0 && !self.shared.hard) || !self.shared.reconnect(gen) {
+                break r;
             }
-            Err(lwio_client::Error::ConnectionLost(_)) if self.shared.reconnect(gen) => {
-                Stats::add(&self.stats.side_calls, 1);
-                self.client().side(|s| Ok(f(s)))
-            }
-            r => r,
+            tries += 1;
+            Stats::add(&self.stats.side_calls, 1);
         };
         match r {
             Ok(Ok(v)) => Ok(v),
@@ -436,20 +463,23 @@ impl LwioFs {
     ) -> Res<T> {
         let o = self.entry_of(fh)?;
         self.fresh(&o)?;
-        match op(&o.current()) {
-            Ok(v) => Ok(v),
-            Err(lwio_client::Error::ConnectionLost(m)) => {
-                let gen = o.gen.load(Ordering::Acquire);
-                if !self.shared.reconnect(gen) {
-                    debug!(error = %m, "connection lost");
-                    return Err(libc::EIO);
+        let mut tries = 0;
+        loop {
+            match op(&o.current()) {
+                Ok(v) => return Ok(v),
+                Err(lwio_client::Error::ConnectionLost(m)) => {
+                    let gen = o.gen.load(Ordering::Acquire);
+                    if (tries > 0 && !self.shared.hard) || !self.shared.reconnect(gen) {
+                        debug!(error = %m, "connection lost");
+                        return Err(libc::EIO);
+                    }
+                    tries += 1;
+                    self.fresh(&o)?;
                 }
-                self.fresh(&o)?;
-                op(&o.current()).map_err(|e| errno::client(&e))
-            }
-            Err(e) => {
-                debug!(error = %e, "data call");
-                Err(errno::client(&e))
+                Err(e) => {
+                    debug!(error = %e, "data call");
+                    return Err(errno::client(&e));
+                }
             }
         }
     }
@@ -729,6 +759,7 @@ impl Filesystem for LwioFs {
     }
 
     fn destroy(&mut self) {
+        self.shared.closing.store(true, Ordering::Release);
         let files: Vec<_> = lock(&self.files)
             .drain()
             .map(|(_, o)| o.current())

@@ -82,6 +82,8 @@ pub struct Mounted {
     stats: Arc<Stats>,
     /// Dropped with the mount: stops the keepalive thread.
     _keepalive: Option<std::sync::mpsc::Sender<()>>,
+    /// To end `-o hard` waits when unmounting.
+    closing: Arc<fs::Shared>,
 }
 
 impl Mounted {
@@ -121,6 +123,11 @@ impl Mounted {
     }
 
     fn unmount_inner(&mut self) -> io::Result<()> {
+        // Calls waiting for an absent server (-o hard) give up with EIO, so
+        // that their FUSE threads come back and the session can end.
+        self.closing
+            .closing
+            .store(true, std::sync::atomic::Ordering::Release);
         let mut first = Ok(());
         if !self.is_finished() {
             if let Some(u) = self.unmounter.as_mut() {
@@ -198,6 +205,8 @@ fn mount_inner(
         leases: std::sync::Mutex::new(leases::LeaseCache::new(cfg.lease_ttl)),
         leasing: std::sync::atomic::AtomicBool::new(false),
         stats: stats.clone(),
+        hard: cfg.hard,
+        closing: std::sync::atomic::AtomicBool::new(false),
     });
     // Lease breaks arrive on a second connection of this client's session.
     let watch = if cfg.leases {
@@ -228,6 +237,7 @@ fn mount_inner(
     let mut session = fuser::Session::new(fs, mountpoint, &config)?;
     let unmounter = session.unmount_callable();
     let _ = shared.notifier.set(session.notifier());
+    let closing_of = shared.clone();
     if let Some(w) = watch {
         watcher::start(w, shared)?;
     }
@@ -240,6 +250,7 @@ fn mount_inner(
         thread: Some(thread),
         stats,
         _keepalive: keepalive,
+        closing: closing_of,
     })
 }
 
