@@ -1267,10 +1267,14 @@ fn check_bind(q: &QpCore, bind: &MwBind<'_>) -> Result<Arc<MrInner>> {
             "the region was not registered with MW_BIND".into(),
         ));
     }
-    if !mr.access.contains(bind.access) {
+    // IBA C10-78: a window granting remote write needs local write on the
+    // region; the region needs no remote right of its own (C10-75: MW_BIND
+    // only). Native windows are checked by the device as well; emulated
+    // ones (a registration of the window's range per bind) only here.
+    if bind.access.contains(Access::REMOTE_WRITE) && !mr.access.contains(Access::LOCAL_WRITE) {
         return Err(Error::Protection(format!(
-            "window access {:?} exceeds the region's {:?}",
-            bind.access, mr.access
+            "a window with REMOTE_WRITE needs LOCAL_WRITE on the region ({:?})",
+            mr.access
         )));
     }
     match bind.offset.checked_add(bind.length) {
