@@ -179,15 +179,9 @@ pub(crate) fn pread_full(o: &Open, buf: *mut u8, n: usize, off: u64) -> Result<u
     // SAFETY: the program passed `buf` for `n` writable bytes, as read(2)
     // requires; it is its memory, not registered memory of a peer.
     let b = unsafe { std::slice::from_raw_parts_mut(buf, n) };
-    let mut done = 0;
-    while done < n {
-        match o.file.read_at(&mut b[done..], off + done as u64) {
-            Ok(0) => break,
-            Ok(k) => done += k,
-            Err(e) if done == 0 => return Err(fail_of(&e)),
-            Err(_) => break,
-        }
-    }
+    // All of it, in pipelined requests; short only at the end of the file
+    // (so no second call: it would only ask past the end).
+    let done = o.file.read_at(b, off).map_err(|e| fail_of(&e))?;
     count(&COUNTERS.reads, 1);
     count(&COUNTERS.read_bytes, done as u64);
     Ok(done)
@@ -203,16 +197,9 @@ pub(crate) fn pwrite_full(o: &Open, buf: *const u8, n: usize, off: u64) -> Resul
     }
     // SAFETY: the program passed `buf` for `n` readable bytes.
     let b = unsafe { std::slice::from_raw_parts(buf, n) };
-    let mut done = 0;
-    while done < n {
-        match o.file.write_at(&b[done..], off + done as u64) {
-            Ok(0) => return Err(Fail::Errno(libc::EIO)),
-            Ok(k) => done += k,
-            Err(e) if done == 0 => return Err(fail_of(&e)),
-            Err(_) => break,
-        }
-        o.dirty.store(true, Ordering::Relaxed);
-    }
+    // All of it, in pipelined requests, or an error.
+    let done = o.file.write_at(b, off).map_err(|e| fail_of(&e))?;
+    o.dirty.store(true, Ordering::Relaxed);
     count(&COUNTERS.writes, 1);
     count(&COUNTERS.write_bytes, done as u64);
     Ok(done)
@@ -265,19 +252,32 @@ fn pwritev_full(o: &Open, iov: &[iovec], off: u64) -> Result<usize, Fail> {
     Ok(done)
 }
 
-/// The descriptor's offset (the kernel's: shared by dup, fork and exec).
-fn position(fd: c_int) -> Result<u64, Fail> {
+/// lseek(2) on the program's descriptor, through the C library.
+fn kernel_seek(fd: c_int, off: off_t, whence: c_int) -> Result<u64, Fail> {
     // SAFETY: lseek on the program's descriptor.
-    let p = unsafe { real::lseek(fd, 0, libc::SEEK_CUR) };
+    let p = unsafe { real::lseek(fd, off, whence) };
     if p < 0 {
         return Err(Fail::Errno(state::errno()));
     }
     Ok(p as u64)
 }
 
-fn advance(fd: c_int, to: u64) {
-    // SAFETY: lseek on the program's descriptor.
-    unsafe { real::lseek(fd, to as off_t, libc::SEEK_SET) };
+/// A transfer at `off`; without one, at the descriptor's offset (the
+/// kernel's: shared by dup, fork and exec), which it then advances past
+/// what moved, as read(2) and write(2) do.
+fn at(
+    fd: c_int,
+    off: Option<u64>,
+    f: impl FnOnce(u64) -> Result<usize, Fail>,
+) -> Result<isize, Fail> {
+    let Some(off) = off else {
+        let pos = kernel_seek(fd, 0, libc::SEEK_CUR)?;
+        let k = f(pos)?;
+        // SAFETY: lseek on the program's descriptor.
+        unsafe { real::lseek(fd, (pos + k as u64) as off_t, libc::SEEK_SET) };
+        return Ok(k as isize);
+    };
+    Ok(f(off)? as isize)
 }
 
 /// Run `f` on our file of `fd`, if it is one: Some(result) when served
@@ -309,12 +309,7 @@ fn serve(fd: c_int, f: impl FnOnce(&Arc<Open>) -> Result<isize, Fail>) -> Option
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
-    if let Some(r) = serve(fd, |o| {
-        let pos = position(fd)?;
-        let k = pread_full(o, buf.cast(), n, pos)?;
-        advance(fd, pos + k as u64);
-        Ok(k as isize)
-    }) {
+    if let Some(r) = serve(fd, |o| at(fd, None, |p| pread_full(o, buf.cast(), n, p))) {
         return r;
     }
     // SAFETY: the program's call, passed on.
@@ -323,12 +318,7 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t
 
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
-    if let Some(r) = serve(fd, |o| {
-        let pos = position(fd)?;
-        let k = pwrite_full(o, buf.cast(), n, pos)?;
-        advance(fd, pos + k as u64);
-        Ok(k as isize)
-    }) {
+    if let Some(r) = serve(fd, |o| at(fd, None, |p| pwrite_full(o, buf.cast(), n, p))) {
         return r;
     }
     // SAFETY: the program's call, passed on.
@@ -364,15 +354,7 @@ fn readv_at(
     off: Option<u64>,
 ) -> Result<isize, Fail> {
     let iov = iovecs(iov, n)?;
-    match off {
-        Some(off) => Ok(preadv_full(o, iov, off)? as isize),
-        None => {
-            let pos = position(fd)?;
-            let k = preadv_full(o, iov, pos)?;
-            advance(fd, pos + k as u64);
-            Ok(k as isize)
-        }
-    }
+    at(fd, off, |p| preadv_full(o, iov, p))
 }
 
 fn writev_at(
@@ -383,15 +365,7 @@ fn writev_at(
     off: Option<u64>,
 ) -> Result<isize, Fail> {
     let iov = iovecs(iov, n)?;
-    match off {
-        Some(off) => Ok(pwritev_full(o, iov, off)? as isize),
-        None => {
-            let pos = position(fd)?;
-            let k = pwritev_full(o, iov, pos)?;
-            advance(fd, pos + k as u64);
-            Ok(k as isize)
-        }
-    }
+    at(fd, off, |p| pwritev_full(o, iov, p))
 }
 
 #[no_mangle]
@@ -506,12 +480,7 @@ fn seek(fd: c_int, o: &Open, off: off_t, whence: c_int) -> Result<isize, Fail> {
     // Only the end is the server's to say; the rest is the kernel's
     // offset arithmetic (SEEK_DATA and SEEK_HOLE ask the mount).
     if whence != libc::SEEK_END {
-        // SAFETY: lseek on the program's descriptor.
-        let r = unsafe { real::lseek(fd, off, whence) };
-        if r < 0 {
-            return Err(Fail::Errno(state::errno()));
-        }
-        return Ok(r as isize);
+        return Ok(kernel_seek(fd, off, whence)? as isize);
     }
     count(&COUNTERS.other, 1);
     let end = o.file.len().map_err(|e| fail_of(&e))? as i64;
@@ -519,12 +488,7 @@ fn seek(fd: c_int, o: &Open, off: off_t, whence: c_int) -> Result<isize, Fail> {
         .checked_add(off)
         .filter(|t| *t >= 0)
         .ok_or(Fail::Errno(libc::EINVAL))?;
-    // SAFETY: lseek on the program's descriptor.
-    let r = unsafe { real::lseek(fd, to, libc::SEEK_SET) };
-    if r < 0 {
-        return Err(Fail::Errno(state::errno()));
-    }
-    Ok(r as isize)
+    Ok(kernel_seek(fd, to, libc::SEEK_SET)? as isize)
 }
 
 #[no_mangle]
