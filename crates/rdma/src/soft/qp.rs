@@ -390,6 +390,10 @@ pub struct QpCore {
     pub shut: Shut,
     rq: VecDeque<RecvWqe>,
     anon: VecDeque<AnonMsg>,
+    /// The segment being read has its payload destination inside the newest
+    /// anonymous message's buffer: that message must stay where it is (not
+    /// be handed to a receive and dropped) until the segment is finished.
+    anon_seg_open: bool,
     rx: RxState,
     stage: Stage,
     hdr: [u8; 48],
@@ -481,6 +485,7 @@ impl QpCore {
             shut: Shut::None,
             rq: VecDeque::new(),
             anon: VecDeque::new(),
+            anon_seg_open: false,
             rx: RxState::Hdr,
             stage: Stage {
                 all_staged: crc,
@@ -790,8 +795,17 @@ impl QpCore {
     }
 
     /// Deliver buffered (anonymous) messages to posted receives, in order.
+    /// A message still arriving moves to a receive only between its
+    /// segments; one with a segment half read waits for that segment's end
+    /// (`finish_segment` calls this again).
     fn drain_anon(&mut self) {
         while !self.anon.is_empty() && !self.rq.is_empty() {
+            if self.anon_seg_open
+                && self.anon.len() == 1
+                && self.anon.front().is_some_and(|a| !a.complete)
+            {
+                break;
+            }
             let a = self.anon.pop_front().expect("non-empty");
             self.stats.anon_bytes -= a.data.len() + ANON_OVERHEAD;
             let r = self.rq.front().expect("non-empty");
@@ -1604,6 +1618,7 @@ impl QpCore {
         self.dest.clear();
         self.dest_idx = 0;
         self.dest_off = 0;
+        self.anon_seg_open = false;
         let s = self.seg;
         let n = s.paylen as u64;
         if self.state == QpState::Error {
@@ -1737,6 +1752,7 @@ impl QpCore {
                             self.stats.anon_bytes += n as usize + extra;
                             self.stats.anon_peak = self.stats.anon_peak.max(self.stats.anon_bytes);
                             let a = self.anon.back_mut().expect("anon message");
+                            self.anon_seg_open = true;
                             let old = a.data.len();
                             a.data.resize(old + n as usize, 0);
                             if n > 0 {
@@ -1813,6 +1829,7 @@ impl QpCore {
     }
 
     fn finish_segment(&mut self) {
+        self.anon_seg_open = false;
         if self.state == QpState::Error {
             return;
         }
@@ -1850,6 +1867,11 @@ impl QpCore {
                 };
                 c.mo += n;
                 if !s.last {
+                    if c.target == Target::Anon {
+                        // A receive posted while this segment was being
+                        // read takes the message from here on.
+                        self.drain_anon();
+                    }
                     return;
                 }
                 let total = c.mo;

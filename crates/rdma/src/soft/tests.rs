@@ -581,3 +581,56 @@ proptest! {
         prop_assert!(mr_bytes(&amr) == want_a, "read sinks differ");
     }
 }
+
+/// A receive posted while a multi-segment Send is being buffered
+/// anonymously (no receive was posted when it began) takes the message
+/// whole, wherever the stream stood when it was posted: between segments,
+/// inside a header, inside a payload or inside a trailer. (A receive posted
+/// mid-payload once took the half-read segment with zeros for its unread
+/// part, and the rest of that segment went to the freed buffer.)
+#[test]
+fn receive_posted_mid_anonymous_message_gets_it_whole() {
+    const LEN: usize = 1000;
+    for crc in [false, true] {
+        let ctx = ctx();
+        let stream = {
+            let mut s = side(&ctx, 1, crc, 100);
+            let mr = s.pd.alloc_mr(LEN, Access::LOCAL_WRITE).expect("mr");
+            mr.write_at(0, &pattern(42, LEN)).expect("fill");
+            s.core
+                .post_send(&[SendWr::new(1, SendOp::Send, &[mr.sge(0, LEN as u32)])])
+                .expect("send");
+            tx_bytes(&mut s)
+        };
+        assert!(stream.len() > LEN, "{} bytes", stream.len());
+        let want = pattern(42, LEN);
+        for k in 0..=stream.len() {
+            let mut rx = side(&ctx, 2, crc, 100);
+            let mr = rx.pd.alloc_mr(LEN, Access::LOCAL_WRITE).expect("mr");
+            let mut p = Pipe {
+                input: stream[..k].to_vec(),
+                chunk: usize::MAX,
+                ..Pipe::default()
+            };
+            rx_all(&mut rx.core, &mut p);
+            rx.core
+                .post_recv(&[RecvWr {
+                    wr_id: 9,
+                    sg_list: &[mr.sge(0, LEN as u32)],
+                }])
+                .expect("recv");
+            p.input.extend_from_slice(&stream[k..]);
+            rx_all(&mut rx.core, &mut p);
+            let w = drain(&rx.cq);
+            assert_eq!(w.len(), 1, "crc={crc} posted at {k}: {w:?}");
+            assert!(w[0].is_ok(), "crc={crc} posted at {k}: {w:?}");
+            assert_eq!(w[0].byte_len as usize, LEN, "crc={crc} posted at {k}");
+            let got = mr_bytes(&mr);
+            if let Some(i) = (0..LEN).find(|&i| got[i] != want[i]) {
+                panic!("crc={crc} posted at {k}: first difference at byte {i}");
+            }
+            assert_eq!(rx.core.state, QpState::Rts, "crc={crc} posted at {k}");
+            assert!(rx.core.rx_idle(), "crc={crc} posted at {k}");
+        }
+    }
+}
