@@ -372,6 +372,7 @@ impl Engine {
                 max_inline_data: 0,
             },
             sq_sig_all: true,
+            recv_window: None,
         };
         // Receives are posted before the connection is established: on
         // iWARP devices a Send that finds no posted receive is fatal. The

@@ -288,6 +288,7 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
             recv_cq: cq.clone(),
             cap: QpCap::default(),
             sq_sig_all: true,
+            recv_window: None,
         };
         let req = listener.get_request(Some(T)).unwrap().expect("a client");
         let rmr = pd.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
@@ -405,6 +406,7 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
         recv_cq: cq.clone(),
         cap: QpCap::default(),
         sq_sig_all: true,
+        recv_window: None,
     };
     let qp = ctx.connect(addr, &init, &ConnParams::default()).unwrap();
     let rmr = pd.alloc_mr(256, Access::LOCAL_WRITE).unwrap();

@@ -317,6 +317,7 @@ impl<'a> Env<'a> {
             recv_cq: scq.clone(),
             cap,
             sq_sig_all: false,
+            recv_window: None,
         };
         let cinit = QpInit {
             pd: cpd.clone(),
@@ -324,6 +325,7 @@ impl<'a> Env<'a> {
             recv_cq: ccq.clone(),
             cap,
             sq_sig_all: false,
+            recv_window: None,
         };
         let abort = std::sync::atomic::AtomicBool::new(false);
         let (sres, cres) = std::thread::scope(|sc| {
@@ -944,6 +946,7 @@ fn case_reject(env: &Env<'_>) -> R {
         recv_cq: cq.clone(),
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     };
     let reason = b"go away: not today".to_vec();
     let (sres, cres) = std::thread::scope(|sc| {
@@ -1092,6 +1095,7 @@ fn case_channel_wait(env: &Env<'_>) -> R {
         recv_cq: scq.clone(),
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     };
     let cinit = QpInit {
         pd: cpd.clone(),
@@ -1099,6 +1103,7 @@ fn case_channel_wait(env: &Env<'_>) -> R {
         recv_cq: ccq.clone(),
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     };
     let (sres, cres) = std::thread::scope(|sc| {
         let h = sc.spawn(|| -> Result<Qp> {
@@ -1189,6 +1194,7 @@ fn case_solicited(env: &Env<'_>) -> R {
         recv_cq: cq.clone(),
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     };
     let (sinit, cinit) = (mk(&spd, &scq), mk(&cpd, &ccq));
     let abort = std::sync::atomic::AtomicBool::new(false);
@@ -1835,7 +1841,7 @@ fn case_flow_control(env: &Env<'_>) -> R {
     );
     if window.is_some() {
         let st = crate::soft::qp_stats(&c.s.qp).unwrap_or_default();
-        let w = env.server_indicate_window();
+        let w = st.indicate_window;
         ensure!(
             st.anon_peak <= w,
             "anonymous buffering {} > window {w}",
@@ -1874,20 +1880,12 @@ fn case_flow_control(env: &Env<'_>) -> R {
     }
     if let Some(st) = crate::soft::qp_stats(&c.s.qp) {
         ensure!(
-            st.anon_peak <= env.server_indicate_window(),
+            st.anon_peak <= st.indicate_window,
             "anonymous buffering peaked at {}",
             st.anon_peak
         );
     }
     Ok(())
-}
-
-impl Env<'_> {
-    fn server_indicate_window(&self) -> usize {
-        crate::soft::context_config(self.server)
-            .map(|c| c.indicate_window)
-            .unwrap_or(usize::MAX)
-    }
 }
 
 // ---------------------------------------------------------------------------

@@ -266,6 +266,7 @@ impl End {
                 max_inline_data: 0,
             },
             sq_sig_all: false,
+            recv_window: None,
         }
     }
 

@@ -450,6 +450,14 @@ pub struct QpInit {
     pub cap: QpCap,
     /// Signal every send WR regardless of `SendWr::signaled`.
     pub sq_sig_all: bool,
+    /// Receive flow control (seed 003's indicate window) for this QP: the
+    /// bytes of Sends that arrived before a receive was posted that the
+    /// provider may hold; when full it stops reading the connection until
+    /// receives are posted. `None`: the context's `Config::indicate_window`.
+    /// The soft provider honours it; verbs devices have no such buffering
+    /// (siw answers a Send with no receive with a Terminate, IB/RoCE with
+    /// RNR NAKs) and ignore it.
+    pub recv_window: Option<usize>,
 }
 
 /// Connection parameters offered by one side.

@@ -27,6 +27,7 @@ fn init(pd: &Pd, cq: &Cq) -> QpInit {
         recv_cq: cq.clone(),
         cap: QpCap::default(),
         sq_sig_all: true,
+        recv_window: None,
     }
 }
 

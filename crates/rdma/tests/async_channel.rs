@@ -57,6 +57,7 @@ fn run(progress: Progress) {
         recv_cq: cq.clone(),
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     };
     let (si, ci) = (init(&spd, &scq), init(&cpd, &ccq));
     let (sqp, cqp) = std::thread::scope(|sc| {

@@ -122,6 +122,11 @@ struct Conn {
 }
 
 fn connect(s: &Context, c: &Context) -> Conn {
+    connect_with(s, c, None)
+}
+
+/// As `connect`, with the server QP's receive window (`QpInit::recv_window`).
+fn connect_with(s: &Context, c: &Context, server_window: Option<usize>) -> Conn {
     let l = s.listen("127.0.0.1:0".parse().unwrap(), 16).unwrap();
     let addr = l.local_addr();
     let (spd, cpd) = (s.alloc_pd().unwrap(), c.alloc_pd().unwrap());
@@ -139,8 +144,13 @@ fn connect(s: &Context, c: &Context) -> Conn {
             ..QpCap::default()
         },
         sq_sig_all: false,
+        recv_window: None,
     };
-    let (si, ci) = (init(&spd, &scq), init(&cpd, &ccq));
+    let si = QpInit {
+        recv_window: server_window,
+        ..init(&spd, &scq)
+    };
+    let ci = init(&cpd, &ccq);
     let (sqp, cqp) = std::thread::scope(|sc| {
         let h = sc.spawn(|| {
             let r = l
@@ -346,6 +356,7 @@ fn soft_listener_not_blocked_by_silent_clients() {
         recv_cq: cq,
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     };
     let t = std::time::Instant::now();
     std::thread::scope(|sc| {
@@ -378,6 +389,7 @@ fn soft_rejects_objects_of_another_context() {
         recv_cq: a.create_cq(8, None).unwrap(),
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     };
     // Refused before any connection attempt (nothing listens there).
     let r = a.connect(
@@ -502,4 +514,66 @@ fn soft_listener_fd_reports_pending_mpa_requests() {
         .expect("request");
     assert_eq!(r.private_data(), b"x");
     r.reject(b"").unwrap();
+}
+
+/// Seed 003's indicate window is a property of each connection: a QP
+/// created with `recv_window` buffers at most that much before it stops
+/// reading, whatever its context's default, and one created without it
+/// keeps the context's.
+#[test]
+fn soft_indicate_window_per_qp() {
+    for progress in [Progress::Auto, Progress::Manual] {
+        let (s, c) = (open(progress, false), open(progress, false));
+        const N: usize = 12;
+        const SIZE: usize = 10_000;
+        for window in [Some(24_000), None] {
+            let k = connect_with(&s, &c, window);
+            let want = window.unwrap_or(64 * 1024);
+            let cmr = k.cpd.alloc_mr(N * SIZE, Access::LOCAL_WRITE).unwrap();
+            let smr = k.spd.alloc_mr(N * SIZE, Access::LOCAL_WRITE).unwrap();
+            for i in 0..N {
+                cmr.write_at(i * SIZE, &conformance::pattern(i as u64, SIZE))
+                    .unwrap();
+                k.cqp
+                    .post_send(&[SendWr::new(
+                        i as u64,
+                        SendOp::Send,
+                        &[cmr.sge(i * SIZE, SIZE as u32)],
+                    )])
+                    .unwrap();
+            }
+            let t = std::time::Instant::now();
+            while t.elapsed() < std::time::Duration::from_millis(200) {
+                s.progress().unwrap();
+                c.progress().unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let st = lwio_rdma::soft::qp_stats(&k.sqp).unwrap();
+            assert_eq!(st.indicate_window, want, "{progress:?} {window:?}");
+            assert!(
+                st.anon_peak <= want && st.anon_peak > want - SIZE - 64,
+                "{progress:?} {window:?}: buffered {} of a window of {want}",
+                st.anon_peak
+            );
+            assert!(st.paused > 0, "{progress:?} {window:?}: never paused");
+            for i in 0..N {
+                k.sqp
+                    .post_recv(&[RecvWr {
+                        wr_id: i as u64,
+                        sg_list: &[smr.sge(i * SIZE, SIZE as u32)],
+                    }])
+                    .unwrap();
+            }
+            let w = wait(&[&s, &c], &k.scq, N);
+            for (i, w) in w.iter().enumerate() {
+                assert!(w.is_ok() && w.wr_id == i as u64, "{w:?}");
+                let mut got = vec![0; SIZE];
+                smr.read_at(i * SIZE, &mut got).unwrap();
+                assert!(
+                    got == conformance::pattern(i as u64, SIZE),
+                    "{progress:?} {window:?}: message {i} differs"
+                );
+            }
+        }
+    }
 }

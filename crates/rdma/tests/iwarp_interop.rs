@@ -39,6 +39,7 @@ fn res(c: &Context) -> Res {
         recv_cq: cq.clone(),
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     };
     Res { pd, cq, init }
 }

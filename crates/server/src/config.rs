@@ -151,6 +151,13 @@ pub struct RdmaConfig {
     /// the 56-byte header). Larger = fewer messages per big write, more
     /// registered memory per credit.
     pub max_write_size: u32,
+    /// Receive flow control (seed 003's indicate window), per connection:
+    /// bytes of Sends that arrive before a receive is posted for them that
+    /// the server holds before it stops reading that connection until its
+    /// receives catch up. A client within its credits never needs it; it
+    /// bounds what one that is not can make the server buffer (soft
+    /// provider; verbs devices have no such buffering).
+    pub indicate_window: u32,
 }
 
 impl Default for RdmaConfig {
@@ -161,6 +168,7 @@ impl Default for RdmaConfig {
             busy_poll_polled: Duration::from_micros(100),
             progress: ProgressChoice::Connection,
             max_write_size: 64 * 1024,
+            indicate_window: 128 * 1024,
         }
     }
 }
@@ -541,6 +549,7 @@ busy_poll = "20us"
 busy_poll_polled = "100us"
 progress = "connection"
 max_write_size = 65536
+indicate_window = 131072
 "#;
 
 #[cfg(test)]
@@ -589,7 +598,7 @@ mod tests {
             "the example shows the defaults"
         );
         let c = Config::from_toml(
-            "[rdma]\ninline_io = false\nbusy_poll = \"250us\"\nprogress = \"engine\"\nmax_write_size = 262144",
+            "[rdma]\ninline_io = false\nbusy_poll = \"250us\"\nprogress = \"engine\"\nmax_write_size = 262144\nindicate_window = 32768",
         )
         .unwrap();
         assert_eq!(
@@ -600,6 +609,7 @@ mod tests {
                 busy_poll_polled: Duration::from_micros(100),
                 progress: ProgressChoice::Engine,
                 max_write_size: 262144,
+                indicate_window: 32768,
             }
         );
         let e = Config::from_toml("[rdma]\nprogress = \"threads\"").unwrap_err();
@@ -611,6 +621,7 @@ mod tests {
         assert!(!o.inline_io && !o.conn_contexts);
         assert_eq!(o.busy_poll, Duration::from_micros(250));
         assert_eq!(o.proto.max_recv_buffer_size, 262144);
+        assert_eq!(o.recv_window, Some(32768));
     }
 
     #[test]

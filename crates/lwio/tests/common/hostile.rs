@@ -61,6 +61,7 @@ pub fn connect(s: &LocalServer, token: &str, client_key: Guid) -> Hostile {
         recv_cq: cq.clone(),
         cap: QpCap::default(),
         sq_sig_all: true,
+        recv_window: None,
     };
     let qp = ctx
         .connect(s.rdma_addr, &init, &ConnParams::default())

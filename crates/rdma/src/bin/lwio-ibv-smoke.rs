@@ -117,6 +117,7 @@ fn qp_init(pd: &Pd, cq: &Cq) -> QpInit {
         recv_cq: cq.clone(),
         cap: QpCap::default(),
         sq_sig_all: false,
+        recv_window: None,
     }
 }
 

@@ -485,6 +485,7 @@ fn qp_init(s: &Setup) -> QpInit {
             max_inline_data: 0,
         },
         sq_sig_all: false,
+        recv_window: None,
     }
 }
 

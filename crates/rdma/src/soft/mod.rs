@@ -572,7 +572,7 @@ pub(crate) fn create_qp(
         max_payload,
         ird: est.ird as u32,
         ord: est.ord as u32,
-        indicate_window: ctx.config.indicate_window,
+        indicate_window: init.recv_window.unwrap_or(ctx.config.indicate_window),
         rx_budget: if ctx.manual {
             qp::RX_BUDGET_MANUAL
         } else {
@@ -602,7 +602,11 @@ pub struct SoftQp {
 impl SoftQp {
     /// Receive-path counters (anonymous buffering, direct vs copied bytes).
     pub fn stats(&self) -> RxStats {
-        self.sh.lock().stats
+        let core = self.sh.lock();
+        RxStats {
+            indicate_window: core.p.indicate_window,
+            ..core.stats
+        }
     }
 }
 

@@ -325,6 +325,8 @@ pub struct RxStats {
     pub anon_peak: usize,
     /// Times the socket was left unread because the indicate window was full.
     pub paused: u64,
+    /// This QP's indicate window (bytes).
+    pub indicate_window: usize,
     /// Terminates sent / received.
     pub term_sent: u64,
     pub term_recv: u64,

@@ -106,6 +106,11 @@ pub struct RdmaServerOptions {
     pub conn_contexts: bool,
     /// On shutdown, how long in-flight I/O may take before connections are cut.
     pub shutdown_grace: Duration,
+    /// Seed 003's indicate window of each connection: bytes of Sends that
+    /// arrive with no receive posted that the provider may hold before it
+    /// stops reading that connection (`None`: the provider context's
+    /// default). Providers without such buffering ignore it.
+    pub recv_window: Option<usize>,
     pub rdma: lwio_rdma::Config,
 }
 
@@ -135,6 +140,7 @@ impl Default for RdmaServerOptions {
             busy_poll_polled: Duration::from_micros(100),
             conn_contexts: true,
             shutdown_grace: Duration::from_secs(10),
+            recv_window: Some(128 * 1024),
             rdma: lwio_rdma::Config::default(),
         }
     }
@@ -1039,6 +1045,7 @@ impl Conn {
                 max_inline_data: 0,
             },
             sq_sig_all: true,
+            recv_window: shared.opts.recv_window,
         };
         // The receives are posted on the QP before the acceptance reaches
         // the client: its AUTH may follow the handshake at once, and on
@@ -1832,6 +1839,7 @@ impl RdmaServerOptions {
             busy_poll: c.rdma.busy_poll,
             busy_poll_polled: c.rdma.busy_poll_polled,
             conn_contexts: c.rdma.progress == crate::config::ProgressChoice::Connection,
+            recv_window: Some(c.rdma.indicate_window as usize),
             ..d
         }
     }
