@@ -80,6 +80,8 @@
 
 pub mod cm;
 pub mod cq;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod mem;
 pub mod qp;
 pub mod sys;

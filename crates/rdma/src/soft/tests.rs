@@ -2,145 +2,18 @@
 //! sockets: two `QpCore`s joined by in-memory pipes, streams re-fed split at
 //! every byte boundary, garbage input, and a bounded property test.
 
-use std::io;
 use std::sync::Arc;
 
 use proptest::prelude::*;
 
-use super::cq::{CqShared, SoftCq};
-use super::mem::{SoftMw, SoftPd};
-use super::qp::{Io, QpCore, QpParams};
+use super::fuzzing::{ctx, drain, mr_bytes, rx_all, tx_bytes, Pipe, Side};
+use super::mem::SoftMw;
 use super::{CtxShared, QpState};
+use crate::conformance::pattern;
 use crate::verbs::*;
 
-/// An in-memory byte stream end.
-#[derive(Default)]
-struct Pipe {
-    input: Vec<u8>,
-    pos: usize,
-    /// Largest read returned (1 = byte at a time).
-    chunk: usize,
-    /// Largest write accepted per call (0 = everything).
-    wchunk: usize,
-    output: Vec<u8>,
-}
-
-// SAFETY: `read` writes at most `len` bytes to `dst` (the caller's
-// contract) from our own vector; `writev` reads exactly the iovecs the
-// caller guarantees readable.
-impl Io for Pipe {
-    unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
-        let n = len.min(self.input.len() - self.pos).min(self.chunk.max(1));
-        if n == 0 {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
-        std::ptr::copy_nonoverlapping(self.input.as_ptr().add(self.pos), dst, n);
-        self.pos += n;
-        Ok(n)
-    }
-    unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize> {
-        let mut t = 0;
-        let cap = if self.wchunk == 0 {
-            usize::MAX
-        } else {
-            // Vary the partial-write size: 1..=wchunk.
-            1 + self.output.len() % self.wchunk
-        };
-        for v in iov {
-            let n = v.iov_len.min(cap - t);
-            self.output
-                .extend_from_slice(std::slice::from_raw_parts(v.iov_base as *const u8, n));
-            t += n;
-            if t == cap {
-                break;
-            }
-        }
-        Ok(t)
-    }
-}
-
-struct Side {
-    core: QpCore,
-    pd: Pd,
-    cq: Arc<CqShared>,
-}
-
-fn ctx() -> Arc<CtxShared> {
-    CtxShared::new(Config {
-        progress: Progress::Manual,
-        indicate_window: 64 * 1024,
-        ..Config::default()
-    })
-    .expect("context")
-}
-
 fn side(ctx: &Arc<CtxShared>, qpn: u32, crc: bool, max_payload: usize) -> Side {
-    let spd = SoftPd::new(ctx.table.clone());
-    let pd_id = spd.id;
-    let pd = Pd(Arc::new(spd));
-    let cq = Arc::new(CqShared::new(ctx.clone(), 4096, None));
-    let core = QpCore::new(QpParams {
-        qpn,
-        pd: pd_id,
-        table: ctx.table.clone(),
-        scq: cq.clone(),
-        rcq: cq.clone(),
-        cap: QpCap {
-            max_send_wr: 512,
-            max_recv_wr: 512,
-            max_send_sge: 4,
-            max_recv_sge: 4,
-            max_inline_data: 64,
-        },
-        sq_sig_all: false,
-        crc,
-        max_payload,
-        ird: 8,
-        ord: 8,
-        indicate_window: 64 * 1024,
-        rx_budget: super::qp::RX_BUDGET,
-    });
-    Side { core, pd, cq }
-}
-
-fn drain(cq: &Arc<CqShared>) -> Vec<Wc> {
-    let c = SoftCq(cq.clone());
-    let mut out = Vec::new();
-    let mut buf = [crate::verbs::Wc::BLANK; 64];
-    loop {
-        let n = c.poll(&mut buf).expect("poll");
-        if n == 0 {
-            return out;
-        }
-        out.extend_from_slice(&buf[..n]);
-    }
-}
-
-/// Receive until the input is used up (the engine yields every
-/// `RX_BUDGET` segments).
-fn rx_all(core: &mut QpCore, p: &mut Pipe) {
-    loop {
-        core.rx_process(p).expect("rx");
-        if !core.rx_more {
-            return;
-        }
-    }
-}
-
-fn tx_bytes(s: &mut Side) -> Vec<u8> {
-    let mut p = Pipe::default();
-    s.core.tx_process(&mut p).expect("tx");
-    p.output
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    crate::conformance::pattern(seed, len)
-}
-
-fn mr_bytes(mr: &Mr) -> Vec<u8> {
-    let mut v = vec![0; mr.len()];
-    mr.read_at(0, &mut v).expect("read");
-    v
+    super::fuzzing::side(ctx, qpn, crc, max_payload, 64 * 1024)
 }
 
 /// Receiver-side fixture: what the sender's stream must produce.
@@ -632,5 +505,17 @@ fn receive_posted_mid_anonymous_message_gets_it_whole() {
             assert_eq!(rx.core.state, QpState::Rts, "crc={crc} posted at {k}");
             assert!(rx.core.rx_idle(), "crc={crc} posted at {k}");
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The fuzz target's body (fuzz/fuzz_targets/soft_qp_rx.rs) on random
+    /// inputs: arbitrary traffic, framing, windows and schedules of
+    /// delivery and receive posting; exact data where nothing was corrupted.
+    #[test]
+    fn receive_engine_under_random_schedules(data in proptest::collection::vec(any::<u8>(), 0..400)) {
+        super::fuzzing::soft_qp_rx(&data);
     }
 }
