@@ -28,8 +28,10 @@ pub const TAGGED_HDR_LEN: usize = 14;
 /// Untagged DDP header length.
 pub const UNTAGGED_HDR_LEN: usize = 18;
 
-const T_FLAG: u8 = 0x80;
-const L_FLAG: u8 = 0x40;
+/// The Tagged flag of the DDP control byte.
+pub const T_FLAG: u8 = 0x80;
+/// The Last flag of the DDP control byte.
+pub const L_FLAG: u8 = 0x40;
 const RSVD_MASK: u8 = 0x3c;
 const DV_MASK: u8 = 0x03;
 

@@ -289,6 +289,18 @@ impl TermError {
             .find(|e| e.1 == l && e.2 == self.etype && e.3 == self.ecode)
             .map(|e| e.0)
     }
+    /// `layer << 12 | etype << 8 | ecode`: the packing verbs providers use
+    /// for a Terminate in a work completion's vendor error.
+    pub fn vendor_err(&self) -> u32 {
+        (u32::from(self.layer.to_raw()) << 12)
+            | (u32::from(self.etype & 0xf) << 8)
+            | u32::from(self.ecode)
+    }
+    /// A protection error: RDMAP remote protection, or a DDP tagged buffer
+    /// error (a key, range or right the data sink refused).
+    pub fn is_protection(&self) -> bool {
+        matches!(self.layer, Layer::Rdmap | Layer::Ddp) && self.etype == 1
+    }
     /// True when the RFC says the offending DDP header cannot be reported
     /// (layout unknown: version errors, unexpected opcode) or the error is
     /// not tied to a segment (LLP, catastrophic).
@@ -324,5 +336,15 @@ mod tests {
         assert_eq!(Layer::Other(7).to_raw(), 7);
         assert!(format!("{}", TermError::new(Layer::Other(9), 1, 2)).contains("layer 9"));
         assert_eq!(format!("{}", TermError::from(TermKind::MpaCrc)), "MpaCrc");
+        assert_eq!(
+            TermError::from(TermKind::DdpTaggedBaseBounds).vendor_err(),
+            0x1101
+        );
+        assert_eq!(TermError::from(TermKind::MpaCrc).vendor_err(), 0x2002);
+        let prot: Vec<TermKind> = TermKind::all()
+            .filter(|k| k.to_error().is_protection())
+            .collect();
+        assert_eq!(prot.len(), 12, "{prot:?}");
+        assert!(!TermError::from(TermKind::DdpUntaggedInvalidMo).is_protection());
     }
 }

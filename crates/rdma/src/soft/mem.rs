@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use super::wire::{term, TermCode};
+use super::wire::TermKind;
 use crate::verbs::*;
 
 static NEXT_PD: AtomicU32 = AtomicU32::new(1);
@@ -159,18 +159,18 @@ impl MemTable {
         pd: u32,
         qpn: u32,
         read_req: bool,
-    ) -> Result<Resolved, TermCode> {
+    ) -> Result<Resolved, TermKind> {
         let (inv, bounds, assoc) = if read_req {
             (
-                term::RDMAP_INVALID_STAG,
-                term::RDMAP_BASE_BOUNDS,
-                term::RDMAP_NOT_ASSOC,
+                TermKind::RdmapProtInvalidStag,
+                TermKind::RdmapProtBaseBounds,
+                TermKind::RdmapProtStagNotAssociated,
             )
         } else {
             (
-                term::DDP_T_INVALID_STAG,
-                term::DDP_T_BASE_BOUNDS,
-                term::DDP_T_NOT_ASSOC,
+                TermKind::DdpTaggedInvalidStag,
+                TermKind::DdpTaggedBaseBounds,
+                TermKind::DdpTaggedStagNotAssociated,
             )
         };
         let in_range = |base: u64, blen: u64| -> bool {
@@ -189,7 +189,7 @@ impl MemTable {
                     return Err(assoc);
                 }
                 if !mr.access.contains(need) {
-                    return Err(term::RDMAP_ACCESS);
+                    return Err(TermKind::RdmapProtAccessRights);
                 }
                 if !in_range(mr.addr, mr.len) {
                     return Err(bounds);
@@ -218,7 +218,7 @@ impl MemTable {
                     return Err(assoc);
                 }
                 if !bind.access.contains(need) {
-                    return Err(term::RDMAP_ACCESS);
+                    return Err(TermKind::RdmapProtAccessRights);
                 }
                 if !in_range(bind.addr, bind.len) {
                     return Err(bounds);
@@ -237,19 +237,21 @@ impl MemTable {
     /// Invalidate). Regions registered with `reg_mr` cannot be invalidated.
     /// `qpn`: for a peer's Send with Invalidate, the window must be bound to
     /// this QP (its RDMAP stream).
-    pub fn invalidate(&self, stag_v: u32, pd: u32, qpn: Option<u32>) -> Result<(), TermCode> {
+    pub fn invalidate(&self, stag_v: u32, pd: u32, qpn: Option<u32>) -> Result<(), TermKind> {
         match self.lookup(stag_v) {
             Some(Lookup::Mw(mw)) if mw.stag.load(Ordering::Acquire) == stag_v && mw.pd == pd => {
                 let mut b = mw.binding.lock().unwrap_or_else(|e| e.into_inner());
                 match (b.as_ref(), qpn) {
-                    (Some(bind), Some(q)) if bind.qpn != q => Err(term::RDMAP_OP_CANNOT_INVALIDATE),
+                    (Some(bind), Some(q)) if bind.qpn != q => {
+                        Err(TermKind::RdmapOpCannotInvalidate)
+                    }
                     _ => {
                         *b = None;
                         Ok(())
                     }
                 }
             }
-            _ => Err(term::RDMAP_OP_CANNOT_INVALIDATE),
+            _ => Err(TermKind::RdmapOpCannotInvalidate),
         }
     }
 }

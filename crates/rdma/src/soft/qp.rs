@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use super::cq::CqShared;
 use super::mem::{MemTable, MrState, SoftMw};
-use super::wire::{self, op, term, ReadReq, TermCode};
+use super::wire::{self, op, ReadReq, TermError, TermKind};
 use crate::verbs::*;
 
 /// Resolved local SGEs: pieces, the registrations keeping them alive, total length.
@@ -816,7 +816,7 @@ impl QpCore {
                 let mut w = wc(r.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, self.p.qpn);
                 w.byte_len = a.data.len() as u32;
                 self.p.rcq.push(w, true);
-                self.fatal(term::DDP_UT_TOO_LONG, false);
+                self.fatal(TermKind::DdpUntaggedMessageTooLong, false);
                 return;
             }
             // SAFETY: the receive's pieces were validated against live
@@ -935,7 +935,8 @@ impl QpCore {
 
     /// A local protocol violation by the peer: send a Terminate, enter error,
     /// discard the rest of the stream.
-    fn fatal(&mut self, code: TermCode, with_hdr: bool) {
+    fn fatal(&mut self, code: impl Into<TermError>, with_hdr: bool) {
+        let code: TermError = code.into();
         tracing::debug!(qpn = self.p.qpn, ?code, "terminating stream");
         if self.state != QpState::Error {
             let mut b = [0u8; wire::TERM_MAX];
@@ -1543,7 +1544,7 @@ impl QpCore {
                     let c = crc32c::crc32c_append(self.crc, &self.trailer[..pad]);
                     let got = u32::from_le_bytes(self.trailer[pad..need].try_into().expect("4"));
                     if c != got {
-                        self.fatal(term::MPA_CRC, false);
+                        self.fatal(TermKind::MpaCrc, false);
                         return Ok(false);
                     }
                 }
@@ -1597,17 +1598,17 @@ impl QpCore {
         self.seg = s;
         if h[2] & 0x03 != wire::DDP_V1 {
             let c = if tagged {
-                term::DDP_T_VERSION
+                TermKind::DdpTaggedInvalidVersion
             } else {
-                term::DDP_UT_VERSION
+                TermKind::DdpUntaggedInvalidVersion
             };
             return self.fatal(c, true);
         }
         if h[3] >> 6 != 1 {
-            return self.fatal(term::RDMAP_OP_VERSION, true);
+            return self.fatal(TermKind::RdmapOpInvalidVersion, true);
         }
         if ulpdu_len < hdr_len + extra || (extra > 0 && ulpdu_len != hdr_len + extra) {
-            return self.fatal(term::RDMAP_OP_UNSPECIFIED, true);
+            return self.fatal(TermKind::RdmapOpUnspecified, true);
         }
         self.seg.paylen = ulpdu_len - hdr_len - extra;
         self.rx = RxState::Place;
@@ -1641,7 +1642,7 @@ impl QpCore {
                                 if s.to.checked_add(n).is_none_or(|e| e > c.end)
                                     || !c.mr.valid.load(std::sync::atomic::Ordering::Acquire)
                                 {
-                                    return self.fatal(term::DDP_T_BASE_BOUNDS, true);
+                                    return self.fatal(TermKind::DdpTaggedBaseBounds, true);
                                 }
                                 s.to
                             }
@@ -1677,19 +1678,19 @@ impl QpCore {
                 }
                 op::READ_RESP => {
                     let Some(o) = self.orq.front() else {
-                        return self.fatal(term::RDMAP_OP_OPCODE, true);
+                        return self.fatal(TermKind::RdmapOpUnexpectedOpcode, true);
                     };
                     if n > 0 {
                         if s.stag != o.sink_stag {
-                            return self.fatal(term::DDP_T_INVALID_STAG, true);
+                            return self.fatal(TermKind::DdpTaggedInvalidStag, true);
                         }
                         if s.to != o.sink_to + o.got || o.got + n > o.len {
-                            return self.fatal(term::DDP_T_BASE_BOUNDS, true);
+                            return self.fatal(TermKind::DdpTaggedBaseBounds, true);
                         }
                         self.dest.push(Piece { addr: s.to, len: n });
                     }
                 }
-                _ => return self.fatal(term::RDMAP_OP_OPCODE, true),
+                _ => return self.fatal(TermKind::RdmapOpUnexpectedOpcode, true),
             }
         } else {
             match (s.qn, s.opcode) {
@@ -1697,18 +1698,18 @@ impl QpCore {
                     match &self.cur_send {
                         None => {
                             if s.msn != self.msn_in[0] {
-                                return self.fatal(term::DDP_UT_MSN_RANGE, true);
+                                return self.fatal(TermKind::DdpUntaggedMsnRange, true);
                             }
                             if s.mo != 0 {
-                                return self.fatal(term::DDP_UT_INVALID_MO, true);
+                                return self.fatal(TermKind::DdpUntaggedInvalidMo, true);
                             }
                         }
                         Some(c) => {
                             if s.msn != c.msn {
-                                return self.fatal(term::DDP_UT_MSN_RANGE, true);
+                                return self.fatal(TermKind::DdpUntaggedMsnRange, true);
                             }
                             if s.mo as u64 != c.mo {
-                                return self.fatal(term::DDP_UT_INVALID_MO, true);
+                                return self.fatal(TermKind::DdpUntaggedInvalidMo, true);
                             }
                         }
                     }
@@ -1726,7 +1727,7 @@ impl QpCore {
                                     wc(r.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, self.p.qpn);
                                 w.byte_len = (s.mo as u64 + n) as u32;
                                 self.p.rcq.push(w, true);
-                                return self.fatal(term::DDP_UT_TOO_LONG, true);
+                                return self.fatal(TermKind::DdpUntaggedMessageTooLong, true);
                             }
                             let mut v = std::mem::take(&mut self.dest);
                             map_pieces(&r.pieces, s.mo as u64, n, &mut v);
@@ -1775,10 +1776,10 @@ impl QpCore {
                 }
                 (wire::QN_READ, op::READ_REQ) => {
                     if s.msn != self.msn_in[1] {
-                        return self.fatal(term::DDP_UT_MSN_RANGE, true);
+                        return self.fatal(TermKind::DdpUntaggedMsnRange, true);
                     }
                     if self.irq.len() >= self.p.ird.max(1) as usize {
-                        return self.fatal(term::MPA_INSUFFICIENT_IRD, true);
+                        return self.fatal(TermKind::MpaInsufficientIrd, true);
                     }
                     let rr = ReadReq::parse(&self.hdr[20..48]);
                     let mr = if rr.len > 0 {
@@ -1823,8 +1824,10 @@ impl QpCore {
                         });
                     }
                 }
-                (q, _) if q > wire::QN_TERM => return self.fatal(term::DDP_UT_INVALID_QN, true),
-                _ => return self.fatal(term::RDMAP_OP_OPCODE, true),
+                (q, _) if q > wire::QN_TERM => {
+                    return self.fatal(TermKind::DdpUntaggedInvalidQn, true)
+                }
+                _ => return self.fatal(TermKind::RdmapOpUnexpectedOpcode, true),
             }
         }
         self.rx = RxState::Payload;
@@ -1848,7 +1851,7 @@ impl QpCore {
                     if s.last {
                         let o = self.orq.pop_front().expect("non-empty");
                         if o.got != o.len {
-                            return self.fatal(term::DDP_T_BASE_BOUNDS, false);
+                            return self.fatal(TermKind::DdpTaggedBaseBounds, false);
                         }
                         if let Some(i) = self.sq_index(o.seq) {
                             let w = &mut self.sq[i];
@@ -1887,7 +1890,7 @@ impl QpCore {
                         .invalidate(s.inv, self.p.pd, Some(self.p.qpn))
                         .is_err()
                     {
-                        return self.fatal(term::RDMAP_OP_CANNOT_INVALIDATE, false);
+                        return self.fatal(TermKind::RdmapOpCannotInvalidate, false);
                     }
                     Some(s.inv)
                 } else {
@@ -1917,14 +1920,14 @@ impl QpCore {
             }
             wire::QN_TERM => {
                 self.msn_in[2] = self.msn_in[2].wrapping_add(1);
-                let code =
-                    wire::parse_terminate(&self.ctl[..]).unwrap_or(term::RDMAP_OP_UNSPECIFIED);
+                let code = wire::parse_terminate(&self.ctl[..])
+                    .unwrap_or(TermKind::RdmapOpUnspecified.into());
                 tracing::debug!(qpn = self.p.qpn, ?code, "terminate received");
                 self.stats.term_recv += 1;
                 self.stats.last_term = code.vendor_err();
                 let st = if code.is_protection() {
                     WcStatus::RemAccessErr
-                } else if code == term::DDP_UT_TOO_LONG {
+                } else if code.kind() == Some(TermKind::DdpUntaggedMessageTooLong) {
                     WcStatus::RemInvReqErr
                 } else {
                     WcStatus::RemOpErr

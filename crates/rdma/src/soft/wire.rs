@@ -2,7 +2,11 @@
 //! framing, DDP RFC 5041, RDMAP RFC 5040 headers and Terminate), written
 //! straight into the engine's header arrays. Connection setup uses
 //! `lwio_iwarp::mpa`; `tests/iwarp_interop.rs` checks these encodings
-//! against `lwio-iwarp`'s independent parsers.
+//! against `lwio-iwarp`'s independent parsers. The constants, opcodes and
+//! the Terminate table (`TermKind`/`TermError`) are lwio-iwarp's: there is
+//! one of each. (What is left here, header emission at fixed offsets and
+//! the byte helpers, is to move into lwio-iwarp with the receive and
+//! transmit engines: issue 11.)
 //!
 //! Layouts match Linux siw: the MPA CRC field is always present (zero when
 //! CRC is off), the enhanced-mode flag is 0x10 of the flags byte, and a
@@ -13,31 +17,35 @@
 /// `lwio_iwarp::mpa`.)
 pub const MPA_MAX_PD: usize = 512;
 
-pub const TAGGED_HDR: usize = 14;
-pub const UNTAGGED_HDR: usize = 18;
-pub const READ_REQ_LEN: usize = 28;
+use lwio_iwarp::wire::{ddp, rdmap};
+
+pub const TAGGED_HDR: usize = ddp::TAGGED_HDR_LEN;
+pub const UNTAGGED_HDR: usize = ddp::UNTAGGED_HDR_LEN;
+pub const READ_REQ_LEN: usize = rdmap::READ_REQUEST_LEN;
 /// Largest Terminate payload we accept (4 + 2 + 18 + 28 rounded up).
 pub const TERM_MAX: usize = 64;
+const _: () = assert!(TERM_MAX >= rdmap::TERMINATE_HDR_LEN + rdmap::TERMINATE_MAX_COPIED);
 
-pub const DDP_T: u8 = 0x80;
-pub const DDP_L: u8 = 0x40;
-pub const DDP_V1: u8 = 0x01;
-pub const RDMAP_V1: u8 = 0x40;
+pub const DDP_T: u8 = ddp::T_FLAG;
+pub const DDP_L: u8 = ddp::L_FLAG;
+pub const DDP_V1: u8 = ddp::DDP_VERSION;
+pub const RDMAP_V1: u8 = rdmap::RDMAP_VERSION << 6;
 
-pub const QN_SEND: u32 = 0;
-pub const QN_READ: u32 = 1;
-pub const QN_TERM: u32 = 2;
+pub const QN_SEND: u32 = rdmap::QN_SEND;
+pub const QN_READ: u32 = rdmap::QN_READ_REQUEST;
+pub const QN_TERM: u32 = rdmap::QN_TERMINATE;
 
-/// RDMAP opcodes.
+/// RDMAP opcodes as the 4-bit field (for matching on the raw header).
 pub mod op {
-    pub const WRITE: u8 = 0;
-    pub const READ_REQ: u8 = 1;
-    pub const READ_RESP: u8 = 2;
-    pub const SEND: u8 = 3;
-    pub const SEND_INV: u8 = 4;
-    pub const SEND_SE: u8 = 5;
-    pub const SEND_SE_INV: u8 = 6;
-    pub const TERMINATE: u8 = 7;
+    use lwio_iwarp::wire::rdmap::Opcode;
+    pub const WRITE: u8 = Opcode::Write as u8;
+    pub const READ_REQ: u8 = Opcode::ReadRequest as u8;
+    pub const READ_RESP: u8 = Opcode::ReadResponse as u8;
+    pub const SEND: u8 = Opcode::Send as u8;
+    pub const SEND_INV: u8 = Opcode::SendInvalidate as u8;
+    pub const SEND_SE: u8 = Opcode::SendSe as u8;
+    pub const SEND_SE_INV: u8 = Opcode::SendSeInvalidate as u8;
+    pub const TERMINATE: u8 = Opcode::Terminate as u8;
 }
 
 /// Pad after a ULPDU of `ulpdu_len` bytes (len field + ULPDU + pad ≡ 0 mod 4).
@@ -45,55 +53,7 @@ pub const fn pad_len(ulpdu_len: usize) -> usize {
     (4 - ((2 + ulpdu_len) & 3)) & 3
 }
 
-/// A Terminate error triple (RFC 5040 §7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TermCode {
-    pub layer: u8,
-    pub etype: u8,
-    pub ecode: u8,
-}
-
-impl TermCode {
-    pub const fn new(layer: u8, etype: u8, ecode: u8) -> TermCode {
-        TermCode {
-            layer,
-            etype,
-            ecode,
-        }
-    }
-    /// `layer << 12 | etype << 8 | ecode`, as in `Wc::vendor_err`.
-    pub fn vendor_err(self) -> u32 {
-        ((self.layer as u32 & 0xf) << 12) | ((self.etype as u32 & 0xf) << 8) | self.ecode as u32
-    }
-    /// Is this a protection error (RDMAP remote protection / DDP tagged buffer)?
-    pub fn is_protection(self) -> bool {
-        (self.layer == 0 || self.layer == 1) && self.etype == 1
-    }
-}
-
-/// Named Terminate codes used by the soft provider.
-pub mod term {
-    use super::TermCode;
-    pub const RDMAP_INVALID_STAG: TermCode = TermCode::new(0, 1, 0x00);
-    pub const RDMAP_BASE_BOUNDS: TermCode = TermCode::new(0, 1, 0x01);
-    pub const RDMAP_ACCESS: TermCode = TermCode::new(0, 1, 0x02);
-    pub const RDMAP_NOT_ASSOC: TermCode = TermCode::new(0, 1, 0x03);
-    pub const RDMAP_OP_VERSION: TermCode = TermCode::new(0, 2, 0x05);
-    pub const RDMAP_OP_OPCODE: TermCode = TermCode::new(0, 2, 0x06);
-    pub const RDMAP_OP_CANNOT_INVALIDATE: TermCode = TermCode::new(0, 2, 0x09);
-    pub const RDMAP_OP_UNSPECIFIED: TermCode = TermCode::new(0, 2, 0xff);
-    pub const DDP_T_INVALID_STAG: TermCode = TermCode::new(1, 1, 0x00);
-    pub const DDP_T_BASE_BOUNDS: TermCode = TermCode::new(1, 1, 0x01);
-    pub const DDP_T_NOT_ASSOC: TermCode = TermCode::new(1, 1, 0x02);
-    pub const DDP_T_VERSION: TermCode = TermCode::new(1, 1, 0x04);
-    pub const DDP_UT_INVALID_QN: TermCode = TermCode::new(1, 2, 0x01);
-    pub const DDP_UT_MSN_RANGE: TermCode = TermCode::new(1, 2, 0x03);
-    pub const DDP_UT_INVALID_MO: TermCode = TermCode::new(1, 2, 0x04);
-    pub const DDP_UT_TOO_LONG: TermCode = TermCode::new(1, 2, 0x05);
-    pub const DDP_UT_VERSION: TermCode = TermCode::new(1, 2, 0x06);
-    pub const MPA_CRC: TermCode = TermCode::new(2, 0, 0x02);
-    pub const MPA_INSUFFICIENT_IRD: TermCode = TermCode::new(2, 0, 0x06);
-}
+pub use lwio_iwarp::wire::term::{TermError, TermKind};
 
 pub fn be16(b: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([b[at], b[at + 1]])
@@ -186,11 +146,9 @@ impl ReadReq {
 /// length + DDP (+ Read Request) header is `hdr` (may be empty). Returns the
 /// payload length written into `out` (≤ TERM_MAX). Which headers are copied
 /// follows siw (`lwio_iwarp::wire::rdmap::TerminateRepr::for_segment`).
-pub fn terminate_payload(code: TermCode, hdr: &[u8], out: &mut [u8; TERM_MAX]) -> usize {
+pub fn terminate_payload(err: TermError, hdr: &[u8], out: &mut [u8; TERM_MAX]) -> usize {
     use lwio_iwarp::wire::rdmap::TerminateRepr;
-    use lwio_iwarp::wire::term::{Layer, TermError};
     out.fill(0);
-    let err = TermError::new(Layer::from_raw(code.layer), code.etype, code.ecode);
     let t = if hdr.len() >= 2 + TAGGED_HDR {
         TerminateRepr::for_segment(err, be16(hdr, 0), &hdr[2..])
     } else {
@@ -202,12 +160,20 @@ pub fn terminate_payload(code: TermCode, hdr: &[u8], out: &mut [u8; TERM_MAX]) -
     n
 }
 
-/// The error triple of a received Terminate payload.
-pub fn parse_terminate(p: &[u8]) -> Option<TermCode> {
-    if p.len() < 4 {
+/// The error triple of a received Terminate payload (only the fixed word
+/// is needed: a peer's copied headers are not checked).
+pub fn parse_terminate(p: &[u8]) -> Option<TermError> {
+    use lwio_iwarp::wire::rdmap::{TerminatePacket, TERMINATE_HDR_LEN};
+    use lwio_iwarp::wire::term::Layer;
+    if p.len() < TERMINATE_HDR_LEN {
         return None;
     }
-    Some(TermCode::new(p[0] >> 4, p[0] & 0xf, p[1]))
+    let t = TerminatePacket::new_unchecked(p);
+    Some(TermError::new(
+        Layer::from_raw(t.layer()),
+        t.etype(),
+        t.ecode(),
+    ))
 }
 
 /// CRC32c over a sequence of byte slices (MPA CRC; sent as a little-endian
@@ -237,9 +203,11 @@ mod tests {
         let mut h = [0u8; 16];
         tagged_hdr(&mut h, 100, true, op::WRITE, 0x1234, 99);
         let mut out = [0u8; TERM_MAX];
-        let n = terminate_payload(term::DDP_T_BASE_BOUNDS, &h, &mut out);
+        let n = terminate_payload(TermKind::DdpTaggedBaseBounds.into(), &h, &mut out);
         assert_eq!(n, 6 + TAGGED_HDR);
-        assert_eq!(parse_terminate(&out[..n]), Some(term::DDP_T_BASE_BOUNDS));
-        assert_eq!(term::DDP_T_BASE_BOUNDS.vendor_err(), 0x1101);
+        assert_eq!(
+            parse_terminate(&out[..n]).and_then(|e| e.kind()),
+            Some(TermKind::DdpTaggedBaseBounds)
+        );
     }
 }
