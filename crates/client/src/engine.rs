@@ -625,10 +625,36 @@ impl Engine {
 
     fn mark_lost(&self, st: &mut St, why: String) {
         if st.lost.is_none() {
+            // Flushed receives and a dead QP say nothing of the cause; if
+            // this client's provider refused what the server sent, say so.
+            let why = self.refused_by_us().unwrap_or(why);
             info!(reason = %why, "RDMA connection lost");
             st.lost = Some(why);
         }
         self.cv.notify_all();
+    }
+
+    /// Why the connection broke if this client's RDMA provider refused the
+    /// server's traffic and terminated it (an access outside the windows
+    /// this client bound — wrong key, out of bounds, a window already used
+    /// or invalidated — or an RDMA protocol error). The soft provider
+    /// reports the Terminate it sent; other providers give `None`.
+    fn refused_by_us(&self) -> Option<String> {
+        let st = lwio_rdma::soft::qp_stats(&self.qp)?;
+        if st.term_sent == 0 {
+            return None;
+        }
+        let code = st.last_term;
+        // RFC 5040 §7: layer 0 (RDMAP) or 1 (DDP), error type 1: protection.
+        let what = if code >> 12 <= 1 && (code >> 8) & 0xf == 1 {
+            "the server tried to write client memory it was not given (a key or range \
+             outside the one-shot windows of its outstanding requests)"
+        } else {
+            "the server broke the RDMA protocol"
+        };
+        Some(format!(
+            "{what}; the client refused it and closed the connection (iWARP Terminate {code:#06x})"
+        ))
     }
 
     /// Carry out the state machine's actions and collect its events.
