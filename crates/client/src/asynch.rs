@@ -5,11 +5,15 @@
 //! buffer only when the future completes, so **dropping a future never lets
 //! the server write into memory the caller got back**: the engine keeps its
 //! registered staging memory until the request completes, and the dropped
-//! future's drop guard issues CANCEL for the file (every I/O of that file
-//! still at the server's storage backend completes with STATUS_CANCELLED).
+//! future's drop guard issues a CANCEL naming each request of that future
+//! still outstanding (docs/protocol.md §5.9): those complete with
+//! STATUS_CANCELLED if the server can still stop them, and the other I/O of
+//! the file — other futures, other threads — is left alone.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use lwio_proto::client::ReqId;
 
 use super::{Client, ClientOptions, ClientStats, Error, File, OpenOptions, Result};
 
@@ -63,9 +67,48 @@ pub struct AsyncFile {
     cancels: Arc<AtomicU64>,
 }
 
-/// Issues CANCEL if the future is dropped before it finished.
+/// The requests one call (one future) has outstanding.
+#[derive(Debug, Default)]
+pub(crate) struct CallRequests(Mutex<CallState>);
+
+#[derive(Debug, Default)]
+struct CallState {
+    cancelled: bool,
+    reqs: Vec<ReqId>,
+}
+
+impl CallRequests {
+    fn state(&self) -> std::sync::MutexGuard<'_, CallState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    /// Record an issued request; false if the call is cancelled (the
+    /// canceller did not see it: the caller cancels it).
+    pub(crate) fn add(&self, req: ReqId) -> bool {
+        let mut st = self.state();
+        if !st.cancelled {
+            st.reqs.push(req);
+        }
+        !st.cancelled
+    }
+    /// `req` completed.
+    pub(crate) fn done(&self, req: ReqId) {
+        self.state().reqs.retain(|&r| r != req);
+    }
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.state().cancelled
+    }
+    /// Mark cancelled (no more requests are issued); the outstanding ones.
+    pub(crate) fn cancel(&self) -> Vec<ReqId> {
+        let mut st = self.state();
+        st.cancelled = true;
+        std::mem::take(&mut st.reqs)
+    }
+}
+
+/// Cancels the future's own requests if it is dropped before it finished.
 struct CancelOnDrop {
     file: Option<Arc<File>>,
+    call: Arc<CallRequests>,
     cancels: Arc<AtomicU64>,
 }
 
@@ -79,9 +122,10 @@ impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if let Some(f) = self.file.take() {
             self.cancels.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(fid = f.fid(), "future dropped: cancelling the file's I/O");
+            tracing::debug!(fid = f.fid(), "future dropped: cancelling its requests");
+            let call = self.call.clone();
             let cancel = move || {
-                let _ = f.cancel();
+                let _ = f.cancel_call(&call);
             };
             match tokio::runtime::Handle::try_current() {
                 Ok(h) => {
@@ -99,6 +143,7 @@ impl AsyncFile {
     fn guard(&self) -> CancelOnDrop {
         CancelOnDrop {
             file: Some(self.file.clone()),
+            call: Arc::new(CallRequests::default()),
             cancels: self.cancels.clone(),
         }
     }
@@ -115,10 +160,10 @@ impl AsyncFile {
     /// Read into `buf` at `offset`.
     pub async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         let mut g = self.guard();
-        let (f, len) = (self.file.clone(), buf.len());
+        let (f, len, call) = (self.file.clone(), buf.len(), g.call.clone());
         let r = tokio::task::spawn_blocking(move || {
             let mut v = vec![0u8; len];
-            let n = f.read_at(&mut v, offset)?;
+            let n = f.read_at_in(&mut v, offset, &call)?;
             v.truncate(n);
             Ok(v)
         })
@@ -131,8 +176,8 @@ impl AsyncFile {
 
     pub async fn write_at(&self, data: &[u8], offset: u64) -> Result<usize> {
         let mut g = self.guard();
-        let (f, d) = (self.file.clone(), data.to_vec());
-        let r = tokio::task::spawn_blocking(move || f.write_at(&d, offset)).await;
+        let (f, d, call) = (self.file.clone(), data.to_vec(), g.call.clone());
+        let r = tokio::task::spawn_blocking(move || f.write_at_in(&d, offset, &call)).await;
         g.disarm();
         joined(r)
     }

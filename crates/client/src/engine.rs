@@ -1332,6 +1332,25 @@ impl Engine {
         self.issue(|_, st| Some(st.conn.cancel(fid).map_err(client_err)))
     }
 
+    /// CANCEL just the I/O `req` of `fid`; `None` (nothing sent) when it
+    /// is no longer outstanding.
+    pub fn issue_cancel_request(&self, fid: u16, req: ReqId) -> Result<Option<ReqId>> {
+        if !lock(&self.st).conn.is_outstanding(req) {
+            return Ok(None);
+        }
+        self.issue(|_, st| {
+            if !st.conn.is_outstanding(req) {
+                return Some(Ok(None));
+            }
+            Some(
+                st.conn
+                    .cancel_request(fid, req)
+                    .map(Some)
+                    .map_err(client_err),
+            )
+        })
+    }
+
     /// Send INTERRUPT (or join the one outstanding) and wait until the
     /// server answers it — after the next I/O completion.
     pub fn interrupt(&self) -> Result<()> {

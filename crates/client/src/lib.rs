@@ -840,10 +840,27 @@ impl File {
     /// Read into `buf` at `offset`; returns the bytes read (short only at end
     /// of file; 0 at or past it).
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.read_impl(buf, offset, false)
+        self.read_impl(buf, offset, false, None)
     }
 
-    fn read_impl(&self, buf: &mut [u8], offset: u64, vectored: bool) -> Result<usize> {
+    /// [`File::read_at`] whose requests are recorded in `call`, so that
+    /// [`File::cancel_call`] cancels them (and only them).
+    pub(crate) fn read_at_in(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        call: &asynch::CallRequests,
+    ) -> Result<usize> {
+        self.read_impl(buf, offset, false, Some(call))
+    }
+
+    fn read_impl(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        vectored: bool,
+        call: Option<&asynch::CallRequests>,
+    ) -> Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
@@ -868,7 +885,7 @@ impl File {
             match unsafe { e.user_dst(ptr, len, per_call) } {
                 Ok(None) => {}
                 Ok(Some(dst)) => {
-                    let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst));
+                    let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst), call);
                     e.fence_group(dst.group());
                     drop(dst);
                     return r;
@@ -879,7 +896,7 @@ impl File {
             }
         }
         let len = buf.len();
-        self.read_chunks(len, offset, vectored, ReadInto::Staged(buf))
+        self.read_chunks(len, offset, vectored, ReadInto::Staged(buf), call)
     }
 
     fn read_chunks(
@@ -888,6 +905,7 @@ impl File {
         offset: u64,
         vectored: bool,
         mut into: ReadInto,
+        call: Option<&asynch::CallRequests>,
     ) -> Result<usize> {
         let e = self.engine();
         let chunk = e.max_read();
@@ -902,6 +920,10 @@ impl File {
         let mut stop: Option<Result<usize>> = None;
         loop {
             while stop.is_none() && issued < blen && pending.len() < depth {
+                if call.is_some_and(|c| c.is_cancelled()) {
+                    stop = Some(Err(Error::Cancelled));
+                    break;
+                }
                 let len = chunk.min(blen - issued);
                 // VEC_READ needs a last region that is a multiple of 512.
                 let vec = (vectored && len.is_multiple_of(512)).then_some(page);
@@ -916,6 +938,7 @@ impl File {
                         } else {
                             None
                         };
+                        self.track(call, req);
                         pending.push_back((req, slot, stage, issued, len));
                         issued += len;
                     }
@@ -925,7 +948,11 @@ impl File {
             let Some((req, slot, stage, at, len)) = pending.pop_front() else {
                 break;
             };
-            match e.wait(req, slot) {
+            let r = e.wait(req, slot);
+            if let Some(c) = call {
+                c.done(req);
+            }
+            match r {
                 Ok((n, STATUS_SUCCESS)) => {
                     let n = (n as usize).min(len);
                     if stop.is_none() && at == total {
@@ -971,7 +998,7 @@ impl File {
     pub fn read_vectored_at(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> Result<usize> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         let mut tmp = vec![0u8; total];
-        let n = self.read_impl(&mut tmp, offset, true)?;
+        let n = self.read_impl(&mut tmp, offset, true, None)?;
         let mut o = 0;
         for b in bufs.iter_mut() {
             if o >= n {
@@ -987,16 +1014,33 @@ impl File {
     /// Write all of `buf` at `offset` (split into WRITE requests of the
     /// server's MaxRecvBufferSize, pipelined up to the credits).
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
-        self.write_impl(buf, offset, false)
+        self.write_impl(buf, offset, false, None)
+    }
+
+    /// [`File::write_at`] whose requests are recorded in `call` (see
+    /// [`File::read_at_in`]).
+    pub(crate) fn write_at_in(
+        &self,
+        buf: &[u8],
+        offset: u64,
+        call: &asynch::CallRequests,
+    ) -> Result<usize> {
+        self.write_impl(buf, offset, false, Some(call))
     }
 
     /// Vectored write: VEC_WRITE (without COLLAPSE).
     pub fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<usize> {
         let data: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
-        self.write_impl(&data, offset, true)
+        self.write_impl(&data, offset, true, None)
     }
 
-    fn write_impl(&self, buf: &[u8], offset: u64, vectored: bool) -> Result<usize> {
+    fn write_impl(
+        &self,
+        buf: &[u8],
+        offset: u64,
+        vectored: bool,
+        call: Option<&asynch::CallRequests>,
+    ) -> Result<usize> {
         offset
             .checked_add(buf.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
@@ -1014,6 +1058,10 @@ impl File {
         let mut err: Option<Error> = None;
         loop {
             while err.is_none() && issued < buf.len() && pending.len() < depth {
+                if call.is_some_and(|c| c.is_cancelled()) {
+                    err = Some(Error::Cancelled);
+                    break;
+                }
                 let len = chunk.min(buf.len() - issued);
                 let data = &buf[issued..issued + len];
                 let r = if vectored {
@@ -1035,6 +1083,7 @@ impl File {
                         } else {
                             None
                         };
+                        self.track(call, req);
                         pending.push_back((req, slot, len));
                         issued += len;
                     }
@@ -1044,7 +1093,11 @@ impl File {
             let Some((req, slot, len)) = pending.pop_front() else {
                 break;
             };
-            match e.wait(req, slot) {
+            let r = e.wait(req, slot);
+            if let Some(c) = call {
+                c.done(req);
+            }
+            match r {
                 Ok((n, STATUS_SUCCESS)) if n as usize == len => done += len,
                 Ok((n, STATUS_SUCCESS)) => {
                     err.get_or_insert(Error::Io(format!("short write: {n} of {len} bytes")));
@@ -1107,14 +1160,45 @@ impl File {
         Ok(done)
     }
 
-    /// CANCEL: every outstanding I/O of this file still at the server's
-    /// storage backend completes with STATUS_CANCELLED.
+    /// CANCEL: every outstanding I/O of this file is asked to cancel; those
+    /// the server still can stop complete with STATUS_CANCELLED
+    /// (docs/protocol.md §5.9 says which cannot).
     pub fn cancel(&self) -> Result<()> {
         let e = self.engine();
         let r = e.issue_cancel(self.fid)?;
         match e.wait(r, None)? {
             (_, STATUS_SUCCESS) => Ok(()),
             (_, st) => Err(status_error("CANCEL", st)),
+        }
+    }
+
+    /// CANCEL the one outstanding request `req` of this file (nothing if it
+    /// has completed): only it completes with STATUS_CANCELLED.
+    pub fn cancel_request(&self, req: lwio_proto::client::ReqId) -> Result<()> {
+        let e = self.engine();
+        let Some(r) = e.issue_cancel_request(self.fid, req)? else {
+            return Ok(());
+        };
+        match e.wait(r, None)? {
+            (_, STATUS_SUCCESS) => Ok(()),
+            (_, st) => Err(status_error("CANCEL", st)),
+        }
+    }
+
+    /// Cancel the requests of `call` still outstanding, and keep it from
+    /// issuing more (a dropped async future).
+    pub(crate) fn cancel_call(&self, call: &asynch::CallRequests) -> Result<()> {
+        for req in call.cancel() {
+            self.cancel_request(req)?;
+        }
+        Ok(())
+    }
+
+    /// Record `req` in `call`; if the call was cancelled meanwhile, the
+    /// canceller has not seen it: cancel it here.
+    fn track(&self, call: Option<&asynch::CallRequests>, req: lwio_proto::client::ReqId) {
+        if call.is_some_and(|c| !c.add(req)) {
+            let _ = self.cancel_request(req);
         }
     }
 

@@ -211,7 +211,8 @@ fn control_suite(completion: Completion) {
     std::fs::write(&path, &data).unwrap();
     let f = c.open("ctl.bin", &OpenOptions::read_write()).unwrap();
 
-    // CANCEL: completes at once with SUCCESS; the file stays usable.
+    // CANCEL with nothing in flight: completes at once with SUCCESS; the
+    // file stays usable. (CANCEL of I/O in flight: `cancel_running_*`.)
     f.cancel().unwrap();
     let mut b = vec![0u8; 4096];
     assert_eq!(f.read_at(&mut b, 4096).unwrap(), 4096);
@@ -303,6 +304,103 @@ fn cancel_interrupt_credit_poll_mode() {
     control_suite(Completion::Poll);
 }
 
+/// A FIFO `name` in the export, which the server serves as a file (test
+/// hook): its reads wait in the storage backend (io_uring) until the test
+/// writes into it. Returns the test's own end, open for reading and writing.
+fn slow_fifo(dir: &Path, name: &str) -> std::fs::File {
+    use std::os::unix::ffi::OsStrExt;
+    lwio_server::fs::serve_fifos_for_tests(true);
+    let p = dir.join(name);
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: mkfifo reads the NUL-terminated path we own.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap()
+}
+
+/// CANCEL of I/O in flight at the storage: 32 reads wait in the backend (4
+/// running on io_uring, 28 queued for the storage threads), and CANCEL
+/// completes every one with STATUS_CANCELLED at once (none of them would
+/// ever complete by itself); the Fid goes on working afterwards, both ways.
+fn cancel_running_suite(completion: Completion) {
+    use std::io::{Read, Write};
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = no_auto();
+    opts.proto.max_credits = 64;
+    let s = server(dir.path(), opts);
+    let feed = slow_fifo(dir.path(), "slow.fifo");
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        ClientOptions {
+            completion,
+            credits: 40,
+            stage_slots: 40,
+            op_timeout: Duration::from_secs(30),
+            ..ClientOptions::default()
+        },
+    )
+    .expect("client connects");
+    assert!(
+        c.credits() >= 33,
+        "32 reads and the CANCEL: {}",
+        c.credits()
+    );
+    let f = std::sync::Arc::new(c.open("slow.fifo", &OpenOptions::read_write()).unwrap());
+    let readers: Vec<_> = (0..32u64)
+        .map(|i| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let mut b = vec![0u8; 512];
+                let r = f.read_at(&mut b, i * 512);
+                (r, Instant::now())
+            })
+        })
+        .collect();
+    wait_for(|| c.stats().max_outstanding >= 32, "32 reads in flight");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        readers.iter().all(|t| !t.is_finished()),
+        "a read completed without data"
+    );
+    assert_eq!(s.rdma.stats().ios_cancelled, 0);
+    let asked = Instant::now();
+    f.cancel().unwrap();
+    for t in readers {
+        let (r, at) = t.join().unwrap();
+        assert!(matches!(r, Err(Error::Cancelled)), "{r:?}");
+        let took = at.duration_since(asked);
+        assert!(took < Duration::from_secs(5), "cancelled after {took:?}");
+    }
+    assert_eq!(s.rdma.stats().ios_cancelled, 32);
+    // The Fid still works: what the FIFO is fed is read through it, and
+    // what is written through it comes out of the FIFO.
+    (&feed).write_all(b"still works").unwrap();
+    let mut b = [0u8; 11];
+    assert_eq!(f.read_at(&mut b, 0).unwrap(), 11);
+    assert_eq!(&b, b"still works");
+    assert_eq!(f.write_at(b"and writes", 0).unwrap(), 10);
+    let mut back = [0u8; 10];
+    (&feed).read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"and writes");
+    assert_eq!(c.stats().credit_violations, 0);
+    assert_eq!(s.rdma.stats().closed_by_protocol, 0);
+}
+
+#[test]
+fn cancel_running_ios_interrupt_mode() {
+    cancel_running_suite(Completion::Interrupt);
+}
+
+#[test]
+fn cancel_running_ios_poll_mode() {
+    cancel_running_suite(Completion::Poll);
+}
+
 #[test]
 fn async_api_and_dropped_future() {
     let dir = tempfile::tempdir().unwrap();
@@ -372,6 +470,69 @@ fn async_api_and_dropped_future() {
         f.set_len(100).await.unwrap();
         assert_eq!(f.len().await.unwrap(), 100);
         f.close().await.unwrap();
+
+        // A dropped future cancels its own request, and no other. Two reads
+        // wait at the storage (a FIFO with no data yet); the second future
+        // is dropped once its request is out: the server cancels that one
+        // request, the other still waits and gets the data fed afterwards.
+        use std::io::Write;
+        let feed = slow_fifo(dir.path(), "slow.fifo");
+        let g = c
+            .open("slow.fifo", &OpenOptions::read_write())
+            .await
+            .unwrap();
+        let cancelled = s.rdma.stats().ios_cancelled;
+        c.blocking().reset_peak();
+        let other = {
+            let g = g.clone();
+            tokio::spawn(async move {
+                let mut b = vec![0u8; 5];
+                let r = g.read_at(&mut b, 0).await;
+                (r, b)
+            })
+        };
+        wait_for(|| c.stats().max_outstanding >= 1, "the other read is out");
+        let mut keep = vec![0xEEu8; 4096];
+        {
+            let mut fut = std::pin::pin!(g.read_at(&mut keep, 0));
+            let t = std::time::Instant::now();
+            while c.stats().max_outstanding < 2 {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "second read not issued"
+                );
+                let r = std::future::poll_fn(|cx| {
+                    std::task::Poll::Ready(std::future::Future::poll(fut.as_mut(), cx))
+                })
+                .await;
+                assert!(r.is_pending(), "a read of an empty FIFO completed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let t = std::time::Instant::now();
+        while s.rdma.stats().ios_cancelled == cancelled {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the dropped read was not cancelled"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            s.rdma.stats().ios_cancelled,
+            cancelled + 1,
+            "only the dropped read"
+        );
+        assert!(!other.is_finished(), "the other read was cancelled too");
+        (&feed).write_all(b"hello").unwrap();
+        let (r, b) = other.await.unwrap();
+        assert_eq!(r.unwrap(), 5);
+        assert_eq!(&b, b"hello");
+        assert!(
+            keep.iter().all(|&x| x == 0xEE),
+            "the dropped read wrote the buffer"
+        );
+        assert_eq!(g.dropped_futures(), 1);
         assert_eq!(c.stats().credit_violations, 0);
     });
 }

@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::server::CloseReason;
 use crate::status::*;
 use crate::wire::auth::ENDIAN_64;
-use crate::wire::common::{CompletionMode, Opcode, RequestOp};
+use crate::wire::common::{CancelTarget, CompletionMode, Opcode, RequestOp};
 use crate::wire::{
     AuthParamsRepr, FidParamsRepr, Guid, RdmaRegion, RequestRepr, SignatureAlg, SrvResumeKey,
     StatusResponse, COMMON_HEADER_LEN, LWIO_REV_ID,
@@ -171,6 +171,8 @@ struct Outstanding {
     imm: Option<u32>,
     /// Requested length (reported for immediate completions).
     length: u32,
+    /// I/O: how a CANCEL names it (its completion fields).
+    target: Option<CancelTarget>,
 }
 
 /// The LWIO client connection state machine.
@@ -377,6 +379,7 @@ impl ClientConn {
             tid: self.cfg.tid,
             op,
         };
+        let target = opcode.is_io().then(|| CancelTarget::of(&r.mode()));
         let (bytes, len) = match out {
             Some(buf) => {
                 let n = r.emit(buf).map_err(|_| ClientError::InvalidArgument)?;
@@ -404,6 +407,7 @@ impl ClientConn {
                 slot,
                 imm,
                 length: 0,
+                target,
             },
         );
         if let Some(b) = bytes {
@@ -494,8 +498,30 @@ impl ClientConn {
         self.control(Opcode::Close, |cookie| RequestOp::Close { fid, cookie })
     }
 
+    /// CANCEL every outstanding I/O of `fid`.
     pub fn cancel(&mut self, fid: u16) -> Result<ReqId, ClientError> {
         self.control(Opcode::Cancel, |cookie| RequestOp::Cancel { fid, cookie })
+    }
+
+    /// CANCEL the one outstanding I/O `req` (of `fid`), named by the
+    /// completion fields it was sent with (docs/protocol.md §5.9).
+    /// `InvalidArgument` when `req` is not an outstanding I/O (it completed).
+    pub fn cancel_request(&mut self, fid: u16, req: ReqId) -> Result<ReqId, ClientError> {
+        let target = self
+            .reqs
+            .get(&req)
+            .and_then(|o| o.target)
+            .ok_or(ClientError::InvalidArgument)?;
+        self.control(Opcode::Cancel, |cookie| RequestOp::CancelIo {
+            fid,
+            cookie,
+            target,
+        })
+    }
+
+    /// Whether `req` is still outstanding (sent, not completed).
+    pub fn is_outstanding(&self, req: ReqId) -> bool {
+        self.reqs.contains_key(&req)
     }
 
     /// Ask to be woken by the next I/O completion (one at a time).

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::status::*;
 use crate::wire::auth::{AuthParamsPacket, ENDIAN_64};
-use crate::wire::common::{CompletionMode, RequestOp};
+use crate::wire::common::{CancelTarget, CompletionMode, RequestOp};
 use crate::wire::{
     AuthParamsRepr, FidParamsRepr, Guid, IoStatusBlock, RdmaRegion, RequestRepr, SignatureAlg,
     SrvResumeKey, StatusResponse, COMMON_HEADER_LEN, FILE_NO_INTERMEDIATE_BUFFERING, LWIO_REV_ID,
@@ -143,8 +143,9 @@ pub enum ServerAction {
         offset: u64,
         data: Vec<u8>,
     },
-    /// Try to cancel `op`; it must still be completed (Err(STATUS_CANCELLED)
-    /// if cancelled).
+    /// Try to cancel `op` (its FileRead/FileWrite was taken earlier); it
+    /// must still be completed (Err(STATUS_CANCELLED) if cancelled, else
+    /// its result).
     CancelIo { op: OpId },
     /// The read buffer of `op` is no longer referenced.
     ReleaseReadBuffer { op: OpId },
@@ -432,7 +433,6 @@ impl ServerConn {
 
     /// Process one received message (exactly the bytes received).
     pub fn handle_recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
-        let _ = now;
         if self.state == State::Closed {
             return;
         }
@@ -517,23 +517,12 @@ impl ServerConn {
                 }
             }
             RequestOp::Close { fid, cookie } => self.handle_close(fid, cookie),
-            RequestOp::Cancel { fid, cookie } => {
-                if !self.fid_valid(fid) {
-                    return self.complete(mode, 0, STATUS_INVALID_HANDLE, false);
-                }
-                let mut ops: Vec<OpId> = self
-                    .ops
-                    .iter()
-                    .filter(|(_, p)| p.fid == fid)
-                    .map(|(o, _)| *o)
-                    .collect();
-                ops.sort_unstable();
-                for op in ops {
-                    self.actions.push_back(ServerAction::CancelIo { op });
-                }
-                self.send_status(cookie, 0, STATUS_SUCCESS);
-                self.outstanding = self.outstanding.saturating_sub(1);
-            }
+            RequestOp::Cancel { fid, cookie } => self.handle_cancel(now, fid, cookie, None, mode),
+            RequestOp::CancelIo {
+                fid,
+                cookie,
+                target,
+            } => self.handle_cancel(now, fid, cookie, Some(target), mode),
             RequestOp::Credit { cookie, value } => self.handle_credit(cookie, value),
             RequestOp::Interrupt { cookie } => {
                 if self.interrupt.is_some() {
@@ -544,6 +533,51 @@ impl ServerConn {
                 }
             }
         }
+    }
+
+    /// CANCEL (§5.9): ask for the cancellation of every outstanding I/O of
+    /// `fid` (`target` None), or of the one sent with `target`'s completion
+    /// fields (none if it has completed already). Answered at once.
+    ///
+    /// An I/O whose FileRead/FileWrite the embedder has not taken yet (the
+    /// request and its CANCEL came in one batch) is withdrawn and completed
+    /// with STATUS_CANCELLED here: neither the embedder's inline path nor
+    /// its storage ever starts it. The others get a `CancelIo`.
+    fn handle_cancel(
+        &mut self,
+        now: Instant,
+        fid: u16,
+        cookie: u64,
+        target: Option<CancelTarget>,
+        mode: CompletionMode,
+    ) {
+        if !self.fid_valid(fid) {
+            return self.complete(mode, 0, STATUS_INVALID_HANDLE, false);
+        }
+        let mut ops: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter(|(_, p)| p.fid == fid && target.is_none_or(|t| t.matches(&p.mode)))
+            .map(|(o, _)| *o)
+            .collect();
+        ops.sort_unstable();
+        for op in ops {
+            let queued = self.actions.iter().position(|a| match a {
+                ServerAction::FileRead { op: o, .. } | ServerAction::FileWrite { op: o, .. } => {
+                    *o == op
+                }
+                _ => false,
+            });
+            match queued {
+                Some(i) => {
+                    self.actions.remove(i);
+                    self.handle_storage_complete(now, op, Err(STATUS_CANCELLED));
+                }
+                None => self.actions.push_back(ServerAction::CancelIo { op }),
+            }
+        }
+        self.send_status(cookie, 0, STATUS_SUCCESS);
+        self.outstanding = self.outstanding.saturating_sub(1);
     }
 
     fn payload_ok(&self, len: usize) -> bool {

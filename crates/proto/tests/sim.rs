@@ -1538,3 +1538,99 @@ fn polled_window_names_its_own_status_block_key() {
         s.mem.regions.remove(0);
     }
 }
+
+/// CANCEL naming one request (§5.9) cancels that request only, whatever
+/// its completion mode; the others of the Fid go on and complete normally.
+/// A request that already completed can no longer be named.
+#[test]
+fn cancel_request_cancels_only_that_request() {
+    for target_mode in [Mode::Interrupt, Mode::Polled] {
+        let mut s = Sim::new();
+        s.connect();
+        let fid = s.register(RK_PLAIN, 0);
+        s.storage.defer = true;
+        let a = s.client.read(fid, 0, 64, DATA, Mode::Polled).unwrap();
+        let b = s.client.read(fid, 64, 64, DATA, target_mode).unwrap();
+        let c = s.client.read(fid, 128, 64, DATA, Mode::Interrupt).unwrap();
+        s.pump();
+        assert_eq!(s.storage.held.len(), 3);
+        let k = s.client.cancel_request(fid, b).unwrap();
+        s.pump();
+        assert_eq!(s.completion(k), Some((0, STATUS_SUCCESS)));
+        assert_eq!(
+            s.completion(b),
+            Some((0, STATUS_CANCELLED)),
+            "{target_mode:?}"
+        );
+        assert_eq!(s.completion(a), None, "{target_mode:?}: not named");
+        assert_eq!(s.completion(c), None, "{target_mode:?}: not named");
+        assert_eq!(s.storage.held.len(), 2);
+        s.release_held();
+        assert_eq!(s.completion(a), Some((64, STATUS_SUCCESS)));
+        assert_eq!(s.completion(c), Some((64, STATUS_SUCCESS)));
+        assert_eq!(
+            s.client.cancel_request(fid, a),
+            Err(ClientError::InvalidArgument)
+        );
+        assert_eq!(s.client.outstanding(), 0);
+        assert_eq!(s.server.outstanding(), 0);
+    }
+}
+
+/// A READ and the CANCEL naming it that arrive in one batch (the server
+/// handles both before its embedder takes any action): the read is
+/// withdrawn before any storage or inline I/O starts it, and completes with
+/// STATUS_CANCELLED; a read of another request in the same batch is not.
+#[test]
+fn cancel_in_the_same_batch_withdraws_the_unstarted_io() {
+    for whole_fid in [false, true] {
+        let mut s = Sim::new();
+        s.connect();
+        let fid = s.register(RK_PLAIN, 0);
+        let keep = s.client.read(fid, 0, 64, DATA, Mode::Interrupt).unwrap();
+        let r = s.client.read(fid, 64, 64, DATA, Mode::Polled).unwrap();
+        let k = if whole_fid {
+            s.client.cancel(fid).unwrap()
+        } else {
+            s.client.cancel_request(fid, r).unwrap()
+        };
+        let mut msgs = Vec::new();
+        while let Some(a) = s.client.poll_action() {
+            match a {
+                ClientAction::Send(b) => msgs.push(b),
+                ClientAction::ResetStatusBlock { addr, .. } => {
+                    assert!(s.mem.local_write(addr, &IoStatusBlock::SENTINEL.to_bytes()))
+                }
+                a => panic!("{a:?}"),
+            }
+        }
+        assert_eq!(msgs.len(), 3);
+        for m in &msgs {
+            s.server.handle_recv(s.now, m, &mut s.hooks);
+        }
+        let acts: Vec<ServerAction> = std::iter::from_fn(|| s.server.poll_action()).collect();
+        let reads: Vec<u64> = acts
+            .iter()
+            .filter_map(|a| match a {
+                ServerAction::FileRead { offset, .. } => Some(*offset),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reads, if whole_fid { vec![] } else { vec![0] });
+        for a in acts {
+            s.server_action(a);
+        }
+        s.pump();
+        assert_eq!(s.completion(k), Some((0, STATUS_SUCCESS)));
+        assert_eq!(s.completion(r), Some((0, STATUS_CANCELLED)));
+        let want = if whole_fid {
+            (0, STATUS_CANCELLED)
+        } else {
+            (64, STATUS_SUCCESS)
+        };
+        assert_eq!(s.completion(keep), Some(want));
+        assert_eq!(s.client.outstanding(), 0);
+        assert_eq!(s.server.outstanding(), 0);
+        assert!(s.server_closed.is_none() && s.client_closed.is_none());
+    }
+}

@@ -357,6 +357,38 @@ impl CompletionMode {
     }
 }
 
+/// The one request a CANCEL names (docs/protocol.md §5.9), as the server
+/// knows it: by the completion fields it was sent with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CancelTarget {
+    /// An interrupt-mode request: its Cookie (CANCEL: DataVa 1, Offset =
+    /// Cookie).
+    Cookie(u64),
+    /// A polled request: its IosVa and IosMh (CANCEL: DataVa 2, Offset =
+    /// IosVa, DataMh = IosMh).
+    Polled { ios_va: u64, ios_mh: u32 },
+}
+
+impl CancelTarget {
+    /// CANCEL's DataVa for a Cookie target.
+    pub const BY_COOKIE: u64 = 1;
+    /// CANCEL's DataVa for a polled target.
+    pub const BY_STATUS_BLOCK: u64 = 2;
+
+    /// The target naming a request sent with `mode`.
+    pub fn of(mode: &CompletionMode) -> CancelTarget {
+        match *mode {
+            CompletionMode::Interrupt { cookie, .. } => CancelTarget::Cookie(cookie),
+            CompletionMode::Polled { ios_va, ios_mh } => CancelTarget::Polled { ios_va, ios_mh },
+        }
+    }
+
+    /// Whether a request sent with `mode` is this target.
+    pub fn matches(&self, mode: &CompletionMode) -> bool {
+        CancelTarget::of(mode) == *self
+    }
+}
+
 /// The opcode-specific part of a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestOp<'a> {
@@ -398,9 +430,17 @@ pub enum RequestOp<'a> {
         fid: u16,
         cookie: u64,
     },
+    /// CANCEL of every outstanding I/O of the Fid (DataVa 0: the original
+    /// form, which older peers send).
     Cancel {
         fid: u16,
         cookie: u64,
+    },
+    /// CANCEL of one outstanding I/O of the Fid (DataVa 1 or 2, §5.9).
+    CancelIo {
+        fid: u16,
+        cookie: u64,
+        target: CancelTarget,
     },
     /// `params` are the raw LWIO_AUTH_PARAMS bytes (parse with
     /// `AuthParamsRepr::parse`; kept raw for signature verification).
@@ -532,7 +572,25 @@ impl<'a> RequestRepr<'a> {
             }
             Opcode::Cancel => {
                 exact(buf.len(), COMMON_HEADER_LEN)?;
-                RequestOp::Cancel { fid: h.fid, cookie }
+                let (fid, key) = (h.fid, h.offset);
+                match h.data_va {
+                    // The original form: Offset and DataMh are not looked at.
+                    0 => RequestOp::Cancel { fid, cookie },
+                    CancelTarget::BY_COOKIE => RequestOp::CancelIo {
+                        fid,
+                        cookie,
+                        target: CancelTarget::Cookie(key),
+                    },
+                    CancelTarget::BY_STATUS_BLOCK => RequestOp::CancelIo {
+                        fid,
+                        cookie,
+                        target: CancelTarget::Polled {
+                            ios_va: key,
+                            ios_mh: h.data_mh,
+                        },
+                    },
+                    _ => return Err(Error::Malformed),
+                }
             }
             Opcode::Auth => {
                 if usize::try_from(h.length).ok() != Some(buf.len()) {
@@ -581,7 +639,7 @@ impl<'a> RequestRepr<'a> {
             RequestOp::VecRead { .. } => Opcode::VecRead,
             RequestOp::VecWrite { .. } => Opcode::VecWrite,
             RequestOp::Close { .. } => Opcode::Close,
-            RequestOp::Cancel { .. } => Opcode::Cancel,
+            RequestOp::Cancel { .. } | RequestOp::CancelIo { .. } => Opcode::Cancel,
             RequestOp::Auth { .. } => Opcode::Auth,
             RequestOp::Register { .. } => Opcode::Register,
             RequestOp::Credit { .. } => Opcode::Credit,
@@ -598,6 +656,7 @@ impl<'a> RequestRepr<'a> {
             | RequestOp::VecWrite { mode, .. } => *mode,
             RequestOp::Close { cookie, .. }
             | RequestOp::Cancel { cookie, .. }
+            | RequestOp::CancelIo { cookie, .. }
             | RequestOp::Auth { cookie, .. }
             | RequestOp::Register { cookie, .. }
             | RequestOp::Credit { cookie, .. }
@@ -699,6 +758,26 @@ impl<'a> RequestRepr<'a> {
                 h.fid = *fid;
                 h.length = total;
                 h.ios_va = *cookie;
+            }
+            RequestOp::CancelIo {
+                fid,
+                cookie,
+                target,
+            } => {
+                h.fid = *fid;
+                h.length = total;
+                h.ios_va = *cookie;
+                match *target {
+                    CancelTarget::Cookie(c) => {
+                        h.data_va = CancelTarget::BY_COOKIE;
+                        h.offset = c;
+                    }
+                    CancelTarget::Polled { ios_va, ios_mh } => {
+                        h.data_va = CancelTarget::BY_STATUS_BLOCK;
+                        h.offset = ios_va;
+                        h.data_mh = ios_mh;
+                    }
+                }
             }
             RequestOp::Auth {
                 cookie,

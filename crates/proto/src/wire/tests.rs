@@ -2,7 +2,7 @@
 //! bounded property tests.
 
 use super::auth::{AuthParamsPacket, SignatureAlg};
-use super::common::{CompletionMode, RequestOp};
+use super::common::{CancelTarget, CompletionMode, RequestOp};
 use super::control::NEGOTIATE_FIXED_LEN;
 use super::*;
 use crate::status::*;
@@ -546,6 +546,80 @@ fn structural_violations() {
     assert_eq!(RequestRepr::parse(&b), Err(Error::Malformed));
 }
 
+/// CANCEL (§5.9): DataVa 0 is the original whole-Fid form whatever Offset
+/// and DataMh hold; 1 names a Cookie (Offset), 2 a status block (Offset =
+/// IosVa, DataMh = IosMh); anything else is malformed.
+#[test]
+fn cancel_target_bytes() {
+    let cancel = |target: Option<CancelTarget>| RequestRepr {
+        credits: 1,
+        sequence: 2,
+        tid: 3,
+        op: match target {
+            None => RequestOp::Cancel { fid: 7, cookie: 9 },
+            Some(target) => RequestOp::CancelIo {
+                fid: 7,
+                cookie: 9,
+                target,
+            },
+        },
+    };
+    // Offset 16..24, DataVa 24..32, DataMh 32..36, Cookie 48..56.
+    let whole = cancel(None).to_bytes().unwrap();
+    assert_eq!(whole.len(), 56);
+    assert_eq!(whole[4], 5);
+    assert_eq!(whole[5], 0x80);
+    assert_eq!(&whole[16..36], &[0u8; 20]);
+    assert_eq!(&whole[48..56], &9u64.to_le_bytes());
+    let mut old = whole.clone();
+    old[16..24].copy_from_slice(&0x55u64.to_le_bytes());
+    old[32..36].copy_from_slice(&0x66u32.to_le_bytes());
+    assert_eq!(RequestRepr::parse(&old).unwrap(), cancel(None));
+
+    let by_cookie = cancel(Some(CancelTarget::Cookie(0x1234)));
+    let b = by_cookie.to_bytes().unwrap();
+    assert_eq!(&b[16..24], &0x1234u64.to_le_bytes());
+    assert_eq!(&b[24..32], &1u64.to_le_bytes());
+    assert_eq!(&b[32..36], &[0u8; 4]);
+    assert_eq!(RequestRepr::parse(&b).unwrap(), by_cookie);
+
+    let polled = cancel(Some(CancelTarget::Polled {
+        ios_va: 0x9_0008,
+        ios_mh: 0xabcd,
+    }));
+    let b = polled.to_bytes().unwrap();
+    assert_eq!(&b[16..24], &0x9_0008u64.to_le_bytes());
+    assert_eq!(&b[24..32], &2u64.to_le_bytes());
+    assert_eq!(&b[32..36], &0xabcdu32.to_le_bytes());
+    assert_eq!(RequestRepr::parse(&b).unwrap(), polled);
+
+    let mut bad = b.clone();
+    bad[24] = 3;
+    assert_eq!(RequestRepr::parse(&bad), Err(Error::Malformed));
+}
+
+/// A CANCEL target names exactly the request sent with those completion
+/// fields: the mode counts, not only the 64-bit value.
+#[test]
+fn cancel_target_matches_its_request_only() {
+    let int = CompletionMode::Interrupt {
+        cookie: 5,
+        immediate_cookie: 77,
+    };
+    let polled = CompletionMode::Polled {
+        ios_va: 5,
+        ios_mh: 1,
+    };
+    assert!(CancelTarget::of(&int).matches(&int));
+    assert!(!CancelTarget::of(&int).matches(&polled));
+    assert!(!CancelTarget::of(&polled).matches(&int));
+    assert!(!CancelTarget::Polled {
+        ios_va: 5,
+        ios_mh: 2
+    }
+    .matches(&polled));
+}
+
 #[test]
 fn vec_write_collapse_payload_is_one_page() {
     let page = vec![7u8; 512];
@@ -666,7 +740,7 @@ mod props {
             va in any::<u64>(), mh in any::<u32>(), m in mode(),
             data in proptest::collection::vec(any::<u8>(), 0..64),
             regions in proptest::collection::vec((any::<u64>(), any::<u32>(), any::<u32>()), 0..8),
-            cookie in any::<u64>(), value in any::<i32>(), which in 0u8..8,
+            cookie in any::<u64>(), value in any::<i32>(), which in 0u8..9,
             credits in any::<u8>(), sequence in any::<u16>(), tid in any::<u32>(),
         ) {
             let op = match which {
@@ -679,6 +753,7 @@ mod props {
                     page_size: 4096, collapse: false, data: &data, mode: m },
                 4 => RequestOp::Close { fid, cookie },
                 5 => RequestOp::Cancel { fid, cookie },
+                8 => RequestOp::CancelIo { fid, cookie, target: CancelTarget::of(&m) },
                 6 => RequestOp::Credit { cookie, value },
                 _ => RequestOp::Interrupt { cookie },
             };

@@ -12,12 +12,20 @@
 //! * [`ThreadPoolBackend`] — a bounded pool of threads doing
 //!   `pread`/`pwrite`, used when io_uring is unavailable (old kernels, seccomp,
 //!   `io_uring_disabled`). [`open_backend`] detects which one works and logs it.
+//!
+//! Cancellation ([`Backend::submit_cancellable`]): io_uring cancels requests
+//! that are running (`IORING_OP_ASYNC_CANCEL`) once the flag is raised; they
+//! fail with `ECANCELED`. What the kernel has already started in a way it
+//! cannot interrupt (a buffered read waiting on a page lock, a device
+//! transfer in progress) still completes, normally: the cancel is only a
+//! request. The thread pool cannot stop a `pread`/`pwrite` that has begun;
+//! it only skips operations (and chunks of them) not yet started.
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -131,6 +139,21 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Run a batch; one result per operation, in order: bytes transferred.
     fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<usize>>;
 
+    /// [`Backend::submit`] that gives up when `cancel` becomes true: the
+    /// operations not yet started, and those running that the backend can
+    /// stop (see the module documentation), fail with `ECANCELED`. Checking
+    /// the flag costs nothing while the I/O completes promptly.
+    fn submit_cancellable(
+        &self,
+        ops: &mut [IoOp<'_>],
+        cancel: &AtomicBool,
+    ) -> Vec<io::Result<usize>> {
+        if cancel.load(Ordering::Relaxed) {
+            return ops.iter().map(|_| Err(cancelled())).collect();
+        }
+        self.submit(ops)
+    }
+
     /// Read at `offset`; short only at end of file.
     fn read_at(&self, fd: BorrowedFd<'_>, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
         let mut ops = [IoOp::read(fd, offset, buf)];
@@ -227,6 +250,19 @@ impl fmt::Debug for UringBackend {
 /// Largest single read/write submitted (io_uring lengths are u32).
 const MAX_CHUNK: usize = 1 << 30;
 
+/// user_data bit of an `IORING_OP_ASYNC_CANCEL` entry (the rest: the index
+/// of the operation it cancels).
+const CANCEL_TAG: u64 = 1 << 63;
+
+/// How long a cancellable wait sleeps before it looks at its flag again:
+/// the longest a CANCEL waits for a running io_uring request to be asked to
+/// stop. I/O that completes sooner never wakes up for it.
+const CANCEL_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
+
+fn cancelled() -> io::Error {
+    io::Error::from_raw_os_error(libc::ECANCELED)
+}
+
 impl UringBackend {
     /// Create the first ring and run a NOP through it: fails where io_uring
     /// is not usable.
@@ -278,20 +314,52 @@ impl UringBackend {
         self.freed.notify_one();
     }
 
+    /// Run `ops` on `ring` to completion. With `cancel`, the waits time out
+    /// every [`CANCEL_CHECK`] to look at the flag (only where the kernel has
+    /// `IORING_FEAT_EXT_ARG`; elsewhere only between completions, so a
+    /// request that does not complete is not cancelled): once it is raised,
+    /// nothing more is submitted, and every request in flight gets an
+    /// `IORING_OP_ASYNC_CANCEL`; the ring is drained (its requests and the cancels' own completions) before return.
     fn run(
         &self,
         ring: &mut IoUring,
         ops: &mut [IoOp<'_>],
         results: &mut [Option<io::Result<usize>>],
+        cancel: Option<&AtomicBool>,
     ) {
         let mut done = vec![0usize; ops.len()];
         let mut queue: VecDeque<usize> = (0..ops.len()).filter(|&i| results[i].is_none()).collect();
         let capacity = ring.submission().capacity();
+        // Without EXT_ARG the flag is still looked at between completions.
+        let timed = cancel.is_some() && ring.params().is_feature_ext_arg();
+        let tick = types::Timespec::new()
+            .sec(CANCEL_CHECK.as_secs())
+            .nsec(CANCEL_CHECK.subsec_nanos());
         let mut inflight = 0usize;
-        while !queue.is_empty() || inflight > 0 {
+        // ASYNC_CANCEL entries not yet completed.
+        let mut cancels_inflight = 0usize;
+        let mut cancelling = false;
+        while !queue.is_empty() || inflight > 0 || cancels_inflight > 0 {
+            if !cancelling && cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                cancelling = true;
+                for i in queue.drain(..) {
+                    results[i] = Some(Err(cancelled()));
+                }
+                // Without a result and no longer queued: in flight.
+                let mut sq = ring.submission();
+                for i in (0..ops.len()).filter(|&i| results[i].is_none()) {
+                    let e = opcode::AsyncCancel::new(i as u64)
+                        .build()
+                        .user_data(CANCEL_TAG | i as u64);
+                    // SAFETY: an ASYNC_CANCEL entry references no memory.
+                    if unsafe { sq.push(&e) }.is_ok() {
+                        cancels_inflight += 1;
+                    }
+                }
+            }
             {
                 let mut sq = ring.submission();
-                while inflight < capacity {
+                while inflight < capacity && !cancelling {
                     let Some(i) = queue.pop_front() else { break };
                     let op = &mut ops[i];
                     let len = (op.buf.len() - done[i]).min(MAX_CHUNK) as u32;
@@ -316,13 +384,21 @@ impl UringBackend {
                     inflight += 1;
                 }
             }
-            if inflight == 0 {
+            if inflight == 0 && cancels_inflight == 0 {
                 break;
             }
             let mut failures = 0;
             loop {
-                match ring.submit_and_wait(1) {
+                let r = if timed && !cancelling {
+                    let args = types::SubmitArgs::new().timespec(&tick);
+                    ring.submitter().submit_with_args(1, &args)
+                } else {
+                    ring.submit_and_wait(1)
+                };
+                match r {
                     Ok(_) => break,
+                    // The cancellable wait's tick: look at the flag.
+                    Err(e) if e.raw_os_error() == Some(libc::ETIME) => break,
                     Err(e)
                         if matches!(
                             e.raw_os_error(),
@@ -342,12 +418,22 @@ impl UringBackend {
                 }
             }
             for cqe in ring.completion() {
+                if cqe.user_data() & CANCEL_TAG != 0 {
+                    // The ASYNC_CANCEL's own answer (0, ENOENT: already
+                    // done, EALREADY: running, asked to stop): the request
+                    // itself completes separately.
+                    cancels_inflight -= 1;
+                    continue;
+                }
                 inflight -= 1;
                 let i = cqe.user_data() as usize;
                 let res = cqe.result();
                 let total = ops[i].buf.len();
                 if res < 0 {
                     match -res {
+                        libc::EINTR | libc::EAGAIN if cancelling => {
+                            results[i] = Some(Err(cancelled()))
+                        }
                         libc::EINTR | libc::EAGAIN => queue.push_back(i),
                         e => results[i] = Some(Err(io::Error::from_raw_os_error(e))),
                     }
@@ -361,6 +447,8 @@ impl UringBackend {
                     done[i] += res as usize;
                     if done[i] >= total {
                         results[i] = Some(Ok(done[i]));
+                    } else if cancelling {
+                        results[i] = Some(Err(cancelled()));
                     } else {
                         queue.push_back(i); // short transfer: continue
                     }
@@ -399,11 +487,29 @@ impl Backend for UringBackend {
     }
 
     fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<usize>> {
+        self.submit_with(ops, None)
+    }
+
+    fn submit_cancellable(
+        &self,
+        ops: &mut [IoOp<'_>],
+        cancel: &AtomicBool,
+    ) -> Vec<io::Result<usize>> {
+        self.submit_with(ops, Some(cancel))
+    }
+}
+
+impl UringBackend {
+    fn submit_with(
+        &self,
+        ops: &mut [IoOp<'_>],
+        cancel: Option<&AtomicBool>,
+    ) -> Vec<io::Result<usize>> {
         let mut results = prevalidate(ops);
         if results.iter().any(|r| r.is_none()) {
             match self.take() {
                 Ok(mut ring) => {
-                    self.run(&mut ring, ops, &mut results);
+                    self.run(&mut ring, ops, &mut results, cancel);
                     self.give(ring);
                 }
                 Err(e) => {
@@ -702,6 +808,53 @@ mod tests {
             let r = b.submit(&mut ops).pop().unwrap();
             assert_eq!(r.unwrap_err().kind(), io::ErrorKind::InvalidInput);
         }
+    }
+
+    /// A read that never completes by itself (an empty pipe) is cancelled
+    /// while running on io_uring: `ECANCELED` soon after the flag is raised,
+    /// and the ring goes back to the pool fit for use.
+    #[test]
+    fn running_uring_read_is_cancelled() {
+        let b = match UringBackend::new(8, 1) {
+            Ok(b) => b,
+            Err(e) => return eprintln!("io_uring unavailable here: {e}"),
+        };
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 writes two descriptors into the array we own.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: both descriptors were just created and are owned here.
+        let (rx, tx) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::fs::File::from_raw_fd(fds[1]),
+            )
+        };
+        let cancel = Arc::new(AtomicBool::new(false));
+        let c2 = cancel.clone();
+        let raiser = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            c2.store(true, Ordering::Release);
+        });
+        let t = std::time::Instant::now();
+        let mut buf = vec![0u8; 64];
+        let mut ops = [IoOp::read(rx.as_fd(), 0, &mut buf)];
+        let r = b.submit_cancellable(&mut ops, &cancel).pop().unwrap();
+        raiser.join().unwrap();
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::ECANCELED));
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            t.elapsed()
+        );
+        // The same ring serves the next read.
+        use std::io::Write;
+        (&tx).write_all(b"after").unwrap();
+        let cancel = AtomicBool::new(false);
+        let mut ops = [IoOp::read(rx.as_fd(), 0, &mut buf[..5])];
+        let r = b.submit_cancellable(&mut ops, &cancel).pop().unwrap();
+        assert_eq!(r.unwrap(), 5);
+        assert_eq!(&buf[..5], b"after");
     }
 
     #[test]

@@ -52,6 +52,20 @@ pub const MAX_PATH: usize = 4096;
 /// Longest file-name component (bytes).
 pub const MAX_NAME: usize = 255;
 
+/// Test hook, off unless a test turns it on with [`serve_fifos_for_tests`].
+static SERVE_FIFOS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// **Tests only.** Let [`Export::open_file`] open FIFOs (named pipes), which
+/// it otherwise refuses as not regular files. A FIFO is a file whose I/O
+/// blocks until the test feeds it: end-to-end tests use it as a storage
+/// backend that is slow for as long as they like, to have I/O in flight at
+/// the storage (in io_uring, not merely queued) when they CANCEL it. Nothing
+/// outside tests calls it; there is no configuration for it.
+#[doc(hidden)]
+pub fn serve_fifos_for_tests(on: bool) {
+    SERVE_FIFOS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// `NAME=PATH` plus options, as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportSpec {
@@ -1172,7 +1186,8 @@ impl Export {
         Ok(())
     }
 
-    /// Open (or create) a regular file.
+    /// Open (or create) a regular file (or a FIFO, under
+    /// [`serve_fifos_for_tests`]).
     pub fn open_file(&self, path: &str, o: &OpenOptions, mode: u32) -> Result<OpenedFile> {
         let comps = split_rel_path(path)?;
         if o.write || o.create || o.truncate {
@@ -1231,6 +1246,7 @@ impl Export {
         let st = fstat(fd.as_raw_fd()).map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
         match st.st_mode & libc::S_IFMT {
             libc::S_IFREG => {}
+            libc::S_IFIFO if SERVE_FIFOS.load(std::sync::atomic::Ordering::Relaxed) => {}
             libc::S_IFDIR => return Err(Error::from_errno(libc::EISDIR, self.describe(&comps))),
             _ => {
                 return Err(Error::new(

@@ -18,6 +18,16 @@
 //! storage threads over the [`crate::fs::backend::Backend`] (io_uring where
 //! available). Each round's RDMA Writes and sends are posted as one list.
 //!
+//! CANCEL (docs/protocol.md §5.9): a storage job carries a cancel flag that
+//! `ServerAction::CancelIo` (and the connection closing) raises. A job still
+//! queued is not started; one running on io_uring is stopped with
+//! `IORING_OP_ASYNC_CANCEL` where the kernel can (`Backend::
+//! submit_cancellable`). Inline page-cache I/O cannot be cancelled: it is
+//! one non-blocking call, done before the next message is read; a request
+//! whose CANCEL came in the same batch is withdrawn by `ServerConn` before
+//! its FileRead/FileWrite reaches `dispatch`, so the inline path never
+//! starts it.
+//!
 //! Memory: **the server never exposes memory**. Every region it registers
 //! (receive buffers, send/inline buffers, read buffers) has `LOCAL_WRITE` at
 //! most — no `REMOTE_*`, no `MW_BIND` — and the server allocates no windows.
@@ -176,6 +186,9 @@ pub struct ServerStats {
     /// File I/Os done by connection threads themselves (page-cache fast
     /// path, `inline_io`) rather than by storage threads.
     pub inline_ios: u64,
+    /// Storage I/Os that ended cancelled (CANCEL, or the connection
+    /// closing): still queued, or stopped while running on io_uring.
+    pub ios_cancelled: u64,
 }
 
 enum Control {
@@ -211,6 +224,7 @@ struct Shared {
     auth_failed: AtomicU64,
     closed_by_protocol: AtomicU64,
     inline_ios: AtomicU64,
+    ios_cancelled: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -343,6 +357,7 @@ impl ServerHandle {
             auth_failed: s.auth_failed.load(Ordering::Relaxed),
             closed_by_protocol: s.closed_by_protocol.load(Ordering::Relaxed),
             inline_ios: s.inline_ios.load(Ordering::Relaxed),
+            ios_cancelled: s.ios_cancelled.load(Ordering::Relaxed),
         }
     }
 
@@ -542,6 +557,7 @@ impl RdmaServer {
             auth_failed: AtomicU64::new(0),
             closed_by_protocol: AtomicU64::new(0),
             inline_ios: AtomicU64::new(0),
+            ios_cancelled: AtomicU64::new(0),
         });
         Ok(RdmaServer { listeners, shared })
     }
@@ -740,7 +756,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
             let slice = unsafe { &mut buf.as_mut_slice()[..len] };
             let mut ops =
                 [crate::fs::backend::IoOp::read(fd, job.offset, slice).aligned(job.align)];
-            backend.submit(&mut ops).pop()
+            backend.submit_cancellable(&mut ops, &job.cancel).pop()
         }
         JobKind::Write { data } => {
             // O_DIRECT needs an aligned memory address too. The request's
@@ -759,7 +775,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
             };
             let mut ops =
                 [crate::fs::backend::IoOp::write(fd, job.offset, data).aligned(job.align)];
-            backend.submit(&mut ops).pop()
+            backend.submit_cancellable(&mut ops, &job.cancel).pop()
         }
     };
     match r {
@@ -1453,6 +1469,9 @@ impl Conn {
 
     fn storage_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
         self.cancels.remove(&op);
+        if r == Err(STATUS_CANCELLED) {
+            self.shared.ios_cancelled.fetch_add(1, Ordering::Relaxed);
+        }
         if let Some(b) = self.read_bufs.get_mut(&op) {
             b.at_storage = false;
         }
