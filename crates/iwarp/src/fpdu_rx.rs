@@ -175,8 +175,25 @@ impl FpduReceiver {
         if self.state != State::Payload || data.len() as u64 > self.payload_remaining() as u64 {
             return Err(self.fail(RxError::plain(TermKind::DdpLocalCatastrophic.into())));
         }
-        self.crc = crc32c::crc32c_append(self.crc, data);
+        if self.cfg.crc {
+            self.crc = crc32c::crc32c_append(self.crc, data);
+        }
         self.payload_done += data.len() as u32;
+        if self.payload_done == self.payload_len {
+            self.enter_trailer();
+        }
+        Ok(())
+    }
+
+    /// Report `n` payload bytes the caller placed itself without CRC
+    /// (read from the socket straight into target memory, which must not
+    /// be read back: a peer may write it). Only when CRC is off; must not
+    /// exceed [`payload_remaining`](Self::payload_remaining).
+    pub fn advance_len(&mut self, n: u32) -> Result<(), RxError> {
+        if self.cfg.crc || self.state != State::Payload || n > self.payload_remaining() {
+            return Err(self.fail(RxError::plain(TermKind::DdpLocalCatastrophic.into())));
+        }
+        self.payload_done += n;
         if self.payload_done == self.payload_len {
             self.enter_trailer();
         }
@@ -226,7 +243,9 @@ impl FpduReceiver {
                     }
                     let data = &rest[..n];
                     let offset = self.payload_done;
-                    self.crc = crc32c::crc32c_append(self.crc, data);
+                    if self.cfg.crc {
+                        self.crc = crc32c::crc32c_append(self.crc, data);
+                    }
                     self.payload_done += n as u32;
                     used += n;
                     if self.payload_done == self.payload_len {
@@ -242,12 +261,14 @@ impl FpduReceiver {
                     if self.have < self.need {
                         return Ok((used, None));
                     }
-                    let pad = self.need - CRC_LEN;
-                    self.crc = crc32c::crc32c_append(self.crc, &self.trailer[..pad]);
-                    let t = &self.trailer[pad..pad + CRC_LEN];
-                    let got = u32::from_le_bytes([t[0], t[1], t[2], t[3]]);
-                    if self.cfg.crc && got != self.crc {
-                        return Err(self.fail(RxError::plain(TermKind::MpaCrc.into())));
+                    if self.cfg.crc {
+                        let pad = self.need - CRC_LEN;
+                        self.crc = crc32c::crc32c_append(self.crc, &self.trailer[..pad]);
+                        let t = &self.trailer[pad..pad + CRC_LEN];
+                        let got = u32::from_le_bytes([t[0], t[1], t[2], t[3]]);
+                        if got != self.crc {
+                            return Err(self.fail(RxError::plain(TermKind::MpaCrc.into())));
+                        }
                     }
                     self.state = State::Len;
                     self.have = 0;
@@ -286,7 +307,9 @@ impl FpduReceiver {
             Ok(x) => x,
             Err(e) => return Err(self.fail_segment(e)),
         };
-        self.crc = crc32c::crc32c(&self.hdr[..self.need]);
+        if self.cfg.crc {
+            self.crc = crc32c::crc32c(&self.hdr[..self.need]);
+        }
         self.payload_len = self.ulpdu_len as u32 - hl as u32;
         self.payload_done = 0;
         self.state = State::Payload;
@@ -407,5 +430,47 @@ mod tests {
         let (_, ev) = rx.poll(&f[n + 40..]).unwrap();
         assert_eq!(ev, Some(FpduEvent::End));
         assert!(rx.advance_placed(&[1]).is_err());
+    }
+
+    #[test]
+    fn length_only_advance_without_crc() {
+        let payload: Vec<u8> = (0..100u8).collect();
+        let f = write_fpdu(&payload, false);
+        let mut rx = FpduReceiver::new(FpduConfig::default());
+        let (n, ev) = rx.poll(&f).unwrap();
+        assert!(matches!(
+            ev,
+            Some(FpduEvent::Header {
+                payload_len: 100,
+                ..
+            })
+        ));
+        // 60 bytes placed by the caller, the rest through poll.
+        rx.advance_len(60).unwrap();
+        assert_eq!(rx.payload_remaining(), 40);
+        let (m, ev) = rx.poll(&f[n + 60..]).unwrap();
+        assert_eq!(
+            ev,
+            Some(FpduEvent::Payload {
+                offset: 60,
+                data: &payload[60..]
+            })
+        );
+        let (_, ev) = rx.poll(&f[n + 60 + m..]).unwrap();
+        assert_eq!(ev, Some(FpduEvent::End));
+        assert!(rx.at_boundary());
+        // Beyond the payload: refused, and the receiver stays failed.
+        let mut rx = FpduReceiver::new(FpduConfig::default());
+        rx.poll(&f).unwrap();
+        assert!(rx.advance_len(101).is_err());
+        assert!(rx.poll(&f[n..]).is_err());
+        // With CRC the bytes must be seen: a length-only advance is refused.
+        let f = write_fpdu(&payload, true);
+        let mut rx = FpduReceiver::new(FpduConfig {
+            crc: true,
+            ..Default::default()
+        });
+        rx.poll(&f).unwrap();
+        assert!(rx.advance_len(10).is_err());
     }
 }

@@ -23,6 +23,15 @@
 //! Read Request/Response, Terminate. No RFC 7306 (Write with Immediate):
 //! `caps.write_with_imm` is false.
 //!
+//! The receive path runs on lwio-iwarp: its `FpduReceiver` deframes the
+//! stream (MPA length, header, pad, CRC) and its `DdpRxState` validates each
+//! segment header against the stream (queue numbers, MSNs, message offsets,
+//! Read Request and Terminate sizes, opcodes continuing a message); the
+//! fuzz targets of both, and `soft_qp_rx` over this engine, exercise the
+//! code that runs. This module keeps placement (memory keys, receives,
+//! anonymous buffering) and the queues. (Transmit still emits headers at
+//! fixed offsets: issue 11.)
+//!
 //! Each tagged segment is validated from its header alone (STag exists and
 //! key byte matches, same PD, window bound to this QP, access right, TO and
 //! length inside the region/window) *before* any payload byte is read; on a
@@ -35,7 +44,8 @@
 //! on the next outstanding WR (e.g. a Read), or only moves the QP to error.
 //!
 //! Placement: with CRC off, payload ≥ 4 KiB is `read(2)` straight into the
-//! registered memory; headers and small payloads come through a 64 KiB
+//! registered memory (reported to the deframer with `advance_len`, a
+//! length-only advance: the bytes are never read back); headers and small payloads come through a 64 KiB
 //! staging buffer (header fills are capped at 1 KiB so a large payload that
 //! follows is not swallowed by the stage) and are copied once. After a
 //! segment under 16 KiB the receiver switches to small-message mode: a

@@ -21,8 +21,13 @@ use std::sync::Arc;
 
 use super::cq::CqShared;
 use super::mem::{MemTable, MrState, SoftMw};
-use super::wire::{self, op, ReadReq, TermError, TermKind};
+use super::wire::{self, op, TermError, TermKind};
 use crate::verbs::*;
+use lwio_iwarp::fpdu_rx::{FpduConfig, FpduEvent, FpduReceiver, RxError};
+use lwio_iwarp::rx::{DdpRxState, Segment};
+use lwio_iwarp::wire::ddp::Kind as DdpKind;
+use lwio_iwarp::wire::rdmap::{ReadRequest, ReadRequestPacket, TerminateRepr};
+use lwio_iwarp::wire::segment::SegmentHeader;
 
 /// Resolved local SGEs: pieces, the registrations keeping them alive, total length.
 type Resolved = (Vec<Piece>, Vec<Arc<MrState>>, u64);
@@ -163,7 +168,7 @@ enum Target {
 }
 
 struct CurSend {
-    msn: u32,
+    /// Bytes of the message received so far.
     mo: u64,
     target: Target,
 }
@@ -200,10 +205,14 @@ struct TxFrame {
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum RxState {
-    Hdr,
+    /// Feeding the deframer: between segments, in a header or a trailer.
+    Frame,
+    /// A validated header whose payload has nowhere to go yet (the
+    /// indicate window is full): the socket is left unread.
     Place,
+    /// The payload of the current segment, to `dest`.
     Payload,
-    Trailer,
+    /// After a fatal error or end of stream: read and drop.
     Discard,
 }
 
@@ -218,8 +227,8 @@ struct Seg {
     qn: u32,
     msn: u32,
     mo: u32,
-    ulpdu_len: usize,
     paylen: usize,
+    rr: Option<ReadRequest>,
 }
 
 /// The staging (socket) buffer.
@@ -255,59 +264,6 @@ impl Stage {
         // is live during the call.
         let n = unsafe { io.read(self.buf.as_mut_ptr().add(self.end), room)? };
         self.end += n;
-        Ok(n)
-    }
-
-    /// Move up to `len` bytes of the stream to `dst` (None = discard).
-    /// Returns 0 at end of stream. `crc` is updated over the bytes moved.
-    /// # Safety
-    /// `dst..dst+len` (if Some) must be valid for writes, not referenced.
-    unsafe fn take(
-        &mut self,
-        io: &mut dyn Io,
-        dst: Option<*mut u8>,
-        len: usize,
-        crc: Option<&mut u32>,
-        stats: &mut RxStats,
-    ) -> io::Result<usize> {
-        if self.avail() == 0 {
-            if let (Some(d), false) = (dst, self.all_staged) {
-                let min = if self.small {
-                    SMALL_DIRECT_MIN
-                } else {
-                    DIRECT_MIN
-                };
-                if len >= min && DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed) {
-                    let n = io.read(d, len)?;
-                    stats.direct += n as u64;
-                    return Ok(n);
-                }
-            }
-            // Without CRC, read little beyond what is needed so that large
-            // payloads are read straight into their target; with CRC every
-            // byte passes through here anyway.
-            let limit = if self.all_staged
-                || self.small
-                || !DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
-            {
-                STAGE
-            } else {
-                len.max(HDR_FILL)
-            };
-            if self.fill(io, limit)? == 0 {
-                return Ok(0);
-            }
-        }
-        let n = len.min(self.avail());
-        let src = &self.buf[self.start..self.start + n];
-        if let Some(c) = crc {
-            *c = crc32c::crc32c_append(*c, src);
-        }
-        if let Some(d) = dst {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), d, n);
-            stats.copied += n as u64;
-        }
-        self.start += n;
         Ok(n)
     }
 }
@@ -398,19 +354,18 @@ pub struct QpCore {
     anon_seg_open: bool,
     rx: RxState,
     stage: Stage,
-    hdr: [u8; 48],
-    hdr_have: usize,
-    hdr_need: usize,
+    /// MPA deframing (and CRC) of the receive stream: lwio-iwarp's.
+    fpdu: FpduReceiver,
+    /// DDP/RDMAP validation (queues, MSNs, message offsets): lwio-iwarp's.
+    ddp: DdpRxState,
+    /// The current segment as validated, committed to `ddp` at its end.
+    cur: Option<Segment>,
     seg: Seg,
-    crc: u32,
     /// Payload destinations; `addr == 0` discards `len` bytes.
     dest: Vec<Piece>,
     dest_idx: usize,
     dest_off: u64,
-    trailer: [u8; 8],
-    trailer_have: usize,
     ctl: Box<[u8; wire::TERM_MAX]>,
-    msn_in: [u32; 3],
     cur_send: Option<CurSend>,
     tagged: Option<TaggedCtx>,
     pub peer_closed: bool,
@@ -488,7 +443,7 @@ impl QpCore {
             rq: VecDeque::new(),
             anon: VecDeque::new(),
             anon_seg_open: false,
-            rx: RxState::Hdr,
+            rx: RxState::Frame,
             stage: Stage {
                 all_staged: crc,
                 small: true,
@@ -496,18 +451,17 @@ impl QpCore {
                 start: 0,
                 end: 0,
             },
-            hdr: [0; 48],
-            hdr_have: 0,
-            hdr_need: 3,
+            fpdu: FpduReceiver::new(FpduConfig {
+                crc,
+                max_ulpdu: u16::MAX,
+            }),
+            ddp: DdpRxState::new(),
+            cur: None,
             seg: Seg::default(),
-            crc: 0,
             dest: Vec::with_capacity(8),
             dest_idx: 0,
             dest_off: 0,
-            trailer: [0; 8],
-            trailer_have: 0,
             ctl: Box::new([0; wire::TERM_MAX]),
-            msn_in: [1; 3],
             cur_send: None,
             tagged: None,
             peer_closed: false,
@@ -788,7 +742,7 @@ impl QpCore {
 
     /// The receive engine is between segments (for tests).
     pub fn rx_idle(&self) -> bool {
-        self.rx == RxState::Hdr && self.hdr_have == 0
+        self.rx == RxState::Frame && self.fpdu.at_boundary()
     }
 
     /// Whether a receive-side drive is useful (the socket was left unread).
@@ -937,11 +891,27 @@ impl QpCore {
     /// discard the rest of the stream.
     fn fatal(&mut self, code: impl Into<TermError>, with_hdr: bool) {
         let code: TermError = code.into();
+        let hdr = self.fpdu.header_bytes();
+        let t = if with_hdr && hdr.len() >= wire::TAGGED_HDR {
+            TerminateRepr::for_segment(code, self.fpdu.ulpdu_len(), hdr)
+        } else {
+            TerminateRepr::new(code)
+        };
+        self.terminate_with(code, &t);
+    }
+
+    /// A framing or header error found by the deframer, with its Terminate.
+    fn fatal_rx(&mut self, e: RxError) {
+        self.terminate_with(e.error, &e.terminate);
+    }
+
+    fn terminate_with(&mut self, code: TermError, t: &TerminateRepr) {
         tracing::debug!(qpn = self.p.qpn, ?code, "terminating stream");
         if self.state != QpState::Error {
             let mut b = [0u8; wire::TERM_MAX];
-            let hl = if with_hdr { self.hdr_have } else { 0 };
-            let n = wire::terminate_payload(code, &self.hdr[..hl], &mut b);
+            let v = t.to_vec();
+            let n = v.len().min(wire::TERM_MAX);
+            b[..n].copy_from_slice(&v[..n]);
             self.term_out = Some((b, n));
             self.stats.term_sent += 1;
             self.stats.last_term = code.vendor_err();
@@ -1188,14 +1158,16 @@ impl QpCore {
                     (Some(p), Some(k)) => (k.stag, p.addr),
                     _ => (0, 0),
                 };
-                ReadReq {
+                ReadRequest {
                     sink_stag,
                     sink_to,
-                    len: w.len as u32,
+                    size: w.len as u32,
                     src_stag: stag,
                     src_to: to,
                 }
-                .emit(&mut f.hdr[f.hdr_len..]);
+                .emit(&mut ReadRequestPacket::new_unchecked(
+                    &mut f.hdr[f.hdr_len..f.hdr_len + wire::READ_REQ_LEN],
+                ));
                 f.hdr_len += wire::READ_REQ_LEN;
                 w.sent = w.len;
                 w.built = true;
@@ -1443,174 +1415,191 @@ impl QpCore {
                 self.stage.start = self.stage.end;
                 Ok(false)
             }
-            RxState::Hdr => {
-                let want = self.hdr_need - self.hdr_have;
-                // SAFETY: destination is our own header array, in bounds.
-                let n = unsafe {
-                    let d = self.hdr.as_mut_ptr().add(self.hdr_have);
-                    self.stage
-                        .take(io, Some(d), want, None, &mut RxStats::default())?
-                };
-                if n == 0 {
-                    return Err(Self::eof());
-                }
-                self.hdr_have += n;
-                if self.hdr_have < self.hdr_need {
-                    return Ok(false);
-                }
-                if self.hdr_need == 3 {
-                    self.hdr_need = if self.hdr[2] & wire::DDP_T != 0 {
-                        2 + wire::TAGGED_HDR
-                    } else {
-                        2 + wire::UNTAGGED_HDR
-                    };
-                    return Ok(false);
-                }
-                if self.hdr_need == 2 + wire::UNTAGGED_HDR
-                    && wire::be32(&self.hdr, 8) == wire::QN_READ
-                    && self.hdr[3] & 0x0f == op::READ_REQ
-                {
-                    self.hdr_need += wire::READ_REQ_LEN;
-                    return Ok(false);
-                }
-                self.parse_hdr();
-                Ok(false)
-            }
             RxState::Place => {
                 self.place();
                 Ok(false)
             }
             RxState::Payload => {
-                while self.dest_idx < self.dest.len() {
-                    let p = self.dest[self.dest_idx];
-                    let left = p.len - self.dest_off;
-                    let dst = (p.addr != 0).then_some((p.addr + self.dest_off) as *mut u8);
-                    if left == 0 {
-                        self.dest_idx += 1;
-                        self.dest_off = 0;
-                        continue;
-                    }
-                    let crc = if self.p.crc {
-                        Some(&mut self.crc)
-                    } else {
-                        None
-                    };
-                    // SAFETY: `dst` lies inside a registration validated for
-                    // this segment (tagged: STag/PD/rights/bounds checked;
-                    // receive: lkey with LOCAL_WRITE; anonymous/control: our
-                    // own heap buffers) and kept alive by the WR/validation
-                    // context. Only this engine writes it while the QP lock is
-                    // held; the consumer reads it only after the completion.
-                    let n = unsafe {
-                        self.stage.take(
-                            io,
-                            dst,
-                            left.min(usize::MAX as u64) as usize,
-                            crc,
-                            &mut self.stats,
-                        )?
-                    };
-                    if n == 0 {
-                        return Err(Self::eof());
-                    }
-                    self.dest_off += n as u64;
-                }
-                self.rx = RxState::Trailer;
-                self.trailer_have = 0;
-                Ok(false)
-            }
-            RxState::Trailer => {
-                let need = wire::pad_len(self.seg.ulpdu_len) + 4;
-                // SAFETY: our own trailer array, in bounds.
-                let n = unsafe {
-                    let d = self.trailer.as_mut_ptr().add(self.trailer_have);
-                    self.stage.take(
-                        io,
-                        Some(d),
-                        need - self.trailer_have,
-                        None,
-                        &mut RxStats::default(),
-                    )?
-                };
-                if n == 0 {
-                    return Err(Self::eof());
-                }
-                self.trailer_have += n;
-                if self.trailer_have < need {
+                if self.fpdu.payload_remaining() > 0 && self.direct_read(io)? {
                     return Ok(false);
                 }
-                let pad = need - 4;
-                if self.p.crc {
-                    let c = crc32c::crc32c_append(self.crc, &self.trailer[..pad]);
-                    let got = u32::from_le_bytes(self.trailer[pad..need].try_into().expect("4"));
-                    if c != got {
-                        self.fatal(TermKind::MpaCrc, false);
-                        return Ok(false);
+                self.rx_frame(io)
+            }
+            RxState::Frame => self.rx_frame(io),
+        }
+    }
+
+    /// The current destination piece, skipping filled ones.
+    fn dest_piece(&mut self) -> Option<Piece> {
+        while let Some(p) = self.dest.get(self.dest_idx) {
+            if self.dest_off < p.len {
+                return Some(*p);
+            }
+            self.dest_idx += 1;
+            self.dest_off = 0;
+        }
+        None
+    }
+
+    /// Payload straight from the socket into its target (CRC off, nothing
+    /// staged, a large enough piece). Returns false when the bytes must go
+    /// through the stage instead.
+    fn direct_read(&mut self, io: &mut dyn Io) -> io::Result<bool> {
+        if self.stage.all_staged
+            || self.stage.avail() > 0
+            || !DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(false);
+        }
+        let Some(p) = self.dest_piece() else {
+            return Ok(false);
+        };
+        let left = (p.len - self.dest_off).min(u64::from(self.fpdu.payload_remaining())) as usize;
+        let min = if self.stage.small {
+            SMALL_DIRECT_MIN
+        } else {
+            DIRECT_MIN
+        };
+        if p.addr == 0 || left < min {
+            return Ok(false);
+        }
+        // SAFETY: `p` lies inside a registration validated for this segment
+        // (tagged: STag/PD/rights/bounds checked; receive: lkey with
+        // LOCAL_WRITE; anonymous: our own heap buffer, kept in place while
+        // `anon_seg_open`) and kept alive by the WR/validation context. The
+        // kernel writes it; no Rust reference to it is formed, and the
+        // bytes are not read back (no CRC).
+        let n = unsafe { io.read((p.addr + self.dest_off) as *mut u8, left)? };
+        if n == 0 {
+            return Err(Self::eof());
+        }
+        self.stats.direct += n as u64;
+        self.dest_off += n as u64;
+        if let Err(e) = self.fpdu.advance_len(n as u32) {
+            self.fatal_rx(e);
+        }
+        Ok(true)
+    }
+
+    /// Feed staged bytes to the deframer and act on what it finds.
+    fn rx_frame(&mut self, io: &mut dyn Io) -> io::Result<bool> {
+        if self.stage.avail() == 0 {
+            let limit = if self.stage.all_staged
+                || self.stage.small
+                || !DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                STAGE
+            } else if self.rx == RxState::Payload {
+                (self.fpdu.payload_remaining() as usize).max(HDR_FILL)
+            } else {
+                HDR_FILL
+            };
+            if self.stage.fill(io, limit)? == 0 {
+                return Err(Self::eof());
+            }
+        }
+        let input = &self.stage.buf[self.stage.start..self.stage.end];
+        let (used, ev) = match self.fpdu.poll(input) {
+            Ok(r) => r,
+            Err(e) => {
+                self.fatal_rx(e);
+                return Ok(false);
+            }
+        };
+        match ev {
+            None => {
+                self.stage.start += used;
+                Ok(false)
+            }
+            Some(FpduEvent::Payload { data, .. }) => {
+                let mut data = data;
+                while !data.is_empty() {
+                    let Some(p) = self.dest.get(self.dest_idx).copied() else {
+                        break;
+                    };
+                    let n = ((p.len - self.dest_off) as usize).min(data.len());
+                    if p.addr != 0 && n > 0 {
+                        // SAFETY: as in `direct_read`: a validated, live
+                        // destination that no Rust reference covers; the
+                        // source is our own stage.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                data.as_ptr(),
+                                (p.addr + self.dest_off) as *mut u8,
+                                n,
+                            )
+                        };
+                        self.stats.copied += n as u64;
+                    }
+                    data = &data[n..];
+                    self.dest_off += n as u64;
+                    if self.dest_off == p.len {
+                        self.dest_idx += 1;
+                        self.dest_off = 0;
                     }
                 }
+                self.stage.start += used;
+                Ok(false)
+            }
+            Some(FpduEvent::Header {
+                header,
+                ulpdu_len,
+                payload_len,
+            }) => {
+                self.stage.start += used;
+                self.on_header(header, ulpdu_len, payload_len);
+                Ok(false)
+            }
+            Some(FpduEvent::End) => {
+                self.stage.start += used;
+                if let Some(seg) = self.cur.take() {
+                    self.ddp.commit(&seg);
+                }
                 self.finish_segment();
-                self.hdr_have = 0;
-                self.hdr_need = 3;
                 if self.rx != RxState::Discard {
-                    self.rx = RxState::Hdr;
+                    self.rx = RxState::Frame;
                 }
                 Ok(true)
             }
         }
     }
 
-    fn parse_hdr(&mut self) {
-        let h = &self.hdr;
-        let ulpdu_len = wire::be16(h, 0) as usize;
-        let tagged = h[2] & wire::DDP_T != 0;
-        let hdr_len = if tagged {
-            wire::TAGGED_HDR
-        } else {
-            wire::UNTAGGED_HDR
+    /// A segment header: validate it against the stream (lwio-iwarp's
+    /// DDP/RDMAP rules), then find where its payload goes.
+    fn on_header(&mut self, h: SegmentHeader, ulpdu_len: u16, paylen: u32) {
+        let seg = match self.ddp.validate(&h, paylen) {
+            Ok(seg) => seg,
+            Err(e) => return self.fatal(e, true),
         };
         let mut s = Seg {
-            tagged,
-            last: h[2] & wire::DDP_L != 0,
-            opcode: h[3] & 0x0f,
-            ulpdu_len,
+            tagged: false,
+            last: h.last,
+            opcode: h.opcode as u8,
+            paylen: paylen as usize,
+            rr: h.read_request,
             ..Seg::default()
         };
-        if tagged {
-            s.stag = wire::be32(h, 4);
-            s.to = wire::be64(h, 8);
-        } else {
-            s.inv = wire::be32(h, 4);
-            s.qn = wire::be32(h, 8);
-            s.msn = wire::be32(h, 12);
-            s.mo = wire::be32(h, 16);
+        match h.ddp {
+            DdpKind::Tagged { stag, to } => {
+                s.tagged = true;
+                s.stag = stag;
+                s.to = to;
+            }
+            DdpKind::Untagged {
+                rsvd_ulp,
+                qn,
+                msn,
+                mo,
+            } => {
+                s.inv = rsvd_ulp;
+                s.qn = qn;
+                s.msn = msn;
+                s.mo = mo;
+            }
         }
-        let extra = if !tagged && s.qn == wire::QN_READ && s.opcode == op::READ_REQ {
-            wire::READ_REQ_LEN
-        } else {
-            0
-        };
-        self.crc = if self.p.crc {
-            crc32c::crc32c(&self.hdr[..self.hdr_have])
-        } else {
-            0
-        };
-        self.stage.small = s.ulpdu_len < SMALL_SEG;
+        self.stage.small = (ulpdu_len as usize) < SMALL_SEG;
         self.seg = s;
-        if h[2] & 0x03 != wire::DDP_V1 {
-            let c = if tagged {
-                TermKind::DdpTaggedInvalidVersion
-            } else {
-                TermKind::DdpUntaggedInvalidVersion
-            };
-            return self.fatal(c, true);
-        }
-        if h[3] >> 6 != 1 {
-            return self.fatal(TermKind::RdmapOpInvalidVersion, true);
-        }
-        if ulpdu_len < hdr_len + extra || (extra > 0 && ulpdu_len != hdr_len + extra) {
-            return self.fatal(TermKind::RdmapOpUnspecified, true);
-        }
-        self.seg.paylen = ulpdu_len - hdr_len - extra;
+        self.cur = Some(seg);
         self.rx = RxState::Place;
         self.place();
     }
@@ -1695,24 +1684,7 @@ impl QpCore {
         } else {
             match (s.qn, s.opcode) {
                 (wire::QN_SEND, op::SEND | op::SEND_INV | op::SEND_SE | op::SEND_SE_INV) => {
-                    match &self.cur_send {
-                        None => {
-                            if s.msn != self.msn_in[0] {
-                                return self.fatal(TermKind::DdpUntaggedMsnRange, true);
-                            }
-                            if s.mo != 0 {
-                                return self.fatal(TermKind::DdpUntaggedInvalidMo, true);
-                            }
-                        }
-                        Some(c) => {
-                            if s.msn != c.msn {
-                                return self.fatal(TermKind::DdpUntaggedMsnRange, true);
-                            }
-                            if s.mo as u64 != c.mo {
-                                return self.fatal(TermKind::DdpUntaggedInvalidMo, true);
-                            }
-                        }
-                    }
+                    // MSN and message offset were checked by `DdpRxState`.
                     let target = match &self.cur_send {
                         Some(c) => c.target,
                         None if self.anon.is_empty() && !self.rq.is_empty() => Target::Recv,
@@ -1767,26 +1739,21 @@ impl QpCore {
                         }
                     }
                     if self.cur_send.is_none() {
-                        self.cur_send = Some(CurSend {
-                            msn: s.msn,
-                            mo: 0,
-                            target,
-                        });
+                        self.cur_send = Some(CurSend { mo: 0, target });
                     }
                 }
                 (wire::QN_READ, op::READ_REQ) => {
-                    if s.msn != self.msn_in[1] {
-                        return self.fatal(TermKind::DdpUntaggedMsnRange, true);
-                    }
                     if self.irq.len() >= self.p.ird.max(1) as usize {
                         return self.fatal(TermKind::MpaInsufficientIrd, true);
                     }
-                    let rr = ReadReq::parse(&self.hdr[20..48]);
-                    let mr = if rr.len > 0 {
+                    let Some(rr) = s.rr else {
+                        return self.fatal(TermKind::RdmapOpUnspecified, true);
+                    };
+                    let mr = if rr.size > 0 {
                         match self.p.table.remote(
                             rr.src_stag,
                             rr.src_to,
-                            rr.len as u64,
+                            rr.size as u64,
                             Access::REMOTE_READ,
                             self.p.pd,
                             self.p.qpn,
@@ -1801,7 +1768,7 @@ impl QpCore {
                     self.irq.push_back(IrqEntry {
                         mr,
                         src: rr.src_to,
-                        len: rr.len as u64,
+                        len: rr.size as u64,
                         sent: 0,
                         sink_stag: rr.sink_stag,
                         sink_to: rr.sink_to,
@@ -1882,7 +1849,6 @@ impl QpCore {
                 let total = c.mo;
                 let target = c.target;
                 self.cur_send = None;
-                self.msn_in[0] = self.msn_in[0].wrapping_add(1);
                 let inv = if s.opcode == op::SEND_INV || s.opcode == op::SEND_SE_INV {
                     if self
                         .p
@@ -1915,11 +1881,7 @@ impl QpCore {
                     }
                 }
             }
-            wire::QN_READ => {
-                self.msn_in[1] = self.msn_in[1].wrapping_add(1);
-            }
             wire::QN_TERM => {
-                self.msn_in[2] = self.msn_in[2].wrapping_add(1);
                 let code = wire::parse_terminate(&self.ctl[..])
                     .unwrap_or(TermKind::RdmapOpUnspecified.into());
                 tracing::debug!(qpn = self.p.qpn, ?code, "terminate received");

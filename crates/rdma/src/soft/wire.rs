@@ -55,15 +55,6 @@ pub const fn pad_len(ulpdu_len: usize) -> usize {
 
 pub use lwio_iwarp::wire::term::{TermError, TermKind};
 
-pub fn be16(b: &[u8], at: usize) -> u16 {
-    u16::from_be_bytes([b[at], b[at + 1]])
-}
-pub fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-pub fn be64(b: &[u8], at: usize) -> u64 {
-    ((be32(b, at) as u64) << 32) | be32(b, at + 4) as u64
-}
 pub fn put16(b: &mut [u8], at: usize, v: u16) {
     b[at..at + 2].copy_from_slice(&v.to_be_bytes())
 }
@@ -113,53 +104,6 @@ pub fn untagged_hdr(
     2 + UNTAGGED_HDR
 }
 
-/// An RDMA Read Request header (the DDP payload of QN 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReadReq {
-    pub sink_stag: u32,
-    pub sink_to: u64,
-    pub len: u32,
-    pub src_stag: u32,
-    pub src_to: u64,
-}
-
-impl ReadReq {
-    pub fn emit(&self, b: &mut [u8]) {
-        put32(b, 0, self.sink_stag);
-        put64(b, 4, self.sink_to);
-        put32(b, 12, self.len);
-        put32(b, 16, self.src_stag);
-        put64(b, 20, self.src_to);
-    }
-    pub fn parse(b: &[u8]) -> ReadReq {
-        ReadReq {
-            sink_stag: be32(b, 0),
-            sink_to: be64(b, 4),
-            len: be32(b, 12),
-            src_stag: be32(b, 16),
-            src_to: be64(b, 20),
-        }
-    }
-}
-
-/// Build a Terminate payload for `code` caused by the segment whose MPA
-/// length + DDP (+ Read Request) header is `hdr` (may be empty). Returns the
-/// payload length written into `out` (≤ TERM_MAX). Which headers are copied
-/// follows siw (`lwio_iwarp::wire::rdmap::TerminateRepr::for_segment`).
-pub fn terminate_payload(err: TermError, hdr: &[u8], out: &mut [u8; TERM_MAX]) -> usize {
-    use lwio_iwarp::wire::rdmap::TerminateRepr;
-    out.fill(0);
-    let t = if hdr.len() >= 2 + TAGGED_HDR {
-        TerminateRepr::for_segment(err, be16(hdr, 0), &hdr[2..])
-    } else {
-        TerminateRepr::new(err)
-    };
-    let v = t.to_vec();
-    let n = v.len().min(TERM_MAX);
-    out[..n].copy_from_slice(&v[..n]);
-    n
-}
-
 /// The error triple of a received Terminate payload (only the fixed word
 /// is needed: a peer's copied headers are not checked).
 pub fn parse_terminate(p: &[u8]) -> Option<TermError> {
@@ -176,16 +120,6 @@ pub fn parse_terminate(p: &[u8]) -> Option<TermError> {
     ))
 }
 
-/// CRC32c over a sequence of byte slices (MPA CRC; sent as a little-endian
-/// word like Linux does).
-pub fn crc_of(parts: &[&[u8]]) -> u32 {
-    let mut c = 0u32;
-    for p in parts {
-        c = crc32c::crc32c_append(c, p);
-    }
-    c
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,14 +134,17 @@ mod tests {
 
     #[test]
     fn terminate_roundtrip() {
+        use lwio_iwarp::wire::rdmap::TerminateRepr;
         let mut h = [0u8; 16];
         tagged_hdr(&mut h, 100, true, op::WRITE, 0x1234, 99);
-        let mut out = [0u8; TERM_MAX];
-        let n = terminate_payload(TermKind::DdpTaggedBaseBounds.into(), &h, &mut out);
-        assert_eq!(n, 6 + TAGGED_HDR);
+        let t = TerminateRepr::for_segment(TermKind::DdpTaggedBaseBounds.into(), 100, &h[2..]);
+        let out = t.to_vec();
+        assert_eq!(out.len(), 6 + TAGGED_HDR);
+        assert_eq!(&out[6..], &h[2..]);
         assert_eq!(
-            parse_terminate(&out[..n]).and_then(|e| e.kind()),
+            parse_terminate(&out).and_then(|e| e.kind()),
             Some(TermKind::DdpTaggedBaseBounds)
         );
+        assert_eq!(parse_terminate(&out[..3]), None);
     }
 }
