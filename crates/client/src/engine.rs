@@ -1274,11 +1274,24 @@ impl Engine {
                 return Some(r);
             };
             let off = slot as usize * e.send_slot;
-            // SAFETY: the send region is registered without remote access
-            // (no peer can write it) and this slot is free: no posted send
-            // reads it and no other view of it exists while we hold the
-            // engine lock; `off + send_slot` is inside the region.
-            let out = unsafe { &mut e.send_mr.as_mut_slice()[off..off + e.send_slot] };
+            let mut view = match e.send_mr.slice_mut(off, e.send_slot) {
+                Ok(v) => v,
+                Err(err) => {
+                    st.send_free.push(slot);
+                    e.drop_windows(st, status.into_iter().collect(), 0);
+                    return Some(Err(err.into()));
+                }
+            };
+            // SAFETY: the slice covers this one slot only, not the send
+            // region (other slots may be posted and read by the provider
+            // meanwhile). The slot was just popped from `send_free`, so no
+            // posted send names it (a slot returns to the free list only
+            // when its send completes) and it is queued for posting only
+            // after `write_into` returns, below; the send region is
+            // registered without remote access, so no peer key reaches it;
+            // and we hold the engine lock, which every user of the free list
+            // and of `send_backlog` takes, so no other view of it exists.
+            let out = unsafe { view.as_mut_slice() };
             match st.conn.write_into(fid, offset, data, mode, out) {
                 Ok((req, len)) => {
                     st.send_backlog.push_back(Outgoing::Slot { slot, len });
@@ -1669,6 +1682,14 @@ impl Engine {
                     // SAFETY: the memory is the entry's `RegBuf`, and the
                     // registration keeps an `Arc` of it (`UserReg::_mem`),
                     // so it stays allocated for as long as the region exists.
+                    // The region's own keys are never sent; the peer reaches
+                    // it only through one-shot windows bound by a read into
+                    // the buffer, which the read fences before it returns.
+                    // While such a read runs the caller's `&mut` over the
+                    // `RegisteredBuf` is live, which `register_raw` forbids
+                    // and the aliasing model does not excuse (the writes go
+                    // through this pointer, not one derived from the
+                    // caller's reference): see `File::read_impl`.
                     let mr = unsafe { self.pd.register_raw(e.mem.as_ptr(), e.len, access)? };
                     let r = Arc::new(UserReg {
                         mr,
@@ -1767,8 +1788,13 @@ impl Engine {
         );
         drop(st);
         // Register now (so the first read does not pay for it).
-        // SAFETY: the range is the entry's own buffer, exclusively owned by
-        // the new RegisteredBuf, which nobody can use before we return.
+        // SAFETY: no read runs here: with `per_call` false and the entry just
+        // inserted this takes the cached path, which only registers the
+        // entry's own `RegBuf` (kept alive by the entry and the
+        // registration's `Arc`) and binds no window; the returned `UserDst`
+        // is a fresh group with nothing to fence and is dropped at once. No
+        // Rust reference to the buffer exists yet: the `RegisteredBuf` that
+        // hands them out is created only after we return.
         let first = unsafe { self.user_dst(start as *mut u8, len, false) };
         match first {
             Ok(_) => Ok(start),

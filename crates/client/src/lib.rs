@@ -746,18 +746,22 @@ impl std::ops::Deref for RegisteredBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: the allocation (page-aligned, zero-initialised, at least
-        // `len` bytes) is owned by `mem` and alive while `self` is. The peer
-        // can write to it only through a window bound during a `read_at`
-        // into it, which holds an exclusive borrow of this buffer (so no
-        // shared view exists meanwhile) and returns only after the window
-        // is invalidated; the region's own key is never sent.
+        // `len` bytes) is owned by `mem` and alive while `self` is. Nothing
+        // writes it while this shared view lives: the region's own key is
+        // never sent, and the peer can write it only through a window bound
+        // for a read into it, which needs a `&mut [u8]` of it (so this
+        // shared borrow has ended) and returns only after every such window
+        // is invalidated. (During such a read the caller's `&mut` is live
+        // while the peer writes; see the SAFETY note in `File::read_impl`.)
         unsafe { std::slice::from_raw_parts(self.mem.as_ptr(), self.len) }
     }
 }
 
 impl std::ops::DerefMut for RegisteredBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`; `&mut self` makes this view exclusive.
+        // SAFETY: as in `deref`; `&mut self` makes this view exclusive among
+        // Rust references, and no remote write is possible while it lives
+        // unless it is handed to a read (see `File::read_impl`).
         unsafe { std::slice::from_raw_parts_mut(self.mem.as_ptr(), self.len) }
     }
 }
@@ -872,16 +876,30 @@ impl File {
             let (ptr, len) = (buf.as_mut_ptr(), buf.len());
             let per_call = len >= e.cfg.register_threshold;
             // SAFETY: `buf` is exclusively borrowed for this whole call and
-            // is not touched through the reference until we return; the
-            // pointer is derived from it. Every window over it is bound
-            // one-shot for exactly one request's range inside it, and
-            // `fence_group` below returns only when all of them are
-            // invalidated and the invalidations completed (or the queue pair
-            // is in the error state, where no remote access is executed).
-            // The per-call registration is dropped (deregistered) before we
-            // return, and a cached one belongs to a `RegisteredBuf` whose
-            // memory the cache entry keeps alive. So no remote write can
-            // reach the buffer after the borrow ends.
+            // is not touched through the reference until we return. Every
+            // window over it is bound one-shot for exactly one request's
+            // range inside it, and `fence_group` below returns only when all
+            // of them are invalidated and the invalidations completed (or
+            // the queue pair is in the error state, where no remote access
+            // is executed). The per-call registration is dropped
+            // (deregistered) before we return, and a cached one belongs to a
+            // `RegisteredBuf` whose memory the cache entry keeps alive. So
+            // the memory outlives every registration of it, and no remote
+            // write reaches the buffer after the borrow ends.
+            //
+            // What this does not make sound by the Rust aliasing model:
+            // *during* the call the peer (the NIC, or the soft provider's
+            // engine thread) writes memory behind the caller's live
+            // `&mut [u8]`. With a per-call registration it writes through
+            // `ptr`, derived from `buf`, which Stacked and Tree Borrows allow
+            // while `buf` itself is not used. A cached `RegisteredBuf` was
+            // registered from the `RegBuf`'s own pointer, not from `buf`, so
+            // there the writes are foreign writes under `buf`'s function-
+            // argument protector: undefined behaviour in both models, even
+            // though no code reads or writes through `buf` meanwhile and the
+            // compiler cannot see the writer. Removing it needs a read entry
+            // point that takes the `RegisteredBuf` range instead of a
+            // `&mut [u8]` (left open, issue 11).
             match unsafe { e.user_dst(ptr, len, per_call) } {
                 Ok(None) => {}
                 Ok(Some(dst)) => {

@@ -29,14 +29,19 @@
 //! that covers it is valid. Rust references (`&[u8]`, `&mut [u8]`) to such memory
 //! would assert a freedom from concurrent mutation that the network does not
 //! respect, so [`Mr`] offers copy-in/copy-out accessors ([`Mr::read_at`],
-//! [`Mr::write_at`]) and atomic word accessors for polled status words, and only
-//! `unsafe` slice views for callers that can prove no remote access is possible.
+//! [`Mr::write_at`]), bounds-checked ranged views ([`Mr::slice`],
+//! [`Mr::slice_mut`]) with the same copying accessors, volatile word accessors
+//! for polled status words ([`MrSlice::load_u64`] says what they do and do not
+//! guarantee), and only `unsafe` slice views of a *range*
+//! ([`MrSlice::as_slice`], [`MrSliceMut::as_mut_slice`]) for callers that can
+//! show that nothing else touches that range while the slice lives.
 
 use std::any::Any;
 use std::fmt;
+use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -882,8 +887,10 @@ pub struct Mr {
 }
 
 // SAFETY: the region describes memory valid for its lifetime (owned buffer or
-// the `register_raw` contract); all access goes through raw-pointer copies or
-// atomics, never through shared references that could alias remote writes.
+// the `register_raw` contract), so the raw pointer may move between threads.
+// Access from any thread goes through raw-pointer copies and volatile word
+// accesses; Rust references over the memory come only from the `unsafe`
+// ranged slice methods, whose callers prove nothing else touches the range.
 unsafe impl Send for Mr {}
 unsafe impl Sync for Mr {}
 
@@ -935,94 +942,356 @@ impl Mr {
         }
     }
 
-    /// Copy bytes out of the region.
+    /// Copy bytes out of the region (see [`MrSlice::read_at`]).
     pub fn read_at(&self, off: usize, dst: &mut [u8]) -> Result<()> {
-        self.check(off, dst.len())?;
-        // SAFETY: the range is inside the registered memory, which is valid for
-        // the lifetime of `self`. `dst` is a distinct Rust allocation (it cannot
-        // alias registered memory without an `unsafe` view). Bytes have no
-        // invalid values, so a racing remote write can at worst tear the data;
-        // data covered by a completion is stable (completion = Acquire).
-        unsafe { std::ptr::copy_nonoverlapping(self.addr.add(off), dst.as_mut_ptr(), dst.len()) };
-        Ok(())
+        self.slice(off, dst.len())?.read_at(0, dst)
     }
 
-    /// Copy bytes into the region.
+    /// Copy bytes into the region (see [`MrSliceMut::write_at`]).
     pub fn write_at(&self, off: usize, src: &[u8]) -> Result<()> {
-        self.check(off, src.len())?;
-        // SAFETY: as in `read_at`; the source is a distinct allocation.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.addr.add(off), src.len()) };
-        Ok(())
+        self.slice_mut(off, src.len())?.write_at(0, src)
     }
 
     /// Fill a range with a byte.
     pub fn fill(&self, off: usize, len: usize, byte: u8) -> Result<()> {
+        self.slice_mut(off, len)?.fill(0, len, byte)
+    }
+
+    /// A bounds-checked read-only view of `len` bytes at `off`.
+    ///
+    /// Fails (never panics) when `off + len` overflows or passes the end.
+    pub fn slice(&self, off: usize, len: usize) -> Result<MrSlice<'_>> {
         self.check(off, len)?;
-        // SAFETY: as in `write_at`.
-        unsafe { std::ptr::write_bytes(self.addr.add(off), byte, len) };
-        Ok(())
+        Ok(MrSlice {
+            // In bounds (checked), so the offset pointer stays inside the
+            // mapping: `wrapping_add` never actually wraps here.
+            ptr: self.addr.wrapping_add(off),
+            len,
+            _mr: PhantomData,
+        })
     }
 
-    fn atomic_u32(&self, off: usize) -> Result<&AtomicU32> {
-        self.check(off, 4)?;
-        if !(self.addr as usize + off).is_multiple_of(4) {
-            return Err(Error::InvalidArgument(format!(
-                "offset {off} is not 4-byte aligned"
-            )));
-        }
-        // SAFETY: in bounds and aligned; AtomicU32 has the layout of u32 and
-        // atomic access is exactly how memory shared with a concurrent writer
-        // (the peer, via the provider or DMA) must be read.
-        Ok(unsafe { &*(self.addr.add(off) as *const AtomicU32) })
+    /// A bounds-checked view of `len` bytes at `off` that can also write.
+    ///
+    /// Fails (never panics) when `off + len` overflows or passes the end.
+    pub fn slice_mut(&self, off: usize, len: usize) -> Result<MrSliceMut<'_>> {
+        let v = self.slice(off, len)?;
+        Ok(MrSliceMut {
+            ptr: v.ptr,
+            len: v.len,
+            _mr: PhantomData,
+        })
     }
 
-    fn atomic_u64(&self, off: usize) -> Result<&AtomicU64> {
-        self.check(off, 8)?;
-        if !(self.addr as usize + off).is_multiple_of(8) {
-            return Err(Error::InvalidArgument(format!(
-                "offset {off} is not 8-byte aligned"
-            )));
-        }
-        // SAFETY: as in `atomic_u32`.
-        Ok(unsafe { &*(self.addr.add(off) as *const AtomicU64) })
-    }
-
-    /// Load a little-endian u32 with Acquire ordering (for polled status words).
+    /// Load a little-endian u32 for a polled status word (see
+    /// [`MrSlice::load_u32`] for what this does and does not guarantee).
     pub fn load_u32(&self, off: usize) -> Result<u32> {
-        Ok(u32::from_le(self.atomic_u32(off)?.load(Ordering::Acquire)))
+        self.slice(off, 4)?.load_u32(0)
     }
-    /// Store a little-endian u32 with Release ordering.
+    /// Store a little-endian u32 (see [`MrSliceMut::store_u32`]).
     pub fn store_u32(&self, off: usize, v: u32) -> Result<()> {
-        self.atomic_u32(off)?.store(v.to_le(), Ordering::Release);
-        Ok(())
+        self.slice_mut(off, 4)?.store_u32(0, v)
     }
-    /// Load a little-endian u64 with Acquire ordering.
+    /// Load a little-endian u64 for a polled status block (see
+    /// [`MrSlice::load_u32`]).
     pub fn load_u64(&self, off: usize) -> Result<u64> {
-        Ok(u64::from_le(self.atomic_u64(off)?.load(Ordering::Acquire)))
+        self.slice(off, 8)?.load_u64(0)
     }
-    /// Store a little-endian u64 with Release ordering.
+    /// Store a little-endian u64 (see [`MrSliceMut::store_u32`]).
     pub fn store_u64(&self, off: usize, v: u64) -> Result<()> {
-        self.atomic_u64(off)?.store(v.to_le(), Ordering::Release);
+        self.slice_mut(off, 8)?.store_u64(0, v)
+    }
+}
+
+/// A bounds-checked range of a [`Mr`] ([`Mr::slice`]): a pointer and a length
+/// that borrow the region, so the memory stays registered and mapped while
+/// the view lives. Its accessors copy bytes in and out through raw pointers
+/// and never form a Rust reference over registered memory, which a peer
+/// (RDMA Write, a receive) or the provider's engine thread may be writing.
+/// Only [`MrSlice::as_slice`] does, and it is `unsafe`.
+#[derive(Clone, Copy)]
+pub struct MrSlice<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _mr: PhantomData<&'a Mr>,
+}
+
+/// A bounds-checked range of a [`Mr`] that can also be written
+/// ([`Mr::slice_mut`]). Writing through it needs no `&mut`: registered memory
+/// is shared with the provider and the peer anyway, so exclusivity is a
+/// protocol property (the range is not posted, bound or in flight), which
+/// only [`MrSliceMut::as_mut_slice`] asks the caller to prove.
+pub struct MrSliceMut<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _mr: PhantomData<&'a Mr>,
+}
+
+// SAFETY: a view is a pointer into a registered region plus a length; it only
+// reaches the memory through raw-pointer copies and volatile word accesses (or
+// the `unsafe` slice methods, whose contracts exclude concurrent writers), as
+// `Mr` itself does, and `Mr` is Send + Sync for the same reason.
+unsafe impl Send for MrSlice<'_> {}
+unsafe impl Sync for MrSlice<'_> {}
+// SAFETY: as for `MrSlice`.
+unsafe impl Send for MrSliceMut<'_> {}
+unsafe impl Sync for MrSliceMut<'_> {}
+
+impl fmt::Debug for MrSlice<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MrSlice(addr={:p}, len={})", self.ptr, self.len)
+    }
+}
+
+impl fmt::Debug for MrSliceMut<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MrSliceMut(addr={:p}, len={})", self.ptr, self.len)
+    }
+}
+
+fn range_err(off: usize, len: usize, of: usize) -> Error {
+    Error::InvalidArgument(format!("range {off}+{len} outside a view of {of} bytes"))
+}
+
+impl<'a> MrSlice<'a> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The first byte's address (what an [`Sge`] or a window bind names).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// `len` bytes at `off` must be inside the view, and the address
+    /// `align`-aligned; returns the address.
+    fn at(&self, off: usize, len: usize, align: usize) -> Result<*mut u8> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.len => {}
+            _ => return Err(range_err(off, len, self.len)),
+        }
+        let p = self.ptr.wrapping_add(off);
+        if !(p as usize).is_multiple_of(align) {
+            return Err(Error::InvalidArgument(format!(
+                "offset {off} is not {align}-byte aligned"
+            )));
+        }
+        Ok(p)
+    }
+
+    /// A sub-view: `len` bytes at `off` of this view.
+    pub fn slice(&self, off: usize, len: usize) -> Result<MrSlice<'a>> {
+        Ok(MrSlice {
+            ptr: self.at(off, len, 1)?,
+            len,
+            _mr: PhantomData,
+        })
+    }
+
+    /// Copy `dst.len()` bytes at `off` of the view into `dst`.
+    pub fn read_at(&self, off: usize, dst: &mut [u8]) -> Result<()> {
+        let p = self.at(off, dst.len(), 1)?;
+        // SAFETY: the range is inside the registered region, which the
+        // borrowed `Mr` keeps mapped. `dst` is a Rust allocation that cannot
+        // overlap it: the only references ever formed over registered memory
+        // come from the `unsafe` slice methods, whose contracts forbid any
+        // other access to that range while they live. No reference is formed
+        // over the source. If the peer or the provider writes the range
+        // concurrently (the caller did not wait for the completion that
+        // covers it), the bytes may be torn, and for the soft provider's
+        // engine thread that is a data race in the Rust memory model; bytes
+        // have no invalid values, and callers read data only after the
+        // completion (CQ poll, or a status block observed by `load_u64`) that
+        // says it is placed.
+        unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
-    /// A shared view of the memory.
-    ///
-    /// # Safety
-    /// No remote write may be possible to this memory while the slice lives: no
-    /// valid rkey or bound window covering it may be in the peer's hands, and no
-    /// receive or RDMA Read into it may be outstanding.
-    pub unsafe fn as_slice(&self) -> &[u8] {
-        std::slice::from_raw_parts(self.addr, self.len)
+    /// Copy the whole view into `dst`, which must be exactly as long.
+    pub fn copy_to_slice(&self, dst: &mut [u8]) -> Result<()> {
+        if dst.len() != self.len {
+            return Err(Error::InvalidArgument(format!(
+                "destination of {} bytes for a view of {}",
+                dst.len(),
+                self.len
+            )));
+        }
+        self.read_at(0, dst)
     }
 
-    /// An exclusive view of the memory.
+    /// Load a little-endian u32 at `off` (4-byte aligned) of a word that
+    /// another agent writes while we poll it (a status word placed by the
+    /// peer's RDMA Write), then an `Acquire` fence.
+    ///
+    /// Why volatile and not an `AtomicU32`: the writer is never a Rust atomic
+    /// store. With a hardware provider it is the NIC's DMA, outside the Rust
+    /// abstract machine, which is what volatile accesses are for: the load is
+    /// one aligned access that the compiler may not elide, merge or hoist out
+    /// of a polling loop. Viewing the bytes as an `AtomicU32` would instead
+    /// promise that every concurrent access is atomic, which is false. The
+    /// fence keeps later reads of the data the word vouches for after this
+    /// load (compiler and CPU); that the NIC made the data visible before the
+    /// word is the transport's ordering (one connection places in order),
+    /// not something Rust can check.
+    ///
+    /// With the soft provider under `Progress::Auto`, the writer is the
+    /// engine thread of this process, storing with plain copies
+    /// (`copy_nonoverlapping`, or `read(2)` into the region). A load racing
+    /// with that is a data race in the Rust memory model however the
+    /// reader reads (atomic or volatile), and the fence has no release to
+    /// pair with; what makes the observed behaviour right is the hardware
+    /// (an aligned word load is one instruction on every supported target)
+    /// and the protocol (a half-placed block is recognised and ignored:
+    /// `lwio_proto::wire::small::poll_block_written`). Making it race-free
+    /// needs atomic (or fenced) stores on the writer side, in the soft
+    /// provider's placement. Under `Progress::Manual` the placing thread is
+    /// the polling thread and there is no race.
+    pub fn load_u32(&self, off: usize) -> Result<u32> {
+        let p = self.at(off, 4, 4)?;
+        // SAFETY: in bounds of the mapped region and 4-byte aligned; any bit
+        // pattern is a valid u32. See above for the concurrent writer.
+        let v = unsafe { std::ptr::read_volatile(p as *const u32) };
+        fence(Ordering::Acquire);
+        Ok(u32::from_le(v))
+    }
+
+    /// As [`MrSlice::load_u32`] for an 8-byte aligned u64. On 64-bit targets
+    /// the load is one access; the protocol tolerates a torn block anyway
+    /// (the peer's placement of 8 bytes is not atomic either).
+    pub fn load_u64(&self, off: usize) -> Result<u64> {
+        let p = self.at(off, 8, 8)?;
+        // SAFETY: as in `load_u32`, 8-byte aligned.
+        let v = unsafe { std::ptr::read_volatile(p as *const u64) };
+        fence(Ordering::Acquire);
+        Ok(u64::from_le(v))
+    }
+
+    /// A shared Rust slice over the view.
     ///
     /// # Safety
-    /// As for [`Mr::as_slice`], and no other view of the region may exist.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
-        std::slice::from_raw_parts_mut(self.addr, self.len)
+    /// For as long as the slice lives nothing may write any byte of this
+    /// range: no receive or RDMA Read into it posted, no key or window that
+    /// the peer holds covering it with remote write access, no other thread
+    /// or view writing it, and the provider not placing into it (e.g. a
+    /// receive slot whose completion was polled and that is not re-posted
+    /// before the slice is gone). Other parts of the region may be in any
+    /// state: the slice covers this range only.
+    pub unsafe fn as_slice(&self) -> &'a [u8] {
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+}
+
+impl<'a> MrSliceMut<'a> {
+    /// The same range, read-only.
+    pub fn as_view(&self) -> MrSlice<'a> {
+        MrSlice {
+            ptr: self.ptr,
+            len: self.len,
+            _mr: PhantomData,
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    /// See [`MrSlice::read_at`].
+    pub fn read_at(&self, off: usize, dst: &mut [u8]) -> Result<()> {
+        self.as_view().read_at(off, dst)
+    }
+    /// See [`MrSlice::copy_to_slice`].
+    pub fn copy_to_slice(&self, dst: &mut [u8]) -> Result<()> {
+        self.as_view().copy_to_slice(dst)
+    }
+    /// See [`MrSlice::load_u32`].
+    pub fn load_u32(&self, off: usize) -> Result<u32> {
+        self.as_view().load_u32(off)
+    }
+    /// See [`MrSlice::load_u64`].
+    pub fn load_u64(&self, off: usize) -> Result<u64> {
+        self.as_view().load_u64(off)
+    }
+
+    /// Copy `src` into the view at `off`.
+    pub fn write_at(&self, off: usize, src: &[u8]) -> Result<()> {
+        let p = self.as_view().at(off, src.len(), 1)?;
+        // SAFETY: in bounds of the mapped region; `src` cannot overlap it (as
+        // in `MrSlice::read_at`). No reference is formed over the
+        // destination. Writing a range that a posted send or the peer's RDMA
+        // Read is reading, or that is being written, garbles that transfer
+        // (a protocol bug, and a data race for the soft provider's engine
+        // thread); the callers write only ranges they own at the time.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len()) };
+        Ok(())
+    }
+
+    /// Copy `src`, exactly as long as the view, into it.
+    pub fn copy_from_slice(&self, src: &[u8]) -> Result<()> {
+        if src.len() != self.len {
+            return Err(Error::InvalidArgument(format!(
+                "source of {} bytes for a view of {}",
+                src.len(),
+                self.len
+            )));
+        }
+        self.write_at(0, src)
+    }
+
+    /// Fill `len` bytes at `off` with `byte`.
+    pub fn fill(&self, off: usize, len: usize, byte: u8) -> Result<()> {
+        let p = self.as_view().at(off, len, 1)?;
+        // SAFETY: as in `write_at`.
+        unsafe { std::ptr::write_bytes(p, byte, len) };
+        Ok(())
+    }
+
+    /// A `Release` fence, then a volatile little-endian u32 store at `off`
+    /// (4-byte aligned): for words that are polled, e.g. resetting a status
+    /// block to its sentinel before the request that completes there is
+    /// sent. The fence keeps earlier writes before it; the peer cannot write
+    /// the word before it has seen the request, which is posted after this.
+    pub fn store_u32(&self, off: usize, v: u32) -> Result<()> {
+        let p = self.as_view().at(off, 4, 4)?;
+        fence(Ordering::Release);
+        // SAFETY: in bounds and aligned; any u32 is valid.
+        unsafe { std::ptr::write_volatile(p as *mut u32, v.to_le()) };
+        Ok(())
+    }
+
+    /// As [`MrSliceMut::store_u32`] for an 8-byte aligned u64.
+    pub fn store_u64(&self, off: usize, v: u64) -> Result<()> {
+        let p = self.as_view().at(off, 8, 8)?;
+        fence(Ordering::Release);
+        // SAFETY: in bounds and aligned; any u64 is valid.
+        unsafe { std::ptr::write_volatile(p as *mut u64, v.to_le()) };
+        Ok(())
+    }
+
+    /// A shared slice over the view; see [`MrSlice::as_slice`].
+    ///
+    /// # Safety
+    /// As for [`MrSlice::as_slice`].
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+
+    /// An exclusive Rust slice over the view.
+    ///
+    /// # Safety
+    /// As for [`MrSlice::as_slice`], and in addition nothing may *read* the
+    /// range while the slice lives: no posted send or RDMA Write from it, no
+    /// key or window the peer holds covering it (RDMA Read), no other view
+    /// or thread using it (e.g. a send slot just taken from the free list
+    /// and not yet posted, or a buffer registered with local access only
+    /// that no posted work request names).
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
     }
 }
 
@@ -1216,5 +1485,89 @@ pub mod stag {
     /// The same index with the next key byte (what every re-bind issues).
     pub fn next_key(stag: u32) -> u32 {
         make(index(stag), key(stag).wrapping_add(1))
+    }
+}
+
+#[cfg(test)]
+mod view_tests {
+    use super::*;
+
+    struct NoKeys;
+    impl ops::MrOps for NoKeys {
+        fn lkey(&self) -> u32 {
+            1
+        }
+        fn rkey(&self) -> u32 {
+            2
+        }
+        fn deregister(&self) {}
+    }
+
+    /// A region over an owned buffer, with no provider behind it.
+    fn mr(len: usize) -> Mr {
+        let buf = Arc::new(RegBuf::new(len).expect("map"));
+        Mr {
+            ops: Arc::new(NoKeys),
+            addr: buf.as_ptr(),
+            len,
+            _owner: Some(buf),
+        }
+    }
+
+    #[test]
+    fn slice_bounds_are_errors() {
+        let m = mr(64);
+        assert!(m.slice(0, 64).is_ok());
+        assert!(m.slice(64, 0).is_ok());
+        assert!(m.slice(60, 4).is_ok());
+        assert!(m.slice(61, 4).is_err(), "past the end");
+        assert!(m.slice(65, 0).is_err(), "start past the end");
+        assert!(m.slice(usize::MAX, 2).is_err(), "off + len overflows");
+        assert!(m.slice(1, usize::MAX).is_err(), "off + len overflows");
+        assert!(m.slice_mut(usize::MAX, usize::MAX).is_err());
+        let v = m.slice(16, 16).expect("view");
+        assert!(v.slice(8, 8).is_ok());
+        assert!(v.slice(8, 9).is_err(), "sub-view past the view's end");
+        assert!(v.slice(usize::MAX, 1).is_err());
+        let mut b = [0u8; 17];
+        assert!(v.read_at(0, &mut b).is_err());
+        assert!(v.copy_to_slice(&mut b).is_err(), "length mismatch");
+        assert!(v.load_u64(12).is_err(), "word past the view's end");
+        assert!(v.load_u32(2).is_err(), "misaligned");
+        let w = m.slice_mut(16, 16).expect("view");
+        assert!(w.write_at(15, &[1, 2]).is_err());
+        assert!(w.fill(usize::MAX, 2, 0).is_err());
+        assert!(w.store_u64(16, 0).is_err());
+        assert!(w.copy_from_slice(&[0; 15]).is_err());
+        assert!(m.load_u64(60).is_err());
+        assert!(m.store_u32(usize::MAX - 1, 0).is_err());
+    }
+
+    #[test]
+    fn views_copy_and_stay_in_range() {
+        let m = mr(64);
+        let w = m.slice_mut(8, 16).expect("view");
+        w.fill(0, 16, 0xAA).expect("fill");
+        w.write_at(2, &[1, 2, 3]).expect("write");
+        w.store_u64(8, 0x0102_0304_0506_0708).expect("store");
+        let mut all = [0u8; 64];
+        m.read_at(0, &mut all).expect("read");
+        assert_eq!(&all[..8], &[0; 8], "nothing before the view written");
+        assert_eq!(&all[24..], &[0; 40], "nothing after the view written");
+        assert_eq!(&all[8..16], &[0xAA, 0xAA, 1, 2, 3, 0xAA, 0xAA, 0xAA]);
+        assert_eq!(&all[16..24], &0x0102_0304_0506_0708u64.to_le_bytes());
+        assert_eq!(m.load_u64(16).expect("load"), 0x0102_0304_0506_0708);
+        assert_eq!(w.load_u32(8).expect("load"), 0x0506_0708);
+        let v = w.as_view().slice(2, 3).expect("sub-view");
+        let mut three = [0u8; 3];
+        v.copy_to_slice(&mut three).expect("copy");
+        assert_eq!(three, [1, 2, 3]);
+        // SAFETY: the region is local to this test: no provider, no keys, no
+        // other view writes it while the slice lives.
+        assert_eq!(unsafe { v.as_slice() }, &[1, 2, 3]);
+        let mut w2 = m.slice_mut(0, 4).expect("view");
+        // SAFETY: as above; no other view of [0, 4) exists.
+        unsafe { w2.as_mut_slice() }.copy_from_slice(&[9, 9, 9, 9]);
+        assert_eq!(m.load_u32(0).expect("load"), 0x0909_0909);
     }
 }

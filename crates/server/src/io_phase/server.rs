@@ -748,12 +748,21 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
     let r = match &job.kind {
         JobKind::Read { buf, len } => {
             let len = (*len).min(buf.len());
-            // SAFETY: `buf` is a server read buffer registered with
-            // LOCAL_WRITE only — no remote key can reach it — and the
-            // connection thread does not touch it (no RDMA Write from it is
-            // posted) until this job's reply arrives. So this is the only
-            // view of the memory while it lives; the Arc keeps it allocated.
-            let slice = unsafe { &mut buf.as_mut_slice()[..len] };
+            let Ok(mut view) = buf.slice_mut(0, len) else {
+                return Err(STATUS_INVALID_PARAMETER);
+            };
+            // SAFETY: `buf` belongs to this op alone: a read buffer goes
+            // back to the spare pool only once its op is released, its RDMA
+            // Writes have completed and it is no longer at storage
+            // (`maybe_free_buf`), and `Arc::try_unwrap` proves this job's
+            // reference is gone by then. It is registered LOCAL_WRITE only,
+            // so no remote key reaches it and no receive is posted into it;
+            // the connection thread posts an RDMA Write from it only after
+            // this job's reply arrives (and did not do the I/O inline: an op
+            // goes either inline or to the pool). So this slice over
+            // [0, len) is the only access to those bytes while it lives; the
+            // Arc keeps the Mr, and its mapping, alive.
+            let slice = unsafe { view.as_mut_slice() };
             let mut ops =
                 [crate::fs::backend::IoOp::read(fd, job.offset, slice).aligned(job.align)];
             backend.submit_cancellable(&mut ops, &job.cancel).pop()
@@ -1413,16 +1422,20 @@ impl Conn {
                     return;
                 };
                 let at = slot * self.recv_slot;
-                if at + len > mr.len() {
+                let Ok(view) = mr.slice(at, len) else {
                     return;
-                }
+                };
                 if self.closing.is_none() {
-                    // SAFETY: this receive buffer is registered LOCAL_WRITE
-                    // only (no rkey of it exists) and its receive has
-                    // completed and is not reposted until after this view
-                    // is gone, so nothing — peer or provider — writes to
-                    // [at, at+len) while the slice lives; the Mr outlives it.
-                    let msg = unsafe { &mr.as_slice()[at..at + len] };
+                    // SAFETY: the slice covers this slot's received bytes
+                    // only, not the receive region: the other slots stay
+                    // posted and the provider may be placing into them right
+                    // now. This slot's receive has just completed (polled
+                    // here) and is re-posted only below, after the slice is
+                    // gone (`handle_recv` keeps nothing that borrows it); the
+                    // region is registered LOCAL_WRITE only, so no peer key
+                    // reaches it; so nothing writes [at, at+len) while the
+                    // slice lives, and the borrowed Mr keeps it mapped.
+                    let msg = unsafe { view.as_slice() };
                     let was_auth = self.sconn.is_authenticated();
                     let mut hooks = Hooks {
                         state: &self.state,
