@@ -26,7 +26,7 @@ mod sys;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -75,6 +75,12 @@ impl ProviderOps for VerbsProvider {
 }
 
 /// The last OS error as an [`Error`], with context.
+/// As [`os_err`] for an errno that rustix returned.
+fn rustix_err(what: &str, e: rustix::io::Errno) -> Error {
+    let e = std::io::Error::from(e);
+    Error::Io(std::io::Error::new(e.kind(), format!("{what}: {e}")))
+}
+
 fn os_err(what: &str) -> Error {
     let e = std::io::Error::last_os_error();
     Error::Io(std::io::Error::new(e.kind(), format!("{what}: {e}")))
@@ -518,7 +524,9 @@ pub(crate) struct MrInner {
 }
 
 // SAFETY: the ibv_mr pointer is guarded by the mutex and only passed to
-// thread-safe verbs; the described memory is accessed only by the NIC.
+// thread-safe verbs (ibv_dereg_mr, key reads). MrInner never touches the
+// described memory: the NIC does (DMA), and the application does through
+// `verbs::Mr`'s raw-pointer accessors, whose own SAFETY covers that.
 unsafe impl Send for MrInner {}
 // SAFETY: as above.
 unsafe impl Sync for MrInner {}
@@ -720,19 +728,16 @@ impl ChanInner {
         // SAFETY: ch is live; fd is a plain field owned by the channel.
         let chfd = unsafe { (*ch).fd };
         set_nonblocking(chfd)?;
-        // SAFETY: plain syscalls creating new fds we own from here on.
-        let (epfd, evfd) = unsafe {
-            let e = libc::epoll_create1(libc::EPOLL_CLOEXEC);
-            if e < 0 {
-                return Err(os_err("epoll_create1"));
-            }
-            let epfd = OwnedFd::from_raw_fd(e);
-            let v = libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC);
-            if v < 0 {
-                return Err(os_err("eventfd"));
-            }
-            (epfd, OwnedFd::from_raw_fd(v))
-        };
+        let epfd = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
+            .map_err(|e| rustix_err("epoll_create1", e))?;
+        let evfd = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+        )
+        .map_err(|e| rustix_err("eventfd", e))?;
+        // The channel's fd belongs to libibverbs (closed by
+        // ibv_destroy_comp_channel), so it is added with a raw epoll_ctl
+        // rather than borrowed as a `BorrowedFd`; the eventfd goes the same way.
         for fd in [chfd, evfd.as_raw_fd()] {
             let mut ev = libc::epoll_event {
                 events: libc::EPOLLIN as u32,
@@ -754,23 +759,15 @@ impl ChanInner {
 
     /// Wake waiters (a synthetic completion was queued).
     fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a local to our eventfd.
-        unsafe {
-            libc::write(
-                self.evfd.as_raw_fd(),
-                &one as *const u64 as *const c_void,
-                8,
-            )
-        };
+        // A full counter (EAGAIN) already means "readable".
+        let _ = rustix::io::write(&self.evfd, &1u64.to_ne_bytes());
     }
 
     /// Consume pending events without blocking; returns whether any.
     fn drain(&self) -> bool {
         let mut got = false;
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a local from our nonblocking eventfd.
-        if unsafe { libc::read(self.evfd.as_raw_fd(), &mut v as *mut u64 as *mut c_void, 8) } == 8 {
+        let mut v = [0u8; 8];
+        if matches!(rustix::io::read(&self.evfd, &mut v), Ok(8)) {
             got = true;
         }
         loop {

@@ -11,6 +11,8 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
+
+use rustix::event::epoll::EventFlags;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -192,7 +194,7 @@ pub(crate) fn listen(
     let l = TcpListener::bind(addr)?;
     l.set_nonblocking(true)?;
     let ep = sys::epoll_create()?;
-    sys::epoll_add(ep.as_raw_fd(), l.as_raw_fd(), libc::EPOLLIN as u32, 0)?;
+    sys::epoll_add(&ep, &l, EventFlags::IN, 0)?;
     Ok(Arc::new(SoftListener {
         l,
         ctx,
@@ -285,10 +287,10 @@ impl SoftListener {
                     s.set_nodelay(true)?;
                     if pend.len() >= MAX_PENDING {
                         let old = pend.remove(0);
-                        sys::epoll_del(self.ep.as_raw_fd(), old.s.as_raw_fd());
+                        sys::epoll_del(&self.ep, &old.s);
                         tracing::debug!(peer = %old.peer, "too many MPA handshakes pending: dropped");
                     }
-                    sys::epoll_add(self.ep.as_raw_fd(), s.as_raw_fd(), libc::EPOLLIN as u32, 1)?;
+                    sys::epoll_add(&self.ep, &s, EventFlags::IN, 1)?;
                     pend.push(Pending {
                         s,
                         peer,
@@ -303,23 +305,23 @@ impl SoftListener {
             }
         }
         let now = Instant::now();
-        let ep = self.ep.as_raw_fd();
+        let ep = &self.ep;
         let mut i = 0;
         while i < pend.len() {
             match pend[i].advance() {
                 Progressed::Frame => {
                     let p = pend.remove(i);
-                    sys::epoll_del(ep, p.s.as_raw_fd());
+                    sys::epoll_del(ep, &p.s);
                     return Ok((Some(p), None));
                 }
                 Progressed::Drop(why) => {
                     let p = pend.remove(i);
-                    sys::epoll_del(ep, p.s.as_raw_fd());
+                    sys::epoll_del(ep, &p.s);
                     tracing::debug!(peer = %p.peer, why, "MPA request dropped");
                 }
                 Progressed::Wait if now >= pend[i].deadline => {
                     let p = pend.remove(i);
-                    sys::epoll_del(ep, p.s.as_raw_fd());
+                    sys::epoll_del(ep, &p.s);
                     tracing::debug!(peer = %p.peer, "MPA request timed out");
                 }
                 Progressed::Wait => i += 1,
@@ -362,7 +364,7 @@ impl ListenerOps for SoftListener {
                     .as_millis()
                     .clamp(1, i32::MAX as u128) as i32
             });
-            sys::poll_in(self.ep.as_raw_fd(), ms)?;
+            sys::poll_in(&self.ep, ms)?;
         }
     }
 

@@ -11,7 +11,7 @@
 //! protocol work that polling will do.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use super::sys;
 use super::CtxShared;
 use crate::verbs::*;
+use rustix::event::epoll::EventFlags;
 
 const ARM_NONE: u8 = 0;
 const ARM_ALL: u8 = 1;
@@ -137,8 +138,8 @@ impl ChanShared {
         let efd = sys::eventfd()?;
         let epfd = if ctx.manual {
             let ep = sys::epoll_create()?;
-            sys::epoll_add(ep.as_raw_fd(), efd.as_raw_fd(), libc::EPOLLIN as u32, 0)?;
-            sys::epoll_add(ep.as_raw_fd(), ctx.epfd(), libc::EPOLLIN as u32, 1)?;
+            sys::epoll_add(&ep, &efd, EventFlags::IN, 0)?;
+            sys::epoll_add(&ep, ctx.epfd(), EventFlags::IN, 1)?;
             Some(ep)
         } else {
             None
@@ -152,12 +153,12 @@ impl ChanShared {
     }
 
     pub fn notify(&self) {
-        sys::eventfd_write(self.efd.as_raw_fd());
+        sys::eventfd_write(&self.efd);
     }
 
     /// Consume a pending event; true if there was one.
     fn consume(&self) -> bool {
-        sys::eventfd_read(self.efd.as_raw_fd())
+        sys::eventfd_read(&self.efd)
     }
 }
 
@@ -190,13 +191,11 @@ impl CompChannelOps for SoftChannel {
                     left.as_millis().clamp(1, i32::MAX as u128) as i32
                 }
             };
-            sys::poll_in(self.fd(), ms)?;
+            let fd = match &self.0.epfd {
+                Some(e) => e.as_fd(),
+                None => self.0.efd.as_fd(),
+            };
+            sys::poll_in(fd, ms)?;
         }
     }
-}
-
-/// Wrap a raw fd we created.
-pub(crate) fn owned(fd: RawFd) -> OwnedFd {
-    // SAFETY: callers pass a freshly created descriptor that nothing else owns.
-    unsafe { OwnedFd::from_raw_fd(fd) }
 }

@@ -101,7 +101,7 @@ pub mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -109,6 +109,7 @@ use crate::verbs::*;
 use cq::{ChanShared, CqShared, SoftChannel, SoftCq};
 use mem::{MemTable, SoftMw, SoftPd};
 use qp::{QpCore, QpParams, Shut, SockIo};
+use rustix::event::epoll::{Event, EventFlags};
 
 pub use qp::RxStats;
 
@@ -196,12 +197,7 @@ impl CtxShared {
     fn new(config: Config) -> Result<Arc<CtxShared>> {
         let ep = Arc::new(sys::epoll_create()?);
         let wake = Arc::new(sys::eventfd()?);
-        sys::epoll_add(
-            ep.as_raw_fd(),
-            wake.as_raw_fd(),
-            (libc::EPOLLIN | libc::EPOLLET) as u32,
-            WAKE_TOKEN,
-        )?;
+        sys::epoll_add(&*ep, &*wake, EventFlags::IN | EventFlags::ET, WAKE_TOKEN)?;
         let manual = config.progress == Progress::Manual;
         let sh = Arc::new(CtxShared {
             manual,
@@ -224,8 +220,8 @@ impl CtxShared {
         Ok(sh)
     }
 
-    pub fn epfd(&self) -> RawFd {
-        self.ep.as_raw_fd()
+    pub fn epfd(&self) -> BorrowedFd<'_> {
+        self.ep.as_fd()
     }
 
     /// Drive one QP; a panic is contained to it (the QP moves to error).
@@ -279,12 +275,12 @@ impl CtxShared {
         (n, more)
     }
 
-    fn handle(&self, evs: &[libc::epoll_event]) -> usize {
+    fn handle(&self, evs: &[Event]) -> usize {
         let mut n = 0;
         for ev in evs {
-            let token = ev.u64;
+            let token = ev.data.u64();
             if token == WAKE_TOKEN {
-                sys::eventfd_read(self.wake.as_raw_fd());
+                sys::eventfd_read(&*self.wake);
                 continue;
             }
             let qp = self
@@ -304,8 +300,8 @@ impl CtxShared {
     /// work left over from their budget).
     pub fn progress_once(&self, ms: i32) -> Result<usize> {
         let (mut n, more) = self.run_ready();
-        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
-        let k = sys::epoll_wait(self.ep.as_raw_fd(), &mut evs, if more { 0 } else { ms })?;
+        let mut evs = [sys::NO_EVENT; 64];
+        let k = sys::epoll_wait(&*self.ep, &mut evs, if more { 0 } else { ms })?;
         n += self.handle(&evs[..k]);
         Ok(n)
     }
@@ -315,15 +311,15 @@ impl CtxShared {
         // first message right after the MPA exchange), and epoll reports that
         // edge at once to the engine thread, which drops events of tokens it
         // cannot find — with EPOLLET nothing would ever report the data again.
-        let (fd, token) = (qp.fd.as_raw_fd(), qp.token);
+        let (token, keep) = (qp.token, qp.clone());
         self.qps
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(token, qp);
         let r = sys::epoll_add(
-            self.ep.as_raw_fd(),
-            fd,
-            (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+            &*self.ep,
+            &keep.fd,
+            EventFlags::IN | EventFlags::OUT | EventFlags::RDHUP | EventFlags::ET,
             token,
         );
         if let Err(e) = r {
@@ -342,11 +338,11 @@ impl CtxShared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(qp);
-        sys::eventfd_write(self.wake.as_raw_fd());
+        sys::eventfd_write(&*self.wake);
     }
 
     fn unregister(&self, qp: &QpShared) {
-        sys::epoll_del(self.ep.as_raw_fd(), qp.fd.as_raw_fd());
+        sys::epoll_del(&*self.ep, &qp.fd);
         self.qps
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -357,18 +353,18 @@ impl CtxShared {
 impl Drop for CtxShared {
     fn drop(&mut self) {
         // Tell the engine thread (if any) to look again: its upgrade fails.
-        sys::eventfd_write(self.wake.as_raw_fd());
+        sys::eventfd_write(&*self.wake);
     }
 }
 
 fn engine(weak: Weak<CtxShared>, ep: Arc<OwnedFd>, _wake: Arc<OwnedFd>) {
-    let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
+    let mut evs = [sys::NO_EVENT; 64];
     loop {
         let more = match weak.upgrade() {
             Some(ctx) => ctx.run_ready().1,
             None => return,
         };
-        let k = match sys::epoll_wait(ep.as_raw_fd(), &mut evs, if more { 0 } else { 1000 }) {
+        let k = match sys::epoll_wait(&*ep, &mut evs, if more { 0 } else { 1000 }) {
             Ok(k) => k,
             Err(e) => {
                 tracing::error!(error = %e, "soft engine: epoll_wait failed");

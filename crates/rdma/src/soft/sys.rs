@@ -1,89 +1,77 @@
 //! Thin wrappers over the few system calls the soft provider uses.
 
 use std::io;
-use std::os::fd::{OwnedFd, RawFd};
+use std::os::fd::{AsFd, OwnedFd, RawFd};
 
-use super::cq::owned;
+use rustix::event::epoll::{self, Event, EventData, EventFlags};
+use rustix::event::{EventfdFlags, PollFd, PollFlags, Timespec};
 
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
+// eventfd, epoll and poll go through rustix, whose wrappers are safe: they
+// take borrowed descriptors and Rust buffers. Raw libc calls remain below
+// only where a call must read or write registered memory that no Rust slice
+// may cover (`read_raw`, `writev_raw`), or has no rustix form here.
 
 pub fn eventfd() -> io::Result<OwnedFd> {
-    // SAFETY: plain system call without pointers.
-    let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
-    Ok(owned(fd))
+    Ok(rustix::event::eventfd(
+        0,
+        EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC,
+    )?)
 }
 
-pub fn eventfd_write(fd: RawFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live local; the fd is an eventfd we own.
+pub fn eventfd_write(fd: impl AsFd) {
     // A full counter (EAGAIN) already means "readable", so errors are ignored.
-    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
 }
 
 /// Drain an eventfd; true if it was signalled.
-pub fn eventfd_read(fd: RawFd) -> bool {
-    let mut v: u64 = 0;
-    // SAFETY: reads 8 bytes into a live local.
-    let r = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
-    r == 8 && v > 0
+pub fn eventfd_read(fd: impl AsFd) -> bool {
+    let mut v = [0u8; 8];
+    matches!(rustix::io::read(fd, &mut v), Ok(8)) && u64::from_ne_bytes(v) > 0
 }
 
 pub fn epoll_create() -> io::Result<OwnedFd> {
-    // SAFETY: plain system call.
-    let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
-    Ok(owned(fd))
+    Ok(epoll::create(epoll::CreateFlags::CLOEXEC)?)
 }
 
-pub fn epoll_add(ep: RawFd, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
-    let mut ev = libc::epoll_event { events, u64: token };
-    // SAFETY: `ev` is a live local read by the kernel during the call.
-    cvt(unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) })?;
-    Ok(())
+pub fn epoll_add(ep: impl AsFd, fd: impl AsFd, events: EventFlags, token: u64) -> io::Result<()> {
+    Ok(epoll::add(ep, fd, EventData::new_u64(token), events)?)
 }
 
-pub fn epoll_del(ep: RawFd, fd: RawFd) {
-    let mut ev = libc::epoll_event { events: 0, u64: 0 };
-    // SAFETY: as in `epoll_add`.
-    unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_DEL, fd, &mut ev) };
+pub fn epoll_del(ep: impl AsFd, fd: impl AsFd) {
+    let _ = epoll::delete(ep, fd);
+}
+
+/// An empty event slot for `epoll_wait`'s output.
+pub const NO_EVENT: Event = Event {
+    flags: EventFlags::empty(),
+    data: EventData::new_u64(0),
+};
+
+/// A poll(2)/epoll_wait(2) timeout in milliseconds (negative: none).
+fn timeout(ms: i32) -> Option<Timespec> {
+    (ms >= 0).then(|| Timespec {
+        tv_sec: (ms / 1000).into(),
+        tv_nsec: ((ms % 1000) * 1_000_000).into(),
+    })
 }
 
 /// Wait for events; returns the tokens (and flags) in `out`.
-pub fn epoll_wait(ep: RawFd, out: &mut [libc::epoll_event], ms: i32) -> io::Result<usize> {
-    // SAFETY: the kernel writes at most `out.len()` events into `out`.
-    let r = unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), out.len() as i32, ms) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::Interrupted {
-            return Ok(0);
-        }
-        return Err(e);
+pub fn epoll_wait(ep: impl AsFd, out: &mut [Event], ms: i32) -> io::Result<usize> {
+    match epoll::wait(ep, out, timeout(ms).as_ref()) {
+        Ok(n) => Ok(n),
+        Err(rustix::io::Errno::INTR) => Ok(0),
+        Err(e) => Err(e.into()),
     }
-    Ok(r as usize)
 }
 
 /// poll(2) one fd for input; true if readable.
-pub fn poll_in(fd: RawFd, ms: i32) -> io::Result<bool> {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one live pollfd.
-    let r = unsafe { libc::poll(&mut p, 1, ms) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::Interrupted {
-            return Ok(false);
-        }
-        return Err(e);
+pub fn poll_in(fd: impl AsFd, ms: i32) -> io::Result<bool> {
+    let mut p = [PollFd::new(&fd, PollFlags::IN)];
+    match rustix::event::poll(&mut p, timeout(ms).as_ref()) {
+        Ok(n) => Ok(n > 0),
+        Err(rustix::io::Errno::INTR) => Ok(false),
+        Err(e) => Err(e.into()),
     }
-    Ok(r > 0)
 }
 
 /// read(2) into raw memory.

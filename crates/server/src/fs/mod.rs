@@ -35,7 +35,7 @@ pub mod table;
 use std::collections::BTreeMap;
 use std::ffi::{CStr, CString};
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
@@ -130,7 +130,7 @@ pub fn openat2_available() -> bool {
     *PROBE.get_or_init(|| {
         let root = c"/";
         match sys_openat2(
-            libc::AT_FDCWD,
+            rustix::fs::CWD,
             root,
             libc::O_PATH | libc::O_CLOEXEC,
             0,
@@ -155,41 +155,27 @@ fn errno() -> i32 {
 }
 
 fn sys_openat2(
-    dirfd: RawFd,
+    dirfd: BorrowedFd<'_>,
     path: &CStr,
     flags: i32,
     mode: u32,
     resolve: u64,
 ) -> std::result::Result<OwnedFd, i32> {
-    // SAFETY: open_how is a plain C struct of integers; all-zero is valid.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = flags as u32 as u64;
-    how.mode = if flags & (libc::O_CREAT | libc::O_TMPFILE) != 0 {
-        u64::from(mode & 0o7777)
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    // The kernel refuses a mode without O_CREAT/O_TMPFILE.
+    let mode = if flags & (libc::O_CREAT | libc::O_TMPFILE) != 0 {
+        Mode::from_raw_mode(mode & 0o7777)
     } else {
-        0
+        Mode::empty()
     };
-    how.resolve = resolve;
+    let oflags = OFlags::from_bits_retain(flags as u32);
+    let resolve = ResolveFlags::from_bits_retain(resolve);
     for _ in 0..16 {
-        // SAFETY: `path` is a valid NUL-terminated string and `how` a valid
-        // open_how whose size we pass; the kernel only reads both.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_openat2,
-                dirfd,
-                path.as_ptr(),
-                &how as *const libc::open_how,
-                std::mem::size_of::<libc::open_how>(),
-            )
-        };
-        if r >= 0 {
-            // SAFETY: the syscall returned a new fd that nobody else owns.
-            return Ok(unsafe { OwnedFd::from_raw_fd(r as RawFd) });
-        }
-        match errno() {
+        match rustix::fs::openat2(dirfd, path, oflags, mode, resolve) {
+            Ok(fd) => return Ok(fd),
             // EAGAIN: a concurrent rename/mount raced RESOLVE_BENEATH; retry.
-            libc::EINTR | libc::EAGAIN => continue,
-            e => return Err(e),
+            Err(e) if e == rustix::io::Errno::INTR || e == rustix::io::Errno::AGAIN => continue,
+            Err(e) => return Err(e.raw_os_error()),
         }
     }
     Err(libc::EAGAIN)
@@ -649,7 +635,7 @@ impl Export {
             };
             let c = cstr(&path)?;
             return sys_openat2(
-                self.root_fd.as_raw_fd(),
+                self.root_fd.as_fd(),
                 &c,
                 flags,
                 mode,
@@ -847,13 +833,12 @@ impl Export {
         let st = fstatat_nofollow(dir.as_raw_fd(), &name)
             .map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
         let flag = if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
-            libc::AT_REMOVEDIR
+            rustix::fs::AtFlags::REMOVEDIR
         } else {
-            0
+            rustix::fs::AtFlags::empty()
         };
-        // SAFETY: valid dirfd and NUL-terminated name.
-        if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flag) } != 0 {
-            return Err(Error::from_errno(errno(), self.describe(&comps)));
+        if let Err(e) = rustix::fs::unlinkat(&dir, name.as_c_str(), flag) {
+            return Err(Error::from_errno(e.raw_os_error(), self.describe(&comps)));
         }
         Ok(())
     }
@@ -1135,15 +1120,14 @@ impl Export {
     pub fn remove_kind(&self, path: &str, kind: RemoveKind) -> Result<()> {
         let flag = match kind {
             RemoveKind::Any => return self.remove(path),
-            RemoveKind::NotDir => 0,
-            RemoveKind::Dir => libc::AT_REMOVEDIR,
+            RemoveKind::NotDir => rustix::fs::AtFlags::empty(),
+            RemoveKind::Dir => rustix::fs::AtFlags::REMOVEDIR,
         };
         self.check_writable()?;
         let comps = split_rel_path(path)?;
         let (dir, name) = self.resolve_parent(&comps)?;
-        // SAFETY: valid dirfd and NUL-terminated name.
-        if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flag) } != 0 {
-            return Err(Error::from_errno(errno(), self.describe(&comps)));
+        if let Err(e) = rustix::fs::unlinkat(&dir, name.as_c_str(), flag) {
+            return Err(Error::from_errno(e.raw_os_error(), self.describe(&comps)));
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ pub mod server;
 pub mod testkit;
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::Duration;
 
 use lwio_proto::status::*;
@@ -44,30 +44,24 @@ pub struct Waker(OwnedFd);
 
 impl Waker {
     pub fn new() -> io::Result<Waker> {
-        // SAFETY: plain system call; the returned descriptor is checked and
-        // then owned exclusively by the OwnedFd.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor nobody else owns.
-        Ok(Waker(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let fd = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+        )?;
+        Ok(Waker(fd))
     }
 
     /// Make the fd readable.
     pub fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our own eventfd. A full
-        // counter (EAGAIN) already means "readable", so the result is moot.
-        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        // A full counter (EAGAIN) already means "readable", so the result is
+        // moot.
+        let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
     }
 
     /// Consume pending wake-ups; true if there were any.
     pub fn drain(&self) -> bool {
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64 from our own non-blocking eventfd.
-        let r = unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-        r == 8
+        let mut v = [0u8; 8];
+        matches!(rustix::io::read(&self.0, &mut v), Ok(8))
     }
 
     pub fn fd(&self) -> RawFd {
