@@ -311,10 +311,16 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
             .unwrap();
         let mut wc = [Wc::BLANK; 8];
         let t = Instant::now();
-        // Wait for the READ request and parse it as a server would.
-        let (va, mh, len) = loop {
+        // Wait for the READ request and parse it as a server would. The
+        // client's "go" (AfterInvalidate) can arrive in the same poll batch
+        // as the request: remember it, or it is lost with the batch.
+        let (va, mh, len, go_seen) = loop {
             assert!(t.elapsed() < T, "no request from the client");
             let n = cq.poll(&mut wc).unwrap();
+            let recvs = wc[..n]
+                .iter()
+                .filter(|w| w.opcode == WcOpcode::Recv)
+                .count();
             if let Some(w) = wc[..n].iter().find(|w| w.opcode == WcOpcode::Recv) {
                 assert!(w.is_ok());
                 let mut b = vec![0u8; w.byte_len as usize];
@@ -326,7 +332,7 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
                         data_mh,
                         length,
                         ..
-                    } => break (data_va, data_mh, length as u64),
+                    } => break (data_va, data_mh, length as u64, recvs > 1),
                     other => panic!("unexpected {other:?}"),
                 }
             }
@@ -364,13 +370,14 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
             Attack::AfterInvalidate => {
                 // The client invalidates, then tells us (a second send).
                 let t = Instant::now();
-                loop {
+                let mut go = go_seen;
+                while !go {
                     assert!(t.elapsed() < T, "no go from the client");
                     let n = cq.poll(&mut wc).unwrap();
-                    if wc[..n].iter().any(|w| w.opcode == WcOpcode::Recv) {
-                        break;
+                    go = wc[..n].iter().any(|w| w.opcode == WcOpcode::Recv);
+                    if !go {
+                        std::thread::sleep(Duration::from_millis(1));
                     }
-                    std::thread::sleep(Duration::from_millis(1));
                 }
                 write(2, PAGE, len as u32, va);
             }
