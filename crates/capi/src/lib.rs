@@ -494,6 +494,11 @@ pub unsafe extern "C" fn lwio_pread(fd: c_int, buf: *mut c_void, len: usize, off
         // SAFETY: the caller lends `len` writable bytes at `buf` for the
         // call (pread's contract) and does not touch them meanwhile;
         // `read_at` keeps every remote window over them inside the call.
+        // The peer writes them during the call behind this `&mut`: through a
+        // pointer derived from it for a per-call registration, but through
+        // the buffer's own pointer when `buf` lies in an `lwio_buf_alloc`
+        // buffer, which the aliasing model does not excuse (see
+        // `File::read_impl` in lwio-client).
         let b = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len) };
         match f.file.read_at(b, offset) {
             Ok(n) => n as i64,

@@ -728,7 +728,9 @@ enum ReadInto<'a> {
 /// [`Client::register_buffer`]). It dereferences to `[u8]`; reads into it
 /// (or into any sub-slice of it) of at least 1 KiB (`BOUNCE_THRESHOLD`) land
 /// in it directly, with no per-call registration and no copy. Dropping it releases the
-/// registration.
+/// registration. [`File::read_registered`] reads into a range of it without
+/// a `&mut [u8]` over the bytes the peer writes (see its SAFETY note; a
+/// `read_at` into a slice of it works too but keeps such a reference).
 pub struct RegisteredBuf {
     mem: Arc<lwio_rdma::RegBuf>,
     len: usize,
@@ -847,6 +849,64 @@ impl File {
         self.read_impl(buf, offset, false, None)
     }
 
+    /// Read `range` of a registered buffer at `offset`, as
+    /// `read_at(&mut buf[range], offset)` does (directly into the buffer
+    /// from 1 KiB up, through its cached registration), but without a
+    /// `&mut [u8]` over the bytes while the peer writes them: the pointer
+    /// comes from the buffer's own memory, as its registration's does.
+    /// Returns the bytes read (short only at end of file; 0 at or past it).
+    pub fn read_registered(
+        &self,
+        buf: &mut RegisteredBuf,
+        range: std::ops::Range<usize>,
+        offset: u64,
+    ) -> Result<usize> {
+        let len = range.end.checked_sub(range.start).ok_or_else(|| {
+            Error::InvalidArgument(format!("range {range:?} ends before it starts"))
+        })?;
+        if range.end > buf.len {
+            return Err(Error::InvalidArgument(format!(
+                "range {range:?} outside a buffer of {} bytes",
+                buf.len
+            )));
+        }
+        if len == 0 {
+            return Ok(0);
+        }
+        offset
+            .checked_add(len as u64)
+            .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
+        let e = self.engine();
+        if len >= engine::BOUNCE_THRESHOLD {
+            // In bounds (checked above), so no wrap.
+            let ptr = buf.mem.as_ptr().wrapping_add(range.start);
+            // SAFETY: `buf` is exclusively borrowed for the whole call, so no
+            // Rust reference to its memory exists meanwhile (the buffer hands
+            // them out only through `&self`/`&mut self`), and none is formed
+            // here: `ptr` comes from the `RegBuf`'s own pointer, like the
+            // cached registration the peer writes through, so the peer's
+            // writes alias no live reference. Every window over the range is
+            // one-shot and `fence_group` returns only once all are
+            // invalidated and completed (or the QP is in error); the cache
+            // entry keeps the memory alive.
+            match unsafe { e.user_dst(ptr, len, false) } {
+                Ok(None) => {}
+                Ok(Some(dst)) => {
+                    let r = self.read_chunks(len, offset, false, ReadInto::User(&dst), None);
+                    e.fence_group(dst.group());
+                    drop(dst);
+                    return r;
+                }
+                Err(err) => {
+                    debug!(error = %err, len, "cannot register the buffer; staging");
+                }
+            }
+        }
+        // Staged: no window covers the buffer, so a slice of it is fine.
+        let slice = &mut buf[range];
+        self.read_chunks(len, offset, false, ReadInto::Staged(slice), None)
+    }
+
     /// [`File::read_at`] whose requests are recorded in `call`, so that
     /// [`File::cancel_call`] cancels them (and only them).
     pub(crate) fn read_at_in(
@@ -897,9 +957,9 @@ impl File {
             // there the writes are foreign writes under `buf`'s function-
             // argument protector: undefined behaviour in both models, even
             // though no code reads or writes through `buf` meanwhile and the
-            // compiler cannot see the writer. Removing it needs a read entry
-            // point that takes the `RegisteredBuf` range instead of a
-            // `&mut [u8]` (left open, issue 11).
+            // compiler cannot see the writer. `File::read_registered` takes
+            // the `RegisteredBuf` and a range instead and has no such
+            // reference; this path keeps working for slices of one.
             match unsafe { e.user_dst(ptr, len, per_call) } {
                 Ok(None) => {}
                 Ok(Some(dst)) => {

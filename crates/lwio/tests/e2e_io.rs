@@ -611,6 +611,25 @@ fn registered_suite(completion: Completion) {
     assert_eq!(st1.reg_cache_hits, st0.reg_cache_hits + 6, "{st1:?}");
     assert_eq!(st1.call_registrations, 1, "{st1:?}");
     assert_eq!(st1.reg_cache_misses, 2, "{st1:?}");
+    // The same without a `&mut [u8]` over the bytes: a cache hit, byte-exact,
+    // nothing outside the range touched; bad ranges are errors.
+    b[999] = 0x5A;
+    b[201_000] = 0x5A;
+    assert_eq!(
+        f.read_registered(&mut b, 1000..201_000, 17).unwrap(),
+        200_000
+    );
+    assert_eq!(&b[1000..201_000], &data[17..200_017]);
+    assert_eq!((b[999], b[201_000]), (0x5A, 0x5A));
+    assert_eq!(c.stats().reg_cache_hits, st1.reg_cache_hits + 1);
+    assert!(f.read_registered(&mut b, 0..300_001, 0).is_err());
+    #[allow(clippy::reversed_empty_ranges)]
+    let backwards = 10..5;
+    assert!(f.read_registered(&mut b, backwards, 0).is_err());
+    assert_eq!(f.read_registered(&mut b, 7..7, 0).unwrap(), 0);
+    // Small: staged into the range.
+    assert_eq!(f.read_registered(&mut b, 5..105, 9).unwrap(), 100);
+    assert_eq!(&b[5..105], &data[9..109]);
 
     // A third buffer with a 2-entry bound evicts the least recently used
     // registration (a); a's next read registers it again.
