@@ -831,15 +831,7 @@ impl Engine {
             // An eventfd counter: +1. Non-blocking; a full counter (2^64-2
             // unread completions) cannot happen in practice, and EAGAIN
             // would only mean it is readable already.
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: writing 8 bytes from a local array to an fd we own.
-            let _ = unsafe {
-                libc::write(
-                    std::os::fd::AsRawFd::as_raw_fd(&**fd),
-                    one.as_ptr().cast(),
-                    one.len(),
-                )
-            };
+            let _ = rustix::io::write(&**fd, &1u64.to_ne_bytes());
         }
     }
 

@@ -222,8 +222,9 @@ fn issue(a: &'static Aio, j: Job) -> Result<(), Job> {
         let pos = off + at as u64;
         let r = if write {
             // SAFETY: the program lent `aio_nbytes` readable bytes at
-            // `aio_buf` until aio_return; the engine copies them into its
-            // send slot before this returns.
+            // `aio_buf` until aio_return; `issue_write` only reads them,
+            // copying them into a free send slot or, with none free, into
+            // its queue of outgoing messages, before it returns.
             let data = unsafe { std::slice::from_raw_parts((j.buf as *const u8).add(at), n) };
             e.issue_write(fid, pos, data).map(|req| (req, None))
         } else {

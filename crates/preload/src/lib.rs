@@ -177,7 +177,11 @@ pub(crate) fn pread_full(o: &Open, buf: *mut u8, n: usize, off: u64) -> Result<u
         return Err(Fail::Errno(libc::EFAULT));
     }
     // SAFETY: the program passed `buf` for `n` writable bytes, as read(2)
-    // requires; it is its memory, not registered memory of a peer.
+    // requires, and we rely on it not using them until the call returns (a
+    // program that does races with read(2) itself). The peer may write them
+    // during `read_at`, through a one-shot window of a per-call
+    // registration made from a pointer derived from this slice; `read_at`
+    // fences every such window before it returns (see `File::read_impl`).
     let b = unsafe { std::slice::from_raw_parts_mut(buf, n) };
     // All of it, in pipelined requests; short only at the end of the file
     // (so no second call: it would only ask past the end).
@@ -195,7 +199,10 @@ pub(crate) fn pwrite_full(o: &Open, buf: *const u8, n: usize, off: u64) -> Resul
     if buf.is_null() {
         return Err(Fail::Errno(libc::EFAULT));
     }
-    // SAFETY: the program passed `buf` for `n` readable bytes.
+    // SAFETY: the program passed `buf` for `n` readable bytes, as write(2)
+    // requires, and we rely on it not writing them until the call returns
+    // (as for `pread_full`). `write_at` only reads them (copying them into
+    // send slots or staging); no peer key ever covers them.
     let b = unsafe { std::slice::from_raw_parts(buf, n) };
     // All of it, in pipelined requests, or an error.
     let done = o.file.write_at(b, off).map_err(|e| fail_of(&e))?;

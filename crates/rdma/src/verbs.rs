@@ -550,8 +550,12 @@ pub mod ops {
     // SAFETY: MemRegion is a description of memory that the registrant
     // guarantees stays valid (owned buffer kept alive by `owner`, or the caller's
     // contract of `Pd::register_raw`). Accesses through it are raw-pointer copies
-    // performed by the provider, synchronised with the consumer through
-    // completions, never through Rust references.
+    // performed by the provider, never Rust references. The consumer learns
+    // that bytes are placed from a completion (the soft CQ's mutex, or the
+    // verbs library's barriers in poll_cq, order the placement before it)
+    // or, for a polled status block, from a volatile load, which
+    // synchronises nothing in the Rust memory model (see
+    // `MrSlice::load_u32` for what that leaves to the hardware).
     unsafe impl Send for MemRegion {}
     unsafe impl Sync for MemRegion {}
 
@@ -821,8 +825,10 @@ pub struct RegBuf {
     map_len: usize,
 }
 
-// SAFETY: RegBuf exclusively owns its mapping; it is plain bytes with no
-// thread affinity.
+// SAFETY: RegBuf exclusively owns its mapping and never reads or writes the
+// bytes itself: it only hands out a raw pointer, and whoever dereferences that
+// pointer (a provider, `Mr`'s accessors, `RegisteredBuf`) answers for the
+// synchronisation of its accesses. Nothing in it is tied to a thread.
 unsafe impl Send for RegBuf {}
 unsafe impl Sync for RegBuf {}
 
