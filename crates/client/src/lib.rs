@@ -889,17 +889,9 @@ impl File {
             // one-shot and `fence_group` returns only once all are
             // invalidated and completed (or the QP is in error); the cache
             // entry keeps the memory alive.
-            match unsafe { e.user_dst(ptr, len, false) } {
-                Ok(None) => {}
-                Ok(Some(dst)) => {
-                    let r = self.read_chunks(len, offset, false, ReadInto::User(&dst), None);
-                    e.fence_group(dst.group());
-                    drop(dst);
-                    return r;
-                }
-                Err(err) => {
-                    debug!(error = %err, len, "cannot register the buffer; staging");
-                }
+            let dst = unsafe { e.user_dst(ptr, len, false) };
+            if let Some(r) = self.read_direct(dst, len, offset, false, None) {
+                return r;
             }
         }
         // Staged: no window covers the buffer, so a slice of it is fine.
@@ -960,21 +952,39 @@ impl File {
             // compiler cannot see the writer. `File::read_registered` takes
             // the `RegisteredBuf` and a range instead and has no such
             // reference; this path keeps working for slices of one.
-            match unsafe { e.user_dst(ptr, len, per_call) } {
-                Ok(None) => {}
-                Ok(Some(dst)) => {
-                    let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst), call);
-                    e.fence_group(dst.group());
-                    drop(dst);
-                    return r;
-                }
-                Err(err) => {
-                    debug!(error = %err, len, "cannot register the caller's buffer; staging");
-                }
+            let dst = unsafe { e.user_dst(ptr, len, per_call) };
+            if let Some(r) = self.read_direct(dst, len, offset, vectored, call) {
+                return r;
             }
         }
         let len = buf.len();
         self.read_chunks(len, offset, vectored, ReadInto::Staged(buf), call)
+    }
+
+    /// Read `len` bytes at `offset` straight into the caller memory that
+    /// `Engine::user_dst` returned, fenced before this returns; `None` when
+    /// it returned none (or failed): the caller stages instead.
+    fn read_direct(
+        &self,
+        dst: Result<Option<engine::UserDst>>,
+        len: usize,
+        offset: u64,
+        vectored: bool,
+        call: Option<&asynch::CallRequests>,
+    ) -> Option<Result<usize>> {
+        match dst {
+            Ok(None) => None,
+            Ok(Some(dst)) => {
+                let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst), call);
+                self.engine().fence_group(dst.group());
+                drop(dst);
+                Some(r)
+            }
+            Err(err) => {
+                debug!(error = %err, len, "cannot register the caller's buffer; staging");
+                None
+            }
+        }
     }
 
     fn read_chunks(
