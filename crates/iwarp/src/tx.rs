@@ -6,6 +6,15 @@
 //! to send from the caller's memory, and a trailer (pad + CRC) computed
 //! over the scattered pieces, so the caller can `writev(header, payload
 //! pieces..., trailer)` without copying payload.
+//!
+//! Engines that keep their own segmentation and frame queue (the soft
+//! provider sizes every segment by one fixed MULPDU and interleaves Read
+//! Responses with its send queue one segment at a time) build the same
+//! bytes from the parts: [`TxState::start_message`] for MSNs,
+//! [`emit_fpdu_header`] for ULPDU_Length + header (+ Terminate body) in
+//! their own header array, and [`Trailer::with_crc`] /
+//! [`Trailer::without_crc`] for pad and CRC. [`Segmenter`] is built on
+//! the same functions.
 
 use crate::wire::ddp::{self, Kind};
 use crate::wire::mpa::{self, CRC_LEN, MAX_ULPDU, MPA_HDR_LEN};
@@ -13,7 +22,7 @@ use crate::wire::rdmap::{
     Opcode, ReadRequest, TerminatePacket, TerminateRepr, QN_READ_REQUEST, QN_SEND, QN_TERMINATE,
     TERMINATE_HDR_LEN, TERMINATE_MAX_COPIED,
 };
-use crate::wire::segment::{SegmentHeader, MAX_HDR_LEN};
+use crate::wire::segment::SegmentHeader;
 
 /// Largest header area of a [`TxSegment`]: ULPDU_Length + untagged header +
 /// the larger of a Read Request and a Terminate body.
@@ -118,6 +127,14 @@ impl TxState {
     /// MSN the next message on `qn` will carry.
     pub fn next_msn(&self, qn: u32) -> Option<u32> {
         self.next_msn.get(qn as usize).copied()
+    }
+
+    /// Consume the MSN of a new message on untagged queue `qn` (Send,
+    /// Read Request or Terminate queue) and return it; `None` (and nothing
+    /// consumed) for any other queue number. For engines that segment
+    /// themselves; [`TxState::segment`] does this for its messages.
+    pub fn start_message(&mut self, qn: u32) -> Option<u32> {
+        ((qn as usize) < self.next_msn.len()).then(|| self.take_msn(qn))
     }
 
     fn take_msn(&mut self, qn: u32) -> u32 {
@@ -251,19 +268,11 @@ impl Iterator for Segmenter {
             },
         };
         let mut hdr = [0u8; MAX_TX_HDR];
-        let hl = h
-            .emit(&mut hdr[MPA_HDR_LEN..MPA_HDR_LEN + MAX_HDR_LEN])
-            .unwrap_or(0);
-        let mut hdr_len = MPA_HDR_LEN + hl;
-        if let Some(t) = &self.body {
-            let bl = t.buffer_len();
-            t.emit(&mut TerminatePacket::new_unchecked(
-                &mut hdr[hdr_len..hdr_len + bl],
-            ));
-            hdr_len += bl;
-        }
+        // Sized by `segment()`: a header of at most MAX_TX_HDR bytes and a
+        // ULPDU of at most MAX_ULPDU, so this emits.
+        let hdr_len =
+            emit_fpdu_header(&h, self.body.as_ref(), len as usize, &mut hdr).unwrap_or(MPA_HDR_LEN);
         let ulpdu = (hdr_len - MPA_HDR_LEN) as u32 + len;
-        hdr[..2].copy_from_slice(&(ulpdu as u16).to_be_bytes());
         let seg = TxSegment {
             hdr,
             hdr_len: hdr_len as u8,
@@ -319,15 +328,11 @@ impl TxSegment {
     /// Pad + CRC field, ready to send. With `crc` false the CRC is zero and
     /// `payload` is not read.
     pub fn trailer(&self, crc: bool, payload: &[&[u8]]) -> Trailer {
-        let mut b = [0u8; 7];
-        let p = self.pad as usize;
+        let mut t = Trailer::from_pad(self.pad as usize);
         if crc {
-            b[p..p + CRC_LEN].copy_from_slice(&self.crc(payload).to_le_bytes());
+            t.set_crc(self.crc(payload));
         }
-        Trailer {
-            bytes: b,
-            len: (p + CRC_LEN) as u8,
-        }
+        t
     }
 
     /// Whole FPDU in one buffer (`payload` is this segment's payload).
@@ -340,11 +345,75 @@ impl TxSegment {
     }
 }
 
+/// Emit the header area of one FPDU into the start of `buf`:
+/// ULPDU_Length, the DDP/RDMAP header `h` and, for a Terminate, its
+/// `body`, for a segment that carries `payload_len` payload bytes after
+/// it. Returns the header area's length (the bytes that precede the
+/// payload on the wire; the ULPDU is that minus [`MPA_HDR_LEN`] plus
+/// `payload_len`). `None`, with `buf` unspecified, if `buf` is too short,
+/// `h` does not emit (see [`SegmentHeader::emit`]) or the ULPDU would not
+/// fit ULPDU_Length. Writes only the header area: `buf` may be a reused
+/// fixed array.
+pub fn emit_fpdu_header(
+    h: &SegmentHeader,
+    body: Option<&TerminateRepr>,
+    payload_len: usize,
+    buf: &mut [u8],
+) -> Option<usize> {
+    let mut at = MPA_HDR_LEN + h.emit(buf.get_mut(MPA_HDR_LEN..)?)?;
+    if let Some(t) = body {
+        let bl = t.buffer_len();
+        t.emit(&mut TerminatePacket::new_unchecked(
+            buf.get_mut(at..at + bl)?,
+        ));
+        at += bl;
+    }
+    let ulpdu = u16::try_from(at - MPA_HDR_LEN + payload_len).ok()?;
+    buf[..MPA_HDR_LEN].copy_from_slice(&ulpdu.to_be_bytes());
+    Some(at)
+}
+
 /// Pad and CRC bytes of an FPDU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Trailer {
     bytes: [u8; 7],
     len: u8,
+}
+
+impl Trailer {
+    fn from_pad(pad: usize) -> Trailer {
+        Trailer {
+            bytes: [0; 7],
+            len: (pad + CRC_LEN) as u8,
+        }
+    }
+
+    fn set_crc(&mut self, crc: u32) {
+        let p = self.len as usize - CRC_LEN;
+        self.bytes[p..p + CRC_LEN].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    /// Trailer of an FPDU whose ULPDU is `ulpdu_len` bytes, CRC off: the
+    /// pad and a zero CRC field (siw always sends the field).
+    pub fn without_crc(ulpdu_len: usize) -> Trailer {
+        Trailer::from_pad(mpa::pad_len(ulpdu_len))
+    }
+
+    /// Trailer of an FPDU whose ULPDU is `ulpdu_len` bytes, CRC on: the
+    /// pad and the CRC32c over `fpdu`, the FPDU's bytes before the pad in
+    /// order (header area and payload, as any number of pieces), then
+    /// the pad.
+    pub fn with_crc(ulpdu_len: usize, fpdu: &[&[u8]]) -> Trailer {
+        let mut t = Trailer::without_crc(ulpdu_len);
+        let c = crc_of(fpdu);
+        t.set_crc(crc32c::crc32c_append(c, t.pad()));
+        t
+    }
+
+    /// The pad bytes (zero; 0 to 3 of them).
+    pub fn pad(&self) -> &[u8] {
+        &self.bytes[..self.len as usize - CRC_LEN]
+    }
 }
 
 impl AsRef<[u8]> for Trailer {
@@ -450,6 +519,90 @@ mod tests {
                 .unwrap_err(),
             TxError::FpduTooSmall
         );
+    }
+
+    #[test]
+    fn parts_build_the_segmenter_bytes() {
+        // The soft provider's way: its own array, MSNs and trailers.
+        let c = TxConfig::from_emss(1460, true);
+        let mut tx = TxState::new();
+        let mut own = TxState::new();
+        let payload: Vec<u8> = (0..3001u32).map(|i| i as u8).collect();
+        let msg = OutboundMessage::Send {
+            solicited: true,
+            invalidate: Some(0x1234),
+        };
+        let mut buf = [0xeeu8; 96];
+        let msn = own.start_message(QN_SEND).unwrap();
+        for s in tx.segment(&c, &msg, payload.len() as u32).unwrap() {
+            let off = s.payload_offset as usize;
+            let p = &payload[off..off + s.payload_len as usize];
+            let h = SegmentHeader {
+                opcode: Opcode::SendSeInvalidate,
+                last: s.last,
+                ddp: Kind::Untagged {
+                    rsvd_ulp: 0x1234,
+                    qn: QN_SEND,
+                    msn,
+                    mo: off as u32,
+                },
+                read_request: None,
+            };
+            let n = emit_fpdu_header(&h, None, p.len(), &mut buf).unwrap();
+            assert_eq!(&buf[..n], s.header());
+            let ulpdu = n - MPA_HDR_LEN + p.len();
+            // CRC over pieces split anywhere.
+            let (p1, p2) = p.split_at(p.len() / 3);
+            let t = Trailer::with_crc(ulpdu, &[&buf[..5], &buf[5..n], p1, p2]);
+            assert_eq!(t, s.trailer(true, &[p]));
+            assert_eq!(t.pad().len(), s.pad as usize);
+            assert_eq!(Trailer::without_crc(ulpdu), s.trailer(false, &[]));
+        }
+        assert_eq!(own.next_msn(QN_SEND), tx.next_msn(QN_SEND));
+        assert_eq!(own.start_message(3), None);
+        assert_eq!(own.next_msn(QN_READ_REQUEST), Some(1));
+    }
+
+    #[test]
+    fn fpdu_header_terminate_and_limits() {
+        let t = TerminateRepr::new(TermKind::MpaCrc.into());
+        let h = SegmentHeader {
+            opcode: Opcode::Terminate,
+            last: true,
+            ddp: Kind::Untagged {
+                rsvd_ulp: 0,
+                qn: QN_TERMINATE,
+                msn: 1,
+                mo: 0,
+            },
+            read_request: None,
+        };
+        let mut b = [0u8; MAX_TX_HDR];
+        let n = emit_fpdu_header(&h, Some(&t), 0, &mut b).unwrap();
+        let mut tx = TxState::new();
+        let seg = tx
+            .segment(
+                &TxConfig::from_emss(1460, false),
+                &OutboundMessage::Terminate(t),
+                0,
+            )
+            .unwrap()
+            .next()
+            .unwrap();
+        assert_eq!(&b[..n], seg.header());
+        // Too short for the body, for the header, for the length field.
+        assert_eq!(emit_fpdu_header(&h, Some(&t), 0, &mut b[..n - 1]), None);
+        assert_eq!(emit_fpdu_header(&h, None, 0, &mut b[..19]), None);
+        assert_eq!(emit_fpdu_header(&h, None, 0, &mut b[..1]), None);
+        // ULPDU_Length overflow: 18 + payload must fit 16 bits.
+        assert_eq!(emit_fpdu_header(&h, None, MAX_ULPDU - 18, &mut b), Some(20));
+        assert_eq!(&b[..2], &[0xff, 0xff]);
+        assert_eq!(emit_fpdu_header(&h, None, MAX_ULPDU - 17, &mut b), None);
+        // Pads: ULPDU_Length + ULPDU + pad is a multiple of 4.
+        for (ulpdu, pad) in [(14, 0), (15, 3), (16, 2), (17, 1), (18, 0)] {
+            assert_eq!(Trailer::without_crc(ulpdu).pad().len(), pad);
+            assert_eq!(Trailer::without_crc(ulpdu).as_ref(), &[0u8; 7][..pad + 4]);
+        }
     }
 
     #[test]
