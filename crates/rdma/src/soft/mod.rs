@@ -29,8 +29,25 @@
 //! Read Request and Terminate sizes, opcodes continuing a message); the
 //! fuzz targets of both, and `soft_qp_rx` over this engine, exercise the
 //! code that runs. This module keeps placement (memory keys, receives,
-//! anonymous buffering) and the queues. (Transmit still emits headers at
-//! fixed offsets: issue 11.)
+//! anonymous buffering) and the queues.
+//!
+//! The transmit path runs on lwio-iwarp too: every FPDU's header area
+//! (ULPDU_Length, DDP/RDMAP header incl. the Read Request header, a
+//! Terminate's body) is a `SegmentHeader` emitted by
+//! `lwio_iwarp::tx::emit_fpdu_header` into the frame's own array, pad and
+//! CRC are `lwio_iwarp::tx::Trailer`, and the per-queue MSNs come from
+//! `TxState::start_message`. The engine keeps its segmentation and frame
+//! queue rather than `TxState::segment`'s `Segmenter`, because siw-sized
+//! segments are not what the soft provider sends: it cuts every message
+//! by one fixed `max_payload` (MSS minus the untagged overhead, not
+//! rounded to 4, the same for tagged and untagged segments), builds one
+//! segment at a time so Read Responses interleave with the send queue,
+//! and sends payload straight from registered memory (`writev`, no copy
+//! with CRC off). The Segmenter would change the bytes on the wire (its
+//! payload per segment depends on the header length and is a multiple of
+//! 4) and moves a header array per segment; the parts it is built from
+//! are shared instead. `soft::tests::transmit_bytes_match_golden` pins the
+//! streams to the bytes sent before the move.
 //!
 //! Each tagged segment is validated from its header alone (STag exists and
 //! key byte matches, same PD, window bound to this QP, access right, TO and
@@ -107,6 +124,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::verbs::*;
 use cq::{ChanShared, CqShared, SoftChannel, SoftCq};
+use lwio_iwarp::wire::mpa::{CRC_LEN, MPA_HDR_LEN};
 use mem::{MemTable, SoftMw, SoftPd};
 use qp::{QpCore, QpParams, Shut, SockIo};
 use rustix::event::epoll::{Event, EventFlags};
@@ -560,7 +578,7 @@ pub(crate) fn create_qp(
     } else {
         sys::mss(fd.as_raw_fd())
             .unwrap_or(1460)
-            .saturating_sub(2 + 4 + wire::UNTAGGED_HDR)
+            .saturating_sub(MPA_HDR_LEN + CRC_LEN + wire::UNTAGGED_HDR)
     }
     .clamp(64, 0xffff - wire::UNTAGGED_HDR - wire::READ_REQ_LEN);
     let (scq, rcq) = (soft_cq(&init.send_cq)?, soft_cq(&init.recv_cq)?);

@@ -25,8 +25,10 @@ use super::wire::{self, op, TermError, TermKind};
 use crate::verbs::*;
 use lwio_iwarp::fpdu_rx::{FpduConfig, FpduEvent, FpduReceiver, RxError};
 use lwio_iwarp::rx::{DdpRxState, Segment};
+use lwio_iwarp::tx::{emit_fpdu_header, Trailer, TxState};
 use lwio_iwarp::wire::ddp::Kind as DdpKind;
-use lwio_iwarp::wire::rdmap::{ReadRequest, ReadRequestPacket, TerminateRepr};
+use lwio_iwarp::wire::mpa::MPA_HDR_LEN;
+use lwio_iwarp::wire::rdmap::{Opcode, ReadRequest, TerminateRepr};
 use lwio_iwarp::wire::segment::SegmentHeader;
 
 /// Resolved local SGEs: pieces, the registrations keeping them alive, total length.
@@ -187,13 +189,16 @@ enum FrameOwner {
     Term,
 }
 
+/// One FPDU to send: the header area (ULPDU_Length, DDP/RDMAP header,
+/// a Terminate's body) emitted by lwio-iwarp into `hdr`, the payload as
+/// pieces of registered memory (or of the inline/staged copy), and
+/// lwio-iwarp's pad + CRC trailer.
 struct TxFrame {
-    hdr: [u8; 96],
+    hdr: [u8; TX_HDR],
     hdr_len: usize,
     pieces: [Piece; 8],
     npieces: usize,
-    trailer: [u8; 8],
-    trailer_len: usize,
+    trailer: Trailer,
     total: usize,
     written: usize,
     owner: FrameOwner,
@@ -341,10 +346,11 @@ pub struct QpCore {
     tx_cur_irq: bool,
     /// Inbound reads (at the front of `irq`) whose responses are all framed.
     irq_built: usize,
-    msn_out: [u32; 3],
+    /// Outgoing MSNs per untagged queue: lwio-iwarp's.
+    msns: TxState,
     orq: VecDeque<OrqEntry>,
     irq: VecDeque<IrqEntry>,
-    term_out: Option<([u8; wire::TERM_MAX], usize)>,
+    term_out: Option<TerminateRepr>,
     pub shut: Shut,
     rq: VecDeque<RecvWqe>,
     anon: VecDeque<AnonMsg>,
@@ -372,6 +378,35 @@ pub struct QpCore {
     /// `rx_process` stopped on its budget with input possibly left.
     pub rx_more: bool,
     pub stats: RxStats,
+}
+
+/// A frame's header array: lwio-iwarp's largest FPDU header area.
+const TX_HDR: usize = lwio_iwarp::tx::MAX_TX_HDR;
+
+/// The header of a tagged segment (RDMA Write, Read Response).
+fn tagged(opcode: Opcode, last: bool, stag: u32, to: u64) -> SegmentHeader {
+    SegmentHeader {
+        opcode,
+        last,
+        ddp: DdpKind::Tagged { stag, to },
+        read_request: None,
+    }
+}
+
+/// The header of an untagged segment; `inv` is the STag a Send with
+/// Invalidate names (0 otherwise).
+fn untagged(opcode: Opcode, last: bool, inv: u32, qn: u32, msn: u32, mo: u32) -> SegmentHeader {
+    SegmentHeader {
+        opcode,
+        last,
+        ddp: DdpKind::Untagged {
+            rsvd_ulp: inv,
+            qn,
+            msn,
+            mo,
+        },
+        read_request: None,
+    }
 }
 
 fn wc(wr_id: u64, status: WcStatus, opcode: WcOpcode, qpn: u32) -> Wc {
@@ -435,7 +470,7 @@ impl QpCore {
             graveyard: Vec::new(),
             tx_cur_irq: false,
             irq_built: 0,
-            msn_out: [1; 3],
+            msns: TxState::new(),
             orq: VecDeque::new(),
             irq: VecDeque::new(),
             term_out: None,
@@ -908,11 +943,7 @@ impl QpCore {
     fn terminate_with(&mut self, code: TermError, t: &TerminateRepr) {
         tracing::debug!(qpn = self.p.qpn, ?code, "terminating stream");
         if self.state != QpState::Error {
-            let mut b = [0u8; wire::TERM_MAX];
-            let v = t.to_vec();
-            let n = v.len().min(wire::TERM_MAX);
-            b[..n].copy_from_slice(&v[..n]);
-            self.term_out = Some((b, n));
+            self.term_out = Some(*t);
             self.stats.term_sent += 1;
             self.stats.last_term = code.vendor_err();
             if self.shut == Shut::None {
@@ -967,17 +998,20 @@ impl QpCore {
     // -----------------------------------------------------------------
     // Transmit.
 
-    fn trailer_for(&self, f: &mut TxFrame, ulpdu_len: usize) {
-        let pad = wire::pad_len(ulpdu_len);
-        f.trailer = [0; 8];
-        if self.p.crc {
+    /// Emit the header area of `f` for `h` (+ a Terminate's `body`), the
+    /// payload being `f`'s pieces, and add the trailer (pad, CRC).
+    fn seal_frame(&self, f: &mut TxFrame, h: &SegmentHeader, body: Option<&TerminateRepr>) {
+        let payload: usize = f.pieces[..f.npieces].iter().map(|p| p.len as usize).sum();
+        f.hdr_len = emit_fpdu_header(h, body, payload, &mut f.hdr)
+            .expect("TX_HDR holds every header and max_payload bounds the ULPDU");
+        let ulpdu = f.hdr_len - MPA_HDR_LEN + payload;
+        f.trailer = if self.p.crc {
             // Copy the payload into the frame once and checksum (and send)
             // that copy: no Rust reference to registered memory is formed,
             // and the bytes checksummed are exactly the bytes sent even if
             // the consumer (or another QP placing into the same region)
             // writes the source meanwhile.
-            let total: usize = f.pieces[..f.npieces].iter().map(|p| p.len as usize).sum();
-            let mut own: Vec<u8> = Vec::with_capacity(total);
+            let mut own: Vec<u8> = Vec::with_capacity(payload);
             for p in &f.pieces[..f.npieces] {
                 let at = own.len();
                 // SAFETY: the piece lies in a live registration (kept alive
@@ -993,10 +1027,7 @@ impl QpCore {
                     own.set_len(at + p.len as usize);
                 }
             }
-            let mut c = crc32c::crc32c(&f.hdr[..f.hdr_len]);
-            c = crc32c::crc32c_append(c, &own);
-            c = crc32c::crc32c_append(c, &f.trailer[..pad]);
-            f.trailer[pad..pad + 4].copy_from_slice(&c.to_le_bytes());
+            let t = Trailer::with_crc(ulpdu, &[&f.hdr[..f.hdr_len], &own]);
             if !own.is_empty() {
                 f.pieces[0] = Piece {
                     addr: own.as_ptr() as u64,
@@ -1005,24 +1036,20 @@ impl QpCore {
                 f.npieces = 1;
             }
             f._staged = Some(own);
-        }
-        f.trailer_len = pad + 4;
-        f.total = f.hdr_len
-            + f.pieces[..f.npieces]
-                .iter()
-                .map(|p| p.len as usize)
-                .sum::<usize>()
-            + f.trailer_len;
+            t
+        } else {
+            Trailer::without_crc(ulpdu)
+        };
+        f.total = f.hdr_len + payload + f.trailer.as_ref().len();
     }
 
     fn new_frame(owner: FrameOwner) -> TxFrame {
         TxFrame {
-            hdr: [0; 96],
+            hdr: [0; TX_HDR],
             hdr_len: 0,
             pieces: [Piece { addr: 0, len: 0 }; 8],
             npieces: 0,
-            trailer: [0; 8],
-            trailer_len: 0,
+            trailer: Trailer::without_crc(0),
             total: 0,
             written: 0,
             owner,
@@ -1034,24 +1061,11 @@ impl QpCore {
 
     /// Build the next frame to send, if any.
     fn next_frame(&mut self) -> Option<TxFrame> {
-        if let Some((b, n)) = self.term_out.take() {
+        if let Some(t) = self.term_out.take() {
             let mut f = Self::new_frame(FrameOwner::Term);
-            let ulpdu = wire::UNTAGGED_HDR + n;
-            let msn = self.msn_out[2];
-            self.msn_out[2] = msn.wrapping_add(1);
-            f.hdr_len = wire::untagged_hdr(
-                &mut f.hdr,
-                ulpdu as u16,
-                true,
-                op::TERMINATE,
-                0,
-                wire::QN_TERM,
-                msn,
-                0,
-            );
-            f.hdr[f.hdr_len..f.hdr_len + n].copy_from_slice(&b[..n]);
-            f.hdr_len += n;
-            self.trailer_for(&mut f, ulpdu);
+            let msn = self.msns.start_message(wire::QN_TERM).unwrap_or_default();
+            let h = untagged(Opcode::Terminate, true, 0, wire::QN_TERM, msn, 0);
+            self.seal_frame(&mut f, &h, Some(&t));
             return Some(f);
         }
         if self.state == QpState::Error {
@@ -1089,11 +1103,9 @@ impl QpCore {
         let n = (e.len - e.sent).min(maxp);
         let last = e.sent + n == e.len;
         let mut f = Self::new_frame(FrameOwner::Irq { last });
-        f.hdr_len = wire::tagged_hdr(
-            &mut f.hdr,
-            (wire::TAGGED_HDR as u64 + n) as u16,
+        let h = tagged(
+            Opcode::ReadResponse,
             last,
-            op::READ_RESP,
             e.sink_stag,
             e.sink_to.wrapping_add(e.sent),
         );
@@ -1111,7 +1123,7 @@ impl QpCore {
         if last {
             self.irq_built += 1;
         }
-        self.trailer_for(&mut f, wire::TAGGED_HDR + n as usize);
+        self.seal_frame(&mut f, &h, None);
         f
     }
 
@@ -1124,13 +1136,12 @@ impl QpCore {
             if !w.started {
                 w.started = true;
                 let q = match w.kind {
-                    Kind::Send { .. } => 0,
-                    Kind::Read { .. } => 1,
-                    _ => 3,
+                    Kind::Send { .. } => Some(wire::QN_SEND),
+                    Kind::Read { .. } => Some(wire::QN_READ),
+                    _ => None,
                 };
-                if q < 3 {
-                    w.msn = self.msn_out[q];
-                    self.msn_out[q] = self.msn_out[q].wrapping_add(1);
+                if let Some(q) = q {
+                    w.msn = self.msns.start_message(q).unwrap_or_default();
                 }
             }
             pd_msn = w.msn;
@@ -1143,32 +1154,18 @@ impl QpCore {
                     seq: w.seq,
                     last: true,
                 });
-                let ulpdu = wire::UNTAGGED_HDR + wire::READ_REQ_LEN;
-                f.hdr_len = wire::untagged_hdr(
-                    &mut f.hdr,
-                    ulpdu as u16,
-                    true,
-                    op::READ_REQ,
-                    0,
-                    wire::QN_READ,
-                    pd_msn,
-                    0,
-                );
                 let (sink_stag, sink_to) = match (w.pieces.first(), w.keep.first()) {
                     (Some(p), Some(k)) => (k.stag, p.addr),
                     _ => (0, 0),
                 };
-                ReadRequest {
+                let mut h = untagged(Opcode::ReadRequest, true, 0, wire::QN_READ, pd_msn, 0);
+                h.read_request = Some(ReadRequest {
                     sink_stag,
                     sink_to,
                     size: w.len as u32,
                     src_stag: stag,
                     src_to: to,
-                }
-                .emit(&mut ReadRequestPacket::new_unchecked(
-                    &mut f.hdr[f.hdr_len..f.hdr_len + wire::READ_REQ_LEN],
-                ));
-                f.hdr_len += wire::READ_REQ_LEN;
+                });
                 w.sent = w.len;
                 w.built = true;
                 self.orq.push_back(OrqEntry {
@@ -1178,46 +1175,34 @@ impl QpCore {
                     len: w.len,
                     got: 0,
                 });
-                self.trailer_for(&mut f, ulpdu);
+                self.seal_frame(&mut f, &h, None);
             }
             Kind::Send { .. } | Kind::Write { .. } => {
                 let n = (w.len - w.sent).min(maxp);
                 let last = w.sent + n == w.len;
                 f = Self::new_frame(FrameOwner::Sq { seq: w.seq, last });
-                let ulpdu;
-                match w.kind {
+                let h = match w.kind {
                     Kind::Write { stag, to } => {
-                        ulpdu = wire::TAGGED_HDR + n as usize;
-                        f.hdr_len = wire::tagged_hdr(
-                            &mut f.hdr,
-                            ulpdu as u16,
-                            last,
-                            op::WRITE,
-                            stag,
-                            to.wrapping_add(w.sent),
-                        );
+                        tagged(Opcode::Write, last, stag, to.wrapping_add(w.sent))
                     }
                     Kind::Send { inv, se } => {
-                        ulpdu = wire::UNTAGGED_HDR + n as usize;
                         let opc = match (inv.is_some(), se) {
-                            (false, false) => op::SEND,
-                            (true, false) => op::SEND_INV,
-                            (false, true) => op::SEND_SE,
-                            (true, true) => op::SEND_SE_INV,
+                            (false, false) => Opcode::Send,
+                            (true, false) => Opcode::SendInvalidate,
+                            (false, true) => Opcode::SendSe,
+                            (true, true) => Opcode::SendSeInvalidate,
                         };
-                        f.hdr_len = wire::untagged_hdr(
-                            &mut f.hdr,
-                            ulpdu as u16,
-                            last,
+                        untagged(
                             opc,
+                            last,
                             inv.unwrap_or(0),
                             wire::QN_SEND,
                             pd_msn,
                             w.sent as u32,
-                        );
+                        )
                     }
                     _ => unreachable!(),
-                }
+                };
                 let mut v = Vec::with_capacity(4);
                 map_pieces(&w.pieces, w.sent, n, &mut v);
                 for (i, p) in v.into_iter().enumerate().take(8) {
@@ -1231,7 +1216,7 @@ impl QpCore {
                 f._inline = w.inline.clone();
                 w.sent += n;
                 w.built = last;
-                self.trailer_for(&mut f, ulpdu);
+                self.seal_frame(&mut f, &h, None);
             }
             Kind::Local => unreachable!("local WRs are skipped"),
         }
@@ -1302,7 +1287,7 @@ impl QpCore {
                 for p in &f.pieces[..f.npieces] {
                     push(p.addr as *const u8, p.len as usize);
                 }
-                push(f.trailer.as_ptr(), f.trailer_len);
+                push(f.trailer.as_ref().as_ptr(), f.trailer.as_ref().len());
             }
             // SAFETY: the iovecs cover the frames' own arrays and payload
             // pieces inside live registrations (kept alive by their WRs, the
