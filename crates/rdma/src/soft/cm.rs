@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lwio_iwarp::mpa::{CrcPolicy as MpaCrc, MpaConfig, MpaError, MpaEvent, MpaHandshake};
+use lwio_iwarp::wire::mpa::{FramePacket, FRAME_HEADER_LEN};
 
 use super::{check_init, create_qp, sys, CtxShared, Established, DEFAULT_IRD_ORD, MAX_IRD_ORD};
 use crate::verbs::*;
@@ -79,9 +80,9 @@ fn flush(h: &mut MpaHandshake, s: &mut TcpStream, what: &str) -> Result<()> {
 /// Read one MPA frame exactly (blocking) and feed it to `h`; returns the
 /// next event.
 fn exchange(h: &mut MpaHandshake, s: &mut TcpStream, what: &str) -> Result<Option<MpaEvent>> {
-    let mut hdr = [0u8; 20];
+    let mut hdr = [0u8; FRAME_HEADER_LEN];
     s.read_exact(&mut hdr).map_err(|e| io_err(what, e))?;
-    let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]) as usize;
+    let pd_len = FramePacket::new_unchecked(&hdr[..]).pd_length() as usize;
     let r = h.receive(&hdr, Instant::now()).map_err(mpa_err);
     if r.is_err() || pd_len > super::wire::MPA_MAX_PD {
         let _ = flush(h, s, what);
@@ -214,8 +215,8 @@ impl Pending {
     fn advance(&mut self) -> Progressed {
         loop {
             if self.buf.len() == self.need {
-                if self.need == 20 {
-                    let pd = u16::from_be_bytes([self.buf[18], self.buf[19]]) as usize;
+                if self.need == FRAME_HEADER_LEN {
+                    let pd = FramePacket::new_unchecked(&self.buf[..]).pd_length() as usize;
                     if pd > super::wire::MPA_MAX_PD {
                         return Progressed::Drop(format!("PD_Length {pd} > 512"));
                     }
@@ -294,8 +295,8 @@ impl SoftListener {
                     pend.push(Pending {
                         s,
                         peer,
-                        buf: Vec::with_capacity(20),
-                        need: 20,
+                        buf: Vec::with_capacity(FRAME_HEADER_LEN),
+                        need: FRAME_HEADER_LEN,
                         deadline: Instant::now() + self.ctx.config.connect_timeout,
                     });
                 }

@@ -12,7 +12,7 @@
 
 /// RFC 5044: PD_Length ≤ 512. (MPA frames themselves are handled by
 /// `lwio_iwarp::mpa`.)
-pub const MPA_MAX_PD: usize = 512;
+pub const MPA_MAX_PD: usize = lwio_iwarp::wire::mpa::MAX_PRIVATE_DATA;
 
 use lwio_iwarp::wire::{ddp, rdmap};
 
