@@ -725,3 +725,63 @@ fn transmit_bytes_match_golden() {
     }
     assert_eq!(got.lines().count(), want.lines().count(), "stream count");
 }
+
+/// Transmit-engine microbenchmark (`cargo test --release -p lwio-rdma --lib
+/// tx_segment_cost -- --ignored --nocapture`): ns per segment to frame
+/// RDMA Writes and Sends and hand them to an `Io` that takes every iovec
+/// without reading it (so the socket's copy is not measured). Best of 7.
+#[test]
+#[ignore]
+fn tx_segment_cost() {
+    use super::qp::Io;
+    struct Sink;
+    // SAFETY: neither method touches memory: `read` returns nothing and
+    // `writev` only adds up the lengths.
+    impl Io for Sink {
+        unsafe fn read(&mut self, _dst: *mut u8, _len: usize) -> std::io::Result<usize> {
+            Err(std::io::ErrorKind::WouldBlock.into())
+        }
+        unsafe fn writev(&mut self, iov: &[libc::iovec]) -> std::io::Result<usize> {
+            Ok(iov.iter().map(|v| v.iov_len).sum())
+        }
+    }
+    for (crc, maxp, size, send) in [
+        (false, 256, 16 * 1024, false),
+        (false, 1434, 64 * 1024, false),
+        (false, 4096, 64 * 1024, false),
+        (false, 1434, 4096, true),
+        (true, 1434, 4096, false),
+    ] {
+        let ctx = ctx();
+        let mut s = side(&ctx, 1, crc, maxp);
+        let mr = s.pd.alloc_mr(size, Access::LOCAL_WRITE).expect("mr");
+        let sg = [mr.sge(0, size as u32)];
+        let op = if send {
+            SendOp::Send
+        } else {
+            SendOp::Write {
+                remote_addr: 0x1000,
+                rkey: 0x100,
+            }
+        };
+        let mut wr = SendWr::new(0, op, &sg);
+        wr.signaled = false;
+        let wrs = vec![wr; 128];
+        let segs = 128 * size.div_ceil(maxp);
+        let mut best = f64::MAX;
+        for _ in 0..7 {
+            let rounds = 20;
+            let t = std::time::Instant::now();
+            for _ in 0..rounds {
+                s.core.post_send(&wrs).expect("post");
+                s.core.tx_process(&mut Sink).expect("tx");
+            }
+            let ns = t.elapsed().as_nanos() as f64 / (rounds * segs) as f64;
+            best = best.min(ns);
+        }
+        println!(
+            "{} {size} B, max_payload {maxp}, crc {crc}: {best:.1} ns/segment",
+            if send { "send" } else { "write" }
+        );
+    }
+}
