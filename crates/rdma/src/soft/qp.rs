@@ -1717,7 +1717,7 @@ impl QpCore {
                             a.data.resize(old + n as usize, 0);
                             if n > 0 {
                                 self.dest.push(Piece {
-                                    addr: a.data.as_ptr() as u64 + old as u64,
+                                    addr: a.data.as_mut_ptr() as u64 + old as u64,
                                     len: n,
                                 });
                             }
@@ -1765,7 +1765,7 @@ impl QpCore {
                     self.ctl.fill(0);
                     if k > 0 {
                         self.dest.push(Piece {
-                            addr: self.ctl.as_ptr() as u64,
+                            addr: self.ctl.as_mut_ptr() as u64,
                             len: k as u64,
                         });
                     }

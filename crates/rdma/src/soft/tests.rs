@@ -477,7 +477,8 @@ fn receive_posted_mid_anonymous_message_gets_it_whole() {
         };
         assert!(stream.len() > LEN, "{} bytes", stream.len());
         let want = pattern(42, LEN);
-        for k in 0..=stream.len() {
+        // Under Miri every 61st offset (each run is ~10^5 times slower).
+        for k in (0..=stream.len()).step_by(if cfg!(miri) { 61 } else { 1 }) {
             let mut rx = side(&ctx, 2, crc, 100);
             let mr = rx.pd.alloc_mr(LEN, Access::LOCAL_WRITE).expect("mr");
             let mut p = Pipe {
