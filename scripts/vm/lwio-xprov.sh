@@ -19,6 +19,8 @@ rm -rf $EXP /tmp/xprov-ready; mkdir -p $EXP
 head -c 3000001 /dev/urandom > $EXP/src.bin
 FAILS=0
 fail() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
+# A client failure also shows what the server logged last (why it closed).
+fail_c() { fail "$*"; echo "--- serve stderr (last 12 lines):"; tail -n 12 $ERR; }
 
 start_server() { # SIDE_ADDR serve-args...
   side=$1; shift
@@ -47,19 +49,19 @@ check_client() {
   if $L cat $C $url/src.bin > /tmp/xprov-cat.bin 2> /tmp/xprov-c.err && cmp /tmp/xprov-cat.bin $EXP/src.bin; then
     echo "PASS $name cat 3000001 bytes"
   else
-    fail "$name cat: $(tail -n 3 /tmp/xprov-c.err)"
+    fail_c "$name cat: $(tail -n 3 /tmp/xprov-c.err)"
   fi
   head -c 1000003 /dev/urandom > /tmp/xprov-up.bin
   if $L cp $C /tmp/xprov-up.bin $url/up-$name.bin 2> /tmp/xprov-c.err && cmp /tmp/xprov-up.bin $EXP/up-$name.bin; then
     echo "PASS $name cp upload 1000003 bytes"
   else
-    fail "$name cp upload: $(tail -n 3 /tmp/xprov-c.err)"
+    fail_c "$name cp upload: $(tail -n 3 /tmp/xprov-c.err)"
   fi
   rm -f /tmp/xprov-down.bin
   if $L cp $C $url/src.bin /tmp/xprov-down.bin 2> /tmp/xprov-c.err && cmp /tmp/xprov-down.bin $EXP/src.bin; then
     echo "PASS $name cp download 3000001 bytes"
   else
-    fail "$name cp download: $(tail -n 3 /tmp/xprov-c.err)"
+    fail_c "$name cp download: $(tail -n 3 /tmp/xprov-c.err)"
   fi
   for m in poll interrupt; do
     if $L bench $C $url/bench.dat --rw randrw --bs 16k --qd 4 --size 4M --runtime 1s \
@@ -67,7 +69,7 @@ check_client() {
         && grep -q '"iops"' /tmp/xprov-bench.json; then
       echo "PASS $name bench $m: $(tr ',' '\n' < /tmp/xprov-bench.json | grep -m1 '"iops"')"
     else
-      fail "$name bench $m: $(tail -n 3 /tmp/xprov-c.err)"
+      fail_c "$name bench $m: $(tail -n 3 /tmp/xprov-c.err)"
     fi
   done
 }
