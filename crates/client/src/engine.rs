@@ -630,6 +630,10 @@ impl Engine {
             let why = self.refused_by_us().unwrap_or(why);
             info!(reason = %why, "RDMA connection lost");
             st.lost = Some(why);
+            if let Some(fd) = &st.notify {
+                // Wake the completion fd's sleepers too: they find the loss.
+                let _ = rustix::io::write(&**fd, &1u64.to_ne_bytes());
+            }
         }
         self.cv.notify_all();
     }
@@ -728,6 +732,11 @@ impl Engine {
                         st.interrupt_req = None;
                     }
                     self.finish_req(st, req, information, status);
+                    if opcode == Opcode::Interrupt {
+                        // Its answer only wakes (`Engine::interrupt` watches
+                        // `interrupt_req`): nobody takes it from `done`.
+                        st.done.remove(&req);
+                    }
                 }
             }
         }
@@ -1009,13 +1018,7 @@ impl Engine {
             let mut short = false;
             if st.conn.can_issue() {
                 if let Some(r) = issue(self, &mut st) {
-                    let out = st.conn.outstanding();
-                    st.stats.requests += 1;
-                    st.stats.max_outstanding = st.stats.max_outstanding.max(out);
-                    if out > usize::from(st.conn.credits()) {
-                        st.stats.credit_violations += 1;
-                    }
-                    self.run_actions(&mut st);
+                    self.issued(&mut st);
                     return r;
                 }
                 short = true;
@@ -1041,6 +1044,47 @@ impl Engine {
             self.sleep_or_drive(st, wait);
             st = lock(&self.st);
         }
+    }
+
+    /// Count a request just issued and carry out its actions.
+    fn issued(&self, st: &mut St) {
+        let out = st.conn.outstanding();
+        st.stats.requests += 1;
+        st.stats.max_outstanding = st.stats.max_outstanding.max(out);
+        if out > usize::from(st.conn.credits()) {
+            st.stats.credit_violations += 1;
+        }
+        self.run_actions(st);
+    }
+
+    /// [`Engine::issue`] without waiting: `Ok(None)` when no credit or
+    /// resource (staging buffer, window, send slot) is free now. The async
+    /// client retries when the next completion frees one.
+    fn issue_now<T>(
+        &self,
+        mut issue: impl FnMut(&Engine, &mut St) -> Option<Result<T>>,
+    ) -> Result<Option<T>> {
+        let mut st = lock(&self.st);
+        for _ in 0..2 {
+            if let Some(l) = &st.lost {
+                return Err(Error::ConnectionLost(l.clone()));
+            }
+            if st.conn.can_issue() {
+                if let Some(r) = issue(self, &mut st) {
+                    self.issued(&mut st);
+                    self.flush_sends(&mut st);
+                    return r.map(Some);
+                }
+                return Ok(None);
+            }
+            if self.cfg.completion != Completion::Poll {
+                break;
+            }
+            // Completions polled now may return a credit.
+            self.scan_slots(&mut st);
+            self.run_actions(&mut st);
+        }
+        Ok(None)
     }
 
     /// The completion mode of a request about to be issued under `st`, and
@@ -1152,6 +1196,23 @@ impl Engine {
         vec_page: Option<u16>,
         dst: Option<(&UserDst, usize)>,
     ) -> Result<(ReqId, Stage)> {
+        self.check_read(len, dst)?;
+        self.issue(Self::read_issuer(fid, offset, len, vec_page, dst))
+    }
+
+    /// [`Engine::issue_read`] if a credit and a staging buffer are free now
+    /// (`Ok(None)` if not), without waiting; the request is posted at once.
+    pub fn try_issue_read(
+        &self,
+        fid: u16,
+        offset: u64,
+        len: usize,
+    ) -> Result<Option<(ReqId, Stage)>> {
+        self.check_read(len, None)?;
+        self.issue_now(Self::read_issuer(fid, offset, len, None, None))
+    }
+
+    fn check_read(&self, len: usize, dst: Option<(&UserDst, usize)>) -> Result<()> {
         if len == 0 || len > self.max_read() {
             return Err(Error::InvalidArgument(format!(
                 "read of {len} bytes per request"
@@ -1162,7 +1223,19 @@ impl Engine {
                 return Err(Error::InvalidArgument("read outside its buffer".into()));
             }
         }
-        self.issue(|e, st| {
+        Ok(())
+    }
+
+    /// What issues a READ (or VEC_READ) under the lock: for
+    /// [`Engine::issue`] and [`Engine::issue_now`].
+    fn read_issuer<'a>(
+        fid: u16,
+        offset: u64,
+        len: usize,
+        vec_page: Option<u16>,
+        dst: Option<(&'a UserDst, usize)>,
+    ) -> impl FnMut(&Engine, &mut St) -> Option<Result<(ReqId, Stage)>> + 'a {
+        move |e, st| {
             let (stage, mr, off, group) = match dst {
                 Some((d, at)) => (Stage::User, &d.reg.mr, d.off + at, d.group),
                 None => {
@@ -1226,7 +1299,7 @@ impl Engine {
                     Some(Err(err))
                 }
             }
-        })
+        }
     }
 
     /// Copy `dst.len()` bytes out of a stage and free it.
@@ -1250,7 +1323,21 @@ impl Engine {
     }
 
     pub fn issue_write(&self, fid: u16, offset: u64, data: &[u8]) -> Result<ReqId> {
-        self.issue(|e, st| {
+        self.issue(Self::write_issuer(fid, offset, data))
+    }
+
+    /// [`Engine::issue_write`] if a credit is free now (`Ok(None)` if not),
+    /// without waiting; the request is posted at once.
+    pub fn try_issue_write(&self, fid: u16, offset: u64, data: &[u8]) -> Result<Option<ReqId>> {
+        self.issue_now(Self::write_issuer(fid, offset, data))
+    }
+
+    fn write_issuer(
+        fid: u16,
+        offset: u64,
+        data: &[u8],
+    ) -> impl FnMut(&Engine, &mut St) -> Option<Result<ReqId>> + '_ {
+        move |e, st| {
             let (mode, status) = match e.req_mode(st) {
                 Ok(m) => m,
                 Err(err) => return Some(Err(err)),
@@ -1296,7 +1383,7 @@ impl Engine {
                     Some(Err(client_err(err)))
                 }
             }
-        })
+        }
     }
 
     pub fn issue_vec_write(
@@ -1337,13 +1424,32 @@ impl Engine {
         self.issue(|_, st| Some(st.conn.cancel(fid).map_err(client_err)))
     }
 
+    /// [`Engine::issue_cancel`] without waiting (`Ok(None)`: no credit now).
+    pub fn try_issue_cancel(&self, fid: u16) -> Result<Option<ReqId>> {
+        self.issue_now(|_, st| Some(st.conn.cancel(fid).map_err(client_err)))
+    }
+
     /// CANCEL just the I/O `req` of `fid`; `None` (nothing sent) when it
     /// is no longer outstanding.
     pub fn issue_cancel_request(&self, fid: u16, req: ReqId) -> Result<Option<ReqId>> {
         if !lock(&self.st).conn.is_outstanding(req) {
             return Ok(None);
         }
-        self.issue(|_, st| {
+        self.issue(Self::cancel_issuer(fid, req))
+    }
+
+    /// [`Engine::issue_cancel_request`] without waiting: `Ok(None)` when no
+    /// credit is free now, `Ok(Some(None))` when `req` is no longer
+    /// outstanding.
+    pub fn try_issue_cancel_request(&self, fid: u16, req: ReqId) -> Result<Option<Option<ReqId>>> {
+        self.issue_now(Self::cancel_issuer(fid, req))
+    }
+
+    fn cancel_issuer(
+        fid: u16,
+        req: ReqId,
+    ) -> impl FnMut(&Engine, &mut St) -> Option<Result<Option<ReqId>>> {
+        move |_, st| {
             if !st.conn.is_outstanding(req) {
                 return Some(Ok(None));
             }
@@ -1353,7 +1459,27 @@ impl Engine {
                     .map(Some)
                     .map_err(client_err),
             )
-        })
+        }
+    }
+
+    /// Polling mode: ask the server for a message after its next completion
+    /// (an INTERRUPT, unless one is outstanding), so that a caller sleeping
+    /// on the completion fd is woken even though a polled completion posts
+    /// nothing. Never waits; a no-op when no credit is free.
+    pub fn arm_interrupt(&self) {
+        let mut st = lock(&self.st);
+        self.arm_interrupt_locked(&mut st);
+        self.flush_sends(&mut st);
+    }
+
+    fn arm_interrupt_locked(&self, st: &mut St) {
+        if st.lost.is_none() && st.interrupt_req.is_none() && st.conn.can_issue() {
+            if let Ok(r) = st.conn.interrupt() {
+                st.interrupt_req = Some(r);
+                st.stats.interrupts_sent += 1;
+                self.run_actions(st);
+            }
+        }
     }
 
     /// Send INTERRUPT (or join the one outstanding) and wait until the
@@ -1477,13 +1603,7 @@ impl Engine {
             let mut wait = Duration::from_millis(50);
             if self.cfg.completion == Completion::Poll && slot.is_some() {
                 // Spin budget spent: ask to be woken by the next completion.
-                if st.interrupt_req.is_none() && st.conn.can_issue() {
-                    if let Ok(r) = st.conn.interrupt() {
-                        st.interrupt_req = Some(r);
-                        st.stats.interrupts_sent += 1;
-                        self.run_actions(&mut st);
-                    }
-                }
+                self.arm_interrupt_locked(&mut st);
                 // Sleep until the INTERRUPT's answer wakes us (it follows
                 // the server's next completion). A polled completion itself
                 // wakes nobody, and ours may have landed just before the
@@ -1605,6 +1725,18 @@ impl Engine {
     fn abandon(&self, st: &mut St, req: ReqId) {
         if let Some(r) = st.res.get_mut(&req) {
             r.abandoned = true;
+        } else if st.conn.is_outstanding(req) {
+            // Nothing to free, but its answer must not wait in `done` for
+            // a taker that is gone.
+            st.res.insert(
+                req,
+                ReqRes {
+                    windows: Vec::new(),
+                    stage: None,
+                    abandoned: true,
+                    group: 0,
+                },
+            );
         }
     }
 

@@ -25,7 +25,7 @@
 //! See [`engine`] for the data path (threads, memory windows, completion
 //! modes).
 
-pub mod asynch;
+pub mod async_client;
 pub mod discovery;
 pub mod engine;
 pub mod errno;
@@ -43,7 +43,7 @@ use lwio_proto::wire::{NegotiateRequestRepr, FILE_NO_INTERMEDIATE_BUFFERING};
 use lwio_proto::NtStatus;
 use tracing::{debug, info};
 
-pub use asynch::{AsyncClient, AsyncFile};
+pub use async_client::{AsyncClient, AsyncFile};
 use engine::{status_text, EngineConfig};
 pub use engine::{ClientStats, Engine};
 
@@ -846,7 +846,7 @@ impl File {
     /// Read into `buf` at `offset`; returns the bytes read (short only at end
     /// of file; 0 at or past it).
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.read_impl(buf, offset, false, None)
+        self.read_impl(buf, offset, false)
     }
 
     /// Read `range` of a registered buffer at `offset`, as
@@ -890,33 +890,16 @@ impl File {
             // invalidated and completed (or the QP is in error); the cache
             // entry keeps the memory alive.
             let dst = unsafe { e.user_dst(ptr, len, false) };
-            if let Some(r) = self.read_direct(dst, len, offset, false, None) {
+            if let Some(r) = self.read_direct(dst, len, offset, false) {
                 return r;
             }
         }
         // Staged: no window covers the buffer, so a slice of it is fine.
         let slice = &mut buf[range];
-        self.read_chunks(len, offset, false, ReadInto::Staged(slice), None)
+        self.read_chunks(len, offset, false, ReadInto::Staged(slice))
     }
 
-    /// [`File::read_at`] whose requests are recorded in `call`, so that
-    /// [`File::cancel_call`] cancels them (and only them).
-    pub(crate) fn read_at_in(
-        &self,
-        buf: &mut [u8],
-        offset: u64,
-        call: &asynch::CallRequests,
-    ) -> Result<usize> {
-        self.read_impl(buf, offset, false, Some(call))
-    }
-
-    fn read_impl(
-        &self,
-        buf: &mut [u8],
-        offset: u64,
-        vectored: bool,
-        call: Option<&asynch::CallRequests>,
-    ) -> Result<usize> {
+    fn read_impl(&self, buf: &mut [u8], offset: u64, vectored: bool) -> Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
@@ -953,12 +936,12 @@ impl File {
             // the `RegisteredBuf` and a range instead and has no such
             // reference; this path keeps working for slices of one.
             let dst = unsafe { e.user_dst(ptr, len, per_call) };
-            if let Some(r) = self.read_direct(dst, len, offset, vectored, call) {
+            if let Some(r) = self.read_direct(dst, len, offset, vectored) {
                 return r;
             }
         }
         let len = buf.len();
-        self.read_chunks(len, offset, vectored, ReadInto::Staged(buf), call)
+        self.read_chunks(len, offset, vectored, ReadInto::Staged(buf))
     }
 
     /// Read `len` bytes at `offset` straight into the caller memory that
@@ -970,12 +953,11 @@ impl File {
         len: usize,
         offset: u64,
         vectored: bool,
-        call: Option<&asynch::CallRequests>,
     ) -> Option<Result<usize>> {
         match dst {
             Ok(None) => None,
             Ok(Some(dst)) => {
-                let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst), call);
+                let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst));
                 self.engine().fence_group(dst.group());
                 drop(dst);
                 Some(r)
@@ -993,7 +975,6 @@ impl File {
         offset: u64,
         vectored: bool,
         mut into: ReadInto,
-        call: Option<&asynch::CallRequests>,
     ) -> Result<usize> {
         let e = self.engine();
         let chunk = e.max_read();
@@ -1008,10 +989,6 @@ impl File {
         let mut stop: Option<Result<usize>> = None;
         loop {
             while stop.is_none() && issued < blen && pending.len() < depth {
-                if call.is_some_and(|c| c.is_cancelled()) {
-                    stop = Some(Err(Error::Cancelled));
-                    break;
-                }
                 let len = chunk.min(blen - issued);
                 // VEC_READ needs a last region that is a multiple of 512.
                 let vec = (vectored && len.is_multiple_of(512)).then_some(page);
@@ -1026,7 +1003,6 @@ impl File {
                         } else {
                             None
                         };
-                        self.track(call, req);
                         pending.push_back((req, slot, stage, issued, len));
                         issued += len;
                     }
@@ -1037,48 +1013,63 @@ impl File {
                 break;
             };
             let r = e.wait(req, slot);
-            if let Some(c) = call {
-                c.done(req);
-            }
-            match r {
-                Ok((n, STATUS_SUCCESS)) => {
-                    let n = (n as usize).min(len);
-                    if stop.is_none() && at == total {
-                        if let ReadInto::Staged(buf) = &mut into {
-                            e.finish_stage(stage, &mut buf[at..at + n]);
-                        }
-                        total += n;
-                        if n < len {
-                            stop = Some(Ok(total));
-                        }
-                    } else {
-                        e.release_stage(stage);
-                    }
+            self.read_outcome(r, stage, at, len, &mut total, &mut stop, |stage, n| {
+                if let ReadInto::Staged(buf) = &mut into {
+                    e.finish_stage(stage, &mut buf[at..at + n]);
                 }
-                Ok((_, STATUS_END_OF_FILE)) => {
-                    e.release_stage(stage);
-                    if stop.is_none() {
-                        stop = Some(Ok(total));
-                    }
-                }
-                Ok((_, st)) => {
-                    e.release_stage(stage);
-                    if stop.is_none() {
-                        stop = Some(Err(status_error(
-                            format!("READ of {}/{}", self.export, self.path),
-                            st,
-                        )));
-                    }
-                }
-                // The engine keeps (and frees) the stage of an abandoned request.
-                Err(err) => {
-                    if stop.is_none() {
-                        stop = Some(Err(err));
-                    }
-                }
-            }
+            });
         }
         stop.unwrap_or(Ok(total))
+    }
+
+    /// Account one READ request's completion, for bytes `at..at + len` of
+    /// the call: data that continues the call's `total` goes to `land`
+    /// (with the request's stage, which it takes); otherwise the stage is
+    /// given back, and the end of the call (EOF, a short read, the first
+    /// error) goes to `stop`. The engine keeps (and frees) the stage of an
+    /// abandoned request (`Err`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn read_outcome(
+        &self,
+        r: Result<(u32, NtStatus)>,
+        stage: engine::Stage,
+        at: usize,
+        len: usize,
+        total: &mut usize,
+        stop: &mut Option<Result<usize>>,
+        land: impl FnOnce(engine::Stage, usize),
+    ) {
+        let e = self.engine();
+        match r {
+            Ok((n, STATUS_SUCCESS)) => {
+                let n = (n as usize).min(len);
+                if stop.is_none() && at == *total {
+                    land(stage, n);
+                    *total += n;
+                    if n < len {
+                        *stop = Some(Ok(*total));
+                    }
+                } else {
+                    e.release_stage(stage);
+                }
+            }
+            Ok((_, STATUS_END_OF_FILE)) => {
+                e.release_stage(stage);
+                stop.get_or_insert(Ok(*total));
+            }
+            Ok((_, st)) => {
+                e.release_stage(stage);
+                stop.get_or_insert_with(|| {
+                    Err(status_error(
+                        format!("READ of {}/{}", self.export, self.path),
+                        st,
+                    ))
+                });
+            }
+            Err(err) => {
+                stop.get_or_insert(Err(err));
+            }
+        }
     }
 
     /// Vectored read (VEC_READ, each page exposed through its own one-shot
@@ -1086,7 +1077,7 @@ impl File {
     pub fn read_vectored_at(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> Result<usize> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         let mut tmp = vec![0u8; total];
-        let n = self.read_impl(&mut tmp, offset, true, None)?;
+        let n = self.read_impl(&mut tmp, offset, true)?;
         let mut o = 0;
         for b in bufs.iter_mut() {
             if o >= n {
@@ -1102,33 +1093,16 @@ impl File {
     /// Write all of `buf` at `offset` (split into WRITE requests of the
     /// server's MaxRecvBufferSize, pipelined up to the credits).
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
-        self.write_impl(buf, offset, false, None)
-    }
-
-    /// [`File::write_at`] whose requests are recorded in `call` (see
-    /// [`File::read_at_in`]).
-    pub(crate) fn write_at_in(
-        &self,
-        buf: &[u8],
-        offset: u64,
-        call: &asynch::CallRequests,
-    ) -> Result<usize> {
-        self.write_impl(buf, offset, false, Some(call))
+        self.write_impl(buf, offset, false)
     }
 
     /// Vectored write: VEC_WRITE (without COLLAPSE).
     pub fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<usize> {
         let data: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
-        self.write_impl(&data, offset, true, None)
+        self.write_impl(&data, offset, true)
     }
 
-    fn write_impl(
-        &self,
-        buf: &[u8],
-        offset: u64,
-        vectored: bool,
-        call: Option<&asynch::CallRequests>,
-    ) -> Result<usize> {
+    fn write_impl(&self, buf: &[u8], offset: u64, vectored: bool) -> Result<usize> {
         offset
             .checked_add(buf.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
@@ -1146,10 +1120,6 @@ impl File {
         let mut err: Option<Error> = None;
         loop {
             while err.is_none() && issued < buf.len() && pending.len() < depth {
-                if call.is_some_and(|c| c.is_cancelled()) {
-                    err = Some(Error::Cancelled);
-                    break;
-                }
                 let len = chunk.min(buf.len() - issued);
                 let data = &buf[issued..issued + len];
                 let r = if vectored {
@@ -1171,7 +1141,6 @@ impl File {
                         } else {
                             None
                         };
-                        self.track(call, req);
                         pending.push_back((req, slot, len));
                         issued += len;
                     }
@@ -1181,29 +1150,37 @@ impl File {
             let Some((req, slot, len)) = pending.pop_front() else {
                 break;
             };
-            let r = e.wait(req, slot);
-            if let Some(c) = call {
-                c.done(req);
-            }
-            match r {
-                Ok((n, STATUS_SUCCESS)) if n as usize == len => done += len,
-                Ok((n, STATUS_SUCCESS)) => {
-                    err.get_or_insert(Error::Io(format!("short write: {n} of {len} bytes")));
-                }
-                Ok((_, st)) => {
-                    err.get_or_insert(status_error(
-                        format!("WRITE to {}/{}", self.export, self.path),
-                        st,
-                    ));
-                }
-                Err(x) => {
-                    err.get_or_insert(x);
-                }
-            }
+            self.write_outcome(e.wait(req, slot), len, &mut done, &mut err);
         }
         match err {
             Some(e) => Err(e),
             None => Ok(done),
+        }
+    }
+
+    /// Account one WRITE request's completion: `len` bytes more `done`, or
+    /// the first error.
+    pub(crate) fn write_outcome(
+        &self,
+        r: Result<(u32, NtStatus)>,
+        len: usize,
+        done: &mut usize,
+        err: &mut Option<Error>,
+    ) {
+        match r {
+            Ok((n, STATUS_SUCCESS)) if n as usize == len => *done += len,
+            Ok((n, STATUS_SUCCESS)) => {
+                err.get_or_insert(Error::Io(format!("short write: {n} of {len} bytes")));
+            }
+            Ok((_, st)) => {
+                err.get_or_insert(status_error(
+                    format!("WRITE to {}/{}", self.export, self.path),
+                    st,
+                ));
+            }
+            Err(x) => {
+                err.get_or_insert(x);
+            }
         }
     }
 
@@ -1270,23 +1247,6 @@ impl File {
         match e.wait(r, None)? {
             (_, STATUS_SUCCESS) => Ok(()),
             (_, st) => Err(status_error("CANCEL", st)),
-        }
-    }
-
-    /// Cancel the requests of `call` still outstanding, and keep it from
-    /// issuing more (a dropped async future).
-    pub(crate) fn cancel_call(&self, call: &asynch::CallRequests) -> Result<()> {
-        for req in call.cancel() {
-            self.cancel_request(req)?;
-        }
-        Ok(())
-    }
-
-    /// Record `req` in `call`; if the call was cancelled meanwhile, the
-    /// canceller has not seen it: cancel it here.
-    fn track(&self, call: Option<&asynch::CallRequests>, req: lwio_proto::client::ReqId) {
-        if call.is_some_and(|c| !c.add(req)) {
-            let _ = self.cancel_request(req);
         }
     }
 
