@@ -105,7 +105,24 @@ pub enum Error {
 
 impl From<lwio_rdma::Error> for Error {
     fn from(e: lwio_rdma::Error) -> Error {
-        Error::Rdma(e.to_string())
+        match e {
+            // The server says why in the reject ("server busy: 256
+            // connections (limit 256)", "out of receive memory: …"): pass
+            // it on, printable characters only.
+            lwio_rdma::Error::Rejected { private_data } => {
+                let why: String = String::from_utf8_lossy(&private_data)
+                    .chars()
+                    .filter(|c| !c.is_control())
+                    .take(200)
+                    .collect();
+                if why.is_empty() {
+                    Error::Rdma("the server refused the RDMA connection".into())
+                } else {
+                    Error::Busy(why)
+                }
+            }
+            e => Error::Rdma(e.to_string()),
+        }
     }
 }
 

@@ -779,6 +779,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         }
     }
 
+    /// The server's metrics, OpenMetrics text (docs/metrics.md).
+    pub async fn stats(&mut self) -> Result<String> {
+        match self.call(Request::Stats).await? {
+            Response::Metrics(t) => Ok(t),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     pub async fn statfs(&mut self, export: &str) -> Result<StatFs> {
         match self
             .call(Request::Statfs {
@@ -982,6 +990,10 @@ impl Client {
     /// See [`AsyncClient::ack_break`].
     pub fn ack_break(&mut self, lease_id: u64) -> Result<()> {
         self.rt.block_on(self.inner.ack_break(lease_id))
+    }
+    /// See [`AsyncClient::stats`].
+    pub fn stats(&mut self) -> Result<String> {
+        self.rt.block_on(self.inner.stats())
     }
     pub fn statfs(&mut self, export: &str) -> Result<StatFs> {
         self.rt.block_on(self.inner.statfs(export))

@@ -79,6 +79,13 @@ Examples:
   lwio stat lwio://storage1/data/db/file.bin
   LWIO_TOKEN=$(cat token) lwio stat lwio://10.0.0.5/data/")]
     Stat(UrlArgs),
+    /// Show a server's metrics: connections, credits, memory, requests by
+    /// opcode with latency, error statuses (the series of `serve --metrics`).
+    #[command(after_help = "\
+Examples:
+  lwio stats lwio://storage1/            a table for a person
+  lwio stats --raw lwio://storage1/      the OpenMetrics text, as Prometheus scrapes it")]
+    Stats(StatsArgs),
     /// Remove a file, a symbolic link or an empty directory.
     #[command(after_help = "\
 Examples:
@@ -269,6 +276,10 @@ pub struct ServeArgs {
     /// port 0 picks a free port).
     #[arg(long, value_name = "ADDR")]
     pub rdma_listen: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (plain HTTP: bind it
+    /// to a management address). Same as `metrics_listen = "ADDR"`.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
     /// Also accept the seed's unkeyed MD5 RDMA AUTH signature (insecure:
     /// anyone who knows a negotiate Key can then authenticate; see
     /// docs/security.md). Same as `compat_md5_auth = true`.
@@ -281,6 +292,18 @@ pub struct UrlArgs {
     /// lwio://HOST[:PORT]/EXPORT/PATH
     #[arg(value_parser = LwioUrl::parse)]
     pub url: LwioUrl,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// lwio://HOST[:PORT]/
+    #[arg(value_parser = LwioUrl::parse)]
+    pub url: LwioUrl,
+    /// Print the OpenMetrics text instead of the table.
+    #[arg(long)]
+    pub raw: bool,
     #[command(flatten)]
     pub client: ClientArgs,
 }
@@ -468,6 +491,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Serve(a) => serve(a),
         Command::Ls(a) => ls(a),
         Command::Stat(a) => stat(a),
+        Command::Stats(a) => stats(a),
         Command::Rm(a) => {
             let export = a.url.require_export()?.to_string();
             if a.url.path.is_empty() {
@@ -759,6 +783,18 @@ fn ls(a: LsArgs) -> CliResult {
     Ok(())
 }
 
+fn stats(a: StatsArgs) -> CliResult {
+    let text = connect(&a.url, &a.client)?.stats()?;
+    let mut out = std::io::stdout().lock();
+    if a.raw {
+        out.write_all(text.as_bytes())?;
+    } else {
+        let server = format!("lwio://{}/", a.url.authority());
+        out.write_all(crate::cmd::stats::table(&server, &text).as_bytes())?;
+    }
+    Ok(())
+}
+
 fn stat(a: UrlArgs) -> CliResult {
     let export = a.url.require_export()?.to_string();
     let attr = connect(&a.url, &a.client)?.stat(&export, &a.url.path)?;
@@ -970,6 +1006,9 @@ fn serve(a: ServeArgs) -> CliResult {
             out.flush()?;
         }
         crate::cmd::serve::attach_rdma(&mut server, &c, a.rdma_listen.as_deref())?;
+        if let Some(m) = a.metrics.as_deref().or(c.metrics_listen.as_deref()) {
+            crate::cmd::serve::start_metrics(&server, m).await?;
+        }
         if let Some(p) = &a.ready_file {
             write_ready_file(p, &addr)?;
         }

@@ -48,6 +48,8 @@ struct Served {
     fingerprint: String,
     token: PathBuf,
     data: PathBuf,
+    /// Where `--metrics` serves.
+    metrics: String,
     /// Keeps the temporary directory alive.
     _dir: tempfile::TempDir,
 }
@@ -134,6 +136,8 @@ fn serve_with(wrap: &[&str], setup: &str) -> Option<Served> {
         token.display().to_string(),
         "--ready-file".into(),
         ready.display().to_string(),
+        "--metrics".into(),
+        "127.0.0.1:0".into(),
     ];
     let mut cmd = if wrap.is_empty() {
         let mut c = Command::new(&serve[0]);
@@ -183,12 +187,19 @@ fn serve_with(wrap: &[&str], setup: &str) -> Option<Served> {
         .find_map(|l| l.strip_prefix("lwio: TLS fingerprint "))
         .expect("TLS fingerprint printed")
         .to_string();
+    let metrics = out
+        .lines()
+        .find_map(|l| l.strip_prefix("lwio: metrics on http://"))
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .expect("metrics address printed")
+        .to_string();
     Some(Served {
         child,
         addr,
         fingerprint,
         token,
         data,
+        metrics,
         _dir: dir,
     })
 }
@@ -685,4 +696,108 @@ fn interrupted_cp_removes_its_partial_file() {
     assert!(stderr.contains("interrupted by SIGINT"), "{stderr}");
     assert!(!s.data.join("big.bin").exists());
     assert!(no_part_files(&s.data), "partial file left");
+}
+
+/// `GET path` on the metrics listener: (status line, body).
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    write!(c, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut r = String::new();
+    c.read_to_string(&mut r).unwrap();
+    let (head, body) = r.split_once("\r\n\r\n").expect("an HTTP response");
+    (
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    )
+}
+
+/// The value of one series (`name{labels}` exactly as exposed).
+fn series(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// `lwio serve --metrics`: Prometheus text that counts what clients did,
+/// exactly: a copy in is WRITE bytes, a cat is READ bytes, each request is
+/// in the latency histogram; the server exposes no memory.
+#[test]
+fn metrics_count_what_clients_did() {
+    let s = serve();
+    let (status, body) = http_get(&s.metrics, "/metrics");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(
+        series(&body, "lwio_request_bytes_total{op=\"write\"}"),
+        Some(0.0)
+    );
+    assert_eq!(http_get(&s.metrics, "/").0, "HTTP/1.1 404 Not Found");
+
+    let local = tempfile::tempdir().unwrap();
+    let src = local.path().join("m.bin");
+    let data = write_pattern(&src, (1 << 20) + 3, 9);
+    s.cmd(&["cp", src.to_str().unwrap(), &s.url("data/m.bin")])
+        .assert()
+        .success();
+    let out = s.cmd(&["cat", &s.url("data/m.bin")]).output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(out.stdout, data);
+
+    // Connections add their counts in every 50 ms and when they close.
+    let t0 = Instant::now();
+    let text = loop {
+        let (_, text) = http_get(&s.metrics, "/metrics");
+        let w = series(&text, "lwio_request_bytes_total{op=\"write\"}");
+        let r = series(&text, "lwio_request_bytes_total{op=\"read\"}");
+        if w == Some(data.len() as f64) && r == Some(data.len() as f64) {
+            break text;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "write/read bytes {w:?}/{r:?}, want {}:\n{text}",
+            data.len()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    for op in ["write", "read", "auth", "register", "close"] {
+        let n = series(&text, &format!("lwio_requests_total{{op=\"{op}\"}}")).unwrap();
+        let done = series(
+            &text,
+            &format!("lwio_requests_completed_total{{op=\"{op}\"}}"),
+        );
+        let hist = series(
+            &text,
+            &format!("lwio_request_latency_seconds_count{{op=\"{op}\"}}"),
+        );
+        assert!(n >= 1.0, "{op}: {n}");
+        assert_eq!(done, Some(n), "{op} answered");
+        assert_eq!(hist, Some(n), "{op} in the histogram");
+    }
+    assert_eq!(series(&text, "lwio_rdma_remote_access_regions"), Some(0.0));
+    assert_eq!(series(&text, "lwio_rdma_memory_windows"), Some(0.0));
+    assert!(series(&text, "lwio_rdma_connections_accepted_total").unwrap() >= 2.0);
+    // The same figures over the side channel, for a person.
+    let out = s.cmd(&["stats", &s.url("")]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8(out.stdout).unwrap();
+    let write = table
+        .lines()
+        .find(|l| l.starts_with("write "))
+        .unwrap_or_else(|| panic!("no write row:\n{table}"));
+    assert!(write.contains(" 1.0 MiB "), "{write}");
+    assert!(
+        table.contains("Exposed memory       0 regions, 0 windows"),
+        "{table}"
+    );
+    let raw = s.cmd(&["stats", "--raw", &s.url("")]).output().unwrap();
+    assert!(String::from_utf8(raw.stdout)
+        .unwrap()
+        .contains("# TYPE lwio_requests counter"));
+    assert!(
+        text.contains("lwio_request_latency_seconds_bucket{le=\"+Inf\",op=\"read\"}")
+            || text.contains("lwio_request_latency_seconds_bucket{op=\"read\",le=\"+Inf\"}")
+    );
 }

@@ -35,6 +35,7 @@ pub mod client;
 pub mod fragment;
 pub mod server;
 pub mod sidechannel;
+pub mod stats;
 pub mod status;
 pub mod transport;
 pub mod wire;

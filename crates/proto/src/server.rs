@@ -8,9 +8,10 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use crate::stats::RequestStats;
 use crate::status::*;
 use crate::wire::auth::{AuthParamsPacket, ENDIAN_64};
-use crate::wire::common::{CancelTarget, CompletionMode, RequestOp};
+use crate::wire::common::{CancelTarget, CompletionMode, Opcode, RequestOp};
 use crate::wire::{
     AuthParamsRepr, FidParamsRepr, Guid, IoStatusBlock, RdmaRegion, RequestRepr, SignatureAlg,
     SrvResumeKey, StatusResponse, COMMON_HEADER_LEN, FILE_NO_INTERMEDIATE_BUFFERING, LWIO_REV_ID,
@@ -189,6 +190,9 @@ enum IoKind {
 
 #[derive(Debug, Clone)]
 struct PendingIo {
+    /// Its opcode and when it arrived (request statistics).
+    opcode: Opcode,
+    started: Instant,
     fid: u16,
     kind: IoKind,
     mode: CompletionMode,
@@ -214,12 +218,18 @@ pub struct ServerConn {
     credit_hint: u8,
     credit_tx: Option<CreditTx>,
     unused_credits_reported: u32,
-    interrupt: Option<u64>,
+    /// A pending INTERRUPT: its cookie and when it arrived.
+    interrupt: Option<(u64, Instant)>,
     fids: BTreeMap<u16, FileEntry>,
     next_fid: u16,
     ops: HashMap<OpId, PendingIo>,
     next_op: OpId,
     actions: VecDeque<ServerAction>,
+    stats: RequestStats,
+    /// The request being answered (its opcode and arrival), and the time
+    /// of the event being handled: for the statistics.
+    cur: Option<(Opcode, Instant)>,
+    now: Instant,
 }
 
 impl ServerConn {
@@ -243,6 +253,29 @@ impl ServerConn {
             ops: HashMap::new(),
             next_op: 1,
             actions: VecDeque::new(),
+            stats: RequestStats::default(),
+            cur: None,
+            now,
+        }
+    }
+
+    /// The requests served so far: by opcode, latency and error status.
+    pub fn request_stats(&self) -> &RequestStats {
+        &self.stats
+    }
+
+    /// [`ServerConn::request_stats`], handed over and reset (for an
+    /// embedder that adds them into its totals now and then).
+    pub fn take_request_stats(&mut self) -> RequestStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// Count the answer to the request being handled (`self.cur`).
+    fn answered(&mut self, information: u32, status: NtStatus) {
+        if let Some((op, started)) = self.cur {
+            let bytes = if op.is_io() { information } else { 0 };
+            let latency = self.now.saturating_duration_since(started);
+            self.stats.completed(op, status, latency, bytes);
         }
     }
 
@@ -349,6 +382,10 @@ impl ServerConn {
     }
 
     fn send_status(&mut self, cookie: u64, information: u32, status: NtStatus) {
+        if cookie != 0 {
+            // (Cookie 0: the server's own credit notification.)
+            self.answered(information, status);
+        }
         let s = StatusResponse {
             cookie,
             ios: IoStatusBlock {
@@ -373,10 +410,13 @@ impl ServerConn {
             CompletionMode::Interrupt { cookie, .. } => {
                 if !imm_sent {
                     self.send_status(cookie, information, status)
+                } else {
+                    self.answered(information, status);
                 }
             }
             CompletionMode::Polled { ios_va, ios_mh } => {
                 self.polled_completions += 1;
+                self.answered(information, status);
                 let b = IoStatusBlock {
                     information,
                     status,
@@ -397,8 +437,10 @@ impl ServerConn {
     /// Complete an I/O request, then answer a pending INTERRUPT.
     fn complete_io(&mut self, mode: CompletionMode, information: u32, status: NtStatus, imm: bool) {
         self.complete(mode, information, status, imm);
-        if let Some(cookie) = self.interrupt.take() {
+        if let Some((cookie, at)) = self.interrupt.take() {
+            let io = self.cur.replace((Opcode::Interrupt, at));
             self.send_status(cookie, 0, STATUS_SUCCESS);
+            self.cur = io;
             self.outstanding = self.outstanding.saturating_sub(1);
         }
     }
@@ -433,6 +475,12 @@ impl ServerConn {
 
     /// Process one received message (exactly the bytes received).
     pub fn handle_recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
+        self.now = now;
+        self.recv(now, msg, hooks);
+        self.cur = None;
+    }
+
+    fn recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
         if self.state == State::Closed {
             return;
         }
@@ -440,6 +488,9 @@ impl ServerConn {
             Ok(r) => r,
             Err(_) => return self.close(CloseReason::ProtocolViolation("malformed message")),
         };
+        let opcode = req.opcode();
+        self.stats.received(opcode);
+        self.cur = Some((opcode, now));
         let mode = req.mode();
         if let CompletionMode::Interrupt { cookie: 0, .. } = mode {
             return self.close(CloseReason::ProtocolViolation("cookie 0"));
@@ -529,7 +580,7 @@ impl ServerConn {
                     self.complete(mode, 0, STATUS_INVALID_DEVICE_REQUEST, false);
                 } else {
                     // Answered (and its credit released) by the next I/O completion.
-                    self.interrupt = Some(cookie);
+                    self.interrupt = Some((cookie, now));
                 }
             }
         }
@@ -805,7 +856,10 @@ impl ServerConn {
         if length == 0 {
             return self.complete_io(mode, 0, STATUS_SUCCESS, false);
         }
+        let (opcode, started) = self.cur.unwrap_or((Opcode::Read, self.now));
         let op = self.new_op(PendingIo {
+            opcode,
+            started,
             fid,
             kind,
             mode,
@@ -940,7 +994,10 @@ impl ServerConn {
         if data.is_empty() {
             return self.complete_io(mode, 0, STATUS_SUCCESS, false);
         }
+        let (opcode, started) = self.cur.unwrap_or((Opcode::Read, self.now));
         let op = self.new_op(PendingIo {
+            opcode,
+            started,
             fid,
             kind: IoKind::Write,
             mode,
@@ -964,7 +1021,6 @@ impl ServerConn {
         op: OpId,
         result: Result<u32, NtStatus>,
     ) {
-        let _ = now;
         let Some(p) = self.ops.remove(&op) else {
             return;
         };
@@ -973,6 +1029,14 @@ impl ServerConn {
             // releases every buffer and file of the connection itself.
             return;
         }
+        // (Also called while a CANCEL is handled: its request comes back.)
+        let outer = (self.cur.replace((p.opcode, p.started)), self.now);
+        self.now = self.now.max(now);
+        self.storage_complete(op, p, result);
+        (self.cur, self.now) = outer;
+    }
+
+    fn storage_complete(&mut self, op: OpId, p: PendingIo, result: Result<u32, NtStatus>) {
         if let Some(f) = self.fids.get_mut(&p.fid) {
             f.inflight = f.inflight.saturating_sub(1);
         }

@@ -1634,3 +1634,59 @@ fn cancel_in_the_same_batch_withdraws_the_unstarted_io() {
         assert!(s.server_closed.is_none() && s.client_closed.is_none());
     }
 }
+
+/// The server counts what it serves (the metrics of `lwio serve --metrics`
+/// and `lwio stats`): requests, answers and bytes by opcode, latency from
+/// arrival to answer on the fake clock, and error statuses.
+#[test]
+fn server_request_stats_follow_the_fake_clock() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    // A READ held at the storage for 300 µs.
+    s.storage.defer = true;
+    let r = s.client.read(fid, 0, 4000, DATA, Mode::Polled).unwrap();
+    s.pump();
+    s.now += Duration::from_micros(300);
+    s.release_held();
+    s.pump();
+    assert_eq!(s.completion(r), Some((4000, STATUS_SUCCESS)));
+    s.storage.defer = false;
+    let w = s.client.write(fid, 100, b"hello", Mode::Interrupt).unwrap();
+    s.pump();
+    assert_eq!(s.completion(w), Some((5, STATUS_SUCCESS)));
+    // A READ of a Fid never registered: refused at once.
+    let bad = s
+        .client
+        .read(fid + 7, 0, 10, DATA, Mode::Interrupt)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.completion(bad), Some((0, STATUS_INVALID_HANDLE)));
+
+    let st = s.server.request_stats().clone();
+    for op in [Opcode::Auth, Opcode::Register, Opcode::Write] {
+        let o = st.op(op);
+        assert_eq!((o.requests, o.completed), (1, 1), "{op:?}");
+    }
+    assert_eq!(st.op(Opcode::Write).bytes, 5);
+    let rd = st.op(Opcode::Read);
+    assert_eq!((rd.requests, rd.completed, rd.bytes), (2, 2, 4000));
+    // 300 µs lands in the ≤ 500 µs bucket, the refusal (no time passed) in
+    // the first; nothing else.
+    let i500 = lwio_proto::stats::LATENCY_BOUNDS_US
+        .iter()
+        .position(|&b| b == 500)
+        .unwrap();
+    assert_eq!(rd.latency_buckets[i500], 1);
+    assert_eq!(rd.latency_buckets[0], 1);
+    assert_eq!(rd.latency_buckets.iter().sum::<u64>(), 2);
+    assert_eq!(rd.latency_sum_ns, 300_000);
+    assert_eq!(st.op(Opcode::Close).requests, 0);
+    assert_eq!(
+        st.errors.iter().map(|(k, v)| (*k, *v)).collect::<Vec<_>>(),
+        vec![(STATUS_INVALID_HANDLE, 1)]
+    );
+    // Handed over once.
+    assert_eq!(s.server.take_request_stats(), st);
+    assert!(s.server.request_stats().is_empty());
+}

@@ -69,6 +69,9 @@ pub struct Limits {
     pub unauth_rate: u32,
     /// Burst of new connections, server-wide.
     pub unauth_burst: u32,
+    /// Live RDMA connections, server-wide; further connection requests are
+    /// refused at MPA time with "server busy: N connections (limit N)".
+    pub max_rdma_connections: usize,
     /// Live RDMA connections from one IP address (authenticated or not);
     /// further connection requests are rejected "busy" at MPA time.
     pub max_rdma_connections_per_host: usize,
@@ -100,6 +103,7 @@ impl Default for Limits {
             unauth_burst_per_host: 40,
             unauth_rate: 200,
             unauth_burst: 400,
+            max_rdma_connections: 256,
             max_rdma_connections_per_host: 32,
             max_leases_per_session: 1024,
             max_leases: 65_536,
@@ -248,6 +252,9 @@ pub struct Config {
     /// RDMA listen address (`HOST:PORT`); default: the side channel's host
     /// with its port + 1 (port 0 stays 0). `--rdma-listen` overrides it.
     pub rdma_listen: Option<String>,
+    /// Serve Prometheus metrics on `HOST:PORT` (`GET /metrics`);
+    /// `--metrics` overrides it. Off by default.
+    pub metrics_listen: Option<String>,
     /// Also accept the seed's unkeyed MD5 signature on RDMA AUTH
     /// (`lwio_proto::server::ServerConfig::allow_md5`). Insecure; off by
     /// default.
@@ -274,6 +281,7 @@ impl Default for Config {
             provider: ProviderChoice::Auto,
             device: None,
             rdma_listen: None,
+            metrics_listen: None,
             compat_md5_auth: false,
             exports: BTreeMap::new(),
             limits: Limits::default(),
@@ -359,6 +367,7 @@ impl Config {
             ("unauth_burst_per_host", l.unauth_burst_per_host as usize),
             ("unauth_rate", l.unauth_rate as usize),
             ("unauth_burst", l.unauth_burst as usize),
+            ("max_rdma_connections", l.max_rdma_connections),
             (
                 "max_rdma_connections_per_host",
                 l.max_rdma_connections_per_host,
@@ -537,6 +546,7 @@ unauth_burst = 400
 max_leases_per_session = 1024
 max_leases = 65536
 lease_break_timeout = "2s"
+max_rdma_connections = 256
 max_rdma_connections_per_host = 32
 
 [io]

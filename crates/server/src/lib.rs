@@ -7,6 +7,7 @@
 pub mod config;
 pub mod fs;
 pub mod io_phase;
+pub mod metrics;
 pub mod server;
 pub mod side;
 

@@ -174,6 +174,11 @@ pub trait RdmaPhase: Send + Sync + 'static {
     /// the trigger (poll [`Shutdown::is_triggered`] or block in
     /// [`Shutdown::wait_timeout`]).
     fn serve(&self, state: Arc<ServerState>, shutdown: Shutdown);
+
+    /// Its figures for the metrics (`None`: it keeps none).
+    fn snapshot(&self) -> Option<crate::metrics::RdmaSnapshot> {
+        None
+    }
 }
 
 /// State shared by the side channel and the RDMA phase.
@@ -199,6 +204,8 @@ pub struct ServerState {
     negotiations: Mutex<HashMap<Guid, NegotiatedClient>>,
     rdma_endpoints: RwLock<Vec<Instance>>,
     next_session: AtomicU64,
+    /// The RDMA phase, for its metrics.
+    rdma_phase: std::sync::OnceLock<Arc<dyn RdmaPhase>>,
 }
 
 impl std::fmt::Debug for ServerState {
@@ -259,6 +266,11 @@ impl ServerState {
     }
 
     /// Number of logged-in sessions.
+    /// The RDMA phase's figures for the metrics, if it has one.
+    pub fn rdma_snapshot(&self) -> Option<crate::metrics::RdmaSnapshot> {
+        self.rdma_phase.get().and_then(|p| p.snapshot())
+    }
+
     pub fn session_count(&self) -> usize {
         lock(&self.sessions).len()
     }
@@ -405,6 +417,7 @@ impl Server {
             negotiations: Mutex::new(HashMap::new()),
             rdma_endpoints: RwLock::new(Vec::new()),
             next_session: AtomicU64::new(1),
+            rdma_phase: std::sync::OnceLock::new(),
         });
         for e in state.exports.iter() {
             tracing::info!(
@@ -439,6 +452,7 @@ impl Server {
 
     /// Attach the RDMA phase (hook for the RDMA listener).
     pub fn set_rdma_phase(&mut self, phase: Arc<dyn RdmaPhase>) {
+        let _ = self.state.rdma_phase.set(phase.clone());
         self.rdma = Some(phase);
     }
 

@@ -214,6 +214,8 @@ pub enum Request {
     Statfs {
         export: String,
     },
+    /// The server's metrics (docs/metrics.md), for `lwio stats`.
+    Stats,
     /// Remove with unlink(2) or rmdir(2) semantics.
     Remove2 {
         export: String,
@@ -352,6 +354,8 @@ pub enum Response {
     /// A symlink's target (`Readlink`).
     Target(String),
     StatFs(StatFs),
+    /// The server's metrics in the OpenMetrics text format (`Stats`).
+    Metrics(String),
     DirPageX {
         entries: Vec<(String, AttrX)>,
         next_cookie: u64,
@@ -416,6 +420,8 @@ pub mod ty {
     pub const RELEASE_LEASE: u16 = 0x0020;
     pub const WATCH_BREAKS: u16 = 0x0021;
     pub const LEASE_BREAK_ACK: u16 = 0x0022;
+    pub const STATS: u16 = 0x0030;
+    pub const METRICS: u16 = 0x8030;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -867,6 +873,7 @@ impl Request {
                 w = W::head(ty::STATFS, id);
                 w.str(export);
             }
+            Request::Stats => w = W::head(ty::STATS, id),
             Request::Remove2 { export, path, kind } => {
                 w = W::head(ty::REMOVE2, id);
                 w.str(export);
@@ -1087,6 +1094,7 @@ impl Request {
                 path: r.str()?,
             },
             ty::STATFS => Request::Statfs { export: r.str()? },
+            ty::STATS => Request::Stats,
             ty::LOCK => {
                 let (handle, owner, kind) = (r.u64()?, r.u64()?, r.u8()?);
                 if kind > 2 {
@@ -1267,6 +1275,10 @@ impl Response {
                 w = W::head(ty::TARGET, id);
                 w.str(t);
             }
+            Response::Metrics(t) => {
+                w = W::head(ty::METRICS, id);
+                w.bytes(t.as_bytes());
+            }
             Response::Offset(o) => {
                 w = W::head(ty::OFFSET, id);
                 w.u64(*o);
@@ -1395,6 +1407,9 @@ impl Response {
             },
             ty::ATTRX => Response::AttrX(r.attrx()?),
             ty::TARGET => Response::Target(r.str()?),
+            ty::METRICS => Response::Metrics(
+                String::from_utf8(r.bytes()?).map_err(|_| DecodeError("metrics are not UTF-8"))?,
+            ),
             ty::OFFSET => Response::Offset(r.u64()?),
             ty::COPIED => Response::Copied(r.u64()?),
             ty::LOCK_INFO => {

@@ -12,6 +12,7 @@ pub mod cp;
 pub mod mount;
 pub mod rdma_bench;
 pub mod serve;
+pub mod stats;
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -67,6 +68,8 @@ pub fn describe(e: &lwio_client::Error) -> String {
             m.clone()
         }
         E::ConnectionLost(m) => format!("the server went away: {m}"),
+        // The server's own reason for refusing ("server busy: …").
+        E::Busy(m) => m.clone(),
         E::Status { what, status } if *status == STATUS_DISK_FULL => {
             format!("{what}: no space left on the server's disk (STATUS_DISK_FULL)")
         }

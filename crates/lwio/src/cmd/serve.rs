@@ -47,6 +47,24 @@ pub fn rdma_listen_addr(
     Ok(SocketAddr::new(side_bound.ip(), port))
 }
 
+/// Serve Prometheus metrics on `addr` beside `server` (until its shutdown);
+/// prints `lwio: metrics on http://ADDR/metrics`.
+pub async fn start_metrics(server: &Server, addr: &str) -> anyhow::Result<()> {
+    let l = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {addr}: {e}"))?;
+    let bound = l.local_addr()?;
+    tokio::spawn(lwio_server::metrics::serve(
+        l,
+        server.state().clone(),
+        server.shutdown_handle(),
+    ));
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "lwio: metrics on http://{bound}/metrics")?;
+    out.flush()?;
+    Ok(())
+}
+
 /// Bind the RDMA listener for `c` and attach it to `server`; prints
 /// `lwio: RDMA listening on ADDR (provider P, DEVICE, TRANSPORT)` on stdout,
 /// one line per listener.

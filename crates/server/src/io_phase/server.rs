@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 use lwio_proto::server::{
     CloseReason, DataSource, OpId, ServerAction, ServerConfig, ServerConn, ServerHooks,
 };
+use lwio_proto::stats::RequestStats;
 use lwio_proto::status::*;
 use lwio_proto::transport::{CrcPolicy, Instance, WireTransport};
 use lwio_proto::wire::auth::derive_session_secret;
@@ -189,6 +190,8 @@ pub struct ServerStats {
     /// Storage I/Os that ended cancelled (CANCEL, or the connection
     /// closing): still queued, or stopped while running on io_uring.
     pub ios_cancelled: u64,
+    /// Jobs waiting for a storage thread now.
+    pub storage_queue: usize,
 }
 
 enum Control {
@@ -225,7 +228,15 @@ struct Shared {
     closed_by_protocol: AtomicU64,
     inline_ios: AtomicU64,
     ios_cancelled: AtomicU64,
+    /// Request counters of closed connections and, up to
+    /// [`STATS_FLUSH`] behind, of live ones.
+    requests: Mutex<RequestStats>,
+    /// Jobs queued for the storage threads and not yet taken.
+    storage_queued: Arc<AtomicUsize>,
 }
+
+/// How often a connection adds its request counters into the server's.
+const STATS_FLUSH: Duration = Duration::from_millis(50);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -358,7 +369,14 @@ impl ServerHandle {
             closed_by_protocol: s.closed_by_protocol.load(Ordering::Relaxed),
             inline_ios: s.inline_ios.load(Ordering::Relaxed),
             ios_cancelled: s.ios_cancelled.load(Ordering::Relaxed),
+            storage_queue: s.storage_queued.load(Ordering::Relaxed),
         }
+    }
+
+    /// Requests served, by opcode, latency and error status: those of
+    /// closed connections, and of live ones as of at most 50 ms ago.
+    pub fn request_stats(&self) -> RequestStats {
+        lock(&self.0.requests).clone()
     }
 
     /// Start a credit transaction of `delta` on every connection (those that
@@ -558,6 +576,8 @@ impl RdmaServer {
             closed_by_protocol: AtomicU64::new(0),
             inline_ios: AtomicU64::new(0),
             ios_cancelled: AtomicU64::new(0),
+            requests: Mutex::new(RequestStats::default()),
+            storage_queued: Arc::new(AtomicUsize::new(0)),
         });
         Ok(RdmaServer { listeners, shared })
     }
@@ -593,9 +613,24 @@ impl RdmaPhase for RdmaServer {
         self.listeners.iter().map(|l| l.instance).collect()
     }
 
+    fn snapshot(&self) -> Option<crate::metrics::RdmaSnapshot> {
+        let h = self.handle();
+        Some(crate::metrics::RdmaSnapshot {
+            stats: h.stats(),
+            requests: h.request_stats(),
+            credits: h.connection_credits(),
+            credit_budget: self.shared.opts.credit_budget,
+            max_connections: self.shared.opts.max_connections,
+        })
+    }
+
     fn serve(&self, state: Arc<ServerState>, shutdown: Shutdown) {
         let sh = &self.shared;
-        let pool = StoragePool::new(sh.opts.storage_threads, state.backend.clone());
+        let pool = StoragePool::new(
+            sh.opts.storage_threads,
+            state.backend.clone(),
+            sh.storage_queued.clone(),
+        );
         let mut threads: Vec<(u64, JoinHandle<()>)> = Vec::new();
         while !shutdown.is_triggered() {
             threads.retain(|(_, t)| !t.is_finished());
@@ -620,17 +655,28 @@ impl RdmaPhase for RdmaServer {
                 continue;
             };
             let peer = req.peer_addr();
-            if lock(&sh.conns).len() >= sh.opts.max_connections {
+            // The refusal's reason travels in the MPA reject's private data:
+            // the client prints it (not "peer closed").
+            let live = lock(&sh.conns).len();
+            if live >= sh.opts.max_connections {
                 warn!(%peer, limit = sh.opts.max_connections, "RDMA connection limit reached; rejecting");
                 sh.rejected.fetch_add(1, Ordering::Relaxed);
-                let _ = req.reject(b"busy");
+                let why = format!(
+                    "server busy: {live} connections (limit {})",
+                    sh.opts.max_connections
+                );
+                let _ = req.reject(why.as_bytes());
                 continue;
             }
             let ip = peer.ip();
             if !sh.host_acquire(ip) {
                 warn!(%peer, limit = sh.opts.max_connections_per_host, "RDMA connection limit per host reached; rejecting");
                 sh.rejected.fetch_add(1, Ordering::Relaxed);
-                let _ = req.reject(b"busy");
+                let why = format!(
+                    "server busy: {} connections from {ip} (limit {} per host)",
+                    sh.opts.max_connections_per_host, sh.opts.max_connections_per_host
+                );
+                let _ = req.reject(why.as_bytes());
                 continue;
             }
             let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
@@ -705,16 +751,19 @@ struct Job {
 #[derive(Clone)]
 struct StoragePool {
     tx: mpsc::SyncSender<Job>,
+    /// Jobs sent and not yet taken by a storage thread.
+    queued: Arc<AtomicUsize>,
 }
 
 impl StoragePool {
-    fn new(threads: usize, backend: Arc<dyn Backend>) -> StoragePool {
+    fn new(threads: usize, backend: Arc<dyn Backend>, queued: Arc<AtomicUsize>) -> StoragePool {
         let threads = threads.max(1);
         let (tx, rx) = mpsc::sync_channel::<Job>(threads * 256);
         let rx = Arc::new(Mutex::new(rx));
         for n in 0..threads {
             let rx = rx.clone();
             let backend = backend.clone();
+            let taken = queued.clone();
             let r = std::thread::Builder::new()
                 .name(format!("lwio-rdma-io-{n}"))
                 .spawn(move || loop {
@@ -722,6 +771,7 @@ impl StoragePool {
                         Ok(j) => j,
                         Err(_) => return,
                     };
+                    taken.fetch_sub(1, Ordering::Relaxed);
                     let res = run_job(&*backend, &job);
                     // Drop the job (its Arc of the read buffer) before the
                     // reply: the connection thread takes the buffer back
@@ -736,7 +786,7 @@ impl StoragePool {
                 warn!(error = %e, "cannot start a storage thread");
             }
         }
-        StoragePool { tx }
+        StoragePool { tx, queued }
     }
 }
 
@@ -1048,13 +1098,26 @@ impl Conn {
         let nomem = |what: &str| {
             lwio_rdma::Error::ResourceExhausted(format!("{what}: registered-memory budget"))
         };
-        let recv_mr = shared
-            .register(&pd, recv_slot * nrecv, Access::LOCAL_WRITE)
-            .map_err(|_| nomem("receive buffers"))?;
+        let out_of_memory = |req: lwio_rdma::ConnRequest| {
+            let why = format!(
+                "out of receive memory: {} MiB registered (limit {} MiB)",
+                shared.mem_used.load(Ordering::Relaxed) >> 20,
+                shared.opts.max_memory >> 20
+            );
+            let _ = req.reject(why.as_bytes());
+        };
+        let recv_mr = match shared.register(&pd, recv_slot * nrecv, Access::LOCAL_WRITE) {
+            Ok(m) => m,
+            Err(_) => {
+                out_of_memory(req);
+                return Err(nomem("receive buffers"));
+            }
+        };
         let send_mr = match shared.register(&pd, SEND_SLOT * sq_depth, Access::empty()) {
             Ok(m) => m,
             Err(_) => {
                 shared.unregister(recv_mr);
+                out_of_memory(req);
                 return Err(nomem("send buffers"));
             }
         };
@@ -1192,9 +1255,10 @@ impl Conn {
                     self.sconn.handle_timeout(now);
                 }
             }
-            if now.duration_since(last_tick) >= Duration::from_millis(50) {
+            if now.duration_since(last_tick) >= STATS_FLUSH {
                 last_tick = now;
                 self.balance(now);
+                self.flush_request_stats();
             }
             self.run_actions();
             if self.finished(now) {
@@ -1289,7 +1353,16 @@ impl Conn {
         }
     }
 
+    /// Add this connection's request counters into the server's.
+    fn flush_request_stats(&mut self) {
+        let st = self.sconn.take_request_stats();
+        if !st.is_empty() {
+            lock(&self.shared.requests).merge(&st);
+        }
+    }
+
     fn teardown(&mut self) {
+        self.flush_request_stats();
         let _ = self.qp.disconnect();
         // Storage jobs still running hold their read buffer by Arc; they
         // finish into a channel nobody reads. Registered memory is released
@@ -1711,11 +1784,14 @@ impl Conn {
             reply: self.done_tx.clone(),
             waker: self.waker.clone(),
         };
+        // Counted before it can be taken (and uncounted), never after.
+        self.pool.queued.fetch_add(1, Ordering::Relaxed);
         match self.pool.tx.try_send(job) {
             Ok(()) => {
                 self.cancels.insert(op, cancel);
             }
             Err(_) => {
+                self.pool.queued.fetch_sub(1, Ordering::Relaxed);
                 debug!(conn = self.id, op, "storage queue full");
                 if let Some(b) = self.read_bufs.get_mut(&op) {
                     b.at_storage = false;
@@ -1861,6 +1937,7 @@ impl RdmaServerOptions {
             device: c.device.clone(),
             listen,
             shutdown_grace: c.limits.shutdown_grace,
+            max_connections: c.limits.max_rdma_connections,
             max_connections_per_host: c.limits.max_rdma_connections_per_host,
             proto: lwio_proto::server::ServerConfig {
                 allow_md5: c.compat_md5_auth,

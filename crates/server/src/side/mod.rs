@@ -1188,6 +1188,8 @@ async fn handle(
             let ex = state.exports.get(&export)?.clone();
             blocking(move || Ok(Response::Target(ex.readlink(&path)?))).await
         }
+        // Any logged-in session: aggregate counters, no names or paths.
+        Request::Stats => Ok(Response::Metrics(crate::metrics::render(state))),
         Request::Statfs { export } => {
             check(state, who, &export, READ)?;
             let ex = state.exports.get(&export)?.clone();

@@ -111,6 +111,7 @@ fn all_requests() -> Vec<Request> {
             path: "l".into(),
         },
         Request::Statfs { export: "e".into() },
+        Request::Stats,
         Request::ListDirX {
             export: "e".into(),
             path: "d".into(),
@@ -250,6 +251,7 @@ fn all_responses() -> Vec<Response> {
             entries: vec![("l".into(), attrx())],
             next_cookie: 3,
         },
+        Response::Metrics("# TYPE lwio_sessions gauge\nlwio_sessions 1\n# EOF\n".into()),
         Response::StatFs(StatFs {
             bsize: 4096,
             frsize: 4096,

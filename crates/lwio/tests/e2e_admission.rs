@@ -1,0 +1,107 @@
+//! Admission on the RDMA listener: a refused client is told why, in one
+//! line, and a slot frees when a client leaves (issue 13's limits).
+
+use std::time::{Duration, Instant};
+
+use lwio_client::{Client, ClientOptions, Error, OpenOptions};
+use lwio_rdma::conformance::pattern;
+use lwio_server::config::Limits;
+use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::testkit::LocalServer;
+
+const TOKEN: &str = "e2e-admission-token-0123456789";
+
+fn connect(s: &LocalServer) -> Result<Client, Error> {
+    let opts = ClientOptions {
+        op_timeout: Duration::from_secs(20),
+        ..ClientOptions::default()
+    };
+    Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
+}
+
+/// With a cap of 5, the 6th client gets "server busy: 5 connections (limit
+/// 5)"; when one leaves, the next one gets in, and every admitted client
+/// moves data byte for byte.
+#[test]
+fn connection_cap_refuses_with_the_reason_and_frees_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let rdma = RdmaServerOptions {
+        max_connections: 5,
+        max_connections_per_host: 64,
+        ..RdmaServerOptions::default()
+    };
+    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let mut clients: Vec<Client> = (0..5)
+        .map(|_| connect(&s).expect("under the cap"))
+        .collect();
+    match connect(&s) {
+        Err(Error::Busy(m)) => assert_eq!(m, "server busy: 5 connections (limit 5)"),
+        Err(e) => panic!("want the server's reason, got: {e}"),
+        Ok(_) => panic!("a 6th connection got past a cap of 5"),
+    }
+    assert!(s.rdma.stats().rejected >= 1);
+    // One leaves: its slot frees (when its connection thread has closed).
+    drop(clients.pop());
+    let t0 = Instant::now();
+    let late = loop {
+        match connect(&s) {
+            Ok(c) => break c,
+            Err(Error::Busy(_)) if t0.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("no slot freed: {e}"),
+        }
+    };
+    clients.push(late);
+    for (i, c) in clients.iter().enumerate() {
+        let name = format!("f{i}");
+        let f = c
+            .open(&name, &OpenOptions::read_write().create(true))
+            .unwrap();
+        let data = pattern(i as u64, 10_000);
+        assert_eq!(f.write_at(&data, 3).unwrap(), data.len());
+        let mut back = vec![0u8; data.len()];
+        assert_eq!(f.read_at(&mut back, 3).unwrap(), data.len());
+        assert_eq!(back, data);
+        assert_eq!(
+            std::fs::read(dir.path().join(&name)).unwrap()[3..],
+            data[..]
+        );
+    }
+}
+
+/// A connection that cannot get its buffers within the registered-memory
+/// budget is refused with that reason, not "peer closed".
+#[test]
+fn out_of_registered_memory_is_the_reason_given() {
+    let dir = tempfile::tempdir().unwrap();
+    // Room for one connection's buffers, not two.
+    let probe = {
+        let s = LocalServer::start(
+            dir.path(),
+            "ex",
+            TOKEN,
+            Limits::default(),
+            RdmaServerOptions::default(),
+        )
+        .unwrap();
+        let c = connect(&s).unwrap();
+        let used = s.rdma.stats().registered_bytes;
+        drop(c);
+        used
+    };
+    let rdma = RdmaServerOptions {
+        max_memory: probe + probe / 2,
+        ..RdmaServerOptions::default()
+    };
+    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let _first = connect(&s).expect("one fits");
+    match connect(&s) {
+        Err(Error::Busy(m)) => assert!(
+            m.starts_with("out of receive memory: ") && m.ends_with(" MiB)"),
+            "{m}"
+        ),
+        Err(e) => panic!("want the server's reason, got: {e}"),
+        Ok(_) => panic!("a second connection fit in one connection's memory"),
+    }
+}

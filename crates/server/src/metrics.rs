@@ -1,0 +1,333 @@
+//! Metrics: `lwio serve --metrics ADDR` serves them in the Prometheus /
+//! OpenMetrics text format (`GET /metrics`), and the side channel's STATS
+//! request returns the same text to `lwio stats` (docs/metrics.md lists
+//! every series). Encoded by the prometheus-client crate from the server's
+//! own counters at each scrape (a [`Collector`]): the data path keeps plain
+//! per-connection counters (`lwio_proto::stats`) and adds them into the
+//! server's every 50 ms, so a scrape costs the data path nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lwio_proto::stats::{opcode_name, RequestStats, LATENCY_BOUNDS_US, OPCODES};
+use lwio_proto::status;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::io_phase::server::ServerStats;
+use crate::server::{ServerState, Shutdown};
+
+/// What the RDMA phase reports at a scrape.
+#[derive(Debug, Clone, Default)]
+pub struct RdmaSnapshot {
+    pub stats: ServerStats,
+    pub requests: RequestStats,
+    /// Credits granted to each live connection.
+    pub credits: Vec<usize>,
+    /// The credit budget shared by all connections.
+    pub credit_budget: u32,
+    /// The connection limit.
+    pub max_connections: usize,
+}
+
+/// The content type of [`render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[derive(Debug)]
+struct Figures {
+    sessions: usize,
+    rdma: Option<RdmaSnapshot>,
+}
+
+fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: i64) -> std::fmt::Result {
+    let g = ConstGauge::new(v);
+    g.encode(e.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> std::fmt::Result {
+    let c = ConstCounter::new(v);
+    c.encode(e.encode_descriptor(name, help, None, c.metric_type())?)
+}
+
+/// One counter family with an `op` label, over every opcode.
+fn by_op(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    r: &RequestStats,
+    f: impl Fn(&lwio_proto::stats::OpStats) -> u64,
+) -> std::fmt::Result {
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for op in OPCODES {
+        let labels = [("op", opcode_name(op))];
+        ConstCounter::new(f(r.op(op))).encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+fn i64_of(v: usize) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+impl Collector for Figures {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> std::fmt::Result {
+        gauge(
+            &mut e,
+            "lwio_sessions",
+            "Side-channel sessions logged in",
+            i64_of(self.sessions),
+        )?;
+        let Some(r) = &self.rdma else {
+            return Ok(());
+        };
+        let s = &r.stats;
+        gauge(
+            &mut e,
+            "lwio_rdma_connections",
+            "RDMA connections open",
+            i64_of(s.connections),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_connections_limit",
+            "RDMA connections the server accepts at most",
+            i64_of(r.max_connections),
+        )?;
+        counter(
+            &mut e,
+            "lwio_rdma_connections_accepted",
+            "RDMA connections accepted",
+            s.accepted,
+        )?;
+        counter(
+            &mut e,
+            "lwio_rdma_connections_rejected",
+            "RDMA connection requests refused (limits, bad or reused keys, out of memory)",
+            s.rejected,
+        )?;
+        counter(
+            &mut e,
+            "lwio_rdma_auth_ok",
+            "RDMA connections that authenticated",
+            s.auth_ok,
+        )?;
+        counter(
+            &mut e,
+            "lwio_rdma_auth_failed",
+            "RDMA connections that failed AUTH",
+            s.auth_failed,
+        )?;
+        counter(
+            &mut e,
+            "lwio_rdma_closed_by_protocol",
+            "RDMA connections the server closed for a protocol violation",
+            s.closed_by_protocol,
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_credits_granted",
+            "Credits granted to all connections",
+            s.credits_granted,
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_credit_budget",
+            "The credit budget the connections share",
+            i64::from(r.credit_budget),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_registered_bytes",
+            "Server memory registered for RDMA (receive, send and read buffers)",
+            i64_of(s.registered_bytes),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_remote_access_regions",
+            "Server memory regions with a remote right (the server exposes no memory: always 0)",
+            i64::try_from(s.mrs_remote_access).unwrap_or(i64::MAX),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_memory_windows",
+            "Memory windows allocated on the server (always 0)",
+            i64::try_from(s.mws_allocated).unwrap_or(i64::MAX),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_storage_queue_depth",
+            "File I/Os waiting for a storage thread",
+            i64_of(s.storage_queue),
+        )?;
+        counter(
+            &mut e,
+            "lwio_inline_ios",
+            "File I/Os done by the connection thread itself (page-cache fast path)",
+            s.inline_ios,
+        )?;
+        counter(
+            &mut e,
+            "lwio_ios_cancelled",
+            "File I/Os that ended cancelled",
+            s.ios_cancelled,
+        )?;
+        let q = &r.requests;
+        by_op(
+            &mut e,
+            "lwio_requests",
+            "LWIO requests received, by opcode",
+            q,
+            |o| o.requests,
+        )?;
+        by_op(
+            &mut e,
+            "lwio_requests_completed",
+            "LWIO requests answered, by opcode",
+            q,
+            |o| o.completed,
+        )?;
+        by_op(
+            &mut e,
+            "lwio_request_bytes",
+            "Data bytes moved by answered requests, by opcode",
+            q,
+            |o| o.bytes,
+        )?;
+        let mut m = e.encode_descriptor(
+            "lwio_request_latency_seconds",
+            "Time from a request's arrival to its answer, by opcode",
+            None,
+            MetricType::Histogram,
+        )?;
+        for op in OPCODES {
+            let o = q.op(op);
+            let mut buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
+                .iter()
+                .map(|&us| (us as f64 / 1e6, 0))
+                .chain(std::iter::once((f64::MAX, 0)))
+                .collect();
+            for (b, n) in buckets.iter_mut().zip(o.latency_buckets) {
+                b.1 = n;
+            }
+            let count = o.latency_buckets.iter().sum();
+            let sum = o.latency_sum_ns as f64 / 1e9;
+            m.encode_family(&[("op", opcode_name(op))])?
+                .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+        }
+        let mut m = e.encode_descriptor(
+            "lwio_request_errors",
+            "Requests answered with an error status, by NTSTATUS",
+            None,
+            MetricType::Counter,
+        )?;
+        for (st, n) in &q.errors {
+            let name = match status::name(*st) {
+                Some(n) => n.to_string(),
+                None => format!("{st:#010x}"),
+            };
+            ConstCounter::new(*n).encode(m.encode_family(&[("status", name.as_str())])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The server's metrics now, in the OpenMetrics text format.
+pub fn render(state: &ServerState) -> String {
+    let mut reg = Registry::default();
+    reg.register_collector(Box::new(Figures {
+        sessions: state.session_count(),
+        rdma: state.rdma_snapshot(),
+    }));
+    let mut out = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, &reg).is_err() {
+        out.clear();
+    }
+    out
+}
+
+/// Most scrapes served at once; more wait for their turn.
+const MAX_SCRAPES: usize = 8;
+/// The longest request head read.
+const MAX_HEAD: usize = 8192;
+
+/// Serve `GET /metrics` on `listener` until `shutdown` (plain HTTP/1.1,
+/// one request per connection; anything else gets 404 or 405).
+pub async fn serve(listener: TcpListener, state: Arc<ServerState>, shutdown: Shutdown) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
+    loop {
+        let (sock, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics listener: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.wait() => return,
+        };
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let r = tokio::time::timeout(Duration::from_secs(10), scrape(sock, &state)).await;
+            if !matches!(r, Ok(Ok(()))) {
+                tracing::debug!(%peer, "metrics request failed or timed out");
+            }
+        });
+    }
+}
+
+async fn scrape(mut sock: tokio::net::TcpStream, state: &ServerState) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(1024);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
+        let n = sock.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+        if head.len() > MAX_HEAD {
+            return respond(
+                &mut sock,
+                "431 Request Header Fields Too Large",
+                "text/plain",
+                "",
+            )
+            .await;
+        }
+    }
+    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    match (method, path) {
+        ("GET", "/metrics") => respond(&mut sock, "200 OK", CONTENT_TYPE, &render(state)).await,
+        ("GET", _) => respond(&mut sock, "404 Not Found", "text/plain", "try /metrics\n").await,
+        _ => respond(&mut sock, "405 Method Not Allowed", "text/plain", "").await,
+    }
+}
+
+async fn respond(
+    sock: &mut tokio::net::TcpStream,
+    status: &str,
+    ctype: &str,
+    body: &str,
+) -> std::io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    sock.write_all(head.as_bytes()).await?;
+    sock.write_all(body.as_bytes()).await?;
+    sock.shutdown().await
+}
