@@ -278,6 +278,10 @@ impl<T: AsRef<[u8]>> TerminatePacket<T> {
     pub fn ecode(&self) -> u8 {
         self.b()[1]
     }
+    /// The error triple (layer, etype, ecode) of the fixed word.
+    pub fn error(&self) -> TermError {
+        TermError::new(Layer::from_raw(self.layer()), self.etype(), self.ecode())
+    }
     /// M: DDP Segment Length valid.
     pub fn flag_m(&self) -> bool {
         self.b()[2] & M_FLAG != 0
@@ -317,6 +321,17 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> TerminatePacket<T> {
     pub fn set_ddp_segment_len(&mut self, v: u16) {
         super::put_u16(self.buffer.as_mut(), 4, v)
     }
+}
+
+/// The error triple of a received Terminate payload, `None` if the payload
+/// is shorter than the fixed word. Only the fixed word is read: a peer's
+/// flags and copied headers are not checked (a receiver that only reports
+/// the error needs nothing else, and must not refuse a Terminate over them).
+pub fn terminate_error(payload: &[u8]) -> Option<TermError> {
+    if payload.len() < TERMINATE_HDR_LEN {
+        return None;
+    }
+    Some(TerminatePacket::new_unchecked(payload).error())
 }
 
 /// Parsed Terminate message (header and copied headers).
@@ -421,11 +436,7 @@ impl TerminateRepr {
         if len < TERMINATE_HDR_LEN {
             return Err(Error::Truncated);
         }
-        let mut t = TerminateRepr::new(TermError::new(
-            Layer::from_raw(p.layer()),
-            p.etype(),
-            p.ecode(),
-        ));
+        let mut t = TerminateRepr::new(p.error());
         t.flag_m = p.flag_m();
         t.flag_d = p.flag_d();
         t.flag_r = p.flag_r();
@@ -575,6 +586,44 @@ mod tests {
         let t = TerminateRepr::for_segment(TermKind::DdpUntaggedInvalidMo.into(), 46, &hdr);
         assert_eq!(t.buffer_len(), 4 + 2 + 18);
         assert!(!t.flag_r);
+    }
+
+    #[test]
+    fn terminate_error_reads_the_fixed_word_only() {
+        use crate::wire::ddp::Kind;
+        use crate::wire::segment::SegmentHeader;
+        let mut h = [0u8; ddp::TAGGED_HDR_LEN];
+        SegmentHeader {
+            opcode: Opcode::Write,
+            last: true,
+            ddp: Kind::Tagged {
+                stag: 0x1234,
+                to: 99,
+            },
+            read_request: None,
+        }
+        .emit(&mut h)
+        .expect("tagged header");
+        let t = TerminateRepr::for_segment(TermKind::DdpTaggedBaseBounds.into(), 100, &h);
+        let out = t.to_vec();
+        assert_eq!(out.len(), TERMINATE_HDR_LEN + 2 + ddp::TAGGED_HDR_LEN);
+        assert_eq!(&out[6..], &h);
+        assert_eq!(
+            terminate_error(&out).and_then(|e| e.kind()),
+            Some(TermKind::DdpTaggedBaseBounds)
+        );
+        // D set but the segment length cut off: the triple is still read.
+        assert_eq!(
+            terminate_error(&out[..4]).and_then(|e| e.kind()),
+            Some(TermKind::DdpTaggedBaseBounds)
+        );
+        assert!(TerminatePacket::new_checked(&out[..4]).is_err());
+        assert_eq!(terminate_error(&out[..3]), None);
+        assert_eq!(terminate_error(&[]), None);
+        // An undefined triple comes back raw.
+        let e = terminate_error(&[0x3f, 0xee, 0, 0]).expect("four bytes");
+        assert_eq!((e.layer.to_raw(), e.etype, e.ecode), (3, 0xf, 0xee));
+        assert_eq!(e.kind(), None);
     }
 
     #[test]

@@ -17,14 +17,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lwio_iwarp::mpa::{CrcPolicy as MpaCrc, MpaConfig, MpaError, MpaEvent, MpaHandshake};
-use lwio_iwarp::wire::mpa::{FramePacket, FRAME_HEADER_LEN};
+use lwio_iwarp::wire::mpa::{FramePacket, FRAME_HEADER_LEN, MAX_PRIVATE_DATA as MAX_PD};
 
 use super::{check_init, create_qp, sys, CtxShared, Established, DEFAULT_IRD_ORD, MAX_IRD_ORD};
 use crate::verbs::*;
 
 /// Largest consumer private data (PD_Length minus the IRD/ORD words). Linux
 /// siw accepts at most 252 (it caps PD_Length at 256).
-pub const MAX_PRIVATE_DATA: usize = super::wire::MPA_MAX_PD - 4;
+pub const MAX_PRIVATE_DATA: usize = MAX_PD - 4;
 
 fn eff(v: u8) -> u8 {
     if v == 0 {
@@ -49,7 +49,7 @@ fn mpa_config(ctx: &CtxShared, ird: u8, ord: u8) -> MpaConfig {
         rtr_write: true,
         rtr_read: true,
         timeout: ctx.config.connect_timeout,
-        max_private_data: super::wire::MPA_MAX_PD,
+        max_private_data: MAX_PD,
     }
 }
 
@@ -84,7 +84,7 @@ fn exchange(h: &mut MpaHandshake, s: &mut TcpStream, what: &str) -> Result<Optio
     s.read_exact(&mut hdr).map_err(|e| io_err(what, e))?;
     let pd_len = FramePacket::new_unchecked(&hdr[..]).pd_length() as usize;
     let r = h.receive(&hdr, Instant::now()).map_err(mpa_err);
-    if r.is_err() || pd_len > super::wire::MPA_MAX_PD {
+    if r.is_err() || pd_len > MAX_PD {
         let _ = flush(h, s, what);
         r?;
         return Err(Error::Handshake(format!(
@@ -217,7 +217,7 @@ impl Pending {
             if self.buf.len() == self.need {
                 if self.need == FRAME_HEADER_LEN {
                     let pd = FramePacket::new_unchecked(&self.buf[..]).pd_length() as usize;
-                    if pd > super::wire::MPA_MAX_PD {
+                    if pd > MAX_PD {
                         return Progressed::Drop(format!("PD_Length {pd} > 512"));
                     }
                     self.need += pd;

@@ -8,8 +8,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use super::wire::TermKind;
 use crate::verbs::*;
+use lwio_iwarp::wire::term::TermKind;
 
 static NEXT_PD: AtomicU32 = AtomicU32::new(1);
 

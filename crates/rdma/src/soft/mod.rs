@@ -127,7 +127,6 @@ pub mod qp;
 pub mod sys;
 #[cfg(test)]
 mod tests;
-pub mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -138,6 +137,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use crate::verbs::*;
 use cq::{ChanShared, CqShared, SoftChannel, SoftCq};
 use lwio_iwarp::wire::mpa::{CRC_LEN, MPA_HDR_LEN};
+use lwio_iwarp::wire::{ddp, rdmap};
 use mem::{MemTable, SoftMw, SoftPd};
 use qp::{QpCore, QpParams, Shut, SockIo};
 use rustix::event::epoll::{Event, EventFlags};
@@ -587,13 +587,13 @@ pub(crate) fn create_qp(
     let peer = stream.peer_addr()?;
     let fd: OwnedFd = stream.into();
     let max_payload = if ctx.config.mulpdu > 0 {
-        ctx.config.mulpdu.saturating_sub(wire::UNTAGGED_HDR)
+        ctx.config.mulpdu.saturating_sub(ddp::UNTAGGED_HDR_LEN)
     } else {
         sys::mss(fd.as_raw_fd())
             .unwrap_or(1460)
-            .saturating_sub(MPA_HDR_LEN + CRC_LEN + wire::UNTAGGED_HDR)
+            .saturating_sub(MPA_HDR_LEN + CRC_LEN + ddp::UNTAGGED_HDR_LEN)
     }
-    .clamp(64, 0xffff - wire::UNTAGGED_HDR - wire::READ_REQ_LEN);
+    .clamp(64, 0xffff - ddp::UNTAGGED_HDR_LEN - rdmap::READ_REQUEST_LEN);
     let (scq, rcq) = (soft_cq(&init.send_cq)?, soft_cq(&init.recv_cq)?);
     if !Arc::ptr_eq(scq.ctx(), &ctx) || !Arc::ptr_eq(rcq.ctx(), &ctx) {
         return Err(Error::InvalidArgument("CQ of another context".into()));

@@ -21,15 +21,17 @@ use std::sync::Arc;
 
 use super::cq::CqShared;
 use super::mem::{MemTable, MrState, SoftMw};
-use super::wire::{self, op, TermError, TermKind};
 use crate::verbs::*;
 use lwio_iwarp::fpdu_rx::{FpduConfig, FpduEvent, FpduReceiver, RxError};
 use lwio_iwarp::rx::{DdpRxState, Segment};
 use lwio_iwarp::tx::{emit_fpdu_header, Trailer, TxState};
 use lwio_iwarp::wire::ddp::Kind as DdpKind;
 use lwio_iwarp::wire::mpa::MPA_HDR_LEN;
-use lwio_iwarp::wire::rdmap::{Opcode, ReadRequest, TerminateRepr};
+use lwio_iwarp::wire::rdmap::{
+    self, Opcode, ReadRequest, TerminateRepr, QN_READ_REQUEST, QN_SEND, QN_TERMINATE,
+};
 use lwio_iwarp::wire::segment::SegmentHeader;
+use lwio_iwarp::wire::term::{TermError, TermKind};
 
 /// Resolved local SGEs: pieces, the registrations keeping them alive, total length.
 type Resolved = (Vec<Piece>, Vec<Arc<MrState>>, u64);
@@ -221,11 +223,11 @@ enum RxState {
     Discard,
 }
 
-#[derive(Clone, Copy, Default, Debug)]
+#[derive(Clone, Copy, Debug)]
 struct Seg {
     tagged: bool,
     last: bool,
-    opcode: u8,
+    opcode: Opcode,
     stag: u32,
     to: u64,
     inv: u32,
@@ -234,6 +236,25 @@ struct Seg {
     mo: u32,
     paylen: usize,
     rr: Option<ReadRequest>,
+}
+
+impl Default for Seg {
+    /// No segment yet (read only after a header replaced it).
+    fn default() -> Seg {
+        Seg {
+            tagged: false,
+            last: false,
+            opcode: Opcode::Write,
+            stag: 0,
+            to: 0,
+            inv: 0,
+            qn: 0,
+            msn: 0,
+            mo: 0,
+            paylen: 0,
+            rr: None,
+        }
+    }
 }
 
 /// The staging (socket) buffer.
@@ -371,7 +392,7 @@ pub struct QpCore {
     dest: Vec<Piece>,
     dest_idx: usize,
     dest_off: u64,
-    ctl: Box<[u8; wire::TERM_MAX]>,
+    ctl: Box<[u8; TERM_MAX]>,
     cur_send: Option<CurSend>,
     tagged: Option<TaggedCtx>,
     pub peer_closed: bool,
@@ -379,6 +400,12 @@ pub struct QpCore {
     pub rx_more: bool,
     pub stats: RxStats,
 }
+
+/// Largest Terminate payload kept for reading its error triple: the fixed
+/// word, the segment length and the largest copied headers (4 + 2 + 18 +
+/// 28), rounded up; a longer payload's rest is dropped.
+const TERM_MAX: usize = 64;
+const _: () = assert!(TERM_MAX >= rdmap::TERMINATE_HDR_LEN + rdmap::TERMINATE_MAX_COPIED);
 
 /// A frame's header array: lwio-iwarp's largest FPDU header area.
 const TX_HDR: usize = lwio_iwarp::tx::MAX_TX_HDR;
@@ -496,7 +523,7 @@ impl QpCore {
             dest: Vec::with_capacity(8),
             dest_idx: 0,
             dest_off: 0,
-            ctl: Box::new([0; wire::TERM_MAX]),
+            ctl: Box::new([0; TERM_MAX]),
             cur_send: None,
             tagged: None,
             peer_closed: false,
@@ -927,7 +954,7 @@ impl QpCore {
     fn fatal(&mut self, code: impl Into<TermError>, with_hdr: bool) {
         let code: TermError = code.into();
         let hdr = self.fpdu.header_bytes();
-        let t = if with_hdr && hdr.len() >= wire::TAGGED_HDR {
+        let t = if with_hdr && hdr.len() >= lwio_iwarp::wire::ddp::TAGGED_HDR_LEN {
             TerminateRepr::for_segment(code, self.fpdu.ulpdu_len(), hdr)
         } else {
             TerminateRepr::new(code)
@@ -1063,8 +1090,8 @@ impl QpCore {
     fn next_frame(&mut self) -> Option<TxFrame> {
         if let Some(t) = self.term_out.take() {
             let mut f = Self::new_frame(FrameOwner::Term);
-            let msn = self.msns.start_message(wire::QN_TERM).unwrap_or_default();
-            let h = untagged(Opcode::Terminate, true, 0, wire::QN_TERM, msn, 0);
+            let msn = self.msns.start_message(QN_TERMINATE).unwrap_or_default();
+            let h = untagged(Opcode::Terminate, true, 0, QN_TERMINATE, msn, 0);
             self.seal_frame(&mut f, &h, Some(&t));
             return Some(f);
         }
@@ -1136,8 +1163,8 @@ impl QpCore {
             if !w.started {
                 w.started = true;
                 let q = match w.kind {
-                    Kind::Send { .. } => Some(wire::QN_SEND),
-                    Kind::Read { .. } => Some(wire::QN_READ),
+                    Kind::Send { .. } => Some(QN_SEND),
+                    Kind::Read { .. } => Some(QN_READ_REQUEST),
                     _ => None,
                 };
                 if let Some(q) = q {
@@ -1158,7 +1185,7 @@ impl QpCore {
                     (Some(p), Some(k)) => (k.stag, p.addr),
                     _ => (0, 0),
                 };
-                let mut h = untagged(Opcode::ReadRequest, true, 0, wire::QN_READ, pd_msn, 0);
+                let mut h = untagged(Opcode::ReadRequest, true, 0, QN_READ_REQUEST, pd_msn, 0);
                 h.read_request = Some(ReadRequest {
                     sink_stag,
                     sink_to,
@@ -1192,14 +1219,7 @@ impl QpCore {
                             (false, true) => Opcode::SendSe,
                             (true, true) => Opcode::SendSeInvalidate,
                         };
-                        untagged(
-                            opc,
-                            last,
-                            inv.unwrap_or(0),
-                            wire::QN_SEND,
-                            pd_msn,
-                            w.sent as u32,
-                        )
+                        untagged(opc, last, inv.unwrap_or(0), QN_SEND, pd_msn, w.sent as u32)
                     }
                     _ => unreachable!(),
                 };
@@ -1559,7 +1579,7 @@ impl QpCore {
         let mut s = Seg {
             tagged: false,
             last: h.last,
-            opcode: h.opcode as u8,
+            opcode: h.opcode,
             paylen: paylen as usize,
             rr: h.read_request,
             ..Seg::default()
@@ -1605,7 +1625,7 @@ impl QpCore {
         }
         if s.tagged {
             match s.opcode {
-                op::WRITE => {
+                Opcode::Write => {
                     if n > 0 {
                         let cont = self
                             .tagged
@@ -1650,7 +1670,7 @@ impl QpCore {
                         self.dest.push(Piece { addr, len: n });
                     }
                 }
-                op::READ_RESP => {
+                Opcode::ReadResponse => {
                     let Some(o) = self.orq.front() else {
                         return self.fatal(TermKind::RdmapOpUnexpectedOpcode, true);
                     };
@@ -1668,7 +1688,13 @@ impl QpCore {
             }
         } else {
             match (s.qn, s.opcode) {
-                (wire::QN_SEND, op::SEND | op::SEND_INV | op::SEND_SE | op::SEND_SE_INV) => {
+                (
+                    QN_SEND,
+                    Opcode::Send
+                    | Opcode::SendInvalidate
+                    | Opcode::SendSe
+                    | Opcode::SendSeInvalidate,
+                ) => {
                     // MSN and message offset were checked by `DdpRxState`.
                     let target = match &self.cur_send {
                         Some(c) => c.target,
@@ -1727,7 +1753,7 @@ impl QpCore {
                         self.cur_send = Some(CurSend { mo: 0, target });
                     }
                 }
-                (wire::QN_READ, op::READ_REQ) => {
+                (QN_READ_REQUEST, Opcode::ReadRequest) => {
                     if self.irq.len() >= self.p.ird.max(1) as usize {
                         return self.fatal(TermKind::MpaInsufficientIrd, true);
                     }
@@ -1760,8 +1786,8 @@ impl QpCore {
                         started: false,
                     });
                 }
-                (wire::QN_TERM, op::TERMINATE) => {
-                    let k = (n as usize).min(wire::TERM_MAX);
+                (QN_TERMINATE, Opcode::Terminate) => {
+                    let k = (n as usize).min(TERM_MAX);
                     self.ctl.fill(0);
                     if k > 0 {
                         self.dest.push(Piece {
@@ -1776,7 +1802,7 @@ impl QpCore {
                         });
                     }
                 }
-                (q, _) if q > wire::QN_TERM => {
+                (q, _) if q > QN_TERMINATE => {
                     return self.fatal(TermKind::DdpUntaggedInvalidQn, true)
                 }
                 _ => return self.fatal(TermKind::RdmapOpUnexpectedOpcode, true),
@@ -1794,8 +1820,8 @@ impl QpCore {
         let n = s.paylen as u64;
         if s.tagged {
             match s.opcode {
-                op::WRITE if s.last => self.tagged = None,
-                op::READ_RESP => {
+                Opcode::Write if s.last => self.tagged = None,
+                Opcode::ReadResponse => {
                     let Some(o) = self.orq.front_mut() else {
                         return;
                     };
@@ -1818,7 +1844,7 @@ impl QpCore {
             return;
         }
         match s.qn {
-            wire::QN_SEND => {
+            QN_SEND => {
                 let Some(c) = self.cur_send.as_mut() else {
                     return;
                 };
@@ -1834,7 +1860,7 @@ impl QpCore {
                 let total = c.mo;
                 let target = c.target;
                 self.cur_send = None;
-                let inv = if s.opcode == op::SEND_INV || s.opcode == op::SEND_SE_INV {
+                let inv = if s.opcode.is_invalidate() {
                     if self
                         .p
                         .table
@@ -1847,7 +1873,7 @@ impl QpCore {
                 } else {
                     None
                 };
-                let solicited = s.opcode == op::SEND_SE || s.opcode == op::SEND_SE_INV;
+                let solicited = s.opcode.is_solicited();
                 match target {
                     Target::Recv => {
                         let r = self.rq.pop_front().expect("receive in progress");
@@ -1866,8 +1892,8 @@ impl QpCore {
                     }
                 }
             }
-            wire::QN_TERM => {
-                let code = wire::parse_terminate(&self.ctl[..])
+            QN_TERMINATE => {
+                let code = rdmap::terminate_error(&self.ctl[..])
                     .unwrap_or(TermKind::RdmapOpUnspecified.into());
                 tracing::debug!(qpn = self.p.qpn, ?code, "terminate received");
                 self.stats.term_recv += 1;
