@@ -539,13 +539,13 @@ impl ConnRequestOps for VerbsConnRequest {
             has_qp: false,
         };
         // SAFETY: id is live; ch is a live channel that outlives the id (the
-        // guard, and later the QpCore, destroy the id before the channel).
+        // guard, and later the CmQp, destroy the id before the channel).
         let r = unsafe { (lib.rdma_migrate_id)(id, ch.ch) };
         cm_ret(lib, "rdma_migrate_id", r)?;
         parts.create_qp(&mut guard)?;
         // From here the QP is owned by `core` (dropping it on error destroys
         // the QP, then the id, then the channel).
-        let core = QpCore::create(parts, ch, guard);
+        let core = CmQp::create(parts, ch, guard);
         // Receives go in before the peer can learn of the acceptance.
         VerbsQp(core.clone())
             .post_recv(recvs)
@@ -698,7 +698,7 @@ pub(super) fn connect(
         "resolve route",
     )?;
     parts.create_qp(&mut guard)?;
-    let core = QpCore::create(parts, ch, guard);
+    let core = CmQp::create(parts, ch, guard);
     // Receives go in before the peer can send.
     VerbsQp(core.clone())
         .post_recv(recvs)
@@ -855,8 +855,9 @@ struct Track {
     pending: VecDeque<Rec>,
 }
 
-/// A connected RC queue pair and its rdma_cm id.
-pub(crate) struct QpCore {
+/// A connected RC queue pair and the rdma_cm id that owns it (the state
+/// behind a `VerbsQp` handle, also watched by the CM monitor).
+pub(crate) struct CmQp {
     ctx: Arc<CtxInner>,
     pd: Arc<PdInner>,
     send_cq: Arc<CqInner>,
@@ -874,7 +875,7 @@ pub(crate) struct QpCore {
     rq: Mutex<Track>,
     negotiated: Mutex<Negotiated>,
     /// A weak reference to ourselves (for scheduling sweeps).
-    me: Weak<QpCore>,
+    me: Weak<CmQp>,
     local: SocketAddr,
     peer: SocketAddr,
     token: u64,
@@ -884,14 +885,14 @@ pub(crate) struct QpCore {
 
 // SAFETY: the QP and id are used only through thread-safe verbs/rdma_cm
 // calls; Rust-side state is atomic or behind mutexes.
-unsafe impl Send for QpCore {}
+unsafe impl Send for CmQp {}
 // SAFETY: as above.
-unsafe impl Sync for QpCore {}
+unsafe impl Sync for CmQp {}
 
-impl QpCore {
+impl CmQp {
     /// Wrap a freshly created QP (not yet connected). Its completions are
     /// translated from now on; the CM monitor watches it after `activate`.
-    fn create(parts: QpParts, ch: EventChannel, guard: IdGuard) -> Arc<QpCore> {
+    fn create(parts: QpParts, ch: EventChannel, guard: IdGuard) -> Arc<CmQp> {
         let id = guard.release();
         // SAFETY: id is live with a QP created by rdma_create_qp; its address
         // was resolved (active side) or came with the request (passive side).
@@ -904,7 +905,7 @@ impl QpCore {
         };
         // SAFETY: qp is live; qp_num is a plain field.
         let qp_num = unsafe { (*qp).qp_num };
-        let core = Arc::new_cyclic(|me| QpCore {
+        let core = Arc::new_cyclic(|me| CmQp {
             me: me.clone(),
             ctx: parts.ctx,
             pd: parts.pd,
@@ -1163,7 +1164,7 @@ impl QpCore {
     }
 }
 
-impl Drop for QpCore {
+impl Drop for CmQp {
     fn drop(&mut self) {
         if let Ok(m) = monitor() {
             m.remove(self.token, self.ch.fd());
@@ -1194,7 +1195,7 @@ impl Drop for QpCore {
     }
 }
 
-struct VerbsQp(Arc<QpCore>);
+struct VerbsQp(Arc<CmQp>);
 
 const EMPTY_SGE: ibv_sge = ibv_sge {
     addr: 0,
@@ -1243,7 +1244,7 @@ fn blank_send_wr() -> ibv_send_wr {
 }
 
 /// Validate a bind and return (region, remote access bits).
-fn check_bind(q: &QpCore, bind: &MwBind<'_>) -> Result<Arc<MrInner>> {
+fn check_bind(q: &CmQp, bind: &MwBind<'_>) -> Result<Arc<MrInner>> {
     let mr = (*bind.mr.ops)
         .as_any()
         .downcast_ref::<VerbsMr>()
@@ -1699,8 +1700,8 @@ struct Monitor {
     epfd: RawFd,
     /// Wakes the monitor when a sweep is scheduled.
     evfd: RawFd,
-    conns: Mutex<HashMap<u64, Weak<QpCore>>>,
-    sweeps: Mutex<Vec<(Instant, Weak<QpCore>)>>,
+    conns: Mutex<HashMap<u64, Weak<CmQp>>>,
+    sweeps: Mutex<Vec<(Instant, Weak<CmQp>)>>,
 }
 
 const WAKE_TOKEN: u64 = u64::MAX;
@@ -1784,7 +1785,7 @@ fn monitor_loop(epfd: RawFd) {
 }
 
 impl Monitor {
-    fn schedule_sweep(&self, at: Instant, qp: Weak<QpCore>) {
+    fn schedule_sweep(&self, at: Instant, qp: Weak<CmQp>) {
         lock(&self.sweeps).push((at, qp));
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a local to our eventfd.
@@ -1795,7 +1796,7 @@ impl Monitor {
     /// next one, or -1.
     fn run_due_sweeps(&self) -> i32 {
         let now = Instant::now();
-        let due: Vec<Weak<QpCore>> = {
+        let due: Vec<Weak<CmQp>> = {
             let mut g = lock(&self.sweeps);
             let (due, later): (Vec<_>, Vec<_>) = g.drain(..).partition(|(t, _)| *t <= now);
             *g = later;
@@ -1816,7 +1817,7 @@ impl Monitor {
         }
     }
 
-    fn add(&self, core: &Arc<QpCore>) -> Result<()> {
+    fn add(&self, core: &Arc<CmQp>) -> Result<()> {
         lock(&self.conns).insert(core.token, Arc::downgrade(core));
         let mut ev = libc::epoll_event {
             events: libc::EPOLLIN as u32,

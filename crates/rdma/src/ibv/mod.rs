@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use crate::verbs::*;
 use ffi::*;
 
-pub(crate) use cm::QpCore;
+pub(crate) use cm::CmQp;
 
 /// The `verbs` provider.
 pub fn provider() -> Provider {
@@ -839,7 +839,7 @@ pub(crate) struct CqInner {
     /// requests posted after the QP failed); drained before the hardware CQ.
     side: Mutex<VecDeque<Wc>>,
     /// QPs whose completions land here, by QP number (to translate wr_ids).
-    qps: Mutex<HashMap<u32, Weak<QpCore>>>,
+    qps: Mutex<HashMap<u32, Weak<CmQp>>>,
 }
 
 // SAFETY: ibv_cq polling/arming is thread-safe in libibverbs providers; the

@@ -9,7 +9,7 @@
 //! for byte, every Write lands where it was aimed and nowhere else, and the
 //! receiver ends idle between segments in RTS. With corruption (a flipped
 //! byte) it must not panic and must not write outside the registrations it
-//! validated. This is the code that runs (`QpCore` is what the soft QPs
+//! validated. This is the code that runs (`QpEngine` is what the soft QPs
 //! drive), not a model of it.
 
 use std::io;
@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use super::cq::{CqShared, SoftCq};
 use super::mem::SoftPd;
-use super::qp::{Io, QpCore, QpParams, RX_BUDGET};
+use super::qp::{Io, QpEngine, QpParams, RX_BUDGET};
 use super::{CtxShared, QpState};
 use crate::verbs::*;
 
@@ -69,7 +69,7 @@ impl Io for Pipe {
 
 /// One end: a QP engine with its protection domain and one CQ.
 pub struct Side {
-    pub core: QpCore,
+    pub core: QpEngine,
     pub pd: Pd,
     pub cq: Arc<CqShared>,
 }
@@ -96,7 +96,7 @@ pub fn side(
     let pd_id = spd.id;
     let pd = Pd(Arc::new(spd));
     let cq = Arc::new(CqShared::new(ctx.clone(), 4096, None));
-    let core = QpCore::new(QpParams {
+    let core = QpEngine::new(QpParams {
         qpn,
         pd: pd_id,
         table: ctx.table.clone(),
@@ -136,7 +136,7 @@ pub fn drain(cq: &Arc<CqShared>) -> Vec<Wc> {
 
 /// Receive until the input is used up or the engine stops reading (the
 /// engine yields every `RX_BUDGET` segments; a full indicate window pauses).
-pub fn rx_all(core: &mut QpCore, p: &mut Pipe) {
+pub fn rx_all(core: &mut QpEngine, p: &mut Pipe) {
     loop {
         core.rx_process(p).expect("rx");
         if !core.rx_more {

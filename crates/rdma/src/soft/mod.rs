@@ -16,7 +16,7 @@
 //! eventfd (Auto) or an epoll fd over the eventfd and the context's epoll fd
 //! (Manual: readable = "call poll").
 //!
-//! # Data path (`qp.rs`)
+//! # Data path (`qp.rs`: queues, state, errors; `qp_tx.rs`: transmit; `qp_rx.rs`: receive)
 //! MPA enhanced mode (IRD/ORD), markers off, CRC32c negotiated; DDP tagged
 //! and untagged (QN 0 Send, 1 Read Request, 2 Terminate) with MSN/MO
 //! checks; RDMAP Send, Send with Invalidate (± solicited), RDMA Write, RDMA
@@ -28,8 +28,8 @@
 //! segment header against the stream (queue numbers, MSNs, message offsets,
 //! Read Request and Terminate sizes, opcodes continuing a message); the
 //! fuzz targets of both, and `soft_qp_rx` over this engine, exercise the
-//! code that runs. This module keeps placement (memory keys, receives,
-//! anonymous buffering) and the queues.
+//! code that runs. `qp_rx.rs` keeps placement (memory keys, receives,
+//! anonymous buffering), `qp.rs` the queues.
 //!
 //! The transmit path runs on lwio-iwarp too: every FPDU's header area
 //! (ULPDU_Length, DDP/RDMAP header incl. the Read Request header, a
@@ -139,7 +139,7 @@ use cq::{ChanShared, CqShared, SoftChannel, SoftCq};
 use lwio_iwarp::wire::mpa::{CRC_LEN, MPA_HDR_LEN};
 use lwio_iwarp::wire::{ddp, rdmap};
 use mem::{MemTable, SoftMw, SoftPd};
-use qp::{QpCore, QpParams, Shut, SockIo};
+use qp::{QpEngine, QpParams, Shut, SockIo};
 use rustix::event::epoll::{Event, EventFlags};
 
 pub use qp::RxStats;
@@ -411,7 +411,7 @@ fn engine(weak: Weak<CtxShared>, ep: Arc<OwnedFd>, _wake: Arc<OwnedFd>) {
 
 /// A QP as seen by the engine.
 pub struct QpShared {
-    core: Mutex<QpCore>,
+    core: Mutex<QpEngine>,
     fd: OwnedFd,
     token: u64,
     local: SocketAddr,
@@ -420,7 +420,7 @@ pub struct QpShared {
 }
 
 impl QpShared {
-    fn lock(&self) -> MutexGuard<'_, QpCore> {
+    fn lock(&self) -> MutexGuard<'_, QpEngine> {
         self.core.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -431,7 +431,7 @@ impl QpShared {
         (n, c.rx_more)
     }
 
-    fn drive_locked(&self, c: &mut QpCore, rx: bool) -> usize {
+    fn drive_locked(&self, c: &mut QpEngine, rx: bool) -> usize {
         let mut io = SockIo(self.fd.as_raw_fd());
         let mut n = 0;
         if rx {
@@ -620,7 +620,7 @@ pub(crate) fn create_qp(
     };
     let token = ctx.next_token.fetch_add(1, Ordering::Relaxed);
     let sh = Arc::new(QpShared {
-        core: Mutex::new(QpCore::new(params)),
+        core: Mutex::new(QpEngine::new(params)),
         fd,
         token,
         local,

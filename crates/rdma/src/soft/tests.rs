@@ -1,5 +1,5 @@
 //! Deterministic tests of the soft provider's protocol engine without
-//! sockets: two `QpCore`s joined by in-memory pipes, streams re-fed split at
+//! sockets: two `QpEngine`s joined by in-memory pipes, streams re-fed split at
 //! every byte boundary, garbage input, and a bounded property test.
 
 use std::sync::Arc;

@@ -1,0 +1,647 @@
+//! Receive (as Linux siw's `siw_qp_rx.c`): deframing the byte stream
+//! (lwio-iwarp's `FpduReceiver`), validating each segment (`DdpRxState`),
+//! placing its payload into registered memory, receive buffers or an
+//! anonymous buffer, and completing messages.
+
+use super::*;
+
+impl Stage {
+    fn avail(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn fill(&mut self, io: &mut dyn Io, limit: usize) -> io::Result<usize> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let room = (self.buf.len() - self.end).min(limit.max(1));
+        // SAFETY: the range is inside our own boxed buffer; no reference to it
+        // is live during the call.
+        let n = unsafe { io.read(self.buf.as_mut_ptr().add(self.end), room)? };
+        self.end += n;
+        Ok(n)
+    }
+}
+
+/// Copy bytes into a scatter list at `off`.
+///
+/// # Safety
+/// The pieces must describe valid, writable registered memory.
+unsafe fn scatter(pieces: &[Piece], off: u64, data: &[u8]) {
+    let mut v = Vec::new();
+    map_pieces(pieces, off, data.len() as u64, &mut v);
+    let mut at = 0usize;
+    for p in v {
+        std::ptr::copy_nonoverlapping(data.as_ptr().add(at), p.addr as *mut u8, p.len as usize);
+        at += p.len as usize;
+    }
+}
+
+impl QpEngine {
+    /// Deliver buffered (anonymous) messages to posted receives, in order.
+    /// A message still arriving moves to a receive only between its
+    /// segments; one with a segment half read waits for that segment's end
+    /// (`finish_segment` calls this again).
+    pub(super) fn drain_anon(&mut self) {
+        while !self.anon.is_empty() && !self.rq.is_empty() {
+            if self.anon_seg_open
+                && self.anon.len() == 1
+                && self.anon.front().is_some_and(|a| !a.complete)
+            {
+                break;
+            }
+            let a = self.anon.pop_front().expect("non-empty");
+            self.stats.anon_bytes -= a.data.len() + ANON_OVERHEAD;
+            let r = self.rq.front().expect("non-empty");
+            if a.data.len() as u64 > r.len {
+                let r = self.rq.pop_front().expect("non-empty");
+                let mut w = wc(r.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, self.p.qpn);
+                w.byte_len = a.data.len() as u32;
+                self.p.rcq.push(w, true);
+                self.fatal(TermKind::DdpUntaggedMessageTooLong, false);
+                return;
+            }
+            // SAFETY: the receive's pieces were validated against live
+            // registrations (kept alive by `_keep`) with LOCAL_WRITE; the
+            // source is our own heap buffer.
+            unsafe { scatter(&r.pieces, 0, &a.data) };
+            if a.complete {
+                let r = self.rq.pop_front().expect("non-empty");
+                let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
+                w.byte_len = a.data.len() as u32;
+                w.invalidated_rkey = a.inv;
+                self.p.rcq.push(w, a.solicited);
+            } else {
+                // The message still arriving continues into this receive.
+                if let Some(c) = self.cur_send.as_mut() {
+                    c.target = Target::Recv;
+                }
+                break;
+            }
+        }
+    }
+
+    /// Process incoming bytes until the stream is drained (WouldBlock),
+    /// paused by flow control, or closed. Returns segments processed.
+    pub fn rx_process(&mut self, io: &mut dyn Io) -> io::Result<usize> {
+        let mut segs = 0;
+        self.rx_more = false;
+        if self.peer_closed {
+            return Ok(0);
+        }
+        loop {
+            if segs >= self.p.rx_budget {
+                // Fairness: let other QPs run. The socket may still hold
+                // data and no new edge will say so: the driver must come
+                // back (see `rx_more`).
+                self.rx_more = true;
+                return Ok(segs);
+            }
+            let r = self.rx_step(io);
+            match r {
+                Ok(true) => segs += 1,
+                Ok(false) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(segs),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    self.peer_closed = true;
+                    self.on_eof();
+                    return Ok(segs);
+                }
+                Err(e) => {
+                    self.peer_closed = true;
+                    tracing::debug!(qpn = self.p.qpn, error = %e, "receive error");
+                    self.on_eof();
+                    return Ok(segs);
+                }
+            }
+            if self.rx == RxState::Place {
+                // Paused (indicate window full): leave the socket unread.
+                return Ok(segs);
+            }
+        }
+    }
+
+    fn on_eof(&mut self) {
+        self.enter_error(Some((WcStatus::RetryExcErr, 0)).filter(|_| false));
+        self.rx = RxState::Discard;
+        if self.shut == Shut::None {
+            self.shut = Shut::Now;
+        }
+    }
+
+    fn eof() -> io::Error {
+        io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed")
+    }
+
+    /// One step; Ok(true) when a segment completed.
+    fn rx_step(&mut self, io: &mut dyn Io) -> io::Result<bool> {
+        match self.rx {
+            RxState::Discard => {
+                self.stage.start = self.stage.end;
+                if self.stage.fill(io, STAGE)? == 0 {
+                    return Err(Self::eof());
+                }
+                self.stage.start = self.stage.end;
+                Ok(false)
+            }
+            RxState::Place => {
+                self.place();
+                Ok(false)
+            }
+            RxState::Payload => {
+                if self.fpdu.payload_remaining() > 0 && self.direct_read(io)? {
+                    return Ok(false);
+                }
+                self.rx_frame(io)
+            }
+            RxState::Frame => self.rx_frame(io),
+        }
+    }
+
+    /// The current destination piece, skipping filled ones.
+    fn dest_piece(&mut self) -> Option<Piece> {
+        while let Some(p) = self.dest.get(self.dest_idx) {
+            if self.dest_off < p.len {
+                return Some(*p);
+            }
+            self.dest_idx += 1;
+            self.dest_off = 0;
+        }
+        None
+    }
+
+    /// Payload straight from the socket into its target (CRC off, nothing
+    /// staged, a large enough piece). Returns false when the bytes must go
+    /// through the stage instead.
+    fn direct_read(&mut self, io: &mut dyn Io) -> io::Result<bool> {
+        if self.stage.all_staged
+            || self.stage.avail() > 0
+            || !DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(false);
+        }
+        let Some(p) = self.dest_piece() else {
+            return Ok(false);
+        };
+        let left = (p.len - self.dest_off).min(u64::from(self.fpdu.payload_remaining())) as usize;
+        let min = if self.stage.small {
+            SMALL_DIRECT_MIN
+        } else {
+            DIRECT_MIN
+        };
+        if p.addr == 0 || left < min {
+            return Ok(false);
+        }
+        // SAFETY: `p` lies inside a registration validated for this segment
+        // (tagged: STag/PD/rights/bounds checked; receive: lkey with
+        // LOCAL_WRITE; anonymous: our own heap buffer, kept in place while
+        // `anon_seg_open`) and kept alive by the WR/validation context. The
+        // kernel writes it; no Rust reference to it is formed, and the
+        // bytes are not read back (no CRC).
+        let n = unsafe { io.read((p.addr + self.dest_off) as *mut u8, left)? };
+        if n == 0 {
+            return Err(Self::eof());
+        }
+        self.stats.direct += n as u64;
+        self.dest_off += n as u64;
+        if let Err(e) = self.fpdu.advance_len(n as u32) {
+            self.fatal_rx(e);
+        }
+        Ok(true)
+    }
+
+    /// Feed staged bytes to the deframer and act on what it finds.
+    fn rx_frame(&mut self, io: &mut dyn Io) -> io::Result<bool> {
+        if self.stage.avail() == 0 {
+            let limit = if self.stage.all_staged
+                || self.stage.small
+                || !DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                STAGE
+            } else if self.rx == RxState::Payload {
+                (self.fpdu.payload_remaining() as usize).max(HDR_FILL)
+            } else {
+                HDR_FILL
+            };
+            if self.stage.fill(io, limit)? == 0 {
+                return Err(Self::eof());
+            }
+        }
+        let input = &self.stage.buf[self.stage.start..self.stage.end];
+        let (used, ev) = match self.fpdu.poll(input) {
+            Ok(r) => r,
+            Err(e) => {
+                self.fatal_rx(e);
+                return Ok(false);
+            }
+        };
+        match ev {
+            None => {
+                self.stage.start += used;
+                Ok(false)
+            }
+            Some(FpduEvent::Payload { data, .. }) => {
+                let mut data = data;
+                while !data.is_empty() {
+                    let Some(p) = self.dest.get(self.dest_idx).copied() else {
+                        break;
+                    };
+                    let n = ((p.len - self.dest_off) as usize).min(data.len());
+                    if p.addr != 0 && n > 0 {
+                        // SAFETY: as in `direct_read`: a validated, live
+                        // destination that no Rust reference covers; the
+                        // source is our own stage.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                data.as_ptr(),
+                                (p.addr + self.dest_off) as *mut u8,
+                                n,
+                            )
+                        };
+                        self.stats.copied += n as u64;
+                    }
+                    data = &data[n..];
+                    self.dest_off += n as u64;
+                    if self.dest_off == p.len {
+                        self.dest_idx += 1;
+                        self.dest_off = 0;
+                    }
+                }
+                self.stage.start += used;
+                Ok(false)
+            }
+            Some(FpduEvent::Header {
+                header,
+                ulpdu_len,
+                payload_len,
+            }) => {
+                self.stage.start += used;
+                self.on_header(header, ulpdu_len, payload_len);
+                Ok(false)
+            }
+            Some(FpduEvent::End) => {
+                self.stage.start += used;
+                if let Some(seg) = self.cur.take() {
+                    self.ddp.commit(&seg);
+                }
+                self.finish_segment();
+                if self.rx != RxState::Discard {
+                    self.rx = RxState::Frame;
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    /// A segment header: validate it against the stream (lwio-iwarp's
+    /// DDP/RDMAP rules), then find where its payload goes.
+    fn on_header(&mut self, h: SegmentHeader, ulpdu_len: u16, paylen: u32) {
+        let seg = match self.ddp.validate(&h, paylen) {
+            Ok(seg) => seg,
+            Err(e) => return self.fatal(e, true),
+        };
+        let mut s = Seg {
+            tagged: false,
+            last: h.last,
+            opcode: h.opcode,
+            paylen: paylen as usize,
+            rr: h.read_request,
+            ..Seg::default()
+        };
+        match h.ddp {
+            DdpKind::Tagged { stag, to } => {
+                s.tagged = true;
+                s.stag = stag;
+                s.to = to;
+            }
+            DdpKind::Untagged {
+                rsvd_ulp,
+                qn,
+                msn,
+                mo,
+            } => {
+                s.inv = rsvd_ulp;
+                s.qn = qn;
+                s.msn = msn;
+                s.mo = mo;
+            }
+        }
+        self.stage.small = (ulpdu_len as usize) < SMALL_SEG;
+        self.seg = s;
+        self.cur = Some(seg);
+        self.rx = RxState::Place;
+        self.place();
+    }
+
+    /// Decide where the current segment's payload goes (validating it), or
+    /// stay paused.
+    fn place(&mut self) {
+        self.dest.clear();
+        self.dest_idx = 0;
+        self.dest_off = 0;
+        self.anon_seg_open = false;
+        let s = self.seg;
+        let n = s.paylen as u64;
+        if self.state == QpState::Error {
+            self.dest.push(Piece { addr: 0, len: n });
+            self.rx = RxState::Payload;
+            return;
+        }
+        if s.tagged {
+            match s.opcode {
+                Opcode::Write => {
+                    if n > 0 {
+                        let cont = self
+                            .tagged
+                            .as_ref()
+                            .filter(|c| c.stag == s.stag && c.next_to == s.to);
+                        let addr = match cont {
+                            Some(c) => {
+                                if s.to.checked_add(n).is_none_or(|e| e > c.end)
+                                    || !c.mr.valid.load(std::sync::atomic::Ordering::Acquire)
+                                {
+                                    return self.fatal(TermKind::DdpTaggedBaseBounds, true);
+                                }
+                                s.to
+                            }
+                            None => match self.p.table.remote(
+                                s.stag,
+                                s.to,
+                                n,
+                                Access::REMOTE_WRITE,
+                                self.p.pd,
+                                self.p.qpn,
+                                false,
+                            ) {
+                                Ok(r) => {
+                                    // The message's validated range: for a
+                                    // multi-segment write, later segments must
+                                    // stay inside the region/window range.
+                                    self.tagged = Some(TaggedCtx {
+                                        stag: s.stag,
+                                        next_to: s.to,
+                                        end: r.end,
+                                        mr: r.mr,
+                                    });
+                                    r.ptr
+                                }
+                                Err(c) => return self.fatal(c, true),
+                            },
+                        };
+                        if let Some(c) = self.tagged.as_mut() {
+                            c.next_to = s.to + n;
+                        }
+                        self.dest.push(Piece { addr, len: n });
+                    }
+                }
+                Opcode::ReadResponse => {
+                    let Some(o) = self.orq.front() else {
+                        return self.fatal(TermKind::RdmapOpUnexpectedOpcode, true);
+                    };
+                    if n > 0 {
+                        if s.stag != o.sink_stag {
+                            return self.fatal(TermKind::DdpTaggedInvalidStag, true);
+                        }
+                        if s.to != o.sink_to + o.got || o.got + n > o.len {
+                            return self.fatal(TermKind::DdpTaggedBaseBounds, true);
+                        }
+                        self.dest.push(Piece { addr: s.to, len: n });
+                    }
+                }
+                _ => return self.fatal(TermKind::RdmapOpUnexpectedOpcode, true),
+            }
+        } else {
+            match (s.qn, s.opcode) {
+                (
+                    QN_SEND,
+                    Opcode::Send
+                    | Opcode::SendInvalidate
+                    | Opcode::SendSe
+                    | Opcode::SendSeInvalidate,
+                ) => {
+                    // MSN and message offset were checked by `DdpRxState`.
+                    let target = match &self.cur_send {
+                        Some(c) => c.target,
+                        None if self.anon.is_empty() && !self.rq.is_empty() => Target::Recv,
+                        None => Target::Anon,
+                    };
+                    match target {
+                        Target::Recv => {
+                            let r = self.rq.front().expect("receive posted");
+                            if s.mo as u64 + n > r.len {
+                                let r = self.rq.pop_front().expect("non-empty");
+                                let mut w =
+                                    wc(r.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, self.p.qpn);
+                                w.byte_len = (s.mo as u64 + n) as u32;
+                                self.p.rcq.push(w, true);
+                                return self.fatal(TermKind::DdpUntaggedMessageTooLong, true);
+                            }
+                            let mut v = std::mem::take(&mut self.dest);
+                            map_pieces(&r.pieces, s.mo as u64, n, &mut v);
+                            self.dest = v;
+                        }
+                        Target::Anon => {
+                            let extra = if self.cur_send.is_none() {
+                                ANON_OVERHEAD
+                            } else {
+                                0
+                            };
+                            if self.stats.anon_bytes + n as usize + extra > self.p.indicate_window {
+                                self.stats.paused += 1;
+                                self.rx = RxState::Place;
+                                return;
+                            }
+                            if self.cur_send.is_none() {
+                                self.anon.push_back(AnonMsg {
+                                    data: Vec::new(),
+                                    complete: false,
+                                    inv: None,
+                                    solicited: false,
+                                });
+                            }
+                            self.stats.anon_bytes += n as usize + extra;
+                            self.stats.anon_peak = self.stats.anon_peak.max(self.stats.anon_bytes);
+                            let a = self.anon.back_mut().expect("anon message");
+                            self.anon_seg_open = true;
+                            let old = a.data.len();
+                            a.data.resize(old + n as usize, 0);
+                            if n > 0 {
+                                self.dest.push(Piece {
+                                    addr: a.data.as_mut_ptr() as u64 + old as u64,
+                                    len: n,
+                                });
+                            }
+                        }
+                    }
+                    if self.cur_send.is_none() {
+                        self.cur_send = Some(CurSend { mo: 0, target });
+                    }
+                }
+                (QN_READ_REQUEST, Opcode::ReadRequest) => {
+                    if self.irq.len() >= self.p.ird.max(1) as usize {
+                        return self.fatal(TermKind::MpaInsufficientIrd, true);
+                    }
+                    let Some(rr) = s.rr else {
+                        return self.fatal(TermKind::RdmapOpUnspecified, true);
+                    };
+                    let mr = if rr.size > 0 {
+                        match self.p.table.remote(
+                            rr.src_stag,
+                            rr.src_to,
+                            rr.size as u64,
+                            Access::REMOTE_READ,
+                            self.p.pd,
+                            self.p.qpn,
+                            true,
+                        ) {
+                            Ok(r) => Some(r.mr),
+                            Err(c) => return self.fatal(c, true),
+                        }
+                    } else {
+                        None
+                    };
+                    self.irq.push_back(IrqEntry {
+                        mr,
+                        src: rr.src_to,
+                        len: rr.size as u64,
+                        sent: 0,
+                        sink_stag: rr.sink_stag,
+                        sink_to: rr.sink_to,
+                        started: false,
+                    });
+                }
+                (QN_TERMINATE, Opcode::Terminate) => {
+                    let k = (n as usize).min(TERM_MAX);
+                    self.ctl.fill(0);
+                    if k > 0 {
+                        self.dest.push(Piece {
+                            addr: self.ctl.as_mut_ptr() as u64,
+                            len: k as u64,
+                        });
+                    }
+                    if (n as usize) > k {
+                        self.dest.push(Piece {
+                            addr: 0,
+                            len: n - k as u64,
+                        });
+                    }
+                }
+                (q, _) if q > QN_TERMINATE => {
+                    return self.fatal(TermKind::DdpUntaggedInvalidQn, true)
+                }
+                _ => return self.fatal(TermKind::RdmapOpUnexpectedOpcode, true),
+            }
+        }
+        self.rx = RxState::Payload;
+    }
+
+    fn finish_segment(&mut self) {
+        self.anon_seg_open = false;
+        if self.state == QpState::Error {
+            return;
+        }
+        let s = self.seg;
+        let n = s.paylen as u64;
+        if s.tagged {
+            match s.opcode {
+                Opcode::Write if s.last => self.tagged = None,
+                Opcode::ReadResponse => {
+                    let Some(o) = self.orq.front_mut() else {
+                        return;
+                    };
+                    o.got += n;
+                    if s.last {
+                        let o = self.orq.pop_front().expect("non-empty");
+                        if o.got != o.len {
+                            return self.fatal(TermKind::DdpTaggedBaseBounds, false);
+                        }
+                        if let Some(i) = self.sq_index(o.seq) {
+                            let w = &mut self.sq[i];
+                            w.done = true;
+                            w.byte_len = o.len as u32;
+                        }
+                        self.complete_sq();
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
+        match s.qn {
+            QN_SEND => {
+                let Some(c) = self.cur_send.as_mut() else {
+                    return;
+                };
+                c.mo += n;
+                if !s.last {
+                    if c.target == Target::Anon {
+                        // A receive posted while this segment was being
+                        // read takes the message from here on.
+                        self.drain_anon();
+                    }
+                    return;
+                }
+                let total = c.mo;
+                let target = c.target;
+                self.cur_send = None;
+                let inv = if s.opcode.is_invalidate() {
+                    if self
+                        .p
+                        .table
+                        .invalidate(s.inv, self.p.pd, Some(self.p.qpn))
+                        .is_err()
+                    {
+                        return self.fatal(TermKind::RdmapOpCannotInvalidate, false);
+                    }
+                    Some(s.inv)
+                } else {
+                    None
+                };
+                let solicited = s.opcode.is_solicited();
+                match target {
+                    Target::Recv => {
+                        let r = self.rq.pop_front().expect("receive in progress");
+                        let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
+                        w.byte_len = total as u32;
+                        w.invalidated_rkey = inv;
+                        self.p.rcq.push(w, solicited);
+                    }
+                    Target::Anon => {
+                        if let Some(a) = self.anon.back_mut() {
+                            a.complete = true;
+                            a.inv = inv;
+                            a.solicited = solicited;
+                        }
+                        self.drain_anon();
+                    }
+                }
+            }
+            QN_TERMINATE => {
+                let code = rdmap::terminate_error(&self.ctl[..])
+                    .unwrap_or(TermKind::RdmapOpUnspecified.into());
+                tracing::debug!(qpn = self.p.qpn, ?code, "terminate received");
+                self.stats.term_recv += 1;
+                self.stats.last_term = code.vendor_err();
+                let st = if code.is_protection() {
+                    WcStatus::RemAccessErr
+                } else if code.kind() == Some(TermKind::DdpUntaggedMessageTooLong) {
+                    WcStatus::RemInvReqErr
+                } else {
+                    WcStatus::RemOpErr
+                };
+                self.enter_error(Some((st, code.vendor_err())));
+                self.rx = RxState::Discard;
+                if self.shut == Shut::None {
+                    self.shut = Shut::Now;
+                }
+            }
+            _ => {}
+        }
+    }
+}
