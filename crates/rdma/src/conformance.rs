@@ -1362,6 +1362,16 @@ fn expect_violation(
         );
         let st = crate::soft::qp_stats(&c.s.qp).unwrap_or_default();
         ensure!(st.term_sent == 1, "server sent {} Terminates", st.term_sent);
+        ensure!(
+            c.s.qp.terminate_sent() == Some(want_vendor as u16),
+            "server's terminate_sent {:?}, want {want_vendor:#06x}",
+            c.s.qp.terminate_sent()
+        );
+        ensure!(
+            c.c.qp.terminate_sent().is_none(),
+            "the requester, which received the Terminate, says it sent {:?}",
+            c.c.qp.terminate_sent()
+        );
     }
     env.wait_error(&c.s.qp)?;
     env.wait_error(&c.c.qp)?;

@@ -524,6 +524,14 @@ pub mod ops {
         /// Manual progress: do whatever work is pending without blocking; returns
         /// the number of events processed. A no-op for hardware providers.
         fn progress(&self) -> Result<usize>;
+        /// A new context of the same device and configuration whose work
+        /// is driven by its caller alone (`Progress::Manual`), for one
+        /// connection served by one thread; `None` if the provider gains
+        /// nothing from it (the default: hardware has no per-context
+        /// progress thread to avoid).
+        fn open_manual_sibling(&self) -> Result<Option<Arc<dyn ContextOps>>> {
+            Ok(None)
+        }
         /// Connect with `recvs` posted on the new QP before the connection
         /// request is sent. The default connects, then posts.
         fn connect_with_recvs(
@@ -643,6 +651,13 @@ pub mod ops {
         fn disconnect(&self) -> Result<()>;
         /// Move to the error state at once (flushes everything).
         fn set_error(&self);
+        /// The iWARP Terminate this provider sent on the connection, as
+        /// `layer << 12 | etype << 8 | ecode` (the `vendor_err` packing),
+        /// if it refused the peer's traffic. `None` if it sent none or the
+        /// provider does not tell (the default).
+        fn terminate_sent(&self) -> Option<u16> {
+            None
+        }
     }
 }
 
@@ -651,7 +666,7 @@ pub mod ops {
 
 /// An RDMA provider (`soft`, `verbs`).
 #[derive(Clone)]
-pub struct Provider(pub Arc<dyn ProviderOps>);
+pub struct Provider(pub(crate) Arc<dyn ProviderOps>);
 
 impl Provider {
     pub fn name(&self) -> &'static str {
@@ -685,7 +700,7 @@ impl fmt::Debug for Provider {
 
 /// An opened device.
 #[derive(Clone)]
-pub struct Context(pub Arc<dyn ContextOps>);
+pub struct Context(pub(crate) Arc<dyn ContextOps>);
 
 impl Context {
     pub fn device(&self) -> &DeviceInfo {
@@ -722,6 +737,14 @@ impl Context {
     pub fn progress(&self) -> Result<usize> {
         self.0.progress()
     }
+    /// A new context of the same device and configuration, but with
+    /// [`Progress::Manual`]: for a connection that one thread serves alone
+    /// (it calls [`Context::progress`]), so no shared progress thread sits
+    /// between its socket and its completions. `None` if the provider has
+    /// nothing to gain from it (the verbs provider).
+    pub fn open_manual_sibling(&self) -> Result<Option<Context>> {
+        Ok(self.0.open_manual_sibling()?.map(Context))
+    }
 }
 
 /// What a protection domain's provider made on it since it was created,
@@ -749,7 +772,7 @@ impl std::ops::AddAssign for PdCensus {
 
 /// A protection domain.
 #[derive(Clone)]
-pub struct Pd(pub Arc<dyn PdOps>);
+pub struct Pd(pub(crate) Arc<dyn PdOps>);
 
 impl Pd {
     /// What the provider has registered and allocated on this domain.
@@ -886,7 +909,7 @@ impl Drop for RegBuf {
 
 /// A memory region. Dropping it deregisters it (keys become invalid at once).
 pub struct Mr {
-    pub ops: Arc<dyn MrOps>,
+    pub(crate) ops: Arc<dyn MrOps>,
     addr: *mut u8,
     len: usize,
     _owner: Option<Arc<RegBuf>>,
@@ -1309,7 +1332,7 @@ impl Drop for Mr {
 
 /// A memory window: a remote key bound to a byte range by [`Qp::bind_mw`].
 /// Dropping it deallocates it (and invalidates a bound key).
-pub struct Mw(pub Arc<dyn MwOps>);
+pub struct Mw(pub(crate) Arc<dyn MwOps>);
 
 impl Mw {
     pub fn rkey(&self) -> u32 {
@@ -1328,7 +1351,7 @@ impl Drop for Mw {
 
 /// A completion queue.
 #[derive(Clone)]
-pub struct Cq(pub Arc<dyn CqOps>);
+pub struct Cq(pub(crate) Arc<dyn CqOps>);
 
 impl Cq {
     /// Poll up to `out.len()` completions (drives progress under [`Progress::Manual`]).
@@ -1373,7 +1396,7 @@ impl Cq {
 
 /// A completion channel: a pollable file descriptor for CQ events.
 #[derive(Clone)]
-pub struct CompChannel(pub Arc<dyn CompChannelOps>);
+pub struct CompChannel(pub(crate) Arc<dyn CompChannelOps>);
 
 impl CompChannel {
     pub fn fd(&self) -> RawFd {
@@ -1386,7 +1409,7 @@ impl CompChannel {
 
 /// A connection-manager listener.
 #[derive(Clone)]
-pub struct Listener(pub Arc<dyn ListenerOps>);
+pub struct Listener(pub(crate) Arc<dyn ListenerOps>);
 
 impl Listener {
     pub fn local_addr(&self) -> SocketAddr {
@@ -1402,7 +1425,7 @@ impl Listener {
 }
 
 /// An incoming connection request: accept it with a QP, or reject it.
-pub struct ConnRequest(pub Box<dyn ConnRequestOps>);
+pub struct ConnRequest(pub(crate) Box<dyn ConnRequestOps>);
 
 impl ConnRequest {
     pub fn peer_addr(&self) -> SocketAddr {
@@ -1435,7 +1458,7 @@ impl ConnRequest {
 
 /// A reliable-connected queue pair.
 #[derive(Clone)]
-pub struct Qp(pub Arc<dyn QpOps>);
+pub struct Qp(pub(crate) Arc<dyn QpOps>);
 
 impl Qp {
     pub fn qp_num(&self) -> u32 {
@@ -1472,6 +1495,14 @@ impl Qp {
     }
     pub fn set_error(&self) {
         self.0.set_error()
+    }
+    /// The iWARP Terminate this side's provider sent, if it refused the
+    /// peer's traffic (a key, range or right it did not grant, or a
+    /// protocol error), as `layer << 12 | etype << 8 | ecode`. `None` if it
+    /// sent none, or if the provider does not tell (the verbs provider: the
+    /// kernel or NIC does not report it).
+    pub fn terminate_sent(&self) -> Option<u16> {
+        self.0.terminate_sent()
     }
 }
 

@@ -461,6 +461,15 @@ impl ContextOps for SoftContext {
     fn device(&self) -> &DeviceInfo {
         &self.sh.device
     }
+    fn open_manual_sibling(&self) -> Result<Option<Arc<dyn ContextOps>>> {
+        let config = Config {
+            progress: Progress::Manual,
+            ..self.sh.config.clone()
+        };
+        Ok(Some(Arc::new(SoftContext {
+            sh: CtxShared::new(config)?,
+        })))
+    }
     fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
         Ok(Arc::new(SoftPd::new(self.sh.table.clone())))
     }
@@ -649,15 +658,9 @@ impl SoftQp {
     }
 }
 
-/// The configuration of a context if it belongs to the soft provider.
-pub fn context_config(ctx: &Context) -> Option<Config> {
-    (*ctx.0)
-        .as_any()
-        .downcast_ref::<SoftContext>()
-        .map(|c| c.sh.config.clone())
-}
-
-/// Debug counters of a QP if it belongs to the soft provider.
+/// Debug counters of a QP if it belongs to the soft provider: for tests and
+/// benchmarks of the provider (applications ask [`Qp::terminate_sent`]).
+#[doc(hidden)]
 pub fn qp_stats(qp: &Qp) -> Option<RxStats> {
     (*qp.0).as_any().downcast_ref::<SoftQp>().map(|q| q.stats())
 }
@@ -722,6 +725,14 @@ impl QpOps for SoftQp {
         let mut c = self.sh.lock();
         c.set_error();
         self.sh.drive_locked(&mut c, false);
+    }
+    fn terminate_sent(&self) -> Option<u16> {
+        let st = self.sh.lock().stats;
+        // `last_term` is the vendor_err packing (16 bits) of the last
+        // Terminate sent or received. Once one is sent the QP is in error
+        // and discards its input, and once one is received it sends none:
+        // with `term_sent > 0` it is the one sent.
+        (st.term_sent > 0).then_some(st.last_term as u16)
     }
 }
 

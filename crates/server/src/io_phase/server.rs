@@ -70,7 +70,6 @@ use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
 use crate::server::{RdmaPhase, ServerState, Shutdown};
 use lwio_proto::wrid;
-use lwio_rdma::open_context;
 use lwio_rdma::ProviderChoice;
 
 /// Configuration of the RDMA listener.
@@ -1077,17 +1076,12 @@ impl Conn {
         cfg.session_id = crate::fs::table::random_u64() | 1;
         let nrecv = usize::from(shared.opts.max_credits_per_conn.max(cfg.max_credits)) + 2;
         let sq_depth = 1024usize;
-        // Soft provider: this connection's own context, driven by its thread
-        // alone (the QP joins it at accept).
-        let own_ctx = match lwio_rdma::soft::context_config(ctx) {
-            Some(c) if shared.opts.conn_contexts => {
-                let c = lwio_rdma::Config {
-                    progress: lwio_rdma::Progress::Manual,
-                    ..c
-                };
-                Some(open_context(ProviderChoice::Soft, None, &c)?)
-            }
-            _ => None,
+        // A provider with a progress thread (soft): this connection's own
+        // context, driven by its thread alone (the QP joins it at accept).
+        let own_ctx = if shared.opts.conn_contexts {
+            ctx.open_manual_sibling()?
+        } else {
+            None
         };
         let ctx = own_ctx.as_ref().unwrap_or(ctx);
         let pd = ctx.alloc_pd()?;
