@@ -644,11 +644,7 @@ impl Engine {
     /// or invalidated — or an RDMA protocol error). The soft provider
     /// reports the Terminate it sent; other providers give `None`.
     fn refused_by_us(&self) -> Option<String> {
-        let st = lwio_rdma::soft::qp_stats(&self.qp)?;
-        if st.term_sent == 0 {
-            return None;
-        }
-        let code = st.last_term;
+        let code = u32::from(self.qp.terminate_sent()?);
         // RFC 5040 §7: layer 0 (RDMAP) or 1 (DDP), error type 1: protection.
         let what = if code >> 12 <= 1 && (code >> 8) & 0xf == 1 {
             "the server tried to write client memory it was not given (a key or range \
