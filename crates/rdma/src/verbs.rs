@@ -561,9 +561,9 @@ pub mod ops {
     // performed by the provider, never Rust references. The consumer learns
     // that bytes are placed from a completion (the soft CQ's mutex, or the
     // verbs library's barriers in poll_cq, order the placement before it)
-    // or, for a polled status block, from a volatile load, which
-    // synchronises nothing in the Rust memory model (see
-    // `MrSlice::load_u32` for what that leaves to the hardware).
+    // or, for a polled status block, from an atomic load that pairs with the
+    // soft provider's atomic store of the block's word (see
+    // `MrSlice::load_u64` for the case it leaves to the hardware).
     unsafe impl Send for MemRegion {}
     unsafe impl Sync for MemRegion {}
 
@@ -1167,16 +1167,18 @@ impl<'a> MrSlice<'a> {
     ///
     /// With the soft provider under `Progress::Auto`, the writer is the
     /// engine thread of this process, storing with plain copies
-    /// (`copy_nonoverlapping`, or `read(2)` into the region). A load racing
-    /// with that is a data race in the Rust memory model however the
-    /// reader reads (atomic or volatile), and the fence has no release to
-    /// pair with; what makes the observed behaviour right is the hardware
-    /// (an aligned word load is one instruction on every supported target)
-    /// and the protocol (a half-placed block is recognised and ignored:
-    /// `lwio_proto::wire::small::poll_block_written`). Making it race-free
-    /// needs atomic (or fenced) stores on the writer side, in the soft
-    /// provider's placement. Under `Progress::Manual` the placing thread is
-    /// the polling thread and there is no race.
+    /// (`copy_nonoverlapping`, or `read(2)` into the region) except for the
+    /// last whole aligned 8-byte word of each piece, an `AtomicU64` store
+    /// that pairs with [`MrSlice::load_u64`] only. A 4-byte load racing
+    /// with either is a data race in the Rust memory model however the
+    /// reader reads (a plain copy, or an atomic store of another size), and
+    /// the fence has no release to pair with; what makes the observed
+    /// behaviour right is the hardware (an aligned word load is one
+    /// instruction on every supported target) and the protocol (a
+    /// half-placed block is recognised and ignored:
+    /// `lwio_proto::wire::small::poll_block_written`). Poll 8-byte status
+    /// blocks with [`MrSlice::load_u64`]. Under `Progress::Manual` the
+    /// placing thread is the polling thread and there is no race.
     pub fn load_u32(&self, off: usize) -> Result<u32> {
         let p = self.at(off, 4, 4)?;
         // SAFETY: in bounds of the mapped region and 4-byte aligned; any bit
@@ -1186,14 +1188,33 @@ impl<'a> MrSlice<'a> {
         Ok(u32::from_le(v))
     }
 
-    /// As [`MrSlice::load_u32`] for an 8-byte aligned u64. On 64-bit targets
-    /// the load is one access; the protocol tolerates a torn block anyway
-    /// (the peer's placement of 8 bytes is not atomic either).
+    /// Load a little-endian u64 at `off` (8-byte aligned) of a polled
+    /// status block: one `AtomicU64` load with `Acquire` ordering.
+    ///
+    /// Unlike [`MrSlice::load_u32`] this is an atomic load, because the
+    /// soft provider's engine thread (`Progress::Auto`), the one writer
+    /// inside the Rust abstract machine, places the last whole aligned
+    /// 8-byte word of each piece of payload with an `AtomicU64` `Release`
+    /// store (`soft::qp_rx::place_bytes`): a status block written by an
+    /// 8-byte RDMA Write and placed in one piece is then an atomic store
+    /// and load of the same word (no data race), and seeing the new value
+    /// orders every byte placed before it on the connection (the data the
+    /// block vouches for) before the caller's later reads. A block placed
+    /// in two pieces is still a plain-copy race (see `place_bytes`); the
+    /// protocol tolerates a torn block (the peer's placement of 8 bytes is
+    /// not atomic: `lwio_proto::wire::small::poll_block_written`). With a
+    /// hardware provider the writer is the NIC's DMA, outside the abstract
+    /// machine; an atomic load is not elided or hoisted out of a polling
+    /// loop either, and the data's visibility before the block is the
+    /// transport's ordering, as for `load_u32`.
     pub fn load_u64(&self, off: usize) -> Result<u64> {
         let p = self.at(off, 8, 8)?;
-        // SAFETY: as in `load_u32`, 8-byte aligned.
-        let v = unsafe { std::ptr::read_volatile(p as *const u64) };
-        fence(Ordering::Acquire);
+        // SAFETY: in bounds of the mapped region, which stays mapped while
+        // the view borrows its `Mr`, and 8-byte aligned (checked by `at`),
+        // as `AtomicU64::from_ptr` requires; every access a concurrent
+        // writer in this process makes to such a word is atomic or a race
+        // described above, never a Rust reference.
+        let v = unsafe { std::sync::atomic::AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire);
         Ok(u64::from_le(v))
     }
 

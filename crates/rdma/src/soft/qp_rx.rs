@@ -28,6 +28,58 @@ impl Stage {
     }
 }
 
+/// Place `src` at `dst` (registered memory, or an anonymous buffer): plain
+/// copies, except the last whole 8-byte-aligned word inside the range,
+/// which is one `AtomicU64` store with `Release` ordering, after the bytes
+/// before it.
+///
+/// Why: a local consumer may poll a word of registered memory while the
+/// engine thread places into it (`Progress::Auto`): a status block that
+/// the peer RDMA-Writes, loaded with [`crate::MrSlice::load_u64`], an
+/// `AtomicU64` `Acquire` load. lwio's server writes each status block with
+/// an 8-byte Write of its own; when its payload is placed in one piece it
+/// is exactly such a word, so the reader's load and this store are atomic
+/// accesses of the same size and location (no data race), and a load that
+/// sees the new value happens after every byte the engine placed before it
+/// (earlier segments of the connection, placed in order, and the bytes of
+/// this piece before the word): the data the status block vouches for.
+///
+/// What this does not cover: a polled word placed in two pieces (TCP
+/// delivered the segment's payload in two reads) or in the middle of a
+/// longer piece is written by plain copies, and a concurrent load of it is
+/// a data race in the Rust memory model; the reader's protocol recognises a
+/// half-placed block (`lwio_proto::wire::small::poll_block_written`) and
+/// the hardware makes an aligned word load a single access, which is what
+/// that case relies on. Bytes after the word (fewer than 8) follow it.
+///
+/// # Safety
+/// `dst..dst + src.len()` must be valid for writes, not overlap `src`, and
+/// not be covered by a Rust reference.
+unsafe fn place_bytes(dst: *mut u8, src: &[u8]) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let n = src.len();
+    let start = dst as usize;
+    // The last 8-aligned address `w` with `start <= w` and `w + 8 <= end`.
+    let word = (start + n)
+        .checked_sub(8)
+        .map(|w| w & !7)
+        .filter(|&w| w >= start)
+        .map(|w| w - start);
+    match word {
+        Some(o) => {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst, o);
+            let mut v = [0u8; 8];
+            v.copy_from_slice(&src[o..o + 8]);
+            // `dst + o` is 8-aligned and its 8 bytes are inside the range;
+            // the value is the source bytes in memory order (native
+            // endianness both ways).
+            AtomicU64::from_ptr(dst.add(o).cast()).store(u64::from_ne_bytes(v), Ordering::Release);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(o + 8), dst.add(o + 8), n - o - 8);
+        }
+        None => std::ptr::copy_nonoverlapping(src.as_ptr(), dst, n),
+    }
+}
+
 /// Copy bytes into a scatter list at `off`.
 ///
 /// # Safety
@@ -257,13 +309,7 @@ impl QpEngine {
                         // SAFETY: as in `direct_read`: a validated, live
                         // destination that no Rust reference covers; the
                         // source is our own stage.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                data.as_ptr(),
-                                (p.addr + self.dest_off) as *mut u8,
-                                n,
-                            )
-                        };
+                        unsafe { place_bytes((p.addr + self.dest_off) as *mut u8, &data[..n]) };
                         self.stats.copied += n as u64;
                     }
                     data = &data[n..];
@@ -642,6 +688,33 @@ impl QpEngine {
                 }
             }
             _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::place_bytes;
+
+    /// `place_bytes` writes exactly the source bytes, at every alignment and
+    /// length around a word (Miri-runnable: the atomic store is checked for
+    /// alignment and bounds).
+    #[test]
+    fn place_bytes_copies_every_byte() {
+        let src: Vec<u8> = (1..=40u8).collect();
+        for off in 0..16 {
+            for n in 0..=24 {
+                let mut buf = [0u64; 8];
+                let base = buf.as_mut_ptr().cast::<u8>();
+                // SAFETY: `off + n <= 40 < 64`: inside our own array, which no
+                // reference covers during the call.
+                unsafe { place_bytes(base.add(off), &src[..n]) };
+                // SAFETY: the array is initialised; the call has returned.
+                let got = unsafe { std::slice::from_raw_parts(base, 64) };
+                assert!(got[..off].iter().all(|&b| b == 0), "off {off} n {n}");
+                assert_eq!(&got[off..off + n], &src[..n], "off {off} n {n}");
+                assert!(got[off + n..].iter().all(|&b| b == 0), "off {off} n {n}");
+            }
         }
     }
 }
