@@ -799,6 +799,11 @@ impl QpEngine {
                 self.txq_bytes -= f.total - f.written;
             }
         }
+        // Its WRs complete (flushed) below, and a `register_raw` owner may
+        // then free their memory: the frame sends from its own copy.
+        if let Some(f) = self.txq.front_mut() {
+            f.own_payload();
+        }
         for mut w in std::mem::take(&mut self.sq) {
             if !self.txq.is_empty() {
                 self.graveyard.append(&mut w.keep);

@@ -31,6 +31,61 @@ fn untagged(opcode: Opcode, last: bool, inv: u32, qn: u32, msn: u32, mo: u32) ->
     }
 }
 
+impl TxFrame {
+    /// A copy of the frame's payload. The pieces lie in live registrations
+    /// (kept alive by the WR or the frame: an SQ WR completes only once its
+    /// last frame is written, or in `enter_error`, which calls this first)
+    /// or in the frame's own inline/staged buffers.
+    fn payload_copy(&self) -> Vec<u8> {
+        let payload: usize = self.pieces[..self.npieces]
+            .iter()
+            .map(|p| p.len as usize)
+            .sum();
+        let mut own: Vec<u8> = Vec::with_capacity(payload);
+        for p in &self.pieces[..self.npieces] {
+            let at = own.len();
+            // SAFETY: the piece is readable memory that the frame may send
+            // from (above), and `own` has capacity for it; `set_len` follows
+            // the copy, and only initialised bytes are then exposed. No Rust
+            // reference to the source is formed.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    p.addr as *const u8,
+                    own.as_mut_ptr().add(at),
+                    p.len as usize,
+                );
+                own.set_len(at + p.len as usize);
+            }
+        }
+        own
+    }
+
+    /// Send the payload from `own` (a copy of it) instead of its pieces.
+    fn send_from(&mut self, own: Vec<u8>) {
+        if !own.is_empty() {
+            self.pieces[0] = Piece {
+                addr: own.as_ptr() as u64,
+                len: own.len() as u64,
+            };
+            self.npieces = 1;
+        }
+        self._staged = Some(own);
+    }
+
+    /// Make the frame send from its own copy of the payload, unless it
+    /// already does (CRC on: staged; inline data). `enter_error` calls
+    /// this for the partly written frame it keeps: the WRs it sends from
+    /// are about to complete (flushed), after which the owner of
+    /// `register_raw` memory may free it, and the frame's `_keep` keeps
+    /// only the registration's bookkeeping alive, not that memory.
+    pub(super) fn own_payload(&mut self) {
+        if self._staged.is_none() && self._inline.is_none() {
+            let own = self.payload_copy();
+            self.send_from(own);
+        }
+    }
+}
+
 impl QpEngine {
     /// Emit the header area of `f` for `h` (+ a Terminate's `body`), the
     /// payload being `f`'s pieces, and add the trailer (pad, CRC).
@@ -45,31 +100,9 @@ impl QpEngine {
             // and the bytes checksummed are exactly the bytes sent even if
             // the consumer (or another QP placing into the same region)
             // writes the source meanwhile.
-            let mut own: Vec<u8> = Vec::with_capacity(payload);
-            for p in &f.pieces[..f.npieces] {
-                let at = own.len();
-                // SAFETY: the piece lies in a live registration (kept alive
-                // by the WR/frame) or the WR's inline buffer, and `own` has
-                // capacity for it; `set_len` follows the copy, and only
-                // initialised bytes are then exposed.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        p.addr as *const u8,
-                        own.as_mut_ptr().add(at),
-                        p.len as usize,
-                    );
-                    own.set_len(at + p.len as usize);
-                }
-            }
+            let own = f.payload_copy();
             let t = Trailer::with_crc(ulpdu, &[&f.hdr[..f.hdr_len], &own]);
-            if !own.is_empty() {
-                f.pieces[0] = Piece {
-                    addr: own.as_ptr() as u64,
-                    len: own.len() as u64,
-                };
-                f.npieces = 1;
-            }
-            f._staged = Some(own);
+            f.send_from(own);
             t
         } else {
             Trailer::without_crc(ulpdu)
@@ -316,10 +349,26 @@ impl QpEngine {
                 }
                 push(f.trailer.as_ref().as_ptr(), f.trailer.as_ref().len());
             }
-            // SAFETY: the iovecs cover the frames' own arrays and payload
-            // pieces inside live registrations (kept alive by their WRs, the
-            // frames, or the graveyard after a flush) or inline/staged
-            // buffers owned by the frames; the kernel only reads them.
+            // SAFETY: the iovecs cover the frames' own arrays, inline/staged
+            // buffers owned by the frames, and payload pieces in registered
+            // memory:
+            // - an SQ WR's memory: the WR completes only after its last
+            //   frame is written (`frame_done`), so owned memory (`RegBuf`,
+            //   kept by the registration) and `register_raw` memory (the
+            //   caller keeps it until the WR completes) are valid; after a
+            //   flush the one frame left partly written sends from its own
+            //   copy (`enter_error` → `own_payload`), not from memory whose
+            //   WRs completed.
+            // - an inbound Read's source: validated against a live
+            //   registration when the request came; the frame's `_keep`
+            //   keeps a `RegBuf` mapped. `register_raw` memory is covered
+            //   only while its `Mr` lives: the contract lets the caller free
+            //   it once the `Mr` is dropped, and a Read Response still queued
+            //   then would read freed memory. The caller's side of that is
+            //   not to drop an `Mr` the peer is reading (lwio's client drops
+            //   its per-call registrations after the server answered, i.e.
+            //   after the server received every byte it read).
+            // The kernel only reads them.
             match unsafe { io.writev(&iov) } {
                 Ok(mut w) => {
                     self.txq_bytes -= w;

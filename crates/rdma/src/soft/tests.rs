@@ -786,3 +786,75 @@ fn tx_segment_cost() {
         );
     }
 }
+
+/// A frame partly written when the QP is flushed is finished from the
+/// frame's own copy of its payload: the WR completes (flushed) at once, and
+/// its `register_raw` memory may then be freed or reused by its owner
+/// before the rest of the frame goes out.
+#[test]
+fn flushed_partial_frame_sends_from_its_own_copy() {
+    use super::qp::Io;
+    use std::io;
+    /// Takes `left` bytes, then would block.
+    struct Partial {
+        left: usize,
+        out: Vec<u8>,
+    }
+    // SAFETY: `read` writes nothing; `writev` reads at most the bytes of
+    // the iovecs, which the caller guarantees readable.
+    impl Io for Partial {
+        unsafe fn read(&mut self, _dst: *mut u8, _len: usize) -> io::Result<usize> {
+            Err(io::ErrorKind::WouldBlock.into())
+        }
+        unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize> {
+            let mut t = 0;
+            for v in iov {
+                let n = v.iov_len.min(self.left - t);
+                self.out
+                    .extend_from_slice(std::slice::from_raw_parts(v.iov_base as *const u8, n));
+                t += n;
+            }
+            self.left -= t;
+            if t == 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            Ok(t)
+        }
+    }
+    let ctx = ctx();
+    let mut s = side(&ctx, 1, false, 100);
+    let mut mem = pattern(3, 200);
+    // SAFETY: `mem` outlives the registration and the WR, and is written
+    // below only after the WR completed (as its owner may then).
+    let mr = unsafe {
+        s.pd.register_raw(mem.as_mut_ptr(), mem.len(), Access::LOCAL_WRITE)
+    }
+    .expect("mr");
+    let sge = [mr.sge(0, 100)];
+    let write = SendOp::Write {
+        remote_addr: 0x1000,
+        rkey: 0x4200,
+    };
+    s.core
+        .post_send(&[SendWr::new(7, write, &sge)])
+        .expect("post");
+    let mut io = Partial {
+        left: 30,
+        out: Vec::new(),
+    };
+    s.core.tx_process(&mut io).expect("tx");
+    assert_eq!(io.out.len(), 30, "the frame is partly written");
+    s.core.enter_error(None);
+    let w = drain(&s.cq);
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert_eq!((w[0].wr_id, w[0].status), (7, WcStatus::WrFlushErr));
+    // The owner takes its memory back and reuses it.
+    drop(mr);
+    mem.fill(0xee);
+    let mut out = io.out;
+    out.extend(tx_bytes(&mut s));
+    // MPA header (2) + tagged DDP/RDMAP header (14), then the payload as it
+    // was when the WR was posted.
+    let expect = pattern(3, 100);
+    assert_eq!(out.get(16..116), Some(&expect[..]), "{out:?}");
+}
