@@ -14,7 +14,7 @@
 #![allow(clippy::missing_safety_doc, non_camel_case_types)]
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -136,7 +136,9 @@ struct Tables {
     /// Live clients (by address), so a stale pointer is refused.
     clients: HashSet<usize>,
     /// Registered buffers by address.
-    bufs: HashMap<usize, RegisteredBuf>,
+    /// `lwio_buf_alloc` buffers by start address (ordered: `lwio_pread`
+    /// finds the one holding an address).
+    bufs: BTreeMap<usize, RegisteredBuf>,
 }
 
 fn tables() -> MutexGuard<'static, Tables> {
@@ -483,6 +485,19 @@ fn data_call(fd: c_int, buf: *const c_void, len: usize, offset: u64) -> Result<A
     Ok(f)
 }
 
+/// Take the `lwio_buf_alloc` buffer holding all of `[p, p + len)` out of
+/// the table, with its start and the range's offset in it; `lwio_pread`
+/// puts it back.
+fn take_buf(p: usize, len: usize) -> Option<(usize, usize, RegisteredBuf)> {
+    let mut t = tables();
+    let (&start, b) = t.bufs.range(..=p).next_back()?;
+    let at = p - start;
+    if at.checked_add(len)? > b.len() {
+        return None;
+    }
+    t.bufs.remove(&start).map(|b| (start, at, b))
+}
+
 /// pread(2): bytes read (fewer at the end of the file, 0 at or past it).
 #[no_mangle]
 pub unsafe extern "C" fn lwio_pread(fd: c_int, buf: *mut c_void, len: usize, offset: u64) -> i64 {
@@ -491,6 +506,23 @@ pub unsafe extern "C" fn lwio_pread(fd: c_int, buf: *mut c_void, len: usize, off
             Ok(f) => f,
             Err(r) => return r,
         };
+        // Into an `lwio_buf_alloc` buffer: `File::read_registered`, which
+        // forms no Rust reference over the bytes the peer writes (through
+        // the buffer's own pointer, as its cached registration does), where
+        // `read_at` would hold a `&mut [u8]` over them that those writes
+        // alias (undefined behaviour under the aliasing model, see
+        // `File::read_impl` in lwio-client). The buffer is out of the table
+        // meanwhile, so the `&mut` it needs is exclusive; a concurrent
+        // `lwio_pread` into the same buffer takes the `read_at` path below,
+        // and `lwio_buf_free` of a buffer being read fails with EINVAL.
+        if let Some((start, at, mut rb)) = take_buf(buf as usize, len) {
+            let r = f.file.read_registered(&mut rb, at..at + len, offset);
+            tables().bufs.insert(start, rb);
+            return match r {
+                Ok(n) => n as i64,
+                Err(e) => fail_client(&e).into(),
+            };
+        }
         // SAFETY: the caller lends `len` writable bytes at `buf` for the
         // call (pread's contract) and does not touch them meanwhile;
         // `read_at` keeps every remote window over them inside the call.

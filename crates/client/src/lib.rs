@@ -755,6 +755,18 @@ pub struct RegisteredBuf {
     engines: Vec<std::sync::Weak<Engine>>,
 }
 
+impl RegisteredBuf {
+    /// The buffer's length, without forming a slice over its bytes (which
+    /// a read through another handle may be placing).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the buffer is empty (never: `register_buffer` refuses 0).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 impl std::fmt::Debug for RegisteredBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "RegisteredBuf({} bytes)", self.len)
