@@ -227,7 +227,7 @@ impl Pending {
                 }
                 return Progressed::Frame;
             }
-            let mut tmp = [0u8; 532];
+            let mut tmp = [0u8; FRAME_HEADER_LEN + MAX_PD];
             let want = self.need - self.buf.len();
             match (&self.s).read(&mut tmp[..want]) {
                 Ok(0) => return Progressed::Drop("closed before its MPA request".into()),

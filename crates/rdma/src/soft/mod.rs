@@ -96,9 +96,10 @@
 //! +nightly miri test -p lwio-rdma --lib soft::tests::NAME -- --exact`
 //! passes for `protection_violation_writes_nothing_and_terminates`,
 //! `receive_path_byte_at_a_time_and_read_response`,
-//! `partial_writes_of_batched_frames_give_the_same_stream` and
+//! `partial_writes_of_batched_frames_give_the_same_stream`,
 //! `receive_posted_mid_anonymous_message_gets_it_whole` (every 61st offset
-//! under Miri). Its first run found the engine writing the Terminate buffer
+//! under Miri), `flushed_partial_frame_sends_from_its_own_copy`, and
+//! `soft::qp::rx::tests::place_bytes_copies_every_byte`. Its first run found the engine writing the Terminate buffer
 //! and anonymous buffers through pointers taken with `as_ptr` (shared, so
 //! read-only); they are taken with `as_mut_ptr`. Not run under Miri: the
 //! property tests (hundreds of cases, hours at Miri's speed), the golden
