@@ -228,6 +228,8 @@ int main(int argc, char **argv) {
     CHECK(rb1 != NULL, "buf_alloc");
     CHECK(lwio_pread(fd, rb1, 1 << 20, 4096) == (1 << 20) && !memcmp(rb1, w + 4096, 1 << 20),
           "pread into a registered buffer");
+    CHECK(lwio_pread(fd, rb1 + 100, 5000, 8192) == 5000 && !memcmp(rb1 + 100, w + 8192, 5000),
+          "pread into the middle of a registered buffer");
     CHECK(lwio_buf_free(rb1) == 0, "buf_free");
     CHECK(lwio_buf_free(rb1) == -EINVAL, "double buf_free");
     printf("ok - registered buffer\n");
