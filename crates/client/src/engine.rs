@@ -644,9 +644,9 @@ impl Engine {
     /// or invalidated — or an RDMA protocol error). The soft provider
     /// reports the Terminate it sent; other providers give `None`.
     fn refused_by_us(&self) -> Option<String> {
-        let code = u32::from(self.qp.terminate_sent()?);
-        // RFC 5040 §7: layer 0 (RDMAP) or 1 (DDP), error type 1: protection.
-        let what = if code >> 12 <= 1 && (code >> 8) & 0xf == 1 {
+        let term = self.qp.terminate_sent()?;
+        let code = term.vendor_err();
+        let what = if term.is_protection() {
             "the server tried to write client memory it was not given (a key or range \
              outside the one-shot windows of its outstanding requests)"
         } else {

@@ -1363,7 +1363,7 @@ fn expect_violation(
         let st = crate::soft::qp_stats(&c.s.qp).unwrap_or_default();
         ensure!(st.term_sent == 1, "server sent {} Terminates", st.term_sent);
         ensure!(
-            c.s.qp.terminate_sent() == Some(want_vendor as u16),
+            c.s.qp.terminate_sent().map(|t| t.vendor_err()) == Some(want_vendor),
             "server's terminate_sent {:?}, want {want_vendor:#06x}",
             c.s.qp.terminate_sent()
         );

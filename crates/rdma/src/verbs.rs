@@ -45,6 +45,9 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// A Terminate's error triple (RFC 5040 §7), lwio-iwarp's.
+pub use lwio_iwarp::wire::term::TermError;
+
 pub use ops::*;
 
 bitflags::bitflags! {
@@ -1522,8 +1525,10 @@ impl Qp {
     /// protocol error), as `layer << 12 | etype << 8 | ecode`. `None` if it
     /// sent none, or if the provider does not tell (the verbs provider: the
     /// kernel or NIC does not report it).
-    pub fn terminate_sent(&self) -> Option<u16> {
-        self.0.terminate_sent()
+    pub fn terminate_sent(&self) -> Option<TermError> {
+        self.0
+            .terminate_sent()
+            .map(|c| TermError::from_vendor_err(c.into()))
     }
 }
 

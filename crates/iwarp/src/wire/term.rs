@@ -296,6 +296,10 @@ impl TermError {
             | (u32::from(self.etype & 0xf) << 8)
             | u32::from(self.ecode)
     }
+    /// The inverse of [`TermError::vendor_err`].
+    pub fn from_vendor_err(v: u32) -> TermError {
+        TermError::new(Layer::from_raw((v >> 12) as u8), (v >> 8) as u8, v as u8)
+    }
     /// A protection error: RDMAP remote protection, or a DDP tagged buffer
     /// error (a key, range or right the data sink refused).
     pub fn is_protection(&self) -> bool {
@@ -328,6 +332,8 @@ mod tests {
         let mut n = 0;
         for k in TermKind::all() {
             assert_eq!(k.to_error().kind(), Some(k));
+            let e = k.to_error();
+            assert_eq!(TermError::from_vendor_err(e.vendor_err()), e);
             n += 1;
         }
         assert_eq!(n, 33);
