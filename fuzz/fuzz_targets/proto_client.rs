@@ -17,7 +17,7 @@ fuzz_target!(|data: &[u8]| {
     let now = Instant::now();
     let mut cfg = ClientConfig::new(Guid::from_u128(7), b"fuzz".to_vec(), RemoteBuf { addr: 0, rkey: 1 });
     cfg.status_blocks = Some(StatusBlockArea { base: 0x1000, rkey: 2, slots: 4 });
-    let mut c = ClientConn::new(cfg);
+    let mut c = ClientConn::<()>::new(cfg);
     let _ = c.start(now);
     let mem = Mem(data);
     let mut rest = data;
@@ -48,12 +48,20 @@ fuzz_target!(|data: &[u8]| {
                         Mode::PolledWindow(u32::from(sel))
                     }
                 };
-                let _ = c.read(1, 0, 16, RemoteBuf { addr: 0, rkey: 1 }, mode);
-                let _ = c.interrupt();
+                let _ = c.read(now, 1, 0, 16, RemoteBuf { addr: 0, rkey: 1 }, mode);
+                let _ = c.interrupt(now);
             }
         }
         while c.poll_action().is_some() {}
-        while c.poll_event().is_some() {}
+        let mut buf = [0u8; 512];
+        while c.poll_transmit(&mut buf).is_some() {}
+        // Every completion waits to be taken, once.
+        while let Some(ev) = c.poll_event() {
+            if let ClientEvent::Completed { req, .. } = ev {
+                assert!(c.take_done(req).is_some());
+                assert!(c.take_done(req).is_none());
+            }
+        }
         assert!(c.outstanding() <= usize::from(c.credits()) + 1);
     }
 });

@@ -42,8 +42,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lwio_proto::client::{
-    ClientAction, ClientConfig, ClientConn, ClientError, ClientEvent, LocalMemory, Mode, RemoteBuf,
-    ReqId, StatusBlockArea,
+    ClientAction, ClientConfig, ClientConn, ClientError, ClientEvent, Issued, LocalMemory, Mode,
+    RemoteBuf, ReqId, StatusBlockArea, VecWrite,
 };
 use lwio_proto::wire::small::{poll_block_written, POLL_SENTINEL};
 use lwio_proto::wire::{Guid, Opcode, RdmaRegion, SrvResumeKey, COMMON_HEADER_LEN};
@@ -138,9 +138,16 @@ pub enum Stage {
     User,
 }
 
-struct ReqRes {
+/// What the engine keeps with each request, inside the state machine
+/// (`ClientConn<ReqData>` holds every request once, outstanding or
+/// completed and not yet taken by its waiter).
+#[derive(Default)]
+struct ReqData {
+    /// One-shot windows the server writes through; invalidated when the
+    /// request completes.
     windows: Vec<(Mw, u32)>,
     stage: Option<Stage>,
+    /// Its waiter gave up: the engine frees the stage at completion.
     abandoned: bool,
     /// Caller-memory group (0 = engine memory); see [`Engine::fence_group`].
     group: u64,
@@ -235,16 +242,15 @@ impl RegCache {
     }
 }
 
-struct St {
-    conn: ClientConn,
-    done: HashMap<ReqId, (u32, NtStatus)>,
-    res: HashMap<ReqId, ReqRes>,
+/// The engine's state under its lock: the connection's state machine (every
+/// request, with its [`ReqData`]) and the transport resources it drives.
+struct Locked {
+    conn: ClientConn<ReqData>,
     recv_free: Vec<u32>,
-    /// Receives posted at connect that the state machine has not asked for
-    /// yet: its next PostRecv actions are served from these first.
-    recv_prepost: u32,
     send_free: Vec<u32>,
-    send_backlog: VecDeque<Outgoing>,
+    /// Request messages encoded in their send slots, waiting to be posted
+    /// (in order): (slot, length).
+    send_backlog: VecDeque<(u32, usize)>,
     stage_free: Vec<usize>,
     bounce_free: Vec<usize>,
     mw_free: Vec<Mw>,
@@ -255,7 +261,6 @@ struct St {
     next_group: u64,
     cache: RegCache,
     auth: Option<std::result::Result<(u64, u16), NtStatus>>,
-    interrupt_req: Option<ReqId>,
     stats: ClientStats,
     /// An eventfd signalled at every completion ([`Engine::set_notify`]).
     notify: Option<Arc<std::os::fd::OwnedFd>>,
@@ -276,7 +281,7 @@ pub struct Engine {
     status_off: usize,
     bounce_off: usize,
     stage_off: usize,
-    st: Mutex<St>,
+    st: Mutex<Locked>,
     cv: Condvar,
     stop: AtomicBool,
     progress: Mutex<Option<JoinHandle<()>>>,
@@ -306,7 +311,7 @@ impl LocalMemory for AuthMem<'_> {
     }
 }
 
-fn lock(m: &Mutex<St>) -> MutexGuard<'_, St> {
+fn lock(m: &Mutex<Locked>) -> MutexGuard<'_, Locked> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -319,6 +324,7 @@ fn client_err(e: ClientError) -> Error {
         }
         ClientError::NoStatusBlock => Error::Busy("no free status block".into()),
         ClientError::NoCredits => Error::Busy("no credits".into()),
+        ClientError::TransmitPending => Error::Busy("request messages wait for a send slot".into()),
     }
 }
 
@@ -377,7 +383,7 @@ impl Engine {
         // Receives are posted before the connection is established: on
         // iWARP devices a Send that finds no posted receive is fatal. The
         // state machine asks for its receives later (PostRecv); those are
-        // served from this pre-posted surplus first (`recv_prepost`).
+        // counted as posted by the state machine (`recvs_preposted`).
         let mut recv_free: Vec<u32> = (0..nrecv as u32).rev().collect();
         let prepost = (usize::from(cfg.credits.max(1)) + 1).min(nrecv);
         let pre: Vec<u32> = (0..prepost).filter_map(|_| recv_free.pop()).collect();
@@ -441,16 +447,15 @@ impl Engine {
         ccfg.max_recv_buffer_size = RECV_SLOT as u32;
         ccfg.status_blocks = status_area;
         ccfg.tid = std::process::id();
+        ccfg.recvs_preposted = pre.len() as u32;
+        ccfg.op_timeout = Some(cfg.op_timeout);
         let mut mw_free = Vec::new();
         for _ in 0..(cfg.stage_slots * 4 + BOUNCE_SLOTS) {
             mw_free.push(pd.alloc_mw()?);
         }
-        let st = St {
+        let st = Locked {
             conn: ClientConn::new(ccfg),
-            done: HashMap::new(),
-            res: HashMap::new(),
             recv_free,
-            recv_prepost: pre.len() as u32,
             send_free: (0..send_slots as u32).rev().collect(),
             send_backlog: VecDeque::new(),
             stage_free: (0..cfg.stage_slots).rev().collect(),
@@ -461,7 +466,6 @@ impl Engine {
             next_group: 1,
             cache: RegCache::new(cfg.reg_cache_bytes, cfg.reg_cache_entries),
             auth: None,
-            interrupt_req: None,
             stats: ClientStats::default(),
             notify: None,
         };
@@ -623,7 +627,7 @@ impl Engine {
 
     // ------------------------------------------------------------ actions
 
-    fn mark_lost(&self, st: &mut St, why: String) {
+    fn mark_lost(&self, st: &mut Locked, why: String) {
         if st.lost.is_none() {
             // Flushed receives and a dead QP say nothing of the cause; if
             // this client's provider refused what the server sent, say so.
@@ -658,16 +662,11 @@ impl Engine {
     }
 
     /// Carry out the state machine's actions and collect its events.
-    fn run_actions(&self, st: &mut St) {
+    fn run_actions(&self, st: &mut Locked) {
         while let Some(a) = st.conn.poll_action() {
             match a {
-                ClientAction::Send(bytes) => {
-                    st.send_backlog.push_back(Outgoing::Bytes(bytes));
-                }
                 ClientAction::PostRecv(n) => {
-                    let from_pre = n.min(st.recv_prepost);
-                    st.recv_prepost -= from_pre;
-                    for _ in from_pre..n {
+                    for _ in 0..n {
                         let Some(slot) = st.recv_free.pop() else {
                             warn!("no free receive buffer");
                             break;
@@ -695,6 +694,7 @@ impl Engine {
                 }
             }
         }
+        self.fill_send_slots(st);
         // Request messages wait for the caller to block (`wait`, a credit
         // wait, the driver's sleep), so a burst of requests leaves in one
         // post and one system call; before AUTH completes they go at once.
@@ -718,21 +718,12 @@ impl Engine {
                     debug!(credits, "credit limit changed");
                     st.stats.credit_history.push(credits);
                 }
-                ClientEvent::Completed {
-                    req,
-                    opcode,
-                    information,
-                    status,
-                } => {
-                    if opcode == Opcode::Interrupt && st.interrupt_req == Some(req) {
-                        st.interrupt_req = None;
-                    }
-                    self.finish_req(st, req, information, status);
-                    if opcode == Opcode::Interrupt {
-                        // Its answer only wakes (`Engine::interrupt` watches
-                        // `interrupt_req`): nobody takes it from `done`.
-                        st.done.remove(&req);
-                    }
+                ClientEvent::Completed { req, opcode, .. } => {
+                    self.finish_req(st, req, opcode);
+                }
+                // Its waiter (woken below) returns TimedOut and abandons it.
+                ClientEvent::TimedOut { req, opcode } => {
+                    debug!(req, ?opcode, "request timed out");
                 }
             }
         }
@@ -752,43 +743,62 @@ impl Engine {
         self.flush_sends(&mut st);
     }
 
-    fn flush_sends(&self, st: &mut St) {
-        while let Some(front) = st.send_backlog.front() {
-            // A message already in its slot needs none; bytes need a free one.
-            if matches!(front, Outgoing::Bytes(_)) && st.send_free.is_empty() {
+    /// The send slot `slot` as a slice, for the state machine to encode a
+    /// request message into, and `f`'s result; None if the slot is out of
+    /// the send region.
+    fn with_send_slot<T>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> T) -> Option<T> {
+        let mut view = self
+            .send_mr
+            .slice_mut(slot as usize * self.send_slot, self.send_slot)
+            .ok()?;
+        // SAFETY: the slice covers this one slot only, not the send region
+        // (other slots may be posted and read by the provider meanwhile).
+        // The caller took the slot from `send_free` under the engine lock,
+        // so no posted send names it (a slot returns to the free list only
+        // when its send completes) and it is queued for posting only after
+        // `f` returns; the send region is registered without remote access,
+        // so no peer writes it: only this thread, through this slice, while
+        // the lock (which every user of the free list and of `send_backlog`
+        // takes) is held.
+        Some(f(unsafe { view.as_mut_slice() }))
+    }
+
+    /// Move the state machine's queued request messages into free send
+    /// slots (encoded there directly), in order, behind the backlog.
+    fn fill_send_slots(&self, st: &mut Locked) {
+        while st.conn.transmit_pending() > 0 {
+            let Some(slot) = st.send_free.pop() else {
                 return;
+            };
+            let Some(n) = self.with_send_slot(slot, |out| st.conn.poll_transmit(out)) else {
+                st.send_free.push(slot);
+                return self.mark_lost(st, "a send slot lies outside the send region".into());
+            };
+            match n {
+                Some(len) => st.send_backlog.push_back((slot, len)),
+                None => {
+                    st.send_free.push(slot);
+                    // The state machine closed the connection (a message
+                    // larger than a send slot): carry that out.
+                    return self.run_actions(st);
+                }
             }
-            let mut sges: Vec<lwio_rdma::Sge> = Vec::new();
-            let mut slots: Vec<u32> = Vec::new();
-            while sges.len() < SEND_BATCH {
-                let (slot, len) = match st.send_backlog.front() {
-                    None => break,
-                    Some(Outgoing::Slot { slot, len }) => (*slot, *len),
-                    Some(Outgoing::Bytes(bytes)) => {
-                        let Some(slot) = st.send_free.pop() else {
-                            break;
-                        };
-                        let off = slot as usize * self.send_slot;
-                        if bytes.len() > self.send_slot
-                            || self.send_mr.write_at(off, bytes).is_err()
-                        {
-                            st.send_free.push(slot);
-                            st.send_free.extend(slots);
-                            self.mark_lost(st, "request larger than a send slot".into());
-                            return;
-                        }
-                        (slot, bytes.len())
-                    }
-                };
-                st.send_backlog.pop_front();
-                let off = slot as usize * self.send_slot;
-                sges.push(self.send_mr.sge(off, len as u32));
-                slots.push(slot);
-            }
+        }
+    }
+
+    fn flush_sends(&self, st: &mut Locked) {
+        self.fill_send_slots(st);
+        while !st.send_backlog.is_empty() {
+            let n = st.send_backlog.len().min(SEND_BATCH);
+            let batch: Vec<(u32, usize)> = st.send_backlog.drain(..n).collect();
+            let sges: Vec<lwio_rdma::Sge> = batch
+                .iter()
+                .map(|&(slot, len)| self.send_mr.sge(slot as usize * self.send_slot, len as u32))
+                .collect();
             let wrs: Vec<SendWr<'_>> = sges
                 .iter()
-                .zip(&slots)
-                .map(|(sge, &slot)| {
+                .zip(&batch)
+                .map(|(sge, &(slot, _))| {
                     SendWr::new(
                         wrid::SEND | u64::from(slot),
                         SendOp::Send,
@@ -799,39 +809,36 @@ impl Engine {
             if let Err(e) = self.qp.post_send(&wrs) {
                 // Those before the failed one were posted: their slots come
                 // back with their (flushed) completions.
-                st.send_free.extend(slots.iter().skip(e.index));
+                st.send_free
+                    .extend(batch.iter().skip(e.index).map(|&(slot, _)| slot));
                 self.mark_lost(st, format!("posting a send failed: {}", e.error));
                 return;
             }
+            self.fill_send_slots(st);
         }
     }
 
-    fn finish_req(&self, st: &mut St, req: ReqId, information: u32, status: NtStatus) {
-        if let Some(r) = st.res.remove(&req) {
-            for (mw, rkey) in r.windows {
-                // One-shot windows are already disabled by the server's
-                // write (when it happened); invalidate regardless — a short
-                // or failed read leaves the window armed otherwise.
-                if self
-                    .qp
-                    .invalidate(rkey, wrid::INVAL | r.group, true)
-                    .is_ok()
-                {
-                    st.stats.windows_invalidated += 1;
-                    if r.group != 0 {
-                        *st.inval_pending.entry(r.group).or_default() += 1;
-                    }
-                }
-                st.mw_free.push(mw);
+    /// `req` completed (its record waits in the state machine): invalidate
+    /// its windows, and drop it when nobody will take it (abandoned, or an
+    /// INTERRUPT, whose waiter only watches it leave).
+    fn finish_req(&self, st: &mut Locked, req: ReqId, opcode: Opcode) {
+        let Some(r) = st.conn.user_mut(req) else {
+            return;
+        };
+        let (windows, group, abandoned) = (std::mem::take(&mut r.windows), r.group, r.abandoned);
+        // One-shot windows are already disabled by the server's write (when
+        // it happened); invalidate regardless — a short or failed read
+        // leaves the window armed otherwise.
+        st.stats.windows_invalidated += self.drop_windows(st, windows, group);
+        if abandoned {
+            if let Some(s) = st.conn.take_done(req).and_then(|d| d.user.stage) {
+                free_stage(st, s);
             }
-            if r.abandoned {
-                if let Some(s) = r.stage {
-                    free_stage(st, s);
-                }
-                return;
-            }
+            return;
         }
-        st.done.insert(req, (information, status));
+        if opcode == Opcode::Interrupt {
+            st.conn.take_done(req);
+        }
         if let Some(fd) = &st.notify {
             // An eventfd counter: +1. Non-blocking; a full counter (2^64-2
             // unread completions) cannot happen in practice, and EAGAIN
@@ -848,7 +855,7 @@ impl Engine {
         lock(&self.st).notify = fd;
     }
 
-    fn completion(&self, st: &mut St, w: Wc) {
+    fn completion(&self, st: &mut Locked, w: Wc) {
         let v = wrid::value(w.wr_id);
         match wrid::kind(w.wr_id) {
             wrid::RECV => {
@@ -905,13 +912,13 @@ impl Engine {
     }
 
     /// Check the status blocks of outstanding polled requests.
-    fn scan_slots(&self, st: &mut St) {
+    fn scan_slots(&self, st: &mut Locked) {
         for slot in st.conn.polled_slots() {
             self.check_slot(st, slot);
         }
     }
 
-    fn check_slot(&self, st: &mut St, slot: u32) -> bool {
+    fn check_slot(&self, st: &mut Locked, slot: u32) -> bool {
         let Ok(v) = self.win_mr.load_u64(self.status_off + slot as usize * 8) else {
             return false;
         };
@@ -952,6 +959,7 @@ impl Engine {
         if self.cfg.completion == Completion::Poll {
             self.scan_slots(&mut st);
         }
+        st.conn.handle_timeout(Instant::now());
         self.run_actions(&mut st);
         self.flush_sends(&mut st);
         if st.lost.is_none() && self.qp.state() == QpState::Error {
@@ -998,7 +1006,10 @@ impl Engine {
 
     /// Wait until a request can be issued and the resources exist, then run
     /// `issue` under the lock.
-    fn issue<T>(&self, mut issue: impl FnMut(&Engine, &mut St) -> Option<Result<T>>) -> Result<T> {
+    fn issue<T>(
+        &self,
+        mut issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
+    ) -> Result<T> {
         let _waiting = Waiting::new(&self.waiters);
         let deadline = Instant::now() + self.cfg.op_timeout;
         let mut st = lock(&self.st);
@@ -1043,7 +1054,7 @@ impl Engine {
     }
 
     /// Count a request just issued and carry out its actions.
-    fn issued(&self, st: &mut St) {
+    fn issued(&self, st: &mut Locked) {
         let out = st.conn.outstanding();
         st.stats.requests += 1;
         st.stats.max_outstanding = st.stats.max_outstanding.max(out);
@@ -1055,10 +1066,11 @@ impl Engine {
 
     /// [`Engine::issue`] without waiting: `Ok(None)` when no credit or
     /// resource (staging buffer, window, send slot) is free now. The async
-    /// client retries when the next completion frees one.
+    /// client retries when the next completion frees one. What it issues
+    /// is posted at once.
     fn issue_now<T>(
         &self,
-        mut issue: impl FnMut(&Engine, &mut St) -> Option<Result<T>>,
+        mut issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
     ) -> Result<Option<T>> {
         let mut st = lock(&self.st);
         for _ in 0..2 {
@@ -1087,7 +1099,7 @@ impl Engine {
     /// in polling mode the one-shot window bound to exactly the status block
     /// it will use (the caller keeps it with the request's other windows,
     /// invalidated when it completes).
-    fn req_mode(&self, st: &mut St) -> Result<(Mode, Option<(Mw, u32)>)> {
+    fn req_mode(&self, st: &mut Locked) -> Result<(Mode, Option<(Mw, u32)>)> {
         if self.cfg.completion == Completion::Interrupt {
             return Ok((Mode::Interrupt, None));
         }
@@ -1100,32 +1112,30 @@ impl Engine {
         Ok((Mode::PolledWindow(rkey), Some((mw, rkey))))
     }
 
-    /// Invalidate and free windows of a request that was not issued.
-    fn drop_windows(&self, st: &mut St, windows: Vec<(Mw, u32)>, group: u64) {
+    /// Invalidate and free windows (of a completed request, or of one that
+    /// was not issued); returns how many invalidations were posted.
+    fn drop_windows(&self, st: &mut Locked, windows: Vec<(Mw, u32)>, group: u64) -> u64 {
+        let mut posted = 0;
         for (mw, rkey) in windows {
-            if self.qp.invalidate(rkey, wrid::INVAL | group, true).is_ok() && group != 0 {
-                *st.inval_pending.entry(group).or_default() += 1;
+            if self.qp.invalidate(rkey, wrid::INVAL | group, true).is_ok() {
+                posted += 1;
+                if group != 0 {
+                    *st.inval_pending.entry(group).or_default() += 1;
+                }
             }
             st.mw_free.push(mw);
         }
+        posted
     }
 
     /// Keep a status window with its request until the request completes.
-    fn keep_window(st: &mut St, req: ReqId, w: Option<(Mw, u32)>) {
-        if let Some(w) = w {
-            st.res.insert(
-                req,
-                ReqRes {
-                    windows: vec![w],
-                    stage: None,
-                    abandoned: false,
-                    group: 0,
-                },
-            );
+    fn keep_window(st: &mut Locked, req: ReqId, w: Option<(Mw, u32)>) {
+        if let (Some(w), Some(d)) = (w, st.conn.user_mut(req)) {
+            d.windows.push(w);
         }
     }
 
-    fn bind_window(&self, st: &mut St, mr: &Mr, off: usize, len: usize) -> Result<(Mw, u32)> {
+    fn bind_window(&self, st: &mut Locked, mr: &Mr, off: usize, len: usize) -> Result<(Mw, u32)> {
         let mw = match st.mw_free.pop() {
             Some(m) => m,
             None => self.pd.alloc_mw()?,
@@ -1161,7 +1171,7 @@ impl Engine {
         }
     }
 
-    fn take_stage(&self, st: &mut St, len: usize) -> Option<Stage> {
+    fn take_stage(&self, st: &mut Locked, len: usize) -> Option<Stage> {
         if len <= BOUNCE_SLOT {
             if let Some(i) = st.bounce_free.pop() {
                 return Some(Stage::Bounce(i));
@@ -1230,7 +1240,7 @@ impl Engine {
         len: usize,
         vec_page: Option<u16>,
         dst: Option<(&'a UserDst, usize)>,
-    ) -> impl FnMut(&Engine, &mut St) -> Option<Result<(ReqId, Stage)>> + 'a {
+    ) -> impl FnMut(&Engine, &mut Locked) -> Option<Result<(ReqId, Stage)>> + 'a {
         move |e, st| {
             let (stage, mr, off, group) = match dst {
                 Some((d, at)) => (Stage::User, &d.reg.mr, d.off + at, d.group),
@@ -1240,7 +1250,7 @@ impl Engine {
                 }
             };
             let mut windows = Vec::new();
-            let r = (|| -> Result<ReqId> {
+            let r = (|| -> Result<Issued> {
                 let (mode, status) = e.req_mode(st)?;
                 windows.extend(status);
                 match vec_page {
@@ -1252,7 +1262,7 @@ impl Engine {
                             rkey,
                         };
                         st.conn
-                            .read(fid, offset, len as u32, dst, mode)
+                            .read(Instant::now(), fid, offset, len as u32, dst, mode)
                             .map_err(client_err)
                     }
                     Some(ps) => {
@@ -1271,22 +1281,21 @@ impl Engine {
                             o += l;
                         }
                         st.conn
-                            .vec_read(fid, offset, len as u32, ps, &regions, mode)
+                            .vec_read(Instant::now(), fid, offset, len as u32, ps, &regions, mode)
                             .map_err(client_err)
                     }
                 }
             })();
             match r {
-                Ok(req) => {
-                    st.res.insert(
-                        req,
-                        ReqRes {
+                Ok(Issued { req, .. }) => {
+                    if let Some(d) = st.conn.user_mut(req) {
+                        *d = ReqData {
                             windows,
                             stage: Some(stage),
                             abandoned: false,
                             group,
-                        },
-                    );
+                        };
+                    }
                     Some(Ok((req, stage)))
                 }
                 Err(err) => {
@@ -1319,67 +1328,17 @@ impl Engine {
     }
 
     pub fn issue_write(&self, fid: u16, offset: u64, data: &[u8]) -> Result<ReqId> {
-        self.issue(Self::write_issuer(fid, offset, data))
+        self.issue(Self::in_slot(|conn, mode, out| {
+            conn.write_into(Instant::now(), fid, offset, data, mode, out)
+        }))
     }
 
-    /// [`Engine::issue_write`] if a credit is free now (`Ok(None)` if not),
-    /// without waiting; the request is posted at once.
+    /// [`Engine::issue_write`] if a credit and a send slot are free now
+    /// (`Ok(None)` if not), without waiting; the request is posted at once.
     pub fn try_issue_write(&self, fid: u16, offset: u64, data: &[u8]) -> Result<Option<ReqId>> {
-        self.issue_now(Self::write_issuer(fid, offset, data))
-    }
-
-    fn write_issuer(
-        fid: u16,
-        offset: u64,
-        data: &[u8],
-    ) -> impl FnMut(&Engine, &mut St) -> Option<Result<ReqId>> + '_ {
-        move |e, st| {
-            let (mode, status) = match e.req_mode(st) {
-                Ok(m) => m,
-                Err(err) => return Some(Err(err)),
-            };
-            // Encode straight into a free send slot (no copy of the data
-            // besides this one); without a free slot, queue the bytes.
-            let Some(slot) = st.send_free.pop() else {
-                let r = st.conn.write(fid, offset, data, mode).map_err(client_err);
-                match &r {
-                    Ok(req) => Self::keep_window(st, *req, status),
-                    Err(_) => e.drop_windows(st, status.into_iter().collect(), 0),
-                }
-                return Some(r);
-            };
-            let off = slot as usize * e.send_slot;
-            let mut view = match e.send_mr.slice_mut(off, e.send_slot) {
-                Ok(v) => v,
-                Err(err) => {
-                    st.send_free.push(slot);
-                    e.drop_windows(st, status.into_iter().collect(), 0);
-                    return Some(Err(err.into()));
-                }
-            };
-            // SAFETY: the slice covers this one slot only, not the send
-            // region (other slots may be posted and read by the provider
-            // meanwhile). The slot was just popped from `send_free`, so no
-            // posted send names it (a slot returns to the free list only
-            // when its send completes) and it is queued for posting only
-            // after `write_into` returns, below; the send region is
-            // registered without remote access, so no peer key reaches it;
-            // and we hold the engine lock, which every user of the free list
-            // and of `send_backlog` takes, so no other view of it exists.
-            let out = unsafe { view.as_mut_slice() };
-            match st.conn.write_into(fid, offset, data, mode, out) {
-                Ok((req, len)) => {
-                    st.send_backlog.push_back(Outgoing::Slot { slot, len });
-                    Self::keep_window(st, req, status);
-                    Some(Ok(req))
-                }
-                Err(err) => {
-                    st.send_free.push(slot);
-                    e.drop_windows(st, status.into_iter().collect(), 0);
-                    Some(Err(client_err(err)))
-                }
-            }
-        }
+        self.issue_now(Self::in_slot(|conn, mode, out| {
+            conn.write_into(Instant::now(), fid, offset, data, mode, out)
+        }))
     }
 
     pub fn issue_vec_write(
@@ -1391,38 +1350,83 @@ impl Engine {
         data: &[u8],
         collapse: bool,
     ) -> Result<ReqId> {
-        self.issue(|e, st| {
+        let v = VecWrite {
+            fid,
+            offset,
+            page_size,
+            length,
+            data,
+            collapse,
+        };
+        self.issue(Self::in_slot(|conn, mode, out| {
+            conn.vec_write_into(Instant::now(), v, mode, out)
+        }))
+    }
+
+    /// Issue a request whose payload the caller lends (WRITE, VEC_WRITE):
+    /// `encode` writes it straight into a free send slot (the data's only
+    /// copy). Messages queued before it go to slots first; without a free
+    /// slot the issue waits, like one without a credit. For
+    /// [`Engine::issue`] and [`Engine::issue_now`].
+    fn in_slot(
+        mut encode: impl FnMut(
+            &mut ClientConn<ReqData>,
+            Mode,
+            &mut [u8],
+        ) -> std::result::Result<(Issued, usize), ClientError>,
+    ) -> impl FnMut(&Engine, &mut Locked) -> Option<Result<ReqId>> {
+        move |e, st| {
+            e.fill_send_slots(st);
+            if st.conn.transmit_pending() > 0 || st.send_free.is_empty() {
+                return None;
+            }
+            let slot = st.send_free.pop()?;
             let (mode, status) = match e.req_mode(st) {
                 Ok(m) => m,
-                Err(err) => return Some(Err(err)),
+                Err(err) => {
+                    st.send_free.push(slot);
+                    return Some(Err(err));
+                }
             };
-            let r = st
-                .conn
-                .vec_write(fid, offset, page_size, length, data, collapse, mode)
-                .map_err(client_err);
-            match &r {
-                Ok(req) => Self::keep_window(st, *req, status),
-                Err(_) => e.drop_windows(st, status.into_iter().collect(), 0),
+            let r = e
+                .with_send_slot(slot, |out| encode(&mut st.conn, mode, out))
+                .unwrap_or(Err(ClientError::InvalidArgument));
+            match r {
+                Ok((issued, len)) => {
+                    st.send_backlog.push_back((slot, len));
+                    Self::keep_window(st, issued.req, status);
+                    Some(Ok(issued.req))
+                }
+                Err(err) => {
+                    st.send_free.push(slot);
+                    e.drop_windows(st, status.into_iter().collect(), 0);
+                    Some(Err(client_err(err)))
+                }
             }
-            Some(r)
-        })
+        }
     }
 
     pub fn issue_register(&self, key: SrvResumeKey, flags: u32) -> Result<ReqId> {
-        self.issue(|_, st| Some(st.conn.register(key, flags).map_err(client_err)))
+        self.issue(|_, st| {
+            Some(
+                st.conn
+                    .register(Instant::now(), key, flags)
+                    .map_err(client_err),
+            )
+        })
     }
 
     pub fn issue_close(&self, fid: u16) -> Result<ReqId> {
-        self.issue(|_, st| Some(st.conn.close_file(fid).map_err(client_err)))
+        self.issue(|_, st| Some(st.conn.close_file(Instant::now(), fid).map_err(client_err)))
     }
 
     pub fn issue_cancel(&self, fid: u16) -> Result<ReqId> {
-        self.issue(|_, st| Some(st.conn.cancel(fid).map_err(client_err)))
+        self.issue(|_, st| Some(st.conn.cancel(Instant::now(), fid).map_err(client_err)))
     }
 
     /// [`Engine::issue_cancel`] without waiting (`Ok(None)`: no credit now).
     pub fn try_issue_cancel(&self, fid: u16) -> Result<Option<ReqId>> {
-        self.issue_now(|_, st| Some(st.conn.cancel(fid).map_err(client_err)))
+        self.issue_now(|_, st| Some(st.conn.cancel(Instant::now(), fid).map_err(client_err)))
     }
 
     /// CANCEL just the I/O `req` of `fid`; `None` (nothing sent) when it
@@ -1444,14 +1448,14 @@ impl Engine {
     fn cancel_issuer(
         fid: u16,
         req: ReqId,
-    ) -> impl FnMut(&Engine, &mut St) -> Option<Result<Option<ReqId>>> {
+    ) -> impl FnMut(&Engine, &mut Locked) -> Option<Result<Option<ReqId>>> {
         move |_, st| {
             if !st.conn.is_outstanding(req) {
                 return Some(Ok(None));
             }
             Some(
                 st.conn
-                    .cancel_request(fid, req)
+                    .cancel_request(Instant::now(), fid, req)
                     .map(Some)
                     .map_err(client_err),
             )
@@ -1468,37 +1472,37 @@ impl Engine {
         self.flush_sends(&mut st);
     }
 
-    fn arm_interrupt_locked(&self, st: &mut St) {
-        if st.lost.is_none() && st.interrupt_req.is_none() && st.conn.can_issue() {
-            if let Ok(r) = st.conn.interrupt() {
-                st.interrupt_req = Some(r);
-                st.stats.interrupts_sent += 1;
-                self.run_actions(st);
-            }
+    fn arm_interrupt_locked(&self, st: &mut Locked) {
+        if st.lost.is_none()
+            && st.conn.interrupt_outstanding().is_none()
+            && st.conn.can_issue()
+            && st.conn.interrupt(Instant::now()).is_ok()
+        {
+            st.stats.interrupts_sent += 1;
+            self.run_actions(st);
         }
     }
 
     /// Send INTERRUPT (or join the one outstanding) and wait until the
     /// server answers it — after the next I/O completion.
     pub fn interrupt(&self) -> Result<()> {
-        let existing = lock(&self.st).interrupt_req;
+        let existing = lock(&self.st).conn.interrupt_outstanding();
         let req = match existing {
             Some(r) => r,
             None => {
                 let r = self.issue(|_, st| {
-                    if st.interrupt_req.is_some() {
+                    if st.conn.interrupt_outstanding().is_some() {
                         return Some(Err(Error::Busy("INTERRUPT already outstanding".into())));
                     }
-                    let r = st.conn.interrupt().map_err(client_err);
-                    if let Ok(req) = r {
-                        st.interrupt_req = Some(req);
+                    let r = st.conn.interrupt(Instant::now()).map_err(client_err);
+                    if r.is_ok() {
                         st.stats.interrupts_sent += 1;
                     }
                     Some(r)
                 });
                 match r {
                     Ok(r) => r,
-                    Err(Error::Busy(_)) => match lock(&self.st).interrupt_req {
+                    Err(Error::Busy(_)) => match lock(&self.st).conn.interrupt_outstanding() {
                         Some(r) => r,
                         None => return Ok(()),
                     },
@@ -1511,8 +1515,8 @@ impl Engine {
         let deadline = Instant::now() + self.cfg.op_timeout;
         let mut st = lock(&self.st);
         loop {
-            if st.interrupt_req != Some(req) {
-                st.done.remove(&req);
+            // Its completion is dropped as it comes (`finish_req`).
+            if st.conn.interrupt_outstanding() != Some(req) {
                 return Ok(());
             }
             if let Some(l) = &st.lost {
@@ -1527,10 +1531,10 @@ impl Engine {
         }
     }
 
-    /// The status block slot of an outstanding polled request, to pass to
-    /// [`Engine::wait`] (None once it completed, or with interrupts). Asked
-    /// by request, not "the last one issued", which another thread's issue
-    /// may have replaced in between.
+    /// The status block slot of an outstanding polled request (None once it
+    /// completed, or with interrupts). [`Engine::wait`] and
+    /// [`Engine::try_wait`] no longer need it: they look the slot up
+    /// themselves, under the lock that also sees the completion.
     pub fn slot_of(&self, req: ReqId) -> Option<u32> {
         if self.cfg.completion != Completion::Poll {
             return None;
@@ -1538,19 +1542,23 @@ impl Engine {
         lock(&self.st).conn.slot_of(req)
     }
 
-    /// Wait for a request's completion: (information, status).
-    pub fn wait(&self, req: ReqId, slot: Option<u32>) -> Result<(u32, NtStatus)> {
+    /// Wait for a request's completion: (information, status). The status
+    /// block to watch (polling) is the request's own, looked up here under
+    /// the lock that also sees its completion; `_slot` (what
+    /// [`Engine::slot_of`] said) is ignored and kept for source
+    /// compatibility.
+    pub fn wait(&self, req: ReqId, _slot: Option<u32>) -> Result<(u32, NtStatus)> {
         let _waiting = Waiting::new(&self.waiters);
-        {
+        let slot = {
             // Done already (its completion came in a batch)? Then the
             // requests queued since stay queued for the next real wait.
             let mut st = lock(&self.st);
-            if let Some(r) = st.done.remove(&req) {
+            if let Some(r) = take_done(&mut st, req) {
                 return Ok(r);
             }
             self.flush_sends(&mut st);
-        }
-        let deadline = Instant::now() + self.cfg.op_timeout;
+            st.conn.slot_of(req)
+        };
         let spin_until = Instant::now() + self.cfg.poll_spin;
         let mut sleeps = 0u32;
         loop {
@@ -1583,7 +1591,7 @@ impl Engine {
                     self.run_actions(&mut st);
                 }
             }
-            if let Some(r) = st.done.remove(&req) {
+            if let Some(r) = take_done(&mut st, req) {
                 return Ok(r);
             }
             if let Some(l) = &st.lost {
@@ -1591,11 +1599,23 @@ impl Engine {
                 self.abandon(&mut st, req);
                 return Err(Error::ConnectionLost(l));
             }
+            // Its deadline is the state machine's (op timeout from issue).
             let now = Instant::now();
-            if now >= deadline {
+            st.conn.handle_timeout(now);
+            self.run_actions(&mut st);
+            if st.conn.is_timed_out(req) {
                 self.abandon(&mut st, req);
                 return Err(Error::TimedOut(format!("request {req}")));
             }
+            if !st.conn.is_outstanding(req) {
+                return Err(Error::InvalidArgument(format!(
+                    "request {req} is not outstanding (taken already, or never issued)"
+                )));
+            }
+            let until = st
+                .conn
+                .poll_timeout()
+                .map_or(Duration::MAX, |t| t.saturating_duration_since(now));
             let mut wait = Duration::from_millis(50);
             if self.cfg.completion == Completion::Poll && slot.is_some() {
                 // Spin budget spent: ask to be woken by the next completion.
@@ -1611,14 +1631,14 @@ impl Engine {
                 wait = Duration::from_millis(1 << sleeps.min(6));
                 sleeps += 1;
             }
-            self.sleep_or_drive(st, wait.min(deadline - now));
+            self.sleep_or_drive(st, wait.min(until));
         }
     }
 
     /// Block for at most `wait`: as the driver if nobody is (the completion
     /// that ends the wait then wakes this thread directly), else on the
     /// condition variable the driver signals.
-    fn sleep_or_drive(&self, mut st: MutexGuard<'_, St>, wait: Duration) {
+    fn sleep_or_drive(&self, mut st: MutexGuard<'_, Locked>, wait: Duration) {
         self.flush_sends(&mut st);
         if let Ok(driver) = self.driver.try_lock() {
             drop(st);
@@ -1670,19 +1690,22 @@ impl Engine {
     /// does; without, only looks (cheap: for the requests after the first
     /// of a batch, whose completions the first one's progress brought in).
     /// The C API's batch reaping uses it.
+    /// The status block is looked up as by [`Engine::wait`]; `_slot` is
+    /// ignored.
     pub fn try_wait(
         &self,
         req: ReqId,
-        slot: Option<u32>,
+        _slot: Option<u32>,
         drive: bool,
     ) -> Result<Option<(u32, NtStatus)>> {
-        {
+        let slot = {
             let mut st = lock(&self.st);
-            if let Some(r) = st.done.remove(&req) {
+            if let Some(r) = take_done(&mut st, req) {
                 return Ok(Some(r));
             }
             self.flush_sends(&mut st);
-        }
+            st.conn.slot_of(req)
+        };
         if drive {
             self.poll_cq();
         }
@@ -1704,8 +1727,8 @@ impl Engine {
 
     /// `req`'s completion if it came; an error (and the request abandoned)
     /// if the connection is lost.
-    fn take_done(&self, st: &mut St, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
-        if let Some(r) = st.done.remove(&req) {
+    fn take_done(&self, st: &mut Locked, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
+        if let Some(r) = take_done(st, req) {
             return Ok(Some(r));
         }
         if let Some(l) = &st.lost {
@@ -1718,21 +1741,9 @@ impl Engine {
 
     /// The waiter gives up: the engine frees the request's stage when (if)
     /// it completes. The stage must not be freed by the waiter.
-    fn abandon(&self, st: &mut St, req: ReqId) {
-        if let Some(r) = st.res.get_mut(&req) {
+    fn abandon(&self, st: &mut Locked, req: ReqId) {
+        if let Some(r) = st.conn.user_mut(req) {
             r.abandoned = true;
-        } else if st.conn.is_outstanding(req) {
-            // Nothing to free, but its answer must not wait in `done` for
-            // a taker that is gone.
-            st.res.insert(
-                req,
-                ReqRes {
-                    windows: Vec::new(),
-                    stage: None,
-                    abandoned: true,
-                    group: 0,
-                },
-            );
         }
     }
 
@@ -1740,11 +1751,9 @@ impl Engine {
     /// when it completes.
     pub fn abandon_req(&self, req: ReqId) {
         let mut st = lock(&self.st);
-        if st.done.remove(&req).is_some() {
-            if let Some(r) = st.res.remove(&req) {
-                if let Some(s) = r.stage {
-                    free_stage(&mut st, s);
-                }
+        if let Some(d) = st.conn.take_done(req) {
+            if let Some(s) = d.user.stage {
+                free_stage(&mut st, s);
             }
             return;
         }
@@ -1781,7 +1790,7 @@ impl Engine {
         if let Some(start) = hit {
             st.cache.tick += 1;
             let tick = st.cache.tick;
-            let St { cache, stats, .. } = &mut *st;
+            let Locked { cache, stats, .. } = &mut *st;
             let need = cache
                 .entries
                 .get(&start)
@@ -1852,14 +1861,14 @@ impl Engine {
         let _waiting = Waiting::new(&self.waiters);
         let deadline = Instant::now() + self.cfg.op_timeout;
         let mut st = lock(&self.st);
-        let kill = |st: &mut St, why: &str| {
+        let kill = |st: &mut Locked, why: &str| {
             self.qp.set_error();
             st.inval_pending.remove(&group);
             if !why.is_empty() {
                 self.mark_lost(st, why.into());
             }
         };
-        if st.res.values().any(|r| r.group == group) {
+        if st.conn.outstanding_users().any(|r| r.group == group) {
             kill(
                 &mut st,
                 "a read into caller memory did not complete; the connection is closed so that \
@@ -1938,7 +1947,13 @@ impl Engine {
     }
 }
 
-fn free_stage(st: &mut St, s: Stage) {
+/// `req`'s completion, if it came: (information, status). Its stage (if
+/// any) stays the caller's, who got it at issue.
+fn take_done(st: &mut Locked, req: ReqId) -> Option<(u32, NtStatus)> {
+    st.conn.take_done(req).map(|d| (d.information, d.status))
+}
+
+fn free_stage(st: &mut Locked, s: Stage) {
     match s {
         Stage::Bounce(i) => st.bounce_free.push(i),
         Stage::Slot(i) => st.stage_free.push(i),
@@ -1951,14 +1966,6 @@ impl Drop for Engine {
         self.stop.store(true, Ordering::Release);
         let _ = self.qp.disconnect();
     }
-}
-
-/// A request message waiting to be posted, in order.
-enum Outgoing {
-    /// Encoded by the state machine; copied into a free slot when posted.
-    Bytes(Vec<u8>),
-    /// Already encoded in send slot `slot`.
-    Slot { slot: u32, len: usize },
 }
 
 /// Counts a caller inside `wait`/`issue` for as long as it lives.

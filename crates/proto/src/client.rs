@@ -6,7 +6,7 @@
 //! changes (`status_block_updated`), and reads [`ClientEvent`]s.
 
 use std::collections::{HashMap, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::server::CloseReason;
 use crate::status::*;
@@ -53,6 +53,19 @@ pub enum Mode {
     PolledWindow(u32),
 }
 
+/// A VEC_WRITE's arguments ([`ClientConn::vec_write_into`]). Without
+/// `collapse`, `data` holds all `length` bytes; with `collapse`, `data` is
+/// the single page repeated over ceil(length / page_size) pages.
+#[derive(Debug, Clone, Copy)]
+pub struct VecWrite<'d> {
+    pub fid: u16,
+    pub offset: u64,
+    pub page_size: u16,
+    pub length: u32,
+    pub data: &'d [u8],
+    pub collapse: bool,
+}
+
 /// Reads local (client) memory; used to fetch the server's AUTH params
 /// that the server RDMA-wrote into the auth buffer.
 pub trait LocalMemory {
@@ -84,6 +97,17 @@ pub struct ClientConfig {
     pub status_blocks: Option<StatusBlockArea>,
     /// Tid stamped on requests.
     pub tid: u32,
+    /// Receives the caller posted before the connection was established
+    /// (on iWARP a Send that finds no posted receive is fatal): the
+    /// connection counts them as posted and asks only for the rest.
+    pub recvs_preposted: u32,
+    /// A request unanswered this long after it was issued times out
+    /// ([`ClientEvent::TimedOut`]; it stays outstanding, holding its credit
+    /// and buffers, until the server answers). Not an INTERRUPT, which is
+    /// answered only after the next I/O completion. A CREDIT reply unanswered
+    /// this long closes the connection (`CloseReason::CreditTimeout`): the
+    /// credit it holds would never come back. None: no timeouts.
+    pub op_timeout: Option<Duration>,
 }
 
 impl ClientConfig {
@@ -102,6 +126,8 @@ impl ClientConfig {
             auth_buffer,
             status_blocks: None,
             tid: 0,
+            recvs_preposted: 0,
+            op_timeout: None,
         }
     }
 }
@@ -109,8 +135,6 @@ impl ClientConfig {
 /// Transport actions for the caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClientAction {
-    /// Post a send of these bytes.
-    Send(Vec<u8>),
     /// Post this many additional receive buffers (≥ 16 bytes each).
     PostRecv(u32),
     /// Write the sentinel (`wire::small::POLL_SENTINEL`) into status block `slot` at
@@ -140,6 +164,10 @@ pub enum ClientEvent {
     },
     /// The credit limit changed.
     CreditsChanged { credits: u16 },
+    /// `req` was not answered within `ClientConfig::op_timeout`. It stays
+    /// outstanding ([`ClientConn::is_timed_out`]); a late answer completes
+    /// it as usual.
+    TimedOut { req: ReqId, opcode: Opcode },
 }
 
 /// Errors of request-issuing calls.
@@ -154,6 +182,9 @@ pub enum ClientError {
     NoStatusBlock,
     /// Arguments cannot be encoded or exceed negotiated limits.
     InvalidArgument,
+    /// Encoding into the caller's buffer was asked while earlier request
+    /// messages still wait for `poll_transmit` (they must leave first).
+    TransmitPending,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,7 +196,7 @@ enum State {
 }
 
 #[derive(Debug, Clone)]
-struct Outstanding {
+struct Outstanding<U> {
     opcode: Opcode,
     slot: Option<u32>,
     imm: Option<u32>,
@@ -173,11 +204,40 @@ struct Outstanding {
     length: u32,
     /// I/O: how a CANCEL names it (its completion fields).
     target: Option<CancelTarget>,
+    /// The caller's data for this request ([`ClientConn::user_mut`]).
+    user: U,
+    /// When it times out (None: no timeout, or it timed out already).
+    deadline: Option<Instant>,
+    timed_out: bool,
 }
 
-/// The LWIO client connection state machine.
+/// An issued request: its id and, when it completes through a polled status
+/// block, that block's slot (read under the same call that issued it, so
+/// no other completion or issue can have changed it in between).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Issued {
+    pub req: ReqId,
+    pub slot: Option<u32>,
+}
+
+/// A completed request, kept by the connection until the caller takes it
+/// ([`ClientConn::take_done`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Done<U> {
+    pub opcode: Opcode,
+    pub information: u32,
+    pub status: NtStatus,
+    /// The caller's data for the request.
+    pub user: U,
+}
+
+/// The LWIO client connection state machine. `U` is the caller's data per
+/// request (buffers, windows…): created with `U::default()` when the
+/// request is issued, reachable through [`ClientConn::user_mut`] while it is
+/// outstanding and once it completed, and handed back by
+/// [`ClientConn::take_done`]. The connection holds each request once.
 #[derive(Debug)]
-pub struct ClientConn {
+pub struct ClientConn<U = ()> {
     cfg: ClientConfig,
     state: State,
     server: Option<AuthParamsRepr>,
@@ -186,7 +246,9 @@ pub struct ClientConn {
     recv_posted: u32,
     next_cookie: u64,
     sequence: u16,
-    reqs: HashMap<ReqId, Outstanding>,
+    reqs: HashMap<ReqId, Outstanding<U>>,
+    /// Completed requests not yet taken by the caller.
+    done: HashMap<ReqId, Done<U>>,
     by_imm: HashMap<u32, ReqId>,
     by_slot: HashMap<u32, ReqId>,
     free_slots: Vec<u32>,
@@ -194,14 +256,26 @@ pub struct ClientConn {
     credit_tx: bool,
     auth_cookie: u64,
     actions: VecDeque<ClientAction>,
+    /// Request messages to send, in order ([`ClientConn::poll_transmit`]).
+    transmit: VecDeque<Transmit>,
     events: VecDeque<ClientEvent>,
 }
 
-impl ClientConn {
+/// A request message waiting to be sent.
+#[derive(Debug)]
+enum Transmit {
+    /// Encoded into the send buffer by `poll_transmit`.
+    Request(RequestRepr<'static>),
+    /// Encoded at issue (AUTH, and payload the caller only lent).
+    Bytes(Vec<u8>),
+}
+
+impl<U: Default> ClientConn<U> {
     pub fn new(cfg: ClientConfig) -> Self {
         let free_slots = cfg
             .status_blocks
             .map_or(Vec::new(), |a| (0..a.slots).rev().collect());
+        let recv_posted = cfg.recvs_preposted;
         ClientConn {
             sequence: cfg.base_sequence,
             cfg,
@@ -209,9 +283,10 @@ impl ClientConn {
             server: None,
             session_id: 0,
             credits: 1,
-            recv_posted: 0,
+            recv_posted,
             next_cookie: 1,
             reqs: HashMap::new(),
+            done: HashMap::new(),
             by_imm: HashMap::new(),
             by_slot: HashMap::new(),
             free_slots,
@@ -219,6 +294,7 @@ impl ClientConn {
             credit_tx: false,
             auth_cookie: 0,
             actions: VecDeque::new(),
+            transmit: VecDeque::new(),
             events: VecDeque::new(),
         }
     }
@@ -268,6 +344,32 @@ impl ClientConn {
     pub fn slot_of(&self, req: ReqId) -> Option<u32> {
         self.reqs.get(&req).and_then(|o| o.slot)
     }
+    /// The caller's data of `req`, outstanding or completed and not taken.
+    pub fn user_mut(&mut self, req: ReqId) -> Option<&mut U> {
+        match self.reqs.get_mut(&req) {
+            Some(o) => Some(&mut o.user),
+            None => self.done.get_mut(&req).map(|d| &mut d.user),
+        }
+    }
+    /// The caller's data of every outstanding request.
+    pub fn outstanding_users(&self) -> impl Iterator<Item = &U> + '_ {
+        self.reqs.values().map(|o| &o.user)
+    }
+    /// Whether `req` completed and waits to be taken.
+    pub fn is_done(&self, req: ReqId) -> bool {
+        self.done.contains_key(&req)
+    }
+    /// Take the completion of `req` (None while it is outstanding, or when
+    /// it is unknown or already taken).
+    pub fn take_done(&mut self, req: ReqId) -> Option<Done<U>> {
+        self.done.remove(&req)
+    }
+    /// The outstanding INTERRUPT, if any (one at a time).
+    pub fn interrupt_outstanding(&self) -> Option<ReqId> {
+        self.reqs
+            .iter()
+            .find_map(|(&r, o)| (o.opcode == Opcode::Interrupt).then_some(r))
+    }
     /// The status block slot (and its address) that the next polled request
     /// takes, for a caller that binds a window to it first
     /// ([`Mode::PolledWindow`]); None when every slot is in use.
@@ -287,6 +389,7 @@ impl ClientConn {
     fn close(&mut self, reason: CloseReason) {
         if self.state != State::Closed {
             self.state = State::Closed;
+            self.transmit.clear();
             self.actions
                 .push_back(ClientAction::CloseConnection(reason));
         }
@@ -312,7 +415,6 @@ impl ClientConn {
 
     /// Send AUTH; posts the initial receives.
     pub fn start(&mut self, now: Instant) -> Result<ReqId, ClientError> {
-        let _ = now;
         if self.state != State::Idle {
             return Err(ClientError::InvalidArgument);
         }
@@ -344,53 +446,31 @@ impl ClientConn {
             params: &bytes,
         };
         self.state = State::AuthSent;
-        self.emit_request(op, cookie, Opcode::Auth, None, None)?;
+        self.emit_borrowed(now, op, cookie, Opcode::Auth, None, None, None)?;
         Ok(cookie)
     }
 
-    fn emit_request(
-        &mut self,
-        op: RequestOp<'_>,
-        cookie: ReqId,
-        opcode: Opcode,
-        slot: Option<u32>,
-        imm: Option<u32>,
-    ) -> Result<(), ClientError> {
-        self.emit_request_to(op, cookie, opcode, slot, imm, None)
-            .map(|_| ())
-    }
-
-    /// Encode a request and record it as outstanding. With `out`, the
-    /// message is written there (the caller sends it, in order with the
-    /// `Send` actions already taken) and its length returned; without, it
-    /// becomes a `Send` action.
-    fn emit_request_to(
-        &mut self,
-        op: RequestOp<'_>,
-        cookie: ReqId,
-        opcode: Opcode,
-        slot: Option<u32>,
-        imm: Option<u32>,
-        out: Option<&mut [u8]>,
-    ) -> Result<usize, ClientError> {
-        let r = RequestRepr {
+    /// The request message for `op`, stamped now (credits hint, sequence).
+    fn repr<'a>(&self, op: RequestOp<'a>) -> RequestRepr<'a> {
+        RequestRepr {
             credits: u8::try_from(self.reqs.len() + 1).unwrap_or(u8::MAX),
             sequence: self.sequence,
             tid: self.cfg.tid,
             op,
-        };
+        }
+    }
+
+    /// Record an encoded (or encodable) request as outstanding.
+    fn record(
+        &mut self,
+        now: Instant,
+        r: &RequestRepr<'_>,
+        cookie: ReqId,
+        opcode: Opcode,
+        slot: Option<u32>,
+        imm: Option<u32>,
+    ) {
         let target = opcode.is_io().then(|| CancelTarget::of(&r.mode()));
-        let (bytes, len) = match out {
-            Some(buf) => {
-                let n = r.emit(buf).map_err(|_| ClientError::InvalidArgument)?;
-                (None, n)
-            }
-            None => {
-                let b = r.to_bytes().map_err(|_| ClientError::InvalidArgument)?;
-                let n = b.len();
-                (Some(b), n)
-            }
-        };
         self.sequence = self.sequence.wrapping_add(1);
         if let (Some(s), Some(addr)) = (slot, slot.and_then(|s| self.slot_addr(s))) {
             self.actions
@@ -408,12 +488,93 @@ impl ClientConn {
                 imm,
                 length: 0,
                 target,
+                user: U::default(),
+                // An INTERRUPT is answered after the next I/O completion,
+                // however late: it has no deadline of its own.
+                deadline: (opcode != Opcode::Interrupt)
+                    .then_some(self.cfg.op_timeout)
+                    .flatten()
+                    .and_then(|t| now.checked_add(t)),
+                timed_out: false,
             },
         );
-        if let Some(b) = bytes {
-            self.actions.push_back(ClientAction::Send(b));
+    }
+
+    /// Record a request and queue it for [`ClientConn::poll_transmit`],
+    /// which encodes it into the caller's send buffer.
+    fn emit_request(
+        &mut self,
+        now: Instant,
+        op: RequestOp<'static>,
+        cookie: ReqId,
+        opcode: Opcode,
+        slot: Option<u32>,
+        imm: Option<u32>,
+    ) -> Result<(), ClientError> {
+        let r = self.repr(op);
+        // Everything but the buffer length that encoding can refuse.
+        r.header().map_err(|_| ClientError::InvalidArgument)?;
+        self.record(now, &r, cookie, opcode, slot, imm);
+        self.transmit.push_back(Transmit::Request(r));
+        Ok(())
+    }
+
+    /// Record a request whose payload the caller only lends: encoded now,
+    /// into `out` (returns its length; the caller sends `out[..len]`) or,
+    /// without `out`, into bytes queued for `poll_transmit`.
+    #[allow(clippy::too_many_arguments)]
+    fn emit_borrowed(
+        &mut self,
+        now: Instant,
+        op: RequestOp<'_>,
+        cookie: ReqId,
+        opcode: Opcode,
+        slot: Option<u32>,
+        imm: Option<u32>,
+        out: Option<&mut [u8]>,
+    ) -> Result<usize, ClientError> {
+        let r = self.repr(op);
+        let n = match out {
+            Some(buf) => {
+                // Messages queued before this one leave first.
+                if !self.transmit.is_empty() {
+                    return Err(ClientError::TransmitPending);
+                }
+                r.emit(buf).map_err(|_| ClientError::InvalidArgument)?
+            }
+            None => {
+                let b = r.to_bytes().map_err(|_| ClientError::InvalidArgument)?;
+                let n = b.len();
+                self.transmit.push_back(Transmit::Bytes(b));
+                n
+            }
+        };
+        self.record(now, &r, cookie, opcode, slot, imm);
+        Ok(n)
+    }
+
+    /// Encode the next queued request message into `out` (a send buffer)
+    /// and return its length; None when nothing waits. Messages leave in
+    /// the order they were issued. A message longer than `out` closes the
+    /// connection (`CloseReason::PayloadTooLarge`).
+    pub fn poll_transmit(&mut self, out: &mut [u8]) -> Option<usize> {
+        let t = self.transmit.pop_front()?;
+        let n = match &t {
+            Transmit::Request(r) => r.emit(out).ok(),
+            Transmit::Bytes(b) => out.get_mut(..b.len()).map(|o| {
+                o.copy_from_slice(b);
+                b.len()
+            }),
+        };
+        if n.is_none() {
+            self.close(CloseReason::PayloadTooLarge);
         }
-        Ok(len)
+        n
+    }
+
+    /// Request messages waiting for [`ClientConn::poll_transmit`].
+    pub fn transmit_pending(&self) -> usize {
+        self.transmit.len()
     }
 
     fn check_issue(&self) -> Result<(), ClientError> {
@@ -468,23 +629,25 @@ impl ClientConn {
 
     fn control(
         &mut self,
+        now: Instant,
         opcode: Opcode,
         make: impl FnOnce(u64) -> RequestOp<'static>,
     ) -> Result<ReqId, ClientError> {
         self.check_issue()?;
         let cookie = self.alloc_cookie();
-        self.emit_request(make(cookie), cookie, opcode, None, None)?;
+        self.emit_request(now, make(cookie), cookie, opcode, None, None)?;
         Ok(cookie)
     }
 
     /// REGISTER a file; completion `information` is the Fid.
     pub fn register(
         &mut self,
+        now: Instant,
         resume_key: SrvResumeKey,
         flags_and_attributes: u32,
     ) -> Result<ReqId, ClientError> {
         let session_id = self.session_id;
-        self.control(Opcode::Register, |cookie| RequestOp::Register {
+        self.control(now, Opcode::Register, |cookie| RequestOp::Register {
             cookie,
             params: FidParamsRepr {
                 resume_key,
@@ -494,25 +657,36 @@ impl ClientConn {
         })
     }
 
-    pub fn close_file(&mut self, fid: u16) -> Result<ReqId, ClientError> {
-        self.control(Opcode::Close, |cookie| RequestOp::Close { fid, cookie })
+    pub fn close_file(&mut self, now: Instant, fid: u16) -> Result<ReqId, ClientError> {
+        self.control(now, Opcode::Close, |cookie| RequestOp::Close {
+            fid,
+            cookie,
+        })
     }
 
     /// CANCEL every outstanding I/O of `fid`.
-    pub fn cancel(&mut self, fid: u16) -> Result<ReqId, ClientError> {
-        self.control(Opcode::Cancel, |cookie| RequestOp::Cancel { fid, cookie })
+    pub fn cancel(&mut self, now: Instant, fid: u16) -> Result<ReqId, ClientError> {
+        self.control(now, Opcode::Cancel, |cookie| RequestOp::Cancel {
+            fid,
+            cookie,
+        })
     }
 
     /// CANCEL the one outstanding I/O `req` (of `fid`), named by the
     /// completion fields it was sent with (docs/protocol.md §5.9).
     /// `InvalidArgument` when `req` is not an outstanding I/O (it completed).
-    pub fn cancel_request(&mut self, fid: u16, req: ReqId) -> Result<ReqId, ClientError> {
+    pub fn cancel_request(
+        &mut self,
+        now: Instant,
+        fid: u16,
+        req: ReqId,
+    ) -> Result<ReqId, ClientError> {
         let target = self
             .reqs
             .get(&req)
             .and_then(|o| o.target)
             .ok_or(ClientError::InvalidArgument)?;
-        self.control(Opcode::Cancel, |cookie| RequestOp::CancelIo {
+        self.control(now, Opcode::Cancel, |cookie| RequestOp::CancelIo {
             fid,
             cookie,
             target,
@@ -525,23 +699,26 @@ impl ClientConn {
     }
 
     /// Ask to be woken by the next I/O completion (one at a time).
-    pub fn interrupt(&mut self) -> Result<ReqId, ClientError> {
+    pub fn interrupt(&mut self, now: Instant) -> Result<ReqId, ClientError> {
         if self.reqs.values().any(|r| r.opcode == Opcode::Interrupt) {
             return Err(ClientError::InvalidArgument);
         }
-        self.control(Opcode::Interrupt, |cookie| RequestOp::Interrupt { cookie })
+        self.control(now, Opcode::Interrupt, |cookie| RequestOp::Interrupt {
+            cookie,
+        })
     }
 
     fn io(
         &mut self,
+        now: Instant,
         mode: Mode,
         opcode: Opcode,
         length: u32,
         make: impl FnOnce(CompletionMode) -> RequestOp<'static>,
-    ) -> Result<ReqId, ClientError> {
+    ) -> Result<Issued, ClientError> {
         self.check_issue()?;
         let (cookie, cm, slot, imm) = self.io_mode(mode)?;
-        let r = self.emit_request(make(cm), cookie, opcode, slot, imm);
+        let r = self.emit_request(now, make(cm), cookie, opcode, slot, imm);
         if let Some(o) = self.reqs.get_mut(&cookie) {
             o.length = length;
         }
@@ -550,19 +727,20 @@ impl ClientConn {
                 self.free_slots.push(s);
             }
         }
-        r.map(|_| cookie)
+        r.map(|_| Issued { req: cookie, slot })
     }
 
     /// READ `len` bytes at `offset` into `dst`.
     pub fn read(
         &mut self,
+        now: Instant,
         fid: u16,
         offset: u64,
         len: u32,
         dst: RemoteBuf,
         mode: Mode,
-    ) -> Result<ReqId, ClientError> {
-        self.io(mode, Opcode::Read, len, |m| RequestOp::Read {
+    ) -> Result<Issued, ClientError> {
+        self.io(now, mode, Opcode::Read, len, |m| RequestOp::Read {
             fid,
             offset,
             length: len,
@@ -573,26 +751,30 @@ impl ClientConn {
     }
 
     /// VEC_READ `len` bytes at `offset` scattered over `regions`.
+    #[allow(clippy::too_many_arguments)]
     pub fn vec_read(
         &mut self,
+        now: Instant,
         fid: u16,
         offset: u64,
         len: u32,
         page_size: u16,
         regions: &[RdmaRegion],
         mode: Mode,
-    ) -> Result<ReqId, ClientError> {
+    ) -> Result<Issued, ClientError> {
         if regions.len() > usize::from(u16::MAX) {
             return Err(ClientError::InvalidArgument);
         }
         let regions = regions.to_vec();
-        self.io(mode, Opcode::VecRead, len, move |m| RequestOp::VecRead {
-            fid,
-            offset,
-            length: len,
-            page_size,
-            regions,
-            mode: m,
+        self.io(now, mode, Opcode::VecRead, len, move |m| {
+            RequestOp::VecRead {
+                fid,
+                offset,
+                length: len,
+                page_size,
+                regions,
+                mode: m,
+            }
         })
     }
 
@@ -604,54 +786,84 @@ impl ClientConn {
         Ok(())
     }
 
-    /// WRITE `data` at `offset` (inline; ≤ server MaxRecvBufferSize).
+    /// Issue an I/O whose payload the caller lends (see `emit_borrowed`);
+    /// the status block slot goes back if encoding fails.
+    fn io_borrowed<'d>(
+        &mut self,
+        now: Instant,
+        mode: Mode,
+        opcode: Opcode,
+        make: impl FnOnce(CompletionMode) -> RequestOp<'d>,
+        out: Option<&mut [u8]>,
+    ) -> Result<(Issued, usize), ClientError> {
+        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
+        match self.emit_borrowed(now, make(cm), cookie, opcode, slot, imm, out) {
+            Ok(n) => Ok((Issued { req: cookie, slot }, n)),
+            Err(e) => {
+                if let Some(s) = slot {
+                    self.free_slots.push(s);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// WRITE `data` at `offset` (inline; ≤ server MaxRecvBufferSize). The
+    /// message is encoded now and queued for `poll_transmit`; a caller with
+    /// its send buffer at hand uses [`ClientConn::write_into`] instead.
     pub fn write(
         &mut self,
+        now: Instant,
         fid: u16,
         offset: u64,
         data: &[u8],
         mode: Mode,
-    ) -> Result<ReqId, ClientError> {
-        self.check_payload(data.len())?;
-        self.check_issue()?;
-        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
-        let op = RequestOp::Write {
-            fid,
-            offset,
-            data,
-            mode: cm,
-        };
-        self.emit_request(op, cookie, Opcode::Write, slot, imm)?;
-        Ok(cookie)
+    ) -> Result<Issued, ClientError> {
+        self.write_to(now, fid, offset, data, mode, None)
+            .map(|(i, _)| i)
     }
 
-    /// WRITE encoded straight into `out` (e.g. a registered send buffer)
-    /// instead of a `Send` action: no intermediate copy of `data`. Returns
-    /// the request and the message length; the caller sends `out[..len]`
-    /// after every `Send` action taken before this call. `out` shorter than
-    /// the message: `InvalidArgument`, nothing recorded.
+    /// WRITE encoded straight into `out` (e.g. a registered send buffer):
+    /// no intermediate copy of `data`. Returns the request and the message
+    /// length; the caller sends `out[..len]`. Every message queued before
+    /// must have left through `poll_transmit` (else `TransmitPending`).
+    /// `out` shorter than the message: `InvalidArgument`, nothing recorded.
     pub fn write_into(
         &mut self,
+        now: Instant,
         fid: u16,
         offset: u64,
         data: &[u8],
         mode: Mode,
         out: &mut [u8],
-    ) -> Result<(ReqId, usize), ClientError> {
+    ) -> Result<(Issued, usize), ClientError> {
+        self.write_to(now, fid, offset, data, mode, Some(out))
+    }
+
+    fn write_to(
+        &mut self,
+        now: Instant,
+        fid: u16,
+        offset: u64,
+        data: &[u8],
+        mode: Mode,
+        out: Option<&mut [u8]>,
+    ) -> Result<(Issued, usize), ClientError> {
         self.check_payload(data.len())?;
         self.check_issue()?;
-        if out.len() < COMMON_HEADER_LEN + data.len() {
+        if out
+            .as_ref()
+            .is_some_and(|o| o.len() < COMMON_HEADER_LEN + data.len())
+        {
             return Err(ClientError::InvalidArgument);
         }
-        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
-        let op = RequestOp::Write {
+        let make = |cm| RequestOp::Write {
             fid,
             offset,
             data,
             mode: cm,
         };
-        let n = self.emit_request_to(op, cookie, Opcode::Write, slot, imm, Some(out))?;
-        Ok((cookie, n))
+        self.io_borrowed(now, mode, Opcode::Write, make, out)
     }
 
     /// VEC_WRITE. Without `collapse`, `data` holds all `length` bytes; with
@@ -660,6 +872,7 @@ impl ClientConn {
     #[allow(clippy::too_many_arguments)]
     pub fn vec_write(
         &mut self,
+        now: Instant,
         fid: u16,
         offset: u64,
         page_size: u16,
@@ -667,35 +880,101 @@ impl ClientConn {
         data: &[u8],
         collapse: bool,
         mode: Mode,
-    ) -> Result<ReqId, ClientError> {
-        self.check_payload(data.len())?;
-        if page_size == 0 {
+    ) -> Result<Issued, ClientError> {
+        let v = VecWrite {
+            fid,
+            offset,
+            page_size,
+            length,
+            data,
+            collapse,
+        };
+        self.vec_write_to(now, v, mode, None).map(|(i, _)| i)
+    }
+
+    /// VEC_WRITE encoded straight into `out`, as [`ClientConn::write_into`].
+    pub fn vec_write_into(
+        &mut self,
+        now: Instant,
+        v: VecWrite<'_>,
+        mode: Mode,
+        out: &mut [u8],
+    ) -> Result<(Issued, usize), ClientError> {
+        self.vec_write_to(now, v, mode, Some(out))
+    }
+
+    fn vec_write_to(
+        &mut self,
+        now: Instant,
+        v: VecWrite<'_>,
+        mode: Mode,
+        out: Option<&mut [u8]>,
+    ) -> Result<(Issued, usize), ClientError> {
+        self.check_payload(v.data.len())?;
+        if v.page_size == 0 {
             return Err(ClientError::InvalidArgument);
         }
-        let pages = length.div_ceil(u32::from(page_size));
+        let pages = v.length.div_ceil(u32::from(v.page_size));
         let num_pages = u16::try_from(pages).map_err(|_| ClientError::InvalidArgument)?;
-        let want = if collapse {
-            (length as usize).min(usize::from(page_size))
+        let want = if v.collapse {
+            (v.length as usize).min(usize::from(v.page_size))
         } else {
-            length as usize
+            v.length as usize
         };
-        if data.len() != want {
+        if v.data.len() != want {
             return Err(ClientError::InvalidArgument);
         }
         self.check_issue()?;
-        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
-        let op = RequestOp::VecWrite {
-            fid,
-            offset,
-            length,
+        let make = |cm| RequestOp::VecWrite {
+            fid: v.fid,
+            offset: v.offset,
+            length: v.length,
             num_pages,
-            page_size,
-            collapse,
-            data,
+            page_size: v.page_size,
+            collapse: v.collapse,
+            data: v.data,
             mode: cm,
         };
-        self.emit_request(op, cookie, Opcode::VecWrite, slot, imm)?;
-        Ok(cookie)
+        self.io_borrowed(now, mode, Opcode::VecWrite, make, out)
+    }
+
+    /// When [`ClientConn::handle_timeout`] has something to do next: the
+    /// earliest deadline of a request that has not timed out yet.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.state == State::Closed {
+            return None;
+        }
+        self.reqs.values().filter_map(|o| o.deadline).min()
+    }
+
+    /// Time passed: requests unanswered past their deadline time out (a
+    /// [`ClientEvent::TimedOut`] each; they stay outstanding), and an
+    /// unanswered CREDIT reply closes the connection.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.state == State::Closed {
+            return;
+        }
+        let mut expired: Vec<(ReqId, Opcode)> = Vec::new();
+        for (&req, o) in self.reqs.iter_mut() {
+            if o.deadline.is_some_and(|d| d <= now) {
+                o.deadline = None;
+                o.timed_out = true;
+                expired.push((req, o.opcode));
+            }
+        }
+        // By cookie (issue order until cookies wrap): a deterministic order.
+        expired.sort_unstable_by_key(|&(req, _)| req);
+        for (req, opcode) in expired {
+            if opcode == Opcode::Credit {
+                return self.close(CloseReason::CreditTimeout);
+            }
+            self.events.push_back(ClientEvent::TimedOut { req, opcode });
+        }
+    }
+
+    /// Whether outstanding `req` timed out (its answer may still come).
+    pub fn is_timed_out(&self, req: ReqId) -> bool {
+        self.reqs.get(&req).is_some_and(|o| o.timed_out)
     }
 
     fn consume_recv(&mut self) {
@@ -732,10 +1011,19 @@ impl ClientConn {
                 information,
                 status,
             });
+            self.done.insert(
+                req,
+                Done {
+                    opcode: o.opcode,
+                    information,
+                    status,
+                    user: o.user,
+                },
+            );
         }
     }
 
-    fn flush_credit_msgs(&mut self) {
+    fn flush_credit_msgs(&mut self, now: Instant) {
         while self.state == State::Ready
             && !self.pending_credit_msgs.is_empty()
             && self.reqs.len() < usize::from(self.credits)
@@ -746,6 +1034,7 @@ impl ClientConn {
             let cookie = self.alloc_cookie();
             if self
                 .emit_request(
+                    now,
                     RequestOp::Credit { cookie, value },
                     cookie,
                     Opcode::Credit,
@@ -761,7 +1050,6 @@ impl ClientConn {
 
     /// A message arrived in one of the posted receive buffers.
     pub fn handle_recv(&mut self, now: Instant, msg: &[u8], mem: &dyn LocalMemory) {
-        let _ = now;
         if self.state == State::Closed {
             return;
         }
@@ -783,12 +1071,11 @@ impl ClientConn {
         }
         // Unknown cookies (duplicates) are ignored.
         self.top_up_recvs();
-        self.flush_credit_msgs();
+        self.flush_credit_msgs(now);
     }
 
     /// An RDMA write with immediate data arrived (consumes a receive).
     pub fn handle_immediate(&mut self, now: Instant, imm: u32) {
-        let _ = now;
         if self.state == State::Closed {
             return;
         }
@@ -799,7 +1086,7 @@ impl ClientConn {
             self.finish(req, len, STATUS_SUCCESS);
         }
         self.top_up_recvs();
-        self.flush_credit_msgs();
+        self.flush_credit_msgs(now);
     }
 
     /// The caller observed status block `slot` reading (information, status).
@@ -812,7 +1099,6 @@ impl ClientConn {
         information: u32,
         status: NtStatus,
     ) {
-        let _ = now;
         let raw = u64::from(status) << 32 | u64::from(information);
         if !crate::wire::small::poll_block_written(raw)
             || status == STATUS_PENDING
@@ -822,7 +1108,7 @@ impl ClientConn {
         }
         if let Some(req) = self.by_slot.get(&slot).copied() {
             self.finish(req, information, status);
-            self.flush_credit_msgs();
+            self.flush_credit_msgs(now);
         }
     }
 

@@ -180,7 +180,8 @@ type Fault = Box<dyn FnMut(Vec<u8>) -> Vec<Vec<u8>>>;
 struct Sim {
     now: Instant,
     server: ServerConn,
-    client: ClientConn,
+    /// Per-request data: a number the tests choose (`user_mut`).
+    client: ClientConn<u32>,
     mem: Mem,
     hooks: Hooks,
     storage: Storage,
@@ -193,6 +194,19 @@ struct Sim {
     events: Vec<ClientEvent>,
     c2s_fault: Option<Fault>,
     s2c_fault: Option<Fault>,
+}
+
+/// The client's queued request messages, each encoded by `poll_transmit`
+/// into a send buffer as a driver does.
+trait TransmitAll {
+    fn transmit_all(&mut self) -> Vec<Vec<u8>>;
+}
+
+impl<U: Default> TransmitAll for ClientConn<U> {
+    fn transmit_all(&mut self) -> Vec<Vec<u8>> {
+        let mut buf = [0u8; 16 * 1024];
+        std::iter::from_fn(|| self.poll_transmit(&mut buf).map(|n| buf[..n].to_vec())).collect()
+    }
 }
 
 fn file_pattern(n: usize) -> Vec<u8> {
@@ -258,10 +272,6 @@ impl Sim {
             while let Some(a) = self.client.poll_action() {
                 progress = true;
                 match a {
-                    ClientAction::Send(b) => match self.c2s_fault.as_mut() {
-                        Some(f) => self.to_server.extend(f(b)),
-                        None => self.to_server.push_back(b),
-                    },
                     ClientAction::PostRecv(n) => self.client_recvs += n,
                     ClientAction::ResetStatusBlock { addr, .. } => {
                         assert!(self
@@ -269,6 +279,13 @@ impl Sim {
                             .local_write(addr, &IoStatusBlock::SENTINEL.to_bytes()))
                     }
                     ClientAction::CloseConnection(r) => self.client_closed = Some(r),
+                }
+            }
+            for b in self.client.transmit_all() {
+                progress = true;
+                match self.c2s_fault.as_mut() {
+                    Some(f) => self.to_server.extend(f(b)),
+                    None => self.to_server.push_back(b),
                 }
             }
             while let Some(e) = self.client.poll_event() {
@@ -408,11 +425,19 @@ impl Sim {
     }
 
     fn register(&mut self, rk: SrvResumeKey, flags: u32) -> u16 {
-        let r = self.client.register(rk, flags).unwrap();
+        let r = self.client.register(self.now, rk, flags).unwrap();
         self.pump();
         let (fid, st) = self.completion(r).unwrap();
         assert_eq!(st, STATUS_SUCCESS);
         fid as u16
+    }
+
+    /// READ into `DATA`, issued now: the request.
+    fn read(&mut self, fid: u16, offset: u64, len: u32, mode: Mode) -> ReqId {
+        self.client
+            .read(self.now, fid, offset, len, DATA, mode)
+            .unwrap()
+            .req
     }
 
     /// Send raw bytes to the server as if from the client.
@@ -474,7 +499,7 @@ fn run_all_opcodes(mode: Mode, imm: bool) {
     let file = file_pattern(10_000);
 
     // READ
-    let r = s.client.read(fid, 100, 3000, DATA, mode).unwrap();
+    let r = s.read(fid, 100, 3000, mode);
     s.pump();
     assert_eq!(s.completion(r), Some((3000, STATUS_SUCCESS)));
     assert_eq!(s.mem.read_at(DATA.addr, 3000), file[100..3100]);
@@ -487,15 +512,19 @@ fn run_all_opcodes(mode: Mode, imm: bool) {
     );
 
     // Short read at the end of the file, then END_OF_FILE.
-    let r = s.client.read(fid, 9_000, 4096, DATA, mode).unwrap();
+    let r = s.read(fid, 9_000, 4096, mode);
     s.pump();
     assert_eq!(s.completion(r), Some((1000, STATUS_SUCCESS)));
-    let r = s.client.read(fid, 20_000, 10, DATA, mode).unwrap();
+    let r = s.read(fid, 20_000, 10, mode);
     s.pump();
     assert_eq!(s.completion(r), Some((0, STATUS_END_OF_FILE)));
 
     // WRITE
-    let r = s.client.write(fid, 50, b"hello lwio", mode).unwrap();
+    let r = s
+        .client
+        .write(s.now, fid, 50, b"hello lwio", mode)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(r), Some((10, STATUS_SUCCESS)));
     assert_eq!(&s.storage.files[&1][50..60], b"hello lwio");
@@ -520,8 +549,9 @@ fn run_all_opcodes(mode: Mode, imm: bool) {
     ];
     let r = s
         .client
-        .vec_read(fid, 0, 9216, 4096, &regions, mode)
-        .unwrap();
+        .vec_read(s.now, fid, 0, 9216, 4096, &regions, mode)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(r), Some((9216, STATUS_SUCCESS)));
     let f = s.storage.files[&1].clone();
@@ -533,8 +563,9 @@ fn run_all_opcodes(mode: Mode, imm: bool) {
     let data: Vec<u8> = (0..5000u32).map(|i| (i % 13) as u8).collect();
     let r = s
         .client
-        .vec_write(fid, 1000, 4096, 5000, &data, false, mode)
-        .unwrap();
+        .vec_write(s.now, fid, 1000, 4096, 5000, &data, false, mode)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(r), Some((5000, STATUS_SUCCESS)));
     assert_eq!(s.storage.files[&1][1000..6000], data[..]);
@@ -543,8 +574,9 @@ fn run_all_opcodes(mode: Mode, imm: bool) {
     let page = vec![0xabu8; 4096];
     let r = s
         .client
-        .vec_write(fid, 4096, 4096, 4096 * 2 + 512, &page, true, mode)
-        .unwrap();
+        .vec_write(s.now, fid, 4096, 4096, 4096 * 2 + 512, &page, true, mode)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(r), Some((8704, STATUS_SUCCESS)));
     assert!(s.storage.files[&1][4096..4096 + 8704]
@@ -553,20 +585,20 @@ fn run_all_opcodes(mode: Mode, imm: bool) {
     assert_eq!(s.storage.files[&1].len(), 12_800);
 
     // INTERRUPT, answered after the next I/O completes.
-    let irq = s.client.interrupt().unwrap();
+    let irq = s.client.interrupt(s.now).unwrap();
     s.pump();
     assert_eq!(s.completion(irq), None);
-    let r = s.client.read(fid, 0, 16, DATA, mode).unwrap();
+    let r = s.read(fid, 0, 16, mode);
     s.pump();
     assert_eq!(s.completion(r), Some((16, STATUS_SUCCESS)));
     assert_eq!(s.completion(irq), Some((0, STATUS_SUCCESS)));
 
     // CANCEL with a deferred read: it completes with STATUS_CANCELLED.
     s.storage.defer = true;
-    let r = s.client.read(fid, 0, 512, DATA, mode).unwrap();
+    let r = s.read(fid, 0, 512, mode);
     s.pump();
     assert_eq!(s.completion(r), None);
-    let c = s.client.cancel(fid).unwrap();
+    let c = s.client.cancel(s.now, fid).unwrap();
     s.pump();
     assert_eq!(s.completion(c), Some((0, STATUS_SUCCESS)));
     assert_eq!(s.completion(r), Some((0, STATUS_CANCELLED)));
@@ -586,11 +618,11 @@ fn run_all_opcodes(mode: Mode, imm: bool) {
     assert!(!s.server.credit_transaction_active());
 
     // CLOSE: Fid invalid afterwards.
-    let c = s.client.close_file(fid).unwrap();
+    let c = s.client.close_file(s.now, fid).unwrap();
     s.pump();
     assert_eq!(s.completion(c), Some((0, STATUS_SUCCESS)));
     assert_eq!(s.storage.closed_files, vec![(fid, 1)]);
-    let r = s.client.read(fid, 0, 16, DATA, mode).unwrap();
+    let r = s.read(fid, 0, 16, mode);
     s.pump();
     assert_eq!(s.completion(r), Some((0, STATUS_INVALID_HANDLE)));
 
@@ -626,23 +658,25 @@ fn write_into_encodes_the_same_message_in_place() {
         let before = s.client.outstanding();
         let mut small = [0u8; 60];
         assert_eq!(
-            s.client.write_into(fid, 0, b"0123456789", mode, &mut small),
+            s.client
+                .write_into(s.now, fid, 0, b"0123456789", mode, &mut small),
             Err(ClientError::InvalidArgument)
         );
         assert_eq!(s.client.outstanding(), before);
         // In place: the caller sends it; the server completes it as a WRITE.
         let mut buf = [0xAAu8; 200];
-        let (r, n) = s
+        let (issued, n) = s
             .client
-            .write_into(fid, 33, b"0123456789", mode, &mut buf)
+            .write_into(s.now, fid, 33, b"0123456789", mode, &mut buf)
             .unwrap();
+        let r = issued.req;
         assert_eq!(n, 56 + 10);
         assert!(
             buf[n..].iter().all(|&b| b == 0xAA),
             "wrote past the message"
         );
+        assert_eq!(s.client.transmit_pending(), 0, "queued a message too");
         while let Some(a) = s.client.poll_action() {
-            assert!(!matches!(a, ClientAction::Send(_)), "queued a Send too");
             if let ClientAction::ResetStatusBlock { addr, .. } = a {
                 assert!(s.mem.write(addr, 3, &IoStatusBlock::SENTINEL.to_bytes()));
             }
@@ -653,18 +687,19 @@ fn write_into_encodes_the_same_message_in_place() {
         assert_eq!(&s.storage.files[&1][33..43], b"0123456789");
         // The same request through `write` is the same bytes but for the
         // cookie and sequence number: the next one's encoding matches.
-        let r2 = s.client.write(fid, 33, b"0123456789", mode).unwrap();
-        let mut sent = None;
+        let r2 = s
+            .client
+            .write(s.now, fid, 33, b"0123456789", mode)
+            .unwrap()
+            .req;
         while let Some(a) = s.client.poll_action() {
-            match a {
-                ClientAction::Send(b) => sent = Some(b),
-                ClientAction::ResetStatusBlock { addr, .. } => {
-                    assert!(s.mem.write(addr, 3, &IoStatusBlock::SENTINEL.to_bytes()))
-                }
-                _ => {}
+            if let ClientAction::ResetStatusBlock { addr, .. } = a {
+                assert!(s.mem.write(addr, 3, &IoStatusBlock::SENTINEL.to_bytes()))
             }
         }
-        let b = sent.expect("no Send for write()");
+        let mut sent = s.client.transmit_all();
+        assert_eq!(sent.len(), 1, "one message for write()");
+        let b = sent.remove(0);
         assert_eq!(b.len(), n);
         // Past the common header (cookie, sequence): the same payload.
         assert_eq!(&b[56..], &buf[56..n]);
@@ -682,7 +717,11 @@ fn write_now_hook_completes_writes_without_file_write() {
     let before = s.storage.files[&1].clone();
     s.hooks.direct = Some(Ok(Vec::new()));
     for mode in [Mode::Interrupt, Mode::Polled] {
-        let r = s.client.write(fid, 70, b"in place", mode).unwrap();
+        let r = s
+            .client
+            .write(s.now, fid, 70, b"in place", mode)
+            .unwrap()
+            .req;
         s.pump();
         assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
     }
@@ -698,12 +737,20 @@ fn write_now_hook_completes_writes_without_file_write() {
     );
     // A hook failure is the request's status.
     s.hooks.direct = Some(Err(STATUS_DISK_FULL));
-    let r = s.client.write(fid, 0, b"x", Mode::Interrupt).unwrap();
+    let r = s
+        .client
+        .write(s.now, fid, 0, b"x", Mode::Interrupt)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(r), Some((0, STATUS_DISK_FULL)));
     // Without the hook, the FileWrite path as before.
     s.hooks.direct = None;
-    let r = s.client.write(fid, 0, b"y", Mode::Interrupt).unwrap();
+    let r = s
+        .client
+        .write(s.now, fid, 0, b"y", Mode::Interrupt)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(r), Some((1, STATUS_SUCCESS)));
     assert_eq!(s.storage.files[&1][0], b'y');
@@ -862,6 +909,7 @@ fn foreign_session_and_bad_resume_key() {
     let r = s
         .client
         .register(
+            s.now,
             SrvResumeKey {
                 resume_key: 1,
                 timestamp: 0,
@@ -1128,10 +1176,12 @@ fn client_respects_credits() {
     let fid = s.register(RK_PLAIN, 0);
     s.storage.defer = true;
     for _ in 0..4 {
-        s.client.read(fid, 0, 8, DATA, Mode::Interrupt).unwrap();
+        s.client
+            .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
+            .unwrap();
     }
     assert_eq!(
-        s.client.read(fid, 0, 8, DATA, Mode::Interrupt),
+        s.client.read(s.now, fid, 0, 8, DATA, Mode::Interrupt),
         Err(ClientError::NoCredits)
     );
     s.pump();
@@ -1146,9 +1196,7 @@ fn negative_credit_waits_for_free_slots() {
     s.connect();
     let fid = s.register(RK_PLAIN, 0);
     s.storage.defer = true;
-    let reqs: Vec<_> = (0..4)
-        .map(|_| s.client.read(fid, 0, 8, DATA, Mode::Interrupt).unwrap())
-        .collect();
+    let reqs: Vec<_> = (0..4).map(|_| s.read(fid, 0, 8, Mode::Interrupt)).collect();
     s.pump();
     s.server.start_credit_delta(s.now, -2).unwrap();
     s.pump();
@@ -1156,7 +1204,7 @@ fn negative_credit_waits_for_free_slots() {
     assert!(s.server.credit_transaction_active());
     assert_eq!(s.client.credits(), 4);
     assert_eq!(
-        s.client.read(fid, 0, 8, DATA, Mode::Interrupt),
+        s.client.read(s.now, fid, 0, 8, DATA, Mode::Interrupt),
         Err(ClientError::NoCredits)
     );
     s.release_held();
@@ -1224,7 +1272,7 @@ fn dropped_and_duplicated_messages() {
     s.connect();
     let fid = s.register(RK_PLAIN, 0);
     s.s2c_fault = Some(Box::new(|b: Vec<u8>| vec![b.clone(), b]));
-    let r = s.client.read(fid, 0, 32, DATA, Mode::Interrupt).unwrap();
+    let r = s.read(fid, 0, 32, Mode::Interrupt);
     s.pump();
     assert_eq!(s.completion(r), Some((32, STATUS_SUCCESS)));
     assert_eq!(
@@ -1241,7 +1289,7 @@ fn dropped_and_duplicated_messages() {
     s.connect();
     let fid = s.register(RK_PLAIN, 0);
     s.c2s_fault = Some(Box::new(|_b: Vec<u8>| vec![]));
-    let r = s.client.read(fid, 0, 32, DATA, Mode::Interrupt).unwrap();
+    let r = s.read(fid, 0, 32, Mode::Interrupt);
     s.pump();
     assert_eq!(s.completion(r), None);
     assert_eq!(s.client.outstanding(), 1);
@@ -1252,7 +1300,11 @@ fn dropped_and_duplicated_messages() {
     s.connect();
     let fid = s.register(RK_PLAIN, 0);
     s.c2s_fault = Some(Box::new(|b: Vec<u8>| vec![b.clone(), b]));
-    let r = s.client.write(fid, 0, b"dup", Mode::Interrupt).unwrap();
+    let r = s
+        .client
+        .write(s.now, fid, 0, b"dup", Mode::Interrupt)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(r), Some((3, STATUS_SUCCESS)));
     assert!(!s.client.is_closed() && s.server_closed.is_none());
@@ -1262,7 +1314,9 @@ fn dropped_and_duplicated_messages() {
     s.connect();
     let fid = s.register(RK_PLAIN, 0);
     s.s2c_fault = Some(Box::new(|b: Vec<u8>| vec![b[..12].to_vec()]));
-    s.client.read(fid, 0, 32, DATA, Mode::Interrupt).unwrap();
+    s.client
+        .read(s.now, fid, 0, 32, DATA, Mode::Interrupt)
+        .unwrap();
     s.pump();
     assert_eq!(
         s.client_closed,
@@ -1310,9 +1364,9 @@ fn close_with_io_in_flight_defers_close_file() {
     s.connect();
     let fid = s.register(RK_PLAIN, 0);
     s.storage.defer = true;
-    let r = s.client.read(fid, 0, 64, DATA, Mode::Polled).unwrap();
+    let r = s.read(fid, 0, 64, Mode::Polled);
     s.pump();
-    let c = s.client.close_file(fid).unwrap();
+    let c = s.client.close_file(s.now, fid).unwrap();
     s.pump();
     assert_eq!(s.completion(c), Some((0, STATUS_SUCCESS)));
     assert!(
@@ -1334,7 +1388,9 @@ fn nothing_after_close_connection() {
     s.connect();
     let fid = s.register(RK_PLAIN, 0);
     s.storage.defer = true;
-    s.client.read(fid, 0, 64, DATA, Mode::Interrupt).unwrap();
+    s.client
+        .read(s.now, fid, 0, 64, DATA, Mode::Interrupt)
+        .unwrap();
     s.pump();
     s.inject(raw(RequestOp::Close { fid, cookie: 0 }));
     assert_eq!(
@@ -1363,7 +1419,7 @@ fn polled_sentinel_is_ignored_and_immediate_only_on_last_region() {
     let fid = s.register(RK_PLAIN, 0);
     // Sentinel reads as "not yet written".
     s.storage.defer = true;
-    let r = s.client.read(fid, 0, 8, DATA, Mode::Polled).unwrap();
+    let r = s.read(fid, 0, 8, Mode::Polled);
     s.pump();
     let slot = s.client.polled_slots()[0];
     assert_eq!(
@@ -1396,11 +1452,11 @@ fn polled_sentinel_is_ignored_and_immediate_only_on_last_region() {
         },
     ];
     s.client
-        .vec_read(fid, 0, 4608, 4096, &regions, Mode::Interrupt)
+        .vec_read(s.now, fid, 0, 4608, 4096, &regions, Mode::Interrupt)
         .unwrap();
-    let send = match s.client.poll_action() {
-        Some(ClientAction::Send(b)) => b,
-        a => panic!("{a:?}"),
+    let send = match &s.client.transmit_all()[..] {
+        [b] => b.clone(),
+        m => panic!("{m:?}"),
     };
     s.server.handle_recv(s.now, &send, &mut s.hooks);
     let read = match s.server.poll_action() {
@@ -1523,6 +1579,7 @@ fn polled_window_names_its_own_status_block_key() {
         let r = s
             .client
             .read(
+                s.now,
                 fid,
                 64 * u64::from(round),
                 64,
@@ -1530,6 +1587,8 @@ fn polled_window_names_its_own_status_block_key() {
                 Mode::PolledWindow(key),
             )
             .unwrap();
+        assert_eq!(r.slot, Some(slot), "issued with the slot named before");
+        let r = r.req;
         assert_eq!(s.client.slot_of(r), Some(slot));
         s.pump();
         assert_eq!(s.completion(r), Some((64, STATUS_SUCCESS)));
@@ -1549,12 +1608,12 @@ fn cancel_request_cancels_only_that_request() {
         s.connect();
         let fid = s.register(RK_PLAIN, 0);
         s.storage.defer = true;
-        let a = s.client.read(fid, 0, 64, DATA, Mode::Polled).unwrap();
-        let b = s.client.read(fid, 64, 64, DATA, target_mode).unwrap();
-        let c = s.client.read(fid, 128, 64, DATA, Mode::Interrupt).unwrap();
+        let a = s.read(fid, 0, 64, Mode::Polled);
+        let b = s.read(fid, 64, 64, target_mode);
+        let c = s.read(fid, 128, 64, Mode::Interrupt);
         s.pump();
         assert_eq!(s.storage.held.len(), 3);
-        let k = s.client.cancel_request(fid, b).unwrap();
+        let k = s.client.cancel_request(s.now, fid, b).unwrap();
         s.pump();
         assert_eq!(s.completion(k), Some((0, STATUS_SUCCESS)));
         assert_eq!(
@@ -1569,7 +1628,7 @@ fn cancel_request_cancels_only_that_request() {
         assert_eq!(s.completion(a), Some((64, STATUS_SUCCESS)));
         assert_eq!(s.completion(c), Some((64, STATUS_SUCCESS)));
         assert_eq!(
-            s.client.cancel_request(fid, a),
+            s.client.cancel_request(s.now, fid, a),
             Err(ClientError::InvalidArgument)
         );
         assert_eq!(s.client.outstanding(), 0);
@@ -1587,17 +1646,16 @@ fn cancel_in_the_same_batch_withdraws_the_unstarted_io() {
         let mut s = Sim::new();
         s.connect();
         let fid = s.register(RK_PLAIN, 0);
-        let keep = s.client.read(fid, 0, 64, DATA, Mode::Interrupt).unwrap();
-        let r = s.client.read(fid, 64, 64, DATA, Mode::Polled).unwrap();
+        let keep = s.read(fid, 0, 64, Mode::Interrupt);
+        let r = s.read(fid, 64, 64, Mode::Polled);
         let k = if whole_fid {
-            s.client.cancel(fid).unwrap()
+            s.client.cancel(s.now, fid).unwrap()
         } else {
-            s.client.cancel_request(fid, r).unwrap()
+            s.client.cancel_request(s.now, fid, r).unwrap()
         };
-        let mut msgs = Vec::new();
+        let msgs = s.client.transmit_all();
         while let Some(a) = s.client.poll_action() {
             match a {
-                ClientAction::Send(b) => msgs.push(b),
                 ClientAction::ResetStatusBlock { addr, .. } => {
                     assert!(s.mem.local_write(addr, &IoStatusBlock::SENTINEL.to_bytes()))
                 }
@@ -1645,21 +1703,30 @@ fn server_request_stats_follow_the_fake_clock() {
     let fid = s.register(RK_PLAIN, 0);
     // A READ held at the storage for 300 µs.
     s.storage.defer = true;
-    let r = s.client.read(fid, 0, 4000, DATA, Mode::Polled).unwrap();
+    let r = s
+        .client
+        .read(s.now, fid, 0, 4000, DATA, Mode::Polled)
+        .unwrap()
+        .req;
     s.pump();
     s.now += Duration::from_micros(300);
     s.release_held();
     s.pump();
     assert_eq!(s.completion(r), Some((4000, STATUS_SUCCESS)));
     s.storage.defer = false;
-    let w = s.client.write(fid, 100, b"hello", Mode::Interrupt).unwrap();
+    let w = s
+        .client
+        .write(s.now, fid, 100, b"hello", Mode::Interrupt)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(w), Some((5, STATUS_SUCCESS)));
     // A READ of a Fid never registered: refused at once.
     let bad = s
         .client
-        .read(fid + 7, 0, 10, DATA, Mode::Interrupt)
-        .unwrap();
+        .read(s.now, fid + 7, 0, 10, DATA, Mode::Interrupt)
+        .unwrap()
+        .req;
     s.pump();
     assert_eq!(s.completion(bad), Some((0, STATUS_INVALID_HANDLE)));
 
