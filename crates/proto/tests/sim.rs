@@ -1757,3 +1757,332 @@ fn server_request_stats_follow_the_fake_clock() {
     assert_eq!(s.server.take_request_stats(), st);
     assert!(s.server.request_stats().is_empty());
 }
+
+// ------------------------------------------------ the client owns requests
+
+fn timed_cfg(op: Duration) -> ClientConfig {
+    let mut c = client_cfg();
+    c.op_timeout = Some(op);
+    c
+}
+
+fn timed_out_events(s: &Sim) -> Vec<(ReqId, Opcode)> {
+    s.events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::TimedOut { req, opcode } => Some((*req, *opcode)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn unanswered_request_times_out_at_its_deadline_and_stays_outstanding() {
+    let op = Duration::from_secs(5);
+    for mode in [Mode::Interrupt, Mode::Polled] {
+        let mut s = Sim::with(server_cfg(), timed_cfg(op));
+        s.connect();
+        let fid = s.register(RK_PLAIN, 0);
+        assert_eq!(s.client.poll_timeout(), None, "nothing outstanding");
+        s.storage.defer = true;
+        let issued = s.client.read(s.now, fid, 0, 64, DATA, mode).unwrap();
+        let r = issued.req;
+        s.pump();
+        let deadline = s.now + op;
+        assert_eq!(s.client.poll_timeout(), Some(deadline));
+        // One nanosecond early: nothing.
+        s.client.handle_timeout(deadline - Duration::from_nanos(1));
+        s.pump();
+        assert!(timed_out_events(&s).is_empty());
+        assert!(!s.client.is_timed_out(r));
+        // At the deadline: exactly one TimedOut, naming the request.
+        s.client.handle_timeout(deadline);
+        s.client.handle_timeout(deadline + op);
+        s.pump();
+        assert_eq!(timed_out_events(&s), vec![(r, Opcode::Read)]);
+        assert!(s.client.is_timed_out(r));
+        assert_eq!(s.client.poll_timeout(), None, "no deadline left");
+        // Still outstanding: its credit and status block stay taken, and
+        // the connection stays up.
+        assert!(s.client.is_outstanding(r));
+        assert_eq!(s.client.outstanding(), 1);
+        assert_eq!(s.client.slot_of(r), issued.slot);
+        assert!(s.client_closed.is_none());
+        assert_eq!(s.client.take_done(r), None);
+        // The late answer completes it as usual.
+        s.release_held();
+        assert_eq!(s.completion(r), Some((64, STATUS_SUCCESS)));
+        assert!(!s.client.is_timed_out(r));
+        let d = s.client.take_done(r).expect("kept until taken");
+        assert_eq!((d.information, d.status), (64, STATUS_SUCCESS));
+        assert_eq!(s.client.outstanding(), 0);
+    }
+}
+
+#[test]
+fn request_answered_just_before_its_deadline_does_not_time_out() {
+    let op = Duration::from_secs(5);
+    let mut s = Sim::with(server_cfg(), timed_cfg(op));
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    let start = s.now;
+    s.storage.defer = true;
+    let r = s.read(fid, 0, 32, Mode::Interrupt);
+    s.pump();
+    // Time passes; the answer comes 1 ms before the deadline.
+    s.now = start + op - Duration::from_millis(1);
+    s.client.handle_timeout(s.now);
+    s.release_held();
+    assert_eq!(s.completion(r), Some((32, STATUS_SUCCESS)));
+    s.client.handle_timeout(start + op * 10);
+    s.pump();
+    assert!(timed_out_events(&s).is_empty());
+    assert_eq!(s.client.poll_timeout(), None);
+    assert!(s.client_closed.is_none());
+}
+
+#[test]
+fn deadlines_run_from_each_request_issue() {
+    let op = Duration::from_secs(5);
+    let mut s = Sim::with(server_cfg(), timed_cfg(op));
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    let t0 = s.now;
+    let a = s
+        .client
+        .read(t0, fid, 0, 8, DATA, Mode::Interrupt)
+        .unwrap()
+        .req;
+    let t1 = t0 + Duration::from_secs(2);
+    s.now = t1;
+    let b = s
+        .client
+        .read(t1, fid, 8, 8, DATA, Mode::Interrupt)
+        .unwrap()
+        .req;
+    s.pump();
+    assert_eq!(s.client.poll_timeout(), Some(t0 + op));
+    s.client.handle_timeout(t0 + op);
+    s.pump();
+    assert_eq!(timed_out_events(&s), vec![(a, Opcode::Read)]);
+    assert_eq!(s.client.poll_timeout(), Some(t1 + op));
+    s.client.handle_timeout(t1 + op);
+    s.pump();
+    assert_eq!(
+        timed_out_events(&s),
+        vec![(a, Opcode::Read), (b, Opcode::Read)]
+    );
+}
+
+#[test]
+fn interrupt_has_no_deadline() {
+    let op = Duration::from_secs(5);
+    let mut s = Sim::with(server_cfg(), timed_cfg(op));
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    let irq = s.client.interrupt(s.now).unwrap();
+    s.pump();
+    assert_eq!(s.client.interrupt_outstanding(), Some(irq));
+    assert_eq!(s.client.poll_timeout(), None);
+    s.client.handle_timeout(s.now + op * 100);
+    s.pump();
+    assert!(timed_out_events(&s).is_empty());
+    // Answered after the next I/O completion, then gone.
+    let r = s.read(fid, 0, 8, Mode::Interrupt);
+    s.pump();
+    assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
+    assert_eq!(s.completion(irq), Some((0, STATUS_SUCCESS)));
+    assert_eq!(s.client.interrupt_outstanding(), None);
+    let d = s.client.take_done(irq).expect("kept until taken");
+    assert_eq!(d.opcode, Opcode::Interrupt);
+}
+
+#[test]
+fn unanswered_credit_reply_closes_the_connection() {
+    let op = Duration::from_secs(5);
+    let mut s = Sim::with(server_cfg(), timed_cfg(op));
+    s.connect();
+    // The server's delta reaches the client; its answer to the client's
+    // CREDIT reply is lost.
+    let mut n = 0;
+    s.s2c_fault = Some(Box::new(move |b: Vec<u8>| {
+        n += 1;
+        if n == 1 {
+            vec![b]
+        } else {
+            vec![]
+        }
+    }));
+    s.server.start_credit_delta(s.now, 1).unwrap();
+    s.pump();
+    assert_eq!(s.client.credits(), 5, "the delta was applied");
+    assert_eq!(s.client.outstanding(), 1, "the CREDIT reply waits");
+    assert_eq!(s.client.poll_timeout(), Some(s.now + op));
+    s.client
+        .handle_timeout(s.now + op - Duration::from_nanos(1));
+    s.pump();
+    assert!(s.client_closed.is_none());
+    s.client.handle_timeout(s.now + op);
+    s.pump();
+    assert_eq!(s.client_closed, Some(CloseReason::CreditTimeout));
+    assert!(s.client.is_closed());
+    assert!(timed_out_events(&s).is_empty(), "no request event for it");
+    assert_eq!(s.client.poll_timeout(), None);
+}
+
+#[test]
+fn answered_credit_reply_does_not_time_out() {
+    let op = Duration::from_secs(5);
+    let mut s = Sim::with(server_cfg(), timed_cfg(op));
+    s.connect();
+    s.server.start_credit_delta(s.now, 1).unwrap();
+    s.pump();
+    assert_eq!(s.client.outstanding(), 0);
+    s.client.handle_timeout(s.now + op * 2);
+    s.pump();
+    assert!(s.client_closed.is_none());
+    assert_eq!(s.client.credits(), 5);
+}
+
+#[test]
+fn completed_requests_keep_their_data_until_taken_once() {
+    for mode in [Mode::Interrupt, Mode::Polled] {
+        let mut s = Sim::new();
+        s.connect();
+        let fid = s.register(RK_PLAIN, 0);
+        let a = s.read(fid, 0, 16, mode);
+        let b = s.client.write(s.now, fid, 0, b"xy", mode).unwrap().req;
+        *s.client.user_mut(a).unwrap() = 11;
+        *s.client.user_mut(b).unwrap() = 22;
+        let mut users: Vec<u32> = s.client.outstanding_users().copied().collect();
+        users.sort_unstable();
+        assert_eq!(users, vec![11, 22]);
+        s.pump();
+        assert_eq!(s.client.outstanding(), 0);
+        assert_eq!(s.client.outstanding_users().count(), 0);
+        assert!(s.client.is_done(a) && s.client.is_done(b));
+        // Reachable after completion, for the driver's clean-up.
+        assert_eq!(s.client.user_mut(a).copied(), Some(11));
+        let d = s.client.take_done(b).unwrap();
+        assert_eq!(d.user, 22);
+        assert_eq!(
+            (d.opcode, d.information, d.status),
+            (Opcode::Write, 2, STATUS_SUCCESS)
+        );
+        assert_eq!(s.client.take_done(b), None, "taken once");
+        assert_eq!(s.client.user_mut(b), None);
+        let d = s.client.take_done(a).unwrap();
+        assert_eq!((d.user, d.information), (11, 16));
+        // Unknown requests have no data.
+        assert_eq!(s.client.user_mut(12345), None);
+    }
+}
+
+#[test]
+fn issue_returns_the_status_block_it_completes_through() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    let i = s
+        .client
+        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
+        .unwrap();
+    assert_eq!(i.slot, None);
+    let mut seen = Vec::new();
+    for k in 0..3u64 {
+        let next = s.client.next_status_slot().map(|(slot, _)| slot);
+        let p = s
+            .client
+            .read(s.now, fid, 8 * k, 8, DATA, Mode::Polled)
+            .unwrap();
+        assert_eq!(p.slot, next);
+        assert_eq!(s.client.slot_of(p.req), p.slot);
+        seen.push(p.slot.unwrap());
+    }
+    // Three different blocks, each reset before its request leaves.
+    let resets: Vec<u32> = std::iter::from_fn(|| s.client.poll_action())
+        .filter_map(|a| match a {
+            ClientAction::ResetStatusBlock { slot, .. } => Some(slot),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resets, seen);
+    let mut d = seen.clone();
+    d.dedup();
+    assert_eq!(d.len(), 3);
+}
+
+#[test]
+fn preposted_receives_are_not_asked_for_again() {
+    for pre in [0u32, 5, 9] {
+        let mut cc = client_cfg();
+        cc.recvs_preposted = pre;
+        let mut s = Sim::with(server_cfg(), cc);
+        s.client_recvs = pre;
+        s.client.start(s.now).unwrap();
+        let asked: u32 = std::iter::from_fn(|| s.client.poll_action())
+            .filter_map(|a| match a {
+                ClientAction::PostRecv(n) => Some(n),
+                _ => None,
+            })
+            .sum();
+        // Before AUTH: one credit, so two receives (credits + 1).
+        assert_eq!(asked, 2u32.saturating_sub(pre), "preposted {pre}");
+        s.client_recvs += asked;
+        s.pump();
+        assert!(s.client.is_authenticated());
+        // Granted 4: credits + 1 = 5 posted, or what is left of more
+        // posted before connect (the AUTH answer took one).
+        assert_eq!(s.client.posted_recvs(), pre.saturating_sub(1).max(5));
+        // What the transport holds is what the connection counts.
+        assert_eq!(s.client_recvs, s.client.posted_recvs());
+        assert!(!s.recv_overrun);
+    }
+}
+
+#[test]
+fn encoding_into_a_buffer_waits_for_queued_messages() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_NOBUF, FILE_NO_INTERMEDIATE_BUFFERING);
+    // A READ waits to be transmitted: a WRITE cannot jump ahead of it.
+    let r = s.read(fid, 0, 8, Mode::Interrupt);
+    assert_eq!(s.client.transmit_pending(), 1);
+    let mut buf = [0u8; 256];
+    let before = s.client.outstanding();
+    assert_eq!(
+        s.client
+            .write_into(s.now, fid, 0, b"abc", Mode::Interrupt, &mut buf),
+        Err(ClientError::TransmitPending)
+    );
+    assert_eq!(s.client.outstanding(), before, "nothing recorded");
+    // A buffer too small for the queued message closes the connection.
+    let mut tiny = [0u8; 8];
+    let mut t = Sim::new();
+    t.connect();
+    t.client
+        .read(t.now, 1, 0, 8, DATA, Mode::Interrupt)
+        .unwrap();
+    assert_eq!(t.client.poll_transmit(&mut tiny), None);
+    assert_eq!(
+        t.client.poll_action(),
+        Some(ClientAction::CloseConnection(CloseReason::PayloadTooLarge))
+    );
+    assert_eq!(t.client.transmit_pending(), 0);
+    // Once transmitted, the WRITE goes straight into the buffer, and both
+    // leave in issue order (sequence numbers ascending).
+    let first = s.client.transmit_all();
+    assert_eq!(first.len(), 1);
+    let (w, n) = s
+        .client
+        .write_into(s.now, fid, 0, b"abc", Mode::Interrupt, &mut buf)
+        .unwrap();
+    let seq = |b: &[u8]| u16::from_le_bytes([b[6], b[7]]);
+    assert_eq!(seq(&buf[..n]), seq(&first[0]).wrapping_add(1));
+    s.to_server.push_back(first[0].clone());
+    s.to_server.push_back(buf[..n].to_vec());
+    s.pump();
+    assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
+    assert_eq!(s.completion(w.req), Some((3, STATUS_SUCCESS)));
+}
