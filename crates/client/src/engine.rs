@@ -1,10 +1,16 @@
 //! The client data path: one RDMA connection driven by
-//! `lwio_proto::client::ClientConn`.
+//! `lwio_proto::client::ClientConn`, which holds every request once (with
+//! the engine's `ReqData`: windows, stage, group) from issue until its
+//! waiter takes the completion, and owns the requests' timeouts. The engine
+//! is its driver: it posts sends and receives, runs the completion queue,
+//! feeds the state machine and wakes waiters.
 //!
 //! Threads: callers issue requests under the engine lock and then wait for
-//! their own completion. Request messages are queued and posted together
-//! (one post list, one `writev` on the soft provider) when the caller
-//! blocks; a WRITE is encoded straight into its registered send slot. The
+//! their own completion. The state machine encodes each request message
+//! straight into a registered send slot (`poll_transmit`; a WRITE's or
+//! VEC_WRITE's payload at issue, `write_into`), and the slots are posted
+//! together (one post list, one `writev` on the soft provider) when the
+//! caller blocks. The
 //! thread that blocks first becomes the **driver**: it sleeps on the CQ's
 //! completion channel and handles every receive (status responses, the
 //! server's delta-credit messages) and send completion — under the soft
