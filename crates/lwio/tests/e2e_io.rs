@@ -1442,7 +1442,24 @@ fn polled_waits_sleep_on_interrupt() {
             "read {i}"
         );
     }
+    // A read that certainly waits: its data comes 200 ms later. With no
+    // spin budget the waiter finds its block unwritten and sleeps on an
+    // INTERRUPT (the reads above may all have found theirs written already
+    // on a loaded machine, so they prove nothing about it).
+    use std::io::Write;
+    let mut feed = slow_fifo(dir.path(), "later.fifo");
+    let g = c.open("later.fifo", &OpenOptions::read_write()).unwrap();
+    let before = c.stats().interrupts_sent;
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        feed.write_all(b"later").unwrap();
+        feed
+    });
+    let mut small = [0u8; 5];
+    assert_eq!(g.read_at(&mut small, 0).unwrap(), 5);
+    assert_eq!(&small, b"later");
+    let _feed = t.join().unwrap();
     let st = c.stats();
-    assert!(st.interrupts_sent > 0, "{st:?}");
+    assert!(st.interrupts_sent > before, "{st:?}");
     assert_eq!(st.credit_violations, 0, "{st:?}");
 }
