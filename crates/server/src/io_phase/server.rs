@@ -1935,6 +1935,12 @@ impl RdmaServerOptions {
             max_connections_per_host: c.limits.max_rdma_connections_per_host,
             proto: lwio_proto::server::ServerConfig {
                 allow_md5: c.compat_md5_auth,
+                // A Fid needs a file opened on the session's side channel
+                // first: the same bound (at most 65,535, the Fid space).
+                max_fids: c
+                    .limits
+                    .max_open_files_per_session
+                    .min(usize::from(u16::MAX)),
                 max_recv_buffer_size: c.rdma.max_write_size,
                 ..d.proto
             },
