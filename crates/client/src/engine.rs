@@ -2027,3 +2027,12 @@ pub fn status_text(s: NtStatus) -> String {
         None => format!("NTSTATUS {s:#010x}"),
     }
 }
+
+/// Memory objects (docs/memory-objects.md, `crate::publish`): a publication
+/// registers its range in the domain of the channel that carries it. Kept
+/// apart from the driver above.
+impl Engine {
+    pub(crate) fn pd(&self) -> &Pd {
+        &self.pd
+    }
+}

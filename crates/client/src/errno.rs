@@ -50,6 +50,7 @@ pub fn client(e: &crate::Error) -> i32 {
             STATUS_NOT_SUPPORTED | STATUS_INVALID_DEVICE_REQUEST => EOPNOTSUPP,
             STATUS_IO_TIMEOUT => ETIMEDOUT,
             STATUS_INSUFFICIENT_RESOURCES => ENOMEM,
+            STATUS_FILE_DELETED => ESTALE,
             _ => EIO,
         },
         _ => EIO,

@@ -30,6 +30,7 @@ pub mod discovery;
 pub mod engine;
 pub mod errno;
 pub mod handoff;
+pub mod publish;
 pub mod side;
 pub mod url;
 
@@ -46,6 +47,7 @@ use tracing::{debug, info};
 pub use async_client::{AsyncClient, AsyncFile};
 use engine::{status_text, EngineConfig};
 pub use engine::{ClientStats, Engine};
+pub use publish::{MemRights, Published};
 
 use crate::url::{LwioUrl, DEFAULT_PORT};
 use lwio_rdma::ProviderChoice;
@@ -321,6 +323,9 @@ pub(crate) struct Inner {
     /// How the data path was chosen (for a [`handoff::Handoff`]).
     pub(crate) provider_choice: ProviderChoice,
     pub(crate) device: Option<String>,
+    /// The negotiate Key of each channel, channel 0 first: the server knows
+    /// a channel by it (a publication names the channel that carries it).
+    pub(crate) channel_keys: Vec<lwio_proto::wire::Guid>,
 }
 
 impl Inner {
@@ -476,14 +481,17 @@ impl Client {
         // Channel 0, then (claim 9) the other channels: each negotiates a
         // Key of its own (the server takes each Key once) and starts at
         // another shared path where there are several.
-        let (engine, server_name) = dial.channel(&mut side, &req, &session, 0)?;
+        let (engine, server_name, key0) = dial.channel(&mut side, &req, &session, 0)?;
         let mut extra = Vec::new();
+        let mut channel_keys = vec![key0];
         for n in 1..opts.channels.max(1) {
             let req = NegotiateRequestRepr {
                 key: client_key,
                 ..req.clone()
             };
-            extra.push(dial.channel(&mut side, &req, &session, n)?.0);
+            let (e, _, k) = dial.channel(&mut side, &req, &session, n)?;
+            extra.push(e);
+            channel_keys.push(k);
         }
         Ok(Client(Arc::new(Inner {
             side: Mutex::new(Some(side)),
@@ -496,6 +504,7 @@ impl Client {
             side_opts: so.clone(),
             provider_choice: opts.provider,
             device: opts.device.clone(),
+            channel_keys,
         })))
     }
 
@@ -661,7 +670,7 @@ impl Dial<'_> {
         req: &NegotiateRequestRepr,
         session: &crate::side::Session,
         n: usize,
-    ) -> Result<(Arc<Engine>, String)> {
+    ) -> Result<(Arc<Engine>, String, lwio_proto::wire::Guid)> {
         let resp = match side.negotiate(req) {
             Ok(r) => r,
             Err(e)
@@ -721,7 +730,7 @@ impl Dial<'_> {
                         client_uuid = %self.client_key,
                         "connected"
                     );
-                    return Ok((engine, resp.server_name.clone()));
+                    return Ok((engine, resp.server_name.clone(), resp.key));
                 }
                 Err(e @ Error::AccessDenied(_)) => return Err(e),
                 Err(e) => {

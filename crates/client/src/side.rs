@@ -1006,3 +1006,73 @@ impl Client {
             .block_on(self.inner.rename_flags(export, from, to, flags))
     }
 }
+
+/// Memory objects (docs/memory-objects.md): the side-channel calls behind
+/// [`crate::Client::publish`].
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
+    /// Publish `size` bytes at `addr` behind `rkey` on the RDMA channel
+    /// negotiated with `channel_key`, as `export`/.lwio-mem/`name`
+    /// (`rights`: `MEM_READ`, or `MEM_READ | MEM_WRITE`). Returns the
+    /// object's path in the export.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn publish(
+        &mut self,
+        export: &str,
+        name: &str,
+        size: u64,
+        addr: u64,
+        rkey: u32,
+        rights: u8,
+        channel_key: [u8; 16],
+    ) -> Result<String> {
+        match self
+            .call(Request::Publish {
+                export: export.into(),
+                name: name.into(),
+                size,
+                addr,
+                rkey,
+                rights,
+                channel_key,
+            })
+            .await?
+        {
+            Response::Published { path } => Ok(path),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Withdraw an object this session published.
+    pub async fn unpublish(&mut self, export: &str, name: &str) -> Result<()> {
+        self.ok(Request::Unpublish {
+            export: export.into(),
+            name: name.into(),
+        })
+        .await
+    }
+}
+
+impl Client {
+    /// See [`AsyncClient::publish`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn publish(
+        &mut self,
+        export: &str,
+        name: &str,
+        size: u64,
+        addr: u64,
+        rkey: u32,
+        rights: u8,
+        channel_key: [u8; 16],
+    ) -> Result<String> {
+        self.rt.block_on(
+            self.inner
+                .publish(export, name, size, addr, rkey, rights, channel_key),
+        )
+    }
+
+    /// See [`AsyncClient::unpublish`].
+    pub fn unpublish(&mut self, export: &str, name: &str) -> Result<()> {
+        self.rt.block_on(self.inner.unpublish(export, name))
+    }
+}

@@ -18,6 +18,9 @@ pub const STATUS_IO_TIMEOUT: NtStatus = 0xC000_00B5;
 pub const STATUS_NOT_SUPPORTED: NtStatus = 0xC000_00BB;
 pub const STATUS_CANCELLED: NtStatus = 0xC000_0120;
 pub const STATUS_FILE_CLOSED: NtStatus = 0xC000_0128;
+/// The file is gone while open: a memory object whose publisher withdrew it
+/// (docs/memory-objects.md). Clients map it to ESTALE.
+pub const STATUS_FILE_DELETED: NtStatus = 0xC000_0123;
 /// A buffer size outside what was negotiated (e.g. a fragmented message
 /// over the maximum).
 pub const STATUS_INVALID_BUFFER_SIZE: NtStatus = 0xC000_0206;
@@ -44,6 +47,7 @@ pub fn name(s: NtStatus) -> Option<&'static str> {
         STATUS_NOT_SUPPORTED => "STATUS_NOT_SUPPORTED",
         STATUS_CANCELLED => "STATUS_CANCELLED",
         STATUS_FILE_CLOSED => "STATUS_FILE_CLOSED",
+        STATUS_FILE_DELETED => "STATUS_FILE_DELETED",
         STATUS_INVALID_BUFFER_SIZE => "STATUS_INVALID_BUFFER_SIZE",
         _ => return None,
     })

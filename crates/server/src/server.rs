@@ -189,6 +189,8 @@ pub struct ServerState {
     pub open_files: OpenFileTable,
     /// Directory leases (docs/leases.md).
     pub leases: Arc<crate::side::leases::Leases>,
+    /// Published memory objects (docs/memory-objects.md).
+    pub mem_objects: Arc<crate::memobj::MemObjects>,
     pub backend: Arc<dyn Backend>,
     pub limits: Limits,
     /// Configured provider choice for the RDMA phase.
@@ -301,6 +303,7 @@ impl ServerState {
     pub(crate) fn end_session(&self, id: SessionId) {
         lock(&self.sessions).remove(&id);
         self.leases.end_session(id);
+        self.mem_objects.end_session(id);
         lock(&self.negotiations).retain(|_, n| n.session != id);
         let n = self.open_files.close_session(id);
         if n > 0 {
@@ -406,6 +409,7 @@ impl Server {
                 opts.server_name.clone(),
             ),
             leases: Arc::new(crate::side::leases::Leases::new(&opts.limits)),
+            mem_objects: Arc::default(),
             backend,
             limits: opts.limits.clone(),
             provider: opts.provider,

@@ -298,7 +298,31 @@ pub enum Request {
     LeaseBreakAck {
         lease_id: u64,
     },
+    /// Publish a memory object (docs/memory-objects.md): `size` bytes of
+    /// the sender's memory at `addr`, reachable by the server only, through
+    /// `rkey` on the RDMA channel whose negotiate Key is `channel_key`;
+    /// `rights` [`MEM_READ`] | [`MEM_WRITE`] (read is required). Answered by
+    /// `Published`.
+    Publish {
+        export: String,
+        name: String,
+        size: u64,
+        addr: u64,
+        rkey: u32,
+        rights: u8,
+        channel_key: [u8; 16],
+    },
+    /// Withdraw a memory object this session published. Answered by Ok.
+    Unpublish {
+        export: String,
+        name: String,
+    },
 }
+
+/// Memory-object grants (`Publish::rights`).
+pub const MEM_READ: u8 = 1;
+pub const MEM_WRITE: u8 = 2;
+const MEM_KNOWN: u8 = MEM_READ | MEM_WRITE;
 
 /// Lease kinds (`LeaseDir::want`, `LeaseGranted::granted`).
 pub const LEASE_READ: u8 = 1;
@@ -382,6 +406,11 @@ pub enum Response {
         export: String,
         path: String,
     },
+    /// The answer to `Publish`: the object's path in its export
+    /// (`.lwio-mem/NAME`).
+    Published {
+        path: String,
+    },
 }
 
 /// Message type codes.
@@ -422,6 +451,8 @@ pub mod ty {
     pub const LEASE_BREAK_ACK: u16 = 0x0022;
     pub const STATS: u16 = 0x0030;
     pub const METRICS: u16 = 0x8030;
+    pub const PUBLISH: u16 = 0x0023;
+    pub const UNPUBLISH: u16 = 0x0024;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -440,6 +471,7 @@ pub mod ty {
     pub const LOCK_INFO: u16 = 0x801e;
     pub const LEASE_GRANTED: u16 = 0x801f;
     pub const LEASE_BREAK: u16 = 0x8021;
+    pub const PUBLISHED: u16 = 0x8023;
     pub const ERROR: u16 = 0x80ff;
 }
 
@@ -979,6 +1011,29 @@ impl Request {
                 w = W::head(ty::LEASE_BREAK_ACK, id);
                 w.u64(*lease_id);
             }
+            Request::Publish {
+                export,
+                name,
+                size,
+                addr,
+                rkey,
+                rights,
+                channel_key,
+            } => {
+                w = W::head(ty::PUBLISH, id);
+                w.str(export);
+                w.str(name);
+                w.u64(*size);
+                w.u64(*addr);
+                w.u32(*rkey);
+                w.u8(*rights);
+                w.raw(channel_key);
+            }
+            Request::Unpublish { export, name } => {
+                w = W::head(ty::UNPUBLISH, id);
+                w.str(export);
+                w.str(name);
+            }
         }
         w.0
     }
@@ -1186,6 +1241,28 @@ impl Request {
                 mac: r.arr()?,
             },
             ty::LEASE_BREAK_ACK => Request::LeaseBreakAck { lease_id: r.u64()? },
+            ty::PUBLISH => {
+                let (export, name, size, addr, rkey, rights) =
+                    (r.str()?, r.str()?, r.u64()?, r.u64()?, r.u32()?, r.u8()?);
+                if rights & MEM_READ == 0 || rights & !MEM_KNOWN != 0 {
+                    return Err(DecodeError(
+                        "memory-object rights must be read or read-write",
+                    ));
+                }
+                Request::Publish {
+                    export,
+                    name,
+                    size,
+                    addr,
+                    rkey,
+                    rights,
+                    channel_key: r.arr()?,
+                }
+            }
+            ty::UNPUBLISH => Request::Unpublish {
+                export: r.str()?,
+                name: r.str()?,
+            },
             _ => return Err(DecodeError("unknown request type")),
         };
         r.end()?;
@@ -1291,6 +1368,10 @@ impl Response {
                 w = W::head(ty::LEASE_GRANTED, id);
                 w.u64(*lease_id);
                 w.u8(*granted);
+            }
+            Response::Published { path } => {
+                w = W::head(ty::PUBLISHED, id);
+                w.str(path);
             }
             Response::LeaseBreak {
                 lease_id,
@@ -1457,6 +1538,7 @@ impl Response {
                 export: r.str()?,
                 path: r.str()?,
             },
+            ty::PUBLISHED => Response::Published { path: r.str()? },
             _ => return Err(DecodeError("unknown response type")),
         };
         r.end()?;

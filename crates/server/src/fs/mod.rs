@@ -526,6 +526,8 @@ pub struct OpenedFile {
     /// multiples of `align`.
     pub direct: bool,
     pub align: u32,
+    /// A memory object, not a file of the export.
+    pub mem: Option<std::sync::Arc<crate::memobj::MemObj>>,
 }
 
 /// One export: a name and a directory fd everything is resolved beneath.
@@ -1274,6 +1276,7 @@ impl Export {
             size,
             direct: o.no_buffering,
             align,
+            mem: None,
         })
     }
 }

@@ -67,6 +67,10 @@ pub struct OpenFile {
     /// description per client lock owner, holding that owner's OFD locks
     /// (docs/side-channel.md, Lock). They go when the handle closes.
     pub locks: Arc<std::sync::Mutex<HashMap<u64, std::os::fd::OwnedFd>>>,
+    /// A memory object (docs/memory-objects.md): its I/O goes to the
+    /// publisher's memory, and `file` is only a sealed, empty-content
+    /// stand-in of the object's size.
+    pub mem: Option<Arc<crate::memobj::MemObj>>,
 }
 
 /// Why a resume key lookup was refused.
@@ -189,6 +193,7 @@ impl OpenFileTable {
             align: opened.align,
             key,
             locks: Arc::default(),
+            mem: opened.mem,
         };
         g.by_key.insert(rk, handle);
         g.by_handle.insert(
@@ -322,6 +327,7 @@ mod tests {
             size: 0,
             direct: false,
             align: 1,
+            mem: None,
         }
     }
 

@@ -6,6 +6,7 @@
 //! (`ServerConn`, `ClientConn`); this module carries out their actions on the
 //! verbs API of `lwio-rdma` and on the file backends of [`crate::fs`].
 
+pub mod memobj;
 pub mod server;
 pub mod testkit;
 

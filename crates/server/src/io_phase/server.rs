@@ -68,6 +68,7 @@ use tracing::{debug, info, warn};
 use super::{io_error_status, poll_readable, Waker};
 use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
+use crate::memobj::MemOp;
 use crate::server::{RdmaPhase, ServerState, Shutdown};
 use lwio_proto::wrid;
 use lwio_rdma::ProviderChoice;
@@ -938,6 +939,9 @@ struct Hooks<'a> {
     next_file: &'a mut u64,
     peer: SocketAddr,
     inline_mode: &'a mut HashMap<(u64, bool), InlineMode>,
+    /// Memory objects this connection may carry (docs/memory-objects.md).
+    mem: &'a mut super::memobj::PubSide,
+    waker: &'a Arc<Waker>,
 }
 
 impl ServerHooks for Hooks<'_> {
@@ -946,6 +950,9 @@ impl ServerHooks for Hooks<'_> {
     /// way.
     fn write_now(&mut self, file: u64, offset: u64, data: &[u8]) -> Option<Result<u32, NtStatus>> {
         let f = self.files.get(&file)?;
+        if f.mem.is_some() {
+            return None;
+        }
         if !f.rights.write {
             return Some(Err(STATUS_ACCESS_DENIED));
         }
@@ -978,6 +985,8 @@ impl ServerHooks for Hooks<'_> {
             return None;
         }
         *self.session = Some(n.session);
+        self.mem
+            .attach(self.state, *key, n.session, self.waker.clone());
         Some(derive_session_secret(&n.session_secret.0, key).to_vec())
     }
 
@@ -1030,6 +1039,8 @@ struct Conn {
     read_bufs: HashMap<OpId, ReadBuf>,
     spare_bufs: Vec<Mr>,
     cancels: HashMap<OpId, Arc<AtomicBool>>,
+    /// Memory-object I/O this connection carries for its publisher.
+    mem: super::memobj::PubSide,
     files: HashMap<u64, OpenFile>,
     next_file: u64,
     session: Option<SessionId>,
@@ -1184,6 +1195,7 @@ impl Conn {
                 read_bufs: HashMap::new(),
                 spare_bufs: Vec::new(),
                 cancels: HashMap::new(),
+                mem: Default::default(),
                 files: HashMap::new(),
                 next_file: 1,
                 session: None,
@@ -1254,6 +1266,7 @@ impl Conn {
                 self.balance(now);
                 self.flush_request_stats();
             }
+            self.pump_mem();
             self.run_actions();
             if self.finished(now) {
                 break;
@@ -1372,6 +1385,9 @@ impl Conn {
             }
         }
         for mr in self.spare_bufs.drain(..) {
+            self.shared.unregister(mr);
+        }
+        for mr in self.mem.teardown(&self.state) {
             self.shared.unregister(mr);
         }
         if let Some(m) = self.recv_mr.take() {
@@ -1512,6 +1528,8 @@ impl Conn {
                         next_file: &mut self.next_file,
                         peer: self.peer,
                         inline_mode: &mut self.inline_mode,
+                        mem: &mut self.mem,
+                        waker: &self.waker,
                     };
                     self.sconn.handle_recv(Instant::now(), msg, &mut hooks);
                     if !was_auth && self.sconn.is_authenticated() {
@@ -1542,6 +1560,12 @@ impl Conn {
                     b.writes_inflight = b.writes_inflight.saturating_sub(1);
                 }
                 self.maybe_free_buf(v);
+            }
+            super::memobj::WRID_MEMOBJ => {
+                self.sq_inflight = self.sq_inflight.saturating_sub(1);
+                if let Some(mr) = self.mem.complete(v, w.is_ok()) {
+                    self.shared.unregister(mr);
+                }
             }
             _ => {}
         }
@@ -1576,6 +1600,23 @@ impl Conn {
                     }
                 }
             }
+        }
+    }
+
+    /// Post the memory-object jobs other connections queued for this one
+    /// (it carries their publisher's memory); flushed with the actions.
+    fn pump_mem(&mut self) {
+        if self.dead || self.closing.is_some() {
+            return;
+        }
+        let room = self.sq_depth.saturating_sub(self.sq_inflight);
+        let (shared, pd) = (&self.shared, &self.pd);
+        let n = self.mem.pump(room, &mut self.sq_pending, |len| {
+            shared.register(pd, len, Access::LOCAL_WRITE)
+        });
+        self.sq_inflight += n;
+        for mr in self.mem.take_freed() {
+            self.shared.unregister(mr);
         }
     }
 
@@ -1759,6 +1800,18 @@ impl Conn {
     }
 
     fn dispatch(&mut self, op: OpId, f: OpenFile, offset: u64, kind: JobKind) {
+        if let Some(obj) = &f.mem {
+            // A memory object: the publisher's connection does the I/O.
+            let kind = match kind {
+                JobKind::Read { buf, len } => MemOp::Read { buf, len },
+                JobKind::Write { data } => MemOp::Write { data },
+            };
+            let reply = (self.done_tx.clone(), self.waker.clone());
+            if let Some(r) = super::memobj::submit(obj, op, offset, kind, reply) {
+                self.storage_done(op, r);
+            }
+            return;
+        }
         if let Some(r) = self.try_inline(&f, offset, &kind) {
             self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
             // Release the read buffer's Arc before `storage_done`, which

@@ -16,6 +16,7 @@ use tracing::{debug, info, warn};
 pub mod access;
 pub mod admission;
 pub mod leases;
+mod mem;
 pub mod tls;
 
 #[cfg(test)]
@@ -847,7 +848,19 @@ async fn handle(
     who: &Principal,
     req: Request,
 ) -> Result<Response, Error> {
+    if let Some(r) = mem::intercept(state, session, who, &req) {
+        return r;
+    }
     match req {
+        Request::Unpublish { export, name } => {
+            let o = state.mem_objects.unpublish(session, &export, &name)?;
+            mem::quiesce(&o).await;
+            Ok(Response::Ok)
+        }
+        Request::Publish { .. } => Err(Error::new(
+            ErrorCode::BadRequest,
+            "memory-object request not handled",
+        )),
         Request::Hello { .. } | Request::Login(_) => {
             Err(Error::new(ErrorCode::BadRequest, "already logged in"))
         }

@@ -170,6 +170,19 @@ fn all_requests() -> Vec<Request> {
             mac: [7; MAC_LEN],
         },
         Request::LeaseBreakAck { lease_id: 9 },
+        Request::Publish {
+            export: "e".into(),
+            name: "w".into(),
+            size: 1 << 26,
+            addr: 0x7f00_0000_1000,
+            rkey: 0x1234_5678,
+            rights: MEM_READ | MEM_WRITE,
+            channel_key: [3; 16],
+        },
+        Request::Unpublish {
+            export: "e".into(),
+            name: "w".into(),
+        },
     ]
 }
 
@@ -246,6 +259,9 @@ fn all_responses() -> Vec<Response> {
             lease_id: 3,
             export: "e".into(),
             path: "".into(),
+        },
+        Response::Published {
+            path: ".lwio-mem/w".into(),
         },
         Response::DirPageX {
             entries: vec![("l".into(), attrx())],
@@ -615,4 +631,39 @@ proptest! {
         b[p] = val;
         let _ = Response::decode(&b);
     }
+}
+
+#[test]
+fn publish_golden_bytes_and_bad_rights() {
+    let b = Request::Publish {
+        export: "e".into(),
+        name: "m".into(),
+        size: 0x10,
+        addr: 0x2000,
+        rkey: 0xaabb_ccdd,
+        rights: MEM_READ,
+        channel_key: [9; 16],
+    }
+    .encode(2);
+    let mut want = vec![0x23, 0, 0, 0, 2, 0, 0, 0, 1, 0, b'e', 1, 0, b'm'];
+    want.extend_from_slice(&[0x10, 0, 0, 0, 0, 0, 0, 0]);
+    want.extend_from_slice(&[0, 0x20, 0, 0, 0, 0, 0, 0]);
+    want.extend_from_slice(&[0xdd, 0xcc, 0xbb, 0xaa, 1]);
+    want.extend_from_slice(&[9; 16]);
+    assert_eq!(b, want);
+    // Write without read, and unknown bits, are refused.
+    for bad in [0u8, MEM_WRITE, 4, 0xff] {
+        let mut b = b.clone();
+        b[14 + 16 + 4] = bad;
+        assert!(Request::decode(&b).is_err(), "rights {bad:#x}");
+    }
+    // Truncated anywhere: an error, never a panic.
+    for n in 0..b.len() {
+        assert!(Request::decode(&b[..n]).is_err());
+    }
+    let b = Response::Published {
+        path: ".lwio-mem/m".into(),
+    }
+    .encode(2);
+    assert_eq!(&b[..8], &[0x23, 0x80, 0, 0, 2, 0, 0, 0]);
 }

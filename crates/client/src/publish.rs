@@ -1,0 +1,202 @@
+//! Memory objects reachable by path (docs/memory-objects.md, seed 004).
+//!
+//! [`Client::publish`] hands a [`RegisteredBuf`] to the server as
+//! `EXPORT/.lwio-mem/NAME`: other clients open that path and read (and, with
+//! a read-write grant, write) the buffer with ordinary file I/O, which the
+//! server carries out with RDMA Reads and Writes on this client's channel 0.
+//!
+//! The buffer is registered for remote access on its own, exactly over the
+//! published range, with remote read (and remote write only for
+//! [`MemRights::ReadWrite`]); its key goes to the server over the
+//! authenticated side-channel session and nowhere else, and the server uses
+//! it only on this client's own RDMA connection. Unpublishing (or dropping
+//! the [`Published`], or this client going away) withdraws the path and
+//! deregisters the range, which invalidates the key.
+//!
+//! While published, the bytes may change under the client at any time (a
+//! remote writer), so [`Published`] offers copying accessors only and never
+//! a Rust reference to them; [`Published::unpublish`] gives the buffer back
+//! once no key reaches it any more.
+
+use lwio_rdma::{Access, Mr};
+use lwio_side::codec::{MEM_READ, MEM_WRITE};
+
+use crate::{Client, Error, RegisteredBuf, Result};
+
+/// What other clients may do with a published object (within their own
+/// rights on the export).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemRights {
+    ReadOnly,
+    ReadWrite,
+}
+
+/// A published memory object. Dropping it unpublishes (best effort).
+pub struct Published {
+    client: Client,
+    export: String,
+    name: String,
+    path: String,
+    /// The remote-access registration of exactly the published range;
+    /// `None` once withdrawn.
+    mr: Option<Mr>,
+    /// The memory (its allocation outlives `mr`).
+    buf: Option<RegisteredBuf>,
+    rights: MemRights,
+}
+
+impl std::fmt::Debug for Published {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Published")
+            .field("path", &self.path)
+            .field("len", &self.len())
+            .field("rights", &self.rights)
+            .finish()
+    }
+}
+
+impl Client {
+    /// Publish `buf` as memory object `name`: `NAME` in the export of the
+    /// URL this client connected to, or `EXPORT/NAME`. The object's path
+    /// is `EXPORT/.lwio-mem/NAME` ([`Published::path`]); it lives until
+    /// [`Published::unpublish`], the drop of the [`Published`], or this
+    /// client's disconnection. Needs write access to the export.
+    pub fn publish(&self, name: &str, buf: RegisteredBuf, rights: MemRights) -> Result<Published> {
+        let (export, name) = self.split(name)?;
+        if name.is_empty() || name.contains('/') {
+            return Err(Error::InvalidArgument(format!(
+                "{name:?}: a memory object's name is one path component"
+            )));
+        }
+        let len = buf.len;
+        let access = match rights {
+            MemRights::ReadOnly => Access::REMOTE_READ,
+            MemRights::ReadWrite => {
+                Access::REMOTE_READ | Access::REMOTE_WRITE | Access::LOCAL_WRITE
+            }
+        };
+        let engine = self.0.channel(0).clone();
+        // SAFETY: `buf.mem` is a live allocation of at least `len` bytes
+        // (page-rounded); `Published` owns `buf` until after the Mr is
+        // dropped (`withdraw` drops the Mr first, and `unpublish` hands
+        // `buf` back only then), so the range stays allocated while the key
+        // is valid. The registration covers exactly [ptr, ptr+len), the
+        // published range. No Rust reference to those bytes exists while it
+        // lives: `buf` is moved in here (its Deref is unreachable until it
+        // is given back), and `Published` reads and writes them only
+        // through the Mr's copying accessors.
+        let mr = unsafe { engine.pd().register_raw(buf.mem.as_ptr(), len, access)? };
+        let key = self
+            .0
+            .channel_keys
+            .first()
+            .copied()
+            .ok_or_else(|| Error::Side("no RDMA channel".into()))?;
+        let bits = match rights {
+            MemRights::ReadOnly => MEM_READ,
+            MemRights::ReadWrite => MEM_READ | MEM_WRITE,
+        };
+        let rel = self.0.side(|s| {
+            s.publish(
+                &export,
+                &name,
+                len as u64,
+                mr.addr(),
+                mr.rkey(),
+                bits,
+                key.to_bytes(),
+            )
+        })?;
+        Ok(Published {
+            client: self.clone(),
+            path: format!("{export}/{rel}"),
+            export,
+            name,
+            mr: Some(mr),
+            buf: Some(buf),
+            rights,
+        })
+    }
+}
+
+impl Published {
+    /// The object's path: `EXPORT/.lwio-mem/NAME` (open it with
+    /// [`Client::open`], or `lwio://HOST/EXPORT/.lwio-mem/NAME`).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The object's size.
+    pub fn len(&self) -> usize {
+        self.mr.as_ref().map_or(0, |m| m.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn rights(&self) -> MemRights {
+        self.rights
+    }
+
+    fn mr(&self) -> Result<&Mr> {
+        self.mr
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("memory object withdrawn".into()))
+    }
+
+    /// Copy `dst.len()` bytes at `offset` of the object out (a snapshot:
+    /// a remote writer may change them meanwhile).
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        Ok(self.mr()?.read_at(offset, dst)?)
+    }
+
+    /// Copy `src` into the object at `offset`.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        Ok(self.mr()?.write_at(offset, src)?)
+    }
+
+    /// The whole object, copied out.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.len()];
+        self.read_at(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Withdraw the object and take the buffer back: the path is gone and
+    /// no key reaches the memory any more.
+    pub fn unpublish(mut self) -> Result<RegisteredBuf> {
+        let r = self.withdraw();
+        let buf = self
+            .buf
+            .take()
+            .ok_or_else(|| Error::InvalidArgument("memory object withdrawn".into()))?;
+        r.map(|_| buf)
+    }
+
+    /// Unpublish on the server, then deregister (invalidating the key) even
+    /// when the server cannot be told (it withdraws the object itself when
+    /// this client's session or channel ends).
+    fn withdraw(&mut self) -> Result<()> {
+        let Some(mr) = self.mr.take() else {
+            return Ok(());
+        };
+        let r = self
+            .client
+            .0
+            .side(|s| s.unpublish(&self.export, &self.name));
+        drop(mr);
+        match r {
+            Ok(()) => Ok(()),
+            // Gone already (the server withdrew it): nothing to undo.
+            Err(Error::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for Published {
+    fn drop(&mut self) {
+        let _ = self.withdraw();
+    }
+}
