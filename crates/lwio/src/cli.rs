@@ -111,6 +111,17 @@ Examples:
   lwio cp lwio://storage1/data/remote.bin ./copy.bin
   lwio cp -r ./dir lwio://storage1/data/dir")]
     Cp(CpArgs),
+    /// Publish memory as a file other hosts read and write by path, over
+    /// RDMA, until Ctrl-C or SIGTERM (docs/memory-objects.md).
+    #[command(after_help = "\
+Examples:
+  lwio publish lwio://storage1/data weights --file ./weights.bin --read-only
+  lwio publish lwio://storage1/data scratch --size 1GiB --out ./scratch.bin
+
+Prints the object's URL (lwio://HOST:PORT/EXPORT/.lwio-mem/NAME) on the first
+line of standard output, then serves: others `lwio cat`, `lwio cp` or mount it.
+On Ctrl-C or SIGTERM it unpublishes, and with --out writes the final contents.")]
+    Publish(PublishArgs),
     /// Mount an export (or a directory in it) as a file system (FUSE): any
     /// program reads and writes it, file data over RDMA.
     #[command(after_help = "\
@@ -342,6 +353,35 @@ pub struct CatArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct PublishArgs {
+    /// lwio://HOST[:PORT]/EXPORT
+    #[arg(value_parser = LwioUrl::parse)]
+    pub url: LwioUrl,
+    /// The object's name: it appears as EXPORT/.lwio-mem/NAME.
+    pub name: String,
+    /// Load the object's bytes from this file (its size is the object's).
+    #[arg(
+        long,
+        value_name = "PATH",
+        required_unless_present = "size",
+        conflicts_with = "size"
+    )]
+    pub file: Option<PathBuf>,
+    /// An object of this many zero bytes.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub size: Option<u64>,
+    /// Others may only read it (default: read and write, within their
+    /// rights on the export).
+    #[arg(long)]
+    pub read_only: bool,
+    /// After unpublishing, write the final contents here.
+    #[arg(long, value_name = "PATH")]
+    pub out: Option<PathBuf>,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
 pub struct MountArgs {
     /// lwio://HOST[:PORT]/EXPORT[/SUBDIR]
     #[arg(value_parser = LwioUrl::parse)]
@@ -508,6 +548,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Cat(a) => crate::cmd::cat::run(a),
         Command::Mount(a) => crate::cmd::mount::run(a),
         Command::Cp(a) => crate::cmd::cp::run(a),
+        Command::Publish(a) => crate::cmd::publish::run(a),
         Command::Bench(a) => crate::cmd::bench::run(a),
         Command::Devices => devices(),
         Command::RdmaBench(a) => crate::cmd::rdma_bench::run(a),

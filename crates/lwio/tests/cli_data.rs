@@ -800,4 +800,160 @@ fn metrics_count_what_clients_did() {
         text.contains("lwio_request_latency_seconds_bucket{le=\"+Inf\",op=\"read\"}")
             || text.contains("lwio_request_latency_seconds_bucket{op=\"read\",le=\"+Inf\"}")
     );
+
+/// `lwio publish` as a process: its first stdout line is the object's URL.
+fn publish(s: &Served, args: &[&str]) -> (Child, String) {
+    use std::io::BufRead;
+    let mut child = Command::cargo_bin("lwio")
+        .unwrap()
+        .arg("publish")
+        .args(args)
+        .arg("--token-file")
+        .arg(&s.token)
+        .env("LWIO_FINGERPRINT", &s.fingerprint)
+        .env("LWIO_KNOWN_HOSTS", fresh_known_hosts())
+        .env_remove("LWIO_TOKEN")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    (child, line.trim().to_string())
+}
+
+/// SIGTERM, then the exit status (within 30 s).
+fn stop(mut c: Child) -> std::process::ExitStatus {
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            return st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "publish did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn publish_serves_memory_to_cat_and_cp() {
+    let s = serve();
+    let local = tempfile::tempdir().unwrap();
+    let src = local.path().join("weights.bin");
+    let mut want = write_pattern(&src, 64 << 20, 7);
+    let out = local.path().join("final.bin");
+    let (p, url) = publish(
+        &s,
+        &[
+            &s.url("data"),
+            "weights",
+            "--file",
+            src.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(url, s.url("data/.lwio-mem/weights"));
+    // stat and ls see it at its size.
+    s.cmd(&["stat", &url])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(format!("Size: {}", 64 << 20)));
+    s.cmd(&["ls", "-l", &s.url("data/.lwio-mem")])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("weights"));
+    // cat reads it byte for byte.
+    s.cmd(&["cat", &url])
+        .assert()
+        .success()
+        .stdout(predicate::function(|o: &[u8]| o == want.as_slice()));
+    // cp writes into it in place (from offset 0), and reads it out.
+    let patch = local.path().join("patch.bin");
+    let pv = write_pattern(&patch, (3 << 20) + 5, 9);
+    s.cmd(&["cp", patch.to_str().unwrap(), &url])
+        .assert()
+        .success();
+    want[..pv.len()].copy_from_slice(&pv);
+    let back = local.path().join("back.bin");
+    s.cmd(&["cp", &url, back.to_str().unwrap()])
+        .assert()
+        .success();
+    assert!(std::fs::read(&back).unwrap() == want);
+    // Remote → memory object on the same server goes through the client
+    // (the server copies files only).
+    std::fs::write(s.data.join("small"), b"0123456789").unwrap();
+    s.cmd(&["cp", &s.url("data/small"), &url])
+        .assert()
+        .success();
+    want[..10].copy_from_slice(b"0123456789");
+    let back2 = local.path().join("back2.bin");
+    s.cmd(&["cp", &url, back2.to_str().unwrap()])
+        .assert()
+        .success();
+    assert!(std::fs::read(&back2).unwrap() == want);
+    // A file larger than the object: a clear error at the first byte past
+    // the end (cp writes in order: everything before it is in).
+    let big = local.path().join("big.bin");
+    let bv = write_pattern(&big, (64 << 20) + 1, 1);
+    s.cmd(&["cp", big.to_str().unwrap(), &url])
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains(
+            "past the end of the memory object (its size is fixed)",
+        )));
+    want.copy_from_slice(&bv[..64 << 20]);
+    // Ctrl-C/SIGTERM: unpublished, the final contents written out.
+    assert!(stop(p).success());
+    assert!(std::fs::read(&out).unwrap() == want);
+    s.cmd(&["stat", &url])
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains("no such memory object")));
+    assert!(no_part_files(&s.data));
+}
+
+#[test]
+fn publish_read_only_refuses_cp_and_keeps_memory() {
+    let s = serve();
+    let local = tempfile::tempdir().unwrap();
+    let out = local.path().join("final.bin");
+    let (p, url) = publish(
+        &s,
+        &[
+            &s.url("data"),
+            "zeros",
+            "--size",
+            "1MiB",
+            "--read-only",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    s.cmd(&["cat", &url])
+        .assert()
+        .success()
+        .stdout(predicate::function(|o: &[u8]| {
+            o == vec![0u8; 1 << 20].as_slice()
+        }));
+    let patch = local.path().join("patch.bin");
+    write_pattern(&patch, 4096, 9);
+    s.cmd(&["cp", patch.to_str().unwrap(), &url])
+        .assert()
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains("read-only")));
+    assert!(stop(p).success());
+    assert!(std::fs::read(&out).unwrap() == vec![0u8; 1 << 20]);
+    // Publishing needs an export name and a size or a file.
+    s.cmd(&["publish", &s.url(""), "x", "--size", "1"])
+        .assert()
+        .failure()
+        .stderr(one_line_error());
 }

@@ -7,8 +7,8 @@
 pub mod config;
 pub mod fs;
 pub mod io_phase;
-pub mod metrics;
 pub mod memobj;
+pub mod metrics;
 pub mod server;
 pub mod side;
 

@@ -457,6 +457,11 @@ impl MemObjects {
         v
     }
 
+    /// Whether `session` has published objects.
+    pub fn publishes(&self, session: SessionId) -> bool {
+        self.lock().objs.values().any(|o| o.session == session)
+    }
+
     /// Number of published objects.
     pub fn len(&self) -> usize {
         self.lock().objs.len()

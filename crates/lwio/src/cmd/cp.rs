@@ -370,6 +370,20 @@ enum Sink<'a> {
         export: String,
         temp: String,
     },
+    /// A memory object (docs/memory-objects.md): written in place (it
+    /// cannot be created, renamed over or resized).
+    Memory {
+        file: Option<lwio_client::File>,
+        url: &'a LwioUrl,
+    },
+}
+
+/// Whether a path of an export names a memory object
+/// (`.lwio-mem/NAME`).
+fn is_memory_object(path: &str) -> bool {
+    path.split('/')
+        .find(|c| !c.is_empty() && *c != ".")
+        .is_some_and(|c| c == ".lwio-mem")
 }
 
 impl Sink<'_> {
@@ -378,7 +392,7 @@ impl Sink<'_> {
             Sink::Local { file, temp, .. } => file
                 .write_all_at(buf, off)
                 .map_err(|e| anyhow::anyhow!("{}: {}", temp.display(), io_msg(&e))),
-            Sink::Remote { file, url, .. } => {
+            Sink::Remote { file, url, .. } | Sink::Memory { file, url } => {
                 let f = file.as_ref().expect("open until finished");
                 f.write_at(buf, off).map(|_| ()).map_err(|e| ctx(url, e))
             }
@@ -418,6 +432,10 @@ impl Sink<'_> {
                     .side(|s| s.rename(export, temp, &url.path, true))
                     .map_err(|e| ctx(&**url, e))
             }
+            Sink::Memory { file, url } => match file.take() {
+                Some(f) => f.close().map_err(|e| ctx(&**url, e)),
+                None => Ok(()),
+            },
         }
     }
 
@@ -439,6 +457,10 @@ impl Sink<'_> {
                     .side(|s| s.remove(export, temp))
                     .err()
                     .map(|_| format!("the partial copy {export}/{temp} stays on the server"))
+            }
+            Sink::Memory { file, url } => {
+                drop(file.take());
+                Some(format!("{url} may be partly written"))
             }
         }
     }
@@ -469,7 +491,10 @@ fn copy_file(
             src_remote = c
                 .open(&format!("{export}/{}", u.path), &OpenOptions::read_only())
                 .map_err(|e| ctx(u, e))?;
-            src_handle = Some((u.authority(), src_remote.handle()));
+            // The server copies files, not memory objects.
+            if !is_memory_object(&u.path) {
+                src_handle = Some((u.authority(), src_remote.handle()));
+            }
             Box::new(RemoteReader {
                 file: &src_remote,
                 name: u.to_string(),
@@ -499,6 +524,17 @@ fn copy_file(
                 file,
                 temp,
                 final_path: p,
+            }
+        }
+        Loc::Remote(u) if is_memory_object(&u.path) => {
+            let client = clients.get(u)?;
+            let export = u.require_export()?;
+            let file = client
+                .open(&format!("{export}/{}", u.path), &OpenOptions::read_write())
+                .map_err(|e| ctx(u, e))?;
+            Sink::Memory {
+                file: Some(file),
+                url: u,
             }
         }
         Loc::Remote(u) => {

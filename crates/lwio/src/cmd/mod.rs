@@ -10,6 +10,7 @@ pub mod bench;
 pub mod cat;
 pub mod cp;
 pub mod mount;
+pub mod publish;
 pub mod rdma_bench;
 pub mod serve;
 pub mod stats;
@@ -70,6 +71,14 @@ pub fn describe(e: &lwio_client::Error) -> String {
         E::ConnectionLost(m) => format!("the server went away: {m}"),
         // The server's own reason for refusing ("server busy: …").
         E::Busy(m) => m.clone(),
+        E::Status { what, status }
+            if *status == STATUS_DISK_FULL && what.contains(".lwio-mem/") =>
+        {
+            format!("{what}: past the end of the memory object (its size is fixed)")
+        }
+        E::Status { what, status } if *status == lwio_proto::status::STATUS_FILE_DELETED => {
+            format!("{what}: the memory object was withdrawn by its publisher")
+        }
         E::Status { what, status } if *status == STATUS_DISK_FULL => {
             format!("{what}: no space left on the server's disk (STATUS_DISK_FULL)")
         }

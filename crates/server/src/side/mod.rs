@@ -266,6 +266,13 @@ async fn serve_session<S>(
         };
         let body = match frame {
             Err(_) => {
+                // A publisher may be quiet for as long as it publishes
+                // (docs/memory-objects.md): its session has no idle timeout.
+                if let Phase::Ready { session, .. } = &phase {
+                    if state.mem_objects.publishes(*session) {
+                        continue;
+                    }
+                }
                 let what = if matches!(phase, Phase::Ready { .. }) {
                     "idle timeout"
                 } else {
