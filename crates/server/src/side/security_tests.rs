@@ -617,3 +617,113 @@ async fn connection_flood_does_not_starve_good_clients() {
     c.bye().await.unwrap();
     s.stop().await;
 }
+
+/// Memory objects (docs/memory-objects.md) follow the export's access list:
+/// publishing needs write access, stat/list/open read (and write to open
+/// for writing); a user with no rights gets PermissionDenied everywhere.
+#[tokio::test]
+async fn memory_objects_follow_the_access_list() {
+    let (_d, id) = self_signed();
+    let mut sec = security(Some(id.clone()), false);
+    sec.acls.insert(
+        "data".to_string(),
+        Acl::from_lists(Some(&["alice".into()]), Some(&["alice".into()])),
+    );
+    let s = start(Limits::default(), false, sec).await;
+    let mut alice = AsyncClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
+        .await
+        .unwrap();
+    let mut bob = AsyncClient::connect(&s.addr, &opts(pw("bob", "bob-pw"), pin(&id)))
+        .await
+        .unwrap();
+    // Stand in for alice's RDMA channel (the registry's view of it).
+    let (tx, _rx) = std::sync::mpsc::channel();
+    let key = lwio_proto::wire::Guid::from_bytes(&[4; 16]).unwrap();
+    s.state.mem_objects.attach(
+        key,
+        alice.session().id,
+        crate::memobj::MemLink {
+            tx,
+            waker: Arc::new(crate::io_phase::Waker::new().unwrap()),
+        },
+    );
+    let publish = |name: &str, rights: u8| Request::Publish {
+        export: "data".into(),
+        name: name.into(),
+        size: 4096,
+        addr: 0x10000,
+        rkey: 5,
+        rights,
+        channel_key: key.to_bytes(),
+    };
+    // bob may not publish (no write), nor through alice's channel.
+    let e = bob.call(publish("b", codec::MEM_READ)).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::PermissionDenied, "{e}");
+    // alice publishes read-write.
+    match alice.call(publish("m", 3)).await.unwrap() {
+        Response::Published { path } => assert_eq!(path, ".lwio-mem/m"),
+        r => panic!("{r:?}"),
+    }
+    // Twice: Exists. Bad names: refused, never a panic.
+    assert_eq!(
+        alice.call(publish("m", 1)).await.unwrap_err().code,
+        ErrorCode::Exists
+    );
+    for bad in ["", "a/b", "..", &"n".repeat(200)] {
+        assert!(alice.call(publish(bad, 1)).await.is_err(), "{bad:?}");
+    }
+    // bob has no rights on data: nothing about the object is his.
+    let denied = |e: lwio_side::Error| assert_eq!(e.code, ErrorCode::PermissionDenied, "{e}");
+    denied(bob.stat("data", ".lwio-mem/m").await.unwrap_err());
+    denied(bob.list_dir("data", ".lwio-mem").await.unwrap_err());
+    denied(bob.open("data", ".lwio-mem/m", &RO, 0).await.unwrap_err());
+    denied(bob.open("data", ".lwio-mem/m", &RW, 0).await.unwrap_err());
+    denied(
+        bob.call(Request::Unpublish {
+            export: "data".into(),
+            name: "m".into(),
+        })
+        .await
+        .unwrap_err(),
+    );
+    // alice sees and opens it; the open file carries the object.
+    assert_eq!(alice.stat("data", ".lwio-mem/m").await.unwrap().size, 4096);
+    let f = alice.open("data", ".lwio-mem/m", &RW, 0).await.unwrap();
+    let of = s
+        .state
+        .lookup_resume_key(&f.resume_key.key, alice.session().id)
+        .unwrap();
+    assert!(of.mem.is_some() && of.rights.write);
+    // The stand-in file cannot be resized or copied from.
+    assert!(alice.set_size(f.handle, 0).await.is_err());
+    // Unpublish; then the path is gone.
+    alice
+        .call(Request::Unpublish {
+            export: "data".into(),
+            name: "m".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        alice.stat("data", ".lwio-mem/m").await.unwrap_err().code,
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        alice
+            .open("data", ".lwio-mem/m", &RO, 0)
+            .await
+            .unwrap_err()
+            .code,
+        ErrorCode::NotFound
+    );
+    // The session's end withdraws what it published.
+    alice.call(publish("n", 1)).await.unwrap();
+    assert_eq!(s.state.mem_objects.len(), 1);
+    drop(alice);
+    let t0 = Instant::now();
+    while !s.state.mem_objects.is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    s.stop().await;
+}
