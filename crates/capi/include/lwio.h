@@ -21,6 +21,11 @@
 #define LWIO_OP_WRITE 1
 
 /**
+ * `lwio_publish` flag: other clients may only read the object.
+ */
+#define LWIO_MEM_READ_ONLY 1
+
+/**
  * A connected client (opaque; `lwio_client` in C).
  */
 struct lwio_client;
@@ -221,6 +226,31 @@ void *lwio_buf_alloc(const struct lwio_client *c, size_t len);
  * Free a buffer of `lwio_buf_alloc` (-EINVAL for any other pointer).
  */
 int lwio_buf_free(void *p);
+
+/**
+ * Publish a whole buffer of `lwio_buf_alloc` as memory object `name`
+ * (`NAME` when the URL named the export, else `EXPORT/NAME`): other
+ * clients open `EXPORT/.lwio-mem/NAME` and read it, and write it unless
+ * `flags` has `LWIO_MEM_READ_ONLY`, while the server moves the bytes with
+ * RDMA (docs/memory-objects.md). The object's path is written to `path`
+ * (`path_len` bytes with the NUL; may be NULL). Returns an object id
+ * (≥ 1) or -errno. Until `lwio_unpublish`, the buffer may change at any
+ * time under the program (remote writers), and `lwio_buf_free` of it
+ * fails with -EBUSY. `lwio_disconnect` unpublishes the client's objects.
+ */
+int64_t lwio_publish(const struct lwio_client *c,
+                     const char *name,
+                     void *buf,
+                     unsigned int flags,
+                     char *path,
+                     size_t path_len);
+
+/**
+ * Withdraw an object of `lwio_publish`: its path is gone and no other
+ * client reaches the buffer any more (it is the program's again, for
+ * `lwio_buf_free` too). 0 or -errno.
+ */
+int lwio_unpublish(int64_t id);
 
 /**
  * Submit `n` operations (io_uring's SQEs): the number submitted, or

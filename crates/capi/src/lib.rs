@@ -14,7 +14,7 @@
 #![allow(clippy::missing_safety_doc, non_camel_case_types)]
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -139,6 +139,17 @@ struct Tables {
     /// `lwio_buf_alloc` buffers by start address (ordered: `lwio_pread`
     /// finds the one holding an address).
     bufs: BTreeMap<usize, RegisteredBuf>,
+    /// Published buffers (`lwio_publish`) by object id.
+    pubs: HashMap<i64, Publication>,
+    next_pub: i64,
+}
+
+/// A buffer of `lwio_buf_alloc` while published: the `Published` owns it
+/// until `lwio_unpublish` puts it back in `bufs`.
+struct Publication {
+    client_id: u64,
+    addr: usize,
+    published: lwio_client::Published,
 }
 
 fn tables() -> MutexGuard<'static, Tables> {
@@ -361,6 +372,7 @@ pub unsafe extern "C" fn lwio_connect(
 #[no_mangle]
 pub unsafe extern "C" fn lwio_disconnect(c: *mut LwioClient) -> c_int {
     guard(-libc::EIO, || {
+        let mut unpublished = Vec::new();
         let files: Vec<Arc<OpenFile>> = {
             let mut t = tables();
             if c.is_null() || !t.clients.remove(&(c as usize)) {
@@ -369,6 +381,18 @@ pub unsafe extern "C" fn lwio_disconnect(c: *mut LwioClient) -> c_int {
             // SAFETY: it was live (just removed from the set, so no other
             // call will take it from now on).
             let id = unsafe { (*c).id };
+            // Its publications go first (each holds the client).
+            let ids: Vec<i64> = t
+                .pubs
+                .iter()
+                .filter(|(_, p)| p.client_id == id)
+                .map(|(k, _)| *k)
+                .collect();
+            for k in ids {
+                if let Some(p) = t.pubs.remove(&k) {
+                    unpublished.push(p);
+                }
+            }
             t.files
                 .iter_mut()
                 .filter(|f| f.as_ref().is_some_and(|f| f.client_id == id))
@@ -376,6 +400,13 @@ pub unsafe extern "C" fn lwio_disconnect(c: *mut LwioClient) -> c_int {
                 .collect()
         };
         drop(files);
+        // Unpublish outside the table lock (a side-channel round trip); the
+        // buffers go back to the table, still the program's to free.
+        for p in unpublished {
+            if let Ok(b) = p.published.unpublish() {
+                tables().bufs.insert(p.addr, b);
+            }
+        }
         // SAFETY: from Box::into_raw in lwio_connect, freed once (the set
         // membership above was the token).
         let c = unsafe { Box::from_raw(c) };
@@ -744,12 +775,118 @@ pub unsafe extern "C" fn lwio_buf_alloc(c: *const LwioClient, len: usize) -> *mu
 /// Free a buffer of `lwio_buf_alloc` (-EINVAL for any other pointer).
 #[no_mangle]
 pub unsafe extern "C" fn lwio_buf_free(p: *mut c_void) -> c_int {
-    guard(-libc::EIO, || match tables().bufs.remove(&(p as usize)) {
-        Some(b) => {
-            drop(b);
-            0
+    guard(-libc::EIO, || {
+        // One lock at a time: the table's mutex is not reentrant.
+        let (b, published) = {
+            let mut t = tables();
+            let b = t.bufs.remove(&(p as usize));
+            let published = t.pubs.values().any(|x| x.addr == p as usize);
+            (b, published)
+        };
+        match b {
+            Some(b) => {
+                drop(b);
+                0
+            }
+            None if published => fail(
+                libc::EBUSY,
+                "the buffer is published: lwio_unpublish it first",
+            ),
+            None => fail(libc::EINVAL, "not a buffer of lwio_buf_alloc"),
         }
-        None => fail(libc::EINVAL, "not a buffer of lwio_buf_alloc"),
+    })
+}
+
+// ---------------------------------------------------------------- memory objects
+
+/// `lwio_publish` flag: other clients may only read the object.
+pub const LWIO_MEM_READ_ONLY: c_uint = 1;
+
+/// Publish a whole buffer of `lwio_buf_alloc` as memory object `name`
+/// (`NAME` when the URL named the export, else `EXPORT/NAME`): other
+/// clients open `EXPORT/.lwio-mem/NAME` and read it, and write it unless
+/// `flags` has `LWIO_MEM_READ_ONLY`, while the server moves the bytes with
+/// RDMA (docs/memory-objects.md). The object's path is written to `path`
+/// (`path_len` bytes with the NUL; may be NULL). Returns an object id
+/// (≥ 1) or -errno. Until `lwio_unpublish`, the buffer may change at any
+/// time under the program (remote writers), and `lwio_buf_free` of it
+/// fails with -EBUSY. `lwio_disconnect` unpublishes the client's objects.
+#[no_mangle]
+pub unsafe extern "C" fn lwio_publish(
+    c: *const LwioClient,
+    name: *const c_char,
+    buf: *mut c_void,
+    flags: c_uint,
+    path: *mut c_char,
+    path_len: usize,
+) -> i64 {
+    guard(-i64::from(libc::EIO), || {
+        let r = (|| -> Result<i64, c_int> {
+            let c = client_ref(c)?;
+            // SAFETY: the caller's NUL-terminated string, per the API
+            // contract.
+            let name = unsafe { opt_str(name, "name") }?
+                .ok_or_else(|| fail(libc::EINVAL, "name is NULL"))?;
+            if flags & !LWIO_MEM_READ_ONLY != 0 {
+                return Err(fail(libc::EINVAL, format!("unknown flags {flags:#x}")));
+            }
+            let rights = if flags & LWIO_MEM_READ_ONLY != 0 {
+                lwio_client::MemRights::ReadOnly
+            } else {
+                lwio_client::MemRights::ReadWrite
+            };
+            let b = tables()
+                .bufs
+                .remove(&(buf as usize))
+                .ok_or_else(|| fail(libc::EINVAL, "not a buffer of lwio_buf_alloc"))?;
+            let published = match c.client.publish(name, b, rights) {
+                Ok(p) => p,
+                Err(e) => return Err(fail_client(&e)),
+            };
+            let full = published.path().to_string();
+            if !path.is_null() && path_len > 0 {
+                let n = full.len().min(path_len - 1);
+                // SAFETY: the caller gives `path_len` writable bytes at
+                // `path`; n + 1 <= path_len.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(full.as_ptr(), path.cast::<u8>(), n);
+                    *path.add(n) = 0;
+                }
+            }
+            let mut t = tables();
+            t.next_pub += 1;
+            let id = t.next_pub;
+            t.pubs.insert(
+                id,
+                Publication {
+                    client_id: c.id,
+                    addr: buf as usize,
+                    published,
+                },
+            );
+            Ok(id)
+        })();
+        r.unwrap_or_else(i64::from)
+    })
+}
+
+/// Withdraw an object of `lwio_publish`: its path is gone and no other
+/// client reaches the buffer any more (it is the program's again, for
+/// `lwio_buf_free` too). 0 or -errno.
+#[no_mangle]
+pub extern "C" fn lwio_unpublish(id: i64) -> c_int {
+    guard(-libc::EIO, || {
+        let Some(p) = tables().pubs.remove(&id) else {
+            return fail(libc::EINVAL, format!("no memory object {id}"));
+        };
+        let addr = p.addr;
+        match p.published.unpublish() {
+            Ok(b) => {
+                tables().bufs.insert(addr, b);
+                0
+            }
+            Err(e) => fail_client(&e),
+        }
     })
 }
 

@@ -61,12 +61,25 @@ fn bad_calls_fail_with_their_errno_and_a_message() {
         assert!(msg().contains("url is NULL"));
         assert_eq!(lwio_disconnect(std::ptr::null_mut()), -libc::EBADF);
         assert_eq!(lwio_buf_free(b.as_mut_ptr().cast()), -libc::EINVAL);
+        assert_eq!(
+            lwio_publish(
+                std::ptr::null(),
+                c"m".as_ptr(),
+                b.as_mut_ptr().cast(),
+                0,
+                std::ptr::null_mut(),
+                0
+            ),
+            -i64::from(libc::EBADF)
+        );
         assert_eq!(lwio_fstat(3, std::ptr::null_mut()), -libc::EBADF);
         assert_eq!(
             lwio_submit(std::ptr::null(), std::ptr::null(), 1),
             -libc::EBADF
         );
     }
+    assert_eq!(lwio_unpublish(99), -libc::EINVAL);
+    assert!(msg().contains("no memory object 99"), "{}", msg());
     assert_eq!(lwio_fsync(0, 0), -libc::EBADF);
     assert_eq!(lwio_ftruncate(0, 0), -libc::EBADF);
 }

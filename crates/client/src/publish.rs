@@ -163,15 +163,22 @@ impl Published {
         Ok(v)
     }
 
-    /// Withdraw the object and take the buffer back: the path is gone and
-    /// no key reaches the memory any more.
+    /// Withdraw the object and take the buffer back: no key reaches the
+    /// memory any more (the registration is gone), and the path is gone
+    /// (the server withdraws it by itself when it could not be told: the
+    /// session or channel ended). The buffer comes back even then; only a
+    /// refusal by the server that leaves the object listed is an error, and
+    /// the key is dead even so.
     pub fn unpublish(mut self) -> Result<RegisteredBuf> {
         let r = self.withdraw();
         let buf = self
             .buf
             .take()
             .ok_or_else(|| Error::InvalidArgument("memory object withdrawn".into()))?;
-        r.map(|_| buf)
+        if let Err(e) = r {
+            tracing::warn!(path = %self.path, error = %e, "unpublish: the server was not told; the key is invalidated");
+        }
+        Ok(buf)
     }
 
     /// Unpublish on the server, then deregister (invalidating the key) even
