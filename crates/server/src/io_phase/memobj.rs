@@ -72,11 +72,18 @@ pub fn submit(
     None
 }
 
+/// How long an RDMA operation on a publisher's memory may stay
+/// unanswered before the server gives up on the publisher and closes its
+/// connection (answering every job STATUS_FILE_DELETED): a publisher that
+/// never answers an RDMA Read must not hold its readers' requests forever.
+pub const PUBLISHER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A job the publisher's connection has posted.
 struct Posted {
     job: MemJob,
     bounce: Mr,
     len: usize,
+    at: std::time::Instant,
 }
 
 /// The publisher's half, kept by every connection (any authenticated
@@ -185,7 +192,15 @@ impl PubSide {
             let id = self.next;
             self.next = (self.next + 1) & !lwio_proto::wrid::MASK;
             wrs.push((WRID_MEMOBJ | id, op, Some(bounce.sge(0, len as u32))));
-            self.posted.insert(id, Posted { job, bounce, len });
+            self.posted.insert(
+                id,
+                Posted {
+                    job,
+                    bounce,
+                    len,
+                    at: std::time::Instant::now(),
+                },
+            );
             room -= 1;
             n += 1;
         }
@@ -195,7 +210,9 @@ impl PubSide {
     /// The work request `id` completed (`ok` = successfully). Returns its
     /// bounce buffer for deregistration.
     pub fn complete(&mut self, id: u64, ok: bool) -> Option<Mr> {
-        let Posted { job, bounce, len } = self.posted.remove(&id)?;
+        let Posted {
+            job, bounce, len, ..
+        } = self.posted.remove(&id)?;
         job.obj.end_io();
         if !ok {
             debug!(object = %job.obj.spec.name, "RDMA access to the publisher's memory failed");
@@ -227,6 +244,13 @@ impl PubSide {
     /// Bounce buffers to deregister (jobs that failed before posting).
     pub fn take_freed(&mut self) -> Vec<Mr> {
         std::mem::take(&mut self.freed)
+    }
+
+    /// Whether an operation has waited for the publisher past `limit`.
+    pub fn overdue(&self, now: std::time::Instant, limit: std::time::Duration) -> bool {
+        self.posted
+            .values()
+            .any(|p| now.saturating_duration_since(p.at) > limit)
     }
 
     /// Posted work requests (their completions are still due).

@@ -1609,6 +1609,16 @@ impl Conn {
         if self.dead || self.closing.is_some() {
             return;
         }
+        if self
+            .mem
+            .overdue(Instant::now(), super::memobj::PUBLISHER_DEADLINE)
+        {
+            self.close_conn(
+                "the publisher left an RDMA operation on its memory object unanswered \
+                 past the deadline",
+            );
+            return;
+        }
         let room = self.sq_depth.saturating_sub(self.sq_inflight);
         let (shared, pd) = (&self.shared, &self.pd);
         let n = self.mem.pump(room, &mut self.sq_pending, |len| {
