@@ -91,6 +91,8 @@ struct Posted {
 pub struct PubSide {
     tx: mpsc::Sender<MemJob>,
     rx: mpsc::Receiver<MemJob>,
+    /// The negotiate Key and session AUTH presented, until AUTH succeeds.
+    pending: Option<(Guid, SessionId)>,
     key: Option<Guid>,
     posted: HashMap<u64, Posted>,
     next: u64,
@@ -104,6 +106,7 @@ impl Default for PubSide {
         PubSide {
             tx,
             rx,
+            pending: None,
             key: None,
             posted: HashMap::new(),
             next: 0,
@@ -113,15 +116,17 @@ impl Default for PubSide {
 }
 
 impl PubSide {
-    /// The connection authenticated with negotiate Key `key` for `session`:
-    /// its session may publish memory reachable through it.
-    pub fn attach(
-        &mut self,
-        state: &ServerState,
-        key: Guid,
-        session: SessionId,
-        waker: Arc<Waker>,
-    ) {
+    /// AUTH presented negotiate Key `key` of `session` (not verified yet).
+    pub fn presented(&mut self, key: Guid, session: SessionId) {
+        self.pending = Some((key, session));
+    }
+
+    /// AUTH succeeded: the session may publish memory reachable through
+    /// this connection, which it names by the Key.
+    pub fn attach(&mut self, state: &ServerState, waker: Arc<Waker>) {
+        let Some((key, session)) = self.pending.take() else {
+            return;
+        };
         state.mem_objects.attach(
             key,
             session,

@@ -941,7 +941,6 @@ struct Hooks<'a> {
     inline_mode: &'a mut HashMap<(u64, bool), InlineMode>,
     /// Memory objects this connection may carry (docs/memory-objects.md).
     mem: &'a mut super::memobj::PubSide,
-    waker: &'a Arc<Waker>,
 }
 
 impl ServerHooks for Hooks<'_> {
@@ -985,8 +984,7 @@ impl ServerHooks for Hooks<'_> {
             return None;
         }
         *self.session = Some(n.session);
-        self.mem
-            .attach(self.state, *key, n.session, self.waker.clone());
+        self.mem.presented(*key, n.session);
         Some(derive_session_secret(&n.session_secret.0, key).to_vec())
     }
 
@@ -1529,11 +1527,11 @@ impl Conn {
                         peer: self.peer,
                         inline_mode: &mut self.inline_mode,
                         mem: &mut self.mem,
-                        waker: &self.waker,
                     };
                     self.sconn.handle_recv(Instant::now(), msg, &mut hooks);
                     if !was_auth && self.sconn.is_authenticated() {
                         self.shared.auth_ok.fetch_add(1, Ordering::Relaxed);
+                        self.mem.attach(&self.state, self.waker.clone());
                         info!(conn = self.id, peer = %self.peer, session = ?self.session, credits = self.sconn.credits(), "AUTH ok");
                     }
                 }
