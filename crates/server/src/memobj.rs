@@ -648,5 +648,20 @@ mod tests {
         assert_eq!(write_check(&o, u64::MAX, 1), Err(STATUS_DISK_FULL));
         let ro = m.publish(5, req("r", 1)).unwrap();
         assert_eq!(write_check(&ro, 0, 1), Err(STATUS_ACCESS_DENIED));
+        // Hostile ranges are refused before anything is registered.
+        for (size, addr) in [
+            (0, 0x1000),
+            (MAX_SIZE + 1, 0x1000),
+            (0x2000, u64::MAX - 0x1000),
+        ] {
+            let mut r = req("bad", 1);
+            r.size = size;
+            r.addr = addr;
+            assert_eq!(
+                m.publish(5, r).unwrap_err().code,
+                ErrorCode::InvalidArgument,
+                "size {size} addr {addr:#x}"
+            );
+        }
     }
 }
