@@ -156,6 +156,17 @@ impl Published {
         Ok(self.mr()?.write_at(offset, src)?)
     }
 
+    /// The write notification: wait until more than `seen` writes by
+    /// other clients into the object have completed (or `timeout`, at most
+    /// 60 s, passes) and return how many have. Start with 0 and pass the
+    /// last count back. Holds this client's side channel while it waits.
+    pub fn wait_writes(&self, seen: u64, timeout: std::time::Duration) -> Result<u64> {
+        let ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+        self.client
+            .0
+            .side(|s| s.wait_writes(&self.export, &self.name, seen, ms))
+    }
+
     /// The whole object, copied out.
     pub fn to_vec(&self) -> Result<Vec<u8>> {
         let mut v = vec![0u8; self.len()];

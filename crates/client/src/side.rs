@@ -1050,6 +1050,30 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         })
         .await
     }
+
+    /// Wait (at most `timeout_ms`, the server caps it at 60 s) until more
+    /// than `seen` writes into an object this session published have
+    /// completed; the count.
+    pub async fn wait_writes(
+        &mut self,
+        export: &str,
+        name: &str,
+        seen: u64,
+        timeout_ms: u32,
+    ) -> Result<u64> {
+        match self
+            .call(Request::WaitWrites {
+                export: export.into(),
+                name: name.into(),
+                seen,
+                timeout_ms,
+            })
+            .await?
+        {
+            Response::Writes(n) => Ok(n),
+            r => Err(unexpected(&r)),
+        }
+    }
 }
 
 impl Client {
@@ -1074,5 +1098,17 @@ impl Client {
     /// See [`AsyncClient::unpublish`].
     pub fn unpublish(&mut self, export: &str, name: &str) -> Result<()> {
         self.rt.block_on(self.inner.unpublish(export, name))
+    }
+
+    /// See [`AsyncClient::wait_writes`].
+    pub fn wait_writes(
+        &mut self,
+        export: &str,
+        name: &str,
+        seen: u64,
+        timeout_ms: u32,
+    ) -> Result<u64> {
+        self.rt
+            .block_on(self.inner.wait_writes(export, name, seen, timeout_ms))
     }
 }

@@ -108,6 +108,21 @@ fn publish_read_write(completion: Completion) {
         p.to_vec().unwrap() == expect,
         "publisher's memory after the write"
     );
+    // The publisher is told: one write (of 3 MiB: one or more requests).
+    let n = p.wait_writes(0, Duration::from_secs(10)).unwrap();
+    assert!(n >= 1, "writes seen: {n}");
+    // Nothing new: the wait ends by its timeout with the same count.
+    let t0 = std::time::Instant::now();
+    assert_eq!(p.wait_writes(n, Duration::from_millis(300)).unwrap(), n);
+    assert!(t0.elapsed() >= Duration::from_millis(250));
+    // A waiter is woken by the next write.
+    let waiter = std::thread::scope(|sc| {
+        let h = sc.spawn(|| p.wait_writes(n, Duration::from_secs(10)).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        w.write_at(&patch[..100], 1_000_001).unwrap();
+        h.join().unwrap()
+    });
+    assert!(waiter > n);
     // B reads the new bytes through the server.
     assert!(read_all(&f, LEN) == expect);
     // A write that would pass the end: DISK_FULL, and nothing written.

@@ -120,6 +120,10 @@ pub struct MemObj {
     gone: AtomicBool,
     /// RDMA operations on the publisher's key posted and not completed.
     inflight: AtomicUsize,
+    /// Writes into the object completed so far, and their waiters
+    /// (`WaitWrites`: the publisher's notification).
+    writes: std::sync::atomic::AtomicU64,
+    wrote: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for MemObj {
@@ -165,6 +169,38 @@ impl MemObj {
 
     fn withdraw(&self) {
         self.gone.store(true, Ordering::SeqCst);
+        self.wrote.notify_waiters();
+    }
+
+    /// A write into the object completed.
+    pub fn written(&self) {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        self.wrote.notify_waiters();
+    }
+
+    /// Writes completed so far.
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::SeqCst)
+    }
+
+    /// Wait until more than `seen` writes completed, the object is
+    /// withdrawn, or `timeout` passes; the count then.
+    pub async fn wait_writes(&self, seen: u64, timeout: std::time::Duration) -> u64 {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let woken = self.wrote.notified();
+            tokio::pin!(woken);
+            // Registered before the check: a write between the check and
+            // the wait still wakes it.
+            woken.as_mut().enable();
+            let n = self.writes();
+            if n > seen || self.is_gone() {
+                return n;
+            }
+            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                return self.writes();
+            }
+        }
     }
 
     /// Hand a job to the publisher's connection; a withdrawn object or a
@@ -402,6 +438,8 @@ impl MemObjects {
             link,
             gone: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
+            writes: std::sync::atomic::AtomicU64::new(0),
+            wrote: tokio::sync::Notify::new(),
         });
         debug!(export = %o.spec.export, name = %o.spec.name, size = o.spec.size, writable = o.spec.writable, session, "memory object published");
         g.objs.insert(k, o.clone());

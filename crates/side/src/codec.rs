@@ -317,6 +317,15 @@ pub enum Request {
         export: String,
         name: String,
     },
+    /// The publisher waits (at most `timeout_ms`, capped at 60 s) until
+    /// more than `seen` writes into its object have completed. Answered by
+    /// `Writes`.
+    WaitWrites {
+        export: String,
+        name: String,
+        seen: u64,
+        timeout_ms: u32,
+    },
 }
 
 /// Memory-object grants (`Publish::rights`).
@@ -411,6 +420,8 @@ pub enum Response {
     Published {
         path: String,
     },
+    /// The answer to `WaitWrites`: writes completed into the object so far.
+    Writes(u64),
 }
 
 /// Message type codes.
@@ -453,6 +464,7 @@ pub mod ty {
     pub const METRICS: u16 = 0x8030;
     pub const PUBLISH: u16 = 0x0023;
     pub const UNPUBLISH: u16 = 0x0024;
+    pub const WAIT_WRITES: u16 = 0x0025;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -472,6 +484,7 @@ pub mod ty {
     pub const LEASE_GRANTED: u16 = 0x801f;
     pub const LEASE_BREAK: u16 = 0x8021;
     pub const PUBLISHED: u16 = 0x8023;
+    pub const WRITES: u16 = 0x8025;
     pub const ERROR: u16 = 0x80ff;
 }
 
@@ -1034,6 +1047,18 @@ impl Request {
                 w.str(export);
                 w.str(name);
             }
+            Request::WaitWrites {
+                export,
+                name,
+                seen,
+                timeout_ms,
+            } => {
+                w = W::head(ty::WAIT_WRITES, id);
+                w.str(export);
+                w.str(name);
+                w.u64(*seen);
+                w.u32(*timeout_ms);
+            }
         }
         w.0
     }
@@ -1263,6 +1288,12 @@ impl Request {
                 export: r.str()?,
                 name: r.str()?,
             },
+            ty::WAIT_WRITES => Request::WaitWrites {
+                export: r.str()?,
+                name: r.str()?,
+                seen: r.u64()?,
+                timeout_ms: r.u32()?,
+            },
             _ => return Err(DecodeError("unknown request type")),
         };
         r.end()?;
@@ -1372,6 +1403,10 @@ impl Response {
             Response::Published { path } => {
                 w = W::head(ty::PUBLISHED, id);
                 w.str(path);
+            }
+            Response::Writes(n) => {
+                w = W::head(ty::WRITES, id);
+                w.u64(*n);
             }
             Response::LeaseBreak {
                 lease_id,
@@ -1539,6 +1574,7 @@ impl Response {
                 path: r.str()?,
             },
             ty::PUBLISHED => Response::Published { path: r.str()? },
+            ty::WRITES => Response::Writes(r.u64()?),
             _ => return Err(DecodeError("unknown response type")),
         };
         r.end()?;

@@ -240,7 +240,10 @@ impl PubSide {
                     }
                 }
             }
-            MemOp::Write { .. } => Ok(len as u32),
+            MemOp::Write { .. } => {
+                job.obj.written();
+                Ok(len as u32)
+            }
         };
         job.finish(r);
         Some(bounce)

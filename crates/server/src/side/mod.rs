@@ -864,6 +864,22 @@ async fn handle(
             mem::quiesce(&o).await;
             Ok(Response::Ok)
         }
+        Request::WaitWrites {
+            export,
+            name,
+            seen,
+            timeout_ms,
+        } => {
+            let o = state.mem_objects.get(&export, &name)?;
+            if o.session != session {
+                return Err(Error::new(
+                    ErrorCode::PermissionDenied,
+                    "only the publisher waits for writes into its object",
+                ));
+            }
+            let t = Duration::from_millis(u64::from(timeout_ms.min(60_000)));
+            Ok(Response::Writes(o.wait_writes(seen, t).await))
+        }
         Request::Publish { .. } => Err(Error::new(
             ErrorCode::BadRequest,
             "memory-object request not handled",

@@ -686,6 +686,30 @@ async fn memory_objects_follow_the_access_list() {
         .await
         .unwrap_err(),
     );
+    denied(
+        bob.call(Request::WaitWrites {
+            export: "data".into(),
+            name: "m".into(),
+            seen: 0,
+            timeout_ms: 10,
+        })
+        .await
+        .unwrap_err(),
+    );
+    // The publisher's own wait ends by its timeout: no writes yet.
+    match alice
+        .call(Request::WaitWrites {
+            export: "data".into(),
+            name: "m".into(),
+            seen: 0,
+            timeout_ms: 50,
+        })
+        .await
+        .unwrap()
+    {
+        Response::Writes(0) => {}
+        r => panic!("{r:?}"),
+    }
     // alice sees and opens it; the open file carries the object.
     assert_eq!(alice.stat("data", ".lwio-mem/m").await.unwrap().size, 4096);
     let f = alice.open("data", ".lwio-mem/m", &RW, 0).await.unwrap();

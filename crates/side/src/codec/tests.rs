@@ -183,6 +183,12 @@ fn all_requests() -> Vec<Request> {
             export: "e".into(),
             name: "w".into(),
         },
+        Request::WaitWrites {
+            export: "e".into(),
+            name: "w".into(),
+            seen: 3,
+            timeout_ms: 1000,
+        },
     ]
 }
 
@@ -263,6 +269,7 @@ fn all_responses() -> Vec<Response> {
         Response::Published {
             path: ".lwio-mem/w".into(),
         },
+        Response::Writes(7),
         Response::DirPageX {
             entries: vec![("l".into(), attrx())],
             next_cookie: 3,
