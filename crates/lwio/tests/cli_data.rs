@@ -800,6 +800,7 @@ fn metrics_count_what_clients_did() {
         text.contains("lwio_request_latency_seconds_bucket{le=\"+Inf\",op=\"read\"}")
             || text.contains("lwio_request_latency_seconds_bucket{op=\"read\",le=\"+Inf\"}")
     );
+}
 
 /// `lwio publish` as a process: its first stdout line is the object's URL.
 fn publish(s: &Served, args: &[&str]) -> (Child, String) {
