@@ -20,7 +20,13 @@ head -c 3000001 /dev/urandom > $EXP/src.bin
 FAILS=0
 fail() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
 # A client failure also shows what the server logged last (why it closed).
-fail_c() { fail "$*"; echo "--- serve stderr (last 12 lines):"; tail -n 12 $ERR; }
+# The client's own log (RUST_LOG=info for the bench) and the kernel's (siw and rxe
+# report transmit and protocol errors there) too.
+fail_c() {
+  fail "$*"; echo "--- serve stderr (last 12 lines):"; tail -n 12 $ERR
+  echo "--- client stderr (last 20 lines):"; tail -n 20 /tmp/xprov-c.err
+  echo "--- dmesg (last 15 lines):"; dmesg 2>/dev/null | tail -n 15
+}
 
 start_server() { # SIDE_ADDR serve-args...
   side=$1; shift
@@ -64,12 +70,12 @@ check_client() {
     fail_c "$name cp download: $(tail -n 3 /tmp/xprov-c.err)"
   fi
   for m in poll interrupt; do
-    if $L bench $C $url/bench.dat --rw randrw --bs 16k --qd 4 --size 4M --runtime 1s \
+    if RUST_LOG=info $L bench $C $url/bench.dat --rw randrw --bs 16k --qd 4 --size 4M --runtime 1s \
         --completion $m --json > /tmp/xprov-bench.json 2> /tmp/xprov-c.err \
         && grep -q '"iops"' /tmp/xprov-bench.json; then
       echo "PASS $name bench $m: $(tr ',' '\n' < /tmp/xprov-bench.json | grep -m1 '"iops"')"
     else
-      fail_c "$name bench $m: $(tail -n 3 /tmp/xprov-c.err)"
+      fail_c "$name bench $m: $(grep -v ' INFO ' /tmp/xprov-c.err | tail -n 3)"
     fi
   done
 }
