@@ -316,3 +316,300 @@ fn reads_racing_unpublish_end_cleanly() {
     assert_eq!(f.read_at(&mut v, 0).unwrap(), 16);
     drop(p);
 }
+
+/// Poll `cond` until it holds or `secs` pass (then fail with `what`).
+fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !cond() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The server never exposes its own memory, whatever the publishers do.
+fn assert_server_unexposed(s: &LocalServer) {
+    let st = s.rdma.stats();
+    assert_eq!(st.mrs_remote_access, 0, "server MR with a remote right");
+    assert_eq!(st.mws_allocated, 0, "server memory window");
+}
+
+#[test]
+fn publisher_gone_mid_read_frees_everything_on_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    // Nothing registered before any client connects.
+    assert_eq!(s.rdma.stats().registered_bytes, 0);
+    let b = client(&s, Completion::Interrupt);
+    const LEN: usize = 64 << 20;
+    assert_eq!(s.state.mem_objects.len(), 0);
+    assert_server_unexposed(&s);
+
+    let a = client(&s, Completion::Interrupt);
+    let want = pattern(19, LEN);
+    let mut buf = a.register_buffer(LEN).unwrap();
+    buf.copy_from_slice(&want);
+    let p = a.publish("big", buf, MemRights::ReadOnly).unwrap();
+    assert_eq!(s.state.mem_objects.len(), 1);
+    assert!(s.rdma.stats().registered_bytes > 0);
+    let f = b.open(".lwio-mem/big", &OpenOptions::read_only()).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut v = vec![0u8; LEN];
+        let mut whole = 0usize;
+        loop {
+            // One 64 MiB read (split by the library into pieces).
+            match f.read_at(&mut v, 0) {
+                Ok(n) => {
+                    assert_eq!(n, LEN);
+                    assert!(v == want, "wrong bytes in a whole read");
+                    whole += 1;
+                    let _ = tx.send(whole);
+                }
+                Err(e) => return (whole, e, f),
+            }
+        }
+    });
+    // Disconnect the publisher while a large read is in flight: after one
+    // whole read, the next one is under way.
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("a first 64 MiB read completes");
+    assert_server_unexposed(&s);
+    a.engine().shutdown();
+    let t0 = std::time::Instant::now();
+    let (whole, e, f) = reader.join().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(30), "reader hung");
+    assert!(whole >= 1);
+    // The documented outcome for I/O on a withdrawn object.
+    match &e {
+        Error::Status { status, .. } => assert_eq!(*status, STATUS_FILE_DELETED, "{e}"),
+        other => panic!("read after the publisher left: {other:?}"),
+    }
+    // Every later read says the same, never data.
+    let mut v = [0u8; 4096];
+    match f.read_at(&mut v, 0) {
+        Err(Error::Status { status, .. }) => assert_eq!(status, STATUS_FILE_DELETED),
+        other => panic!("read on the dead handle: {other:?}"),
+    }
+    // The withdrawal (on the publisher's connection thread) removes the
+    // object from the server's registry: then the path is gone.
+    wait_for(10, "the object withdrawn", || {
+        s.state.mem_objects.is_empty()
+    });
+    assert!(matches!(
+        b.side(|c| c.stat("ex", ".lwio-mem/big")),
+        Err(Error::NotFound(_))
+    ));
+    assert!(matches!(
+        b.open(".lwio-mem/big", &OpenOptions::read_only()),
+        Err(Error::NotFound(_))
+    ));
+    assert_eq!(s.state.mem_objects.len(), 0);
+    drop(f);
+    drop(p);
+    drop(a);
+    // The publisher's connection closes on its thread.
+    wait_for(20, "the publisher's RDMA connection closed", || {
+        s.rdma.stats().connections == 1
+    });
+    assert_eq!(s.state.mem_objects.len(), 0);
+    assert_server_unexposed(&s);
+    // The reader's connection still works.
+    std::fs::write(dir.path().join("after"), b"still here").unwrap();
+    let g = b.open("after", &OpenOptions::read_only()).unwrap();
+    assert_eq!(read_all(&g, 64), b"still here");
+    drop(g);
+    // When the reader leaves too, the server holds no registered memory at
+    // all: nothing of the publisher's connection (bounce buffers, jobs) was
+    // left behind. (While the reader is connected its own read buffers,
+    // grown by the large reads, stay with its connection.)
+    drop(b);
+    wait_for(20, "registered bytes back to 0", || {
+        let st = s.rdma.stats();
+        st.connections == 0 && st.registered_bytes == 0
+    });
+    assert_eq!(s.state.mem_objects.len(), 0);
+    assert_server_unexposed(&s);
+}
+
+/// Publish through the raw side channel, keeping the server's error code.
+fn raw_publish(c: &Client, name: &str) -> Result<String, lwio_side::ErrorCode> {
+    c.side(|s| Ok(s.publish("ex", name, 4096, 0x10000, 1, 1, [7; 16])))
+        .expect("side channel")
+        .map_err(|e| e.code)
+}
+
+#[test]
+fn forged_paths_and_bad_names_are_refused() {
+    use lwio_side::ErrorCode as C;
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    let a = client(&s, Completion::Interrupt);
+    // Nothing published: a guessed path does not exist.
+    assert!(matches!(
+        a.open(".lwio-mem/NOPE", &OpenOptions::read_only()),
+        Err(Error::NotFound(_))
+    ));
+    assert!(matches!(
+        a.side(|c| c.stat("ex", ".lwio-mem/NOPE")),
+        Err(Error::NotFound(_))
+    ));
+    // Out of the reserved directory by `..`: an ordinary (missing) file.
+    assert!(matches!(
+        a.open(".lwio-mem/../x", &OpenOptions::read_only()),
+        Err(Error::NotFound(_))
+    ));
+    // Names the server refuses at Publish, before anything else.
+    let long = "n".repeat(129);
+    for (name, code) in [
+        ("", C::NameTooLong),
+        (long.as_str(), C::NameTooLong),
+        (".", C::InvalidArgument),
+        ("..", C::InvalidArgument),
+        ("a/b", C::InvalidArgument),
+        ("../x", C::InvalidArgument),
+        ("a\0b", C::InvalidArgument),
+        ("a\nb", C::InvalidArgument),
+    ] {
+        assert_eq!(raw_publish(&a, name), Err(code), "{name:?}");
+    }
+    // A good name with a channel key of no channel of this session.
+    assert_eq!(raw_publish(&a, "ok"), Err(C::PermissionDenied));
+    // The same through the library (which refuses "" and "/" itself).
+    for name in ["", "a/b"] {
+        let r = a.publish(name, a.register_buffer(4096).unwrap(), MemRights::ReadOnly);
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{name:?}");
+    }
+    for name in ["..", "a\0b"] {
+        let r = a.publish(name, a.register_buffer(4096).unwrap(), MemRights::ReadOnly);
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{name:?}");
+    }
+    let r = a.publish(&long, a.register_buffer(4096).unwrap(), MemRights::ReadOnly);
+    match r {
+        Err(Error::Side(m)) => assert!(m.contains("1..=128"), "{m}"),
+        other => panic!("129-byte name: {:?}", other.map(|p| p.path().to_string())),
+    }
+    // 128 bytes is fine.
+    let p = a
+        .publish(
+            &"n".repeat(128),
+            a.register_buffer(4096).unwrap(),
+            MemRights::ReadOnly,
+        )
+        .unwrap();
+    assert_eq!(s.state.mem_objects.len(), 1);
+    drop(p);
+    assert_eq!(s.state.mem_objects.len(), 0);
+    assert!(a
+        .side(|c| c.list_dir("ex", ".lwio-mem"))
+        .unwrap()
+        .is_empty());
+    assert_server_unexposed(&s);
+}
+
+#[test]
+fn a_publisher_gets_16_objects_and_no_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    let a = client(&s, Completion::Interrupt);
+    let mut held = Vec::new();
+    let mut refused = 0;
+    let t0 = std::time::Instant::now();
+    for i in 0..10_000 {
+        let r = a.publish(
+            &format!("o{i}"),
+            a.register_buffer(4096).unwrap(),
+            MemRights::ReadOnly,
+        );
+        match r {
+            Ok(p) => {
+                assert!(i < 16, "object {i} published");
+                held.push(p);
+            }
+            Err(Error::Side(m)) => {
+                assert!(i >= 16, "object {i} refused: {m}");
+                assert!(m.contains("too many memory objects"), "{m}");
+                refused += 1;
+            }
+            Err(e) => panic!("object {i}: {e:?}"),
+        }
+    }
+    assert_eq!((held.len(), refused), (16, 10_000 - 16));
+    assert!(t0.elapsed() < Duration::from_secs(120));
+    assert_eq!(s.state.mem_objects.len(), 16);
+    assert_eq!(a.side(|c| c.list_dir("ex", ".lwio-mem")).unwrap().len(), 16);
+    // The refused names do not exist.
+    assert!(matches!(
+        a.side(|c| c.stat("ex", ".lwio-mem/o16")),
+        Err(Error::NotFound(_))
+    ));
+    // One withdrawn: exactly one more fits.
+    held.remove(3).unpublish().unwrap();
+    assert_eq!(s.state.mem_objects.len(), 15);
+    held.push(
+        a.publish(
+            "again",
+            a.register_buffer(4096).unwrap(),
+            MemRights::ReadOnly,
+        )
+        .unwrap(),
+    );
+    assert!(matches!(
+        a.publish(
+            "more",
+            a.register_buffer(4096).unwrap(),
+            MemRights::ReadOnly
+        ),
+        Err(Error::Side(_))
+    ));
+    assert_eq!(s.state.mem_objects.len(), 16);
+    // The limit is per session: another publisher still can.
+    let b = client(&s, Completion::Interrupt);
+    let q = b
+        .publish("b0", b.register_buffer(4096).unwrap(), MemRights::ReadOnly)
+        .unwrap();
+    assert_eq!(s.state.mem_objects.len(), 17);
+    drop(q);
+    drop(held);
+    assert_eq!(s.state.mem_objects.len(), 0);
+    assert_server_unexposed(&s);
+}
+
+#[test]
+fn reads_after_unpublish_are_refused_not_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    let a = client(&s, Completion::Interrupt);
+    let want = pattern(23, 1 << 20);
+    let mut buf = a.register_buffer(want.len()).unwrap();
+    buf.copy_from_slice(&want);
+    let p = a.publish("w", buf, MemRights::ReadWrite).unwrap();
+    let b = client(&s, Completion::Poll);
+    let f = b.open(".lwio-mem/w", &OpenOptions::read_write()).unwrap();
+    assert!(read_all(&f, want.len()) == want);
+    let back = p.unpublish().unwrap();
+    assert!(back[..] == want[..], "memory changed");
+    let t0 = std::time::Instant::now();
+    let mut v = vec![0u8; 256 << 10];
+    for i in 0..200u64 {
+        v.fill(0);
+        match f.read_at(&mut v, (i * 4096) % (1 << 20)) {
+            Err(Error::Status { status, .. }) => assert_eq!(status, STATUS_FILE_DELETED),
+            other => panic!("read {i} after unpublish: {other:?}"),
+        }
+        assert!(v.iter().all(|&x| x == 0), "read {i} delivered data");
+    }
+    match f.write_at(&[1; 512], 0) {
+        Err(Error::Status { status, .. }) => assert_eq!(status, STATUS_FILE_DELETED),
+        other => panic!("write after unpublish: {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(back[..] == want[..], "a late write reached the memory");
+    assert!(matches!(
+        b.open(".lwio-mem/w", &OpenOptions::read_only()),
+        Err(Error::NotFound(_))
+    ));
+    assert_server_unexposed(&s);
+}
