@@ -958,3 +958,17 @@ fn publish_read_only_refuses_cp_and_keeps_memory() {
         .failure()
         .stderr(one_line_error());
 }
+
+#[test]
+fn publish_serves_more_than_the_default_registration_cache() {
+    // 300 MiB: more than the client's default registration cache (256 MiB),
+    // which refused the buffer before `lwio publish` sized it to fit.
+    let s = serve();
+    let (p, url) = publish(&s, &[&s.url("data"), "big", "--size", "300MiB"]);
+    assert_eq!(url, s.url("data/.lwio-mem/big"));
+    s.cmd(&["stat", &url])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(format!("Size: {}", 300 << 20)));
+    assert!(stop(p).success());
+}

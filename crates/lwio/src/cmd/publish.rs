@@ -30,9 +30,13 @@ pub fn run(a: PublishArgs) -> anyhow::Result<()> {
     }
     let len = usize::try_from(len).map_err(|_| anyhow::anyhow!("{len} bytes: too large"))?;
     catch_interrupts();
+    let d = ClientOptions::default();
     let opts = ClientOptions {
         completion: Completion::Interrupt,
-        ..ClientOptions::default()
+        // The published buffer is registered through the registration
+        // cache, which refuses a buffer larger than itself.
+        reg_cache_bytes: d.reg_cache_bytes.max(len),
+        ..d
     };
     let client = connect_data(&a.url, &a.client, opts)?;
     let mut buf = client
