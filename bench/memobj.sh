@@ -7,12 +7,11 @@
 # (utime+stime from /proc/PID/stat), in ms and ms per GiB.
 #
 # usage:  bench/memobj.sh
-# env:    LWIO binary (target/release/lwio)   ROUNDS (3)   SIZE bytes (268435456: `lwio publish`
-#         registers its buffer through the client's registration cache, 256 MiB by default)
+# env:    LWIO binary (target/release/lwio)   ROUNDS (3)   SIZE bytes (1073741824)
 set -u
 LWIO=${LWIO:-target/release/lwio}
 ROUNDS=${ROUNDS:-3}
-SIZE=${SIZE:-268435456}
+SIZE=${SIZE:-1073741824}
 [ -x "$LWIO" ] || { echo "no $LWIO (cargo build --release -p lwio)" >&2; exit 1; }
 DIR=$(mktemp -d /dev/shm/lwio-memobj.XXXXXX)
 mkdir -p "$DIR/data"
