@@ -644,6 +644,12 @@ impl Engine {
                 // Wake the completion fd's sleepers too: they find the loss.
                 let _ = rustix::io::write(&**fd, &1u64.to_ne_bytes());
             }
+        } else if !why.contains("WrFlushErr") {
+            // A completion with a real error processed after the flushed
+            // receives that reported the loss first (a failed send is
+            // completed in queue order, the receives at once): its status
+            // says why, so log it too.
+            info!(reason = %why, "RDMA connection lost: also");
         }
         self.cv.notify_all();
     }
