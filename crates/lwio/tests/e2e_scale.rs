@@ -53,38 +53,34 @@ fn files_allowed(want: usize) -> usize {
     n
 }
 
+/// Where each of this process's descriptors points.
+fn fd_targets() -> Vec<std::path::PathBuf> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .collect()
+}
+
+fn is_uring(t: &std::path::Path) -> bool {
+    t.as_os_str() == "anon_inode:[io_uring]"
+}
+
 /// This process's descriptors, not counting the server backend's io_uring
 /// rings: those are a pool that grows with concurrent I/O up to its size
 /// (`[io] workers`, 4), not per file or connection; they are counted apart.
 fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|t| t.as_os_str() != "anon_inode:[io_uring]")
-        .count()
+    fd_targets().iter().filter(|t| !is_uring(t)).count()
 }
 
 fn uring_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|t| t.as_os_str() == "anon_inode:[io_uring]")
-        .count()
+    fd_targets().iter().filter(|t| is_uring(t)).count()
 }
 
 /// What this process's descriptors are (for a message).
 fn fd_list() -> String {
-    let mut v: Vec<String> = std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| {
-            let e = e.ok()?;
-            let t = std::fs::read_link(e.path()).ok()?;
-            Some(format!(
-                "{}→{}",
-                e.file_name().to_string_lossy(),
-                t.display()
-            ))
-        })
+    let mut v: Vec<String> = fd_targets()
+        .iter()
+        .map(|t| t.display().to_string())
         .collect();
     v.sort();
     v.join(" ")

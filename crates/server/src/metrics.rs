@@ -71,8 +71,8 @@ fn by_op(
     Ok(())
 }
 
-fn i64_of(v: usize) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
+fn i64_of(v: impl TryInto<i64>) -> i64 {
+    v.try_into().unwrap_or(i64::MAX)
 }
 
 impl Collector for Figures {
@@ -151,13 +151,13 @@ impl Collector for Figures {
             &mut e,
             "lwio_rdma_remote_access_regions",
             "Server memory regions with a remote right (the server exposes no memory: always 0)",
-            i64::try_from(s.mrs_remote_access).unwrap_or(i64::MAX),
+            i64_of(s.mrs_remote_access),
         )?;
         gauge(
             &mut e,
             "lwio_rdma_memory_windows",
             "Memory windows allocated on the server (always 0)",
-            i64::try_from(s.mws_allocated).unwrap_or(i64::MAX),
+            i64_of(s.mws_allocated),
         )?;
         gauge(
             &mut e,
