@@ -48,6 +48,18 @@ fuzz_target!(|data: &[u8]| {
                         Mode::PolledWindow(u32::from(sel))
                     }
                 };
+                if sel & 32 != 0 {
+                    // A fragmented WRITE (docs/protocol.md §5.12): its
+                    // fragments cover exactly the header and the data.
+                    let len = u32::from(sel) * 97;
+                    let held = c.credits_held();
+                    if let Ok(w) = c.write_fragmented(now, 1, 3, len, None, mode, 700) {
+                        let sum: u64 = w.fragments.iter().map(|f| u64::from(f.data_length)).sum();
+                        assert_eq!(sum, 56 + u64::from(len));
+                        assert_eq!(c.credits_held(), held + w.fragments.len());
+                        assert!(c.credits_held() <= usize::from(c.credits()));
+                    }
+                }
                 let _ = c.read(now, 1, 0, 16, RemoteBuf { addr: 0, rkey: 1 }, mode);
                 let _ = c.interrupt(now);
             }

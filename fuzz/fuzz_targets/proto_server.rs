@@ -57,12 +57,17 @@ fuzz_target!(|data: &[u8]| {
         max_recv_buffer_size: 1024,
         use_write_with_imm: data.first().is_some_and(|b| b & 2 != 0),
         session_id: 5,
+        // Fragments (§5.12) on: messages up to 4 KiB reassembled.
+        max_message: 4096,
         ..ServerConfig::default()
     };
     let mut s = ServerConn::new(cfg, t0);
     let mut hooks = Hooks;
     let mut ops: Vec<OpId> = Vec::new();
     let mut closed = false;
+    // Receive buffers the state machine kept, and the next buffer id.
+    let mut kept: std::collections::HashSet<u64> = Default::default();
+    let mut next_buf = 0u64;
     if data.first().is_some_and(|b| b & 1 != 0) {
         s.handle_recv(t0, &auth(), &mut hooks);
     }
@@ -85,7 +90,17 @@ fuzz_target!(|data: &[u8]| {
                     m[5] |= 0x80;
                     m[48] |= 1;
                 }
-                s.handle_recv(t0, &m, &mut hooks);
+                // Bias towards fragments: opcode 10 where a request's is,
+                // DataLength = the bytes after the 16-byte header.
+                if sel % 6 == 2 && m.len() >= 16 {
+                    let dl = (m.len() - 16) as u32;
+                    m[..4].copy_from_slice(&dl.to_le_bytes());
+                    m[4] = 10;
+                }
+                next_buf += 1;
+                if s.handle_recv_in(t0, next_buf, &m, &mut hooks) == RecvBuffer::Kept {
+                    kept.insert(next_buf);
+                }
                 rest = rest.get(1 + n..).unwrap_or(&[]);
             }
             3 => {
@@ -111,10 +126,24 @@ fuzz_target!(|data: &[u8]| {
                 ServerAction::FileRead { op, .. } | ServerAction::FileWrite { op, .. } => {
                     ops.push(op)
                 }
+                ServerAction::FileWriteParts { op, parts, .. } => {
+                    // Every part is a kept buffer, handed back once.
+                    for (b, _) in parts {
+                        assert!(kept.remove(&b), "buffer {b} not kept, or given back twice");
+                    }
+                    ops.push(op)
+                }
+                ServerAction::RepostRecvs(bufs) => {
+                    for b in bufs {
+                        assert!(kept.remove(&b), "buffer {b} not kept, or given back twice");
+                    }
+                }
                 ServerAction::CloseConnection(_) => closed = true,
                 _ => {}
             }
         }
         assert!(s.is_closed() || s.outstanding() <= u32::from(s.credits()));
+        // A partial message keeps at most one buffer per credit it holds.
+        assert!(s.is_closed() || kept.len() <= s.outstanding() as usize);
     }
 });

@@ -6,11 +6,9 @@ use std::time::{Duration, Instant};
 
 use lwio_client::{Client, ClientOptions, Completion, File, OpenOptions};
 use lwio_proto::status::*;
-use lwio_proto::wire::auth::ENDIAN_64;
 use lwio_proto::wire::common::RequestOp;
 use lwio_proto::wire::{
-    AuthParamsRepr, FidParamsRepr, Guid, RdmaRegion, SignatureAlg, SrvResumeKey, StatusResponse,
-    COMMON_HEADER_LEN, LWIO_REV_ID,
+    FidParamsRepr, Guid, RdmaRegion, SignatureAlg, SrvResumeKey, StatusResponse,
 };
 use lwio_rdma::*;
 use lwio_server::config::Limits;
@@ -84,42 +82,6 @@ fn hostile(e: &Env) -> Hostile {
 impl Hostile {
     fn auth_with(&mut self, key: Guid, credits: u16) -> StatusResponse {
         self.auth_signed(key, credits, SignatureAlg::HmacSha256)
-    }
-
-    /// AUTH with its params signed by `alg` (MD5: the seed's unkeyed digest).
-    fn auth_signed(&mut self, key: Guid, credits: u16, alg: SignatureAlg) -> StatusResponse {
-        let p = AuthParamsRepr {
-            rev_id: LWIO_REV_ID,
-            endian: ENDIAN_64,
-            page_size: 4096,
-            base_sequence: 0,
-            max_rdma_window_size: 65536,
-            max_send_buffer_size: 8192,
-            max_recv_buffer_size: 64,
-            header_size: COMMON_HEADER_LEN as u16,
-            credits,
-            rdma_read_supported: 0,
-            key: Some(key),
-            session_id: None,
-            signature: None,
-        };
-        let bytes = p.to_signed_bytes(alg, &self.secret).unwrap();
-        self.send_req(RequestOp::Auth {
-            cookie: 1,
-            data_va: self.mem.addr(),
-            data_mh: self.mem.rkey(),
-            params: &bytes,
-        });
-        let r = self
-            .recv_status(Duration::from_secs(5))
-            .expect("AUTH answered");
-        if r.ios.status == STATUS_SUCCESS {
-            let mut raw = vec![0u8; r.ios.information as usize - 8];
-            self.mem.read_at(0, &mut raw).unwrap();
-            let (sp, _) = AuthParamsRepr::verify(&raw, &self.secret).unwrap();
-            self.session_id = sp.session_id.unwrap();
-        }
-        r
     }
 
     fn auth(&mut self, credits: u16) {

@@ -15,11 +15,8 @@ use std::time::{Duration, Instant};
 
 use lwio_client::{Client, ClientOptions, Completion, File, OpenOptions};
 use lwio_proto::status::*;
-use lwio_proto::wire::auth::ENDIAN_64;
 use lwio_proto::wire::common::RequestOp;
-use lwio_proto::wire::{
-    AuthParamsRepr, Guid, RequestRepr, SignatureAlg, COMMON_HEADER_LEN, LWIO_REV_ID,
-};
+use lwio_proto::wire::{Guid, RequestRepr, COMMON_HEADER_LEN};
 use lwio_rdma::*;
 use lwio_server::config::Limits;
 use lwio_server::io_phase::server::RdmaServerOptions;
@@ -147,36 +144,7 @@ fn hostile(s: &LocalServer) -> Hostile {
 
 impl Hostile {
     fn auth(&mut self) {
-        let p = AuthParamsRepr {
-            rev_id: LWIO_REV_ID,
-            endian: ENDIAN_64,
-            page_size: 4096,
-            base_sequence: 0,
-            max_rdma_window_size: 65536,
-            max_send_buffer_size: 8192,
-            max_recv_buffer_size: 64,
-            header_size: COMMON_HEADER_LEN as u16,
-            credits: 4,
-            rdma_read_supported: 0,
-            key: Some(self.key),
-            session_id: None,
-            signature: None,
-        };
-        let bytes = p
-            .to_signed_bytes(SignatureAlg::HmacSha256, &self.secret)
-            .unwrap();
-        self.send_req(RequestOp::Auth {
-            cookie: 1,
-            data_va: self.mem.addr(),
-            data_mh: self.mem.rkey(),
-            params: &bytes,
-        });
-        let r = self.recv_status(T).expect("AUTH answered");
-        assert_eq!(r.ios.status, STATUS_SUCCESS);
-        let mut raw = vec![0u8; r.ios.information as usize - 8];
-        self.mem.read_at(0, &mut raw).unwrap();
-        let (sp, _) = AuthParamsRepr::verify(&raw, &self.secret).unwrap();
-        self.server_max_recv = sp.max_recv_buffer_size;
+        self.auth_ok(4);
     }
 
     fn status_of(&self, op: RequestOp<'_>) -> NtStatus {

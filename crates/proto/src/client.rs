@@ -6,12 +6,14 @@
 //! changes (`status_block_updated`), and reads [`ClientEvent`]s.
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::server::CloseReason;
 use crate::status::*;
 use crate::wire::auth::ENDIAN_64;
-use crate::wire::common::{CancelTarget, CompletionMode, Opcode, RequestOp};
+use crate::wire::common::{CancelTarget, CompletionMode, HeaderPacket, Opcode, RequestOp};
+use crate::wire::fragment::{FragmentRepr, FRAGMENT_HEADER_LEN};
 use crate::wire::{
     AuthParamsRepr, FidParamsRepr, Guid, RdmaRegion, RequestRepr, SignatureAlg, SrvResumeKey,
     StatusResponse, COMMON_HEADER_LEN, LWIO_REV_ID,
@@ -108,6 +110,10 @@ pub struct ClientConfig {
     /// this long closes the connection (`CloseReason::CreditTimeout`): the
     /// credit it holds would never come back. None: no timeouts.
     pub op_timeout: Option<Duration>,
+    /// Send writes larger than the server's receive buffer as one
+    /// fragmented message (docs/protocol.md §5.12) when the server
+    /// announces MAX_MESSAGE.
+    pub fragments: bool,
 }
 
 impl ClientConfig {
@@ -128,6 +134,7 @@ impl ClientConfig {
             tid: 0,
             recvs_preposted: 0,
             op_timeout: None,
+            fragments: true,
         }
     }
 }
@@ -185,6 +192,37 @@ pub enum ClientError {
     /// Encoding into the caller's buffer was asked while earlier request
     /// messages still wait for `poll_transmit` (they must leave first).
     TransmitPending,
+    /// A fragmented message needs more fragments (each a credit) than the
+    /// connection has credits: send less in one message.
+    TooManyFragments {
+        fragments: u32,
+        credits: u16,
+    },
+}
+
+/// A WRITE or VEC_WRITE sent as one fragmented message (docs/protocol.md
+/// §5.12): the request's common header, then its data, cut into
+/// fragments that the caller sends back to back, each as one Send of its
+/// 16-byte fragment header followed by the bytes [`FragmentedWrite::pieces`]
+/// names (from `head`, then from the caller's data: a second SGE, no copy).
+#[derive(Debug, Clone)]
+pub struct FragmentedWrite {
+    pub issued: Issued,
+    /// The message's first bytes: the request's common header.
+    pub head: [u8; COMMON_HEADER_LEN],
+    pub fragments: Vec<FragmentRepr>,
+}
+
+impl FragmentedWrite {
+    /// Fragment `f`'s data: a range of `head`, then a range of the
+    /// write's data.
+    pub fn pieces(f: &FragmentRepr) -> (Range<usize>, Range<usize>) {
+        let start = f.message_offset as usize;
+        let end = start + f.data_length as usize;
+        let h = start.min(COMMON_HEADER_LEN)..end.min(COMMON_HEADER_LEN);
+        let d = start.saturating_sub(COMMON_HEADER_LEN)..end.saturating_sub(COMMON_HEADER_LEN);
+        (h, d)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,6 +242,9 @@ struct Outstanding<U> {
     length: u32,
     /// I/O: how a CANCEL names it (its completion fields).
     target: Option<CancelTarget>,
+    /// Credits held beyond the request's own (a fragmented message: one
+    /// per fragment after the first, until its status).
+    extra_credits: u32,
     /// The caller's data for this request ([`ClientConn::user_mut`]).
     user: U,
     /// When it times out (None: no timeout, or it timed out already).
@@ -247,6 +288,8 @@ pub struct ClientConn<U = ()> {
     next_cookie: u64,
     sequence: u16,
     reqs: HashMap<ReqId, Outstanding<U>>,
+    /// Sum of the outstanding requests' `extra_credits`.
+    extra_held: usize,
     /// Completed requests not yet taken by the caller.
     done: HashMap<ReqId, Done<U>>,
     by_imm: HashMap<u32, ReqId>,
@@ -286,6 +329,7 @@ impl<U: Default> ClientConn<U> {
             recv_posted,
             next_cookie: 1,
             reqs: HashMap::new(),
+            extra_held: 0,
             done: HashMap::new(),
             by_imm: HashMap::new(),
             by_slot: HashMap::new(),
@@ -320,6 +364,11 @@ impl<U: Default> ClientConn<U> {
     pub fn outstanding(&self) -> usize {
         self.reqs.len()
     }
+    /// Credits in use: one per outstanding request, plus one per extra
+    /// fragment of each outstanding fragmented message.
+    pub fn credits_held(&self) -> usize {
+        self.reqs.len() + self.extra_held
+    }
     /// Receives currently posted (target: credits + 1).
     pub fn posted_recvs(&self) -> u32 {
         self.recv_posted
@@ -331,7 +380,7 @@ impl<U: Default> ClientConn<U> {
     pub fn can_issue(&self) -> bool {
         self.state == State::Ready
             && self.pending_credit_msgs.is_empty()
-            && self.reqs.len() < usize::from(self.credits)
+            && self.credits_held() < usize::from(self.credits)
     }
     /// Slots of outstanding polled requests (the caller polls these).
     pub fn polled_slots(&self) -> Vec<u32> {
@@ -432,6 +481,8 @@ impl<U: Default> ClientConn<U> {
             key: Some(self.cfg.key),
             session_id: None,
             signature: None,
+            // Servers send this client only 16-byte status responses.
+            max_message: 0,
         };
         let bytes = params
             .to_signed_bytes(self.cfg.signature, &self.cfg.secret)
@@ -453,7 +504,7 @@ impl<U: Default> ClientConn<U> {
     /// The request message for `op`, stamped now (credits hint, sequence).
     fn repr<'a>(&self, op: RequestOp<'a>) -> RequestRepr<'a> {
         RequestRepr {
-            credits: u8::try_from(self.reqs.len() + 1).unwrap_or(u8::MAX),
+            credits: u8::try_from(self.credits_held() + 1).unwrap_or(u8::MAX),
             sequence: self.sequence,
             tid: self.cfg.tid,
             op,
@@ -488,6 +539,7 @@ impl<U: Default> ClientConn<U> {
                 imm,
                 length: 0,
                 target,
+                extra_credits: 0,
                 user: U::default(),
                 // An INTERRUPT is answered after the next I/O completion,
                 // however late: it has no deadline of its own.
@@ -866,6 +918,135 @@ impl<U: Default> ClientConn<U> {
         self.io_borrowed(now, mode, Opcode::Write, make, out)
     }
 
+    /// The most data bytes one fragment carries: what the server's receive
+    /// buffer holds (its MaxRecvBufferSize after a common header) less the
+    /// fragment header. 0 when fragments are not in use on this connection.
+    pub fn fragment_data_max(&self) -> u32 {
+        match &self.server {
+            Some(s) if self.cfg.fragments && s.max_message > 0 => {
+                (s.max_recv_buffer_size as usize + COMMON_HEADER_LEN - FRAGMENT_HEADER_LEN)
+                    .min(u32::MAX as usize) as u32
+            }
+            _ => 0,
+        }
+    }
+
+    /// Fragments a write of `len` data bytes takes as one message with at
+    /// most `cap` data bytes per fragment (0: it cannot be one: fragments
+    /// not in use, or over MAX_MESSAGE).
+    pub fn fragments_for(&self, len: u32, cap: u32) -> u32 {
+        let per = self.fragment_data_max().min(cap);
+        let max = self.server.as_ref().map_or(0, |s| s.max_message);
+        match (COMMON_HEADER_LEN as u32).checked_add(len) {
+            Some(total) if per > 0 && total <= max => total.div_ceil(per),
+            _ => 0,
+        }
+    }
+
+    /// The largest write (data bytes) one fragmented message can carry on
+    /// this connection: within MAX_MESSAGE, and within `fragments` (at most
+    /// the connection's credits: every fragment holds one until the
+    /// message's status). 0 when fragments are not in use.
+    /// `cap`: the most data bytes per fragment the caller sends.
+    pub fn max_fragmented_write(&self, fragments: u32, cap: u32) -> u32 {
+        let per = u64::from(self.fragment_data_max().min(cap));
+        let max = u64::from(self.server.as_ref().map_or(0, |s| s.max_message));
+        let n = u64::from(fragments.min(u32::from(self.credits)));
+        (per * n).min(max).saturating_sub(COMMON_HEADER_LEN as u64) as u32
+    }
+
+    /// WRITE (`vec_page_size` None) or VEC_WRITE without COLLAPSE of `len`
+    /// data bytes at `offset` as one fragmented message: one request, one
+    /// status, holding one credit per fragment until then. The caller
+    /// sends the returned fragments back to back, before any other message
+    /// (every message queued before must have left: `TransmitPending`).
+    /// `NoCredits` when that many credits are not free now;
+    /// `TooManyFragments` when the connection has fewer credits than the
+    /// message has fragments; `InvalidArgument` when fragments are not in
+    /// use or the message is over MAX_MESSAGE. `cap`: the most data bytes
+    /// per fragment the caller sends (its send buffer, when it copies).
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_fragmented(
+        &mut self,
+        now: Instant,
+        fid: u16,
+        offset: u64,
+        len: u32,
+        vec_page_size: Option<u16>,
+        mode: Mode,
+        cap: u32,
+    ) -> Result<FragmentedWrite, ClientError> {
+        let n = self.fragments_for(len, cap);
+        if n == 0 {
+            return Err(ClientError::InvalidArgument);
+        }
+        if n > u32::from(self.credits) {
+            return Err(ClientError::TooManyFragments {
+                fragments: n,
+                credits: self.credits,
+            });
+        }
+        self.check_issue()?;
+        if self.credits_held() + n as usize > usize::from(self.credits) {
+            return Err(ClientError::NoCredits);
+        }
+        if !self.transmit.is_empty() {
+            return Err(ClientError::TransmitPending);
+        }
+        let (opcode, num_pages, page_size) = match vec_page_size {
+            None => (Opcode::Write, 0, 0),
+            Some(0) => return Err(ClientError::InvalidArgument),
+            Some(ps) => {
+                let pages = len.div_ceil(u32::from(ps));
+                let np = u16::try_from(pages).map_err(|_| ClientError::InvalidArgument)?;
+                (Opcode::VecWrite, np, ps)
+            }
+        };
+        let (cookie, cm, slot, imm) = self.io_mode(mode)?;
+        let op = match opcode {
+            Opcode::Write => RequestOp::Write {
+                fid,
+                offset,
+                data: &[],
+                mode: cm,
+            },
+            _ => RequestOp::VecWrite {
+                fid,
+                offset,
+                length: len,
+                num_pages,
+                page_size,
+                collapse: false,
+                data: &[],
+                mode: cm,
+            },
+        };
+        let r = self.repr(op);
+        let mut head = [0u8; COMMON_HEADER_LEN];
+        let header = r.header().map(|mut h| {
+            h.length = len;
+            h.emit(&mut HeaderPacket::new_unchecked(&mut head[..]));
+        });
+        if header.is_err() {
+            if let Some(s) = slot {
+                self.free_slots.push(s);
+            }
+            return Err(ClientError::InvalidArgument);
+        }
+        self.record(now, &r, cookie, opcode, slot, imm);
+        if let Some(o) = self.reqs.get_mut(&cookie) {
+            o.extra_credits = n - 1;
+        }
+        self.extra_held += n as usize - 1;
+        let per = self.fragment_data_max().min(cap);
+        let fragments = crate::fragment::plan(COMMON_HEADER_LEN as u32 + len, per).collect();
+        Ok(FragmentedWrite {
+            issued: Issued { req: cookie, slot },
+            head,
+            fragments,
+        })
+    }
+
     /// VEC_WRITE. Without `collapse`, `data` holds all `length` bytes; with
     /// `collapse`, `data` is the single page repeated over
     /// ceil(length / page_size) pages.
@@ -985,6 +1166,7 @@ impl<U: Default> ClientConn<U> {
         let Some(o) = self.reqs.remove(&req) else {
             return;
         };
+        self.extra_held = self.extra_held.saturating_sub(o.extra_credits as usize);
         if let Some(s) = o.slot {
             self.by_slot.remove(&s);
             self.free_slots.push(s);
@@ -1026,7 +1208,7 @@ impl<U: Default> ClientConn<U> {
     fn flush_credit_msgs(&mut self, now: Instant) {
         while self.state == State::Ready
             && !self.pending_credit_msgs.is_empty()
-            && self.reqs.len() < usize::from(self.credits)
+            && self.credits_held() < usize::from(self.credits)
         {
             let Some(value) = self.pending_credit_msgs.pop_front() else {
                 break;

@@ -6,7 +6,13 @@
 //! touches an RDMA API, a file or a clock itself.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::fragment::{Budget, FragmentError, Reassembler, Reservation};
+use crate::wire::common::{Flags, HeaderPacket, HeaderRepr};
+use crate::wire::fragment::{FragmentPacket, FragmentRepr, FRAGMENT_HEADER_LEN, OPCODE_FRAGMENT};
 
 use crate::stats::RequestStats;
 use crate::status::*;
@@ -41,6 +47,12 @@ pub struct ServerConfig {
     pub max_fids: usize,
     /// Session id handed to the client in SESSION_ID.
     pub session_id: u64,
+    /// The largest fragmented message this server reassembles (AUTH option
+    /// MAX_MESSAGE, docs/protocol.md §5.12); 0 = no fragments.
+    pub max_message: u32,
+    /// Receive memory that partial messages may hold across the server
+    /// (shared by its connections); `None`: one message per connection.
+    pub fragment_budget: Option<Arc<Budget>>,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +70,8 @@ impl Default for ServerConfig {
             credit_timeout: Duration::from_secs(10),
             max_fids: 1024,
             session_id: 1,
+            max_message: 0,
+            fragment_budget: None,
         }
     }
 }
@@ -89,6 +103,21 @@ pub trait ServerHooks {
     }
 }
 
+/// A receive buffer the embedder names in [`ServerConn::handle_recv_in`].
+pub type RecvId = u64;
+
+/// What the embedder does with the receive buffer of a message it handed
+/// to [`ServerConn::handle_recv_in`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecvBuffer {
+    /// Done with: post it again.
+    Repost,
+    /// Kept (a fragment of a message being reassembled): it comes back in
+    /// a [`ServerAction::FileWriteParts`] or [`ServerAction::RepostRecvs`];
+    /// until then the embedder neither reposts nor reuses it.
+    Kept,
+}
+
 /// Where the bytes of an RDMA write come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DataSource {
@@ -111,8 +140,23 @@ pub enum CloseReason {
     PayloadTooLarge,
     /// Malformed message, unknown opcode, bad flags, Cookie 0, …
     ProtocolViolation(&'static str),
+    /// A fragment broke the rules of docs/protocol.md §5.12.
+    Fragment(FragmentError),
     /// Client-side: the server misbehaved or authentication failed.
     ServerMisbehaved(&'static str),
+}
+
+impl CloseReason {
+    /// The NTSTATUS the connection is terminated with.
+    pub fn status(&self) -> NtStatus {
+        match self {
+            CloseReason::Fragment(e) => e.status(),
+            CloseReason::AuthFailed => STATUS_ACCESS_DENIED,
+            CloseReason::PayloadTooLarge => STATUS_INVALID_BUFFER_SIZE,
+            CloseReason::AuthTimeout | CloseReason::CreditTimeout => STATUS_IO_TIMEOUT,
+            _ => STATUS_INVALID_PARAMETER,
+        }
+    }
 }
 
 /// Output of the server state machine.
@@ -144,6 +188,21 @@ pub enum ServerAction {
         offset: u64,
         data: Vec<u8>,
     },
+    /// Write a reassembled message's data at `offset`: the bytes are
+    /// `range` of each receive buffer in `parts` (ranges of the bytes the
+    /// embedder passed to `handle_recv_in`), in order — one `pwritev`, no
+    /// copy. When the write is done the embedder reposts every buffer of
+    /// `parts` and answers `handle_storage_complete(op, Ok(bytes_written))`.
+    FileWriteParts {
+        op: OpId,
+        fid: u16,
+        file: u64,
+        offset: u64,
+        parts: Vec<(RecvId, Range<usize>)>,
+    },
+    /// Receive buffers kept for fragments, now to be posted again (a
+    /// message refused before its write).
+    RepostRecvs(Vec<RecvId>),
     /// Try to cancel `op` (its FileRead/FileWrite was taken earlier); it
     /// must still be completed (Err(STATUS_CANCELLED) if cancelled, else
     /// its result).
@@ -183,9 +242,19 @@ struct FileEntry {
 
 #[derive(Debug, Clone)]
 enum IoKind {
-    Read { data_va: u64, data_mh: u32 },
-    VecRead { regions: Vec<RdmaRegion> },
+    Read {
+        data_va: u64,
+        data_mh: u32,
+    },
+    VecRead {
+        regions: Vec<RdmaRegion>,
+    },
     Write,
+    /// A reassembled message's write; it holds `extra` credits beyond its
+    /// own (one per fragment after the first).
+    WriteParts {
+        extra: u32,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -203,6 +272,19 @@ struct PendingIo {
 enum CreditTx {
     Positive { n: i32, deadline: Instant },
     Negative { expect: i32, deadline: Instant },
+}
+
+/// The request a fragmented message carries, read from its FIRST fragment.
+#[derive(Debug, Clone, Copy)]
+struct FragHead {
+    opcode: Opcode,
+    fid: u16,
+    offset: u64,
+    mode: CompletionMode,
+    /// When its FIRST fragment arrived.
+    started: Instant,
+    /// Fragments received so far (each holds a credit).
+    frags: u32,
 }
 
 /// Per-connection LWIO server.
@@ -226,6 +308,10 @@ pub struct ServerConn {
     next_op: OpId,
     actions: VecDeque<ServerAction>,
     stats: RequestStats,
+    reasm: Reassembler<RecvId>,
+    frag: Option<FragHead>,
+    /// Receive memory held by reassembled messages being written.
+    reservations: HashMap<OpId, Reservation>,
     /// The request being answered (its opcode and arrival), and the time
     /// of the event being handled: for the statistics.
     cur: Option<(Opcode, Instant)>,
@@ -236,7 +322,15 @@ impl ServerConn {
     /// A new connection; AUTH must arrive before `now + auth_timeout`.
     pub fn new(cfg: ServerConfig, now: Instant) -> Self {
         let auth_deadline = now + cfg.auth_timeout;
+        let budget = cfg
+            .fragment_budget
+            .clone()
+            .unwrap_or_else(|| Budget::new(cfg.max_message as usize));
+        let reasm = Reassembler::new(cfg.max_message, budget);
         ServerConn {
+            reasm,
+            frag: None,
+            reservations: HashMap::new(),
             cfg,
             state: State::AwaitAuth,
             auth_deadline,
@@ -473,11 +567,211 @@ impl ServerConn {
         Ok(())
     }
 
-    /// Process one received message (exactly the bytes received).
+    /// Process one received message (exactly the bytes received) whose
+    /// buffer the embedder reposts at once. A fragment (§5.12) cannot be
+    /// kept this way: it terminates the connection; an embedder that
+    /// negotiates fragments uses [`ServerConn::handle_recv_in`].
     pub fn handle_recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
+        if msg.get(4) == Some(&OPCODE_FRAGMENT) {
+            self.now = now;
+            return self.close(CloseReason::ProtocolViolation("fragment without a buffer"));
+        }
+        let _ = self.handle_recv_in(now, RecvId::MAX, msg, hooks);
+    }
+
+    /// Process one received message (exactly the bytes received) that
+    /// landed in receive buffer `buf`; the answer says whether the
+    /// embedder may post the buffer again now or must keep it (a fragment
+    /// of a message being reassembled; ranges in later actions are offsets
+    /// into these same `msg` bytes).
+    pub fn handle_recv_in(
+        &mut self,
+        now: Instant,
+        buf: RecvId,
+        msg: &[u8],
+        hooks: &mut dyn ServerHooks,
+    ) -> RecvBuffer {
         self.now = now;
-        self.recv(now, msg, hooks);
+        let r = if msg.get(4) == Some(&OPCODE_FRAGMENT) {
+            self.recv_fragment(now, buf, msg, hooks)
+        } else {
+            if self.frag.is_some() && self.state != State::Closed {
+                self.reasm.abort();
+                self.frag = None;
+                self.close(CloseReason::Fragment(FragmentError::Missing));
+            }
+            self.recv(now, msg, hooks);
+            RecvBuffer::Repost
+        };
         self.cur = None;
+        r
+    }
+
+    /// Take one credit for an arriving message (a request or a fragment);
+    /// false (and the connection closed) when the client had none left.
+    fn take_credit(&mut self) -> bool {
+        if u32::from(self.credits) <= self.outstanding {
+            self.close(CloseReason::CreditOverflow);
+            return false;
+        }
+        self.outstanding += 1;
+        true
+    }
+
+    fn recv_fragment(
+        &mut self,
+        now: Instant,
+        buf: RecvId,
+        msg: &[u8],
+        hooks: &mut dyn ServerHooks,
+    ) -> RecvBuffer {
+        if self.state == State::Closed {
+            return RecvBuffer::Repost;
+        }
+        if self.state == State::AwaitAuth {
+            self.close(CloseReason::ProtocolViolation("fragment before AUTH"));
+            return RecvBuffer::Repost;
+        }
+        if self.cfg.max_message == 0 {
+            self.close(CloseReason::ProtocolViolation("fragment not negotiated"));
+            return RecvBuffer::Repost;
+        }
+        self.stats.fragments += 1;
+        let parsed = FragmentPacket::new_checked(msg)
+            .ok()
+            .filter(|p| p.data_length() as usize + FRAGMENT_HEADER_LEN == msg.len())
+            .and_then(|p| FragmentRepr::parse(&p).ok());
+        let Some(f) = parsed else {
+            return self.fragment_violation(FragmentError::Malformed);
+        };
+        if !self.take_credit() {
+            self.reasm.abort();
+            self.frag = None;
+            return RecvBuffer::Repost;
+        }
+        let data = FRAGMENT_HEADER_LEN..msg.len();
+        if f.first {
+            match self.fragment_head(now, &msg[data.clone()], &f) {
+                Ok(h) => self.frag = Some(h),
+                Err(e) => return self.fragment_violation(e),
+            }
+        }
+        match self.reasm.push(&f, buf, data) {
+            Err(rej) => {
+                self.frag = None;
+                self.close(CloseReason::Fragment(rej.error));
+                RecvBuffer::Repost
+            }
+            Ok(None) => {
+                if let Some(h) = self.frag.as_mut() {
+                    h.frags += 1;
+                }
+                RecvBuffer::Kept
+            }
+            Ok(Some(msg)) => {
+                let Some(mut h) = self.frag.take() else {
+                    self.close(CloseReason::Fragment(FragmentError::NotStarted));
+                    return RecvBuffer::Repost;
+                };
+                h.frags += 1;
+                self.stats.messages_reassembled += 1;
+                self.write_assembled(h, msg, hooks);
+                RecvBuffer::Kept
+            }
+        }
+    }
+
+    fn fragment_violation(&mut self, e: FragmentError) -> RecvBuffer {
+        self.reasm.abort();
+        self.frag = None;
+        self.close(CloseReason::Fragment(e));
+        RecvBuffer::Repost
+    }
+
+    /// The request in a FIRST fragment's data: a WRITE or a VEC_WRITE
+    /// (without COLLAPSE) whose common header lies wholly in this fragment
+    /// and whose Length is the rest of the message.
+    fn fragment_head(
+        &self,
+        now: Instant,
+        data: &[u8],
+        f: &FragmentRepr,
+    ) -> Result<FragHead, FragmentError> {
+        let hp = HeaderPacket::new_checked(data).map_err(|_| FragmentError::Malformed)?;
+        let h = HeaderRepr::parse(&hp).map_err(|_| FragmentError::Malformed)?;
+        let opcode = match Opcode::from_u8(h.opcode) {
+            Some(o @ (Opcode::Write | Opcode::VecWrite)) => o,
+            _ => return Err(FragmentError::Malformed),
+        };
+        let fl = h.flags;
+        if fl.0 & !Flags::ALL != 0 || fl.control() || fl.collapse() {
+            return Err(FragmentError::Malformed);
+        }
+        let total = f.message_length().ok_or(FragmentError::Malformed)?;
+        if u64::from(h.length) + COMMON_HEADER_LEN as u64 != u64::from(total) {
+            return Err(FragmentError::Malformed);
+        }
+        let mode = CompletionMode::from_header(&h);
+        if let CompletionMode::Interrupt { cookie: 0, .. } = mode {
+            return Err(FragmentError::Malformed);
+        }
+        Ok(FragHead {
+            opcode,
+            fid: h.fid,
+            offset: h.offset,
+            mode,
+            started: now,
+            frags: 0,
+        })
+    }
+
+    /// A whole fragmented message: one write over the buffers it landed
+    /// in, answered by one status that gives back all its credits.
+    fn write_assembled(
+        &mut self,
+        h: FragHead,
+        m: crate::fragment::Assembled<RecvId>,
+        hooks: &mut dyn ServerHooks,
+    ) {
+        let _ = hooks;
+        self.stats.received(h.opcode);
+        self.cur = Some((h.opcode, h.started));
+        let extra = h.frags.saturating_sub(1);
+        let mut parts = m.parts;
+        if let Some((_, r)) = parts.first_mut() {
+            r.start = (r.start + COMMON_HEADER_LEN).min(r.end);
+        }
+        let len = m.len.saturating_sub(COMMON_HEADER_LEN as u32);
+        let refuse = |s: &mut Self, st: NtStatus, parts: Vec<(RecvId, Range<usize>)>| {
+            s.actions.push_back(ServerAction::RepostRecvs(
+                parts.into_iter().map(|(b, _)| b).collect(),
+            ));
+            s.complete_io(h.mode, 0, st, false);
+            s.outstanding = s.outstanding.saturating_sub(extra);
+        };
+        let file = match self.check_io(h.fid, h.offset, len) {
+            Ok(f) => f,
+            Err(st) => return refuse(self, st, parts),
+        };
+        if len == 0 {
+            return refuse(self, STATUS_SUCCESS, parts);
+        }
+        let op = self.new_op(PendingIo {
+            opcode: h.opcode,
+            started: h.started,
+            fid: h.fid,
+            kind: IoKind::WriteParts { extra },
+            mode: h.mode,
+            requested: len,
+        });
+        self.reservations.insert(op, m.reservation);
+        self.actions.push_back(ServerAction::FileWriteParts {
+            op,
+            fid: h.fid,
+            file,
+            offset: h.offset,
+            parts,
+        });
     }
 
     fn recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
@@ -495,10 +789,9 @@ impl ServerConn {
         if let CompletionMode::Interrupt { cookie: 0, .. } = mode {
             return self.close(CloseReason::ProtocolViolation("cookie 0"));
         }
-        if u32::from(self.credits) <= self.outstanding {
-            return self.close(CloseReason::CreditOverflow);
+        if !self.take_credit() {
+            return;
         }
-        self.outstanding += 1;
         self.credit_hint = req.credits;
         if self.state == State::AwaitAuth {
             return match req.op {
@@ -614,14 +907,19 @@ impl ServerConn {
         ops.sort_unstable();
         for op in ops {
             let queued = self.actions.iter().position(|a| match a {
-                ServerAction::FileRead { op: o, .. } | ServerAction::FileWrite { op: o, .. } => {
-                    *o == op
-                }
+                ServerAction::FileRead { op: o, .. }
+                | ServerAction::FileWrite { op: o, .. }
+                | ServerAction::FileWriteParts { op: o, .. } => *o == op,
                 _ => false,
             });
             match queued {
                 Some(i) => {
-                    self.actions.remove(i);
+                    if let Some(ServerAction::FileWriteParts { parts, .. }) = self.actions.remove(i)
+                    {
+                        self.actions.push_back(ServerAction::RepostRecvs(
+                            parts.into_iter().map(|(b, _)| b).collect(),
+                        ));
+                    }
                     self.handle_storage_complete(now, op, Err(STATUS_CANCELLED));
                 }
                 None => self.actions.push_back(ServerAction::CancelIo { op }),
@@ -667,6 +965,7 @@ impl ServerConn {
                     key: client.key,
                     session_id: Some(self.cfg.session_id),
                     signature: None,
+                    max_message: self.cfg.max_message,
                 };
                 let bytes = match mine.to_signed_bytes(alg, &secret) {
                     Ok(b) => b,
@@ -1024,6 +1323,7 @@ impl ServerConn {
         let Some(p) = self.ops.remove(&op) else {
             return;
         };
+        self.reservations.remove(&op);
         if self.state == State::Closed {
             // After CloseConnection nothing is produced; the embedder
             // releases every buffer and file of the connection itself.
@@ -1040,9 +1340,18 @@ impl ServerConn {
         if let Some(f) = self.fids.get_mut(&p.fid) {
             f.inflight = f.inflight.saturating_sub(1);
         }
-        let is_read = !matches!(p.kind, IoKind::Write);
+        let is_read = matches!(p.kind, IoKind::Read { .. } | IoKind::VecRead { .. });
         {
             match p.kind {
+                IoKind::WriteParts { extra } => {
+                    match result {
+                        Ok(n) => {
+                            self.complete_io(p.mode, n.min(p.requested), STATUS_SUCCESS, false)
+                        }
+                        Err(st) => self.complete_io(p.mode, 0, normalize(st), false),
+                    }
+                    self.outstanding = self.outstanding.saturating_sub(extra);
+                }
                 IoKind::Write => match result {
                     Ok(n) => self.complete_io(p.mode, n.min(p.requested), STATUS_SUCCESS, false),
                     Err(st) => self.complete_io(p.mode, 0, normalize(st), false),

@@ -119,6 +119,11 @@ pub struct RequestStats {
     pub ops: [OpStats; OPCODES.len()],
     /// Answers with a status other than STATUS_SUCCESS, by status.
     pub errors: BTreeMap<NtStatus, u64>,
+    /// LWIO_FRAGMENT messages received (docs/protocol.md §5.12).
+    pub fragments: u64,
+    /// Fragmented messages put back together (each also counts once as a
+    /// request of its opcode).
+    pub messages_reassembled: u64,
 }
 
 impl RequestStats {
@@ -154,6 +159,8 @@ impl RequestStats {
         for (s, n) in &o.errors {
             *self.errors.entry(*s).or_default() += n;
         }
+        self.fragments += o.fragments;
+        self.messages_reassembled += o.messages_reassembled;
     }
 
     pub fn is_empty(&self) -> bool {

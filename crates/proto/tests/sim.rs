@@ -388,6 +388,11 @@ impl Sim {
                         .handle_storage_complete(self.now, op, Err(STATUS_CANCELLED));
                 }
             }
+            // The simulated server announces no MAX_MESSAGE (fragments are
+            // tested in lwio's e2e_fragments.rs and fuzzed).
+            a @ (ServerAction::FileWriteParts { .. } | ServerAction::RepostRecvs(_)) => {
+                panic!("fragment action without fragments: {a:?}")
+            }
             ServerAction::ReleaseReadBuffer { op } => {
                 self.storage.read_bufs.remove(&op);
             }

@@ -5,9 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use lwio_proto::wire::auth::derive_session_secret;
+use lwio_proto::status::STATUS_SUCCESS;
+use lwio_proto::wire::auth::{derive_session_secret, ENDIAN_64};
 use lwio_proto::wire::common::{CompletionMode, RequestOp};
-use lwio_proto::wire::{AddressBlockRepr, Guid, NegotiateRequestRepr, RequestRepr, StatusResponse};
+use lwio_proto::wire::{
+    AddressBlockRepr, AuthParamsRepr, Guid, NegotiateRequestRepr, RequestRepr, SignatureAlg,
+    StatusResponse, COMMON_HEADER_LEN, LWIO_REV_ID,
+};
 use lwio_rdma::*;
 use lwio_server::io_phase::testkit::LocalServer;
 
@@ -93,6 +97,26 @@ pub fn connect(s: &LocalServer, token: &str, client_key: Guid) -> Hostile {
     }
 }
 
+/// A client's AUTH params (unsigned) with `key` and `credits`.
+pub fn client_params(key: Guid, credits: u16) -> AuthParamsRepr {
+    AuthParamsRepr {
+        rev_id: LWIO_REV_ID,
+        endian: ENDIAN_64,
+        page_size: 4096,
+        base_sequence: 0,
+        max_rdma_window_size: 65536,
+        max_send_buffer_size: 8192,
+        max_recv_buffer_size: 64,
+        header_size: COMMON_HEADER_LEN as u16,
+        credits,
+        rdma_read_supported: 0,
+        key: Some(key),
+        session_id: None,
+        signature: None,
+        max_message: 0,
+    }
+}
+
 pub fn intr(cookie: u64) -> CompletionMode {
     CompletionMode::Interrupt {
         cookie,
@@ -150,6 +174,46 @@ impl Hostile {
             }
         }
         None
+    }
+
+    /// AUTH with `key`, asking for `credits`, its params signed by `alg`
+    /// (MD5: the seed's unkeyed digest). On success the session id is kept.
+    pub fn auth_signed(&mut self, key: Guid, credits: u16, alg: SignatureAlg) -> StatusResponse {
+        let bytes = client_params(key, credits)
+            .to_signed_bytes(alg, &self.secret)
+            .unwrap();
+        self.send_req(RequestOp::Auth {
+            cookie: 1,
+            data_va: self.mem.addr(),
+            data_mh: self.mem.rkey(),
+            params: &bytes,
+        });
+        let r = self
+            .recv_status(Duration::from_secs(5))
+            .expect("AUTH answered");
+        if r.ios.status == STATUS_SUCCESS {
+            let sp = self.server_params(&r);
+            self.session_id = sp.session_id.unwrap_or(0);
+            self.server_max_recv = sp.max_recv_buffer_size;
+        }
+        r
+    }
+
+    /// The server's verified AUTH params, after a successful AUTH answered
+    /// with `r`.
+    pub fn server_params(&self, r: &StatusResponse) -> AuthParamsRepr {
+        let mut raw = vec![0u8; r.ios.information as usize - 8];
+        self.mem.read_at(0, &mut raw).unwrap();
+        AuthParamsRepr::verify(&raw, &self.secret).unwrap().0
+    }
+
+    /// AUTH (HMAC-SHA256, this connection's Key) asking for `credits`; it
+    /// must succeed. Returns the server's verified params.
+    pub fn auth_ok(&mut self, credits: u16) -> AuthParamsRepr {
+        let k = self.key;
+        let r = self.auth_signed(k, credits, SignatureAlg::HmacSha256);
+        assert_eq!(r.ios.status, STATUS_SUCCESS);
+        self.server_params(&r)
     }
 
     pub fn terminated(&self, timeout: Duration) -> bool {

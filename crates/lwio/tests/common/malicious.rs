@@ -239,6 +239,13 @@ impl Evil {
                     self.conn
                         .handle_storage_complete(Instant::now(), op, Ok(data.len() as u32));
                 }
+                // This server announces no MAX_MESSAGE: no fragments come.
+                ServerAction::FileWriteParts { op, parts, .. } => {
+                    let n: usize = parts.iter().map(|(_, r)| r.len()).sum();
+                    self.conn
+                        .handle_storage_complete(Instant::now(), op, Ok(n as u32));
+                }
+                ServerAction::RepostRecvs(_) => {}
                 ServerAction::CancelIo { op } => {
                     self.conn
                         .handle_storage_complete(Instant::now(), op, Err(STATUS_CANCELLED));

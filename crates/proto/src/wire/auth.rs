@@ -13,6 +13,10 @@ pub const OPTION_END: u8 = 0;
 pub const OPTION_KEY: u8 = 1;
 pub const OPTION_SESSION_ID: u8 = 2;
 pub const OPTION_SIGNATURE: u8 = 3;
+/// lwio extension (docs/protocol.md §5.12): the largest reassembled
+/// fragmented message the sender accepts (u32 LE).
+pub const OPTION_MAX_MESSAGE: u8 = 4;
+pub const OPTION_MAX_MESSAGE_LENGTH: u8 = 4;
 pub const OPTION_KEY_LENGTH: u8 = 16;
 pub const OPTION_SESSION_ID_LENGTH: u8 = 8;
 /// MD5 signature length (seed compatibility).
@@ -281,6 +285,9 @@ pub struct AuthParamsRepr {
     pub session_id: Option<u64>,
     /// Raw signature bytes (16 = MD5, 32 = HMAC-SHA256).
     pub signature: Option<Vec<u8>>,
+    /// MAX_MESSAGE (lwio extension): the largest fragmented message this
+    /// side reassembles; 0 or absent = it receives no fragments.
+    pub max_message: u32,
 }
 
 impl AuthParamsRepr {
@@ -304,6 +311,7 @@ impl AuthParamsRepr {
             rdma_read_supported: p.rdma_read_supported(),
             ..Default::default()
         };
+        let mut seen_max_message = false;
         for o in p.options() {
             match o.code {
                 OPTION_KEY => {
@@ -321,6 +329,15 @@ impl AuthParamsRepr {
                     let mut a = [0u8; 8];
                     a.copy_from_slice(o.data);
                     r.session_id = Some(u64::from_le_bytes(a));
+                }
+                OPTION_MAX_MESSAGE => {
+                    if seen_max_message || o.data.len() != usize::from(OPTION_MAX_MESSAGE_LENGTH) {
+                        return Err(Error::Malformed);
+                    }
+                    seen_max_message = true;
+                    let mut a = [0u8; 4];
+                    a.copy_from_slice(o.data);
+                    r.max_message = u32::from_le_bytes(a);
                 }
                 OPTION_SIGNATURE => {
                     if r.signature.is_some() || SignatureAlg::from_len(o.data.len()).is_none() {
@@ -343,11 +360,13 @@ impl AuthParamsRepr {
         AUTH_PARAMS_FIXED_LEN
             + self.key.map_or(0, |_| 18)
             + self.session_id.map_or(0, |_| 10)
+            + if self.max_message > 0 { 6 } else { 0 }
             + self.signature.as_ref().map_or(0, |s| 2 + s.len())
             + 1
     }
 
-    /// Emit: fixed part, then KEY, SESSION_ID, SIGNATURE (those present), END.
+    /// Emit: fixed part, then KEY, SESSION_ID, MAX_MESSAGE, SIGNATURE (those
+    /// present; MAX_MESSAGE only when not 0), END.
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize> {
         let len = self.buffer_len();
         if buf.len() < len {
@@ -383,6 +402,12 @@ impl AuthParamsRepr {
             buf[off + 1] = OPTION_SESSION_ID_LENGTH;
             buf[off + 2..off + 10].copy_from_slice(&s.to_le_bytes());
             off += 10;
+        }
+        if self.max_message > 0 {
+            buf[off] = OPTION_MAX_MESSAGE;
+            buf[off + 1] = OPTION_MAX_MESSAGE_LENGTH;
+            buf[off + 2..off + 6].copy_from_slice(&self.max_message.to_le_bytes());
+            off += 6;
         }
         if let (Some(s), Some(n)) = (&self.signature, sig_len) {
             buf[off] = OPTION_SIGNATURE;

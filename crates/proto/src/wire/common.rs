@@ -315,7 +315,7 @@ pub enum CompletionMode {
 }
 
 impl CompletionMode {
-    fn from_header(h: &HeaderRepr) -> Self {
+    pub(crate) fn from_header(h: &HeaderRepr) -> Self {
         if h.flags.interrupt() {
             CompletionMode::Interrupt {
                 cookie: h.ios_va,

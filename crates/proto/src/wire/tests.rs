@@ -215,7 +215,35 @@ fn auth_params_repr() -> AuthParamsRepr {
         key: Some(key()),
         session_id: None,
         signature: Some(vec![0xaa; 32]),
+        max_message: 0,
     }
+}
+
+#[test]
+fn golden_auth_max_message_option() {
+    let r = AuthParamsRepr {
+        key: None,
+        signature: None,
+        max_message: 16 << 20,
+        ..auth_params_repr()
+    };
+    let b = r.to_bytes().unwrap();
+    // Option 4, length 4, 16 MiB little-endian, then END.
+    assert_eq!(&b[b.len() - 7..], &[4, 4, 0, 0, 0, 1, 0]);
+    assert_eq!(AuthParamsRepr::from_bytes(&b).unwrap(), r);
+    // Wrong length, or twice: malformed.
+    let mut bad = b.clone();
+    bad[b.len() - 6] = 3;
+    assert!(AuthParamsRepr::from_bytes(&bad).is_err());
+    let mut twice = b[..b.len() - 1].to_vec();
+    twice.extend_from_slice(&b[b.len() - 7..]);
+    assert_eq!(AuthParamsRepr::from_bytes(&twice), Err(Error::Malformed));
+    // Absent (a seed-only peer): 0, and 0 is not emitted.
+    let none = AuthParamsRepr {
+        max_message: 0,
+        ..r
+    };
+    assert_eq!(none.to_bytes().unwrap().len(), b.len() - 6);
 }
 
 #[test]
@@ -782,12 +810,12 @@ mod props {
 
         #[test]
         fn auth_params_round_trip(ps in any::<u16>(), bs in any::<u16>(), w in any::<u32>(),
-            cr in any::<u16>(), k in proptest::option::of(any::<u128>()),
+            cr in any::<u16>(), k in proptest::option::of(any::<u128>()), mm in any::<u32>(),
             sid in proptest::option::of(any::<u64>()), sig in proptest::option::of(prop_oneof![Just(16usize), Just(32usize)])) {
             let r = AuthParamsRepr { rev_id: LWIO_REV_ID, endian: 8, page_size: ps, base_sequence: bs,
                 max_rdma_window_size: w, max_send_buffer_size: w, max_recv_buffer_size: w,
                 header_size: 56, credits: cr, rdma_read_supported: 1,
-                key: k.map(Guid::from_u128), session_id: sid, signature: sig.map(|n| vec![0x5a; n]) };
+                key: k.map(Guid::from_u128), session_id: sid, signature: sig.map(|n| vec![0x5a; n]), max_message: mm };
             let b = r.to_bytes().unwrap();
             prop_assert_eq!(b.len(), r.buffer_len());
             prop_assert_eq!(AuthParamsRepr::from_bytes(&b).unwrap(), r);
