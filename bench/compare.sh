@@ -10,7 +10,7 @@
 #            once with --completion poll and once with --completion interrupt
 #
 # Workloads, the same for every system, on one 1 GiB file of random bytes in a tmpfs (page cache):
-#   seqread / seqwrite 1 MiB QD8, rr1 / rr32 4 KiB random read QD1 / QD32, rw1 4 KiB random write QD1;
+#   seqread / seqwrite 1 MiB QD8, seqwrite16 16 MiB QD2, rr1 / rr32 4 KiB random read QD1 / QD32, rw1 4 KiB random write QD1;
 #   rr1 (sockperf for raw TCP) again with CPU placements "same" (client and server pinned to vCPU 0)
 #   and "split" (client vCPU 0, server vCPU 1).
 # Recorded per test: GB/s, IOPS, latency p50/p99, client and server CPU per I/O and per GiB.
@@ -229,7 +229,7 @@ stop_pid() {
 stop_servers() { local p; for p in ${KILL_PIDS[@]+"${KILL_PIDS[@]}"}; do stop_pid "$p"; done; KILL_PIDS=(); }
 wait_file() { local i; for i in $(seq 100); do [ -s "$1" ] && return 0; sleep 0.1; done; log "timeout waiting for $1"; return 1; }
 wait_port() { local i; for i in $(seq 100); do ss -ltn "sport = :$1" | grep -q LISTEN && return 0; sleep 0.1; done; log "port $1 not listening"; return 1; }
-WORKLOADS="seqread seqwrite rr1 rr32 rw1"
+WORKLOADS="seqread seqwrite seqwrite16 rr1 rr32 rw1"
 fail_all() { local peer=$1 why=$2 t p; for t in $WORKLOADS; do fail_test "$peer" "$t" "$why"; done
   for p in $PLACEMENTS; do fail_test "$peer" "rr1.$p" "$why"; done; }
 
@@ -243,6 +243,7 @@ sec_local() {
   fi
   fio_t local seqread  read      1M 8  "${T[@]}"
   fio_t local seqwrite write     1M 8  "${T[@]}"
+  fio_t local seqwrite16 write   16M 2  "${T[@]}"
   fio_t local rr1      randread  4k 1  "${T[@]}"
   fio_t local rr32     randread  4k 32 "${T[@]}"
   fio_t local rw1      randwrite 4k 1  "${T[@]}"
@@ -269,6 +270,7 @@ sec_nbd() {
   local NBD=(--ioengine=nbd --uri=nbd://127.0.0.1:10809 --size=1G)
   fio_t nbd seqread  read      1M 8  "${NBD[@]}"
   fio_t nbd seqwrite write     1M 8  "${NBD[@]}"
+  fio_t nbd seqwrite16 write   16M 2  "${NBD[@]}"
   fio_t nbd rr1      randread  4k 1  "${NBD[@]}"
   fio_t nbd rr32     randread  4k 32 "${NBD[@]}"
   fio_t nbd rw1      randwrite 4k 1  "${NBD[@]}"
@@ -317,6 +319,7 @@ SMB_EOF
   local U=smb://127.0.0.1/data/file.bin
   rio_t smb seqread  smb $U read      1048576 8    # 8 client processes x 1 connection each
   rio_t smb seqwrite smb $U write     1048576 8
+  rio_t smb seqwrite16 smb $U write   16777216 2
   rio_t smb rr1      smb $U randread  4096    1
   rio_t smb rr32     smb $U randread  4096    32
   rio_t smb rw1      smb $U randwrite 4096    1
@@ -367,6 +370,7 @@ NFS_EOF
   local U="nfs://127.0.0.1$DATA/file.bin?version=3"
   rio_t nfs3 seqread  nfs "$U" read      1048576 8
   rio_t nfs3 seqwrite nfs "$U" write     1048576 8
+  rio_t nfs3 seqwrite16 nfs "$U" write   16777216 2
   rio_t nfs3 rr1      nfs "$U" randread  4096    1
   rio_t nfs3 rr32     nfs "$U" randread  4096    32
   rio_t nfs3 rw1      nfs "$U" randwrite 4096    1
@@ -399,6 +403,7 @@ sec_lwio() {
   for m in poll interrupt; do
     lwio_t "lwio-$m" seqread  read      1M 8
     lwio_t "lwio-$m" seqwrite write     1M 8
+    lwio_t "lwio-$m" seqwrite16 write   16M 2
     lwio_t "lwio-$m" rr1      randread  4k 1
     lwio_t "lwio-$m" rr32     randread  4k 32
     lwio_t "lwio-$m" rw1      randwrite 4k 1

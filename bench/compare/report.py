@@ -211,6 +211,10 @@ for lp, mode in LWIO:
                ref=('iperf3', iv))
 for lp, mode in LWIO:
     target_row('seq write 1 MiB QD8, GB/s', lp, mode, 'seqwrite', 'GBps', '{:.2f}', False, 1.5, '>=')
+for lp, mode in LWIO:
+    nv = med('nbd', 'seqwrite16', 'GBps')
+    target_row('seq write 16 MiB QD2, GB/s : NBD', lp, mode, 'seqwrite16', 'GBps', '{:.2f}', False, 1.5, '>=',
+               ref=('NBD', nv))
 for suf, pl in (('', 'unpinned'), ('.same', 'same vCPU'), ('.split', 'split vCPUs')):
     if not any(vals(p, 'rr1' + suf, 'p50_us') or failed(p, 'rr1' + suf) for p, _ in PEERS + LWIO):
         continue
@@ -224,13 +228,14 @@ for lp, mode in LWIO:
 
 # ------------------------------------------------------------------ compact matrix
 P('\n## System x workload\n')
-P('seq = 1 MiB QD8; rr = 4 KiB random read; rw = 4 KiB random write; CPU = client CPU in the timed loop.\n')
-P('| system | seq read GB/s | seq write GB/s | rr QD1 IOPS | rr QD1 p50 us | rr QD1 p99 us | rr QD32 IOPS | rr QD32 p99 us | rw QD1 IOPS | rw QD1 p50 us | client us/4k QD32 | server us/4k QD32 | client s/GiB seq read | server s/GiB seq read |')
-P('|---|' + '---:|' * 13)
+P('seq = 1 MiB QD8 (seq write 16M: 16 MiB QD2); rr = 4 KiB random read; rw = 4 KiB random write; CPU = client CPU in the timed loop.\n')
+P('| system | seq read GB/s | seq write GB/s | seq write 16M QD2 GB/s | rr QD1 IOPS | rr QD1 p50 us | rr QD1 p99 us | rr QD32 IOPS | rr QD32 p99 us | rw QD1 IOPS | rw QD1 p50 us | client us/4k QD32 | server us/4k QD32 | client s/GiB seq read | server s/GiB seq read |')
+P('|---|' + '---:|' * 14)
 for peer, label in SYSTEMS:
     sr = 'iperf3' if peer == 'tcp' else 'seqread'
     r1 = 'pingpong' if peer == 'tcp' else 'rr1'
     row = [cell(peer, sr, 'GBps', '{:.2f}'), cell(peer, 'seqwrite', 'GBps', '{:.2f}'),
+           cell(peer, 'seqwrite16', 'GBps', '{:.2f}'),
            cell(peer, r1, 'iops', '{:,.0f}'), cell(peer, r1, 'p50_us', '{:.1f}'), cell(peer, r1, 'p99_us', '{:.1f}'),
            cell(peer, 'rr32', 'iops', '{:,.0f}'), cell(peer, 'rr32', 'p99_us', '{:.1f}'),
            cell(peer, 'rw1', 'iops', '{:,.0f}'), cell(peer, 'rw1', 'p50_us', '{:.1f}'),

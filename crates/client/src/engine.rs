@@ -51,6 +51,7 @@ use lwio_proto::client::{
     ClientAction, ClientConfig, ClientConn, ClientError, ClientEvent, Issued, LocalMemory, Mode,
     RemoteBuf, ReqId, StatusBlockArea, VecWrite,
 };
+use lwio_proto::wire::fragment::FRAGMENT_HEADER_LEN;
 use lwio_proto::wire::small::{poll_block_written, POLL_SENTINEL};
 use lwio_proto::wire::{Guid, Opcode, RdmaRegion, SrvResumeKey, COMMON_HEADER_LEN};
 use lwio_proto::NtStatus;
@@ -128,6 +129,13 @@ pub struct ClientStats {
     pub reg_cache_evictions: u64,
     /// Caller buffers registered for the duration of one call.
     pub call_registrations: u64,
+    /// Write data bytes copied into send slots (a write from a registered
+    /// buffer goes out as a send SGE over it instead: 0 bytes).
+    pub send_copy_bytes: u64,
+    /// Writes sent as one fragmented message (docs/protocol.md §5.12),
+    /// and the fragments they took.
+    pub fragmented_writes: u64,
+    pub fragments_sent: u64,
     pub polled_completions: u64,
     pub interrupt_completions: u64,
     /// Of the interrupt completions, reads completed by the server's RDMA
@@ -157,6 +165,31 @@ struct ReqData {
     abandoned: bool,
     /// Caller-memory group (0 = engine memory); see [`Engine::fence_group`].
     group: u64,
+}
+
+/// A request message in its send slot, waiting to be posted: `len` bytes
+/// of the slot, then (a fragment of a write from caller memory) `data`.
+struct Outgoing {
+    slot: u32,
+    len: usize,
+    data: Option<lwio_rdma::Sge>,
+}
+
+/// Registered caller memory a write sends from: the registration and the
+/// data's offset in it.
+pub struct UserSrc {
+    reg: Arc<UserReg>,
+    off: usize,
+}
+
+impl UserSrc {
+    /// The same memory from `off` bytes further on.
+    pub fn at(&self, off: usize) -> UserSrc {
+        UserSrc {
+            reg: self.reg.clone(),
+            off: self.off + off,
+        }
+    }
 }
 
 /// A registration of caller memory: the region and, for a cached
@@ -256,7 +289,11 @@ struct Locked {
     send_free: Vec<u32>,
     /// Request messages encoded in their send slots, waiting to be posted
     /// (in order): (slot, length).
-    send_backlog: VecDeque<(u32, usize)>,
+    send_backlog: VecDeque<Outgoing>,
+    /// Caller-memory registrations a posted fragment sends from, by send
+    /// slot: kept (with the memory of a cached registration) until that
+    /// send completes.
+    slot_pins: HashMap<u32, Arc<UserReg>>,
     stage_free: Vec<usize>,
     bounce_free: Vec<usize>,
     mw_free: Vec<Mw>,
@@ -282,6 +319,8 @@ pub struct Engine {
     recv_mr: Mr,
     send_mr: Mr,
     send_slot: usize,
+    /// Send slots in all.
+    send_slots: usize,
     /// Windowable memory: [auth buffer | status blocks | bounce | staging].
     win_mr: Mr,
     status_off: usize,
@@ -331,6 +370,9 @@ fn client_err(e: ClientError) -> Error {
         ClientError::NoStatusBlock => Error::Busy("no free status block".into()),
         ClientError::NoCredits => Error::Busy("no credits".into()),
         ClientError::TransmitPending => Error::Busy("request messages wait for a send slot".into()),
+        ClientError::TooManyFragments { fragments, credits } => Error::Busy(format!(
+            "a message of {fragments} fragments needs more than the {credits} credits granted"
+        )),
     }
 }
 
@@ -379,7 +421,9 @@ impl Engine {
             cap: QpCap {
                 max_send_wr: sq_depth,
                 max_recv_wr: nrecv as u32,
-                max_send_sge: 1,
+                // A fragment from caller memory: its header in a send
+                // slot, its data where it is.
+                max_send_sge: 2,
                 max_recv_sge: 1,
                 max_inline_data: 0,
             },
@@ -464,6 +508,7 @@ impl Engine {
             recv_free,
             send_free: (0..send_slots as u32).rev().collect(),
             send_backlog: VecDeque::new(),
+            slot_pins: HashMap::new(),
             stage_free: (0..cfg.stage_slots).rev().collect(),
             bounce_free: (0..BOUNCE_SLOTS).rev().collect(),
             mw_free,
@@ -484,6 +529,7 @@ impl Engine {
             recv_mr,
             send_mr,
             send_slot,
+            send_slots,
             win_mr,
             status_off,
             bounce_off,
@@ -787,7 +833,11 @@ impl Engine {
                 return self.mark_lost(st, "a send slot lies outside the send region".into());
             };
             match n {
-                Some(len) => st.send_backlog.push_back((slot, len)),
+                Some(len) => st.send_backlog.push_back(Outgoing {
+                    slot,
+                    len,
+                    data: None,
+                }),
                 None => {
                     st.send_free.push(slot);
                     // The state machine closed the connection (a message
@@ -802,27 +852,33 @@ impl Engine {
         self.fill_send_slots(st);
         while !st.send_backlog.is_empty() {
             let n = st.send_backlog.len().min(SEND_BATCH);
-            let batch: Vec<(u32, usize)> = st.send_backlog.drain(..n).collect();
-            let sges: Vec<lwio_rdma::Sge> = batch
+            let batch: Vec<Outgoing> = st.send_backlog.drain(..n).collect();
+            let sges: Vec<([lwio_rdma::Sge; 2], usize)> = batch
                 .iter()
-                .map(|&(slot, len)| self.send_mr.sge(slot as usize * self.send_slot, len as u32))
+                .map(|o| {
+                    let head = self
+                        .send_mr
+                        .sge(o.slot as usize * self.send_slot, o.len as u32);
+                    match o.data {
+                        Some(d) => ([head, d], 2),
+                        None => ([head, head], 1),
+                    }
+                })
                 .collect();
             let wrs: Vec<SendWr<'_>> = sges
                 .iter()
                 .zip(&batch)
-                .map(|(sge, &(slot, _))| {
-                    SendWr::new(
-                        wrid::SEND | u64::from(slot),
-                        SendOp::Send,
-                        std::slice::from_ref(sge),
-                    )
+                .map(|((sge, n), o)| {
+                    SendWr::new(wrid::SEND | u64::from(o.slot), SendOp::Send, &sge[..*n])
                 })
                 .collect();
             if let Err(e) = self.qp.post_send(&wrs) {
                 // Those before the failed one were posted: their slots come
                 // back with their (flushed) completions.
-                st.send_free
-                    .extend(batch.iter().skip(e.index).map(|&(slot, _)| slot));
+                for o in batch.iter().skip(e.index) {
+                    st.send_free.push(o.slot);
+                    st.slot_pins.remove(&o.slot);
+                }
                 self.mark_lost(st, format!("posting a send failed: {}", e.error));
                 return;
             }
@@ -894,6 +950,7 @@ impl Engine {
             }
             wrid::SEND => {
                 st.send_free.push(v as u32);
+                st.slot_pins.remove(&(v as u32));
                 if !w.is_ok() {
                     self.mark_lost(
                         st,
@@ -1375,6 +1432,196 @@ impl Engine {
         }))
     }
 
+    /// The most write data one fragmented message can carry on this
+    /// connection now (a credit and a send slot per fragment); 0 when the
+    /// server takes no fragments.
+    /// `zero_copy`: the data goes out from registered memory (else each
+    /// fragment's data is copied into a send slot, which bounds it).
+    pub fn max_write_message(&self, zero_copy: bool) -> usize {
+        let st = lock(&self.st);
+        let slots = u32::try_from(self.send_slots).unwrap_or(u32::MAX);
+        st.conn
+            .max_fragmented_write(slots, self.fragment_cap(zero_copy))
+            .min(u32::MAX - 1) as usize
+    }
+
+    /// The most data bytes per fragment this engine sends: a send slot's
+    /// worth when it copies, else what the server's buffers take.
+    fn fragment_cap(&self, zero_copy: bool) -> u32 {
+        if zero_copy {
+            u32::MAX
+        } else {
+            u32::try_from(self.send_slot - FRAGMENT_HEADER_LEN).unwrap_or(u32::MAX)
+        }
+    }
+
+    /// Where `data` lies in registered caller memory (a [`RegisteredBuf`]
+    /// in the registration cache), for a write that sends from it without
+    /// a copy; `None` if it does not.
+    ///
+    /// [`RegisteredBuf`]: crate::RegisteredBuf
+    ///
+    /// With `per_call`, plain memory is registered for this call.
+    ///
+    /// # Safety
+    /// With `per_call`, `data` must stay allocated (and unchanged, or the
+    /// server gets what it holds when the device reads it) until
+    /// [`Engine::fence_sends`] of the returned source has returned: the
+    /// registration does not keep plain memory alive.
+    pub unsafe fn write_source(&self, data: &[u8], per_call: bool) -> Result<Option<UserSrc>> {
+        // SAFETY: a cache entry's memory is the entry's own `RegBuf`, kept
+        // alive by the returned registration whatever becomes of `data`'s
+        // borrow; plain memory is the caller's contract above. No window
+        // is ever bound over it for a write and the region has no remote
+        // right of its own: only the local device reads it, for the sends
+        // (`user_dst`'s exclusivity is about remote writes, which cannot
+        // happen here).
+        let dst = unsafe { self.user_dst(data.as_ptr() as *mut u8, data.len(), per_call)? };
+        Ok(dst.map(|d| UserSrc {
+            reg: d.reg,
+            off: d.off,
+        }))
+    }
+
+    /// Return once no posted send reads `src`'s registration any more
+    /// (every fragment sent from it has completed, or been flushed). If
+    /// that takes longer than the operation timeout, the queue pair is
+    /// moved to the error state first (the device reads nothing more).
+    pub fn fence_sends(&self, src: &UserSrc) {
+        let _waiting = Waiting::new(&self.waiters);
+        let deadline = Instant::now() + self.cfg.op_timeout;
+        let mut st = lock(&self.st);
+        loop {
+            if !st.slot_pins.values().any(|r| Arc::ptr_eq(r, &src.reg)) {
+                return;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                self.mark_lost(&mut st, "sends from caller memory did not complete".into());
+                self.qp.set_error();
+                st.slot_pins.retain(|_, r| !Arc::ptr_eq(r, &src.reg));
+                return;
+            }
+            self.sleep_or_drive(st, (deadline - now).min(Duration::from_millis(5)));
+            st = lock(&self.st);
+        }
+    }
+
+    /// WRITE (`vec_page` None) or VEC_WRITE of all of `data` at `offset` as
+    /// one fragmented message (docs/protocol.md §5.12): one request, one
+    /// status. Each fragment is one Send of its header (and, for the first,
+    /// the request's header) from a send slot, then its data: from `src`
+    /// (registered caller memory holding `data`) as a second SGE, no copy;
+    /// without `src`, copied into the slot. Waits for a credit and a send
+    /// slot per fragment.
+    pub fn issue_write_message(
+        &self,
+        fid: u16,
+        offset: u64,
+        data: &[u8],
+        vec_page: Option<u16>,
+        src: Option<&UserSrc>,
+    ) -> Result<ReqId> {
+        let len = u32::try_from(data.len())
+            .map_err(|_| Error::InvalidArgument("write larger than 4 GiB".into()))?;
+        self.issue(|e, st| {
+            e.fill_send_slots(st);
+            let cap = e.fragment_cap(src.is_some());
+            let n = st.conn.fragments_for(len, cap) as usize;
+            if n == 0 || n > e.send_slots {
+                return Some(Err(Error::InvalidArgument(format!(
+                    "a write of {len} bytes cannot be one message here"
+                ))));
+            }
+            let credits = usize::from(st.conn.credits());
+            if n > credits {
+                return Some(Err(client_err(ClientError::TooManyFragments {
+                    fragments: n as u32,
+                    credits: st.conn.credits(),
+                })));
+            }
+            // Every resource first (a credit and a send slot per fragment),
+            // then the status window of polling mode: nothing is bound for
+            // an attempt that has to wait.
+            if st.conn.transmit_pending() > 0
+                || st.send_free.len() < n
+                || st.conn.credits_held() + n > credits
+            {
+                return None;
+            }
+            let (mode, status) = match e.req_mode(st) {
+                Ok(m) => m,
+                Err(err) => return Some(Err(err)),
+            };
+            let plan = match st.conn.write_fragmented(
+                Instant::now(),
+                fid,
+                offset,
+                len,
+                vec_page,
+                mode,
+                cap,
+            ) {
+                Ok(p) => p,
+                Err(ClientError::NoCredits) => {
+                    e.drop_windows(st, status.into_iter().collect(), 0);
+                    return None;
+                }
+                Err(err) => {
+                    e.drop_windows(st, status.into_iter().collect(), 0);
+                    return Some(Err(client_err(err)));
+                }
+            };
+            for f in &plan.fragments {
+                let Some(slot) = st.send_free.pop() else {
+                    // Checked above: n slots were free under this lock.
+                    e.mark_lost(st, "no send slot for a fragment".into());
+                    return Some(Err(Error::ConnectionLost("no send slot".into())));
+                };
+                let (h, d) = lwio_proto::client::FragmentedWrite::pieces(f);
+                let copy = src.is_none();
+                let wrote = e.with_send_slot(slot, |out| {
+                    let hl = FRAGMENT_HEADER_LEN;
+                    let mut used = hl + h.len();
+                    if copy {
+                        used += d.len();
+                    }
+                    let out = out.get_mut(..used)?;
+                    f.emit(&mut out[..hl]);
+                    out[hl..hl + h.len()].copy_from_slice(&plan.head[h.clone()]);
+                    if copy {
+                        out[hl + h.len()..].copy_from_slice(&data[d.clone()]);
+                    }
+                    Some(used)
+                });
+                let Some(Some(used)) = wrote else {
+                    st.send_free.push(slot);
+                    e.mark_lost(st, "a fragment does not fit its send slot".into());
+                    return Some(Err(Error::ConnectionLost("send slot too small".into())));
+                };
+                let sge = match src {
+                    Some(u) if !d.is_empty() => {
+                        st.slot_pins.insert(slot, u.reg.clone());
+                        Some(u.reg.mr.sge(u.off + d.start, d.len() as u32))
+                    }
+                    _ => None,
+                };
+                if copy {
+                    st.stats.send_copy_bytes += d.len() as u64;
+                }
+                st.send_backlog.push_back(Outgoing {
+                    slot,
+                    len: used,
+                    data: sge,
+                });
+            }
+            st.stats.fragmented_writes += 1;
+            st.stats.fragments_sent += plan.fragments.len() as u64;
+            Self::keep_window(st, plan.issued.req, status);
+            Some(Ok(plan.issued.req))
+        })
+    }
+
     /// Issue a request whose payload the caller lends (WRITE, VEC_WRITE):
     /// `encode` writes it straight into a free send slot (the data's only
     /// copy). Messages queued before it go to slots first; without a free
@@ -1405,7 +1652,12 @@ impl Engine {
                 .unwrap_or(Err(ClientError::InvalidArgument));
             match r {
                 Ok((issued, len)) => {
-                    st.send_backlog.push_back((slot, len));
+                    st.stats.send_copy_bytes += len.saturating_sub(COMMON_HEADER_LEN) as u64;
+                    st.send_backlog.push_back(Outgoing {
+                        slot,
+                        len,
+                        data: None,
+                    });
                     Self::keep_window(st, issued.req, status);
                     Some(Ok(issued.req))
                 }

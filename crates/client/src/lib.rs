@@ -1151,6 +1151,33 @@ impl File {
             // Unbuffered files need aligned pieces: whole pages per request.
             chunk -= chunk % usize::from(page);
         }
+        // Larger than one request: fragmented messages (docs/protocol.md
+        // §5.12), one request each — the whole write when it fits in one,
+        // else messages of half the largest, so two are in flight.
+        // Large writes go out from the caller's memory, registered (a
+        // `RegisteredBuf`'s cached registration, or one for this call):
+        // nothing is copied into send slots.
+        let zero_copy = buf.len() > chunk && e.max_write_message(true) > chunk;
+        // SAFETY: `buf` is borrowed for this whole call, and every send
+        // from it is fenced (`fence_sends`) before the call returns.
+        let src = if zero_copy {
+            unsafe { e.write_source(buf, true) }.unwrap_or(None)
+        } else {
+            None
+        };
+        let msg_max = e.max_write_message(src.is_some());
+        let mut message = false;
+        if buf.len() > chunk && msg_max > chunk {
+            message = true;
+            chunk = if buf.len() <= msg_max {
+                buf.len()
+            } else {
+                msg_max / 2
+            };
+            if self.no_buffering && chunk >= usize::from(page) && chunk < buf.len() {
+                chunk -= chunk % usize::from(page);
+            }
+        }
         let depth = usize::from(e.credits()).max(1);
         let mut pending = std::collections::VecDeque::new();
         let mut issued = 0usize;
@@ -1160,7 +1187,16 @@ impl File {
             while err.is_none() && issued < buf.len() && pending.len() < depth {
                 let len = chunk.min(buf.len() - issued);
                 let data = &buf[issued..issued + len];
-                let r = if vectored {
+                let r = if message {
+                    let sub = src.as_ref().map(|u| u.at(issued));
+                    e.issue_write_message(
+                        self.fid,
+                        offset + issued as u64,
+                        data,
+                        vectored.then_some(page),
+                        sub.as_ref(),
+                    )
+                } else if vectored {
                     e.issue_vec_write(
                         self.fid,
                         offset + issued as u64,
@@ -1189,6 +1225,9 @@ impl File {
                 break;
             };
             self.write_outcome(e.wait(req, slot), len, &mut done, &mut err);
+        }
+        if let Some(u) = &src {
+            e.fence_sends(u);
         }
         match err {
             Some(e) => Err(e),

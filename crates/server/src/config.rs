@@ -162,6 +162,10 @@ pub struct RdmaConfig {
     /// bounds what one that is not can make the server buffer (soft
     /// provider; verbs devices have no such buffering).
     pub indicate_window: u32,
+    /// The largest write one request may carry as a fragmented message
+    /// (docs/protocol.md §5.12), announced to clients as MAX_MESSAGE;
+    /// 0 = no fragments (every write is cut into `max_write_size` requests).
+    pub max_message: u32,
 }
 
 impl Default for RdmaConfig {
@@ -173,6 +177,7 @@ impl Default for RdmaConfig {
             progress: ProgressChoice::Connection,
             max_write_size: 64 * 1024,
             indicate_window: 128 * 1024,
+            max_message: crate::io_phase::server::DEFAULT_MAX_MESSAGE,
         }
     }
 }
@@ -560,6 +565,7 @@ busy_poll_polled = "100us"
 progress = "connection"
 max_write_size = 65536
 indicate_window = 131072
+max_message = 16777216
 "#;
 
 #[cfg(test)]
@@ -620,6 +626,7 @@ mod tests {
                 progress: ProgressChoice::Engine,
                 max_write_size: 262144,
                 indicate_window: 32768,
+                max_message: crate::io_phase::server::DEFAULT_MAX_MESSAGE,
             }
         );
         let e = Config::from_toml("[rdma]\nprogress = \"threads\"").unwrap_err();

@@ -71,6 +71,14 @@ fn by_op(
     Ok(())
 }
 
+/// An NTSTATUS as a label: its name, or its hex value.
+fn status_label(st: lwio_proto::NtStatus) -> String {
+    match status::name(st) {
+        Some(n) => n.to_string(),
+        None => format!("{st:#010x}"),
+    }
+}
+
 fn i64_of(v: impl TryInto<i64>) -> i64 {
     v.try_into().unwrap_or(i64::MAX)
 }
@@ -178,6 +186,40 @@ impl Collector for Figures {
             s.ios_cancelled,
         )?;
         let q = &r.requests;
+        counter(
+            &mut e,
+            "lwio_fragments_received",
+            "LWIO_FRAGMENT messages received (operations of any size)",
+            q.fragments,
+        )?;
+        counter(
+            &mut e,
+            "lwio_fragmented_messages",
+            "Fragmented messages reassembled, each one request",
+            q.messages_reassembled,
+        )?;
+        counter(
+            &mut e,
+            "lwio_fragment_writes",
+            "Reassembled messages written to their files",
+            s.fragment_writes,
+        )?;
+        counter(
+            &mut e,
+            "lwio_fragment_write_calls",
+            "Write calls those took (one pwritev, or one storage batch, each)",
+            s.fragment_write_calls,
+        )?;
+        let mut m = e.encode_descriptor(
+            "lwio_connections_terminated",
+            "RDMA connections the server terminated, by the NTSTATUS of the reason",
+            None,
+            MetricType::Counter,
+        )?;
+        for (st, n) in &s.closed_by_status {
+            let name = status_label(*st);
+            ConstCounter::new(*n).encode(m.encode_family(&[("status", name.as_str())])?)?;
+        }
         by_op(
             &mut e,
             "lwio_requests",
@@ -227,10 +269,7 @@ impl Collector for Figures {
             MetricType::Counter,
         )?;
         for (st, n) in &q.errors {
-            let name = match status::name(*st) {
-                Some(n) => n.to_string(),
-                None => format!("{st:#010x}"),
-            };
+            let name = status_label(*st);
             ConstCounter::new(*n).encode(m.encode_family(&[("status", name.as_str())])?)?;
         }
         Ok(())

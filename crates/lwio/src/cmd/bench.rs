@@ -335,6 +335,23 @@ fn job(
         let v = rng.next().to_le_bytes();
         w.copy_from_slice(&v[..w.len()]);
     }
+    // A write larger than one request goes as one fragmented message
+    // (docs/protocol.md §5.12), sent from a registered buffer: no copy.
+    let wreg = if plan.bs > max_w && e.max_write_message(true) >= plan.bs {
+        let mut r = client
+            .register_buffer(plan.bs)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        r.copy_from_slice(&wbuf);
+        Some(r)
+    } else {
+        None
+    };
+    // SAFETY: without `per_call` only the buffer's cached registration is
+    // used, which keeps its memory alive.
+    let wsrc = match &wreg {
+        Some(r) => unsafe { e.write_source(r, false) }.map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => None,
+    };
     let mut scratch = vec![0u8; max_r];
     let mut hist = Histogram::<u64>::new_with_bounds(1, 120_000_000_000, 3)
         .map_err(|e| anyhow::anyhow!("histogram: {e}"))?;
@@ -361,7 +378,11 @@ fn job(
                 RwPattern::Write | RwPattern::Randwrite => false,
                 RwPattern::Randrw => std::mem::take(&mut pending_read) || rng.next() & 1 == 0,
             };
-            let chunk = if read { max_r } else { max_w };
+            let chunk = match (read, &wsrc) {
+                (true, _) => max_r,
+                (false, Some(_)) => plan.bs,
+                (false, None) => max_w,
+            };
             let nreq = plan.bs.div_ceil(chunk);
             if read && staged + nreq > budget && !inflight.is_empty() {
                 // Every staging slot is taken: reap first (the pattern
@@ -389,6 +410,9 @@ fn job(
                 let r = if read {
                     e.issue_read(file.fid(), off + o as u64, len, None)
                         .map(|(req, st)| (req, Some(st)))
+                } else if let (Some(r), Some(src)) = (&wreg, &wsrc) {
+                    e.issue_write_message(file.fid(), off, &r[..], None, Some(src))
+                        .map(|req| (req, None))
                 } else {
                     e.issue_write(file.fid(), off + o as u64, &wbuf[o..o + len])
                         .map(|req| (req, None))

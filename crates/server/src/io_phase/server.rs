@@ -51,7 +51,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lwio_proto::server::{
-    CloseReason, DataSource, OpId, ServerAction, ServerConfig, ServerConn, ServerHooks,
+    CloseReason, DataSource, OpId, RecvBuffer, RecvId, ServerAction, ServerConfig, ServerConn,
+    ServerHooks,
 };
 use lwio_proto::stats::RequestStats;
 use lwio_proto::status::*;
@@ -136,6 +137,7 @@ impl Default for RdmaServerOptions {
             // message; `bind` keeps it only where the device has it.
             proto: ServerConfig {
                 use_write_with_imm: true,
+                max_message: DEFAULT_MAX_MESSAGE,
                 ..ServerConfig::default()
             },
             max_connections: 256,
@@ -156,6 +158,10 @@ impl Default for RdmaServerOptions {
         }
     }
 }
+
+/// The largest fragmented message (docs/protocol.md §5.12) a server
+/// reassembles by default.
+pub const DEFAULT_MAX_MESSAGE: u32 = 16 << 20;
 
 /// Server counters (for tests, `lwio stats` and logs).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -192,6 +198,13 @@ pub struct ServerStats {
     pub ios_cancelled: u64,
     /// Jobs waiting for a storage thread now.
     pub storage_queue: usize,
+    /// Reassembled fragmented messages written to their files.
+    pub fragment_writes: u64,
+    /// Write calls those took: one `pwritev` each on the connection
+    /// thread, or one batch submitted to the storage backend.
+    pub fragment_write_calls: u64,
+    /// Connections the server terminated, by the NTSTATUS of the reason.
+    pub closed_by_status: std::collections::BTreeMap<NtStatus, u64>,
 }
 
 enum Control {
@@ -228,6 +241,9 @@ struct Shared {
     closed_by_protocol: AtomicU64,
     inline_ios: AtomicU64,
     ios_cancelled: AtomicU64,
+    fragment_writes: AtomicU64,
+    fragment_write_calls: AtomicU64,
+    closed_by_status: Mutex<std::collections::BTreeMap<NtStatus, u64>>,
     /// Request counters of closed connections and, up to
     /// [`STATS_FLUSH`] behind, of live ones.
     requests: Mutex<RequestStats>,
@@ -370,6 +386,9 @@ impl ServerHandle {
             inline_ios: s.inline_ios.load(Ordering::Relaxed),
             ios_cancelled: s.ios_cancelled.load(Ordering::Relaxed),
             storage_queue: s.storage_queued.load(Ordering::Relaxed),
+            fragment_writes: s.fragment_writes.load(Ordering::Relaxed),
+            fragment_write_calls: s.fragment_write_calls.load(Ordering::Relaxed),
+            closed_by_status: lock(&s.closed_by_status).clone(),
         }
     }
 
@@ -470,6 +489,7 @@ impl RdmaServer {
         }
         let mut listeners: Vec<Listening> = Vec::new();
         let mut last_err = None;
+        let fragment_budget = lwio_proto::fragment::Budget::new(opts.max_memory / 2);
         for (provider, dev) in lwio_rdma::devices_for(opts.provider, opts.device.as_deref()) {
             if let Err(why) = &dev.usable {
                 debug!(provider = provider.name(), device = %dev.name, %why, "device not usable; not listening");
@@ -537,6 +557,10 @@ impl RdmaServer {
             }
             let caps = ctx.device().caps.clone();
             let mut proto = opts.proto.clone();
+            // Partial fragmented messages hold receive buffers that are
+            // already registered; the budget bounds how much of the
+            // server's registered memory they may pin at once.
+            proto.fragment_budget = Some(fragment_budget.clone());
             // Write with immediate completes full reads without a status
             // message; only where this device has it.
             proto.use_write_with_imm =
@@ -576,6 +600,9 @@ impl RdmaServer {
             closed_by_protocol: AtomicU64::new(0),
             inline_ios: AtomicU64::new(0),
             ios_cancelled: AtomicU64::new(0),
+            fragment_writes: AtomicU64::new(0),
+            fragment_write_calls: AtomicU64::new(0),
+            closed_by_status: Mutex::new(Default::default()),
             requests: Mutex::new(RequestStats::default()),
             storage_queued: Arc::new(AtomicUsize::new(0)),
         });
@@ -733,8 +760,20 @@ impl RdmaPhase for RdmaServer {
 // ------------------------------------------------------------------ storage
 
 enum JobKind {
-    Read { buf: Arc<Mr>, len: usize },
-    Write { data: Vec<u8> },
+    Read {
+        buf: Arc<Mr>,
+        len: usize,
+    },
+    Write {
+        data: Vec<u8>,
+    },
+    /// A reassembled message's data: (offset, length) pieces of the
+    /// receive region `mr`, in order (buffers kept for the message, not
+    /// posted until the job's reply).
+    WriteParts {
+        mr: Arc<Mr>,
+        iov: Vec<(usize, usize)>,
+    },
 }
 
 struct Job {
@@ -836,6 +875,76 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
                 [crate::fs::backend::IoOp::write(fd, job.offset, data).aligned(job.align)];
             backend.submit_cancellable(&mut ops, &job.cancel).pop()
         }
+        JobKind::WriteParts { mr, iov } => {
+            let base = mr.addr() as usize;
+            let mut slices: Vec<&[u8]> = Vec::with_capacity(iov.len());
+            for &(at, len) in iov {
+                if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+                    return Err(STATUS_INVALID_PARAMETER);
+                }
+                // SAFETY: the piece lies in the receive region (checked),
+                // in a buffer kept for this message: the connection thread
+                // reposts it only after this job's reply (`storage_done`),
+                // and the region is LOCAL_WRITE only, so neither the
+                // provider nor a peer writes it while this shared slice
+                // lives; the job's Arc keeps the region mapped even if the
+                // connection is torn down meanwhile.
+                slices.push(unsafe { std::slice::from_raw_parts((base + at) as *const u8, len) });
+            }
+            let a = job.align.max(1) as usize;
+            if a > 1 {
+                // O_DIRECT: one aligned copy, then one write.
+                let total: usize = slices.iter().map(|s| s.len()).sum();
+                let mut bounce = vec![0u8; total + a];
+                let pad = bounce.as_ptr().align_offset(a).min(a);
+                let mut o = pad;
+                for sl in &slices {
+                    bounce[o..o + sl.len()].copy_from_slice(sl);
+                    o += sl.len();
+                }
+                let mut ops =
+                    [
+                        crate::fs::backend::IoOp::write(fd, job.offset, &bounce[pad..pad + total])
+                            .aligned(job.align),
+                    ];
+                backend.submit_cancellable(&mut ops, &job.cancel).pop()
+            } else {
+                // One batch: the pieces at consecutive offsets.
+                let mut off = job.offset;
+                let mut ops: Vec<_> = slices
+                    .iter()
+                    .map(|sl| {
+                        let op = crate::fs::backend::IoOp::write(fd, off, sl);
+                        off += sl.len() as u64;
+                        op
+                    })
+                    .collect();
+                let want: Vec<usize> = slices.iter().map(|s| s.len()).collect();
+                let rs = backend.submit_cancellable(&mut ops, &job.cancel);
+                let mut done = 0usize;
+                let mut err = None;
+                for (r, w) in rs.into_iter().zip(want) {
+                    match r {
+                        Ok(n) => {
+                            done += n;
+                            if n < w {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            err = Some(e);
+                            break;
+                        }
+                    }
+                }
+                // As one write: a failure (ENOSPC after some pieces went
+                // in) is the answer, not the bytes before it.
+                match err {
+                    Some(e) => Some(Err(e)),
+                    None => Some(Ok(done)),
+                }
+            }
+        }
     };
     match r {
         Some(Ok(n)) => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
@@ -889,9 +998,46 @@ unsafe fn inline_io(
     len: usize,
     write: bool,
 ) -> Option<u32> {
-    if !enabled || f.direct || len == 0 {
+    let iov = [libc::iovec {
+        iov_base: ptr.cast(),
+        iov_len: len,
+    }];
+    // SAFETY: the caller's contract, for the one piece.
+    unsafe { inline_io_iov(cache, enabled, f, offset, &iov, len, write) }
+}
+
+/// [`inline_io`] of a write gathered from several pieces: one `pwritev2`.
+///
+/// # Safety
+/// Every `iov` piece must be valid for reads during the call; `total` is
+/// their summed length.
+unsafe fn inline_io_vec(
+    cache: &mut HashMap<(u64, bool), InlineMode>,
+    enabled: bool,
+    f: &OpenFile,
+    offset: u64,
+    iov: &[libc::iovec],
+    total: usize,
+) -> Option<u32> {
+    // SAFETY: the caller's contract.
+    unsafe { inline_io_iov(cache, enabled, f, offset, iov, total, true) }
+}
+
+/// # Safety
+/// As [`inline_io`], for every piece of `iov` (`total` bytes in all).
+unsafe fn inline_io_iov(
+    cache: &mut HashMap<(u64, bool), InlineMode>,
+    enabled: bool,
+    f: &OpenFile,
+    offset: u64,
+    iov: &[libc::iovec],
+    len: usize,
+    write: bool,
+) -> Option<u32> {
+    if !enabled || f.direct || len == 0 || iov.len() > 1024 {
         return None;
     }
+    let n = u32::try_from(len).ok()?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&*f.file);
     let mode = *cache
         .entry((f.handle, write))
@@ -902,17 +1048,14 @@ unsafe fn inline_io(
         InlineMode::NoWait => libc::RWF_NOWAIT,
     };
     let off = libc::off_t::try_from(offset).ok()?;
-    let iov = libc::iovec {
-        iov_base: ptr.cast(),
-        iov_len: len,
-    };
-    // SAFETY: the caller vouches for [ptr, ptr+len); `iov` lives across the
-    // call; `fd` is an open file.
+    let cnt = iov.len() as libc::c_int;
+    // SAFETY: the caller vouches for every piece of `iov`, which lives
+    // across the call; `fd` is an open file.
     let r = unsafe {
         if write {
-            libc::pwritev2(fd, &iov, 1, off, flags)
+            libc::pwritev2(fd, iov.as_ptr(), cnt, off, flags)
         } else {
-            libc::preadv2(fd, &iov, 1, off, flags)
+            libc::preadv2(fd, iov.as_ptr(), cnt, off, flags)
         }
     };
     if r < 0 {
@@ -924,7 +1067,7 @@ unsafe fn inline_io(
         // reports them.
         return None;
     }
-    (r as usize == len).then_some(len as u32)
+    (r as usize == len).then_some(n)
 }
 
 // --------------------------------------------------------------- connection
@@ -1027,7 +1170,10 @@ struct Conn {
     cq: Cq,
     chan: CompChannel,
     pd: Pd,
-    recv_mr: Option<Mr>,
+    recv_mr: Option<Arc<Mr>>,
+    /// Receive buffers a storage job writes from (a reassembled message),
+    /// reposted when it completes.
+    frag_bufs: HashMap<OpId, Vec<RecvId>>,
     recv_slot: usize,
     send_mr: Option<Mr>,
     send_free: Vec<u32>,
@@ -1183,7 +1329,8 @@ impl Conn {
                 cq,
                 chan,
                 pd,
-                recv_mr: Some(recv_mr),
+                recv_mr: Some(Arc::new(recv_mr)),
+                frag_bufs: HashMap::new(),
                 recv_slot,
                 send_mr: Some(send_mr),
                 send_free: (0..sq_depth as u32).rev().collect(),
@@ -1389,7 +1536,14 @@ impl Conn {
             self.shared.unregister(mr);
         }
         if let Some(m) = self.recv_mr.take() {
-            self.shared.unregister(m);
+            let len = m.len();
+            match Arc::try_unwrap(m) {
+                Ok(mr) => self.shared.unregister(mr),
+                // A storage job still writes from it; freed when it ends.
+                Err(_) => {
+                    self.shared.mem_used.fetch_sub(len, Ordering::AcqRel);
+                }
+            }
         }
         if let Some(m) = self.send_mr.take() {
             self.shared.unregister(m);
@@ -1528,19 +1682,23 @@ impl Conn {
                         inline_mode: &mut self.inline_mode,
                         mem: &mut self.mem,
                     };
-                    self.sconn.handle_recv(Instant::now(), msg, &mut hooks);
+                    let kept =
+                        self.sconn
+                            .handle_recv_in(Instant::now(), slot as RecvId, msg, &mut hooks);
                     if !was_auth && self.sconn.is_authenticated() {
                         self.shared.auth_ok.fetch_add(1, Ordering::Relaxed);
                         self.mem.attach(&self.state, self.waker.clone());
                         info!(conn = self.id, peer = %self.peer, session = ?self.session, credits = self.sconn.credits(), "AUTH ok");
                     }
+                    if kept == RecvBuffer::Kept {
+                        // A fragment: its buffer comes back with the
+                        // message's write (FileWriteParts) or a refusal
+                        // (RepostRecvs), and is reposted then.
+                        return;
+                    }
                 }
                 // Repost: the state machine kept nothing that points into it.
-                let sge = [mr.sge(at, self.recv_slot as u32)];
-                let _ = self.qp.post_recv(&[RecvWr {
-                    wr_id: w.wr_id,
-                    sg_list: &sge,
-                }]);
+                self.repost_recv(slot as RecvId);
             }
             wrid::SEND => {
                 self.sq_inflight = self.sq_inflight.saturating_sub(1);
@@ -1569,8 +1727,134 @@ impl Conn {
         }
     }
 
+    /// Post receive buffer `slot` again.
+    fn repost_recv(&mut self, slot: RecvId) {
+        let Some(mr) = self.recv_mr.as_ref() else {
+            return;
+        };
+        let at = slot as usize * self.recv_slot;
+        if at >= mr.len() {
+            return;
+        }
+        let sge = [mr.sge(at, self.recv_slot as u32)];
+        let _ = self.qp.post_recv(&[RecvWr {
+            wr_id: wrid::RECV | slot,
+            sg_list: &sge,
+        }]);
+    }
+
+    /// A reassembled message: its data is `parts` of the receive buffers
+    /// the fragments landed in (kept, not posted, since). Written with one
+    /// `pwritev` from there on this thread when the page-cache fast path
+    /// allows, else by a storage thread from the same buffers; the buffers
+    /// are reposted once the write is done (`storage_done`).
+    fn write_parts(
+        &mut self,
+        op: OpId,
+        file: u64,
+        offset: u64,
+        parts: Vec<(RecvId, std::ops::Range<usize>)>,
+    ) {
+        let bufs: Vec<RecvId> = parts.iter().map(|(b, _)| *b).collect();
+        let (Some(f), Some(mr)) = (self.files.get(&file).cloned(), self.recv_mr.clone()) else {
+            for b in bufs {
+                self.repost_recv(b);
+            }
+            self.file_for(op, file, true);
+            return;
+        };
+        // Offsets into the receive region: (start, len), in message order.
+        let mut iov: Vec<(usize, usize)> = Vec::with_capacity(parts.len());
+        for (b, r) in &parts {
+            let at = *b as usize * self.recv_slot;
+            if r.end > self.recv_slot || r.start > r.end || at + r.end > mr.len() {
+                for b in bufs {
+                    self.repost_recv(b);
+                }
+                self.close_conn("a fragment range outside its receive buffer");
+                return;
+            }
+            if r.end > r.start {
+                iov.push((at + r.start, r.len()));
+            }
+        }
+        self.shared.fragment_writes.fetch_add(1, Ordering::Relaxed);
+        if f.mem.is_some() || !f.rights.write {
+            // A memory object (its publisher's connection does the I/O
+            // from a copy), or a refusal: the FileWrite way, from a copy.
+            let mut data = Vec::with_capacity(iov.iter().map(|p| p.1).sum());
+            for &(at, len) in &iov {
+                let mut piece = vec![0u8; len];
+                if mr.read_at(at, &mut piece).is_err() {
+                    break;
+                }
+                data.extend_from_slice(&piece);
+            }
+            for b in bufs {
+                self.repost_recv(b);
+            }
+            let Some(f) = self.file_for(op, file, true) else {
+                return;
+            };
+            self.shared
+                .fragment_write_calls
+                .fetch_add(1, Ordering::Relaxed);
+            self.dispatch(op, f, offset, JobKind::Write { data });
+            return;
+        }
+        self.last_io = Instant::now();
+        let total: usize = iov.iter().map(|p| p.1).sum();
+        let inline = {
+            let base = mr.addr() as usize;
+            let vecs: Vec<libc::iovec> = iov
+                .iter()
+                .map(|&(at, len)| libc::iovec {
+                    iov_base: (base + at) as *mut libc::c_void,
+                    iov_len: len,
+                })
+                .collect();
+            // SAFETY: every iovec lies in the receive region (checked
+            // above) within a buffer the state machine kept: not posted
+            // since its fragment arrived, so the provider places nothing
+            // there, and the region is LOCAL_WRITE only, so no peer key
+            // reaches it; the kernel only reads it; `mr` (an Arc of the
+            // region) keeps it mapped across the call.
+            unsafe {
+                inline_io_vec(
+                    &mut self.inline_mode,
+                    self.shared.opts.inline_io,
+                    &f,
+                    offset,
+                    &vecs,
+                    total,
+                )
+            }
+        };
+        if let Some(n) = inline {
+            self.shared
+                .fragment_write_calls
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
+            for b in bufs {
+                self.repost_recv(b);
+            }
+            self.storage_done(op, Ok(n));
+            return;
+        }
+        self.shared
+            .fragment_write_calls
+            .fetch_add(1, Ordering::Relaxed);
+        self.frag_bufs.insert(op, bufs);
+        self.dispatch(op, f, offset, JobKind::WriteParts { mr, iov });
+    }
+
     fn storage_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
         self.cancels.remove(&op);
+        if let Some(bufs) = self.frag_bufs.remove(&op) {
+            for b in bufs {
+                self.repost_recv(b);
+            }
+        }
         if r == Err(STATUS_CANCELLED) {
             self.shared.ios_cancelled.fetch_add(1, Ordering::Relaxed);
         }
@@ -1754,6 +2038,22 @@ impl Conn {
                 self.dispatch(op, f, offset, JobKind::Write { data });
                 Ok(())
             }
+            ServerAction::FileWriteParts {
+                op,
+                fid: _,
+                file,
+                offset,
+                parts,
+            } => {
+                self.write_parts(op, file, offset, parts);
+                Ok(())
+            }
+            ServerAction::RepostRecvs(bufs) => {
+                for b in bufs {
+                    self.repost_recv(b);
+                }
+                Ok(())
+            }
             ServerAction::CancelIo { op } => {
                 if let Some(c) = self.cancels.get(&op) {
                     c.store(true, Ordering::Release);
@@ -1784,7 +2084,10 @@ impl Conn {
                             .fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                info!(conn = self.id, peer = %self.peer, ?reason, "terminating connection");
+                *lock(&self.shared.closed_by_status)
+                    .entry(reason.status())
+                    .or_default() += 1;
+                info!(conn = self.id, peer = %self.peer, ?reason, status = format_args!("{:#010x}", reason.status()), "terminating connection");
                 self.begin_close(Instant::now());
                 Ok(())
             }
@@ -1813,6 +2116,11 @@ impl Conn {
             let kind = match kind {
                 JobKind::Read { buf, len } => MemOp::Read { buf, len },
                 JobKind::Write { data } => MemOp::Write { data },
+                // `write_parts` sends memory objects the FileWrite way.
+                JobKind::WriteParts { .. } => {
+                    self.storage_done(op, Err(STATUS_INVALID_DEVICE_REQUEST));
+                    return;
+                }
             };
             let reply = (self.done_tx.clone(), self.waker.clone());
             if let Some(r) = super::memobj::submit(obj, op, offset, kind, reply) {
@@ -1873,6 +2181,8 @@ impl Conn {
         let (ptr, len, write) = match kind {
             JobKind::Read { buf, len } => (buf.addr() as *mut u8, (*len).min(buf.len()), false),
             JobKind::Write { data } => (data.as_ptr() as *mut u8, data.len(), true),
+            // Tried inline before it became a job (`write_parts`).
+            JobKind::WriteParts { .. } => return None,
         };
         // SAFETY: a read lands in a server read buffer registered with
         // LOCAL_WRITE only (no remote key reaches it) from which no RDMA
@@ -2003,6 +2313,7 @@ impl RdmaServerOptions {
                     .max_open_files_per_session
                     .min(usize::from(u16::MAX)),
                 max_recv_buffer_size: c.rdma.max_write_size,
+                max_message: c.rdma.max_message,
                 ..d.proto
             },
             inline_io: c.rdma.inline_io,
