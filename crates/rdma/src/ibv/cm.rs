@@ -634,7 +634,33 @@ fn min_known(ours: u8, peer: u8) -> u8 {
     }
 }
 
+/// Connect, with a fresh cm_id and QP again when the kernel's connect
+/// fails with EADDRINUSE: iw_cm's TCP connect (siw, iWARP NICs) picks its
+/// own local port, which can collide with a connection still in TIME_WAIT
+/// when one host connects to the same peer many times in a row (seen once
+/// in a few hundred VM runs). A short, bounded retry; any other error is
+/// returned at once.
 pub(super) fn connect(
+    ctx: &Arc<CtxInner>,
+    addr: SocketAddr,
+    init: &QpInit,
+    params: &ConnParams,
+    recvs: &[RecvWr<'_>],
+) -> Result<Arc<dyn QpOps>> {
+    let mut tries = 0u32;
+    loop {
+        match connect_once(ctx, addr, init, params, recvs) {
+            Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 4 => {
+                tries += 1;
+                tracing::debug!(%addr, tries, error = %e, "RDMA connect: address in use, retrying");
+                std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(tries)));
+            }
+            r => return r,
+        }
+    }
+}
+
+fn connect_once(
     ctx: &Arc<CtxInner>,
     addr: SocketAddr,
     init: &QpInit,
