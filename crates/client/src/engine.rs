@@ -665,6 +665,24 @@ impl Engine {
         server.min(self.cfg.read_chunk).max(1)
     }
 
+    /// Largest READ per request into registered caller memory (no staging
+    /// slot bounds it): up to the server's MAX_MESSAGE when it announces
+    /// one (it serves a READ longer than its window in pieces, with one
+    /// status; docs/protocol.md §5.12), else [`Engine::max_read`].
+    pub fn max_read_direct(&self) -> usize {
+        let m = {
+            let st = lock(&self.st);
+            st.conn
+                .server_params()
+                .map_or(0, |p| p.max_message as usize)
+        };
+        if m > 0 {
+            m
+        } else {
+            self.max_read()
+        }
+    }
+
     /// Server page size (for VEC_* and COLLAPSE legality).
     pub fn server_page_size(&self) -> u16 {
         lock(&self.st)
@@ -1176,8 +1194,13 @@ impl Engine {
             .conn
             .next_status_slot()
             .ok_or_else(|| client_err(ClientError::NoStatusBlock))?;
-        let (mw, rkey) =
-            self.bind_window(st, &self.win_mr, self.status_off + slot as usize * 8, 8)?;
+        let (mw, rkey) = self.bind_window(
+            st,
+            &self.win_mr,
+            self.status_off + slot as usize * 8,
+            8,
+            false,
+        )?;
         Ok((Mode::PolledWindow(rkey), Some((mw, rkey))))
     }
 
@@ -1204,7 +1227,19 @@ impl Engine {
         }
     }
 
-    fn bind_window(&self, st: &mut Locked, mr: &Mr, off: usize, len: usize) -> Result<(Mw, u32)> {
+    /// Bind a window over `off..off + len` of `mr` for one request. One-shot
+    /// (the provider retires the key at its first use, where it can) unless
+    /// `multi`: a READ longer than the server's window arrives in several
+    /// RDMA Writes, so its window stays bound until the request completes
+    /// and is invalidated then, like every window.
+    fn bind_window(
+        &self,
+        st: &mut Locked,
+        mr: &Mr,
+        off: usize,
+        len: usize,
+        multi: bool,
+    ) -> Result<(Mw, u32)> {
         let mw = match st.mw_free.pop() {
             Some(m) => m,
             None => self.pd.alloc_mw()?,
@@ -1216,7 +1251,7 @@ impl Engine {
                 offset: off as u64,
                 length: len as u64,
                 access: Access::REMOTE_WRITE,
-                one_shot: true,
+                one_shot: !multi,
             },
             wrid::BIND,
             true,
@@ -1288,7 +1323,12 @@ impl Engine {
     }
 
     fn check_read(&self, len: usize, dst: Option<(&UserDst, usize)>) -> Result<()> {
-        if len == 0 || len > self.max_read() {
+        let max = if dst.is_some() {
+            self.max_read_direct()
+        } else {
+            self.max_read()
+        };
+        if len == 0 || len > max {
             return Err(Error::InvalidArgument(format!(
                 "read of {len} bytes per request"
             )));
@@ -1324,7 +1364,11 @@ impl Engine {
                 windows.extend(status);
                 match vec_page {
                     None => {
-                        let (mw, rkey) = e.bind_window(st, mr, off, len)?;
+                        let window = st
+                            .conn
+                            .server_params()
+                            .map_or(0, |p| p.max_rdma_window_size as usize);
+                        let (mw, rkey) = e.bind_window(st, mr, off, len, len > window)?;
                         windows.push((mw, rkey));
                         let dst = RemoteBuf {
                             addr: mr.addr() + off as u64,
@@ -1340,7 +1384,7 @@ impl Engine {
                         let mut o = 0;
                         while o < len {
                             let l = ps_u.min(len - o);
-                            let (mw, rkey) = e.bind_window(st, mr, off + o, l)?;
+                            let (mw, rkey) = e.bind_window(st, mr, off + o, l, false)?;
                             windows.push((mw, rkey));
                             regions.push(RdmaRegion {
                                 data_va: mr.addr() + (off + o) as u64,

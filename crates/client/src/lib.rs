@@ -1015,8 +1015,13 @@ impl File {
         mut into: ReadInto,
     ) -> Result<usize> {
         let e = self.engine();
-        let chunk = e.max_read();
         let page = e.client_page_size();
+        // Into registered caller memory a READ is one request up to the
+        // server's MAX_MESSAGE (VEC_READ stays within the window).
+        let chunk = match into {
+            ReadInto::User(_) if !vectored => e.max_read_direct(),
+            _ => e.max_read(),
+        };
         let depth = match into {
             ReadInto::User(_) => usize::from(e.credits()).max(1),
             ReadInto::Staged(_) => usize::from(e.credits()).clamp(1, e.cfg.stage_slots),

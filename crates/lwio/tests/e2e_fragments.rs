@@ -170,6 +170,43 @@ fn a_write_from_a_registered_buffer_copies_nothing() {
     }
 }
 
+/// A READ of 16 MiB + 3 into registered memory is one request with one
+/// status: the server reads and RDMA-writes it in pieces of its window.
+/// At the end of the file it is one request too, answered with the bytes
+/// there are.
+#[test]
+fn a_read_of_16_mib_plus_3_is_one_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(BIG + 5_000_000, 11);
+    std::fs::write(dir.path().join("r.bin"), &data).unwrap();
+    let s = server(dir.path());
+    for completion in [Completion::Interrupt, Completion::Poll] {
+        let c = client(&s, completion);
+        let f = c.open("r.bin", &OpenOptions::read_only()).unwrap();
+        let mut rb = c.register_buffer(BIG).unwrap();
+        for (off, want) in [(ODD, BIG), (data.len() as u64 - 1_000_001, 1_000_001)] {
+            rb.fill(0);
+            let before = wait_requests(&s, Opcode::Read, 0);
+            let n = f.read_registered(&mut rb, 0..BIG, off).unwrap();
+            assert_eq!(n, want, "{completion:?} at {off}");
+            assert!(
+                rb[..n] == data[off as usize..off as usize + n],
+                "bytes differ ({completion:?} at {off})"
+            );
+            assert!(rb[n..].iter().all(|&b| b == 0), "bytes past the end");
+            let after = wait_requests(&s, Opcode::Read, before.op(Opcode::Read).completed + 1);
+            let d = |f: fn(&lwio_proto::stats::OpStats) -> u64| {
+                f(after.op(Opcode::Read)) - f(before.op(Opcode::Read))
+            };
+            assert_eq!(d(|o| o.requests), 1, "one READ ({completion:?} at {off})");
+            assert_eq!(d(|o| o.completed), 1, "one status");
+            assert_eq!(d(|o| o.bytes), want as u64);
+        }
+        f.close().unwrap();
+    }
+    assert_eq!(s.rdma.stats().mrs_remote_access, 0);
+}
+
 // ------------------------------------------------------------- hostile
 
 struct Env {

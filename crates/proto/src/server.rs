@@ -255,6 +255,39 @@ enum IoKind {
     WriteParts {
         extra: u32,
     },
+    /// One piece of a READ longer than a read buffer (`big_reads[parent]`),
+    /// `at` bytes into its window.
+    ReadPiece {
+        parent: u64,
+        at: u32,
+    },
+}
+
+/// Pieces of one long READ read from storage at once.
+const READ_PIECES_IN_FLIGHT: u32 = 4;
+
+/// A READ longer than MaxRdmaWindowSize (an lwio extension, negotiated
+/// with MAX_MESSAGE; docs/protocol.md §5.12): read and RDMA-written in
+/// pieces of at most a read buffer, a few at a time, answered with one
+/// status.
+#[derive(Debug, Clone)]
+struct BigRead {
+    fid: u16,
+    file: u64,
+    offset: u64,
+    length: u32,
+    data_va: u64,
+    data_mh: u32,
+    mode: CompletionMode,
+    opcode: Opcode,
+    started: Instant,
+    /// Where the next piece starts (bytes into the window).
+    next: u32,
+    inflight: u32,
+    /// By piece start: the bytes asked, and what came back.
+    results: BTreeMap<u32, (u32, Result<u32, NtStatus>)>,
+    /// A piece came back short or failed: no more are started.
+    stopped: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -312,6 +345,9 @@ pub struct ServerConn {
     frag: Option<FragHead>,
     /// Receive memory held by reassembled messages being written.
     reservations: HashMap<OpId, Reservation>,
+    /// READs served in pieces, by id.
+    big_reads: HashMap<u64, BigRead>,
+    next_big: u64,
     /// The request being answered (its opcode and arrival), and the time
     /// of the event being handled: for the statistics.
     cur: Option<(Opcode, Instant)>,
@@ -331,6 +367,8 @@ impl ServerConn {
             reasm,
             frag: None,
             reservations: HashMap::new(),
+            big_reads: HashMap::new(),
+            next_big: 1,
             cfg,
             state: State::AwaitAuth,
             auth_deadline,
@@ -572,7 +610,7 @@ impl ServerConn {
     /// kept this way: it terminates the connection; an embedder that
     /// negotiates fragments uses [`ServerConn::handle_recv_in`].
     pub fn handle_recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
-        if msg.get(4) == Some(&OPCODE_FRAGMENT) {
+        if self.is_fragment(msg) {
             self.now = now;
             return self.close(CloseReason::ProtocolViolation("fragment without a buffer"));
         }
@@ -592,7 +630,7 @@ impl ServerConn {
         hooks: &mut dyn ServerHooks,
     ) -> RecvBuffer {
         self.now = now;
-        let r = if msg.get(4) == Some(&OPCODE_FRAGMENT) {
+        let r = if self.is_fragment(msg) {
             self.recv_fragment(now, buf, msg, hooks)
         } else {
             if self.frag.is_some() && self.state != State::Closed {
@@ -605,6 +643,13 @@ impl ServerConn {
         };
         self.cur = None;
         r
+    }
+
+    /// A fragment: opcode 10 where a request's opcode is, on a connection
+    /// whose server takes fragments (elsewhere opcode 10 is unknown, and the
+    /// message malformed).
+    fn is_fragment(&self, msg: &[u8]) -> bool {
+        self.cfg.max_message > 0 && msg.get(4) == Some(&OPCODE_FRAGMENT)
     }
 
     /// Take one credit for an arriving message (a request or a fragment);
@@ -630,10 +675,6 @@ impl ServerConn {
         }
         if self.state == State::AwaitAuth {
             self.close(CloseReason::ProtocolViolation("fragment before AUTH"));
-            return RecvBuffer::Repost;
-        }
-        if self.cfg.max_message == 0 {
-            self.close(CloseReason::ProtocolViolation("fragment not negotiated"));
             return RecvBuffer::Repost;
         }
         self.stats.fragments += 1;
@@ -1150,7 +1191,29 @@ impl ServerConn {
             Err(st) => return self.complete_io(mode, 0, st, false),
         };
         if length > self.cfg.max_rdma_window_size {
-            return self.complete_io(mode, 0, STATUS_INVALID_PARAMETER, false);
+            // Longer than a read buffer: in pieces, when the client may
+            // ask for it (the server announced MAX_MESSAGE).
+            return match kind {
+                IoKind::Read { data_va, data_mh } if length <= self.cfg.max_message => {
+                    let (opcode, started) = self.cur.unwrap_or((Opcode::Read, self.now));
+                    self.start_big_read(BigRead {
+                        fid,
+                        file,
+                        offset,
+                        length,
+                        data_va,
+                        data_mh,
+                        mode,
+                        opcode,
+                        started,
+                        next: 0,
+                        inflight: 0,
+                        results: BTreeMap::new(),
+                        stopped: false,
+                    })
+                }
+                _ => self.complete_io(mode, 0, STATUS_INVALID_PARAMETER, false),
+            };
         }
         if length == 0 {
             return self.complete_io(mode, 0, STATUS_SUCCESS, false);
@@ -1171,6 +1234,109 @@ impl ServerConn {
             offset,
             len: length,
         });
+    }
+
+    fn start_big_read(&mut self, b: BigRead) {
+        let id = self.next_big;
+        self.next_big = self.next_big.wrapping_add(1).max(1);
+        self.big_reads.insert(id, b);
+        self.read_pieces(id);
+    }
+
+    /// Start pieces of big read `id` while fewer than
+    /// [`READ_PIECES_IN_FLIGHT`] are at storage.
+    fn read_pieces(&mut self, id: u64) {
+        let window = self.cfg.max_rdma_window_size.max(1);
+        loop {
+            let Some(b) = self.big_reads.get_mut(&id) else {
+                return;
+            };
+            if b.stopped || b.inflight >= READ_PIECES_IN_FLIGHT || b.next >= b.length {
+                return;
+            }
+            let at = b.next;
+            let len = window.min(b.length - at);
+            b.next += len;
+            b.inflight += 1;
+            let (fid, file, offset, mode) = (b.fid, b.file, b.offset + u64::from(at), b.mode);
+            let (opcode, started) = (b.opcode, b.started);
+            let op = self.new_op(PendingIo {
+                opcode,
+                started,
+                fid,
+                kind: IoKind::ReadPiece { parent: id, at },
+                mode,
+                requested: len,
+            });
+            self.actions.push_back(ServerAction::FileRead {
+                op,
+                fid,
+                file,
+                offset,
+                len,
+            });
+        }
+    }
+
+    /// A piece of big read `id` came back: its bytes go to the client's
+    /// window now; the status goes when the last piece is back (the bytes
+    /// read from the start up to the first short or failed piece).
+    fn read_piece_done(
+        &mut self,
+        op: OpId,
+        id: u64,
+        at: u32,
+        asked: u32,
+        r: Result<u32, NtStatus>,
+    ) {
+        let Some(b) = self.big_reads.get_mut(&id) else {
+            return;
+        };
+        b.inflight = b.inflight.saturating_sub(1);
+        let r = read_result(r, asked);
+        if let Ok(n) = r {
+            self.actions.push_back(ServerAction::RdmaWrite {
+                remote_addr: b.data_va.wrapping_add(u64::from(at)),
+                rkey: b.data_mh,
+                data: DataSource::ReadBuffer {
+                    op,
+                    offset: 0,
+                    len: n,
+                },
+                imm: None,
+            });
+        }
+        if r != Ok(asked) {
+            b.stopped = true;
+        }
+        b.results.insert(at, (asked, r));
+        if b.inflight > 0 || (!b.stopped && b.next < b.length) {
+            return self.read_pieces(id);
+        }
+        let Some(b) = self.big_reads.remove(&id) else {
+            return;
+        };
+        let (mut total, mut status) = (0u32, STATUS_SUCCESS);
+        for (at, (asked, r)) in &b.results {
+            if *at != total {
+                break;
+            }
+            match r {
+                Ok(n) => {
+                    total += n;
+                    if n < asked {
+                        break;
+                    }
+                }
+                Err(st) => {
+                    if total == 0 {
+                        status = *st;
+                    }
+                    break;
+                }
+            }
+        }
+        self.complete_io(b.mode, total, status, false);
     }
 
     fn handle_vec_read(
@@ -1340,9 +1506,15 @@ impl ServerConn {
         if let Some(f) = self.fids.get_mut(&p.fid) {
             f.inflight = f.inflight.saturating_sub(1);
         }
-        let is_read = matches!(p.kind, IoKind::Read { .. } | IoKind::VecRead { .. });
+        let is_read = matches!(
+            p.kind,
+            IoKind::Read { .. } | IoKind::VecRead { .. } | IoKind::ReadPiece { .. }
+        );
         {
             match p.kind {
+                IoKind::ReadPiece { parent, at } => {
+                    self.read_piece_done(op, parent, at, p.requested, result)
+                }
                 IoKind::WriteParts { extra } => {
                     match result {
                         Ok(n) => {
