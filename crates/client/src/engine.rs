@@ -1483,10 +1483,23 @@ impl Engine {
     /// fragment's data is copied into a send slot, which bounds it).
     pub fn max_write_message(&self, zero_copy: bool) -> usize {
         let st = lock(&self.st);
-        let slots = u32::try_from(self.send_slots).unwrap_or(u32::MAX);
+        let slots = self.send_slots.min(self.fragment_credits(&st));
         st.conn
-            .max_fragmented_write(slots, self.fragment_cap(zero_copy))
+            .max_fragmented_write(slots as u32, self.fragment_cap(zero_copy))
             .min(u32::MAX - 1) as usize
+    }
+
+    /// The most fragments one message may have: the connection's credits,
+    /// less one in polling mode, where a waiter's INTERRUPT holds a credit
+    /// until the next I/O completion (a message needing every credit would
+    /// wait for it, and it for the message).
+    fn fragment_credits(&self, st: &Locked) -> usize {
+        let c = usize::from(st.conn.credits());
+        if self.cfg.completion == Completion::Poll {
+            c.saturating_sub(1).max(1)
+        } else {
+            c
+        }
     }
 
     /// The most data bytes per fragment this engine sends: a send slot's
@@ -1578,7 +1591,7 @@ impl Engine {
                 ))));
             }
             let credits = usize::from(st.conn.credits());
-            if n > credits {
+            if n > e.fragment_credits(st) {
                 return Some(Err(client_err(ClientError::TooManyFragments {
                     fragments: n as u32,
                     credits: st.conn.credits(),

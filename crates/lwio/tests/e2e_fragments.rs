@@ -38,7 +38,7 @@ fn pattern(n: usize, seed: u32) -> Vec<u8> {
 }
 
 /// A server whose receive buffers take 1 MiB, so a 16 MiB + 3 write is 16
-/// fragments: within the 16 credits the client asks for.
+/// fragments: within the 32 credits the client asks for.
 fn server(dir: &std::path::Path) -> LocalServer {
     let mut rdma = RdmaServerOptions {
         auto_credits: false,
@@ -57,6 +57,9 @@ fn client(s: &LocalServer, completion: Completion) -> Client {
         Some(TOKEN),
         ClientOptions {
             completion,
+            // The server's initial grant (32): 16 fragments fit, with room
+            // for a polling waiter's INTERRUPT.
+            credits: 32,
             ..ClientOptions::default()
         },
     )
