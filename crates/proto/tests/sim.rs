@@ -2091,3 +2091,362 @@ fn encoding_into_a_buffer_waits_for_queued_messages() {
     assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
     assert_eq!(s.completion(w.req), Some((3, STATUS_SUCCESS)));
 }
+
+// ------------------------------------------- connection lost at every point
+
+/// One unit of progress of a simulated connection ([`Sim::step`]): the
+/// points at which a connection can be cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// A request message left the client (it is on the wire).
+    ClientSent,
+    /// The server received a message (a FileRead/FileWrite is queued).
+    ServerReceived,
+    /// The server handed a FileRead/FileWrite to the backend.
+    StorageTaken,
+    /// The server RDMA-wrote read data into the client's buffer (with an
+    /// immediate: also the completion, on its way to the client).
+    DataWritten,
+    /// The server RDMA-wrote the status block (polling): the completion is
+    /// in the client's memory.
+    StatusWritten,
+    /// The server sent the status response: on its way to the client.
+    StatusSent,
+    /// Any other action of the server (releasing a read buffer).
+    ServerOther,
+    /// The backend finished one storage operation.
+    StorageDone,
+    /// The client received a status response or an immediate.
+    ClientReceived,
+    /// The client saw a status block change (polling).
+    ClientPolled,
+}
+
+impl Sim {
+    /// Move the simulation by one unit; `None` when nothing is left to do.
+    /// The client's own bookkeeping (posting receives, resetting status
+    /// blocks, events) involves no peer and is done on the way.
+    fn step(&mut self) -> Option<Step> {
+        self.client_local();
+        let mut buf = [0u8; 16 * 1024];
+        let step = if let Some(n) = self.client.poll_transmit(&mut buf) {
+            self.to_server.push_back(buf[..n].to_vec());
+            Step::ClientSent
+        } else if let Some(m) = self.to_server.pop_front() {
+            self.server.handle_recv(self.now, &m, &mut self.hooks);
+            Step::ServerReceived
+        } else if let Some(a) = self.server.poll_action() {
+            let step = match &a {
+                ServerAction::FileRead { .. } | ServerAction::FileWrite { .. } => {
+                    Step::StorageTaken
+                }
+                ServerAction::RdmaWrite { remote_addr, .. }
+                    if *remote_addr >= IOS_BASE && *remote_addr < IOS_BASE + 8 * 16 =>
+                {
+                    Step::StatusWritten
+                }
+                ServerAction::RdmaWrite { .. } => Step::DataWritten,
+                ServerAction::Send(_) => Step::StatusSent,
+                _ => Step::ServerOther,
+            };
+            self.server_action(a);
+            step
+        } else if !self.storage.held.is_empty() {
+            let a = self.storage.held.remove(0);
+            let (op, r) = self.storage.perform(&a);
+            self.server.handle_storage_complete(self.now, op, r);
+            Step::StorageDone
+        } else if let Some(m) = self.to_client.pop_front() {
+            match m {
+                ToClient::Msg(b) => self.client.handle_recv(self.now, &b, &self.mem),
+                ToClient::Imm(i) => self.client.handle_immediate(self.now, i),
+            }
+            Step::ClientReceived
+        } else {
+            let changed = self.client.polled_slots().into_iter().find_map(|slot| {
+                let addr = IOS_BASE + 8 * u64::from(slot);
+                let ios = IoStatusBlock::from_bytes(&self.mem.read_at(addr, 8)).unwrap();
+                (ios != IoStatusBlock::SENTINEL).then_some((slot, ios))
+            });
+            let (slot, ios) = changed?;
+            self.client
+                .status_block_updated(self.now, slot, ios.information, ios.status);
+            Step::ClientPolled
+        };
+        self.client_local();
+        Some(step)
+    }
+
+    fn client_local(&mut self) {
+        while let Some(a) = self.client.poll_action() {
+            match a {
+                ClientAction::PostRecv(n) => self.client_recvs += n,
+                ClientAction::ResetStatusBlock { addr, .. } => {
+                    assert!(self
+                        .mem
+                        .local_write(addr, &IoStatusBlock::SENTINEL.to_bytes()))
+                }
+                ClientAction::CloseConnection(r) => self.client_closed = Some(r),
+            }
+        }
+        while let Some(e) = self.client.poll_event() {
+            self.events.push(e);
+        }
+    }
+
+    /// What the application gets for `req` once the connection is lost, by
+    /// the client driver's rule (`Engine::wait`): a status block already in
+    /// its memory is looked at first, then a completion it has seen is
+    /// returned; anything else fails with "connection lost".
+    fn outcome_after_loss(&mut self, req: ReqId) -> Result<(u32, NtStatus), &'static str> {
+        if let Some(slot) = self.client.slot_of(req) {
+            let ios =
+                IoStatusBlock::from_bytes(&self.mem.read_at(IOS_BASE + 8 * u64::from(slot), 8))
+                    .unwrap();
+            if ios != IoStatusBlock::SENTINEL {
+                self.client
+                    .status_block_updated(self.now, slot, ios.information, ios.status);
+            }
+        }
+        match self.client.take_done(req) {
+            Some(d) => Ok((d.information, d.status)),
+            None => {
+                assert!(
+                    self.client.is_outstanding(req),
+                    "a request without completion is still outstanding"
+                );
+                Err("connection lost")
+            }
+        }
+    }
+}
+
+/// What the storage of a dead connection does with the operations it had
+/// taken but not finished: the embedder either cancels them or lets them
+/// run to the end; both before the client's next connection writes (the
+/// rule of docs/durability.md, "Replay and ordering").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Orphans {
+    Cancelled,
+    Completed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LifeOp {
+    Read,
+    Write,
+}
+
+const W_OFF: u64 = 1000;
+const W_LEN: usize = 100;
+const R_OFF: u64 = 2000;
+const R_LEN: u32 = 64;
+
+fn new_bytes() -> Vec<u8> {
+    (0..W_LEN).map(|i| 0xA0 ^ (i as u8)).collect()
+}
+
+/// A connected, registered simulation with deferred storage, `op` issued.
+fn life_start(op: LifeOp, mode: Mode, imm: bool) -> (Sim, ReqId) {
+    let mut scfg = server_cfg();
+    scfg.use_write_with_imm = imm;
+    let mut s = Sim::with(scfg, client_cfg());
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    s.mem.local_write(DATA.addr, &[0xEE; R_LEN as usize]);
+    s.events.clear();
+    let req = match op {
+        LifeOp::Write => s.client.write(s.now, fid, W_OFF, &new_bytes(), mode),
+        LifeOp::Read => s.client.read(s.now, fid, R_OFF, R_LEN, DATA, mode),
+    }
+    .unwrap()
+    .req;
+    // The driver resets the status block as it issues (before anything
+    // can be sent).
+    s.client_local();
+    (s, req)
+}
+
+/// Cut the connection of `s` after `cut` steps (None: never); returns the
+/// steps taken and the application's outcome of `req`.
+fn life_run(
+    s: &mut Sim,
+    req: ReqId,
+    cut: Option<usize>,
+    orphans: Orphans,
+) -> (Vec<Step>, Result<(u32, NtStatus), &'static str>) {
+    let mut steps = Vec::new();
+    while cut.is_none_or(|c| steps.len() < c) {
+        match s.step() {
+            Some(st) => steps.push(st),
+            None => break,
+        }
+    }
+    // The connection is gone: nothing more crosses it. The server's queued
+    // actions and the backend's taken operations are what a dead
+    // connection's embedder still has.
+    if orphans == Orphans::Completed {
+        while let Some(a) = s.server.poll_action() {
+            if matches!(
+                a,
+                ServerAction::FileWrite { .. } | ServerAction::FileRead { .. }
+            ) {
+                let _completion_nobody_reads = s.storage.perform(&a);
+            }
+        }
+        for a in std::mem::take(&mut s.storage.held) {
+            let _completion_nobody_reads = s.storage.perform(&a);
+        }
+    }
+    s.storage.held.clear();
+    (steps, s.outcome_after_loss(req))
+}
+
+/// Reconnect on the same storage (a new ServerConn and ClientConn), and
+/// check the file as the application can: the lost request is sent again
+/// (same bytes, same offset), then a later overlapping write, then a read
+/// back must show exactly the later state.
+fn life_recover(old: Sim, op: LifeOp, mode: Mode, lost: bool, ctx: &str) {
+    let mut t = Sim::new();
+    t.storage.files = old.storage.files;
+    t.connect();
+    let fid = t.register(RK_PLAIN, 0);
+    let mut expect = file_pattern(10_000);
+    expect[W_OFF as usize..W_OFF as usize + W_LEN].copy_from_slice(&new_bytes());
+    if op == LifeOp::Write && lost {
+        let r = t
+            .client
+            .write(t.now, fid, W_OFF, &new_bytes(), mode)
+            .unwrap()
+            .req;
+        t.pump();
+        assert_eq!(
+            t.completion(r),
+            Some((W_LEN as u32, STATUS_SUCCESS)),
+            "{ctx}"
+        );
+    }
+    if op == LifeOp::Read {
+        // No write was issued: the file is as it was.
+        expect = file_pattern(10_000);
+    }
+    // A later write overlapping the first one's second half.
+    let later: Vec<u8> = (0..W_LEN).map(|i| 0x5C ^ (i as u8)).collect();
+    let off2 = W_OFF + W_LEN as u64 / 2;
+    let r = t.client.write(t.now, fid, off2, &later, mode).unwrap().req;
+    t.pump();
+    assert_eq!(
+        t.completion(r),
+        Some((W_LEN as u32, STATUS_SUCCESS)),
+        "{ctx}"
+    );
+    expect[off2 as usize..off2 as usize + W_LEN].copy_from_slice(&later);
+    assert_eq!(t.storage.files[&1], expect, "{ctx}: file after recovery");
+    let r = t.read(fid, W_OFF, 2 * W_LEN as u32, mode);
+    t.pump();
+    assert_eq!(
+        t.completion(r),
+        Some((2 * W_LEN as u32, STATUS_SUCCESS)),
+        "{ctx}"
+    );
+    assert_eq!(
+        t.mem.read_at(DATA.addr, 2 * W_LEN),
+        expect[W_OFF as usize..W_OFF as usize + 2 * W_LEN],
+        "{ctx}: read back"
+    );
+}
+
+#[test]
+fn connection_lost_at_every_point_of_a_request() {
+    let variants = [
+        (Mode::Interrupt, false),
+        (Mode::Interrupt, true),
+        (Mode::Polled, false),
+    ];
+    let mut cuts = 0;
+    for op in [LifeOp::Write, LifeOp::Read] {
+        for (mode, imm) in variants {
+            // The whole life, uncut: the step at which the application can
+            // see the completion, and the number of points.
+            let (mut s, req) = life_start(op, mode, imm);
+            let (full, res) = life_run(&mut s, req, None, Orphans::Cancelled);
+            let expect_ok = match op {
+                LifeOp::Write => (W_LEN as u32, STATUS_SUCCESS),
+                LifeOp::Read => (R_LEN, STATUS_SUCCESS),
+            };
+            assert_eq!(res, Ok(expect_ok), "{op:?} {mode:?} imm={imm} uncut");
+            // Where the completion reaches the application: the status
+            // block landing in its memory, or the status response or
+            // immediate received.
+            let seen = match mode {
+                Mode::Polled => full.iter().position(|s| *s == Step::StatusWritten),
+                _ => full.iter().rposition(|s| *s == Step::ClientReceived),
+            }
+            .expect("the completion reaches the client");
+            assert!(full.contains(&Step::StorageDone), "storage was deferred");
+            if imm && op == LifeOp::Read {
+                assert!(!full.contains(&Step::StatusSent), "{full:?}");
+            }
+            for cut in 0..=full.len() {
+                for orphans in [Orphans::Cancelled, Orphans::Completed] {
+                    let ctx = format!(
+                        "{op:?} {mode:?} imm={imm} cut after {cut} steps {:?} ({orphans:?})",
+                        &full[..cut]
+                    );
+                    let (mut s, req) = life_start(op, mode, imm);
+                    let (steps, res) = life_run(&mut s, req, Some(cut), orphans);
+                    assert_eq!(steps, full[..cut], "{ctx}: deterministic");
+                    // Success exactly when the client saw the completion;
+                    // before that, connection lost — never a success the
+                    // server did not send.
+                    if cut > seen {
+                        assert_eq!(res, Ok(expect_ok), "{ctx}");
+                    } else {
+                        assert_eq!(res, Err("connection lost"), "{ctx}");
+                    }
+                    assert!(s.client_closed.is_none() && s.server_closed.is_none());
+                    let file = &s.storage.files[&1];
+                    let old = file_pattern(10_000);
+                    match op {
+                        LifeOp::Write => {
+                            let got = &file[W_OFF as usize..W_OFF as usize + W_LEN];
+                            // All or nothing; acknowledged means applied.
+                            if res.is_ok() {
+                                assert_eq!(got, new_bytes(), "{ctx}");
+                            } else {
+                                assert!(
+                                    got == new_bytes()
+                                        || got == &old[W_OFF as usize..W_OFF as usize + W_LEN],
+                                    "{ctx}: torn write"
+                                );
+                            }
+                            // Nothing else of the file changed.
+                            assert_eq!(file[..W_OFF as usize], old[..W_OFF as usize], "{ctx}");
+                            assert_eq!(
+                                file[W_OFF as usize + W_LEN..],
+                                old[W_OFF as usize + W_LEN..],
+                                "{ctx}"
+                            );
+                        }
+                        LifeOp::Read => {
+                            assert_eq!(*file, old, "{ctx}: a read changed the file");
+                            if res.is_ok() {
+                                assert_eq!(
+                                    s.mem.read_at(DATA.addr, R_LEN as usize),
+                                    old[R_OFF as usize..(R_OFF + u64::from(R_LEN)) as usize],
+                                    "{ctx}: acknowledged read data"
+                                );
+                            }
+                        }
+                    }
+                    life_recover(s, op, mode, res.is_err(), &ctx);
+                    cuts += 1;
+                }
+            }
+        }
+    }
+    // Every variant has at least: sent, received, storage taken, storage
+    // done, status sent, status seen (+ the uncut end).
+    assert!(cuts >= 2 * 3 * 2 * 7, "{cuts} cut points");
+}
