@@ -42,7 +42,13 @@ pub struct ServerConfig {
     pub use_write_with_imm: bool,
     /// Accept the seed's MD5 signature (compatibility mode).
     pub allow_md5: bool,
+    /// AUTH must arrive this long after the connection is accepted, else
+    /// the connection is closed (`CloseReason::AuthTimeout`).
     pub auth_timeout: Duration,
+    /// A credit transaction unanswered this long marks the client slow
+    /// ([`ServerConn::slow_credit_replies`]); the connection stays and the
+    /// transaction stays open (docs/durability.md §2). A dead peer is the
+    /// transport's to detect.
     pub credit_timeout: Duration,
     pub max_fids: usize,
     /// Session id handed to the client in SESSION_ID.
@@ -133,6 +139,8 @@ pub enum DataSource {
 pub enum CloseReason {
     AuthTimeout,
     AuthFailed,
+    /// Client-side: its CREDIT reply went unanswered for `op_timeout`.
+    /// (The server never closes for a slow credit reply.)
     CreditTimeout,
     /// Client exceeded its credits.
     CreditOverflow,
@@ -301,10 +309,18 @@ struct PendingIo {
     requested: u32,
 }
 
+/// A credit transaction in progress; `deadline` is when its client counts
+/// as slow (None once it has been counted).
 #[derive(Debug, Clone, Copy)]
 enum CreditTx {
-    Positive { n: i32, deadline: Instant },
-    Negative { expect: i32, deadline: Instant },
+    Positive {
+        n: i32,
+        deadline: Option<Instant>,
+    },
+    Negative {
+        expect: i32,
+        deadline: Option<Instant>,
+    },
 }
 
 /// The request a fragmented message carries, read from its FIRST fragment.
@@ -332,6 +348,7 @@ pub struct ServerConn {
     polled_completions: u64,
     credit_hint: u8,
     credit_tx: Option<CreditTx>,
+    slow_credit_replies: u64,
     unused_credits_reported: u32,
     /// A pending INTERRUPT: its cookie and when it arrived.
     interrupt: Option<(u64, Instant)>,
@@ -378,6 +395,7 @@ impl ServerConn {
             polled_completions: 0,
             credit_hint: 0,
             credit_tx: None,
+            slow_credit_replies: 0,
             unused_credits_reported: 0,
             interrupt: None,
             fids: BTreeMap::new(),
@@ -441,6 +459,11 @@ impl ServerConn {
     pub fn credit_transaction_active(&self) -> bool {
         self.credit_tx.is_some()
     }
+    /// Credit transactions the client left unanswered for longer than
+    /// `credit_timeout` (each counted once; the connection stays).
+    pub fn slow_credit_replies(&self) -> u64 {
+        self.slow_credit_replies
+    }
     /// Value of the client's last CREDIT reply to a positive delta.
     pub fn unused_credits_reported(&self) -> u32 {
         self.unused_credits_reported
@@ -481,7 +504,7 @@ impl ServerConn {
             State::AwaitAuth => Some(self.auth_deadline),
             State::Ready => match self.credit_tx {
                 Some(CreditTx::Positive { deadline, .. })
-                | Some(CreditTx::Negative { deadline, .. }) => Some(deadline),
+                | Some(CreditTx::Negative { deadline, .. }) => deadline,
                 None => None,
             },
             State::Closed => None,
@@ -492,12 +515,17 @@ impl ServerConn {
         match self.state {
             State::AwaitAuth if now >= self.auth_deadline => self.close(CloseReason::AuthTimeout),
             State::Ready => {
+                // A late answer is a slow client, not a dead one (a stopped
+                // process, CPU steal, a GC pause): count it once, keep the
+                // transaction open and the connection up. A dead peer is
+                // the transport's to detect (docs/durability.md §2).
                 if let Some(
                     CreditTx::Positive { deadline, .. } | CreditTx::Negative { deadline, .. },
-                ) = self.credit_tx
+                ) = self.credit_tx.as_mut()
                 {
-                    if now >= deadline {
-                        self.close(CloseReason::CreditTimeout);
+                    if deadline.is_some_and(|d| now >= d) {
+                        *deadline = None;
+                        self.slow_credit_replies += 1;
                     }
                 }
             }
@@ -591,7 +619,7 @@ impl ServerConn {
         if delta == 0 || !(1..=255).contains(&new) {
             return Err(CreditError::OutOfRange);
         }
-        let deadline = now + self.cfg.credit_timeout;
+        let deadline = Some(now + self.cfg.credit_timeout);
         if delta > 0 {
             self.credits = new as u16;
             self.credit_tx = Some(CreditTx::Positive { n: delta, deadline });

@@ -1251,7 +1251,8 @@ fn credit_handshake_violations_and_timeout() {
         Some(CloseReason::ProtocolViolation("CREDIT out of order"))
     );
 
-    // Dropped CREDIT replies: the server times the transaction out.
+    // Dropped CREDIT replies: past the credit timeout the client counts as
+    // slow, once; the connection and the transaction stay.
     let mut s = Sim::new();
     s.connect();
     s.c2s_fault = Some(Box::new(|b: Vec<u8>| {
@@ -1265,9 +1266,58 @@ fn credit_handshake_violations_and_timeout() {
     s.pump();
     let t = s.server.poll_timeout().unwrap();
     assert_eq!(t, s.now + Duration::from_secs(10));
+    s.server.handle_timeout(t - Duration::from_nanos(1));
+    assert_eq!(s.server.slow_credit_replies(), 0);
     s.server.handle_timeout(t);
+    s.server.handle_timeout(t + Duration::from_secs(100));
     s.pump();
-    assert_eq!(s.server_closed, Some(CloseReason::CreditTimeout));
+    assert_eq!(s.server_closed, None);
+    assert_eq!(s.server.slow_credit_replies(), 1, "counted once");
+    assert_eq!(s.server.poll_timeout(), None, "no timer left");
+    assert!(s.server.credit_transaction_active());
+}
+
+/// A client that answers a credit transaction long after the credit
+/// timeout (stopped, descheduled) keeps its connection: the late replies
+/// complete the transaction and I/O goes on.
+#[test]
+fn slow_credit_replies_keep_the_connection() {
+    for delta in [3, -2] {
+        let mut s = Sim::new();
+        s.connect();
+        let fid = s.register(RK_PLAIN, 0);
+        let before = s.server.credits();
+        // The client is stopped: what the server sends waits for it.
+        let held: std::rc::Rc<std::cell::RefCell<Vec<Vec<u8>>>> = Default::default();
+        let h = held.clone();
+        s.s2c_fault = Some(Box::new(move |b: Vec<u8>| {
+            h.borrow_mut().push(b);
+            vec![]
+        }));
+        s.server.start_credit_delta(s.now, delta).unwrap();
+        s.pump();
+        s.now += Duration::from_secs(30);
+        s.server.handle_timeout(s.now);
+        s.pump();
+        assert_eq!(s.server_closed, None, "delta {delta}");
+        assert_eq!(s.server.slow_credit_replies(), 1);
+        // It runs again and finds the notification.
+        s.s2c_fault = None;
+        for m in held.borrow_mut().drain(..) {
+            s.deliver(ToClient::Msg(m));
+        }
+        s.pump();
+        assert!(!s.server.credit_transaction_active(), "delta {delta}");
+        let want = (i32::from(before) + delta) as u16;
+        assert_eq!(s.server.credits(), want);
+        assert_eq!(s.client.credits(), want);
+        assert_eq!(s.server_closed, None);
+        assert_eq!(s.client_closed, None);
+        let r = s.read(fid, 0, 32, Mode::Interrupt);
+        s.pump();
+        assert_eq!(s.completion(r), Some((32, STATUS_SUCCESS)));
+        assert_eq!(s.mem.read_at(DATA.addr, 32), file_pattern(32));
+    }
 }
 
 #[test]

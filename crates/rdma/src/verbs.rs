@@ -195,6 +195,13 @@ pub struct Config {
     pub mulpdu: usize,
     /// Both: time allowed for connection establishment (MPA / rdma_cm).
     pub connect_timeout: Duration,
+    /// Soft provider: a connection whose peer host answers nothing for this
+    /// long is dead (TCP keepalive: first probe after a third of it, then
+    /// every sixth, 4 probes; and `TCP_USER_TIMEOUT` for unacknowledged
+    /// data); the QP goes to the error state. A stopped or slow peer
+    /// *process* is not dead: its kernel answers. None: the system's TCP
+    /// defaults (no keepalive). Verbs: ignored.
+    pub dead_peer_timeout: Option<Duration>,
 }
 
 impl Default for Config {
@@ -205,6 +212,7 @@ impl Default for Config {
             mpa_crc: CrcPolicy::Off,
             mulpdu: 0,
             connect_timeout: Duration::from_secs(10),
+            dead_peer_timeout: Some(Duration::from_secs(30)),
         }
     }
 }

@@ -166,6 +166,18 @@ pub struct RdmaConfig {
     /// (docs/protocol.md §5.12), announced to clients as MAX_MESSAGE;
     /// 0 = no fragments (every write is cut into `max_write_size` requests).
     pub max_message: u32,
+    /// AUTH must arrive this long after an RDMA connection is accepted.
+    #[serde(deserialize_with = "de_duration")]
+    pub auth_timeout: Duration,
+    /// A credit transaction unanswered this long marks its client slow
+    /// (logged, counted); the connection stays (docs/durability.md §2).
+    #[serde(deserialize_with = "de_duration")]
+    pub credit_timeout: Duration,
+    /// Soft provider: a peer whose host answers nothing this long (TCP
+    /// keepalive and `TCP_USER_TIMEOUT` on the connection's socket) is
+    /// dead and its connection is dropped.
+    #[serde(deserialize_with = "de_duration")]
+    pub dead_peer_timeout: Duration,
 }
 
 impl Default for RdmaConfig {
@@ -178,6 +190,9 @@ impl Default for RdmaConfig {
             max_write_size: 64 * 1024,
             indicate_window: 128 * 1024,
             max_message: crate::io_phase::server::DEFAULT_MAX_MESSAGE,
+            auth_timeout: Duration::from_secs(10),
+            credit_timeout: Duration::from_secs(10),
+            dead_peer_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -566,6 +581,9 @@ progress = "connection"
 max_write_size = 65536
 indicate_window = 131072
 max_message = 16777216
+auth_timeout = "10s"
+credit_timeout = "10s"
+dead_peer_timeout = "30s"
 "#;
 
 #[cfg(test)]
@@ -627,8 +645,20 @@ mod tests {
                 max_write_size: 262144,
                 indicate_window: 32768,
                 max_message: crate::io_phase::server::DEFAULT_MAX_MESSAGE,
+                ..RdmaConfig::default()
             }
         );
+        let t = Config::from_toml(
+            "[rdma]\nauth_timeout = \"3s\"\ncredit_timeout = \"1s\"\ndead_peer_timeout = \"5s\"",
+        )
+        .unwrap();
+        let o = crate::io_phase::server::RdmaServerOptions::from_config(
+            &t,
+            "127.0.0.1:0".parse().unwrap(),
+        );
+        assert_eq!(o.proto.auth_timeout, Duration::from_secs(3));
+        assert_eq!(o.proto.credit_timeout, Duration::from_secs(1));
+        assert_eq!(o.rdma.dead_peer_timeout, Some(Duration::from_secs(5)));
         let e = Config::from_toml("[rdma]\nprogress = \"threads\"").unwrap_err();
         assert!(e.0.contains("unknown variant"), "{e}");
         let o = crate::io_phase::server::RdmaServerOptions::from_config(

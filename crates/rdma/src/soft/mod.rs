@@ -578,6 +578,24 @@ pub(crate) fn check_init(ctx: &Arc<CtxShared>, init: &QpInit) -> Result<()> {
     Ok(())
 }
 
+/// TCP keepalive and `TCP_USER_TIMEOUT` so that a peer whose host is gone
+/// is detected within about `t` (`Config::dead_peer_timeout`).
+pub(crate) fn set_dead_peer_timeout(
+    s: &std::net::TcpStream,
+    t: std::time::Duration,
+) -> std::io::Result<()> {
+    use rustix::net::sockopt;
+    use std::time::Duration;
+    let secs = t.as_secs().max(3);
+    sockopt::set_socket_keepalive(s, true)?;
+    sockopt::set_tcp_keepidle(s, Duration::from_secs(secs / 3))?;
+    sockopt::set_tcp_keepintvl(s, Duration::from_secs((secs / 6).max(1)))?;
+    sockopt::set_tcp_keepcnt(s, 4)?;
+    let ms = u32::try_from(t.as_millis()).unwrap_or(u32::MAX).max(1);
+    sockopt::set_tcp_user_timeout(s, ms)?;
+    Ok(())
+}
+
 pub(crate) fn create_qp(
     ctx: Arc<CtxShared>,
     init: &QpInit,
@@ -592,6 +610,9 @@ pub(crate) fn create_qp(
     }
     let stream = est.stream;
     stream.set_nodelay(true)?;
+    if let Some(t) = ctx.config.dead_peer_timeout {
+        set_dead_peer_timeout(&stream, t)?;
+    }
     stream.set_nonblocking(true)?;
     let local = stream.local_addr()?;
     let peer = stream.peer_addr()?;
@@ -745,5 +766,28 @@ impl Drop for SoftQp {
             self.sh.drive_locked(&mut c, false);
         }
         self.ctx.unregister(&self.sh);
+    }
+}
+
+#[cfg(test)]
+mod dead_peer_tests {
+    use rustix::net::sockopt;
+    use std::time::Duration;
+
+    #[test]
+    fn dead_peer_timeout_sets_keepalive_and_user_timeout() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        super::set_dead_peer_timeout(&s, Duration::from_secs(30)).unwrap();
+        assert!(sockopt::socket_keepalive(&s).unwrap());
+        assert_eq!(sockopt::tcp_keepidle(&s).unwrap(), Duration::from_secs(10));
+        assert_eq!(sockopt::tcp_keepintvl(&s).unwrap(), Duration::from_secs(5));
+        assert_eq!(sockopt::tcp_keepcnt(&s).unwrap(), 4);
+        assert_eq!(sockopt::tcp_user_timeout(&s).unwrap(), 30_000);
+        // Short timeouts (tests) keep probes at least a second apart.
+        super::set_dead_peer_timeout(&s, Duration::from_millis(1500)).unwrap();
+        assert_eq!(sockopt::tcp_keepidle(&s).unwrap(), Duration::from_secs(1));
+        assert_eq!(sockopt::tcp_keepintvl(&s).unwrap(), Duration::from_secs(1));
+        assert_eq!(sockopt::tcp_user_timeout(&s).unwrap(), 1500);
     }
 }

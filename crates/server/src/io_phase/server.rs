@@ -193,6 +193,9 @@ pub struct ServerStats {
     /// File I/Os done by connection threads themselves (page-cache fast
     /// path, `inline_io`) rather than by storage threads.
     pub inline_ios: u64,
+    /// Credit transactions a client left unanswered past the credit
+    /// timeout (a slow client; its connection stays, docs/durability.md).
+    pub slow_credit_replies: u64,
     /// Storage I/Os that ended cancelled (CANCEL, or the connection
     /// closing): still queued, or stopped while running on io_uring.
     pub ios_cancelled: u64,
@@ -240,6 +243,7 @@ struct Shared {
     auth_failed: AtomicU64,
     closed_by_protocol: AtomicU64,
     inline_ios: AtomicU64,
+    slow_credit_replies: AtomicU64,
     ios_cancelled: AtomicU64,
     fragment_writes: AtomicU64,
     fragment_write_calls: AtomicU64,
@@ -384,6 +388,7 @@ impl ServerHandle {
             auth_failed: s.auth_failed.load(Ordering::Relaxed),
             closed_by_protocol: s.closed_by_protocol.load(Ordering::Relaxed),
             inline_ios: s.inline_ios.load(Ordering::Relaxed),
+            slow_credit_replies: s.slow_credit_replies.load(Ordering::Relaxed),
             ios_cancelled: s.ios_cancelled.load(Ordering::Relaxed),
             storage_queue: s.storage_queued.load(Ordering::Relaxed),
             fragment_writes: s.fragment_writes.load(Ordering::Relaxed),
@@ -599,6 +604,7 @@ impl RdmaServer {
             auth_failed: AtomicU64::new(0),
             closed_by_protocol: AtomicU64::new(0),
             inline_ios: AtomicU64::new(0),
+            slow_credit_replies: AtomicU64::new(0),
             ios_cancelled: AtomicU64::new(0),
             fragment_writes: AtomicU64::new(0),
             fragment_write_calls: AtomicU64::new(0),
@@ -1403,7 +1409,19 @@ impl Conn {
             let now = Instant::now();
             if let Some(t) = self.sconn.poll_timeout() {
                 if now >= t {
+                    let slow = self.sconn.slow_credit_replies();
                     self.sconn.handle_timeout(now);
+                    if self.sconn.slow_credit_replies() > slow {
+                        self.shared
+                            .slow_credit_replies
+                            .fetch_add(1, Ordering::Relaxed);
+                        warn!(
+                            conn = self.id,
+                            peer = %self.peer,
+                            timeout = ?self.shared.opts.proto.credit_timeout,
+                            "client slow to answer a credit transaction; keeping the connection"
+                        );
+                    }
                 }
             }
             if now.duration_since(last_tick) >= STATS_FLUSH {
@@ -2314,6 +2332,8 @@ impl RdmaServerOptions {
                     .min(usize::from(u16::MAX)),
                 max_recv_buffer_size: c.rdma.max_write_size,
                 max_message: c.rdma.max_message,
+                auth_timeout: c.rdma.auth_timeout,
+                credit_timeout: c.rdma.credit_timeout,
                 ..d.proto
             },
             inline_io: c.rdma.inline_io,
@@ -2321,6 +2341,10 @@ impl RdmaServerOptions {
             busy_poll_polled: c.rdma.busy_poll_polled,
             conn_contexts: c.rdma.progress == crate::config::ProgressChoice::Connection,
             recv_window: Some(c.rdma.indicate_window as usize),
+            rdma: lwio_rdma::Config {
+                dead_peer_timeout: Some(c.rdma.dead_peer_timeout),
+                ..d.rdma
+            },
             ..d
         }
     }
