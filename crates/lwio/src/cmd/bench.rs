@@ -255,7 +255,7 @@ fn fill_file(path: &Path, size: u64) -> anyhow::Result<()> {
         1 << 20,
         std::fs::File::create(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
     );
-    let mut rng = Rng::new();
+    let mut rng = Rng::random();
     let mut block = vec![0u8; 1 << 20];
     let mut left = size;
     while left > 0 {
@@ -272,16 +272,21 @@ fn fill_file(path: &Path, size: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// xorshift64*: offsets and payload, not security.
-struct Rng(u64);
+/// xorshift64*: offsets and payload, not security (also the soak's,
+/// `lwio-soak`, seeded to repeat a run).
+pub struct Rng(u64);
 
 impl Rng {
-    fn new() -> Rng {
+    pub fn random() -> Rng {
         let mut b = [0u8; 8];
         lwio_side::random_bytes(&mut b);
-        Rng(u64::from_le_bytes(b) | 1)
+        Rng::seeded(u64::from_le_bytes(b))
     }
-    fn next(&mut self) -> u64 {
+    pub fn seeded(seed: u64) -> Rng {
+        Rng(seed | 1)
+    }
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x >> 12;
         x ^= x << 25;
@@ -329,7 +334,7 @@ fn job(
     let poll = client.completion() == Completion::Poll;
     let (max_r, max_w) = (e.max_read(), e.max_write());
     let blocks = (plan.size / plan.bs as u64).max(1);
-    let mut rng = Rng::new();
+    let mut rng = Rng::random();
     let mut wbuf = vec![0u8; plan.bs];
     for w in wbuf.chunks_mut(8) {
         let v = rng.next().to_le_bytes();
@@ -516,7 +521,7 @@ fn layout(client: &Client, url: &LwioUrl, size: u64) -> anyhow::Result<()> {
         return f.close().map_err(|e| ctx(url, e));
     }
     let pb = super::byte_bar(size - have, "laying out the file");
-    let mut rng = Rng::new();
+    let mut rng = Rng::random();
     let mut block = vec![0u8; super::COPY_CHUNK];
     for w in block.chunks_exact_mut(8) {
         w.copy_from_slice(&rng.next().to_le_bytes());
