@@ -185,6 +185,9 @@ pub struct AsyncFile {
 /// CANCELs them.
 struct Inflight<'a> {
     file: &'a AsyncFile,
+    /// The connection and Fid the requests went out on.
+    engine: Arc<Engine>,
+    fid: u16,
     /// (request, status slot, stage, offset in the call, length)
     reqs: VecDeque<(ReqId, Option<u32>, Stage, usize, usize)>,
     /// Completed reads' stages not yet copied out (stage, offset, length):
@@ -194,7 +197,7 @@ struct Inflight<'a> {
 
 impl Inflight<'_> {
     fn engine(&self) -> &Arc<Engine> {
-        self.file.file.channel_engine()
+        &self.engine
     }
 
     fn push(&mut self, req: ReqId, stage: Stage, at: usize, len: usize) {
@@ -210,14 +213,14 @@ impl Inflight<'_> {
 impl Drop for Inflight<'_> {
     fn drop(&mut self) {
         for (stage, ..) in self.kept.drain(..) {
-            self.file.engine().release_stage(stage);
+            self.engine.release_stage(stage);
         }
         if self.reqs.is_empty() {
             return;
         }
         self.file.cancels.fetch_add(1, Ordering::Relaxed);
         let e = self.engine().clone();
-        let fid = self.file.file.fid();
+        let fid = self.fid;
         tracing::debug!(
             fid,
             n = self.reqs.len(),
@@ -273,8 +276,18 @@ impl AsyncFile {
         self.file.fid()
     }
 
-    fn engine(&self) -> &Arc<Engine> {
-        self.file.channel_engine()
+    /// The engine and Fid to issue on: the file's registration, renewed
+    /// first (on the blocking pool) if a reconnect happened since.
+    async fn route(&self) -> Result<(Arc<Engine>, u16)> {
+        let r = self.file.now();
+        let epoch = self.file.client.0.epoch.load(Ordering::Acquire);
+        if r.stale.is_none() && r.epoch == epoch {
+            return Ok((r.engine, r.fid));
+        }
+        let f = self.file.clone();
+        tokio::task::spawn_blocking(move || f.current())
+            .await
+            .unwrap_or_else(|e| Err(Error::Io(format!("internal error: {e}"))))
     }
 
     /// Sleep until the next completion (or `step`, whichever is first);
@@ -309,8 +322,12 @@ impl AsyncFile {
     }
 
     /// Wait for `req`'s completion: (information, status).
-    async fn complete(&self, req: ReqId, slot: Option<u32>) -> Result<(u32, NtStatus)> {
-        let e = self.engine();
+    async fn complete(
+        &self,
+        e: &Arc<Engine>,
+        req: ReqId,
+        slot: Option<u32>,
+    ) -> Result<(u32, NtStatus)> {
         let deadline = Instant::now() + e.config().op_timeout;
         let poll = e.completion_mode() == Completion::Poll && slot.is_some();
         let spin_until = Instant::now() + e.config().poll_spin;
@@ -350,12 +367,14 @@ impl AsyncFile {
         offset
             .checked_add(buf.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
-        let e = self.engine().clone();
+        let (e, fid) = self.route().await?;
         let f = &self.file;
         let chunk = e.max_read();
         let depth = usize::from(e.credits()).clamp(1, e.config().stage_slots);
         let mut inflight = Inflight {
             file: self,
+            engine: e.clone(),
+            fid,
             reqs: VecDeque::new(),
             kept: Vec::new(),
         };
@@ -373,7 +392,7 @@ impl AsyncFile {
             notified.as_mut().enable();
             while stop.is_none() && issued < buf.len() && inflight.reqs.len() < depth {
                 let len = chunk.min(buf.len() - issued);
-                match e.try_issue_read(f.fid, offset + issued as u64, len) {
+                match e.try_issue_read(fid, offset + issued as u64, len) {
                     Ok(Some((req, stage))) => {
                         inflight.push(req, stage, issued, len);
                         issued += len;
@@ -401,21 +420,15 @@ impl AsyncFile {
                 self.credit_wait(notified, deadline).await?;
                 continue;
             };
-            let r = self.complete(req, slot).await;
+            let r = self.complete(&e, req, slot).await;
             inflight.reqs.pop_front();
             let kept = &mut inflight.kept;
-            f.read_outcome(
-                r,
-                stage,
-                at,
-                len,
-                &mut total,
-                &mut stop,
-                |stage, n| match &mut collect {
+            f.read_outcome(&e, r, stage, at, len, &mut total, &mut stop, |stage, n| {
+                match &mut collect {
                     Some(v) => e.finish_stage(stage, &mut v[at..at + n]),
                     None => kept.push((stage, at, n)),
-                },
-            );
+                }
+            });
         }
         let r = stop.unwrap_or(Ok(total));
         if r.is_ok() {
@@ -434,7 +447,7 @@ impl AsyncFile {
         offset
             .checked_add(data.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
-        let e = self.engine().clone();
+        let (e, fid) = self.route().await?;
         let f = &self.file;
         let page = usize::from(e.client_page_size());
         let mut chunk = e.max_write();
@@ -445,6 +458,8 @@ impl AsyncFile {
         let depth = usize::from(e.credits()).max(1);
         let mut inflight = Inflight {
             file: self,
+            engine: e.clone(),
+            fid,
             reqs: VecDeque::new(),
             kept: Vec::new(),
         };
@@ -458,7 +473,7 @@ impl AsyncFile {
             while err.is_none() && issued < data.len() && inflight.reqs.len() < depth {
                 let len = chunk.min(data.len() - issued);
                 let at = offset + issued as u64;
-                match e.try_issue_write(f.fid, at, &data[issued..issued + len]) {
+                match e.try_issue_write(fid, at, &data[issued..issued + len]) {
                     Ok(Some(req)) => {
                         inflight.push(req, Stage::User, issued, len);
                         issued += len;
@@ -474,7 +489,7 @@ impl AsyncFile {
                 self.credit_wait(notified, deadline).await?;
                 continue;
             };
-            let r = self.complete(req, slot).await;
+            let r = self.complete(&e, req, slot).await;
             inflight.reqs.pop_front();
             f.write_outcome(r, len, &mut done, &mut err);
         }
@@ -486,18 +501,18 @@ impl AsyncFile {
 
     /// CANCEL this file's outstanding I/O (docs/protocol.md §5.9).
     pub async fn cancel(&self) -> Result<()> {
-        let e = self.engine().clone();
+        let (e, fid) = self.route().await?;
         let deadline = Instant::now() + e.config().op_timeout;
         let req = loop {
             let notified = self.shared.wakeup.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(r) = e.try_issue_cancel(self.file.fid())? {
+            if let Some(r) = e.try_issue_cancel(fid)? {
                 break r;
             }
             self.credit_wait(notified, deadline).await?;
         };
-        match self.complete(req, None).await? {
+        match self.complete(&e, req, None).await? {
             (_, STATUS_SUCCESS) => Ok(()),
             (_, st) => Err(status_error("CANCEL", st)),
         }

@@ -42,6 +42,7 @@ pub fn client(e: &crate::Error) -> i32 {
         E::Busy(_) => EBUSY,
         E::Cancelled => EINTR,
         E::TimedOut(_) => ETIMEDOUT,
+        E::Stale(_) => ESTALE,
         E::Status { status, .. } => match *status {
             STATUS_DISK_FULL => ENOSPC,
             STATUS_INVALID_HANDLE | STATUS_FILE_CLOSED => EBADF,
@@ -80,5 +81,6 @@ mod tests {
         assert_eq!(s(STATUS_DISK_FULL), ENOSPC);
         assert_eq!(s(0xC000_0185), EIO);
         assert_eq!(client(&crate::Error::ConnectionLost("gone".into())), EIO);
+        assert_eq!(client(&crate::Error::Stale("replaced".into())), ESTALE);
     }
 }

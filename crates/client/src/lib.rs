@@ -31,16 +31,18 @@ pub mod engine;
 pub mod errno;
 pub mod handoff;
 pub mod publish;
+pub mod reconnect;
 pub mod side;
 pub mod url;
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use lwio_proto::status::*;
-use lwio_proto::wire::{NegotiateRequestRepr, FILE_NO_INTERMEDIATE_BUFFERING};
+use lwio_proto::wire::NegotiateRequestRepr;
 use lwio_proto::NtStatus;
 use tracing::{debug, info};
 
@@ -103,6 +105,10 @@ pub enum Error {
     Side(String),
     #[error("I/O: {0}")]
     Io(String),
+    /// The file is no longer the one that was opened: after a server
+    /// restart its path names another file, or none (ESTALE).
+    #[error("stale file handle: {0}")]
+    Stale(String),
 }
 
 impl From<lwio_rdma::Error> for Error {
@@ -157,6 +163,7 @@ impl From<Error> for std::io::Error {
             Error::TimedOut(_) => K::TimedOut,
             Error::InvalidArgument(_) => K::InvalidInput,
             Error::Cancelled => K::Interrupted,
+            Error::Stale(_) => K::StaleNetworkFileHandle,
             _ => K::Other,
         };
         std::io::Error::new(kind, e)
@@ -233,8 +240,14 @@ pub struct ClientOptions {
     /// (seed 000 claim 9): each file is registered on one of them, in
     /// turn, so several cores or NICs carry one client's I/O. Default 1.
     pub channels: usize,
-    /// Per-request timeout.
+    /// Per-request timeout; also the bound on a call's wait for a
+    /// reconnect (docs/reconnect.md).
     pub op_timeout: Duration,
+    /// Reconnect on its own when the RDMA connection or the side channel
+    /// drops, take the open files back (durable handles, or reopen by path
+    /// after a server restart) and send unanswered requests again
+    /// (docs/reconnect.md). Off: a lost connection fails every call.
+    pub reconnect: bool,
     pub connect_timeout: Duration,
     pub client_name: String,
     pub rdma: lwio_rdma::Config,
@@ -258,6 +271,7 @@ impl Default for ClientOptions {
             reg_cache_entries: 64,
             channels: 1,
             op_timeout: Duration::from_secs(30),
+            reconnect: true,
             connect_timeout: Duration::from_secs(10),
             client_name: lwio_side::host_name(),
             // The soft provider's receive work runs in the thread that
@@ -308,10 +322,9 @@ impl OpenOptions {
 
 pub(crate) struct Inner {
     pub(crate) side: Mutex<Option<crate::side::Client>>,
-    /// Channel 0: the first RDMA connection.
-    pub(crate) engine: Arc<Engine>,
-    /// Channels 1.. ([`ClientOptions::channels`]).
-    pub(crate) extra: Vec<Arc<Engine>>,
+    /// The RDMA channels, channel 0 first ([`ClientOptions::channels`]);
+    /// a reconnect replaces them all.
+    pub(crate) engines: RwLock<Vec<Arc<Engine>>>,
     /// Round-robin channel choice for `open`.
     next_channel: std::sync::atomic::AtomicUsize,
     export: Option<String>,
@@ -325,24 +338,41 @@ pub(crate) struct Inner {
     pub(crate) device: Option<String>,
     /// The negotiate Key of each channel, channel 0 first: the server knows
     /// a channel by it (a publication names the channel that carries it).
-    pub(crate) channel_keys: Vec<lwio_proto::wire::Guid>,
+    pub(crate) channel_keys: RwLock<Vec<lwio_proto::wire::Guid>>,
+    /// The options connected with (a reconnect dials with them again).
+    pub(crate) opts: ClientOptions,
+    /// Bumped by every reconnect: a file registered at an older epoch
+    /// registers again before its next request.
+    pub(crate) epoch: AtomicU64,
+    /// Bumped when a reconnect found the server's state gone (a restart):
+    /// files opened before reopen by path and check their identity.
+    pub(crate) reset: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+    /// One reconnect at a time.
+    pub(crate) recon: Mutex<()>,
 }
 
 impl Inner {
-    /// Every RDMA channel, channel 0 first.
-    pub(crate) fn channels(&self) -> impl Iterator<Item = &Arc<Engine>> {
-        std::iter::once(&self.engine).chain(self.extra.iter())
+    /// Every RDMA channel, channel 0 first (the current connections).
+    pub(crate) fn channels(&self) -> Vec<Arc<Engine>> {
+        self.engines
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
-    /// Channel `n` (0 = the first).
-    pub(crate) fn channel(&self, n: usize) -> &Arc<Engine> {
-        n.checked_sub(1)
-            .and_then(|i| self.extra.get(i))
-            .unwrap_or(&self.engine)
+    /// Channel `n` (0 = the first; past the last: channel 0).
+    pub(crate) fn channel(&self, n: usize) -> Arc<Engine> {
+        let g = self.engines.read().unwrap_or_else(|p| p.into_inner());
+        g.get(n).unwrap_or(&g[0]).clone()
     }
 
-    /// Run a side-channel call.
-    pub(crate) fn side<T>(
+    pub(crate) fn channel_count(&self) -> usize {
+        self.engines.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Run a side-channel call once (no reconnect).
+    pub(crate) fn side_once<T>(
         &self,
         f: impl FnOnce(&mut crate::side::Client) -> lwio_side::Result<T>,
     ) -> Result<T> {
@@ -381,8 +411,8 @@ impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
             .field("server", &self.0.server_name)
-            .field("provider", &self.0.engine.provider())
-            .field("completion", &self.0.engine.cfg.completion)
+            .field("provider", &self.0.channel(0).provider())
+            .field("completion", &self.0.channel(0).cfg.completion)
             .finish()
     }
 }
@@ -406,11 +436,20 @@ fn parse_target(target: &str) -> Result<(String, String, Option<String>)> {
 impl Client {
     /// Run a call on this client's side-channel session: the namespace
     /// operations (stat, list, mkdir, rename, remove) that do not move data.
+    ///
+    /// A call that finds the connection lost reconnects and runs again
+    /// ([`ClientOptions::reconnect`]; docs/reconnect.md says which calls
+    /// can then fail although their first try took effect).
     pub fn side<T>(
         &self,
-        f: impl FnOnce(&mut crate::side::Client) -> lwio_side::Result<T>,
+        f: impl FnMut(&mut crate::side::Client) -> lwio_side::Result<T>,
     ) -> Result<T> {
         self.0.side(f)
+    }
+
+    /// Reconnects so far (each one logged at info: "reconnected").
+    pub fn reconnects(&self) -> u64 {
+        self.0.reconnects.load(Ordering::Relaxed)
     }
 
     /// Connect to `target` (`lwio://HOST[:PORT][/EXPORT]` or `HOST[:PORT]`)
@@ -437,66 +476,10 @@ impl Client {
     ) -> Result<Client> {
         let (authority, _, export) = parse_target(target)?;
         let mut side = crate::side::Client::connect(&authority, so)?;
-        let session = side.session().clone();
-        let side_ip: Option<IpAddr> = (authority.as_str(), 0)
-            .to_socket_addrs()
-            .ok()
-            .or_else(|| authority.to_socket_addrs().ok())
-            .and_then(|mut a| a.next())
-            .map(|a| a.ip());
-        // Negotiate over the pipe: offer every local instance the options
-        // allow, by wire transport (docs/protocol.md §2.8).
-        let cands = discovery::local_candidates(opts.provider, opts.device.as_deref(), side_ip);
-        let offered: Vec<_> = cands.iter().map(|c| c.instance).collect();
-        let client_key = lwio_side::negotiate::random_guid();
-        let req = NegotiateRequestRepr {
-            client_name: truncate_name(&opts.client_name),
-            key: client_key,
-            response_length: 4096,
-            providers: lwio_proto::transport::to_blocks(&offered),
-        };
-        let cfg = EngineConfig {
-            completion: opts.completion,
-            credits: opts.credits,
-            max_credits: opts.max_credits,
-            read_chunk: opts.read_chunk.next_multiple_of(4096).max(4096),
-            stage_slots: opts.stage_slots.max(1),
-            write_chunk: opts.write_chunk.max(512),
-            send_slots: opts.send_slots,
-            poll_spin: opts.poll_spin,
-            op_timeout: opts.op_timeout,
-            auth_timeout: opts.connect_timeout,
-            register_threshold: usize::MAX,
-            reg_cache_bytes: opts.reg_cache_bytes,
-            reg_cache_entries: opts.reg_cache_entries,
-        };
-        let mut dial = Dial {
-            cands: &cands,
-            opened: Vec::new(),
-            opts: &opts,
-            cfg,
-            side_ip,
-            client_key,
-        };
-        // Channel 0, then (claim 9) the other channels: each negotiates a
-        // Key of its own (the server takes each Key once) and starts at
-        // another shared path where there are several.
-        let (engine, server_name, key0) = dial.channel(&mut side, &req, &session, 0)?;
-        let mut extra = Vec::new();
-        let mut channel_keys = vec![key0];
-        for n in 1..opts.channels.max(1) {
-            let req = NegotiateRequestRepr {
-                key: client_key,
-                ..req.clone()
-            };
-            let (e, _, k) = dial.channel(&mut side, &req, &session, n)?;
-            extra.push(e);
-            channel_keys.push(k);
-        }
+        let (engines, server_name, channel_keys) = dial_all(&mut side, &authority, &opts)?;
         Ok(Client(Arc::new(Inner {
             side: Mutex::new(Some(side)),
-            engine,
-            extra,
+            engines: RwLock::new(engines),
             next_channel: std::sync::atomic::AtomicUsize::new(0),
             export,
             server_name,
@@ -504,7 +487,12 @@ impl Client {
             side_opts: so.clone(),
             provider_choice: opts.provider,
             device: opts.device.clone(),
-            channel_keys,
+            channel_keys: RwLock::new(channel_keys),
+            opts,
+            epoch: AtomicU64::new(0),
+            reset: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
+            recon: Mutex::new(()),
         })))
     }
 
@@ -530,40 +518,39 @@ impl Client {
     /// the server's umask).
     pub fn open_mode(&self, path: &str, o: &OpenOptions, mode: u32) -> Result<File> {
         let (export, rel) = self.split(path)?;
-        let rf = self.0.side(|s| s.open(&export, &rel, &o.0, mode))?;
-        let flags = if o.0.no_buffering {
-            FILE_NO_INTERMEDIATE_BUFFERING
-        } else {
-            0
-        };
-        let channel = self
-            .0
+        let inner = &self.0;
+        let channel = inner
             .next_channel
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            % (1 + self.0.extra.len());
-        let e = self.0.channel(channel);
-        let reg = e
-            .issue_register(rf.resume_key.key, flags)
-            .and_then(|r| e.wait(r, None));
-        match reg {
-            Ok((fid, STATUS_SUCCESS)) if fid != 0 && fid <= 0xffff => Ok(File {
-                client: self.clone(),
-                channel,
-                fid: fid as u16,
-                handle: rf.handle,
-                export,
-                path: rel,
-                no_buffering: o.0.no_buffering,
-                closed: false,
-            }),
-            other => {
-                let _ = self.0.side(|s| s.close(rf.handle));
-                match other {
-                    Ok((_, st)) => Err(status_error(format!("REGISTER of {export}/{rel}"), st)),
-                    Err(e) => Err(e),
-                }
-            }
-        }
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Opened over the side channel, then registered on an RDMA channel;
+        // a connection lost in between reconnects and opens again.
+        let (route, file_id) = inner.retry(|| {
+            let epoch = inner.epoch.load(Ordering::Acquire);
+            let reset = inner.reset.load(Ordering::Acquire);
+            let rf = inner.side_once(|s| s.open(&export, &rel, &o.0, mode))?;
+            let r = reconnect::register(inner, channel, &rf, o.0.no_buffering, epoch, reset)
+                .inspect_err(|_| {
+                    let _ = inner.side_once(|s| s.close(rf.handle));
+                })
+                .map_err(|e| match e {
+                    Error::Status { status, .. } => {
+                        status_error(format!("REGISTER of {export}/{rel}"), status)
+                    }
+                    e => e,
+                })?;
+            Ok((r, rf.file_id))
+        })?;
+        Ok(File {
+            client: self.clone(),
+            route: Mutex::new(route),
+            export,
+            path: rel,
+            open: o.0,
+            mode,
+            file_id,
+            no_buffering: o.0.no_buffering,
+            closed: false,
+        })
     }
 
     fn split(&self, path: &str) -> Result<(String, String)> {
@@ -587,22 +574,22 @@ impl Client {
     /// Send INTERRUPT and return when the server answers it (after the next
     /// I/O request on this connection completes).
     pub fn interrupt(&self) -> Result<()> {
-        self.0.engine.interrupt()
+        self.0.channel(0).interrupt()
     }
 
     /// Statistics of channel 0 (see [`Client::channel_stats`]).
     pub fn stats(&self) -> ClientStats {
-        self.0.engine.stats()
+        self.0.channel(0).stats()
     }
 
     /// How many RDMA channels this client holds ([`ClientOptions::channels`]).
     pub fn channels(&self) -> usize {
-        1 + self.0.extra.len()
+        self.0.channel_count()
     }
 
     /// Every RDMA channel's engine, channel 0 first.
     pub fn engines(&self) -> Vec<Arc<Engine>> {
-        self.0.channels().cloned().collect()
+        self.0.channels()
     }
 
     /// Statistics of channel `n`, if it exists.
@@ -612,26 +599,93 @@ impl Client {
 
     /// Restart the `max_outstanding` high-water mark of [`ClientStats`].
     pub fn reset_peak(&self) {
-        self.0.engine.reset_peak()
+        self.0.channel(0).reset_peak()
     }
 
     pub fn credits(&self) -> u16 {
-        self.0.engine.credits()
+        self.0.channel(0).credits()
     }
 
     pub fn provider(&self) -> &'static str {
-        self.0.engine.provider()
+        self.0.channel(0).provider()
     }
 
     pub fn completion(&self) -> Completion {
-        self.0.engine.cfg.completion
+        self.0.channel(0).cfg.completion
     }
 
     /// The RDMA engine of channel 0 (for tools and tests that issue raw
-    /// requests).
-    pub fn engine(&self) -> &Arc<Engine> {
-        &self.0.engine
+    /// requests): the current connection (a reconnect replaces it).
+    pub fn engine(&self) -> Arc<Engine> {
+        self.0.channel(0)
     }
+}
+
+/// Negotiate and connect every RDMA channel of `opts` over a logged-in side
+/// channel: (channels, the server's name, each channel's negotiate Key).
+#[allow(clippy::type_complexity)]
+pub(crate) fn dial_all(
+    side: &mut crate::side::Client,
+    authority: &str,
+    opts: &ClientOptions,
+) -> Result<(Vec<Arc<Engine>>, String, Vec<lwio_proto::wire::Guid>)> {
+    let session = side.session().clone();
+    let side_ip: Option<IpAddr> = (authority, 0)
+        .to_socket_addrs()
+        .ok()
+        .or_else(|| authority.to_socket_addrs().ok())
+        .and_then(|mut a| a.next())
+        .map(|a| a.ip());
+    // Negotiate over the pipe: offer every local instance the options
+    // allow, by wire transport (docs/protocol.md §2.8).
+    let cands = discovery::local_candidates(opts.provider, opts.device.as_deref(), side_ip);
+    let offered: Vec<_> = cands.iter().map(|c| c.instance).collect();
+    let client_key = lwio_side::negotiate::random_guid();
+    let req = NegotiateRequestRepr {
+        client_name: truncate_name(&opts.client_name),
+        key: client_key,
+        response_length: 4096,
+        providers: lwio_proto::transport::to_blocks(&offered),
+    };
+    let cfg = EngineConfig {
+        completion: opts.completion,
+        credits: opts.credits,
+        max_credits: opts.max_credits,
+        read_chunk: opts.read_chunk.next_multiple_of(4096).max(4096),
+        stage_slots: opts.stage_slots.max(1),
+        write_chunk: opts.write_chunk.max(512),
+        send_slots: opts.send_slots,
+        poll_spin: opts.poll_spin,
+        op_timeout: opts.op_timeout,
+        auth_timeout: opts.connect_timeout,
+        register_threshold: usize::MAX,
+        reg_cache_bytes: opts.reg_cache_bytes,
+        reg_cache_entries: opts.reg_cache_entries,
+    };
+    let mut dial = Dial {
+        cands: &cands,
+        opened: Vec::new(),
+        opts,
+        cfg,
+        side_ip,
+        client_key,
+    };
+    // Channel 0, then (claim 9) the other channels: each negotiates a
+    // Key of its own (the server takes each Key once) and starts at
+    // another shared path where there are several.
+    let (engine, server_name, key0) = dial.channel(side, &req, &session, 0)?;
+    let mut engines = vec![engine];
+    let mut channel_keys = vec![key0];
+    for n in 1..opts.channels.max(1) {
+        let req = NegotiateRequestRepr {
+            key: client_key,
+            ..req.clone()
+        };
+        let (e, _, k) = dial.channel(side, &req, &session, n)?;
+        engines.push(e);
+        channel_keys.push(k);
+    }
+    Ok((engines, server_name, channel_keys))
 }
 
 fn truncate_name(s: &str) -> String {
@@ -831,60 +885,74 @@ impl Client {
         Ok(RegisteredBuf {
             mem,
             len,
-            engines: self.0.channels().map(Arc::downgrade).collect(),
+            engines: self.0.channels().iter().map(Arc::downgrade).collect(),
         })
     }
 }
 
-/// An open, registered file.
+/// An open, registered file. After a reconnect it registers again before
+/// its next request (docs/reconnect.md).
 pub struct File {
     client: Client,
-    /// The RDMA channel the file is registered on.
-    channel: usize,
-    fid: u16,
-    handle: u64,
+    /// Where the file is registered now (channel, Fid, handle).
+    route: Mutex<reconnect::Route>,
     export: String,
     path: String,
+    /// How it was opened (a reopen by path after a server restart uses the
+    /// same access, never create, truncate or exclusive).
+    open: lwio_side::types::OpenOptions,
+    mode: u32,
+    /// The server's identity of the file (0 = unknown).
+    file_id: u64,
     no_buffering: bool,
     closed: bool,
 }
 
 impl std::fmt::Debug for File {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "File({}/{}, fid {})", self.export, self.path, self.fid)
+        write!(f, "File({}/{}, fid {})", self.export, self.path, self.fid())
     }
 }
 
 impl File {
+    /// The Fid the file has on its RDMA connection (a reconnect changes it).
     pub fn fid(&self) -> u16 {
-        self.fid
+        self.now().fid
     }
 
     /// The engine of the channel this file is registered on (for callers
-    /// that issue and reap requests themselves, as the C batch API does).
-    pub fn channel_engine(&self) -> &Arc<Engine> {
-        self.client.0.channel(self.channel)
+    /// that issue and reap requests themselves, as the C batch API does),
+    /// with its Fid there. After a lost connection this registers the file
+    /// on the new one first (waiting for the reconnect, up to `op_timeout`).
+    pub fn channel_engine(&self) -> Arc<Engine> {
+        self.now().engine
+    }
+
+    /// The engine and Fid to issue requests on, registered on the current
+    /// connection (after a reconnect, waiting for it up to `op_timeout`).
+    pub fn current(&self) -> Result<(Arc<Engine>, u16)> {
+        self.retry(|r| Ok((r.engine.clone(), r.fid)))
+    }
+
+    /// The route as it stands (no re-registration).
+    fn now(&self) -> reconnect::Route {
+        self.route.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// fstat(2) of the open file, from the server (by its handle).
     pub fn stat(&self) -> Result<lwio_side::types::AttrX> {
-        let h = self.handle;
-        self.client.side(|s| s.stat_handle(h))
-    }
-
-    fn engine(&self) -> &Engine {
-        self.client.0.channel(self.channel)
+        self.retry(|r| self.client.0.side_once(|s| s.stat_handle(r.handle)))
     }
 
     /// The RDMA channel this file's requests use (0 = the first).
     pub fn channel(&self) -> usize {
-        self.channel
+        self.now().channel
     }
 
     /// Read into `buf` at `offset`; returns the bytes read (short only at end
     /// of file; 0 at or past it).
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.read_impl(buf, offset, false)
+        self.retry(|r| self.read_impl(r, buf, offset, false))
     }
 
     /// Read `range` of a registered buffer at `offset`, as
@@ -914,7 +982,18 @@ impl File {
         offset
             .checked_add(len as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
-        let e = self.engine();
+        self.retry(|r| self.read_registered_once(r, buf, range.clone(), offset))
+    }
+
+    fn read_registered_once(
+        &self,
+        r: &reconnect::Route,
+        buf: &mut RegisteredBuf,
+        range: std::ops::Range<usize>,
+        offset: u64,
+    ) -> Result<usize> {
+        let len = range.len();
+        let e = &*r.engine;
         if len >= engine::BOUNCE_THRESHOLD {
             // In bounds (checked above), so no wrap.
             let ptr = buf.mem.as_ptr().wrapping_add(range.start);
@@ -928,23 +1007,29 @@ impl File {
             // invalidated and completed (or the QP is in error); the cache
             // entry keeps the memory alive.
             let dst = unsafe { e.user_dst(ptr, len, false) };
-            if let Some(r) = self.read_direct(dst, len, offset, false) {
-                return r;
+            if let Some(x) = self.read_direct(r, dst, len, offset, false) {
+                return x;
             }
         }
         // Staged: no window covers the buffer, so a slice of it is fine.
         let slice = &mut buf[range];
-        self.read_chunks(len, offset, false, ReadInto::Staged(slice))
+        self.read_chunks(r, len, offset, false, ReadInto::Staged(slice))
     }
 
-    fn read_impl(&self, buf: &mut [u8], offset: u64, vectored: bool) -> Result<usize> {
+    fn read_impl(
+        &self,
+        r: &reconnect::Route,
+        buf: &mut [u8],
+        offset: u64,
+        vectored: bool,
+    ) -> Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
         offset
             .checked_add(buf.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
-        let e = self.engine();
+        let e = &*r.engine;
         if buf.len() >= engine::BOUNCE_THRESHOLD {
             let (ptr, len) = (buf.as_mut_ptr(), buf.len());
             let per_call = len >= e.cfg.register_threshold;
@@ -974,12 +1059,12 @@ impl File {
             // the `RegisteredBuf` and a range instead and has no such
             // reference; this path keeps working for slices of one.
             let dst = unsafe { e.user_dst(ptr, len, per_call) };
-            if let Some(r) = self.read_direct(dst, len, offset, vectored) {
-                return r;
+            if let Some(x) = self.read_direct(r, dst, len, offset, vectored) {
+                return x;
             }
         }
         let len = buf.len();
-        self.read_chunks(len, offset, vectored, ReadInto::Staged(buf))
+        self.read_chunks(r, len, offset, vectored, ReadInto::Staged(buf))
     }
 
     /// Read `len` bytes at `offset` straight into the caller memory that
@@ -987,6 +1072,7 @@ impl File {
     /// it returned none (or failed): the caller stages instead.
     fn read_direct(
         &self,
+        r: &reconnect::Route,
         dst: Result<Option<engine::UserDst>>,
         len: usize,
         offset: u64,
@@ -995,10 +1081,10 @@ impl File {
         match dst {
             Ok(None) => None,
             Ok(Some(dst)) => {
-                let r = self.read_chunks(len, offset, vectored, ReadInto::User(&dst));
-                self.engine().fence_group(dst.group());
+                let x = self.read_chunks(r, len, offset, vectored, ReadInto::User(&dst));
+                r.engine.fence_group(dst.group());
                 drop(dst);
-                Some(r)
+                Some(x)
             }
             Err(err) => {
                 debug!(error = %err, len, "cannot register the caller's buffer; staging");
@@ -1009,12 +1095,13 @@ impl File {
 
     fn read_chunks(
         &self,
+        r: &reconnect::Route,
         blen: usize,
         offset: u64,
         vectored: bool,
         mut into: ReadInto,
     ) -> Result<usize> {
-        let e = self.engine();
+        let (e, fid) = (&*r.engine, r.fid);
         let page = e.client_page_size();
         // Into registered caller memory a READ is one request up to the
         // server's MAX_MESSAGE (VEC_READ stays within the window).
@@ -1039,7 +1126,7 @@ impl File {
                     ReadInto::User(d) => Some((*d, issued)),
                     ReadInto::Staged(_) => None,
                 };
-                match e.issue_read_to(self.fid, offset + issued as u64, len, vec, dst) {
+                match e.issue_read_to(fid, offset + issued as u64, len, vec, dst) {
                     Ok((req, stage)) => {
                         let slot = if e.cfg.completion == Completion::Poll {
                             e.slot_of(req)
@@ -1055,8 +1142,8 @@ impl File {
             let Some((req, slot, stage, at, len)) = pending.pop_front() else {
                 break;
             };
-            let r = e.wait(req, slot);
-            self.read_outcome(r, stage, at, len, &mut total, &mut stop, |stage, n| {
+            let w = e.wait(req, slot);
+            self.read_outcome(e, w, stage, at, len, &mut total, &mut stop, |stage, n| {
                 if let ReadInto::Staged(buf) = &mut into {
                     e.finish_stage(stage, &mut buf[at..at + n]);
                 }
@@ -1074,6 +1161,7 @@ impl File {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn read_outcome(
         &self,
+        e: &Engine,
         r: Result<(u32, NtStatus)>,
         stage: engine::Stage,
         at: usize,
@@ -1082,7 +1170,6 @@ impl File {
         stop: &mut Option<Result<usize>>,
         land: impl FnOnce(engine::Stage, usize),
     ) {
-        let e = self.engine();
         match r {
             Ok((n, STATUS_SUCCESS)) => {
                 let n = (n as usize).min(len);
@@ -1120,7 +1207,7 @@ impl File {
     pub fn read_vectored_at(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> Result<usize> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         let mut tmp = vec![0u8; total];
-        let n = self.read_impl(&mut tmp, offset, true)?;
+        let n = self.retry(|r| self.read_impl(r, &mut tmp, offset, true))?;
         let mut o = 0;
         for b in bufs.iter_mut() {
             if o >= n {
@@ -1135,21 +1222,30 @@ impl File {
 
     /// Write all of `buf` at `offset` (split into WRITE requests of the
     /// server's MaxRecvBufferSize, pipelined up to the credits).
+    ///
+    /// A request the lost connection left unanswered is sent again after
+    /// the reconnect, before this returns (docs/reconnect.md, ordering).
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
-        self.write_impl(buf, offset, false)
+        self.retry(|r| self.write_impl(r, buf, offset, false))
     }
 
     /// Vectored write: VEC_WRITE (without COLLAPSE).
     pub fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> Result<usize> {
         let data: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
-        self.write_impl(&data, offset, true)
+        self.retry(|r| self.write_impl(r, &data, offset, true))
     }
 
-    fn write_impl(&self, buf: &[u8], offset: u64, vectored: bool) -> Result<usize> {
+    fn write_impl(
+        &self,
+        r: &reconnect::Route,
+        buf: &[u8],
+        offset: u64,
+        vectored: bool,
+    ) -> Result<usize> {
         offset
             .checked_add(buf.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
-        let e = self.engine();
+        let (e, fid) = (&*r.engine, r.fid);
         let page = e.client_page_size();
         let mut chunk = e.max_write();
         if self.no_buffering && chunk >= usize::from(page) {
@@ -1195,7 +1291,7 @@ impl File {
                 let r = if message {
                     let sub = src.as_ref().map(|u| u.at(issued));
                     e.issue_write_message(
-                        self.fid,
+                        fid,
                         offset + issued as u64,
                         data,
                         vectored.then_some(page),
@@ -1203,7 +1299,7 @@ impl File {
                     )
                 } else if vectored {
                     e.issue_vec_write(
-                        self.fid,
+                        fid,
                         offset + issued as u64,
                         page,
                         len as u32,
@@ -1211,7 +1307,7 @@ impl File {
                         false,
                     )
                 } else {
-                    e.issue_write(self.fid, offset + issued as u64, data)
+                    e.issue_write(fid, offset + issued as u64, data)
                 };
                 match r {
                     Ok(req) => {
@@ -1271,7 +1367,7 @@ impl File {
     /// legal — file opened with `no_buffering`, `page` one client page —
     /// otherwise plain writes. Returns the bytes written.
     pub fn write_repeated_at(&self, page: &[u8], total: u64, offset: u64) -> Result<u64> {
-        let e = self.engine();
+        let e = self.channel_engine();
         let ps = usize::from(e.client_page_size());
         let sps = usize::from(e.server_page_size());
         let legal =
@@ -1282,13 +1378,18 @@ impl File {
             while done < total {
                 let len = (total - done).min(max_req) as u32;
                 let data = &page[..(len as usize).min(ps)];
-                let req = e.issue_vec_write(self.fid, offset + done, ps as u16, len, data, true)?;
-                let slot = if e.cfg.completion == Completion::Poll {
-                    e.slot_of(req)
-                } else {
-                    None
-                };
-                match e.wait(req, slot)? {
+                let at = offset + done;
+                let w = self.retry(|r| {
+                    let e = &r.engine;
+                    let req = e.issue_vec_write(r.fid, at, ps as u16, len, data, true)?;
+                    let slot = if e.cfg.completion == Completion::Poll {
+                        e.slot_of(req)
+                    } else {
+                        None
+                    };
+                    e.wait(req, slot)
+                })?;
+                match w {
                     (n, STATUS_SUCCESS) if n == len => done += u64::from(len),
                     (_, st) => return Err(status_error("VEC_WRITE (COLLAPSE)", st)),
                 }
@@ -1311,8 +1412,8 @@ impl File {
     /// the server still can stop complete with STATUS_CANCELLED
     /// (docs/protocol.md §5.9 says which cannot).
     pub fn cancel(&self) -> Result<()> {
-        let e = self.engine();
-        let r = e.issue_cancel(self.fid)?;
+        let (e, fid) = self.current()?;
+        let r = e.issue_cancel(fid)?;
         match e.wait(r, None)? {
             (_, STATUS_SUCCESS) => Ok(()),
             (_, st) => Err(status_error("CANCEL", st)),
@@ -1322,8 +1423,9 @@ impl File {
     /// CANCEL the one outstanding request `req` of this file (nothing if it
     /// has completed): only it completes with STATUS_CANCELLED.
     pub fn cancel_request(&self, req: lwio_proto::client::ReqId) -> Result<()> {
-        let e = self.engine();
-        let Some(r) = e.issue_cancel_request(self.fid, req)? else {
+        let r = self.now();
+        let (e, fid) = (r.engine, r.fid);
+        let Some(r) = e.issue_cancel_request(fid, req)? else {
             return Ok(());
         };
         match e.wait(r, None)? {
@@ -1334,11 +1436,7 @@ impl File {
 
     /// The file size (side channel).
     pub fn len(&self) -> Result<u64> {
-        Ok(self
-            .client
-            .0
-            .side(|s| s.stat(&self.export, &self.path))?
-            .size)
+        Ok(self.stat()?.size)
     }
 
     pub fn is_empty(&self) -> Result<bool> {
@@ -1347,23 +1445,23 @@ impl File {
 
     /// Truncate or extend (side channel).
     pub fn set_len(&self, size: u64) -> Result<()> {
-        self.client.0.side(|s| s.set_size(self.handle, size))
+        self.retry(|r| self.client.0.side_once(|s| s.set_size(r.handle, size)))
     }
 
     /// fsync(2) on the server: data and metadata reach stable storage.
     pub fn sync_all(&self) -> Result<()> {
-        self.client.0.side(|s| s.fsync(self.handle, false))
+        self.retry(|r| self.client.0.side_once(|s| s.fsync(r.handle, false)))
     }
 
     /// fdatasync(2) on the server.
     pub fn sync_data(&self) -> Result<()> {
-        self.client.0.side(|s| s.fsync(self.handle, true))
+        self.retry(|r| self.client.0.side_once(|s| s.fsync(r.handle, true)))
     }
 
     /// The side-channel handle of this open file (for side-channel calls
     /// that act on an open file, through [`Client::side`]).
     pub fn handle(&self) -> u64 {
-        self.handle
+        self.now().handle
     }
 
     /// The export and the path within it that this file was opened as.
@@ -1381,10 +1479,18 @@ impl File {
             return Ok(());
         }
         self.closed = true;
-        let e = self.engine();
-        let r = e.issue_close(self.fid).and_then(|r| e.wait(r, None));
-        let side = self.client.0.side(|s| s.close(self.handle));
-        match r? {
+        let r = self.retry(|r| {
+            let e = &r.engine;
+            let rdma = e.issue_close(r.fid).and_then(|x| e.wait(x, None));
+            let side = self.client.0.side_once(|s| s.close(r.handle));
+            Ok((rdma?, side))
+        });
+        let (rdma, side) = match r {
+            // Nothing of it is open any more.
+            Err(Error::Stale(_)) => return Ok(()),
+            r => r?,
+        };
+        match rdma {
             (_, STATUS_SUCCESS) => {}
             (_, st) => return Err(status_error("CLOSE", st)),
         }
@@ -1402,14 +1508,13 @@ impl Drop for File {
             // Dropped in async code: the blocking side-channel client must
             // not run here. Close on a helper thread.
             self.closed = true;
-            let (client, channel, fid, handle) =
-                (self.client.clone(), self.channel, self.fid, self.handle);
+            let (client, r) = (self.client.clone(), self.now());
             let _ = std::thread::Builder::new()
                 .name("lwio-file-close".into())
                 .spawn(move || {
-                    let e = client.0.channel(channel);
-                    let _ = e.issue_close(fid).and_then(|r| e.wait(r, None));
-                    let _ = client.0.side(|s| s.close(handle));
+                    let e = &r.engine;
+                    let _ = e.issue_close(r.fid).and_then(|x| e.wait(x, None));
+                    let _ = client.0.side_once(|s| s.close(r.handle));
                 });
             return;
         }

@@ -89,6 +89,8 @@ impl Client {
         let key = self
             .0
             .channel_keys
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
             .first()
             .copied()
             .ok_or_else(|| Error::Side("no RDMA channel".into()))?;

@@ -75,6 +75,9 @@ pub struct RemoteFile {
     pub align: u32,
     /// To present in the RDMA REGISTER.
     pub resume_key: SrvRequestResumeKey,
+    /// What identifies the file itself across server restarts (0 =
+    /// unknown: a memory object, or an older server).
+    pub file_id: u64,
 }
 
 /// Async side-channel client over any byte stream.
@@ -456,23 +459,30 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
                 mode,
             })
             .await?;
-        let Response::Opened {
-            handle,
-            size,
-            align,
-            resume_key,
-        } = r
-        else {
-            return Err(unexpected(&r));
-        };
-        let resume_key = parse_request_resume_key(&resume_key)
-            .map_err(|_| Error::new(ErrorCode::BadRequest, "server sent a malformed resume key"))?;
-        Ok(RemoteFile {
-            handle,
-            size,
-            align,
-            resume_key,
-        })
+        opened(r)
+    }
+
+    /// Take over the open files of lost session `old` of the same login
+    /// (durable handles, docs/reconnect.md); returns how many.
+    pub async fn resume(&mut self, old: &Session) -> Result<u64> {
+        let mac = auth::resume_mac(&old.secret, old.id);
+        let r = self
+            .call(Request::Resume {
+                session_id: old.id,
+                mac,
+            })
+            .await?;
+        match r {
+            Response::Resumed { files } => Ok(files),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// A fresh resume key for open file `handle` (to REGISTER it on a new
+    /// RDMA connection).
+    pub async fn rekey(&mut self, handle: u64) -> Result<RemoteFile> {
+        let r = self.call(Request::Rekey { handle }).await?;
+        opened(r)
     }
 
     pub async fn close(&mut self, handle: u64) -> Result<()> {
@@ -896,6 +906,14 @@ impl Client {
     pub fn close(&mut self, handle: u64) -> Result<()> {
         self.rt.block_on(self.inner.close(handle))
     }
+    /// See [`AsyncClient::resume`].
+    pub fn resume(&mut self, old: &Session) -> Result<u64> {
+        self.rt.block_on(self.inner.resume(old))
+    }
+    /// See [`AsyncClient::rekey`].
+    pub fn rekey(&mut self, handle: u64) -> Result<RemoteFile> {
+        self.rt.block_on(self.inner.rekey(handle))
+    }
     pub fn remove(&mut self, export: &str, path: &str) -> Result<()> {
         self.rt.block_on(self.inner.remove(export, path))
     }
@@ -1111,4 +1129,27 @@ impl Client {
         self.rt
             .block_on(self.inner.wait_writes(export, name, seen, timeout_ms))
     }
+}
+
+/// An `Opened` response as a [`RemoteFile`].
+fn opened(r: Response) -> Result<RemoteFile> {
+    let Response::Opened {
+        handle,
+        size,
+        align,
+        resume_key,
+        file_id,
+    } = r
+    else {
+        return Err(unexpected(&r));
+    };
+    let resume_key = parse_request_resume_key(&resume_key)
+        .map_err(|_| Error::new(ErrorCode::BadRequest, "server sent a malformed resume key"))?;
+    Ok(RemoteFile {
+        handle,
+        size,
+        align,
+        resume_key,
+        file_id,
+    })
 }

@@ -84,6 +84,11 @@ pub struct Limits {
     /// acknowledge; an unacknowledged lease is then revoked.
     #[serde(deserialize_with = "de_duration")]
     pub lease_break_timeout: Duration,
+    /// How long the open files of a session whose side channel was lost
+    /// are kept for the client to take back (durable handles,
+    /// docs/reconnect.md). 0 = close them at once.
+    #[serde(deserialize_with = "de_duration")]
+    pub durable_grace: Duration,
 }
 
 impl Default for Limits {
@@ -108,6 +113,7 @@ impl Default for Limits {
             max_leases_per_session: 1024,
             max_leases: 65_536,
             lease_break_timeout: Duration::from_secs(2),
+            durable_grace: Duration::from_secs(60),
         }
     }
 }
@@ -566,6 +572,7 @@ unauth_burst = 400
 max_leases_per_session = 1024
 max_leases = 65536
 lease_break_timeout = "2s"
+durable_grace = "60s"
 max_rdma_connections = 256
 max_rdma_connections_per_host = 32
 

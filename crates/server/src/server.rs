@@ -51,6 +51,11 @@ pub struct SessionInfo {
     pub secret: SessionSecret,
 }
 
+/// Why a `Resume` was refused (whatever the reason: an unknown, expired or
+/// foreign session, or a wrong proof).
+pub const RESUME_REFUSED: &str =
+    "resume refused: no lost session of yours with that id, or a wrong proof of its secret";
+
 /// What a negotiate over the pipe left behind for the RDMA AUTH.
 #[derive(Debug, Clone)]
 pub struct NegotiatedClient {
@@ -203,6 +208,10 @@ pub struct ServerState {
     /// Bounds concurrent argon2 verifications (CPU and memory).
     pub(crate) password_checks: Arc<tokio::sync::Semaphore>,
     sessions: Mutex<HashMap<SessionId, SessionInfo>>,
+    /// Sessions whose side channel is gone but whose open files are kept
+    /// for `limits.durable_grace` (docs/reconnect.md): who may take them
+    /// back, and until when.
+    durable: Mutex<HashMap<SessionId, (SessionInfo, Instant)>>,
     negotiations: Mutex<HashMap<Guid, NegotiatedClient>>,
     rdma_endpoints: RwLock<Vec<Instance>>,
     next_session: AtomicU64,
@@ -301,14 +310,104 @@ impl ServerState {
     }
 
     pub(crate) fn end_session(&self, id: SessionId) {
-        lock(&self.sessions).remove(&id);
+        let info = lock(&self.sessions).remove(&id);
         self.leases.end_session(id);
         self.mem_objects.end_session(id);
         lock(&self.negotiations).retain(|_, n| n.session != id);
+        let grace = self.limits.durable_grace;
+        let kept = self.open_files.session_len(id);
+        if let (Some(info), false, true) = (info, grace.is_zero(), kept > 0) {
+            // Durable handles: the files stay open for the client to take
+            // back with `Resume` (docs/reconnect.md).
+            tracing::info!(session = id, files = kept, grace = ?grace, "session lost; keeping its open files");
+            lock(&self.durable).insert(id, (info, Instant::now() + grace));
+            return;
+        }
         let n = self.open_files.close_session(id);
         if n > 0 {
             tracing::debug!(session = id, files = n, "closed files of ended session");
         }
+    }
+
+    /// `Resume`: session `new` (logged in as `who`) takes over the open
+    /// files of session `old`, lost (kept for the grace period) or still
+    /// logged in, if `old` is `who`'s and `mac` proves its secret. The
+    /// refusal is the same whatever the reason (no session enumeration).
+    pub(crate) fn resume(
+        &self,
+        new: SessionId,
+        who: &crate::side::access::Principal,
+        old: SessionId,
+        mac: &[u8],
+    ) -> Result<usize, lwio_side::Error> {
+        let refused = || {
+            lwio_side::Error::new(
+                lwio_side::error::ErrorCode::PermissionDenied,
+                RESUME_REFUSED,
+            )
+        };
+        let ok = |info: &SessionInfo| {
+            &info.principal == who && lwio_side::auth::verify_resume_mac(&info.secret, old, mac)
+        };
+        if old == new {
+            return Err(refused());
+        }
+        {
+            let mut d = lock(&self.durable);
+            match d.get(&old) {
+                Some((info, _)) if ok(info) => {
+                    d.remove(&old);
+                }
+                Some(_) => return Err(refused()),
+                None => {
+                    drop(d);
+                    let live = self.session(old).ok_or_else(refused)?;
+                    if !ok(&live) {
+                        return Err(refused());
+                    }
+                }
+            }
+        }
+        let n = self.open_files.adopt(old, new);
+        tracing::info!(
+            session = new,
+            from = old,
+            files = n,
+            "resumed durable handles"
+        );
+        Ok(n)
+    }
+
+    /// Close the files of lost sessions whose grace period is over; returns
+    /// how many sessions expired.
+    pub fn expire_durable(&self) -> usize {
+        let now = Instant::now();
+        let gone: Vec<SessionId> = {
+            let mut d = lock(&self.durable);
+            let gone: Vec<_> = d
+                .iter()
+                .filter(|(_, (_, t))| *t <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in &gone {
+                d.remove(id);
+            }
+            gone
+        };
+        for id in &gone {
+            let n = self.open_files.close_session(*id);
+            tracing::info!(
+                session = id,
+                files = n,
+                "durable grace over; closed the lost session's files"
+            );
+        }
+        gone.len()
+    }
+
+    /// Lost sessions whose open files are still kept.
+    pub fn durable_sessions(&self) -> usize {
+        lock(&self.durable).len()
     }
 
     pub(crate) fn add_negotiation(&self, n: NegotiatedClient) {
@@ -418,6 +517,7 @@ impl Server {
             password_checks: Arc::new(tokio::sync::Semaphore::new(2)),
             security,
             sessions: Mutex::new(HashMap::new()),
+            durable: Mutex::new(HashMap::new()),
             negotiations: Mutex::new(HashMap::new()),
             rdma_endpoints: RwLock::new(Vec::new()),
             next_session: AtomicU64::new(1),
@@ -486,7 +586,23 @@ impl Server {
                 None
             }
         };
+        // Durable handles past their grace period are closed within a
+        // quarter of it (at least every 50 ms, at most every second).
+        let reaper = {
+            let (st, sd) = (state.clone(), shutdown.clone());
+            let every = (st.limits.durable_grace / 4)
+                .clamp(Duration::from_millis(50), Duration::from_secs(1));
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = sd.wait() => break,
+                        _ = tokio::time::sleep(every) => { st.expire_durable(); }
+                    }
+                }
+            })
+        };
         crate::side::accept_loop(listener, state.clone(), shutdown.clone()).await;
+        reaper.abort();
         shutdown.trigger();
         if let Some(t) = rdma_thread {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;

@@ -203,18 +203,42 @@ const BREAKS_LABEL: &[u8] = b"lwio-breaks";
 /// `session_id`: HMAC-SHA256(that session's secret, "lwio-breaks" ||
 /// session_id LE) (docs/leases.md). The secret itself never travels.
 pub fn breaks_mac(secret: &SessionSecret, session_id: u64) -> [u8; MAC_LEN] {
+    labelled_mac(BREAKS_LABEL, secret, session_id)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// HMAC-SHA256(secret, label || session_id LE), not finalized yet.
+fn labelled_mac(label: &[u8], secret: &SessionSecret, session_id: u64) -> HmacSha256 {
     let mut m = <HmacSha256 as Mac>::new_from_slice(&secret.0).expect("HMAC takes any key");
-    m.update(BREAKS_LABEL);
+    m.update(label);
     m.update(&session_id.to_le_bytes());
-    m.finalize().into_bytes().into()
+    m
 }
 
 /// Constant-time check of [`breaks_mac`].
 pub fn verify_breaks_mac(secret: &SessionSecret, session_id: u64, mac: &[u8]) -> bool {
-    let mut m = <HmacSha256 as Mac>::new_from_slice(&secret.0).expect("HMAC takes any key");
-    m.update(BREAKS_LABEL);
-    m.update(&session_id.to_le_bytes());
-    m.verify_slice(mac).is_ok()
+    labelled_mac(BREAKS_LABEL, secret, session_id)
+        .verify_slice(mac)
+        .is_ok()
+}
+
+const RESUME_LABEL: &[u8] = b"lwio-resume";
+
+/// Proof of a session's secret for `Resume` (docs/reconnect.md).
+pub fn resume_mac(secret: &SessionSecret, session_id: u64) -> [u8; MAC_LEN] {
+    labelled_mac(RESUME_LABEL, secret, session_id)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Constant-time check of [`resume_mac`].
+pub fn verify_resume_mac(secret: &SessionSecret, session_id: u64, mac: &[u8]) -> bool {
+    labelled_mac(RESUME_LABEL, secret, session_id)
+        .verify_slice(mac)
+        .is_ok()
 }
 
 /// A fresh nonce.

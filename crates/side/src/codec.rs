@@ -294,6 +294,20 @@ pub enum Request {
         session_id: u64,
         mac: [u8; MAC_LEN],
     },
+    /// Take over the open files of an earlier session of the same
+    /// principal whose connection was lost (docs/reconnect.md): durable
+    /// handles. `mac` = HMAC-SHA256(that session's secret, "lwio-resume" ||
+    /// session_id LE). Answered by `Resumed`; the files keep their handles
+    /// and need a `Rekey` before REGISTER on a new RDMA connection.
+    Resume {
+        session_id: u64,
+        mac: [u8; MAC_LEN],
+    },
+    /// A fresh resume key for an open file of this session (to REGISTER it
+    /// on a new RDMA connection). Answered by `Opened` (same handle).
+    Rekey {
+        handle: u64,
+    },
     /// The holder dropped its cache of a broken lease (no answer).
     LeaseBreakAck {
         lease_id: u64,
@@ -379,6 +393,14 @@ pub enum Response {
         size: u64,
         align: u32,
         resume_key: Vec<u8>,
+        /// Identifies the file itself (device, inode and birth time or
+        /// generation, hashed): the same value after a server restart means
+        /// the same file. 0 = unknown (an older server omits it).
+        file_id: u64,
+    },
+    /// `Resume` done: the number of open files taken over.
+    Resumed {
+        files: u64,
     },
     Negotiated {
         response: Vec<u8>,
@@ -465,6 +487,8 @@ pub mod ty {
     pub const PUBLISH: u16 = 0x0023;
     pub const UNPUBLISH: u16 = 0x0024;
     pub const WAIT_WRITES: u16 = 0x0025;
+    pub const RESUME: u16 = 0x0026;
+    pub const REKEY: u16 = 0x0027;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -473,6 +497,7 @@ pub mod ty {
     pub const DIR_PAGE: u16 = 0x8004;
     pub const ATTR: u16 = 0x8005;
     pub const OPENED: u16 = 0x8006;
+    pub const RESUMED: u16 = 0x8026;
     pub const NEGOTIATED: u16 = 0x800d;
     pub const ATTRX: u16 = 0x8010;
     pub const TARGET: u16 = 0x8015;
@@ -1020,6 +1045,15 @@ impl Request {
                 w.u64(*session_id);
                 w.raw(mac);
             }
+            Request::Resume { session_id, mac } => {
+                w = W::head(ty::RESUME, id);
+                w.u64(*session_id);
+                w.raw(mac);
+            }
+            Request::Rekey { handle } => {
+                w = W::head(ty::REKEY, id);
+                w.u64(*handle);
+            }
             Request::LeaseBreakAck { lease_id } => {
                 w = W::head(ty::LEASE_BREAK_ACK, id);
                 w.u64(*lease_id);
@@ -1266,6 +1300,11 @@ impl Request {
                 mac: r.arr()?,
             },
             ty::LEASE_BREAK_ACK => Request::LeaseBreakAck { lease_id: r.u64()? },
+            ty::RESUME => Request::Resume {
+                session_id: r.u64()?,
+                mac: r.arr()?,
+            },
+            ty::REKEY => Request::Rekey { handle: r.u64()? },
             ty::PUBLISH => {
                 let (export, name, size, addr, rkey, rights) =
                     (r.str()?, r.str()?, r.u64()?, r.u64()?, r.u32()?, r.u8()?);
@@ -1364,12 +1403,18 @@ impl Response {
                 size,
                 align,
                 resume_key,
+                file_id,
             } => {
                 w = W::head(ty::OPENED, id);
                 w.u64(*handle);
                 w.u64(*size);
                 w.u32(*align);
                 w.bytes(resume_key);
+                w.u64(*file_id);
+            }
+            Response::Resumed { files } => {
+                w = W::head(ty::RESUMED, id);
+                w.u64(*files);
             }
             Response::Negotiated { response } => {
                 w = W::head(ty::NEGOTIATED, id);
@@ -1517,7 +1562,10 @@ impl Response {
                 size: r.u64()?,
                 align: r.u32()?,
                 resume_key: r.bytes()?,
+                // Optional trailing field (absent from older servers).
+                file_id: if r.b.is_empty() { 0 } else { r.u64()? },
             },
+            ty::RESUMED => Response::Resumed { files: r.u64()? },
             ty::NEGOTIATED => Response::Negotiated {
                 response: r.bytes()?,
             },

@@ -45,9 +45,12 @@ pub fn connect_data(
         .map_err(|e| anyhow::anyhow!(describe(&e)))
 }
 
-/// Client options for bulk transfers (`cat`, `cp`): big reads, many in flight.
+/// Client options for bulk transfers (`cat`, `cp`): big reads, many in
+/// flight. One-shot commands do not reconnect: a lost server fails the
+/// copy at once, with one line (docs/reconnect.md).
 pub fn bulk_options() -> ClientOptions {
     ClientOptions {
+        reconnect: false,
         completion: Completion::Interrupt,
         provider: ProviderChoice::Auto,
         credits: 32,

@@ -106,6 +106,9 @@ pub fn run(mut a: MountArgs) -> anyhow::Result<()> {
             Completion::Interrupt => lwio_client::Completion::Interrupt,
         },
         client_name: "lwio-mount".into(),
+        // A blip keeps the open files (docs/reconnect.md); the mount's own
+        // reconnect (a new client) covers what the library cannot.
+        reconnect: true,
         ..super::bulk_options()
     };
     let client = connect_data(&a.url, &a.client, opts.clone())?;

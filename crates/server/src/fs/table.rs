@@ -278,6 +278,72 @@ impl OpenFileTable {
         handles.len()
     }
 
+    /// Move every open file of session `old` to session `new` (a durable
+    /// resume, docs/reconnect.md); returns how many moved. Handles stay.
+    pub fn adopt(&self, old: SessionId, new: SessionId) -> usize {
+        let mut g = self.lock();
+        let mut n = 0;
+        for e in g.by_handle.values_mut() {
+            if e.file.session == old {
+                e.file.session = new;
+                n += 1;
+            }
+        }
+        g.per_session.remove(&old);
+        if n > 0 {
+            *g.per_session.entry(new).or_insert(0) += n;
+        }
+        n
+    }
+
+    /// Whether anything besides the table still holds handle `handle`'s
+    /// file: an RDMA connection that registered it, or a request of one in
+    /// flight. `None` if `session` has no such handle.
+    pub fn in_use(&self, handle: u64, session: SessionId) -> Option<bool> {
+        let g = self.lock();
+        let e = g.by_handle.get(&handle)?;
+        (e.file.session == session).then(|| Arc::strong_count(&e.file.file) > 1)
+    }
+
+    /// A fresh resume key for handle `handle` of `session` (to REGISTER the
+    /// file on another RDMA connection); the old key stops working.
+    pub fn rekey(
+        &self,
+        handle: u64,
+        session: SessionId,
+    ) -> Result<(OpenFile, SrvRequestResumeKey)> {
+        let mut g = self.lock();
+        let bad = || {
+            Error::new(
+                ErrorCode::BadHandle,
+                format!("no open file with handle {handle}"),
+            )
+        };
+        match g.by_handle.get(&handle) {
+            Some(e) if e.file.session == session => {}
+            _ => return Err(bad()),
+        }
+        let mut rk = random_u64();
+        while rk == 0 || g.by_key.contains_key(&rk) {
+            rk = random_u64();
+        }
+        let expires = Instant::now() + self.ttl;
+        let Some(e) = g.by_handle.get_mut(&handle) else {
+            return Err(bad());
+        };
+        let old = e.file.key.resume_key;
+        e.file.key.resume_key = rk;
+        e.key_expires = expires;
+        let file = e.file.clone();
+        g.by_key.remove(&old);
+        g.by_key.insert(rk, handle);
+        let req = SrvRequestResumeKey {
+            key: file.key,
+            server_name: self.server_name.clone(),
+        };
+        Ok((file, req))
+    }
+
     /// For the RDMA phase's REGISTER: the file behind a resume key, if the key
     /// is known, unexpired, and was issued to `session`. All three fields of
     /// the key must match.
@@ -315,6 +381,60 @@ impl OpenFileTable {
         self.lock().per_session.get(&session).copied().unwrap_or(0)
     }
 }
+
+/// What identifies a file across server restarts: device, inode and birth
+/// time (statx) or, where the file system keeps none, its inode generation
+/// (FS_IOC_GETVERSION), hashed (FNV-1a) into 64 bits. A file replaced by
+/// another under the same path (a new inode, or a reused inode number with
+/// a new birth time or generation) gets another id. 0 if fstat fails.
+pub fn file_id(f: &File) -> u64 {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let Ok(m) = f.metadata() else {
+        return 0;
+    };
+    let fd = f.as_raw_fd();
+    // SAFETY: statx on our own open descriptor with an empty path and
+    // AT_EMPTY_PATH writes only into `stx`, a properly sized, zeroed local.
+    let birth = unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        let empty = c"";
+        let r = libc::statx(
+            fd,
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_BTIME,
+            &mut stx,
+        );
+        if r == 0 && stx.stx_mask & libc::STATX_BTIME != 0 {
+            (stx.stx_btime.tv_sec as u64) << 32 ^ u64::from(stx.stx_btime.tv_nsec)
+        } else {
+            0
+        }
+    };
+    let generation = if birth == 0 {
+        let mut v: libc::c_long = 0;
+        // SAFETY: FS_IOC_GETVERSION writes one long into `v`, a live local.
+        let r = unsafe { libc::ioctl(fd, FS_IOC_GETVERSION, &mut v as *mut libc::c_long) };
+        if r == 0 {
+            v as u64
+        } else {
+            0
+        }
+    } else {
+        0
+    };
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in [m.dev(), m.ino(), birth, generation] {
+        for b in w.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h.max(1)
+}
+
+/// `_IOR('v', 1, long)`.
+const FS_IOC_GETVERSION: libc::c_ulong = 0x8008_7601;
 
 #[cfg(test)]
 mod tests {
@@ -415,6 +535,37 @@ mod tests {
         );
         // The handle itself stays usable until closed.
         assert!(t.get(f.handle, 1).is_ok());
+    }
+
+    #[test]
+    fn adopt_rekey_and_file_id() {
+        let t = OpenFileTable::new(Duration::from_secs(60), 8, "srv");
+        let (f, rk) = t.insert(1, opened(), RW, "e", "p").unwrap();
+        assert_eq!(t.in_use(f.handle, 1), Some(true), "`f` holds a clone");
+        let (id, h) = (file_id(&f.file), f.handle);
+        drop(f);
+        assert_eq!(t.in_use(h, 1), Some(false));
+        assert_eq!(t.adopt(1, 2), 1);
+        assert_eq!(t.session_len(1), 0);
+        assert_eq!(t.session_len(2), 1);
+        assert_eq!(
+            t.lookup_resume_key(&rk.key, 1).unwrap_err(),
+            Denied::WrongSession
+        );
+        assert!(t.rekey(h, 1).is_err(), "the old session has no handle now");
+        let (g, rk2) = t.rekey(h, 2).unwrap();
+        assert_ne!(rk2.key.resume_key, rk.key.resume_key);
+        assert_eq!(file_id(&g.file), id);
+        assert_ne!(id, 0);
+        assert_eq!(
+            t.lookup_resume_key(&rk.key, 2).unwrap_err(),
+            Denied::Unknown,
+            "the old key is gone"
+        );
+        assert_eq!(t.lookup_resume_key(&rk2.key, 2).unwrap().handle, h);
+        // Another file has another id.
+        let (o, _) = t.insert(2, opened(), RW, "e", "q").unwrap();
+        assert_ne!(file_id(&o.file), id);
     }
 
     #[test]

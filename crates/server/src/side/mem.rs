@@ -296,5 +296,7 @@ fn open(
         size,
         align: 1,
         resume_key: crate::fs::table::encode_request_resume_key(&rk),
+        // A memory object is named, not stored: no identity across restarts.
+        file_id: 0,
     })
 }

@@ -745,6 +745,51 @@ fn touches(state: &ServerState, session: u64, who: &Principal, req: &Request) ->
     c
 }
 
+/// How long a `Rekey` waits for the file's previous RDMA connection to let
+/// go of it (its requests in flight finish, its Fid table is dropped).
+pub const REKEY_DRAIN: Duration = Duration::from_secs(10);
+
+/// `Rekey`: a fresh resume key for an open file, once no earlier RDMA
+/// connection holds the file any more. That wait is the server's half of
+/// the ordering rule of docs/reconnect.md: a WRITE sent on a lost
+/// connection is applied (or dropped) before the file can be registered on
+/// the next one, so a re-sent WRITE, and every later one, lands after it.
+async fn rekey(state: &Arc<ServerState>, session: u64, handle: u64) -> Result<Response, Error> {
+    let until = Instant::now() + REKEY_DRAIN;
+    loop {
+        match state.open_files.in_use(handle, session) {
+            None => {
+                return Err(Error::new(
+                    ErrorCode::BadHandle,
+                    format!("no open file with handle {handle}"),
+                ))
+            }
+            Some(false) => break,
+            Some(true) if Instant::now() >= until => {
+                return Err(Error::new(
+                    ErrorCode::Busy,
+                    format!(
+                        "handle {handle} is still held by an earlier RDMA connection after {REKEY_DRAIN:?}"
+                    ),
+                ))
+            }
+            Some(true) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
+    let (file, rk) = state.open_files.rekey(handle, session)?;
+    blocking(move || {
+        let size = file.file.metadata().map(|m| m.len()).unwrap_or(0);
+        Ok(Response::Opened {
+            handle: file.handle,
+            size,
+            align: file.align,
+            resume_key: crate::fs::table::encode_request_resume_key(&rk),
+            file_id: crate::fs::table::file_id(&file.file),
+        })
+    })
+    .await
+}
+
 /// Check a `WatchBreaks`: session `target` is logged in as the same
 /// principal, and `mac` proves its secret.
 fn watch_check(state: &ServerState, who: &Principal, target: u64, mac: &[u8]) -> Result<(), Error> {
@@ -979,6 +1024,7 @@ async fn handle(
                     size,
                     align: file.align,
                     resume_key: crate::fs::table::encode_request_resume_key(&rk),
+                    file_id: crate::fs::table::file_id(&file.file),
                 })
             })
             .await
@@ -1261,6 +1307,13 @@ async fn handle(
             state.leases.release(session, lease_id)?;
             Ok(Response::Ok)
         }
+        Request::Resume { session_id, mac } => {
+            let files = state.resume(session, who, session_id, &mac)?;
+            Ok(Response::Resumed {
+                files: files as u64,
+            })
+        }
+        Request::Rekey { handle } => rekey(state, session, handle).await,
         Request::WatchBreaks { .. } | Request::LeaseBreakAck { .. } => Err(Error::new(
             ErrorCode::BadRequest,
             "not a watching connection",

@@ -272,6 +272,8 @@ async fn limits_enforced() {
         max_sessions: 1,
         max_open_files_per_session: 2,
         idle_timeout: Duration::from_millis(300),
+        // No durable handles: the idle session's files close with it.
+        durable_grace: Duration::ZERO,
         max_frame: 4096,
         ..Limits::default()
     };
