@@ -42,6 +42,8 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 #[derive(Debug)]
 struct Figures {
     sessions: usize,
+    open_files: usize,
+    durable_sessions: usize,
     rdma: Option<RdmaSnapshot>,
 }
 
@@ -90,6 +92,18 @@ impl Collector for Figures {
             "lwio_sessions",
             "Side-channel sessions logged in",
             i64_of(self.sessions),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_open_files",
+            "Files open over the side channel, durable ones of lost sessions included",
+            i64_of(self.open_files),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_durable_sessions",
+            "Lost sessions whose open files are kept for limits.durable_grace",
+            i64_of(self.durable_sessions),
         )?;
         let Some(r) = &self.rdma else {
             return Ok(());
@@ -281,6 +295,8 @@ pub fn render(state: &ServerState) -> String {
     let mut reg = Registry::default();
     reg.register_collector(Box::new(Figures {
         sessions: state.session_count(),
+        open_files: state.open_files.len(),
+        durable_sessions: state.durable_sessions(),
         rdma: state.rdma_snapshot(),
     }));
     let mut out = String::new();
