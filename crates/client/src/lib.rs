@@ -1298,14 +1298,7 @@ impl File {
                         sub.as_ref(),
                     )
                 } else if vectored {
-                    e.issue_vec_write(
-                        fid,
-                        offset + issued as u64,
-                        page,
-                        len as u32,
-                        data,
-                        false,
-                    )
+                    e.issue_vec_write(fid, offset + issued as u64, page, len as u32, data, false)
                 } else {
                     e.issue_write(fid, offset + issued as u64, data)
                 };
