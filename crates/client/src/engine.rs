@@ -80,6 +80,11 @@ const STATUS_SLOTS: u32 = 256;
 /// Request messages posted together at most (one post list).
 const SEND_BATCH: usize = 32;
 
+/// In the reason of a connection this client's provider terminated
+/// because the server sent what it must not (`Engine::refused_by_us`): a
+/// misbehaving server, which the client does not reconnect to.
+pub(crate) const REFUSED: &str = "the client refused it and closed the connection";
+
 /// Engine sizing (from `ClientOptions`).
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -732,9 +737,7 @@ impl Engine {
         } else {
             "the server broke the RDMA protocol"
         };
-        Some(format!(
-            "{what}; the client refused it and closed the connection (iWARP Terminate {code:#06x})"
-        ))
+        Some(format!("{what}; {REFUSED} (iWARP Terminate {code:#06x})"))
     }
 
     /// Carry out the state machine's actions and collect its events.

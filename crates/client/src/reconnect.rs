@@ -49,9 +49,12 @@ pub(crate) struct Route {
     pub(crate) stale: Option<String>,
 }
 
-/// Whether `e` means the connection went away (worth a reconnect).
+/// Whether `e` means the connection went away (worth a reconnect). Not
+/// when this client terminated it because the server wrote memory it was
+/// not given or broke the RDMA protocol: a misbehaving server is not
+/// reconnected to, and the call fails at once with that reason.
 pub(crate) fn is_lost(e: &Error) -> bool {
-    matches!(e, Error::ConnectionLost(_))
+    matches!(e, Error::ConnectionLost(m) if !m.contains(crate::engine::REFUSED))
 }
 
 /// REGISTER an opened file (`rf`) on channel `channel` (modulo the channel

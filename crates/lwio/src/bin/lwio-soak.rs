@@ -293,7 +293,7 @@ impl Model {
 
 struct Conn {
     /// Held for its connection (the files use it too).
-    _client: Client,
+    client: Client,
     files: Vec<File>,
 }
 
@@ -345,19 +345,27 @@ impl Worker {
             files.push(client.open(&m.name, &OpenOptions::read_write().create(true))?);
         }
         if self.connected_once {
+            // A client the soak had to make again (the library's own
+            // reconnect gave up within op_timeout).
             self.c.reconnects.fetch_add(1, Ordering::Relaxed);
         }
         self.connected_once = true;
-        self.conn = Some(Conn {
-            _client: client,
-            files,
-        });
+        self.conn = Some(Conn { client, files });
         Ok(())
+    }
+
+    /// Count the library's reconnects of the client about to be dropped.
+    fn drop_conn(&mut self) {
+        if let Some(c) = self.conn.take() {
+            self.c
+                .reconnects
+                .fetch_add(c.client.reconnects(), Ordering::Relaxed);
+        }
     }
 
     fn failed(&mut self, e: &Error) {
         if connection_gone(e) {
-            self.conn = None;
+            self.drop_conn();
         }
         std::thread::sleep(Duration::from_millis(100 + self.rng.below(200)));
     }
@@ -439,6 +447,11 @@ impl Worker {
     }
 
     fn run(&mut self, stop: &AtomicBool) {
+        self.run_until(stop);
+        self.drop_conn();
+    }
+
+    fn run_until(&mut self, stop: &AtomicBool) {
         let size = self.models[0].data.len();
         while !stop.load(Ordering::Relaxed) {
             if let Some((fi, off, data)) = self.retry.pop() {
@@ -549,7 +562,7 @@ fn soak(a: &Args) -> anyhow::Result<u64> {
     };
     eprintln!(
         "lwio-soak: seed {seed}, {} clients × {} files of {} B, {:?} under faults (kill, cut, pause, fill) every ~{:?}; \
-         reconnects = clients re-created by the soak (lwio_client has no Client::reconnects() yet); server log {}",
+         reconnects = the clients' own (Client::reconnects) + clients re-created by the soak; server log {}",
         a.clients,
         a.files,
         file_size,
