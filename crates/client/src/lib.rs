@@ -1504,16 +1504,26 @@ impl Drop for File {
             let (client, r) = (self.client.clone(), self.now());
             let _ = std::thread::Builder::new()
                 .name("lwio-file-close".into())
-                .spawn(move || {
-                    let e = &r.engine;
-                    let _ = e.issue_close(r.fid).and_then(|x| e.wait(x, None));
-                    let _ = client.0.side_once(|s| s.close(r.handle));
-                });
+                .spawn(move || close_once(&client, &r));
             return;
         }
-        if let Err(e) = self.close_inner() {
-            debug!(error = %e, "closing a dropped file");
-        }
+        // Best effort, without a reconnect: a drop must not wait out
+        // `op_timeout` for a server that is gone (its durable grace closes
+        // the file there). `File::close` reconnects and reports.
+        self.closed = true;
+        close_once(&self.client, &self.now());
+    }
+}
+
+/// Close a dropped file once, best effort: CLOSE on its RDMA channel and on
+/// the side channel, no reconnect.
+fn close_once(client: &Client, r: &reconnect::Route) {
+    let e = &r.engine;
+    if let Err(e) = e.issue_close(r.fid).and_then(|x| e.wait(x, None)) {
+        debug!(error = %e, "closing a dropped file (RDMA)");
+    }
+    if let Err(e) = client.0.side_once(|s| s.close(r.handle)) {
+        debug!(error = %e, "closing a dropped file (side channel)");
     }
 }
 

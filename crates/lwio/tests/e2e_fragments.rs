@@ -464,4 +464,23 @@ fn malformed_fragment_sequences_terminate_with_the_exact_status() {
         );
         e.check_good();
     }
+    // The server goes first: dropping a File and its Client whose server
+    // is gone is prompt (no reconnect attempts for op_timeout).
+    let Env {
+        s,
+        dir,
+        good,
+        _good_client,
+        ..
+    } = e;
+    drop(s);
+    let t = Instant::now();
+    drop(good);
+    drop(_good_client);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "drop took {:?}",
+        t.elapsed()
+    );
+    drop(dir);
 }
