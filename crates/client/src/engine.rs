@@ -1042,6 +1042,10 @@ impl Engine {
             for w in wcs[..n].iter().copied() {
                 self.completion(&mut st, w);
             }
+            // Their events (windows invalidated, waiters woken) before the
+            // lock goes: a waiter must not find a request done whose
+            // windows are still bound.
+            self.run_actions(&mut st);
             drop(st);
             self.poll_cq();
         }
@@ -2052,6 +2056,12 @@ impl Engine {
     /// `req`'s completion if it came; an error (and the request abandoned)
     /// if the connection is lost.
     fn take_done(&self, st: &mut Locked, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
+        // Completions the state machine has seen but whose events were not
+        // carried out yet (another thread polled them and let go of the
+        // lock before `run_actions`): carry them out first, so the request's
+        // windows are invalidated (`finish_req`) before its record is taken
+        // away. Taking it first left them bound (lwio-e2e-rxe, 1 run in 6).
+        self.run_actions(st);
         if let Some(r) = take_done(st, req) {
             return Ok(Some(r));
         }

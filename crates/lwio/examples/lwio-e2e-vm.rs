@@ -56,6 +56,15 @@ fn e2s(e: impl std::fmt::Display) -> String {
 }
 
 /// Writes, then reads of every shape, byte for byte.
+/// Windows bound and invalidated so far (printed; shown when a case fails).
+fn trace_windows(c: &Client, step: &str) {
+    let st = c.stats();
+    println!(
+        "    after {step}: windows bound {}, invalidated {}",
+        st.windows_bound, st.windows_invalidated
+    );
+}
+
 fn io_case(c: &Client, root: &Path, name: &str) -> R {
     let path = root.join(name);
     let f = c
@@ -77,6 +86,7 @@ fn io_case(c: &Client, root: &Path, name: &str) -> R {
     ] {
         let mut buf = vec![0xAAu8; len];
         let n = f.read_at(&mut buf, off).map_err(e2s)?;
+        trace_windows(c, &format!("read {off}+{len}"));
         let want = local_read(&path, off, len);
         check(n == want.len() && buf[..n] == want[..], || {
             format!("read at {off}+{len}: {n} bytes, data differs")
@@ -89,6 +99,7 @@ fn io_case(c: &Client, root: &Path, name: &str) -> R {
         "read into a registered buffer differs".into()
     })?;
     drop(rb);
+    trace_windows(c, "read into a registered buffer");
     // Vectored.
     let a = pattern(21, 5000);
     let b = pattern(22, 11_000);
@@ -102,6 +113,7 @@ fn io_case(c: &Client, root: &Path, name: &str) -> R {
         1_000_003,
     )
     .map_err(e2s)?;
+    trace_windows(c, "vectored read");
     check(
         x[..] == want[..4096 * 3] && y[..] == want[4096 * 3..4096 * 3 + 1536],
         || "vectored read differs".into(),

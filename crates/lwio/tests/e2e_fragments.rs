@@ -205,6 +205,9 @@ fn a_read_of_16_mib_plus_3_is_one_request() {
             assert_eq!(d(|o| o.completed), 1, "one status");
             assert_eq!(d(|o| o.bytes), want as u64);
         }
+        // Every window bound for those reads was invalidated.
+        let st = c.stats();
+        assert_eq!(st.windows_bound, st.windows_invalidated, "{st:?}");
         f.close().unwrap();
     }
     assert_eq!(s.rdma.stats().mrs_remote_access, 0);

@@ -1449,6 +1449,12 @@ fn polled_waits_sleep_on_interrupt() {
     use std::io::Write;
     let mut feed = slow_fifo(dir.path(), "later.fifo");
     let g = c.open("later.fifo", &OpenOptions::read_write()).unwrap();
+    // The last read's own INTERRUPT is answered right after its completion;
+    // until the client has taken that answer it counts as outstanding, and a
+    // new wait sleeps on it instead of sending one (the assertion below then
+    // failed now and then under load). The progress thread takes it within
+    // this pause.
+    std::thread::sleep(Duration::from_millis(100));
     let before = c.stats().interrupts_sent;
     let t = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));
