@@ -15,6 +15,8 @@ use lwio_client::{Client, ClientOptions, Error, OpenOptions};
 use lwio_side::error::ErrorCode;
 use lwio_side::{Login, Token};
 
+mod netns;
+
 /// A `lwio serve` child on fixed (after the first start) addresses.
 struct Srv {
     child: Child,
@@ -424,31 +426,7 @@ fn durable_handles_released_when_grace_ends() {
 /// writes in flight complete after the reconnect, byte for byte.
 #[test]
 fn rdma_connection_cut_in_flight_requests_complete() {
-    if std::env::var_os("LWIO_TEST_IN_NETNS").is_none() {
-        // Run this test again inside `unshare -rn` (its own loopback, where
-        // `ss -K` may destroy sockets), and pass or fail with it.
-        let me = std::env::current_exe().unwrap();
-        let out = Command::new("unshare")
-            .args(["-rn", "sh", "-c", "ip link set lo up && exec \"$0\" \"$@\""])
-            .arg(&me)
-            .args([
-                "--exact",
-                "rdma_connection_cut_in_flight_requests_complete",
-                "--nocapture",
-            ])
-            .env("LWIO_TEST_IN_NETNS", "1")
-            .output()
-            .expect("unshare runs (util-linux)");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(out.status.success(), "in the namespace: {text}");
-        assert!(
-            text.contains("1 passed"),
-            "the test ran in the namespace: {text}"
-        );
+    if !netns::inside("rdma_connection_cut_in_flight_requests_complete") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -456,15 +434,7 @@ fn rdma_connection_cut_in_flight_requests_complete() {
     let client = srv.connect(Duration::from_secs(20));
     let port = srv.rdma.rsplit_once(':').unwrap().1.to_string();
     let resumed = writes_survive(&client, dir.path(), "c", || {
-        let ss = Command::new("ss")
-            .args(["-K", "dst", "127.0.0.1", "dport", "=", &format!(":{port}")])
-            .output()
-            .expect("ss runs");
-        let killed = String::from_utf8_lossy(&ss.stdout).into_owned();
-        assert!(
-            killed.contains(&format!("127.0.0.1:{port}")),
-            "ss -K killed the RDMA socket: {killed}"
-        );
+        netns::cut(&port);
     });
     eprintln!(
         "RDMA socket cut; writes flowing again {resumed:?} later; {} reconnects",

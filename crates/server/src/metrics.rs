@@ -44,6 +44,8 @@ struct Figures {
     sessions: usize,
     open_files: usize,
     durable_sessions: usize,
+    /// `Rekey`s that waited for an earlier RDMA connection, and gave up.
+    rekey_waits: (u64, u64),
     rdma: Option<RdmaSnapshot>,
 }
 
@@ -104,6 +106,18 @@ impl Collector for Figures {
             "lwio_durable_sessions",
             "Lost sessions whose open files are kept for limits.durable_grace",
             i64_of(self.durable_sessions),
+        )?;
+        counter(
+            &mut e,
+            "lwio_rekey_drain_waits",
+            "Rekeys that waited for an earlier RDMA connection's requests on the file to end",
+            self.rekey_waits.0,
+        )?;
+        counter(
+            &mut e,
+            "lwio_rekey_drain_busy",
+            "Rekeys answered Busy: the earlier connection still held the file after 10 s",
+            self.rekey_waits.1,
         )?;
         let Some(r) = &self.rdma else {
             return Ok(());
@@ -297,6 +311,7 @@ pub fn render(state: &ServerState) -> String {
         sessions: state.session_count(),
         open_files: state.open_files.len(),
         durable_sessions: state.durable_sessions(),
+        rekey_waits: state.open_files.rekey_waits(),
         rdma: state.rdma_snapshot(),
     }));
     let mut out = String::new();

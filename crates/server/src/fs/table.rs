@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -104,6 +105,11 @@ pub struct OpenFileTable {
     max_per_session: usize,
     server_name: String,
     pid: u64,
+    /// `Rekey`s that found the file still held by an earlier RDMA
+    /// connection and waited for it to let go, and those that gave up
+    /// (`Busy`) after `REKEY_DRAIN`.
+    rekey_waits: AtomicU64,
+    rekey_busy: AtomicU64,
 }
 
 impl std::fmt::Debug for OpenFileTable {
@@ -138,6 +144,8 @@ impl OpenFileTable {
             max_per_session,
             server_name: server_name.into(),
             pid: u64::from(std::process::id()),
+            rekey_waits: AtomicU64::new(0),
+            rekey_busy: AtomicU64::new(0),
         }
     }
 
@@ -298,11 +306,33 @@ impl OpenFileTable {
 
     /// Whether anything besides the table still holds handle `handle`'s
     /// file: an RDMA connection that registered it, or a request of one in
-    /// flight. `None` if `session` has no such handle.
+    /// flight — a storage job holds the file until its I/O has returned
+    /// (completed, failed or cancelled), also after its connection is gone.
+    /// `None` if `session` has no such handle.
     pub fn in_use(&self, handle: u64, session: SessionId) -> Option<bool> {
         let g = self.lock();
         let e = g.by_handle.get(&handle)?;
         (e.file.session == session).then(|| Arc::strong_count(&e.file.file) > 1)
+    }
+
+    /// Count a `Rekey` that had to wait for an earlier connection's hold
+    /// (`busy`: and gave up).
+    pub fn note_rekey_wait(&self, busy: bool) {
+        let c = if busy {
+            &self.rekey_busy
+        } else {
+            &self.rekey_waits
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `Rekey`s that waited for an earlier connection to let go of the
+    /// file, and those of them that ended `Busy`.
+    pub fn rekey_waits(&self) -> (u64, u64) {
+        (
+            self.rekey_waits.load(Ordering::Relaxed),
+            self.rekey_busy.load(Ordering::Relaxed),
+        )
     }
 
     /// A fresh resume key for handle `handle` of `session` (to REGISTER the

@@ -784,6 +784,11 @@ enum JobKind {
 
 struct Job {
     op: OpId,
+    /// Also what keeps the file "in use" (`OpenFileTable::in_use`) until
+    /// this job has ended: a `Rekey` for another connection waits for it,
+    /// so a write of a lost connection is applied or cancelled before any
+    /// later write to the file can arrive (docs/reconnect.md, the ordering
+    /// rule). Dropped only after the I/O returned, never before.
     file: Arc<std::fs::File>,
     offset: u64,
     align: u32,
@@ -835,10 +840,48 @@ impl StoragePool {
     }
 }
 
+/// Test hook, 0 unless a test sets it with [`slow_next_storage_write_for_tests`].
+static SLOW_NEXT_WRITE_MS: AtomicU64 = AtomicU64::new(0);
+
+/// **Tests only.** Make the next write a storage thread of this process
+/// starts take `d` longer and ignore a cancel raised meanwhile: a device
+/// whose write, once started, cannot be stopped (the thread-pool backend;
+/// an io_uring write already running in the kernel). End-to-end tests use
+/// it to have a lost connection's write still running when the client
+/// comes back. Nothing outside tests calls it; there is no configuration
+/// for it.
+#[doc(hidden)]
+pub fn slow_next_storage_write_for_tests(d: Duration) {
+    SLOW_NEXT_WRITE_MS.store(
+        u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1),
+        Ordering::Relaxed,
+    );
+}
+
+/// **Tests only.** Whether the write [`slow_next_storage_write_for_tests`]
+/// slows has started.
+#[doc(hidden)]
+pub fn slow_storage_write_started_for_tests() -> bool {
+    SLOW_NEXT_WRITE_MS.load(Ordering::Relaxed) == 0
+}
+
 fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
     if job.cancel.load(Ordering::Acquire) {
         return Err(STATUS_CANCELLED);
     }
+    let never = AtomicBool::new(false);
+    let slow = if matches!(job.kind, JobKind::Read { .. }) {
+        0
+    } else {
+        SLOW_NEXT_WRITE_MS.swap(0, Ordering::Relaxed)
+    };
+    let cancel = if slow > 0 {
+        // Started: from here on the write runs to its end (test hook).
+        std::thread::sleep(Duration::from_millis(slow));
+        &never
+    } else {
+        &*job.cancel
+    };
     let fd = job.file.as_fd();
     let r = match &job.kind {
         JobKind::Read { buf, len } => {
@@ -860,7 +903,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
             let slice = unsafe { view.as_mut_slice() };
             let mut ops =
                 [crate::fs::backend::IoOp::read(fd, job.offset, slice).aligned(job.align)];
-            backend.submit_cancellable(&mut ops, &job.cancel).pop()
+            backend.submit_cancellable(&mut ops, cancel).pop()
         }
         JobKind::Write { data } => {
             // O_DIRECT needs an aligned memory address too. The request's
@@ -879,7 +922,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
             };
             let mut ops =
                 [crate::fs::backend::IoOp::write(fd, job.offset, data).aligned(job.align)];
-            backend.submit_cancellable(&mut ops, &job.cancel).pop()
+            backend.submit_cancellable(&mut ops, cancel).pop()
         }
         JobKind::WriteParts { mr, iov } => {
             let base = mr.addr() as usize;
@@ -913,7 +956,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
                         crate::fs::backend::IoOp::write(fd, job.offset, &bounce[pad..pad + total])
                             .aligned(job.align),
                     ];
-                backend.submit_cancellable(&mut ops, &job.cancel).pop()
+                backend.submit_cancellable(&mut ops, cancel).pop()
             } else {
                 // One batch: the pieces at consecutive offsets.
                 let mut off = job.offset;
@@ -926,7 +969,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
                     })
                     .collect();
                 let want: Vec<usize> = slices.iter().map(|s| s.len()).collect();
-                let rs = backend.submit_cancellable(&mut ops, &job.cancel);
+                let rs = backend.submit_cancellable(&mut ops, cancel);
                 let mut done = 0usize;
                 let mut err = None;
                 for (r, w) in rs.into_iter().zip(want) {

@@ -756,6 +756,7 @@ pub const REKEY_DRAIN: Duration = Duration::from_secs(10);
 /// the next one, so a re-sent WRITE, and every later one, lands after it.
 async fn rekey(state: &Arc<ServerState>, session: u64, handle: u64) -> Result<Response, Error> {
     let until = Instant::now() + REKEY_DRAIN;
+    let mut waited = false;
     loop {
         match state.open_files.in_use(handle, session) {
             None => {
@@ -765,13 +766,19 @@ async fn rekey(state: &Arc<ServerState>, session: u64, handle: u64) -> Result<Re
                 ))
             }
             Some(false) => break,
+            Some(true) if !waited => {
+                waited = true;
+                state.open_files.note_rekey_wait(false);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             Some(true) if Instant::now() >= until => {
+                state.open_files.note_rekey_wait(true);
                 return Err(Error::new(
                     ErrorCode::Busy,
                     format!(
                         "handle {handle} is still held by an earlier RDMA connection after {REKEY_DRAIN:?}"
                     ),
-                ))
+                ));
             }
             Some(true) => tokio::time::sleep(Duration::from_millis(5)).await,
         }
