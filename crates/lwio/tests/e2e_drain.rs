@@ -9,7 +9,6 @@
 //! bytes to the same range: the file must end with the newer bytes, and the
 //! `Rekey` must have waited for the lost connection's write.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lwio_client::{Client, ClientOptions, OpenOptions};
