@@ -4,3 +4,4 @@
 
 pub mod hostile;
 pub mod malicious;
+pub mod reconnect;
