@@ -277,11 +277,12 @@ impl AsyncFile {
     }
 
     /// The engine and Fid to issue on: the file's registration, renewed
-    /// first (on the blocking pool) if a reconnect happened since.
+    /// first (on the blocking pool) if a reconnect happened since or its
+    /// channel is lost (a failover to another channel).
     async fn route(&self) -> Result<(Arc<Engine>, u16)> {
         let r = self.file.now();
         let epoch = self.file.client.0.epoch.load(Ordering::Acquire);
-        if r.stale.is_none() && r.epoch == epoch {
+        if r.stale.is_none() && r.epoch == epoch && r.engine.lost().is_none() {
             return Ok((r.engine, r.fid));
         }
         let f = self.file.clone();

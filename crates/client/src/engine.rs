@@ -345,6 +345,12 @@ pub struct Engine {
     /// `fence_group`); while non-zero the progress thread stands by
     /// instead of taking the driver role.
     waiters: std::sync::atomic::AtomicUsize,
+    /// Set with `Locked::lost` (never cleared): [`Engine::lost`] checks it
+    /// without the lock, on every call of a file.
+    is_lost: AtomicBool,
+    /// Set by the first file that moved off this lost channel to another
+    /// (a failover, docs/reconnect.md): the failover is counted once.
+    failed_over: AtomicBool,
 }
 
 struct AuthMem<'a>(&'a Mr);
@@ -546,6 +552,8 @@ impl Engine {
             provider,
             driver: Mutex::new(()),
             waiters: std::sync::atomic::AtomicUsize::new(0),
+            is_lost: AtomicBool::new(false),
+            failed_over: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&e);
         let t = std::thread::Builder::new()
@@ -604,6 +612,34 @@ impl Engine {
         self.provider
     }
 
+    /// Why this connection is lost (its requests fail with
+    /// [`Error::ConnectionLost`]), or `None` while it works as far as the
+    /// client has seen. Cheap: no lock while it works.
+    pub fn lost(&self) -> Option<String> {
+        if !self.is_lost.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.st).lost.clone()
+    }
+
+    /// [`Engine::lost`], after asking the provider whether the queue pair
+    /// is in the error state (then it is marked lost): for a call that
+    /// failed with an RDMA error (posting on a dead queue pair) before the
+    /// completions said so. A system call on verbs devices: errors only.
+    pub(crate) fn check_lost(&self) -> Option<String> {
+        let mut st = lock(&self.st);
+        if st.lost.is_none() && self.qp.state() == QpState::Error {
+            self.mark_lost(&mut st, "the queue pair is in the error state".into());
+        }
+        st.lost.clone()
+    }
+
+    /// True for the first caller only: it counts (and logs) the failover
+    /// of this lost channel's files to another channel.
+    pub(crate) fn claim_failover(&self) -> bool {
+        !self.failed_over.swap(true, Ordering::AcqRel)
+    }
+
     /// Stop the progress thread and disconnect.
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Release);
@@ -612,6 +648,7 @@ impl Engine {
             let mut st = lock(&self.st);
             if st.lost.is_none() {
                 st.lost = Some("the client closed the connection".into());
+                self.is_lost.store(true, Ordering::Release);
             }
         }
         self.cv.notify_all();
@@ -709,6 +746,7 @@ impl Engine {
             let why = self.refused_by_us().unwrap_or(why);
             info!(reason = %why, "RDMA connection lost");
             st.lost = Some(why);
+            self.is_lost.store(true, Ordering::Release);
             if let Some(fd) = &st.notify {
                 // Wake the completion fd's sleepers too: they find the loss.
                 let _ = rustix::io::write(&**fd, &1u64.to_ne_bytes());

@@ -238,7 +238,10 @@ pub struct ClientOptions {
     pub reg_cache_entries: usize,
     /// RDMA connections to open over the transports both hosts share
     /// (seed 000 claim 9): each file is registered on one of them, in
-    /// turn, so several cores or NICs carry one client's I/O. Default 1.
+    /// turn, so several cores or NICs carry one client's I/O. When one is
+    /// lost while another works, its files move to another channel without
+    /// a reconnect (a failover, [`Client::failovers`]; docs/reconnect.md).
+    /// Default 1.
     pub channels: usize,
     /// Per-request timeout; also the bound on a call's wait for a
     /// reconnect (docs/reconnect.md).
@@ -348,7 +351,10 @@ pub(crate) struct Inner {
     /// files opened before reopen by path and check their identity.
     pub(crate) reset: AtomicU64,
     pub(crate) reconnects: AtomicU64,
-    /// One reconnect at a time.
+    /// RDMA channels lost and failed over to another channel without a
+    /// reconnect (docs/reconnect.md, multichannel failover).
+    pub(crate) failovers: AtomicU64,
+    /// One reconnect (or failover) at a time.
     pub(crate) recon: Mutex<()>,
 }
 
@@ -365,6 +371,16 @@ impl Inner {
     pub(crate) fn channel(&self, n: usize) -> Arc<Engine> {
         let g = self.engines.read().unwrap_or_else(|p| p.into_inner());
         g.get(n).unwrap_or(&g[0]).clone()
+    }
+
+    /// The first channel from `from` on (wrapping around) whose
+    /// connection is not lost, if any.
+    pub(crate) fn live_channel(&self, from: usize) -> Option<usize> {
+        let g = self.engines.read().unwrap_or_else(|p| p.into_inner());
+        let n = g.len();
+        (0..n)
+            .map(|i| (from + i) % n)
+            .find(|&i| g[i].lost().is_none())
     }
 
     pub(crate) fn channel_count(&self) -> usize {
@@ -452,6 +468,13 @@ impl Client {
         self.0.reconnects.load(Ordering::Relaxed)
     }
 
+    /// RDMA channels lost and failed over so far: their files moved to
+    /// another channel of this client without a reconnect (each one logged
+    /// at info: "RDMA channel failed over"; docs/reconnect.md).
+    pub fn failovers(&self) -> u64 {
+        self.0.failovers.load(Ordering::Relaxed)
+    }
+
     /// Connect to `target` (`lwio://HOST[:PORT][/EXPORT]` or `HOST[:PORT]`)
     /// with a token (None = anonymous).
     pub fn connect(target: &str, token: Option<&str>, opts: ClientOptions) -> Result<Client> {
@@ -492,6 +515,7 @@ impl Client {
             epoch: AtomicU64::new(0),
             reset: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
+            failovers: AtomicU64::new(0),
             recon: Mutex::new(()),
         })))
     }

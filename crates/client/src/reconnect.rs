@@ -14,6 +14,11 @@
 //! refused: the state is gone) they reopen by path and check the server's
 //! file id, and a file that is not the same any more fails with
 //! [`Error::Stale`].
+//!
+//! With several RDMA channels, the loss of one while the side channel and
+//! another channel work is a failover, not a reconnect: the files of the
+//! lost channel move to a working one (`Rekey` + REGISTER,
+//! `File::fail_over`) and their calls run again there.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -57,8 +62,20 @@ pub(crate) fn is_lost(e: &Error) -> bool {
     matches!(e, Error::ConnectionLost(m) if !m.contains(crate::engine::REFUSED))
 }
 
+/// Whether `e`, from a call on `engine`, means that connection is lost:
+/// [`is_lost`], or an RDMA error (posting on a queue pair in the error
+/// state) while `engine` is lost, and not refused by this client.
+pub(crate) fn lost_on(e: &Error, engine: &Engine) -> bool {
+    is_lost(e)
+        || matches!(e, Error::Rdma(_))
+            && engine
+                .check_lost()
+                .is_some_and(|why| !why.contains(crate::engine::REFUSED))
+}
+
 /// REGISTER an opened file (`rf`) on channel `channel` (modulo the channel
-/// count); `epoch` and `reset` as read before the open.
+/// count), or on the next one whose connection is not lost; `epoch` and
+/// `reset` as read before the open.
 pub(crate) fn register(
     inner: &Inner,
     channel: usize,
@@ -67,7 +84,9 @@ pub(crate) fn register(
     epoch: u64,
     reset: u64,
 ) -> Result<Route> {
-    let channel = channel % inner.channel_count().max(1);
+    let channel = inner
+        .live_channel(channel % inner.channel_count().max(1))
+        .ok_or_else(|| Error::ConnectionLost("every RDMA channel of this client is lost".into()))?;
     let e = inner.channel(channel);
     let flags = if no_buffering {
         FILE_NO_INTERMEDIATE_BUFFERING
@@ -98,12 +117,30 @@ impl Inner {
     /// Run `f`; while it fails because the connection is lost (and
     /// reconnecting is on), reconnect and run it again, until
     /// `op_timeout` after the start.
+    ///
+    /// While one RDMA channel is lost and another still works, `f` first
+    /// runs again without a reconnect, at most once per channel (an `open`
+    /// then registers on a working channel; a call that failed on the side
+    /// channel fails again and reconnects after those tries).
     pub(crate) fn retry<T>(&self, mut f: impl FnMut() -> Result<T>) -> Result<T> {
         let deadline = Instant::now() + self.opts.op_timeout;
+        let mut reruns = 0;
         loop {
             let seen = self.epoch.load(Ordering::Acquire);
             match f() {
-                Err(e) if self.opts.reconnect && is_lost(&e) => {
+                Err(e)
+                    if self.opts.reconnect
+                        && (is_lost(&e) || self.channels().iter().any(|c| lost_on(&e, c))) =>
+                {
+                    if reruns < self.channel_count()
+                        && self.channels().iter().any(|c| c.check_lost().is_some())
+                        && self.live_channel(0).is_some()
+                        && Instant::now() < deadline
+                    {
+                        reruns += 1;
+                        debug!(error = %e, "an RDMA channel is lost; again on another");
+                        continue;
+                    }
                     self.reconnect(seen, deadline, &e)?
                 }
                 r => return r,
@@ -213,18 +250,35 @@ impl File {
     /// Run `f` on the file's current registration; a lost connection is
     /// waited out and `f` runs again on the new one (the caller's buffers
     /// are still borrowed, so a re-sent WRITE carries the same bytes).
+    ///
+    /// When only the file's RDMA channel was lost and another channel still
+    /// works, `f` runs again on that one after the file moved there (a
+    /// failover, [`File::route`]), without a reconnect.
     pub(crate) fn retry<T>(&self, mut f: impl FnMut(&Route) -> Result<T>) -> Result<T> {
         let inner = &self.client.0;
         let deadline = Instant::now() + inner.opts.op_timeout;
         loop {
-            let mut seen = inner.epoch.load(Ordering::Acquire);
-            let r = self.route().and_then(|r| {
-                seen = r.epoch;
-                f(&r)
-            });
-            match r {
+            let seen = inner.epoch.load(Ordering::Acquire);
+            let r = match self.route() {
+                Ok(r) => r,
                 Err(e) if inner.opts.reconnect && is_lost(&e) => {
                     inner.reconnect(seen, deadline, &e)?;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match f(&r) {
+                Err(e) if inner.opts.reconnect && lost_on(&e, &r.engine) => {
+                    // Each pass through here moves the file off a channel
+                    // that is lost for good, so it ends.
+                    if r.engine.check_lost().is_some()
+                        && inner.live_channel(0).is_some()
+                        && Instant::now() < deadline
+                    {
+                        debug!(file = %self.path, channel = r.channel, "re-issuing on another channel");
+                        continue;
+                    }
+                    inner.reconnect(r.epoch, deadline, &e)?;
                     debug!(file = %self.path, "re-issuing after a reconnect");
                 }
                 r => return r,
@@ -234,8 +288,9 @@ impl File {
 
     /// The file's registration on the current connection: registered again
     /// (Rekey, or reopen by path after a server restart) if a reconnect
-    /// happened since. Holding the route lock meanwhile, other calls on
-    /// this file wait: they re-issue in the order they reach it.
+    /// happened since, or moved to another channel if its own was lost
+    /// ([`File::fail_over`]). Holding the route lock meanwhile, other calls
+    /// on this file wait: they re-issue in the order they reach it.
     fn route(&self) -> Result<Route> {
         let inner = &self.client.0;
         let mut g = self.route.lock().unwrap_or_else(|p| p.into_inner());
@@ -244,7 +299,12 @@ impl File {
         }
         let epoch = inner.epoch.load(Ordering::Acquire);
         if g.epoch == epoch {
-            return Ok(g.clone());
+            return match g.engine.lost() {
+                Some(why) if inner.opts.reconnect && !why.contains(crate::engine::REFUSED) => {
+                    self.fail_over(&mut g, why)
+                }
+                _ => Ok(g.clone()),
+            };
         }
         let reset = inner.reset.load(Ordering::Acquire);
         let rf = if g.reset != reset {
@@ -261,6 +321,44 @@ impl File {
             inner.side_once(|s| s.rekey(h))?
         };
         let r = register(inner, g.channel, &rf, self.no_buffering, epoch, reset)?;
+        *g = r.clone();
+        Ok(r)
+    }
+
+    /// The file's channel is lost: move the file to another channel that
+    /// works, on the same side-channel session (`Rekey`, which waits until
+    /// the lost connection let go of the file, then REGISTER), without a
+    /// reconnect. The first file to move off a channel counts the failover
+    /// ([`Inner::failovers`]), logs it and shuts the lost channel down; it
+    /// comes back with the next reconnect. `ConnectionLost` when no channel
+    /// works (or a reconnect came first): the caller reconnects.
+    fn fail_over(&self, g: &mut Route, why: String) -> Result<Route> {
+        let inner = &self.client.0;
+        // Not while a reconnect replaces the channels: the file would be
+        // registered on a new connection under the old epoch, and its
+        // `Rekey` after the reconnect would wait for that connection.
+        let _one = inner.recon.lock().unwrap_or_else(|p| p.into_inner());
+        let lost = || Error::ConnectionLost(why.clone());
+        if inner.epoch.load(Ordering::Acquire) != g.epoch {
+            return Err(lost());
+        }
+        let to = inner.live_channel(g.channel + 1).ok_or_else(lost)?;
+        let h = g.handle;
+        let rf = inner.side_once(|s| s.rekey(h))?;
+        let r = register(inner, to, &rf, self.no_buffering, g.epoch, g.reset)?;
+        if g.engine.claim_failover() {
+            let n = inner.failovers.fetch_add(1, Ordering::Relaxed) + 1;
+            info!(
+                server = %inner.authority,
+                channel = g.channel,
+                to = r.channel,
+                failovers = n,
+                cause = %why,
+                "RDMA channel failed over"
+            );
+            g.engine.shutdown();
+        }
+        debug!(file = %self.path, from = g.channel, to = r.channel, "file moved to another channel");
         *g = r.clone();
         Ok(r)
     }
