@@ -76,9 +76,23 @@ fn client_ports(port: &str) -> Vec<String> {
 
 #[test]
 fn one_of_two_channels_cut_requests_move_to_the_other() {
-    if !in_netns("one_of_two_channels_cut_requests_move_to_the_other") {
-        return;
+    if in_netns("one_of_two_channels_cut_requests_move_to_the_other") {
+        fail_over(0);
     }
+}
+
+/// The same with the other connection cut first (the one `ss` lists
+/// second).
+#[test]
+fn the_other_channel_cut_requests_move_to_the_first() {
+    if in_netns("the_other_channel_cut_requests_move_to_the_first") {
+        fail_over(1);
+    }
+}
+
+/// Cut the client's RDMA connection `first` (0 or 1, in `ss`'s order)
+/// under the workload: a failover; then the other: a whole reconnect.
+fn fail_over(first: usize) {
     let dir = tempfile::tempdir().unwrap();
     let srv = Srv::start(dir.path(), "60s");
     let client = srv.connect_opts(ClientOptions {
@@ -100,7 +114,7 @@ fn one_of_two_channels_cut_requests_move_to_the_other() {
         "m",
         &files,
         |stop, done| workers(&files, stop, done),
-        || cut(&port, Some(&ports[0])),
+        || cut(&port, Some(&ports[first])),
     );
     assert_eq!(client.failovers(), 1, "one failover counted");
     assert_eq!(client.reconnects(), 0, "no reconnect");
@@ -114,7 +128,7 @@ fn one_of_two_channels_cut_requests_move_to_the_other() {
     assert_eq!(g.channel(), now[0]);
     g.write_at(b"after", 0).unwrap();
     eprintln!(
-        "failover: files on channels {on:?} now on {now:?}, calls flowing again {resumed:?} after the cut; {} failovers, {} reconnects",
+        "failover: files on channels {on:?} now on {now:?}, 200 blocks done {resumed:?} after the cut; {} failovers, {} reconnects",
         client.failovers(),
         client.reconnects()
     );
@@ -148,7 +162,7 @@ fn one_of_two_channels_cut_requests_move_to_the_other() {
     assert_eq!(&b, b"after");
     g.close().unwrap();
     eprintln!(
-        "then both cut: calls flowing again {again:?} after; {} failovers, {} reconnects",
+        "then both cut: 200 blocks done {again:?} after; {} failovers, {} reconnects",
         client.failovers(),
         client.reconnects()
     );

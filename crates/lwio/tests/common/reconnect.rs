@@ -268,11 +268,11 @@ pub type Workers = Vec<std::thread::JoinHandle<usize>>;
 
 /// `workers(stop, done)` (each call counted in `done`, until `stop`) and
 /// the ordering thread (on file PREFIX-order) run on `client`; `fault`
-/// happens once 200 are done; then 200 more must be done. Every call
-/// returns `Ok` (the workers panic otherwise), and file `files[i]`, named
-/// PREFIXi, is exact byte for byte ([`expected`]) on the server's disk
-/// (`dir`/data) and read back over RDMA. Returns how long after the fault
-/// the calls flowed again.
+/// happens once 200 are done; then 200 more must be done after it. Every
+/// call returns `Ok` (the workers panic otherwise), and file `files[i]`,
+/// named PREFIXi, is exact byte for byte ([`expected`]) on the server's
+/// disk (`dir`/data) and read back over RDMA. Returns how long the 200
+/// after the fault took.
 pub fn survive(
     client: &Client,
     dir: &Path,
@@ -292,9 +292,8 @@ pub fn survive(
     );
     let done_now = || done.load(Ordering::Relaxed);
     assert!(wait_until(Duration::from_secs(30), || done_now() >= 200));
-    let before = done_now();
     fault();
-    let t0 = Instant::now();
+    let (before, t0) = (done_now(), Instant::now());
     assert!(
         wait_until(Duration::from_secs(30), || done_now() >= before + 200),
         "no progress after the fault"
