@@ -11,7 +11,7 @@ mod common;
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use common::reconnect::{block, cut, in_netns, offset, open_all, rw, survive, Srv, Workers, BLOCK};
 use lwio_client::{ClientOptions, File};
@@ -90,9 +90,53 @@ fn the_other_channel_cut_requests_move_to_the_first() {
     }
 }
 
+/// The client library's info lines of this process, kept to be counted.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Log {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Log {
+    /// Install it (once per process: each test runs in its own, in the
+    /// namespace) for `lwio_client::reconnect` at info.
+    fn install() -> Log {
+        let log = Log::default();
+        let w = log.clone();
+        tracing_subscriber::fmt()
+            .with_env_filter("lwio_client::reconnect=info")
+            .with_ansi(false)
+            .with_writer(move || w.clone())
+            .try_init()
+            .expect("the only subscriber of this process");
+        log
+    }
+
+    /// The lines that contain `what`.
+    fn lines(&self, what: &str) -> Vec<String> {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        text.lines()
+            .filter(|l| l.contains(what))
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn count(&self, what: &str) -> usize {
+        self.lines(what).len()
+    }
+}
+
 /// Cut the client's RDMA connection `first` (0 or 1, in `ss`'s order)
 /// under the workload: a failover; then the other: a whole reconnect.
 fn fail_over(first: usize) {
+    let log = Log::install();
     let dir = tempfile::tempdir().unwrap();
     let srv = Srv::start(dir.path(), "60s");
     let client = srv.connect_opts(ClientOptions {
@@ -117,6 +161,9 @@ fn fail_over(first: usize) {
         || cut(&port, Some(&ports[first])),
     );
     assert_eq!(client.failovers(), 1, "one failover counted");
+    assert_eq!(log.count("RDMA channel failed over"), 1, "one line logged");
+    assert_eq!(log.count("failovers=1"), 1);
+    eprintln!("{}", log.lines("RDMA channel failed over")[0]);
     assert_eq!(client.reconnects(), 0, "no reconnect");
     let now: Vec<usize> = files.iter().map(|f| f.channel()).collect();
     assert!(
@@ -148,6 +195,8 @@ fn fail_over(first: usize) {
     );
     assert!(client.reconnects() >= 1, "a reconnect was counted");
     assert_eq!(client.failovers(), 1, "no failover without a live channel");
+    assert_eq!(log.count("RDMA channel failed over"), 1);
+    assert!(log.count("reconnected") >= 1, "the reconnect logged");
     assert_eq!(client.channels(), 2);
     assert_eq!(client_ports(&port).len(), 2, "both channels back");
     // The files of the first round work on after the reconnect.
