@@ -18,7 +18,8 @@ use lwio_server::io_phase::server::{
 };
 use lwio_server::io_phase::testkit::LocalServer;
 
-mod netns;
+mod common;
+use common::reconnect::{cut, in_netns};
 
 const TOKEN: &str = "e2e-drain-token-0123456789";
 const LEN: usize = 64 * 1024;
@@ -27,7 +28,7 @@ const SLOW: Duration = Duration::from_secs(3);
 #[test]
 fn stale_write_of_a_lost_connection_never_lands_after_a_newer_one() {
     const NAME: &str = "stale_write_of_a_lost_connection_never_lands_after_a_newer_one";
-    if !netns::inside(NAME) {
+    if !in_netns(NAME) {
         return;
     }
     let _ = tracing_subscriber::fmt()
@@ -82,7 +83,7 @@ fn stale_write_of_a_lost_connection_never_lands_after_a_newer_one() {
     }
     std::thread::sleep(Duration::from_millis(200));
     let port = s.rdma_addr.port();
-    netns::cut(&port.to_string());
+    cut(&port.to_string(), None);
     let cut = t0.elapsed();
     // The call re-sends the old bytes after the reconnect and returns.
     let (f, r, returned) = writer.join().unwrap();
