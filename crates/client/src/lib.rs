@@ -1391,7 +1391,12 @@ impl File {
             self.no_buffering && page.len() == ps && (ps.max(sps) % ps.min(sps).max(1) == 0);
         let mut done = 0u64;
         if legal {
-            let max_req = (e.max_read() as u64).max(ps as u64);
+            // The server's window, or up to its MAX_MESSAGE when it takes
+            // longer COLLAPSE writes (docs/protocol.md §5.12); at most the
+            // 65,535 pages NumPages counts.
+            let max_req = (e.max_read_direct() as u64)
+                .min(u64::from(u16::MAX) * ps as u64)
+                .max(ps as u64);
             while done < total {
                 let len = (total - done).min(max_req) as u32;
                 let data = &page[..(len as usize).min(ps)];

@@ -213,6 +213,41 @@ fn a_read_of_16_mib_plus_3_is_one_request() {
     assert_eq!(s.rdma.stats().mrs_remote_access, 0);
 }
 
+/// A COLLAPSE write of 4,096 pages (16 MiB, one page on the wire) is one
+/// VEC_WRITE request: the server takes it up to its MAX_MESSAGE.
+#[test]
+fn a_collapse_write_of_many_pages_is_one_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    let c = client(&s, Completion::Interrupt);
+    let f = c
+        .open(
+            "c.bin",
+            &OpenOptions::read_write().create(true).no_buffering(true),
+        )
+        .unwrap();
+    let page = pattern(4096, 5);
+    let total = 16u64 << 20;
+    let before = wait_requests(&s, Opcode::VecWrite, 0);
+    let cl0 = c.stats();
+    assert_eq!(f.write_repeated_at(&page, total, 1 << 20).unwrap(), total);
+    assert_eq!(c.stats().requests - cl0.requests, 1, "one request");
+    let after = wait_requests(
+        &s,
+        Opcode::VecWrite,
+        before.op(Opcode::VecWrite).completed + 1,
+    );
+    let op = |r: &lwio_proto::stats::RequestStats| r.op(Opcode::VecWrite).clone();
+    assert_eq!(op(&after).requests - op(&before).requests, 1);
+    assert_eq!(op(&after).bytes - op(&before).bytes, total);
+    let disk = std::fs::read(dir.path().join("c.bin")).unwrap();
+    assert_eq!(disk.len() as u64, (1 << 20) + total);
+    for (i, p) in disk[1 << 20..].chunks(4096).enumerate() {
+        assert_eq!(p, &page[..], "page {i}");
+    }
+    f.close().unwrap();
+}
+
 // ------------------------------------------------------------- hostile
 
 struct Env {

@@ -70,7 +70,9 @@ impl Budget {
         self.used.load(Ordering::Acquire)
     }
 
-    fn reserve(self: &Arc<Self>, n: usize) -> Option<Reservation> {
+    /// Reserve `n` bytes until the [`Reservation`] is dropped; `None` when
+    /// that would pass the limit.
+    pub fn reserve(self: &Arc<Self>, n: usize) -> Option<Reservation> {
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
                 u.checked_add(n).filter(|t| *t <= self.limit)

@@ -359,6 +359,9 @@ pub struct ServerConn {
     actions: VecDeque<ServerAction>,
     stats: RequestStats,
     reasm: Reassembler<RecvId>,
+    /// The server-wide bound the reassembler reserves from; also what a
+    /// COLLAPSE write longer than a window reserves for its expansion.
+    budget: Arc<Budget>,
     frag: Option<FragHead>,
     /// Receive memory held by reassembled messages being written.
     reservations: HashMap<OpId, Reservation>,
@@ -379,9 +382,10 @@ impl ServerConn {
             .fragment_budget
             .clone()
             .unwrap_or_else(|| Budget::new(cfg.max_message as usize));
-        let reasm = Reassembler::new(cfg.max_message, budget);
+        let reasm = Reassembler::new(cfg.max_message, budget.clone());
         ServerConn {
             reasm,
+            budget,
             frag: None,
             reservations: HashMap::new(),
             big_reads: HashMap::new(),
@@ -924,8 +928,26 @@ impl ServerConn {
                 if !collapse {
                     return self.write_in_place(fid, offset, data, mode, hooks);
                 }
+                // Longer than a window (up to MAX_MESSAGE): the expansion
+                // is server memory, reserved from the fragment budget.
+                let reserved = if length > self.cfg.max_rdma_window_size {
+                    match self.budget.reserve(length as usize) {
+                        Some(r) => Some(r),
+                        None => {
+                            return self.complete_io(mode, 0, STATUS_INSUFFICIENT_RESOURCES, false)
+                        }
+                    }
+                } else {
+                    None
+                };
                 match self.expand_collapsed(fid, length, num_pages, page_size, data) {
-                    Ok(buf) => self.start_write(fid, offset, buf, mode),
+                    Ok(buf) => {
+                        if let Some(op) = self.start_write(fid, offset, buf, mode) {
+                            if let Some(r) = reserved {
+                                self.reservations.insert(op, r);
+                            }
+                        }
+                    }
                     Err(st) => self.complete_io(mode, 0, st, false),
                 }
             }
@@ -1439,7 +1461,9 @@ impl ServerConn {
         if ps == 0 || u32::from(num_pages) != length.div_ceil(ps) || length == 0 {
             return Err(STATUS_INVALID_PARAMETER);
         }
-        if length > self.cfg.max_rdma_window_size {
+        // A window's worth, or (an lwio extension negotiated with
+        // MAX_MESSAGE, docs/protocol.md §5.12) up to MAX_MESSAGE.
+        if length > self.cfg.max_rdma_window_size.max(self.cfg.max_message) {
             return Err(STATUS_INVALID_PARAMETER);
         }
         let mut out = Vec::with_capacity(length as usize);
@@ -1475,17 +1499,28 @@ impl ServerConn {
                 }
             }
         }
-        self.start_write(fid, offset, data.to_vec(), mode)
+        self.start_write(fid, offset, data.to_vec(), mode);
     }
 
-    fn start_write(&mut self, fid: u16, offset: u64, data: Vec<u8>, mode: CompletionMode) {
+    /// A FileWrite of `data`; its op, unless it was answered at once.
+    fn start_write(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        data: Vec<u8>,
+        mode: CompletionMode,
+    ) -> Option<OpId> {
         let len = data.len() as u32;
         let file = match self.check_io(fid, offset, len) {
             Ok(f) => f,
-            Err(st) => return self.complete_io(mode, 0, st, false),
+            Err(st) => {
+                self.complete_io(mode, 0, st, false);
+                return None;
+            }
         };
         if data.is_empty() {
-            return self.complete_io(mode, 0, STATUS_SUCCESS, false);
+            self.complete_io(mode, 0, STATUS_SUCCESS, false);
+            return None;
         }
         let (opcode, started) = self.cur.unwrap_or((Opcode::Read, self.now));
         let op = self.new_op(PendingIo {
@@ -1503,6 +1538,7 @@ impl ServerConn {
             offset,
             data,
         });
+        Some(op)
     }
 
     /// A storage operation finished: `Ok(bytes transferred)` or the failure
