@@ -153,6 +153,7 @@ impl AsyncClient {
             file: Arc::new(f),
             shared: self.0.clone(),
             cancels: Arc::new(AtomicU64::new(0)),
+            resends: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -177,6 +178,8 @@ pub struct AsyncFile {
     file: Arc<File>,
     shared: Arc<Shared>,
     cancels: Arc<AtomicU64>,
+    /// Calls run again after a lost connection.
+    resends: Arc<AtomicU64>,
 }
 
 /// The requests one future has outstanding. Dropped before they are all
@@ -276,6 +279,12 @@ impl AsyncFile {
         self.file.fid()
     }
 
+    /// Reads and writes of this file (and its clones) run again after
+    /// their connection was lost.
+    pub fn resent_calls(&self) -> u64 {
+        self.resends.load(Ordering::Relaxed)
+    }
+
     /// The engine and Fid to issue on: the file's registration, renewed
     /// first (on the blocking pool) if a reconnect happened since or its
     /// channel is lost (a failover to another channel).
@@ -360,8 +369,35 @@ impl AsyncFile {
         }
     }
 
-    /// Read into `buf` at `offset`.
+    /// Whether a call that failed with `e` is run again (a lost
+    /// connection; the next attempt's `route` waits for the reconnect or
+    /// the failover), before `deadline`, as the blocking `File` calls do
+    /// (docs/reconnect.md): a request the lost connection left unanswered
+    /// is sent again.
+    async fn again(&self, e: &Error, deadline: Instant) -> bool {
+        let inner = &self.file.client.0;
+        if inner.opts.reconnect && crate::reconnect::is_lost(e) && Instant::now() < deadline {
+            tracing::debug!(error = %e, "async I/O lost its connection; sending it again");
+            self.resends.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            return true;
+        }
+        false
+    }
+
+    /// Read into `buf` at `offset`. A read the lost connection left
+    /// unanswered is sent again after the reconnect (within `op_timeout`).
     pub async fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let deadline = Instant::now() + self.file.client.0.opts.op_timeout;
+        loop {
+            match self.read_once(buf, offset).await {
+                Err(e) if self.again(&e, deadline).await => {}
+                r => return r,
+            }
+        }
+    }
+
+    async fn read_once(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
@@ -443,8 +479,20 @@ impl AsyncFile {
         r
     }
 
-    /// Write `data` at `offset`.
+    /// Write `data` at `offset`. A write the lost connection left
+    /// unanswered is sent again after the reconnect (within `op_timeout`),
+    /// before this returns (the ordering rule of docs/reconnect.md).
     pub async fn write_at(&self, data: &[u8], offset: u64) -> Result<usize> {
+        let deadline = Instant::now() + self.file.client.0.opts.op_timeout;
+        loop {
+            match self.write_once(data, offset).await {
+                Err(e) if self.again(&e, deadline).await => {}
+                r => return r,
+            }
+        }
+    }
+
+    async fn write_once(&self, data: &[u8], offset: u64) -> Result<usize> {
         offset
             .checked_add(data.len() as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
