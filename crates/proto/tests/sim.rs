@@ -268,19 +268,7 @@ impl Sim {
     /// Run until nothing moves.
     fn pump(&mut self) {
         for _ in 0..10_000 {
-            let mut progress = false;
-            while let Some(a) = self.client.poll_action() {
-                progress = true;
-                match a {
-                    ClientAction::PostRecv(n) => self.client_recvs += n,
-                    ClientAction::ResetStatusBlock { addr, .. } => {
-                        assert!(self
-                            .mem
-                            .local_write(addr, &IoStatusBlock::SENTINEL.to_bytes()))
-                    }
-                    ClientAction::CloseConnection(r) => self.client_closed = Some(r),
-                }
-            }
+            let mut progress = self.client_actions();
             for b in self.client.transmit_all() {
                 progress = true;
                 match self.c2s_fault.as_mut() {
@@ -2227,8 +2215,12 @@ impl Sim {
         Some(step)
     }
 
-    fn client_local(&mut self) {
+    /// Carry out the client's actions (receives posted, status blocks reset
+    /// to the sentinel, its close); whether there were any.
+    fn client_actions(&mut self) -> bool {
+        let mut any = false;
         while let Some(a) = self.client.poll_action() {
+            any = true;
             match a {
                 ClientAction::PostRecv(n) => self.client_recvs += n,
                 ClientAction::ResetStatusBlock { addr, .. } => {
@@ -2239,6 +2231,11 @@ impl Sim {
                 ClientAction::CloseConnection(r) => self.client_closed = Some(r),
             }
         }
+        any
+    }
+
+    fn client_local(&mut self) {
+        self.client_actions();
         while let Some(e) = self.client.poll_event() {
             self.events.push(e);
         }

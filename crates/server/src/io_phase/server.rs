@@ -1788,6 +1788,13 @@ impl Conn {
         }
     }
 
+    /// Post receive buffers `bufs` again.
+    fn repost_recvs(&mut self, bufs: impl IntoIterator<Item = RecvId>) {
+        for b in bufs {
+            self.repost_recv(b);
+        }
+    }
+
     /// Post receive buffer `slot` again.
     fn repost_recv(&mut self, slot: RecvId) {
         let Some(mr) = self.recv_mr.as_ref() else {
@@ -1818,9 +1825,7 @@ impl Conn {
     ) {
         let bufs: Vec<RecvId> = parts.iter().map(|(b, _)| *b).collect();
         let (Some(f), Some(mr)) = (self.files.get(&file).cloned(), self.recv_mr.clone()) else {
-            for b in bufs {
-                self.repost_recv(b);
-            }
+            self.repost_recvs(bufs);
             self.file_for(op, file, true);
             return;
         };
@@ -1829,9 +1834,7 @@ impl Conn {
         for (b, r) in &parts {
             let at = *b as usize * self.recv_slot;
             if r.end > self.recv_slot || r.start > r.end || at + r.end > mr.len() {
-                for b in bufs {
-                    self.repost_recv(b);
-                }
+                self.repost_recvs(bufs);
                 self.close_conn("a fragment range outside its receive buffer");
                 return;
             }
@@ -1851,9 +1854,7 @@ impl Conn {
                 }
                 data.extend_from_slice(&piece);
             }
-            for b in bufs {
-                self.repost_recv(b);
-            }
+            self.repost_recvs(bufs);
             let Some(f) = self.file_for(op, file, true) else {
                 return;
             };
@@ -1896,9 +1897,7 @@ impl Conn {
                 .fragment_write_calls
                 .fetch_add(1, Ordering::Relaxed);
             self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
-            for b in bufs {
-                self.repost_recv(b);
-            }
+            self.repost_recvs(bufs);
             self.storage_done(op, Ok(n));
             return;
         }
@@ -1912,9 +1911,7 @@ impl Conn {
     fn storage_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
         self.cancels.remove(&op);
         if let Some(bufs) = self.frag_bufs.remove(&op) {
-            for b in bufs {
-                self.repost_recv(b);
-            }
+            self.repost_recvs(bufs);
         }
         if r == Err(STATUS_CANCELLED) {
             self.shared.ios_cancelled.fetch_add(1, Ordering::Relaxed);
@@ -2110,9 +2107,7 @@ impl Conn {
                 Ok(())
             }
             ServerAction::RepostRecvs(bufs) => {
-                for b in bufs {
-                    self.repost_recv(b);
-                }
+                self.repost_recvs(bufs);
                 Ok(())
             }
             ServerAction::CancelIo { op } => {

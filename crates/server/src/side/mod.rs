@@ -786,15 +786,25 @@ async fn rekey(state: &Arc<ServerState>, session: u64, handle: u64) -> Result<Re
     let (file, rk) = state.open_files.rekey(handle, session)?;
     blocking(move || {
         let size = file.file.metadata().map(|m| m.len()).unwrap_or(0);
-        Ok(Response::Opened {
-            handle: file.handle,
-            size,
-            align: file.align,
-            resume_key: crate::fs::table::encode_request_resume_key(&rk),
-            file_id: crate::fs::table::file_id(&file.file),
-        })
+        Ok(opened_response(&file, &rk, size))
     })
     .await
+}
+
+/// The `Opened` answer for an open file (`Open`, `Rekey`): its handle, size,
+/// alignment, resume key and file id.
+fn opened_response(
+    file: &crate::fs::table::OpenFile,
+    rk: &crate::fs::table::SrvRequestResumeKey,
+    size: u64,
+) -> Response {
+    Response::Opened {
+        handle: file.handle,
+        size,
+        align: file.align,
+        resume_key: crate::fs::table::encode_request_resume_key(rk),
+        file_id: crate::fs::table::file_id(&file.file),
+    }
 }
 
 /// Check a `WatchBreaks`: session `target` is logged in as the same
@@ -1026,13 +1036,7 @@ async fn handle(
                     .open_files
                     .insert(session, opened, rights, &ex.name, &path)?;
                 debug!(session, export = %ex.name, %path, handle = file.handle, "open");
-                Ok(Response::Opened {
-                    handle: file.handle,
-                    size,
-                    align: file.align,
-                    resume_key: crate::fs::table::encode_request_resume_key(&rk),
-                    file_id: crate::fs::table::file_id(&file.file),
-                })
+                Ok(opened_response(&file, &rk, size))
             })
             .await
         }
