@@ -141,10 +141,13 @@ impl Default for IoConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RdmaConfig {
-    /// Try file I/O on the connection thread with `RWF_NOWAIT` before a
+    /// Reactor threads that drive the RDMA connections, each many
+    /// (0 = one per core).
+    pub reactors: usize,
+    /// Try file I/O on the reactor thread with `RWF_NOWAIT` before a
     /// storage thread (page-cache hits then cost no hand-off).
     pub inline_io: bool,
-    /// After its last activity a connection thread keeps polling this long
+    /// After a connection's last activity its reactor keeps polling this long
     /// before it sleeps (lower latency, burns a core; 0 = off).
     #[serde(deserialize_with = "de_duration")]
     pub busy_poll: Duration,
@@ -189,6 +192,7 @@ pub struct RdmaConfig {
 impl Default for RdmaConfig {
     fn default() -> Self {
         RdmaConfig {
+            reactors: 0,
             inline_io: true,
             busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
@@ -581,6 +585,7 @@ backend = "auto"
 workers = 4
 
 [rdma]
+reactors = 0
 inline_io = true
 busy_poll = "20us"
 busy_poll_polled = "100us"

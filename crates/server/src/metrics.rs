@@ -34,6 +34,8 @@ pub struct RdmaSnapshot {
     pub credit_budget: u32,
     /// The connection limit.
     pub max_connections: usize,
+    /// Each reactor's connections and busy time (nanoseconds).
+    pub reactors: Vec<(usize, u64)>,
 }
 
 /// The content type of [`render`]'s text.
@@ -201,10 +203,31 @@ impl Collector for Figures {
             "File I/Os waiting for a storage thread",
             i64_of(s.storage_queue),
         )?;
+        let mut m = e.encode_descriptor(
+            "lwio_reactor_connections",
+            "RDMA connections each reactor thread drives",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (i, (n, _)) in r.reactors.iter().enumerate() {
+            let i = i.to_string();
+            ConstGauge::new(i64_of(*n)).encode(m.encode_family(&[("reactor", i.as_str())])?)?;
+        }
+        let mut m = e.encode_descriptor(
+            "lwio_reactor_busy_seconds",
+            "Time each reactor thread spent serving its connections (not sleeping or idle polling)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, (_, ns)) in r.reactors.iter().enumerate() {
+            let i = i.to_string();
+            ConstCounter::new(*ns as f64 / 1e9)
+                .encode(m.encode_family(&[("reactor", i.as_str())])?)?;
+        }
         counter(
             &mut e,
             "lwio_inline_ios",
-            "File I/Os done by the connection thread itself (page-cache fast path)",
+            "File I/Os done by the reactor itself (page-cache fast path)",
             s.inline_ios,
         )?;
         counter(

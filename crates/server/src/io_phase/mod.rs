@@ -7,6 +7,7 @@
 //! verbs API of `lwio-rdma` and on the file backends of [`crate::fs`].
 
 pub mod memobj;
+pub mod reactor;
 pub mod server;
 pub mod testkit;
 

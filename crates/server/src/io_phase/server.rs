@@ -5,14 +5,16 @@
 //! `Server::set_rdma_phase`, and `Server::run` calls [`RdmaPhase::serve`] on
 //! a dedicated thread.
 //!
-//! Each accepted connection gets its own protection domain, CQ, completion
-//! channel and **driver thread** running one `lwio_proto::server::ServerConn`
-//! (with the soft provider also its own context under manual progress, so
-//! the thread reads its own socket). The thread polls for `busy_poll` after
-//! activity (`busy_poll_polled` after a polled completion), then sleeps in
-//! `poll(2)` on the completion channel and on an eventfd that storage
-//! workers and the control plane (credit balancing, shutdown) use to wake
-//! it. Page-cache I/O runs on the thread itself (`inline_io`: tmpfs plain
+//! Each accepted connection gets its own protection domain, CQ and
+//! completion channel and runs one `lwio_proto::server::ServerConn` (with
+//! the soft provider also its own context under manual progress, so its
+//! reactor reads its socket). A fixed set of **reactor** threads
+//! ([`super::reactor`], one per core by default) drives the connections:
+//! each polls its connections for `busy_poll` after activity
+//! (`busy_poll_polled` after a polled completion), then sleeps in
+//! `epoll_wait` on their completion channels and on the eventfds that
+//! storage workers and the control plane (credit balancing, shutdown) use
+//! to wake them. Page-cache I/O runs on the reactor itself (`inline_io`: tmpfs plain
 //! calls, else `RWF_NOWAIT`; writes straight from the receive buffer via
 //! `ServerHooks::write_now`); what would block runs on a small pool of
 //! storage threads over the [`crate::fs::backend::Backend`] (io_uring where
@@ -47,7 +49,6 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lwio_proto::server::{
@@ -66,7 +67,8 @@ use lwio_rdma::{
 };
 use tracing::{debug, info, warn};
 
-use super::{io_error_status, poll_readable, Waker};
+use super::reactor::{ReactorStats, Reactors};
+use super::{io_error_status, Waker};
 use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
 use crate::memobj::MemOp;
@@ -104,14 +106,16 @@ pub struct RdmaServerOptions {
     /// A connection idle this long gives its extra credits back.
     pub idle_reclaim: Duration,
     pub storage_threads: usize,
-    /// Do page-cache file I/O on the connection thread (tmpfs/ramfs: plain
+    /// Reactor threads driving the connections (0 = one per core).
+    pub reactors: usize,
+    /// Do page-cache file I/O on the reactor thread (tmpfs/ramfs: plain
     /// calls; elsewhere `RWF_NOWAIT`, falling back to a storage thread).
     pub inline_io: bool,
-    /// A connection thread polls this long after its last activity before
+    /// A reactor polls a connection this long after its last activity before
     /// it sleeps.
     pub busy_poll: Duration,
     /// After completing a request its client polls for (status block), the
-    /// connection thread polls this long before it sleeps.
+    /// reactor polls that connection this long before it sleeps.
     pub busy_poll_polled: Duration,
     /// Soft provider: give each connection its own context with manual
     /// progress (its thread reads its own socket; no engine thread).
@@ -148,6 +152,7 @@ impl Default for RdmaServerOptions {
             auto_credits: true,
             idle_reclaim: Duration::from_secs(2),
             storage_threads: 4,
+            reactors: 0,
             inline_io: true,
             busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
@@ -190,7 +195,7 @@ pub struct ServerStats {
     pub auth_ok: u64,
     pub auth_failed: u64,
     pub closed_by_protocol: u64,
-    /// File I/Os done by connection threads themselves (page-cache fast
+    /// File I/Os done by reactors themselves (page-cache fast
     /// path, `inline_io`) rather than by storage threads.
     pub inline_ios: u64,
     /// Credit transactions a client left unanswered past the credit
@@ -223,8 +228,10 @@ struct ConnEntry {
     pd: Pd,
 }
 
-struct Shared {
+pub(super) struct Shared {
     opts: RdmaServerOptions,
+    /// Each reactor's counters, by index.
+    reactors: Mutex<Vec<Arc<ReactorStats>>>,
     conns: Mutex<HashMap<u64, ConnEntry>>,
     /// Live connections per peer IP address.
     per_host: Mutex<HashMap<IpAddr, usize>>,
@@ -256,7 +263,7 @@ struct Shared {
 }
 
 /// How often a connection adds its request counters into the server's.
-const STATS_FLUSH: Duration = Duration::from_millis(50);
+pub(super) const STATS_FLUSH: Duration = Duration::from_millis(50);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -290,6 +297,15 @@ impl Shared {
 }
 
 impl Shared {
+    /// The counters of reactor `i` (created on first use).
+    pub(super) fn reactor_stats(&self, i: usize) -> Arc<ReactorStats> {
+        let mut v = lock(&self.reactors);
+        while v.len() <= i {
+            v.push(Arc::new(ReactorStats::default()));
+        }
+        v[i].clone()
+    }
+
     /// A connection is gone: its entry leaves, its domain's census stays.
     fn retire(&self, id: u64) {
         let mut conns = lock(&self.conns);
@@ -399,6 +415,19 @@ impl ServerHandle {
 
     /// Requests served, by opcode, latency and error status: those of
     /// closed connections, and of live ones as of at most 50 ms ago.
+    /// Each reactor's connections and busy time (nanoseconds).
+    pub fn reactors(&self) -> Vec<(usize, u64)> {
+        lock(&self.0.reactors)
+            .iter()
+            .map(|r| {
+                (
+                    r.connections.load(Ordering::Relaxed),
+                    r.busy_ns.load(Ordering::Relaxed),
+                )
+            })
+            .collect()
+    }
+
     pub fn request_stats(&self) -> RequestStats {
         lock(&self.0.requests).clone()
     }
@@ -589,6 +618,7 @@ impl RdmaServer {
         }
         let shared = Arc::new(Shared {
             opts,
+            reactors: Mutex::new(Vec::new()),
             conns: Mutex::new(HashMap::new()),
             per_host: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
@@ -654,6 +684,7 @@ impl RdmaPhase for RdmaServer {
             credits: h.connection_credits(),
             credit_budget: self.shared.opts.credit_budget,
             max_connections: self.shared.opts.max_connections,
+            reactors: h.reactors(),
         })
     }
 
@@ -664,9 +695,18 @@ impl RdmaPhase for RdmaServer {
             state.backend.clone(),
             sh.storage_queued.clone(),
         );
-        let mut threads: Vec<(u64, JoinHandle<()>)> = Vec::new();
+        let n = match sh.opts.reactors {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let reactors = match Reactors::start(n, sh) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e, "cannot start the RDMA reactors; RDMA phase not serving");
+                return;
+            }
+        };
         while !shutdown.is_triggered() {
-            threads.retain(|(_, t)| !t.is_finished());
             // One listener waits 100 ms; with several, each is polled in
             // turn with a short wait.
             let wait = Duration::from_millis(if self.listeners.len() == 1 { 100 } else { 20 });
@@ -717,21 +757,7 @@ impl RdmaPhase for RdmaServer {
                 Ok((conn, entry)) => {
                     sh.accepted.fetch_add(1, Ordering::Relaxed);
                     lock(&sh.conns).insert(id, entry);
-                    let sh2 = sh.clone();
-                    match std::thread::Builder::new()
-                        .name(format!("lwio-rdma-conn-{id}"))
-                        .spawn(move || {
-                            conn.run();
-                            sh2.retire(id);
-                            sh2.host_release(ip);
-                        }) {
-                        Ok(t) => threads.push((id, t)),
-                        Err(e) => {
-                            warn!(error = %e, "cannot start a connection thread");
-                            sh.retire(id);
-                            sh.host_release(ip);
-                        }
-                    }
+                    reactors.assign(conn);
                 }
                 Err(e) => {
                     warn!(%peer, error = %e, "cannot accept RDMA connection");
@@ -741,7 +767,7 @@ impl RdmaPhase for RdmaServer {
             }
         }
         info!(
-            connections = threads.len(),
+            connections = lock(&sh.conns).len(),
             "RDMA phase shutting down: draining connections"
         );
         for c in lock(&sh.conns).values() {
@@ -749,16 +775,7 @@ impl RdmaPhase for RdmaServer {
             c.waker.wake();
         }
         let deadline = Instant::now() + sh.opts.shutdown_grace + Duration::from_secs(2);
-        for (id, t) in threads {
-            while !t.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            } else {
-                warn!(conn = id, "connection did not finish in time; leaving it");
-            }
-        }
+        reactors.finish(deadline);
         info!("RDMA phase stopped");
     }
 }
@@ -824,7 +841,7 @@ impl StoragePool {
                     taken.fetch_sub(1, Ordering::Relaxed);
                     let res = run_job(&*backend, &job);
                     // Drop the job (its Arc of the read buffer) before the
-                    // reply: the connection thread takes the buffer back
+                    // reply: the reactor takes the buffer back
                     // with Arc::try_unwrap, and a clone still alive here
                     // made that fail and leak the registered-memory budget.
                     let (op, reply, waker) = (job.op, job.reply.clone(), job.waker.clone());
@@ -895,7 +912,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
             // (`maybe_free_buf`), and `Arc::try_unwrap` proves this job's
             // reference is gone by then. It is registered LOCAL_WRITE only,
             // so no remote key reaches it and no receive is posted into it;
-            // the connection thread posts an RDMA Write from it only after
+            // the reactor posts an RDMA Write from it only after
             // this job's reply arrives (and did not do the I/O inline: an op
             // goes either inline or to the pool). So this slice over
             // [0, len) is the only access to those bytes while it lives; the
@@ -932,7 +949,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
                     return Err(STATUS_INVALID_PARAMETER);
                 }
                 // SAFETY: the piece lies in the receive region (checked),
-                // in a buffer kept for this message: the connection thread
+                // in a buffer kept for this message: the reactor
                 // reposts it only after this job's reply (`storage_done`),
                 // and the region is LOCAL_WRITE only, so neither the
                 // provider nor a peer writes it while this shared slice
@@ -1005,7 +1022,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
     }
 }
 
-/// The connection thread's fast path for one file and direction.
+/// The reactor's fast path for one file and direction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InlineMode {
     /// tmpfs/ramfs: plain calls (memory copies, never a device wait).
@@ -1212,7 +1229,7 @@ struct ReadBuf {
 
 const SEND_SLOT: usize = 256;
 
-struct Conn {
+pub(super) struct Conn {
     id: u64,
     peer: SocketAddr,
     qp: Qp,
@@ -1257,6 +1274,12 @@ struct Conn {
     dead: bool,
     /// How the fast path treats each (file handle, write).
     inline_mode: HashMap<(u64, bool), InlineMode>,
+    /// Reactor bookkeeping: last balancing round, last I/O work, last
+    /// polled completion (and the count it saw).
+    last_tick: Instant,
+    last_busy: Instant,
+    last_polled: Instant,
+    last_polled_count: u64,
     /// Work requests of this round of actions, posted together by
     /// `flush_sq`: (wr_id, operation, SGE).
     sq_pending: Vec<(u64, SendOp, Option<lwio_rdma::Sge>)>,
@@ -1410,6 +1433,10 @@ impl Conn {
                 draining: None,
                 dead: false,
                 inline_mode: HashMap::new(),
+                last_tick: now,
+                last_busy: now,
+                last_polled: now,
+                last_polled_count: 0,
                 sq_pending: Vec::new(),
                 _ctx: own_ctx,
             },
@@ -1417,117 +1444,137 @@ impl Conn {
         ))
     }
 
-    fn run(mut self) {
-        let mut wcs = [Wc::BLANK; 32];
-        let mut last_tick = Instant::now();
-        let mut last_busy = last_tick;
-        // Polling clients: keep polling a while after each polled completion.
-        let (mut last_polled, mut last_polled_count) = (last_tick, 0u64);
+    /// One turn of this connection on its reactor: control messages,
+    /// storage completions, RDMA completions, then the actions they caused.
+    /// True if it did any I/O work (the reactor keeps polling a while).
+    pub(super) fn turn(&mut self, now: Instant, wcs: &mut [Wc]) -> bool {
+        let mut busy = false;
+        while let Ok(c) = self.ctl_rx.try_recv() {
+            self.control(c);
+        }
+        while let Ok((op, r)) = self.done_rx.try_recv() {
+            busy = true;
+            self.storage_done(op, r);
+        }
         loop {
-            let mut busy = false;
-            while let Ok(c) = self.ctl_rx.try_recv() {
-                self.control(c);
-            }
-            while let Ok((op, r)) = self.done_rx.try_recv() {
-                busy = true;
-                self.storage_done(op, r);
-            }
-            loop {
-                let n = match self.cq.poll(&mut wcs) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        warn!(conn = self.id, error = %e, "CQ failed; closing");
-                        self.dead = true;
-                        0
-                    }
-                };
-                if n == 0 {
-                    break;
+            let n = match self.cq.poll(wcs) {
+                Ok(n) => n,
+                Err(e) => {
+                    warn!(conn = self.id, error = %e, "CQ failed; closing");
+                    self.dead = true;
+                    0
                 }
-                busy = true;
-                for w in wcs[..n].iter().copied() {
-                    self.completion(w);
-                }
-            }
-            let now = Instant::now();
-            if let Some(t) = self.sconn.poll_timeout() {
-                if now >= t {
-                    let slow = self.sconn.slow_credit_replies();
-                    self.sconn.handle_timeout(now);
-                    if self.sconn.slow_credit_replies() > slow {
-                        self.shared
-                            .slow_credit_replies
-                            .fetch_add(1, Ordering::Relaxed);
-                        warn!(
-                            conn = self.id,
-                            peer = %self.peer,
-                            timeout = ?self.shared.opts.proto.credit_timeout,
-                            "client slow to answer a credit transaction; keeping the connection"
-                        );
-                    }
-                }
-            }
-            if now.duration_since(last_tick) >= STATS_FLUSH {
-                last_tick = now;
-                self.balance(now);
-                self.flush_request_stats();
-            }
-            self.pump_mem();
-            self.run_actions();
-            if self.finished(now) {
+            };
+            if n == 0 {
                 break;
             }
-            let polled = self.sconn.polled_completions();
-            if polled != last_polled_count {
-                last_polled_count = polled;
-                last_polled = now;
-            }
-            if busy {
-                last_busy = now;
-                continue;
-            }
-            if now.duration_since(last_busy) < self.shared.opts.busy_poll
-                || now.duration_since(last_polled) < self.shared.opts.busy_poll_polled
-            {
-                // Busy polling: the next request is picked up without a
-                // wake-up. Yield so a peer on this CPU still runs.
-                std::thread::yield_now();
-                continue;
-            }
-            // Sleep: arm, re-poll (close the race), then wait on the channel
-            // and the waker.
-            if self.cq.arm(false).is_err() {
-                self.dead = true;
-                continue;
-            }
-            if self.cq.poll(&mut wcs[..1]).is_ok_and(|n| n > 0) {
-                let w = wcs[0];
+            busy = true;
+            for w in wcs[..n].iter().copied() {
                 self.completion(w);
-                continue;
             }
-            let mut timeout = Duration::from_millis(50);
-            if let Some(t) = self.sconn.poll_timeout() {
-                timeout = timeout.min(t.saturating_duration_since(Instant::now()));
-            }
-            match poll_readable(&[self.chan.fd(), self.waker.fd()], timeout) {
-                Ok(r) => {
-                    if r[0] {
-                        let _ = self.chan.wait(Some(Duration::ZERO));
-                    }
-                    if r[1] {
-                        self.waker.drain();
-                    }
-                }
-                Err(e) => {
-                    warn!(conn = self.id, error = %e, "poll failed");
-                    std::thread::sleep(Duration::from_millis(10));
+        }
+        self.tick(now);
+        let polled = self.sconn.polled_completions();
+        if polled != self.last_polled_count {
+            self.last_polled_count = polled;
+            self.last_polled = now;
+        }
+        if busy {
+            self.last_busy = now;
+        }
+        busy
+    }
+
+    /// The timed part of a turn (also run alone on idle connections):
+    /// protocol timers, credit balancing and counters every
+    /// [`STATS_FLUSH`], memory-object work, pending actions.
+    pub(super) fn tick(&mut self, now: Instant) {
+        if let Some(t) = self.sconn.poll_timeout() {
+            if now >= t {
+                let slow = self.sconn.slow_credit_replies();
+                self.sconn.handle_timeout(now);
+                if self.sconn.slow_credit_replies() > slow {
+                    self.shared
+                        .slow_credit_replies
+                        .fetch_add(1, Ordering::Relaxed);
+                    warn!(
+                        conn = self.id,
+                        peer = %self.peer,
+                        timeout = ?self.shared.opts.proto.credit_timeout,
+                        "client slow to answer a credit transaction; keeping the connection"
+                    );
                 }
             }
         }
-        self.teardown();
+        if now.duration_since(self.last_tick) >= STATS_FLUSH {
+            self.last_tick = now;
+            self.balance(now);
+            self.flush_request_stats();
+        }
+        self.pump_mem();
+        self.run_actions();
     }
 
-    fn finished(&mut self, now: Instant) -> bool {
+    /// Whether the reactor should keep polling this connection without
+    /// sleeping: `busy_poll` after activity, `busy_poll_polled` after a
+    /// completion its client polls for.
+    pub(super) fn hot(&self, now: Instant) -> bool {
+        now.duration_since(self.last_busy) < self.shared.opts.busy_poll
+            || now.duration_since(self.last_polled) < self.shared.opts.busy_poll_polled
+    }
+
+    /// Before its reactor sleeps: arm the CQ, then poll once to close the
+    /// race with a completion that came in between. False if one did (it
+    /// is carried out; the connection stays hot).
+    pub(super) fn arm(&mut self, now: Instant, wcs: &mut [Wc]) -> bool {
+        if self.cq.arm(false).is_err() {
+            self.dead = true;
+            return true;
+        }
+        match self.cq.poll(&mut wcs[..1]) {
+            Ok(n) if n > 0 => {
+                let w = wcs[0];
+                self.completion(w);
+                self.last_busy = now;
+                self.run_actions();
+                false
+            }
+            Ok(_) => true,
+            Err(_) => {
+                self.dead = true;
+                true
+            }
+        }
+    }
+
+    /// The fds its reactor waits on: the completion channel (with the soft
+    /// provider's own context, also readable on socket input) and the
+    /// waker that storage threads and the control plane use.
+    pub(super) fn fds(&self) -> [std::os::fd::RawFd; 2] {
+        [self.chan.fd(), self.waker.fd()]
+    }
+
+    /// Consume the readiness of the fds [`Conn::fds`] returned.
+    pub(super) fn consume(&self, which: usize) {
+        if which == 0 {
+            let _ = self.chan.wait(Some(Duration::ZERO));
+        } else {
+            self.waker.drain();
+        }
+    }
+
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// After [`Conn::teardown`]: the connection leaves the server's table
+    /// (its domain's census stays) and frees its per-host slot.
+    pub(super) fn release(&mut self) {
+        self.shared.retire(self.id);
+        self.shared.host_release(self.peer.ip());
+    }
+
+    pub(super) fn finished(&mut self, now: Instant) -> bool {
         if self.dead {
             return true;
         }
@@ -1574,7 +1621,7 @@ impl Conn {
         }
     }
 
-    fn teardown(&mut self) {
+    pub(super) fn teardown(&mut self) {
         self.flush_request_stats();
         let _ = self.qp.disconnect();
         // Storage jobs still running hold their read buffer by Arc; they
@@ -2374,6 +2421,7 @@ impl RdmaServerOptions {
                 credit_timeout: c.rdma.credit_timeout,
                 ..d.proto
             },
+            reactors: c.rdma.reactors,
             inline_io: c.rdma.inline_io,
             busy_poll: c.rdma.busy_poll,
             busy_poll_polled: c.rdma.busy_poll_polled,

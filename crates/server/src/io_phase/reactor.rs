@@ -1,0 +1,348 @@
+//! Reactors: a fixed set of server threads, each driving many RDMA
+//! connections (issue 13; SPDK's poll groups, nvmet-rdma's completion
+//! threads).
+//!
+//! A reactor owns an epoll set over its connections' completion channels
+//! (with the soft provider also readable when a connection's socket has
+//! input) and their wakers (storage completions, credit and shutdown
+//! control), plus its own inbox waker. Each round it turns the connections
+//! that had an event and the **hot** ones — those with I/O work within
+//! `busy_poll` (`busy_poll_polled` after a completion a client polls for) —
+//! without sleeping: busy polling after activity is per reactor, and a
+//! request is served entirely on the thread that received it. When no
+//! connection is hot it arms their CQs (re-polling once to close the race)
+//! and sleeps in `epoll_wait` until an event or the next timer. Every
+//! [`super::server::STATS_FLUSH`] it runs each idle connection's timers,
+//! credit balancing and counters without touching its queues.
+//!
+//! A new connection goes to the reactor with the fewest connections.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lwio_rdma::Wc;
+use rustix::event::epoll::{self, Event, EventData, EventFlags};
+use tracing::{info, warn};
+
+use super::server::{Conn, Shared, STATS_FLUSH};
+use super::Waker;
+
+/// The token of a reactor's own waker in its epoll set (connection slots
+/// use `2 * slot` and `2 * slot + 1`).
+const INBOX: u64 = u64::MAX;
+
+/// What the rest of the server sees of one reactor.
+struct Handle {
+    inbox: mpsc::Sender<Conn>,
+    waker: Arc<Waker>,
+    /// Connections it drives (queued to it included).
+    load: Arc<AtomicUsize>,
+}
+
+/// Counters of one reactor (for metrics).
+#[derive(Debug, Default)]
+pub struct ReactorStats {
+    pub connections: AtomicUsize,
+    /// Nanoseconds spent turning connections (not sleeping, not idle
+    /// busy-polling rounds that found nothing).
+    pub busy_ns: AtomicU64,
+    /// Rounds that slept in `epoll_wait`.
+    pub sleeps: AtomicU64,
+}
+
+/// The server's reactors.
+pub(super) struct Reactors {
+    handles: Vec<Handle>,
+    threads: Vec<JoinHandle<()>>,
+    closing: Arc<AtomicBool>,
+}
+
+impl Reactors {
+    /// Start `n` reactor threads (at least one).
+    pub(super) fn start(n: usize, shared: &Arc<Shared>) -> std::io::Result<Reactors> {
+        let closing = Arc::new(AtomicBool::new(false));
+        let mut handles = Vec::new();
+        let mut threads = Vec::new();
+        for i in 0..n.max(1) {
+            let (tx, rx) = mpsc::channel();
+            let waker = Arc::new(Waker::new()?);
+            let load = Arc::new(AtomicUsize::new(0));
+            let stats = shared.reactor_stats(i);
+            let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+            // SAFETY: the waker's fd stays open as long as `waker`, which
+            // the reactor thread holds for as long as it uses `ep`.
+            let wfd = unsafe { BorrowedFd::borrow_raw(waker.fd()) };
+            epoll::add(&ep, wfd, EventData::new_u64(INBOX), EventFlags::IN)?;
+            let r = Reactor {
+                index: i,
+                ep,
+                inbox: rx,
+                waker: waker.clone(),
+                load: load.clone(),
+                closing: closing.clone(),
+                stats,
+                slots: Vec::new(),
+                free: Vec::new(),
+                hot: Vec::new(),
+                marked: Vec::new(),
+            };
+            let t = std::thread::Builder::new()
+                .name(format!("lwio-reactor-{i}"))
+                .spawn(move || r.run())?;
+            handles.push(Handle {
+                inbox: tx,
+                waker,
+                load,
+            });
+            threads.push(t);
+        }
+        info!(reactors = handles.len(), "RDMA reactors started");
+        Ok(Reactors {
+            handles,
+            threads,
+            closing,
+        })
+    }
+
+    /// Hand a connection to the least loaded reactor.
+    pub(super) fn assign(&self, conn: Conn) {
+        let h = self
+            .handles
+            .iter()
+            .min_by_key(|h| h.load.load(Ordering::Relaxed))
+            .expect("at least one reactor");
+        h.load.fetch_add(1, Ordering::Relaxed);
+        if let Err(mpsc::SendError(c)) = h.inbox.send(conn) {
+            // The reactor is gone (it panicked): close here.
+            h.load.fetch_sub(1, Ordering::Relaxed);
+            warn!(conn = c.id(), "reactor gone; closing the connection");
+            let mut c = c;
+            c.teardown();
+            c.release();
+            return;
+        }
+        h.waker.wake();
+    }
+
+    /// Stop taking connections: each reactor exits once its last one has
+    /// finished (the caller has asked them to drain), or at `deadline`.
+    pub(super) fn finish(self, deadline: Instant) {
+        self.closing.store(true, Ordering::Release);
+        for h in &self.handles {
+            h.waker.wake();
+        }
+        for (i, t) in self.threads.into_iter().enumerate() {
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                warn!(reactor = i, "reactor did not finish in time; leaving it");
+            }
+        }
+    }
+}
+
+struct Reactor {
+    index: usize,
+    ep: OwnedFd,
+    inbox: mpsc::Receiver<Conn>,
+    waker: Arc<Waker>,
+    load: Arc<AtomicUsize>,
+    closing: Arc<AtomicBool>,
+    stats: Arc<ReactorStats>,
+    /// Connections by slot (the epoll token is derived from the slot).
+    slots: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    /// Hot slots, and whether each slot is in `hot`.
+    hot: Vec<usize>,
+    marked: Vec<bool>,
+}
+
+/// Borrow a connection's fd for an epoll call.
+///
+/// # Safety
+/// `fd` must stay open for the duration of the borrow.
+unsafe fn borrow(fd: RawFd) -> BorrowedFd<'static> {
+    // SAFETY: the caller keeps `fd` open while the borrow is used (each
+    // call site uses it for one epoll_ctl call, with the connection that
+    // owns the fd alive).
+    unsafe { BorrowedFd::borrow_raw(fd) }
+}
+
+impl Reactor {
+    fn adopt(&mut self, c: Conn) {
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(None);
+                self.marked.push(false);
+                self.slots.len() - 1
+            }
+        };
+        let fds = c.fds();
+        let mut ok = true;
+        for (k, fd) in fds.iter().enumerate() {
+            // SAFETY: `c` owns `fd` and is alive across this call.
+            let bfd = unsafe { borrow(*fd) };
+            let token = 2 * slot as u64 + k as u64;
+            if let Err(e) = epoll::add(&self.ep, bfd, EventData::new_u64(token), EventFlags::IN) {
+                warn!(conn = c.id(), error = %e, "cannot watch a connection; closing it");
+                ok = false;
+                break;
+            }
+        }
+        if !ok {
+            for fd in fds {
+                // SAFETY: as above.
+                let _ = epoll::delete(&self.ep, unsafe { borrow(fd) });
+            }
+            self.free.push(slot);
+            self.load.fetch_sub(1, Ordering::Relaxed);
+            let mut c = c;
+            c.teardown();
+            c.release();
+            return;
+        }
+        self.stats.connections.fetch_add(1, Ordering::Relaxed);
+        self.slots[slot] = Some(c);
+        self.mark_hot(slot);
+    }
+
+    fn mark_hot(&mut self, slot: usize) {
+        if !self.marked[slot] {
+            self.marked[slot] = true;
+            self.hot.push(slot);
+        }
+    }
+
+    fn remove(&mut self, slot: usize) {
+        let Some(mut c) = self.slots[slot].take() else {
+            return;
+        };
+        for fd in c.fds() {
+            // SAFETY: `c` still owns its fds here (dropped below).
+            let _ = epoll::delete(&self.ep, unsafe { borrow(fd) });
+        }
+        c.teardown();
+        c.release();
+        self.free.push(slot);
+        self.load.fetch_sub(1, Ordering::Relaxed);
+        self.stats.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn run(mut self) {
+        let mut evs: Vec<Event> = vec![
+            Event {
+                flags: EventFlags::empty(),
+                data: EventData::new_u64(0),
+            };
+            256
+        ];
+        let mut wcs = [Wc::BLANK; 32];
+        let mut ready: Vec<usize> = Vec::new();
+        let mut next_tick = Instant::now() + STATS_FLUSH;
+        loop {
+            while let Ok(c) = self.inbox.try_recv() {
+                self.adopt(c);
+            }
+            let live = self.slots.len() - self.free.len();
+            if self.closing.load(Ordering::Acquire) && live == 0 {
+                break;
+            }
+            let now = Instant::now();
+            let ms = if !self.hot.is_empty() {
+                0
+            } else {
+                let left = next_tick.saturating_duration_since(now);
+                // Round up: a 0 ms wait would spin until the timer.
+                (left.as_micros().div_ceil(1000)).min(50) as i32
+            };
+            if ms > 0 {
+                self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+            }
+            let n = epoll_wait(&self.ep, &mut evs, ms);
+            for ev in &evs[..n] {
+                let token = ev.data.u64();
+                if token == INBOX {
+                    self.waker.drain();
+                    continue;
+                }
+                let slot = (token / 2) as usize;
+                if let Some(c) = self.slots.get(slot).and_then(|c| c.as_ref()) {
+                    c.consume((token % 2) as usize);
+                    ready.push(slot);
+                }
+            }
+            for &s in &ready {
+                self.mark_hot(s);
+            }
+            ready.clear();
+            let start = Instant::now();
+            let mut worked = false;
+            let turn: Vec<usize> = std::mem::take(&mut self.hot);
+            for &slot in &turn {
+                self.marked[slot] = false;
+            }
+            for slot in turn {
+                let Some(c) = self.slots[slot].as_mut() else {
+                    continue;
+                };
+                let now = Instant::now();
+                let busy = c.turn(now, &mut wcs);
+                worked |= busy;
+                if c.finished(now) {
+                    self.remove(slot);
+                } else if busy || c.hot(now) || !c.arm(now, &mut wcs) {
+                    self.mark_hot(slot);
+                }
+            }
+            let now = Instant::now();
+            if now >= next_tick {
+                next_tick = now + STATS_FLUSH;
+                for slot in 0..self.slots.len() {
+                    if self.marked[slot] {
+                        continue;
+                    }
+                    let Some(c) = self.slots[slot].as_mut() else {
+                        continue;
+                    };
+                    // Its CQ stays armed from when it went cold: a
+                    // completion of what this tick posts wakes the reactor.
+                    c.tick(now);
+                    if c.finished(now) {
+                        self.remove(slot);
+                    }
+                }
+            }
+            if worked {
+                let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                self.stats.busy_ns.fetch_add(ns, Ordering::Relaxed);
+            } else if !self.hot.is_empty() {
+                // Busy polling with nothing found: let a peer on this CPU run.
+                std::thread::yield_now();
+            }
+        }
+        info!(reactor = self.index, "reactor stopped");
+    }
+}
+
+fn epoll_wait(ep: impl AsFd, out: &mut [Event], ms: i32) -> usize {
+    let t = rustix::event::Timespec {
+        tv_sec: (ms / 1000).into(),
+        tv_nsec: ((ms % 1000) * 1_000_000).into(),
+    };
+    match epoll::wait(ep, out, Some(&t)) {
+        Ok(n) => n,
+        Err(rustix::io::Errno::INTR) => 0,
+        Err(e) => {
+            warn!(error = %e, "epoll_wait failed");
+            std::thread::sleep(Duration::from_millis(10));
+            0
+        }
+    }
+}
