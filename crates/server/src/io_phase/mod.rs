@@ -8,6 +8,7 @@
 
 pub mod memobj;
 pub mod reactor;
+pub mod ring;
 pub mod server;
 pub mod testkit;
 
