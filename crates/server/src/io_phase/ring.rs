@@ -703,22 +703,20 @@ impl Ring {
     }
 }
 
-impl Drop for Ring {
-    fn drop(&mut self) {
-        // SAFETY (why this waits): the kernel reads and writes the callers'
-        // buffers (and reads the iovec arrays and uses the fds held here)
-        // until each operation completes, and closing the ring only starts
-        // an asynchronous cancellation. Callers may free their buffers as
-        // soon as the ring is gone, so it must not be gone before every
-        // operation the kernel has seen has completed. Operations still in
-        // the overflow queue were never seen by the kernel and are simply
-        // forgotten; every other one gets an ASYNC_CANCEL and is waited for
-        // (blocking, only here). If the ring cannot be waited on the
-        // process aborts rather than return with I/O in flight.
+impl Ring {
+    /// Cancel every operation and block until each has completed, its
+    /// completion appended to `out` like [`Ring::reap`] does (`-ECANCELED`,
+    /// or the real result of what finished first). Operations in the
+    /// overflow queue were never seen by the kernel: `-ECANCELED` at once.
+    /// Aborts the process if the ring cannot be waited on, rather than
+    /// return with I/O in flight. Only `Drop` calls it.
+    fn cancel_all_and_wait(&mut self, out: &mut Vec<(u64, i32)>) {
         for e in std::mem::take(&mut self.overflow) {
             let ud = e.get_user_data();
             if ud & CANCEL_BIT == 0 {
-                self.slab.remove(ud);
+                if let Some(user) = self.slab.remove(ud) {
+                    out.push((user, -libc::ECANCELED));
+                }
             }
         }
         let mut to_cancel: Vec<u64> = self
@@ -730,11 +728,7 @@ impl Drop for Ring {
             .map(|(i, s)| tag(i as u32, s.gen))
             .collect();
         loop {
-            for cqe in self.uring.completion() {
-                if cqe.user_data() & CANCEL_BIT == 0 {
-                    self.slab.remove(cqe.user_data());
-                }
-            }
+            self.reap(out);
             if self.slab.len() == 0 {
                 break;
             }
@@ -749,6 +743,7 @@ impl Drop for Ring {
                         break;
                     }
                     to_cancel.pop();
+                    self.with_kernel += 1;
                 }
             }
             self.enters += 1;
@@ -775,6 +770,22 @@ impl Drop for Ring {
                 }
             }
         }
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        // SAFETY (why this waits): the kernel reads and writes the callers'
+        // buffers (and reads the iovec arrays and uses the fds held here)
+        // until each operation completes, and closing the ring does not wait
+        // for that (requests running in io-wq workers are cancelled
+        // asynchronously by the ring's exit work). Callers may free their
+        // buffers as soon as the ring is gone, so it must not be gone before
+        // every operation the kernel has seen has completed: cancel them
+        // all and wait (blocking, only here). The results have no one left
+        // to go to.
+        let mut discard = Vec::new();
+        self.cancel_all_and_wait(&mut discard);
     }
 }
 
@@ -1101,6 +1112,48 @@ mod tests {
         done_rx
             .recv_timeout(Duration::from_secs(10))
             .expect("dropping the ring hung or panicked");
+    }
+
+    /// What `Drop` relies on: once `cancel_all_and_wait` returns, every
+    /// operation (submitted, pushed but not submitted, queued) has
+    /// completed and released its file.
+    #[test]
+    fn cancel_all_and_wait_leaves_nothing_with_the_kernel() {
+        let (rx, mut tx) = pipe();
+        let mut bufs = [[0u8; 4]; 14];
+        let mut r = ring(8, 16);
+        for (i, b) in bufs.iter_mut().enumerate() {
+            // SAFETY: `bufs` outlives the ring, untouched until reaped.
+            unsafe { r.read(i as u64, rx.clone(), b.as_mut_ptr(), 4, 0) }.unwrap();
+            if i == 3 {
+                // 0..=3 submitted; 4..=11 pushed only (the SQ holds 8);
+                // 12 and 13 queued.
+                r.submit().unwrap();
+            }
+        }
+        assert_eq!((r.in_flight(), r.queued()), (14, 2));
+        assert_eq!(Arc::strong_count(&rx), 15);
+        let mut out = Vec::new();
+        r.cancel_all_and_wait(&mut out);
+        out.sort();
+        let want: Vec<(u64, i32)> = (0..14).map(|i| (i, -libc::ECANCELED)).collect();
+        assert_eq!(out, want);
+        assert_eq!(r.in_flight(), 0);
+        assert_eq!(Arc::strong_count(&rx), 1, "every op released its file");
+        tx.write_all(b"left").unwrap();
+        let mut got = [0u8; 4];
+        (&*rx).read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"left", "no read is still waiting on the pipe");
+        // The ring still works afterwards.
+        // SAFETY: as above.
+        unsafe { r.read(20, rx.clone(), bufs[0].as_mut_ptr(), 4, 0) }.unwrap();
+        r.submit().unwrap();
+        tx.write_all(b"more").unwrap();
+        out.clear();
+        collect(&mut r, &mut out, 1);
+        assert_eq!(out, [(20, 4)]);
+        drop(r);
+        assert_eq!(&bufs[0], b"more");
     }
 
     #[test]
