@@ -19,7 +19,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -27,12 +27,14 @@ use lwio_rdma::Wc;
 use rustix::event::epoll::{self, Event, EventData, EventFlags};
 use tracing::{info, warn};
 
-use super::server::{Conn, Shared, STATS_FLUSH};
+use super::server::{lock, Conn, Shared, STATS_FLUSH};
 use super::Waker;
 
 /// The token of a reactor's own waker in its epoll set (connection slots
 /// use `2 * slot` and `2 * slot + 1`).
 const INBOX: u64 = u64::MAX;
+/// The token of its io_uring's eventfd.
+const RING: u64 = u64::MAX - 1;
 
 /// What the rest of the server sees of one reactor.
 struct Handle {
@@ -51,6 +53,8 @@ pub struct ReactorStats {
     pub busy_ns: AtomicU64,
     /// Rounds that slept in `epoll_wait`.
     pub sleeps: AtomicU64,
+    /// File I/Os on its io_uring.
+    pub ring_in_flight: AtomicUsize,
 }
 
 /// The server's reactors.
@@ -62,7 +66,14 @@ pub(super) struct Reactors {
 
 impl Reactors {
     /// Start `n` reactor threads (at least one).
-    pub(super) fn start(n: usize, shared: &Arc<Shared>) -> std::io::Result<Reactors> {
+    /// With `use_ring`, each reactor does the file I/O that would block
+    /// on an io_uring of its own (falling back to the storage pool if the
+    /// ring cannot be set up).
+    pub(super) fn start(
+        n: usize,
+        shared: &Arc<Shared>,
+        use_ring: bool,
+    ) -> std::io::Result<Reactors> {
         let closing = Arc::new(AtomicBool::new(false));
         let mut handles = Vec::new();
         let mut threads = Vec::new();
@@ -76,7 +87,25 @@ impl Reactors {
             // the reactor thread holds for as long as it uses `ep`.
             let wfd = unsafe { BorrowedFd::borrow_raw(waker.fd()) };
             epoll::add(&ep, wfd, EventData::new_u64(INBOX), EventFlags::IN)?;
+            let rio = if use_ring {
+                match super::ring::Ring::new(RING_ENTRIES) {
+                    Ok(ring) => {
+                        // SAFETY: the ring's eventfd lives as long as the
+                        // ring, which the reactor holds as long as `ep`.
+                        let rfd = unsafe { BorrowedFd::borrow_raw(ring.fd()) };
+                        epoll::add(&ep, rfd, EventData::new_u64(RING), EventFlags::IN)?;
+                        Some(Arc::new(Mutex::new(RingIo::new(ring))))
+                    }
+                    Err(e) => {
+                        warn!(reactor = i, error = %e, "no io_uring for this reactor; blocking file I/O goes to the storage threads");
+                        None
+                    }
+                }
+            } else {
+                None
+            };
             let r = Reactor {
+                rio,
                 index: i,
                 ep,
                 inbox: rx,
@@ -147,7 +176,12 @@ impl Reactors {
     }
 }
 
+/// Entries of each reactor's io_uring.
+const RING_ENTRIES: u32 = 256;
+
 struct Reactor {
+    /// Its io_uring for file I/O (None: the storage pool does it).
+    rio: Option<Arc<Mutex<RingIo>>>,
     index: usize,
     ep: OwnedFd,
     inbox: mpsc::Receiver<Conn>,
@@ -209,6 +243,8 @@ impl Reactor {
             return;
         }
         self.stats.connections.fetch_add(1, Ordering::Relaxed);
+        let mut c = c;
+        c.attach(slot, self.rio.clone());
         self.slots[slot] = Some(c);
         self.mark_hot(slot);
     }
@@ -245,6 +281,7 @@ impl Reactor {
         ];
         let mut wcs = [Wc::BLANK; 32];
         let mut ready: Vec<usize> = Vec::new();
+        let mut done: Vec<RingDone> = Vec::new();
         let mut next_tick = Instant::now() + STATS_FLUSH;
         loop {
             while let Ok(c) = self.inbox.try_recv() {
@@ -255,7 +292,8 @@ impl Reactor {
                 break;
             }
             let now = Instant::now();
-            let ms = if !self.hot.is_empty() {
+            let unsubmitted = self.rio.as_ref().is_some_and(|r| lock(r).has_unsubmitted());
+            let ms = if !self.hot.is_empty() || unsubmitted {
                 0
             } else {
                 let left = next_tick.saturating_duration_since(now);
@@ -272,10 +310,26 @@ impl Reactor {
                     self.waker.drain();
                     continue;
                 }
+                if token == RING {
+                    // Reaped below, every round.
+                    continue;
+                }
                 let slot = (token / 2) as usize;
                 if let Some(c) = self.slots.get(slot).and_then(|c| c.as_ref()) {
                     c.consume((token % 2) as usize);
                     ready.push(slot);
+                }
+            }
+            if let Some(rio) = &self.rio {
+                lock(rio).reap(&mut done);
+            }
+            for (conn, slot, op, r) in done.drain(..) {
+                // The connection may be gone (its slot reused): match ids.
+                if let Some(c) = self.slots.get_mut(slot).and_then(|c| c.as_mut()) {
+                    if c.id() == conn {
+                        c.ring_done(op, r);
+                        ready.push(slot);
+                    }
                 }
             }
             for &s in &ready {
@@ -319,6 +373,14 @@ impl Reactor {
                     }
                 }
             }
+            if let Some(rio) = &self.rio {
+                // One io_uring_enter for the file I/O of this round.
+                let mut rio = lock(rio);
+                rio.submit();
+                self.stats
+                    .ring_in_flight
+                    .store(rio.in_flight(), Ordering::Relaxed);
+            }
             if worked {
                 let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
                 self.stats.busy_ns.fetch_add(ns, Ordering::Relaxed);
@@ -343,6 +405,215 @@ fn epoll_wait(ep: impl AsFd, out: &mut [Event], ms: i32) -> usize {
             warn!(error = %e, "epoll_wait failed");
             std::thread::sleep(Duration::from_millis(10));
             0
+        }
+    }
+}
+
+// ------------------------------------------------------------- file I/O
+
+/// What a file I/O on the ring keeps alive until its completion is reaped:
+/// the memory the kernel reads or writes (held, never read: dropping it is
+/// its only use).
+#[allow(dead_code)]
+pub(super) enum Keep {
+    /// A read buffer, or the receive region a reassembled write is in.
+    Mr(Arc<lwio_rdma::Mr>),
+    /// A copy of the data (a WRITE's bytes, or an aligned bounce buffer).
+    Bytes(Vec<u8>),
+}
+
+/// One file I/O of a connection on its reactor's ring.
+struct RingOp {
+    conn: u64,
+    slot: usize,
+    op: lwio_proto::server::OpId,
+    file: Arc<std::fs::File>,
+    /// Offset of the next byte.
+    offset: u64,
+    /// The pieces still to transfer (pointers into `keep`).
+    iov: Vec<libc::iovec>,
+    write: bool,
+    done: usize,
+    cancelled: bool,
+    _keep: Keep,
+}
+
+// SAFETY: the raw pointers in `iov` point into `_keep`, which the op owns
+// and moves with it; nothing else reaches them through the op.
+unsafe impl Send for RingOp {}
+
+/// The file I/O of one reactor's connections: its io_uring (issue 13: a
+/// page-cache miss costs no thread hand-off), submitted once per round.
+pub(super) struct RingIo {
+    ring: super::ring::Ring,
+    ops: std::collections::HashMap<u64, RingOp>,
+    next: u64,
+}
+
+/// A finished file I/O: (connection id, slot, op, result).
+pub(super) type RingDone = (
+    u64,
+    usize,
+    lwio_proto::server::OpId,
+    Result<u32, lwio_proto::NtStatus>,
+);
+
+impl RingIo {
+    pub(super) fn new(ring: super::ring::Ring) -> RingIo {
+        RingIo {
+            ring,
+            ops: std::collections::HashMap::new(),
+            next: 1,
+        }
+    }
+
+    /// Start a file I/O of `len` bytes over `iov` (all inside `keep`).
+    /// Returns the ring id the connection cancels it by.
+    ///
+    /// # Safety
+    /// Every iovec must lie in memory that `keep` keeps alive, and nothing
+    /// may write that memory (for a read: nor read it) until the op's
+    /// completion comes back from [`RingIo::reap`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn push(
+        &mut self,
+        conn: u64,
+        slot: usize,
+        op: lwio_proto::server::OpId,
+        file: Arc<std::fs::File>,
+        offset: u64,
+        iov: Vec<libc::iovec>,
+        write: bool,
+        keep: Keep,
+    ) -> Result<u64, lwio_proto::NtStatus> {
+        let id = self.next;
+        self.next += 1;
+        let rop = RingOp {
+            conn,
+            slot,
+            op,
+            file,
+            offset,
+            iov,
+            write,
+            done: 0,
+            cancelled: false,
+            _keep: keep,
+        };
+        // SAFETY: the caller's contract, passed on; the op (and so `keep`)
+        // stays in `self.ops` until its completion is reaped.
+        unsafe { self.submit_op(id, &rop) }.map_err(|e| e.status())?;
+        self.ops.insert(id, rop);
+        Ok(id)
+    }
+
+    /// Queue `rop`'s remaining pieces on the ring.
+    ///
+    /// # Safety
+    /// As [`RingIo::push`].
+    unsafe fn submit_op(&mut self, id: u64, rop: &RingOp) -> Result<(), super::ring::PushError> {
+        let f = rop.file.clone();
+        // SAFETY: the pieces lie in `rop._keep` (caller), which lives in
+        // `self.ops` until this id is reaped.
+        unsafe {
+            match (rop.write, rop.iov.as_slice()) {
+                (false, [one]) => {
+                    self.ring
+                        .read(id, f, one.iov_base as *mut u8, one.iov_len, rop.offset)
+                }
+                (true, [one]) => {
+                    self.ring
+                        .write(id, f, one.iov_base as *const u8, one.iov_len, rop.offset)
+                }
+                (_, many) => self.ring.writev(id, f, many.to_vec(), rop.offset),
+            }
+        }
+    }
+
+    /// Ask the kernel to stop op `id` (it still completes).
+    pub(super) fn cancel(&mut self, id: u64) {
+        if let Some(r) = self.ops.get_mut(&id) {
+            r.cancelled = true;
+            self.ring.cancel(id);
+        }
+    }
+
+    pub(super) fn in_flight(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub(super) fn has_unsubmitted(&mut self) -> bool {
+        self.ring.has_unsubmitted()
+    }
+
+    /// One `io_uring_enter` for everything this round pushed.
+    pub(super) fn submit(&mut self) {
+        if let Err(e) = self.ring.submit() {
+            warn!(error = %e, "io_uring submit failed");
+        }
+    }
+
+    /// Take the finished I/Os. A short transfer continues where it
+    /// stopped (a read ends at end of file); EINTR/EAGAIN are retried.
+    pub(super) fn reap(&mut self, out: &mut Vec<RingDone>) {
+        let mut cqes = Vec::new();
+        self.ring.reap(&mut cqes);
+        for (id, res) in cqes {
+            let Some(mut rop) = self.ops.remove(&id) else {
+                continue;
+            };
+            let retry = |rop: &RingOp| {
+                !rop.cancelled && !rop.iov.is_empty() && rop.iov.iter().any(|v| v.iov_len > 0)
+            };
+            let result = if res == -libc::EINTR || res == -libc::EAGAIN {
+                None
+            } else if res < 0 {
+                let e = std::io::Error::from_raw_os_error(-res);
+                Some(Err(super::io_error_status(&e)))
+            } else if res == 0 {
+                if rop.write && retry(&rop) {
+                    Some(Err(super::STATUS_UNEXPECTED_IO_ERROR))
+                } else {
+                    Some(Ok(rop.done))
+                }
+            } else {
+                let mut n = res as usize;
+                rop.done += n;
+                rop.offset += n as u64;
+                while n > 0 && !rop.iov.is_empty() {
+                    let first = &mut rop.iov[0];
+                    let k = n.min(first.iov_len);
+                    first.iov_base = (first.iov_base as usize + k) as *mut libc::c_void;
+                    first.iov_len -= k;
+                    n -= k;
+                    if first.iov_len == 0 {
+                        rop.iov.remove(0);
+                    }
+                }
+                if rop.iov.is_empty() {
+                    Some(Ok(rop.done))
+                } else {
+                    None
+                }
+            };
+            let result = match result {
+                Some(r) => r,
+                None if rop.cancelled => Err(lwio_proto::status::STATUS_CANCELLED),
+                None => {
+                    // SAFETY: the remaining pieces still lie in the op's
+                    // own `_keep` (advanced within it), and it goes back
+                    // into `self.ops` until reaped again.
+                    match unsafe { self.submit_op(id, &rop) } {
+                        Ok(()) => {
+                            self.ops.insert(id, rop);
+                            continue;
+                        }
+                        Err(e) => Err(e.status()),
+                    }
+                }
+            };
+            let r = result.map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+            out.push((rop.conn, rop.slot, rop.op, r));
         }
     }
 }

@@ -67,7 +67,7 @@ use lwio_rdma::{
 };
 use tracing::{debug, info, warn};
 
-use super::reactor::{ReactorStats, Reactors};
+use super::reactor::{Keep, ReactorStats, Reactors, RingIo};
 use super::{io_error_status, Waker};
 use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
@@ -265,7 +265,7 @@ pub(super) struct Shared {
 /// How often a connection adds its request counters into the server's.
 pub(super) const STATS_FLUSH: Duration = Duration::from_millis(50);
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -699,7 +699,8 @@ impl RdmaPhase for RdmaServer {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        let reactors = match Reactors::start(n, sh) {
+        let use_ring = state.backend.kind() == crate::fs::backend::BackendKind::IoUring;
+        let reactors = match Reactors::start(n, sh, use_ring) {
             Ok(r) => r,
             Err(e) => {
                 warn!(error = %e, "cannot start the RDMA reactors; RDMA phase not serving");
@@ -880,6 +881,72 @@ pub fn slow_next_storage_write_for_tests(d: Duration) {
 #[doc(hidden)]
 pub fn slow_storage_write_started_for_tests() -> bool {
     SLOW_NEXT_WRITE_MS.load(Ordering::Relaxed) == 0
+}
+
+/// A storage job as ring pieces: (iovecs, write, what keeps them alive).
+/// `O_DIRECT` (`align` > 1): a write whose bytes are not aligned in memory
+/// goes from an aligned copy; offsets and lengths must be aligned already.
+fn ring_job(
+    offset: u64,
+    align: u32,
+    kind: JobKind,
+) -> Result<(Vec<libc::iovec>, bool, Keep), NtStatus> {
+    let bad = |_| STATUS_INVALID_PARAMETER;
+    let iov = |addr: usize, len: usize| libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: len,
+    };
+    let a = align.max(1) as usize;
+    // An aligned copy of `len` bytes, filled by `fill`.
+    let bounce = |len: usize, fill: &mut dyn FnMut(&mut [u8])| {
+        let mut b = vec![0u8; len + a];
+        let pad = b.as_ptr().align_offset(a).min(a);
+        fill(&mut b[pad..pad + len]);
+        let at = b.as_ptr() as usize + pad;
+        (at, b)
+    };
+    match kind {
+        JobKind::Read { buf, len } => {
+            let len = len.min(buf.len());
+            crate::fs::backend::check_alignment(align, offset, buf.addr() as usize, len)
+                .map_err(bad)?;
+            Ok((vec![iov(buf.addr() as usize, len)], false, Keep::Mr(buf)))
+        }
+        JobKind::Write { data } => {
+            let len = data.len();
+            if a > 1 && !(data.as_ptr() as usize).is_multiple_of(a) {
+                let (at, b) = bounce(len, &mut |d| d.copy_from_slice(&data));
+                crate::fs::backend::check_alignment(align, offset, at, len).map_err(bad)?;
+                return Ok((vec![iov(at, len)], true, Keep::Bytes(b)));
+            }
+            let at = data.as_ptr() as usize;
+            crate::fs::backend::check_alignment(align, offset, at, len).map_err(bad)?;
+            Ok((vec![iov(at, len)], true, Keep::Bytes(data)))
+        }
+        JobKind::WriteParts { mr, iov: parts } => {
+            let base = mr.addr() as usize;
+            for &(at, len) in &parts {
+                if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+                    return Err(STATUS_INVALID_PARAMETER);
+                }
+            }
+            if a > 1 {
+                let total: usize = parts.iter().map(|p| p.1).sum();
+                let (at, b) = bounce(total, &mut |d| {
+                    let mut o = 0;
+                    for &(at, len) in &parts {
+                        // Pieces checked inside the region above.
+                        let _ = mr.read_at(at, &mut d[o..o + len]);
+                        o += len;
+                    }
+                });
+                crate::fs::backend::check_alignment(align, offset, at, total).map_err(bad)?;
+                return Ok((vec![iov(at, total)], true, Keep::Bytes(b)));
+            }
+            let v = parts.iter().map(|&(at, len)| iov(base + at, len)).collect();
+            Ok((v, true, Keep::Mr(mr)))
+        }
+    }
 }
 
 fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
@@ -1274,6 +1341,12 @@ pub(super) struct Conn {
     dead: bool,
     /// How the fast path treats each (file handle, write).
     inline_mode: HashMap<(u64, bool), InlineMode>,
+    /// Its place on its reactor, and the reactor's io_uring (None: file
+    /// I/O that would block goes to the storage pool).
+    slot: usize,
+    rio: Option<Arc<Mutex<RingIo>>>,
+    /// File I/Os on the ring: op → ring id.
+    ring_ops: HashMap<OpId, u64>,
     /// Reactor bookkeeping: last balancing round, last I/O work, last
     /// polled completion (and the count it saw).
     last_tick: Instant,
@@ -1433,6 +1506,9 @@ impl Conn {
                 draining: None,
                 dead: false,
                 inline_mode: HashMap::new(),
+                slot: 0,
+                rio: None,
+                ring_ops: HashMap::new(),
                 last_tick: now,
                 last_busy: now,
                 last_polled: now,
@@ -1567,6 +1643,18 @@ impl Conn {
         self.id
     }
 
+    /// Joined a reactor: its slot there and the reactor's io_uring.
+    pub(super) fn attach(&mut self, slot: usize, rio: Option<Arc<Mutex<RingIo>>>) {
+        self.slot = slot;
+        self.rio = rio;
+    }
+
+    /// A file I/O on the reactor's ring has finished.
+    pub(super) fn ring_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
+        self.ring_ops.remove(&op);
+        self.storage_done(op, r);
+    }
+
     /// After [`Conn::teardown`]: the connection leaves the server's table
     /// (its domain's census stays) and frees its per-host slot.
     pub(super) fn release(&mut self) {
@@ -1595,7 +1683,7 @@ impl Conn {
         }
         if let Some(t) = self.closing {
             let sends_done = self.sq_inflight == 0 || matches!(self.qp.state(), QpState::Error);
-            if (sends_done && self.cancels.is_empty())
+            if (sends_done && self.cancels.is_empty() && self.ring_ops.is_empty())
                 || now.duration_since(t) > Duration::from_secs(2)
             {
                 return true;
@@ -1609,6 +1697,12 @@ impl Conn {
             self.closing = Some(now);
             for c in self.cancels.values() {
                 c.store(true, Ordering::Release);
+            }
+            if let Some(rio) = &self.rio {
+                let mut rio = lock(rio);
+                for id in self.ring_ops.values() {
+                    rio.cancel(*id);
+                }
             }
         }
     }
@@ -2161,6 +2255,9 @@ impl Conn {
                 if let Some(c) = self.cancels.get(&op) {
                     c.store(true, Ordering::Release);
                 }
+                if let (Some(id), Some(rio)) = (self.ring_ops.get(&op), &self.rio) {
+                    lock(rio).cancel(*id);
+                }
                 Ok(())
             }
             ServerAction::ReleaseReadBuffer { op } => {
@@ -2237,6 +2334,39 @@ impl Conn {
             // takes the buffer back with `Arc::try_unwrap`.
             drop(kind);
             self.storage_done(op, Ok(r));
+            return;
+        }
+        let slow_hook =
+            !matches!(kind, JobKind::Read { .. }) && SLOW_NEXT_WRITE_MS.load(Ordering::Relaxed) > 0;
+        if let (Some(rio), false) = (self.rio.clone(), slow_hook) {
+            let align = if f.direct { f.align } else { 1 };
+            let r = ring_job(offset, align, kind).and_then(|(iov, write, keep)| {
+                // SAFETY: `ring_job` built every iovec inside `keep`, which
+                // the ring op owns until its completion is reaped. A read
+                // buffer is this op's alone while it is at storage (see
+                // `run_job`); a write's bytes are a copy or receive buffers
+                // kept for the message (reposted only in `storage_done`),
+                // registered LOCAL_WRITE only: nothing writes them while
+                // the kernel reads them.
+                unsafe {
+                    lock(&rio).push(
+                        self.id,
+                        self.slot,
+                        op,
+                        f.file.clone(),
+                        offset,
+                        iov,
+                        write,
+                        keep,
+                    )
+                }
+            });
+            match r {
+                Ok(id) => {
+                    self.ring_ops.insert(op, id);
+                }
+                Err(st) => self.storage_done(op, Err(st)),
+            }
             return;
         }
         let cancel = Arc::new(AtomicBool::new(false));
