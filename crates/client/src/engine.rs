@@ -440,6 +440,7 @@ impl Engine {
             },
             sq_sig_all: true,
             recv_window: None,
+            srq: None,
         };
         // Receives are posted before the connection is established: on
         // iWARP devices a Send that finds no posted receive is fatal. The

@@ -257,6 +257,7 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
             cap: QpCap::default(),
             sq_sig_all: true,
             recv_window: None,
+            srq: None,
         };
         let req = listener.get_request(Some(T)).unwrap().expect("a client");
         let rmr = pd.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
@@ -382,6 +383,7 @@ fn window_attack(attack: Attack) -> (Vec<u8>, QpState, Vec<WcStatus>, QpState) {
         cap: QpCap::default(),
         sq_sig_all: true,
         recv_window: None,
+        srq: None,
     };
     let qp = ctx.connect(addr, &init, &ConnParams::default()).unwrap();
     let rmr = pd.alloc_mr(256, Access::LOCAL_WRITE).unwrap();

@@ -318,6 +318,7 @@ impl<'a> Env<'a> {
             cap,
             sq_sig_all: false,
             recv_window: None,
+            srq: None,
         };
         let cinit = QpInit {
             pd: cpd.clone(),
@@ -326,21 +327,9 @@ impl<'a> Env<'a> {
             cap,
             sq_sig_all: false,
             recv_window: None,
+            srq: None,
         };
-        let abort = std::sync::atomic::AtomicBool::new(false);
-        let (sres, cres) = std::thread::scope(|sc| {
-            let h = sc.spawn(|| -> Result<Qp> { self.request(&abort)?.accept(&sinit, sp) });
-            let c = self.client.connect(self.connect_to, &cinit, cp);
-            if c.is_err() {
-                abort.store(true, std::sync::atomic::Ordering::Release);
-            }
-            (h.join(), c)
-        });
-        let cqp = cres.map_err(|e| format!("client connect: {e}"))?;
-        let sqp = match sres {
-            Ok(r) => r.map_err(|e| format!("server accept: {e}"))?,
-            Err(_) => fail!("server accept thread panicked"),
-        };
+        let (sqp, cqp) = self.connect_qps(&sinit, &cinit, sp, cp)?;
         Ok(Conn {
             s: End {
                 pd: spd,
@@ -353,6 +342,34 @@ impl<'a> Env<'a> {
                 qp: cqp,
             },
         })
+    }
+}
+
+impl Env<'_> {
+    /// Connect a client QP made of `cinit` to a server QP made of `sinit`;
+    /// returns (server QP, client QP).
+    fn connect_qps(
+        &self,
+        sinit: &QpInit,
+        cinit: &QpInit,
+        sp: &ConnParams,
+        cp: &ConnParams,
+    ) -> std::result::Result<(Qp, Qp), CaseErr> {
+        let abort = std::sync::atomic::AtomicBool::new(false);
+        let (sres, cres) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| -> Result<Qp> { self.request(&abort)?.accept(sinit, sp) });
+            let c = self.client.connect(self.connect_to, cinit, cp);
+            if c.is_err() {
+                abort.store(true, std::sync::atomic::Ordering::Release);
+            }
+            (h.join(), c)
+        });
+        let cqp = cres.map_err(|e| format!("client connect: {e}"))?;
+        let sqp = match sres {
+            Ok(r) => r.map_err(|e| format!("server accept: {e}"))?,
+            Err(_) => fail!("server accept thread panicked"),
+        };
+        Ok((sqp, cqp))
     }
 }
 
@@ -940,14 +957,7 @@ fn case_flush_disconnect(env: &Env<'_>) -> R {
 fn case_reject(env: &Env<'_>) -> R {
     let pd = env.client.alloc_pd()?;
     let cq = env.client.create_cq(16, None)?;
-    let init = QpInit {
-        pd: pd.clone(),
-        send_cq: cq.clone(),
-        recv_cq: cq.clone(),
-        cap: QpCap::default(),
-        sq_sig_all: false,
-        recv_window: None,
-    };
+    let init = QpInit::new(&pd, &cq);
     let reason = b"go away: not today".to_vec();
     let (sres, cres) = std::thread::scope(|sc| {
         let h = sc.spawn(|| -> Result<Vec<u8>> {
@@ -1089,22 +1099,8 @@ fn case_channel_wait(env: &Env<'_>) -> R {
     let spd = env.server.alloc_pd()?;
     let cpd = env.client.alloc_pd()?;
     let ccq = env.client.create_cq(64, None)?;
-    let sinit = QpInit {
-        pd: spd.clone(),
-        send_cq: scq.clone(),
-        recv_cq: scq.clone(),
-        cap: QpCap::default(),
-        sq_sig_all: false,
-        recv_window: None,
-    };
-    let cinit = QpInit {
-        pd: cpd.clone(),
-        send_cq: ccq.clone(),
-        recv_cq: ccq.clone(),
-        cap: QpCap::default(),
-        sq_sig_all: false,
-        recv_window: None,
-    };
+    let sinit = QpInit::new(&spd, &scq);
+    let cinit = QpInit::new(&cpd, &ccq);
     let (sres, cres) = std::thread::scope(|sc| {
         let h = sc.spawn(|| -> Result<Qp> {
             let req = env
@@ -1188,29 +1184,8 @@ fn case_solicited(env: &Env<'_>) -> R {
     let spd = env.server.alloc_pd()?;
     let cpd = env.client.alloc_pd()?;
     let ccq = env.client.create_cq(64, None)?;
-    let mk = |pd: &Pd, cq: &Cq| QpInit {
-        pd: pd.clone(),
-        send_cq: cq.clone(),
-        recv_cq: cq.clone(),
-        cap: QpCap::default(),
-        sq_sig_all: false,
-        recv_window: None,
-    };
-    let (sinit, cinit) = (mk(&spd, &scq), mk(&cpd, &ccq));
-    let abort = std::sync::atomic::AtomicBool::new(false);
-    let (sres, cres) = std::thread::scope(|sc| {
-        let h = sc.spawn(|| -> Result<Qp> { env.request(&abort)?.accept(&sinit, &params(b"")) });
-        let c = env.client.connect(env.connect_to, &cinit, &params(b""));
-        if c.is_err() {
-            abort.store(true, std::sync::atomic::Ordering::Release);
-        }
-        (h.join(), c)
-    });
-    let cqp = cres?;
-    let sqp = match sres {
-        Ok(r) => r?,
-        Err(_) => fail!("accept thread panicked"),
-    };
+    let (sinit, cinit) = (QpInit::new(&spd, &scq), QpInit::new(&cpd, &ccq));
+    let (sqp, cqp) = env.connect_qps(&sinit, &cinit, &params(b""), &params(b""))?;
     sqp.post_recv(&[
         RecvWr {
             wr_id: 1,

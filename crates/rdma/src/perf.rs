@@ -267,6 +267,7 @@ impl End {
             },
             sq_sig_all: false,
             recv_window: None,
+            srq: None,
         }
     }
 

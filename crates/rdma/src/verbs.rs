@@ -137,6 +137,11 @@ pub struct DeviceCaps {
     pub write_with_imm: bool,
     /// Send with Invalidate.
     pub send_with_invalidate: bool,
+    /// Largest receive queue of a shared receive queue ([`Pd::create_srq`]);
+    /// 0 = the device has no SRQs.
+    pub max_srq_wr: u32,
+    /// Most SGEs of one SRQ receive.
+    pub max_srq_sge: u32,
 }
 
 /// One device of a provider, as listed by `lwio devices`.
@@ -474,6 +479,29 @@ pub struct QpInit {
     /// (siw answers a Send with no receive with a Terminate, IB/RoCE with
     /// RNR NAKs) and ignore it.
     pub recv_window: Option<usize>,
+    /// Take receives from this shared receive queue instead of the QP's
+    /// own receive queue (`cap.max_recv_wr`/`max_recv_sge` are then
+    /// unused and [`Qp::post_recv`] fails with `InvalidArgument`). The
+    /// SRQ must come from the same context (soft) / device (verbs).
+    pub srq: Option<Srq>,
+}
+
+impl QpInit {
+    /// A QP of `pd` whose sends and receives complete on `cq`: default
+    /// capabilities, selective signalling, the context's receive window,
+    /// its own receive queue. Adjust with struct update syntax, e.g.
+    /// `QpInit { srq: Some(srq), ..QpInit::new(&pd, &cq) }`.
+    pub fn new(pd: &Pd, cq: &Cq) -> QpInit {
+        QpInit {
+            pd: pd.clone(),
+            send_cq: cq.clone(),
+            recv_cq: cq.clone(),
+            cap: QpCap::default(),
+            sq_sig_all: false,
+            recv_window: None,
+            srq: None,
+        }
+    }
 }
 
 /// Connection parameters offered by one side.
@@ -524,7 +552,14 @@ pub mod ops {
         fn device(&self) -> &DeviceInfo;
         fn alloc_pd(&self) -> Result<Arc<dyn PdOps>>;
         fn create_comp_channel(&self) -> Result<Arc<dyn CompChannelOps>>;
-        fn create_cq(&self, depth: u32, channel: Option<&CompChannel>) -> Result<Arc<dyn CqOps>>;
+        /// A CQ, on `channel` if given; with a `tag` (only given with a
+        /// channel) [`CompChannelOps::take_fired`] reports its events as it.
+        fn create_cq(
+            &self,
+            depth: u32,
+            channel: Option<&CompChannel>,
+            tag: Option<u64>,
+        ) -> Result<Arc<dyn CqOps>>;
         fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<Arc<dyn ListenerOps>>;
         fn connect(
             &self,
@@ -583,6 +618,18 @@ pub mod ops {
         fn alloc_mw(&self) -> Result<Arc<dyn MwOps>>;
         /// What the provider has made on this domain since it was created.
         fn census(&self) -> super::PdCensus;
+        /// A shared receive queue whose receives' keys belong to this domain.
+        fn create_srq(&self, _max_wr: u32, _max_sge: u32) -> Result<Arc<dyn SrqOps>> {
+            Err(Error::NotSupported("shared receive queues".into()))
+        }
+    }
+
+    pub trait SrqOps: AsAny {
+        /// As [`QpOps::post_recv`]; the receives are taken by whichever QP
+        /// bound to the SRQ needs one next.
+        fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError>;
+        /// Receives posted and not yet taken by a QP.
+        fn posted(&self) -> usize;
     }
 
     pub trait MrOps: AsAny {
@@ -613,6 +660,12 @@ pub mod ops {
         /// consuming and acknowledging it. Returns whether an event arrived.
         /// A manual-progress provider makes progress while it waits.
         fn wait(&self, timeout: Option<Duration>) -> Result<bool>;
+        /// Without blocking: append the tags of the tagged CQs that fired
+        /// since the last call, each once; consume the fd's readiness.
+        /// Returns how many were appended.
+        fn take_fired(&self, _out: &mut Vec<u64>) -> Result<usize> {
+            Err(Error::NotSupported("tagged CQ events".into()))
+        }
     }
 
     pub trait ListenerOps: AsAny {
@@ -724,7 +777,14 @@ impl Context {
         Ok(CompChannel(self.0.create_comp_channel()?))
     }
     pub fn create_cq(&self, depth: u32, channel: Option<&CompChannel>) -> Result<Cq> {
-        Ok(Cq(self.0.create_cq(depth, channel)?))
+        Ok(Cq(self.0.create_cq(depth, channel, None)?))
+    }
+    /// A CQ on `channel` that identifies itself by `tag`: when it fires
+    /// (after [`Cq::arm`], once per arm), [`CompChannel::take_fired`]
+    /// reports `tag`. For one thread serving many connections with one
+    /// channel: it learns which CQs to poll instead of polling them all.
+    pub fn create_cq_tagged(&self, depth: u32, channel: &CompChannel, tag: u64) -> Result<Cq> {
+        Ok(Cq(self.0.create_cq(depth, Some(channel), Some(tag))?))
     }
     pub fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<Listener> {
         Ok(Listener(self.0.listen(addr, backlog)?))
@@ -843,6 +903,37 @@ impl Pd {
 
     pub fn alloc_mw(&self) -> Result<Mw> {
         Ok(Mw(self.0.alloc_mw()?))
+    }
+
+    /// A shared receive queue of up to `max_wr` receives of up to
+    /// `max_sge` SGEs each, whose keys must belong to this domain. QPs
+    /// created with [`QpInit::srq`] take their receives from it.
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq> {
+        Ok(Srq(self.0.create_srq(max_wr, max_sge)?))
+    }
+}
+
+/// A shared receive queue ([`Pd::create_srq`]): receives that any QP bound
+/// to it ([`QpInit::srq`]) consumes, in posting order, as Sends arrive on
+/// it. A receive completion from an SRQ goes to the receiving QP's receive
+/// CQ with that QP's `qp_num` and the SRQ receive's `wr_id`. A QP that
+/// fails flushes only a receive it had already taken (a message in
+/// progress), never the SRQ's others. Dropping the handle while QPs still
+/// use it is safe: they keep it alive.
+#[derive(Clone)]
+pub struct Srq(pub(crate) Arc<dyn SrqOps>);
+
+impl Srq {
+    /// As [`Qp::post_recv`]. A receive whose keys are not of the SRQ's
+    /// domain is refused here (`Error::Protection`) by the soft provider;
+    /// a device reports it on the QP that takes it.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        self.0.post_recv(wrs)
+    }
+    /// Receives posted and not yet consumed (verbs: posted minus the
+    /// receive completions polled from the QPs bound to it).
+    pub fn posted(&self) -> usize {
+        self.0.posted()
     }
 }
 
@@ -1436,6 +1527,17 @@ impl CompChannel {
     }
     pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
         self.0.wait(timeout)
+    }
+    /// Without blocking, append to `out` the tags of the CQs made with
+    /// [`Context::create_cq_tagged`] on this channel that fired since the
+    /// last call (each CQ once per [`Cq::arm`]), and consume the event
+    /// readiness of [`CompChannel::fd`]. Returns how many tags were
+    /// appended. Use either this or [`CompChannel::wait`] on a channel:
+    /// `wait` consumes events without reporting tags. Under
+    /// [`Progress::Manual`] (soft) the fd is also readable when the
+    /// context's sockets have input: call [`Context::progress`] first.
+    pub fn take_fired(&self, out: &mut Vec<u64>) -> Result<usize> {
+        self.0.take_fired(out)
     }
 }
 

@@ -28,6 +28,7 @@ fn init(pd: &Pd, cq: &Cq) -> QpInit {
         cap: QpCap::default(),
         sq_sig_all: true,
         recv_window: None,
+        srq: None,
     }
 }
 

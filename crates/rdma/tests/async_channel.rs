@@ -51,15 +51,7 @@ fn run(progress: Progress) {
     let spd = s.alloc_pd().unwrap();
     let cpd = c.alloc_pd().unwrap();
     let ccq = c.create_cq(16, None).unwrap();
-    let init = |pd: &Pd, cq: &Cq| QpInit {
-        pd: pd.clone(),
-        send_cq: cq.clone(),
-        recv_cq: cq.clone(),
-        cap: QpCap::default(),
-        sq_sig_all: false,
-        recv_window: None,
-    };
-    let (si, ci) = (init(&spd, &scq), init(&cpd, &ccq));
+    let (si, ci) = (QpInit::new(&spd, &scq), QpInit::new(&cpd, &ccq));
     let (sqp, cqp) = std::thread::scope(|sc| {
         let h = sc.spawn(|| {
             l.get_request(Some(Duration::from_secs(10)))

@@ -145,6 +145,7 @@ fn connect_with(s: &Context, c: &Context, server_window: Option<usize>) -> Conn 
         },
         sq_sig_all: false,
         recv_window: None,
+        srq: None,
     };
     let si = QpInit {
         recv_window: server_window,
@@ -357,6 +358,7 @@ fn soft_listener_not_blocked_by_silent_clients() {
         cap: QpCap::default(),
         sq_sig_all: false,
         recv_window: None,
+        srq: None,
     };
     let t = std::time::Instant::now();
     std::thread::scope(|sc| {
@@ -390,6 +392,7 @@ fn soft_rejects_objects_of_another_context() {
         cap: QpCap::default(),
         sq_sig_all: false,
         recv_window: None,
+        srq: None,
     };
     // Refused before any connection attempt (nothing listens there).
     let r = a.connect(

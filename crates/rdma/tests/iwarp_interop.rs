@@ -33,14 +33,7 @@ struct Res {
 fn res(c: &Context) -> Res {
     let pd = c.alloc_pd().unwrap();
     let cq = c.create_cq(64, None).unwrap();
-    let init = QpInit {
-        pd: pd.clone(),
-        send_cq: cq.clone(),
-        recv_cq: cq.clone(),
-        cap: QpCap::default(),
-        sq_sig_all: false,
-        recv_window: None,
-    };
+    let init = QpInit::new(&pd, &cq);
     Res { pd, cq, init }
 }
 

@@ -66,6 +66,7 @@ pub fn connect(s: &LocalServer, token: &str, client_key: Guid) -> Hostile {
         cap: QpCap::default(),
         sq_sig_all: true,
         recv_window: None,
+        srq: None,
     };
     let qp = ctx
         .connect(s.rdma_addr, &init, &ConnParams::default())

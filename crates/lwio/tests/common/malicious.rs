@@ -355,6 +355,7 @@ fn serve(
         cap: QpCap::default(),
         sq_sig_all: true,
         recv_window: None,
+        srq: None,
     };
     let t = Instant::now();
     let req = loop {

@@ -111,14 +111,7 @@ struct Pair {
 }
 
 fn qp_init(pd: &Pd, cq: &Cq) -> QpInit {
-    QpInit {
-        pd: pd.clone(),
-        send_cq: cq.clone(),
-        recv_cq: cq.clone(),
-        cap: QpCap::default(),
-        sq_sig_all: false,
-        recv_window: None,
-    }
+    QpInit::new(pd, cq)
 }
 
 /// Connect a fresh server/client pair on the same device.

@@ -486,6 +486,7 @@ fn qp_init(s: &Setup) -> QpInit {
         },
         sq_sig_all: false,
         recv_window: None,
+        srq: None,
     }
 }
 

@@ -782,6 +782,7 @@ struct QpParts {
     pd: Arc<PdInner>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
+    srq: Option<Arc<SrqInner>>,
     cap: QpCap,
     sq_sig_all: bool,
 }
@@ -803,9 +804,24 @@ impl QpParts {
                 .clone())
         };
         let (send_cq, recv_cq) = (cq(&init.send_cq)?, cq(&init.recv_cq)?);
+        let srq = match &init.srq {
+            None => None,
+            Some(s) => Some(
+                (*s.0)
+                    .as_any()
+                    .downcast_ref::<VerbsSrq>()
+                    .ok_or_else(|| Error::InvalidArgument("SRQ of another provider".into()))?
+                    .0
+                    .clone(),
+            ),
+        };
         // Two lwio contexts of one device share librdmacm's ibv_context, so
         // compare that, not the lwio objects.
-        if pd.ctx.ctx != ctx.ctx || send_cq.ctx.ctx != ctx.ctx || recv_cq.ctx.ctx != ctx.ctx {
+        if pd.ctx.ctx != ctx.ctx
+            || send_cq.ctx.ctx != ctx.ctx
+            || recv_cq.ctx.ctx != ctx.ctx
+            || srq.as_ref().is_some_and(|s| s.pd.ctx.ctx != ctx.ctx)
+        {
             return Err(Error::InvalidArgument(format!(
                 "the PD and CQs must come from the context that connects ({})",
                 ctx.info.name
@@ -816,6 +832,7 @@ impl QpParts {
             pd,
             send_cq,
             recv_cq,
+            srq,
             cap: init.cap,
             sq_sig_all: init.sq_sig_all,
         })
@@ -831,23 +848,37 @@ impl QpParts {
                 self.ctx.info.name
             )));
         }
+        let has_srq = self.srq.is_some();
         let mut attr = ibv_qp_init_attr {
             qp_context: ptr::null_mut(),
             send_cq: self.send_cq.cq,
             recv_cq: self.recv_cq.cq,
-            srq: ptr::null_mut(),
+            srq: self
+                .srq
+                .as_ref()
+                .map_or(ptr::null_mut(), |s| s.srq.cast::<c_void>()),
+            // With an SRQ the QP has no receive queue of its own.
             cap: ibv_qp_cap {
                 max_send_wr: self.cap.max_send_wr.max(1),
-                max_recv_wr: self.cap.max_recv_wr.max(1),
+                max_recv_wr: if has_srq {
+                    0
+                } else {
+                    self.cap.max_recv_wr.max(1)
+                },
                 max_send_sge: self.cap.max_send_sge.max(1),
-                max_recv_sge: self.cap.max_recv_sge.max(1),
+                max_recv_sge: if has_srq {
+                    0
+                } else {
+                    self.cap.max_recv_sge.max(1)
+                },
                 max_inline_data: self.cap.max_inline_data,
             },
             qp_type: IBV_QPT_RC,
             sq_sig_all: self.sq_sig_all as i32,
         };
-        // SAFETY: the id, PD and CQs are live and of the same context (checked);
-        // attr lives on the stack for the call.
+        // SAFETY: the id, PD, CQs and SRQ are live and of the same context
+        // (checked; the QP keeps them alive through `CmQp`); attr lives on
+        // the stack for the call.
         let r = unsafe { (lib.rdma_create_qp)(guard.id, self.pd.pd, &mut attr) };
         cm_ret(lib, "rdma_create_qp", r).map_err(|e| match e {
             Error::InvalidArgument(m) => Error::ResourceExhausted(format!(
@@ -888,6 +919,8 @@ pub(crate) struct CmQp {
     pd: Arc<PdInner>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
+    /// Receives come from here (the device's own QP has no receive queue).
+    srq: Option<Arc<SrqInner>>,
     id: *mut rdma_cm_id,
     qp: *mut ibv_qp,
     qp_num: u32,
@@ -937,6 +970,7 @@ impl CmQp {
             pd: parts.pd,
             send_cq: parts.send_cq,
             recv_cq: parts.recv_cq,
+            srq: parts.srq,
             id,
             qp,
             qp_num,
@@ -1044,7 +1078,14 @@ impl CmQp {
     pub(super) fn translate(&self, wc: &ibv_wc) -> Option<Wc> {
         let recv = wc.wr_id & RECV_BIT != 0;
         let seq = wc.wr_id & !RECV_BIT;
-        let rec = {
+        let rec = if let (true, Some(srq)) = (recv, &self.srq) {
+            Rec {
+                seq,
+                wr_id: srq.take(seq)?,
+                op: WcOpcode::Recv,
+                len: 0,
+            }
+        } else {
             let mut t = lock(if recv { &self.rq } else { &self.sq });
             loop {
                 match t.pending.front() {
@@ -1263,6 +1304,69 @@ impl<T: Copy, const N: usize> Scratch<T, N> {
     }
 }
 
+/// Post `wrs` as one NULL-terminated list of `ibv_recv_wr` whose wr_ids are
+/// `(base + i) | RECV_BIT`, through `post(list, bad)` (an inline
+/// `ibv_post_recv` / `ibv_post_srq_recv`). Returns what `post` returned and
+/// how many of the list were posted. The list and its SGE arrays live on
+/// this frame for the call (receive WQEs are copied at post time; the
+/// buffers they describe are registered memory the consumer keeps alive per
+/// the API contract).
+pub(super) fn post_recv_list(
+    iwarp: bool,
+    wrs: &[RecvWr<'_>],
+    base: u64,
+    post: impl FnOnce(*mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> i32,
+) -> (i32, usize) {
+    let total: usize = wrs.iter().map(|w| w.sg_list.len()).sum();
+    let mut sge_buf: Scratch<ibv_sge, 8> = Scratch::new(total, EMPTY_SGE);
+    let sges = sge_buf.slice(total);
+    let blank = ibv_recv_wr {
+        wr_id: 0,
+        next: ptr::null_mut(),
+        sg_list: ptr::null_mut(),
+        num_sge: 0,
+    };
+    let mut wr_buf: Scratch<ibv_recv_wr, 8> = Scratch::new(wrs.len(), blank);
+    let out = wr_buf.slice(wrs.len());
+    // siw refuses receives without SGEs: give those one empty SGE (never
+    // dereferenced: a zero-length SGE places no data and checks no key).
+    let mut empty = EMPTY_SGE;
+    let empty_sge: *mut ibv_sge = if iwarp { &mut empty } else { ptr::null_mut() };
+    let mut at = 0usize;
+    for (i, w) in wrs.iter().enumerate() {
+        fill_sges(&mut sges[at..at + w.sg_list.len()], w.sg_list);
+        let (sg_list, num_sge) = if w.sg_list.is_empty() {
+            (empty_sge, (!empty_sge.is_null()) as i32)
+        } else {
+            (sges[at..].as_mut_ptr(), w.sg_list.len() as i32)
+        };
+        out[i] = ibv_recv_wr {
+            wr_id: (base + i as u64) | RECV_BIT,
+            next: ptr::null_mut(),
+            sg_list,
+            num_sge,
+        };
+        at += w.sg_list.len();
+    }
+    let n = out.len();
+    for i in 0..n.saturating_sub(1) {
+        let next = &mut out[i + 1] as *mut ibv_recv_wr;
+        out[i].next = next;
+    }
+    let mut bad: *mut ibv_recv_wr = ptr::null_mut();
+    let r = post(out.as_mut_ptr(), &mut bad);
+    let posted = if r == 0 {
+        n
+    } else if bad.is_null() {
+        0
+    } else {
+        // SAFETY: bad points into `out` (the provider returns the failing
+        // element of the list it was given).
+        (unsafe { bad.offset_from(out.as_ptr()) }).clamp(0, n as isize) as usize
+    };
+    (r, posted)
+}
+
 fn blank_send_wr() -> ibv_send_wr {
     // SAFETY: ibv_send_wr is plain data (integers and nullable pointers);
     // all-zero is a valid value.
@@ -1462,6 +1566,14 @@ impl QpOps for VerbsQp {
         if wrs.is_empty() {
             return Ok(());
         }
+        if q.srq.is_some() {
+            return Err(PostError {
+                index: 0,
+                error: Error::InvalidArgument(
+                    "the QP takes its receives from a shared receive queue".into(),
+                ),
+            });
+        }
         if q.is_error() {
             // as in post_send_raw: complete as flushed ourselves
             for w in wrs {
@@ -1470,63 +1582,15 @@ impl QpOps for VerbsQp {
             }
             return Ok(());
         }
-        let total: usize = wrs.iter().map(|w| w.sg_list.len()).sum();
-        let mut sge_buf: Scratch<ibv_sge, 8> = Scratch::new(total, EMPTY_SGE);
-        let sges = sge_buf.slice(total);
-        let blank = ibv_recv_wr {
-            wr_id: 0,
-            next: ptr::null_mut(),
-            sg_list: ptr::null_mut(),
-            num_sge: 0,
-        };
-        let mut wr_buf: Scratch<ibv_recv_wr, 8> = Scratch::new(wrs.len(), blank);
-        let out = wr_buf.slice(wrs.len());
         let mut t = lock(&q.rq);
         let base = t.next;
-        // siw refuses receives without SGEs: give those one empty SGE (never
-        // dereferenced: a zero-length SGE places no data and checks no key).
-        let mut empty = EMPTY_SGE;
-        let empty_sge: *mut ibv_sge = if q.ctx.iwarp {
-            &mut empty
-        } else {
-            ptr::null_mut()
-        };
-        let mut at = 0usize;
-        for (i, w) in wrs.iter().enumerate() {
-            fill_sges(&mut sges[at..at + w.sg_list.len()], w.sg_list);
-            let (sg_list, num_sge) = if w.sg_list.is_empty() {
-                (empty_sge, (!empty_sge.is_null()) as i32)
-            } else {
-                (sges[at..].as_mut_ptr(), w.sg_list.len() as i32)
-            };
-            out[i] = ibv_recv_wr {
-                wr_id: (base + i as u64) | RECV_BIT,
-                next: ptr::null_mut(),
-                sg_list,
-                num_sge,
-            };
-            at += w.sg_list.len();
-        }
-        let n = out.len();
-        for i in 0..n.saturating_sub(1) {
-            let next = &mut out[i + 1] as *mut ibv_recv_wr;
-            out[i].next = next;
-        }
-        let mut bad: *mut ibv_recv_wr = ptr::null_mut();
-        // SAFETY: the inline ibv_post_recv: the provider's post_recv on our
-        // live QP with a NULL-terminated list in `out`; the SGE arrays in
-        // `sges` and `empty` (both on this frame, not moved) outlive the call
-        // (receive WQEs are copied at post time; the buffers they describe
-        // are registered memory the consumer keeps alive per the API contract).
-        let r = unsafe { (q.ctx.ops.post_recv)(q.qp, out.as_mut_ptr(), &mut bad) };
-        let posted = if r == 0 {
-            n
-        } else if bad.is_null() {
-            0
-        } else {
-            // SAFETY: bad points into `out`.
-            (unsafe { bad.offset_from(out.as_ptr()) }).clamp(0, n as isize) as usize
-        };
+        let (r, posted) = post_recv_list(q.ctx.iwarp, wrs, base, |list, bad| {
+            // SAFETY: the inline ibv_post_recv: the provider's post_recv on
+            // our live QP with the NULL-terminated list `post_recv_list`
+            // built (valid for the call, see there); `bad` is its out
+            // pointer.
+            unsafe { (q.ctx.ops.post_recv)(q.qp, list, bad) }
+        });
         for (i, w) in wrs.iter().enumerate().take(posted) {
             t.pending.push_back(Rec {
                 seq: base + i as u64,

@@ -153,6 +153,8 @@ pub type PostSendFn =
     unsafe extern "C" fn(*mut ibv_qp, *mut ibv_send_wr, *mut *mut ibv_send_wr) -> c_int;
 pub type PostRecvFn =
     unsafe extern "C" fn(*mut ibv_qp, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int;
+pub type PostSrqRecvFn =
+    unsafe extern "C" fn(*mut ibv_srq, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int;
 pub type AllocMwFn = unsafe extern "C" fn(*mut ibv_pd, u32) -> *mut ibv_mw;
 pub type DeallocMwFn = unsafe extern "C" fn(*mut ibv_mw) -> c_int;
 
@@ -180,7 +182,7 @@ pub struct ibv_context_ops {
     pub _compat_modify_srq: *mut c_void,
     pub _compat_query_srq: *mut c_void,
     pub _compat_destroy_srq: *mut c_void,
-    pub post_srq_recv: *mut c_void,
+    pub post_srq_recv: Option<PostSrqRecvFn>,
     pub _compat_create_qp: *mut c_void,
     pub _compat_query_qp: *mut c_void,
     pub _compat_modify_qp: *mut c_void,
@@ -349,6 +351,25 @@ pub struct ibv_qp_cap {
     pub max_send_sge: u32,
     pub max_recv_sge: u32,
     pub max_inline_data: u32,
+}
+
+/// `struct ibv_srq`: only ever handled by pointer.
+#[repr(C)]
+pub struct ibv_srq {
+    _opaque: [u8; 0],
+}
+
+#[repr(C)]
+pub struct ibv_srq_attr {
+    pub max_wr: u32,
+    pub max_sge: u32,
+    pub srq_limit: u32,
+}
+
+#[repr(C)]
+pub struct ibv_srq_init_attr {
+    pub srq_context: *mut c_void,
+    pub attr: ibv_srq_attr,
 }
 
 #[repr(C)]
@@ -521,6 +542,7 @@ const _: () = {
     assert!(offset_of!(ibv_context_ops, dealloc_mw) == 72);
     assert!(offset_of!(ibv_context_ops, poll_cq) == 88);
     assert!(offset_of!(ibv_context_ops, req_notify_cq) == 96);
+    assert!(offset_of!(ibv_context_ops, post_srq_recv) == 160);
     assert!(offset_of!(ibv_context_ops, post_send) == 200);
     assert!(offset_of!(ibv_context_ops, post_recv) == 208);
     assert!(size_of::<ibv_context>() == 328);
@@ -580,6 +602,8 @@ const _: () = {
     assert!(offset_of!(ibv_send_wr, remote_srqn) == 72);
     assert!(offset_of!(ibv_send_wr, bind_mw) == 80);
     assert!(size_of::<ibv_recv_wr>() == 32);
+    assert!(size_of::<ibv_srq_init_attr>() == 24);
+    assert!(offset_of!(ibv_srq_init_attr, attr) == 8);
     assert!(size_of::<rdma_event_channel>() == 4);
     assert!(size_of::<rdma_cm_id>() == 416);
     assert!(offset_of!(rdma_cm_id, qp) == 24);
@@ -631,6 +655,8 @@ pub struct Lib {
         c_int,
     ) -> *mut ibv_cq,
     pub ibv_destroy_cq: unsafe extern "C" fn(*mut ibv_cq) -> c_int,
+    pub ibv_create_srq: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_srq_init_attr) -> *mut ibv_srq,
+    pub ibv_destroy_srq: unsafe extern "C" fn(*mut ibv_srq) -> c_int,
     pub ibv_get_cq_event:
         unsafe extern "C" fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int,
     pub ibv_ack_cq_events: unsafe extern "C" fn(*mut ibv_cq, c_uint),
@@ -723,6 +749,8 @@ impl Lib {
             ibv_destroy_comp_channel: sym!(i, ibv, ibv_destroy_comp_channel),
             ibv_create_cq: sym!(i, ibv, ibv_create_cq),
             ibv_destroy_cq: sym!(i, ibv, ibv_destroy_cq),
+            ibv_create_srq: sym!(i, ibv, ibv_create_srq),
+            ibv_destroy_srq: sym!(i, ibv, ibv_destroy_srq),
             ibv_get_cq_event: sym!(i, ibv, ibv_get_cq_event),
             ibv_ack_cq_events: sym!(i, ibv, ibv_ack_cq_events),
             ibv_modify_qp: sym!(i, ibv, ibv_modify_qp),

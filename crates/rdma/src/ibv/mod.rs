@@ -149,6 +149,7 @@ struct Ops {
     req_notify_cq: ReqNotifyCqFn,
     post_send: PostSendFn,
     post_recv: PostRecvFn,
+    post_srq_recv: Option<PostSrqRecvFn>,
     alloc_mw: Option<AllocMwFn>,
     dealloc_mw: Option<DeallocMwFn>,
 }
@@ -232,6 +233,7 @@ impl CtxInner {
                 req_notify_cq,
                 post_send,
                 post_recv,
+                post_srq_recv: raw_ops.post_srq_recv,
                 alloc_mw: raw_ops.alloc_mw,
                 dealloc_mw: raw_ops.dealloc_mw,
             },
@@ -323,7 +325,12 @@ impl ContextOps for VerbsContext {
         Ok(Arc::new(VerbsChannel(ChanInner::new(&self.0)?)))
     }
 
-    fn create_cq(&self, depth: u32, channel: Option<&CompChannel>) -> Result<Arc<dyn CqOps>> {
+    fn create_cq(
+        &self,
+        depth: u32,
+        channel: Option<&CompChannel>,
+        tag: Option<u64>,
+    ) -> Result<Arc<dyn CqOps>> {
         let c = &self.0;
         let chan = match channel {
             None => None,
@@ -345,16 +352,24 @@ impl ContextOps for VerbsContext {
         let depth = i32::try_from(depth.max(1))
             .map_err(|_| Error::InvalidArgument(format!("CQ depth {depth}")))?;
         let chp = chan.as_ref().map_or(ptr::null_mut(), |c| c.ch);
+        // The tag doubles as the CQ's cq_context (what ibv_get_cq_event
+        // hands back); the channel's map says which CQs have one.
+        let cq_context = tag.map_or(ptr::null_mut(), |t| t as usize as *mut c_void);
         // SAFETY: c.ctx is live; chp is NULL or a live channel of the same
-        // context, kept alive by the CqInner that holds `chan`.
-        let cq = unsafe { (c.lib.ibv_create_cq)(c.ctx, depth, ptr::null_mut(), chp, 0) };
+        // context, kept alive by the CqInner that holds `chan`; cq_context
+        // is an opaque value libibverbs only stores and returns.
+        let cq = unsafe { (c.lib.ibv_create_cq)(c.ctx, depth, cq_context, chp, 0) };
         if cq.is_null() {
             return Err(os_err("ibv_create_cq"));
+        }
+        if let (Some(ch), Some(t)) = (&chan, tag) {
+            lock(&ch.tags).insert(cq as usize, t);
         }
         Ok(Arc::new(VerbsCq(Arc::new(CqInner {
             ctx: c.clone(),
             cq,
             chan,
+            tag,
             side: Mutex::new(VecDeque::new()),
             qps: Mutex::new(HashMap::new()),
         }))))
@@ -479,6 +494,36 @@ impl PdOps for VerbsPd {
             len: mem.len as u64,
             access,
             _owner: mem.owner,
+        }))))
+    }
+
+    fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Arc<dyn SrqOps>> {
+        let pd = &self.0;
+        let Some(post) = pd.ctx.ops.post_srq_recv else {
+            return Err(Error::NotSupported(format!(
+                "{}: the verbs provider library has no post_srq_recv",
+                pd.ctx.info.name
+            )));
+        };
+        let mut attr = ibv_srq_init_attr {
+            srq_context: ptr::null_mut(),
+            attr: ibv_srq_attr {
+                max_wr: max_wr.max(1),
+                max_sge: max_sge.max(1),
+                srq_limit: 0,
+            },
+        };
+        // SAFETY: pd.pd is live (kept alive by the SrqInner's Arc); attr
+        // lives on the stack for the call (the library copies it).
+        let srq = unsafe { (pd.ctx.lib.ibv_create_srq)(pd.pd, &mut attr) };
+        if srq.is_null() {
+            return Err(os_err("ibv_create_srq"));
+        }
+        Ok(Arc::new(VerbsSrq(Arc::new(SrqInner {
+            pd: pd.clone(),
+            srq,
+            post,
+            track: Mutex::new(SrqTrack::default()),
         }))))
     }
 
@@ -661,6 +706,90 @@ impl MwOps for VerbsMw {
 }
 
 // ---------------------------------------------------------------------------
+// Shared receive queue.
+
+pub(crate) struct SrqInner {
+    pd: Arc<PdInner>,
+    srq: *mut ibv_srq,
+    /// The context's `ops.post_srq_recv` (what the inline
+    /// `ibv_post_srq_recv` calls).
+    post: PostSrqRecvFn,
+    track: Mutex<SrqTrack>,
+}
+
+/// Receives posted and not completed yet: the device sees sequence numbers
+/// (with `RECV_BIT`) as wr_ids; a completion on any QP of the SRQ takes its
+/// record back (`CmQp::translate`).
+#[derive(Default)]
+struct SrqTrack {
+    next: u64,
+    pending: HashMap<u64, u64>,
+}
+
+// SAFETY: an ibv_srq may be used from any thread (ibv_post_srq_recv is
+// thread-safe); the pointer is only freed in drop; the records are behind
+// a mutex.
+unsafe impl Send for SrqInner {}
+// SAFETY: as above.
+unsafe impl Sync for SrqInner {}
+
+impl SrqInner {
+    /// The consumer's wr_id of the receive the device completed as `seq`.
+    fn take(&self, seq: u64) -> Option<u64> {
+        lock(&self.track).pending.remove(&seq)
+    }
+}
+
+impl Drop for SrqInner {
+    fn drop(&mut self) {
+        // SAFETY: every QP bound to this SRQ holds an Arc to us and has been
+        // destroyed; the SRQ is destroyed once. Receives still posted are
+        // discarded with it (verbs semantics).
+        let r = unsafe { (self.pd.ctx.lib.ibv_destroy_srq)(self.srq) };
+        if r != 0 {
+            tracing::warn!("ibv_destroy_srq failed: {r}");
+        }
+    }
+}
+
+pub(crate) struct VerbsSrq(Arc<SrqInner>);
+
+impl SrqOps for VerbsSrq {
+    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        let s = &self.0;
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        // Held across the post: a completion of one of these receives
+        // (translated on a polling thread) finds its record.
+        let mut t = lock(&s.track);
+        let base = t.next;
+        let (r, posted) = cm::post_recv_list(s.pd.ctx.iwarp, wrs, base, |list, bad| {
+            // SAFETY: the inline ibv_post_srq_recv: the provider's
+            // post_srq_recv on our live SRQ with the NULL-terminated list
+            // `post_recv_list` built (valid for the call); `bad` is its out
+            // pointer.
+            unsafe { (s.post)(s.srq, list, bad) }
+        });
+        for (i, w) in wrs.iter().enumerate().take(posted) {
+            t.pending.insert(base + i as u64, w.wr_id);
+        }
+        t.next = base + posted as u64;
+        if r == 0 {
+            return Ok(());
+        }
+        Err(PostError {
+            index: posted,
+            error: errno_err("ibv_post_srq_recv", r.abs()),
+        })
+    }
+
+    fn posted(&self) -> usize {
+        lock(&self.0.track).pending.len()
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Completion channel.
 
 pub(crate) struct ChanInner {
@@ -670,6 +799,10 @@ pub(crate) struct ChanInner {
     epfd: OwnedFd,
     /// Signalled when a synthetic completion is queued on a CQ of this channel.
     evfd: OwnedFd,
+    /// Tagged CQs of this channel: `ibv_cq` address → tag.
+    tags: Mutex<HashMap<usize, u64>>,
+    /// Tags of CQs that got a synthetic completion (`take_fired`).
+    synth_fired: Mutex<Vec<u64>>,
 }
 
 // SAFETY: an ibv_comp_channel may be used from any thread; reads of its fd
@@ -754,38 +887,79 @@ impl ChanInner {
             ch,
             epfd,
             evfd,
+            tags: Mutex::new(HashMap::new()),
+            synth_fired: Mutex::new(Vec::new()),
         }))
     }
 
-    /// Wake waiters (a synthetic completion was queued).
-    fn wake(&self) {
+    /// Wake waiters (a synthetic completion was queued on the CQ tagged `tag`).
+    fn wake(&self, tag: Option<u64>) {
+        if let Some(t) = tag {
+            let mut f = lock(&self.synth_fired);
+            if !f.contains(&t) {
+                f.push(t);
+            }
+        }
         // A full counter (EAGAIN) already means "readable".
         let _ = rustix::io::write(&self.evfd, &1u64.to_ne_bytes());
     }
 
+    /// Consume the synthetic-completion wake-up; returns whether there was one.
+    fn consume_wake(&self) -> bool {
+        let mut v = [0u8; 8];
+        matches!(rustix::io::read(&self.evfd, &mut v), Ok(8))
+    }
+
+    /// The next CQ event, acknowledged, without blocking: `Some(tag)` (the
+    /// CQ's tag, if it has one), or `None` when no event is queued.
+    fn next_event(&self) -> Option<Option<u64>> {
+        let mut cq: *mut ibv_cq = ptr::null_mut();
+        let mut cq_ctx: *mut c_void = ptr::null_mut();
+        // SAFETY: self.ch is live; its fd is nonblocking, so this returns
+        // -1 (EAGAIN) instead of blocking when no event is queued. On
+        // success `cq` is a live CQ of this channel (ibv_destroy_cq waits
+        // until its events are acknowledged).
+        let r = unsafe { (self.ctx.lib.ibv_get_cq_event)(self.ch, &mut cq, &mut cq_ctx) };
+        if r != 0 {
+            return None;
+        }
+        // Looked up before the acknowledgement, while the CQ (and so its
+        // entry) cannot be gone.
+        let tag = lock(&self.tags).get(&(cq as usize)).copied();
+        // SAFETY: acknowledges the one event just received on `cq`, so
+        // acknowledgements always balance the events got (ibv_destroy_cq
+        // of a CQ that fired does not wait forever).
+        unsafe { (self.ctx.lib.ibv_ack_cq_events)(cq, 1) };
+        Some(tag)
+    }
+
     /// Consume pending events without blocking; returns whether any.
     fn drain(&self) -> bool {
-        let mut got = false;
-        let mut v = [0u8; 8];
-        if matches!(rustix::io::read(&self.evfd, &mut v), Ok(8)) {
-            got = true;
-        }
-        loop {
-            let mut cq: *mut ibv_cq = ptr::null_mut();
-            let mut cq_ctx: *mut c_void = ptr::null_mut();
-            // SAFETY: self.ch is live; its fd is nonblocking, so this returns
-            // -1 (EAGAIN) instead of blocking when no event is queued. On
-            // success `cq` is a live CQ of this channel (a CQ cannot be
-            // destroyed while it has unacknowledged events).
-            let r = unsafe { (self.ctx.lib.ibv_get_cq_event)(self.ch, &mut cq, &mut cq_ctx) };
-            if r != 0 {
-                break;
-            }
-            // SAFETY: acknowledges the one event just received on `cq`.
-            unsafe { (self.ctx.lib.ibv_ack_cq_events)(cq, 1) };
+        let mut got = self.consume_wake();
+        while self.next_event().is_some() {
             got = true;
         }
         got
+    }
+
+    /// Consume pending events; append the tags of the CQs that fired (once each).
+    fn take_fired(&self, out: &mut Vec<u64>) -> usize {
+        let before = out.len();
+        let add = |out: &mut Vec<u64>, t: u64| {
+            if !out[before..].contains(&t) {
+                out.push(t);
+            }
+        };
+        self.consume_wake();
+        for t in std::mem::take(&mut *lock(&self.synth_fired)) {
+            add(out, t);
+        }
+        while let Some(tag) = self.next_event() {
+            if let Some(t) = tag {
+                add(out, t);
+            }
+        }
+        out.len() - before
     }
 }
 
@@ -826,6 +1000,10 @@ impl CompChannelOps for VerbsChannel {
             }
         }
     }
+
+    fn take_fired(&self, out: &mut Vec<u64>) -> Result<usize> {
+        Ok(self.0.take_fired(out))
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -835,6 +1013,8 @@ pub(crate) struct CqInner {
     ctx: Arc<CtxInner>,
     cq: *mut ibv_cq,
     chan: Option<Arc<ChanInner>>,
+    /// Reported by the channel's `take_fired` when this CQ fires.
+    tag: Option<u64>,
     /// Synthetic completions (fallback window binds/invalidations, flushes of
     /// requests posted after the QP failed); drained before the hardware CQ.
     side: Mutex<VecDeque<Wc>>,
@@ -858,7 +1038,7 @@ impl CqInner {
         side.push_back(wc);
         drop(side);
         if let Some(ch) = &self.chan {
-            ch.wake();
+            ch.wake(self.tag);
         }
     }
 
@@ -872,7 +1052,7 @@ impl CqInner {
         drop(side);
         if added {
             if let Some(ch) = &self.chan {
-                ch.wake();
+                ch.wake(self.tag);
             }
         }
     }
@@ -907,6 +1087,9 @@ impl CqInner {
 
 impl Drop for CqInner {
     fn drop(&mut self) {
+        if let Some(ch) = &self.chan {
+            lock(&ch.tags).remove(&(self.cq as usize));
+        }
         // SAFETY: QPs using this CQ hold an Arc to us and are destroyed; the
         // CQ is destroyed once. Events on it were acknowledged in drain().
         let r = unsafe { (self.ctx.lib.ibv_destroy_cq)(self.cq) };

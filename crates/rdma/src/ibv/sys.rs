@@ -157,6 +157,16 @@ pub(super) unsafe fn describe(
             // is what fallback window keys are.
             send_with_invalidate: transport == Transport::Iwarp
                 || (flags & IBV_DEVICE_MEM_MGT_EXTENSIONS != 0 && (native || !rxe)),
+            max_srq_wr: if attr.max_srq > 0 {
+                attr.max_srq_wr.max(0) as u32
+            } else {
+                0
+            },
+            max_srq_sge: if attr.max_srq > 0 {
+                attr.max_srq_sge.max(0) as u32
+            } else {
+                0
+            },
         })
     } else {
         None

@@ -10,7 +10,7 @@
 //! readable means "call poll": either a CQ event is pending or a socket has
 //! protocol work that polling will do.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,12 +31,25 @@ pub struct CqShared {
     overflow: AtomicBool,
     armed: AtomicU8,
     chan: Option<Arc<ChanShared>>,
+    /// Reported by the channel's `take_fired` when this CQ fires.
+    tag: Option<u64>,
     ctx: Arc<CtxShared>,
 }
 
 impl CqShared {
     pub fn new(ctx: Arc<CtxShared>, depth: u32, chan: Option<Arc<ChanShared>>) -> CqShared {
+        Self::with_tag(ctx, depth, chan, None)
+    }
+
+    /// A CQ whose events its channel reports as `tag`.
+    pub fn with_tag(
+        ctx: Arc<CtxShared>,
+        depth: u32,
+        chan: Option<Arc<ChanShared>>,
+        tag: Option<u64>,
+    ) -> CqShared {
         CqShared {
+            tag,
             q: Mutex::new(VecDeque::with_capacity((depth as usize).min(4096))),
             depth: depth.max(1) as usize,
             overflow: AtomicBool::new(false),
@@ -75,6 +88,9 @@ impl CqShared {
                 .is_ok()
         {
             if let Some(c) = &self.chan {
+                if let Some(t) = self.tag {
+                    c.fired(t);
+                }
                 c.notify();
             }
         }
@@ -128,6 +144,8 @@ impl CqOps for SoftCq {
 
 pub struct ChanShared {
     efd: OwnedFd,
+    /// Tags of tagged CQs that fired and were not yet taken (each once).
+    fired: Mutex<(Vec<u64>, HashSet<u64>)>,
     /// Manual progress: epoll over `efd` and the context's epoll fd.
     epfd: Option<OwnedFd>,
     ctx: Arc<CtxShared>,
@@ -144,7 +162,12 @@ impl ChanShared {
         } else {
             None
         };
-        Ok(ChanShared { efd, epfd, ctx })
+        Ok(ChanShared {
+            efd,
+            fired: Mutex::new((Vec::new(), HashSet::new())),
+            epfd,
+            ctx,
+        })
     }
 
     /// The context this channel belongs to.
@@ -154,6 +177,14 @@ impl ChanShared {
 
     pub fn notify(&self) {
         sys::eventfd_write(&self.efd);
+    }
+
+    /// Record that the CQ tagged `tag` fired (before `notify`).
+    fn fired(&self, tag: u64) {
+        let mut f = self.fired.lock().unwrap_or_else(|e| e.into_inner());
+        if f.1.insert(tag) {
+            f.0.push(tag);
+        }
     }
 
     /// Consume a pending event; true if there was one.
@@ -197,5 +228,17 @@ impl CompChannelOps for SoftChannel {
             };
             sys::poll_in(fd, ms)?;
         }
+    }
+
+    fn take_fired(&self, out: &mut Vec<u64>) -> Result<usize> {
+        // Readiness first: a CQ firing after this leaves the fd readable
+        // and its tag queued for the next call (a tag queued before it is
+        // taken now, with at worst one spurious readiness left).
+        self.0.consume();
+        let mut f = self.0.fired.lock().unwrap_or_else(|e| e.into_inner());
+        let n = f.0.len();
+        out.append(&mut f.0);
+        f.1.clear();
+        Ok(n)
     }
 }

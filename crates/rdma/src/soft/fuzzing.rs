@@ -116,6 +116,7 @@ pub fn side(
         ord: 8,
         indicate_window,
         rx_budget: RX_BUDGET,
+        srq: None,
     });
     Side { core, pd, cq }
 }

@@ -358,6 +358,12 @@ impl PdOps for SoftPd {
             mws: self.mws.load(Ordering::Relaxed),
         }
     }
+
+    fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Arc<dyn SrqOps>> {
+        Ok(Arc::new(super::srq::SoftSrq(Arc::new(
+            super::srq::SrqShared::new(self.table.clone(), self.id, max_wr, max_sge)?,
+        ))))
+    }
 }
 
 impl MrOps for SoftMr {

@@ -125,6 +125,7 @@ pub mod cq;
 pub mod fuzzing;
 pub mod mem;
 pub mod qp;
+pub mod srq;
 pub mod sys;
 #[cfg(test)]
 mod tests;
@@ -176,6 +177,8 @@ pub fn caps() -> DeviceCaps {
         one_shot_mw: true,
         write_with_imm: false,
         send_with_invalidate: true,
+        max_srq_wr: 16 * 1024,
+        max_srq_sge: MAX_SGE,
     }
 }
 
@@ -315,13 +318,7 @@ impl CtxShared {
                 sys::eventfd_read(&*self.wake);
                 continue;
             }
-            let qp = self
-                .qps
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&token)
-                .cloned();
-            if let Some(qp) = qp {
+            if let Some(qp) = self.qp(token) {
                 n += self.drive_qp(&qp);
             }
         }
@@ -362,6 +359,15 @@ impl CtxShared {
             return Err(e.into());
         }
         Ok(())
+    }
+
+    /// The QP registered under `token`, if it still is.
+    fn qp(&self, token: u64) -> Option<Arc<QpShared>> {
+        self.qps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&token)
+            .cloned()
     }
 
     /// Queue a QP that has receive work left and no edge to report it.
@@ -479,7 +485,12 @@ impl ContextOps for SoftContext {
             self.sh.clone(),
         )?))))
     }
-    fn create_cq(&self, depth: u32, channel: Option<&CompChannel>) -> Result<Arc<dyn CqOps>> {
+    fn create_cq(
+        &self,
+        depth: u32,
+        channel: Option<&CompChannel>,
+        tag: Option<u64>,
+    ) -> Result<Arc<dyn CqOps>> {
         let chan = match channel {
             None => None,
             Some(c) => Some(
@@ -502,10 +513,11 @@ impl ContextOps for SoftContext {
         if depth == 0 || depth > caps().max_cqe {
             return Err(Error::InvalidArgument(format!("CQ depth {depth}")));
         }
-        Ok(Arc::new(SoftCq(Arc::new(CqShared::new(
+        Ok(Arc::new(SoftCq(Arc::new(CqShared::with_tag(
             self.sh.clone(),
             depth,
             chan,
+            tag,
         )))))
     }
     fn listen(&self, addr: SocketAddr, backlog: u32) -> Result<Arc<dyn ListenerOps>> {
@@ -575,7 +587,25 @@ pub(crate) fn check_init(ctx: &Arc<CtxShared>, init: &QpInit) -> Result<()> {
     if !Arc::ptr_eq(&pd.table, &ctx.table) {
         return Err(Error::InvalidArgument("PD of another context".into()));
     }
+    soft_srq(ctx, init)?;
     Ok(())
+}
+
+/// The QP's shared receive queue, if it has one (of this context).
+fn soft_srq(ctx: &Arc<CtxShared>, init: &QpInit) -> Result<Option<Arc<srq::SrqShared>>> {
+    let Some(s) = &init.srq else {
+        return Ok(None);
+    };
+    let s = (*s.0)
+        .as_any()
+        .downcast_ref::<srq::SoftSrq>()
+        .ok_or_else(|| Error::InvalidArgument("SRQ of another provider".into()))?
+        .0
+        .clone();
+    if !Arc::ptr_eq(&s.table, &ctx.table) {
+        return Err(Error::InvalidArgument("SRQ of another context".into()));
+    }
+    Ok(Some(s))
 }
 
 /// TCP keepalive and `TCP_USER_TIMEOUT` so that a peer whose host is gone
@@ -630,6 +660,12 @@ pub(crate) fn create_qp(
         return Err(Error::InvalidArgument("CQ of another context".into()));
     }
     let qpn = ctx.next_qpn.fetch_add(1, Ordering::Relaxed);
+    let token = ctx.next_token.fetch_add(1, Ordering::Relaxed);
+    let srq = soft_srq(&ctx, init)?.map(|srq| srq::SrqBinding {
+        srq,
+        token,
+        ctx: Arc::downgrade(&ctx),
+    });
     let params = QpParams {
         qpn,
         pd: pd.id,
@@ -648,8 +684,8 @@ pub(crate) fn create_qp(
         } else {
             qp::RX_BUDGET
         },
+        srq,
     };
-    let token = ctx.next_token.fetch_add(1, Ordering::Relaxed);
     let sh = Arc::new(QpShared {
         core: Mutex::new(QpEngine::new(params)),
         fd,

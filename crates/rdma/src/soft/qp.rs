@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use super::cq::CqShared;
 use super::mem::{MemTable, MrState, SoftMw};
+use super::srq::SrqBinding;
 use crate::verbs::*;
 use lwio_iwarp::fpdu_rx::{FpduConfig, FpduEvent, FpduReceiver, RxError};
 use lwio_iwarp::rx::{DdpRxState, Segment};
@@ -140,11 +141,39 @@ struct SendWqe {
     vendor_err: u32,
 }
 
-struct RecvWqe {
-    wr_id: u64,
-    pieces: Vec<Piece>,
-    _keep: Vec<Arc<MrState>>,
-    len: u64,
+/// A posted receive (of a QP, or of a shared receive queue).
+pub(crate) struct RecvWqe {
+    pub(crate) wr_id: u64,
+    pub(crate) pieces: Vec<Piece>,
+    pub(crate) _keep: Vec<Arc<MrState>>,
+    pub(crate) len: u64,
+}
+
+/// Resolve local SGEs of domain `pd` needing `need` (besides the key's
+/// validity and bounds) to pieces, the registrations keeping them alive,
+/// and the total length.
+pub(crate) fn resolve_sges(
+    table: &MemTable,
+    pd: u32,
+    sges: &[Sge],
+    need: Access,
+) -> Result<Resolved, WcStatus> {
+    let mut pieces = Vec::with_capacity(sges.len());
+    let mut keep = Vec::with_capacity(sges.len());
+    let mut len = 0u64;
+    for s in sges {
+        if s.length == 0 {
+            continue;
+        }
+        let mr = table.local(s, pd, need)?;
+        pieces.push(Piece {
+            addr: s.addr,
+            len: s.length as u64,
+        });
+        keep.push(mr);
+        len += s.length as u64;
+    }
+    Ok((pieces, keep, len))
 }
 
 struct OrqEntry {
@@ -334,6 +363,8 @@ pub struct QpParams {
     pub indicate_window: usize,
     /// Segments one `rx_process` call handles at most.
     pub rx_budget: usize,
+    /// Receives come from this shared receive queue, not `rq`.
+    pub srq: Option<SrqBinding>,
 }
 
 /// One QP's protocol engine: everything behind the QP's mutex.
@@ -359,6 +390,9 @@ pub struct QpEngine {
     term_out: Option<TerminateRepr>,
     pub shut: Shut,
     rq: VecDeque<RecvWqe>,
+    /// The receive the Send being received goes to, taken from `rq` (or
+    /// the SRQ) when the message starts.
+    cur_recv: Option<RecvWqe>,
     anon: VecDeque<AnonMsg>,
     /// The segment being read has its payload destination inside the newest
     /// anonymous message's buffer: that message must stay where it is (not
@@ -448,6 +482,7 @@ impl QpEngine {
             term_out: None,
             shut: Shut::None,
             rq: VecDeque::new(),
+            cur_recv: None,
             anon: VecDeque::new(),
             anon_seg_open: false,
             rx: RxState::Frame,
@@ -481,22 +516,16 @@ impl QpEngine {
     // Posting.
 
     fn resolve(&self, sges: &[Sge], need: Access) -> Result<Resolved, WcStatus> {
-        let mut pieces = Vec::with_capacity(sges.len());
-        let mut keep = Vec::with_capacity(sges.len());
-        let mut len = 0u64;
-        for s in sges {
-            if s.length == 0 {
-                continue;
-            }
-            let mr = self.p.table.local(s, self.p.pd, need)?;
-            pieces.push(Piece {
-                addr: s.addr,
-                len: s.length as u64,
-            });
-            keep.push(mr);
-            len += s.length as u64;
+        resolve_sges(&self.p.table, self.p.pd, sges, need)
+    }
+
+    /// The next receive for an arriving Send: from the QP's queue, or from
+    /// its SRQ (which, if empty, wakes this QP when receives are posted).
+    fn take_recv(&mut self) -> Option<RecvWqe> {
+        match &self.p.srq {
+            Some(b) => b.take(),
+            None => self.rq.pop_front(),
         }
-        Ok((pieces, keep, len))
     }
 
     pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
@@ -710,6 +739,14 @@ impl QpEngine {
     }
 
     pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        if self.p.srq.is_some() && !wrs.is_empty() {
+            return Err(PostError {
+                index: 0,
+                error: Error::InvalidArgument(
+                    "the QP takes its receives from a shared receive queue".into(),
+                ),
+            });
+        }
         for (index, w) in wrs.iter().enumerate() {
             let err = |error| PostError { index, error };
             if w.sg_list.len() > self.p.cap.max_recv_sge as usize {
@@ -725,7 +762,7 @@ impl QpEngine {
                 );
                 continue;
             }
-            if self.rq.len() >= self.p.cap.max_recv_wr as usize {
+            if self.rq.len() + self.cur_recv.is_some() as usize >= self.p.cap.max_recv_wr as usize {
                 return Err(err(Error::QueueFull));
             }
             match self.resolve(w.sg_list, Access::LOCAL_WRITE) {
@@ -825,7 +862,14 @@ impl QpEngine {
             }
         }
         self.tx_idx = 0;
-        for r in std::mem::take(&mut self.rq) {
+        // A receive taken from an SRQ is this QP's now; the SRQ's others
+        // are not (verbs: a QP's flush leaves the SRQ alone).
+        for r in self
+            .cur_recv
+            .take()
+            .into_iter()
+            .chain(std::mem::take(&mut self.rq))
+        {
             self.p.rcq.push(
                 wc(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.p.qpn),
                 true,
@@ -931,6 +975,9 @@ impl QpEngine {
 
     /// The number of posted receives and SQ entries (for tests).
     pub fn queue_lens(&self) -> (usize, usize) {
-        (self.sq.len(), self.rq.len())
+        (
+            self.sq.len(),
+            self.rq.len() + self.cur_recv.is_some() as usize,
+        )
     }
 }

@@ -100,18 +100,21 @@ impl QpEngine {
     /// segments; one with a segment half read waits for that segment's end
     /// (`finish_segment` calls this again).
     pub(super) fn drain_anon(&mut self) {
-        while !self.anon.is_empty() && !self.rq.is_empty() {
+        while !self.anon.is_empty() {
             if self.anon_seg_open
                 && self.anon.len() == 1
                 && self.anon.front().is_some_and(|a| !a.complete)
             {
                 break;
             }
-            let a = self.anon.pop_front().expect("non-empty");
+            let Some(r) = self.take_recv() else {
+                break;
+            };
+            let Some(a) = self.anon.pop_front() else {
+                break;
+            };
             self.stats.anon_bytes -= a.data.len() + ANON_OVERHEAD;
-            let r = self.rq.front().expect("non-empty");
             if a.data.len() as u64 > r.len {
-                let r = self.rq.pop_front().expect("non-empty");
                 let mut w = wc(r.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, self.p.qpn);
                 w.byte_len = a.data.len() as u32;
                 self.p.rcq.push(w, true);
@@ -123,13 +126,13 @@ impl QpEngine {
             // source is our own heap buffer.
             unsafe { scatter(&r.pieces, 0, &a.data) };
             if a.complete {
-                let r = self.rq.pop_front().expect("non-empty");
                 let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
                 w.byte_len = a.data.len() as u32;
                 w.invalidated_rkey = a.inv;
                 self.p.rcq.push(w, a.solicited);
             } else {
                 // The message still arriving continues into this receive.
+                self.cur_recv = Some(r);
                 if let Some(c) = self.cur_send.as_mut() {
                     c.target = Target::Recv;
                 }
@@ -143,6 +146,11 @@ impl QpEngine {
     pub fn rx_process(&mut self, io: &mut dyn Io) -> io::Result<usize> {
         let mut segs = 0;
         self.rx_more = false;
+        if self.p.srq.is_some() {
+            // Receives may have been posted to the SRQ since the last drive
+            // (which is why the SRQ scheduled this QP).
+            self.drain_anon();
+        }
         if self.peer_closed {
             return Ok(0);
         }
@@ -472,16 +480,28 @@ impl QpEngine {
                     | Opcode::SendSeInvalidate,
                 ) => {
                     // MSN and message offset were checked by `DdpRxState`.
-                    let target = match &self.cur_send {
-                        Some(c) => c.target,
-                        None if self.anon.is_empty() && !self.rq.is_empty() => Target::Recv,
+                    let target = match self.cur_send.as_ref().map(|c| c.target) {
+                        Some(t) => t,
+                        None if self.anon.is_empty() => match self.take_recv() {
+                            Some(r) => {
+                                self.cur_recv = Some(r);
+                                Target::Recv
+                            }
+                            None => Target::Anon,
+                        },
                         None => Target::Anon,
                     };
                     match target {
                         Target::Recv => {
-                            let r = self.rq.front().expect("receive posted");
+                            let Some(r) = self.cur_recv.as_ref() else {
+                                // Not reached: a message whose target is a
+                                // receive holds it until its last segment.
+                                return self.fatal(TermKind::RdmapOpUnspecified, true);
+                            };
                             if s.mo as u64 + n > r.len {
-                                let r = self.rq.pop_front().expect("non-empty");
+                                let Some(r) = self.cur_recv.take() else {
+                                    return self.fatal(TermKind::RdmapOpUnspecified, true);
+                                };
                                 let mut w =
                                     wc(r.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, self.p.qpn);
                                 w.byte_len = (s.mo as u64 + n) as u32;
@@ -652,7 +672,10 @@ impl QpEngine {
                 let solicited = s.opcode.is_solicited();
                 match target {
                     Target::Recv => {
-                        let r = self.rq.pop_front().expect("receive in progress");
+                        let Some(r) = self.cur_recv.take() else {
+                            // Not reached (see `place`).
+                            return self.fatal(TermKind::RdmapOpUnspecified, false);
+                        };
                         let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
                         w.byte_len = total as u32;
                         w.invalidated_rkey = inv;

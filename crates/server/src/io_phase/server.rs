@@ -1428,6 +1428,7 @@ impl Conn {
             },
             sq_sig_all: true,
             recv_window: shared.opts.recv_window,
+            srq: None,
         };
         // The receives are posted on the QP before the acceptance reaches
         // the client: its AUTH may follow the handshake at once, and on
