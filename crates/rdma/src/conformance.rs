@@ -100,6 +100,8 @@ const CASES: &[(&str, CaseFn)] = &[
     ("cm_ird_ord_negotiated", case_ird_ord),
     ("cq_channel_blocking_wait", case_channel_wait),
     ("cq_arm_solicited_only", case_solicited),
+    ("srq_two_qps_share_receives", case_srq),
+    ("cq_tagged_channel_reports_fired", case_tagged_cqs),
     ("prot_write_wrong_key", prot_write_wrong_key),
     ("prot_read_wrong_key", prot_read_wrong_key),
     ("prot_write_other_pd_key", prot_other_pd),
@@ -370,6 +372,15 @@ impl Env<'_> {
             Err(_) => fail!("server accept thread panicked"),
         };
         Ok((sqp, cqp))
+    }
+
+    /// A client end (own PD and CQ) connected to a server QP made of `sinit`.
+    fn client_to(&self, sinit: &QpInit) -> std::result::Result<(Qp, End), CaseErr> {
+        let pd = self.client.alloc_pd()?;
+        let cq = self.client.create_cq(256, None)?;
+        let cinit = QpInit::new(&pd, &cq);
+        let (sqp, qp) = self.connect_qps(sinit, &cinit, &params(b""), &params(b""))?;
+        Ok((sqp, End { pd, cq, qp }))
     }
 }
 
@@ -1225,6 +1236,196 @@ fn case_solicited(env: &Env<'_>) -> R {
     let w = env.wait(&scq, 1)?;
     check_ok(&w[0], 2, WcOpcode::Recv)?;
     env.wait(&ccq, 2)?;
+    Ok(())
+}
+
+/// Two server QPs on one shared receive queue and one CQ: Sends from their
+/// two peers consume the SRQ's receives in posting order, each completion
+/// names the QP that received (its `qp_num`) and the receive's `wr_id`,
+/// the bytes land exactly (guard bytes around them untouched), and the
+/// SRQ's count drops by one per message. A QP on an SRQ refuses receives
+/// of its own.
+fn case_srq(env: &Env<'_>) -> R {
+    let spd = env.server.alloc_pd()?;
+    let srq = match spd.create_srq(16, 1) {
+        Ok(s) => s,
+        Err(Error::NotSupported(w)) => return Err(CaseErr::Skip(w)),
+        Err(e) => fail!("create_srq: {e}"),
+    };
+    let scq = env.server.create_cq(256, None)?;
+    let sinit = QpInit {
+        srq: Some(srq.clone()),
+        ..QpInit::new(&spd, &scq)
+    };
+    const SLOT: usize = 256;
+    let smr = spd.alloc_mr(4 * SLOT, Access::LOCAL_WRITE)?;
+    smr.fill(0, 4 * SLOT, 0xEE)?;
+    // Posted before the peers can send: on iWARP devices a Send that finds
+    // no receive is fatal.
+    for i in 0..4 {
+        srq.post_recv(&[RecvWr {
+            wr_id: 1000 + i as u64,
+            sg_list: &[smr.sge(i * SLOT, (SLOT - GUARD) as u32)],
+        }])?;
+    }
+    ensure!(
+        srq.posted() == 4,
+        "posted() = {} after 4 posts",
+        srq.posted()
+    );
+    let (qa, a) = env.client_to(&sinit)?;
+    let (qb, b) = env.client_to(&sinit)?;
+    ensure!(
+        qa.qp_num() != qb.qp_num(),
+        "two QPs with qp_num {}",
+        qa.qp_num()
+    );
+    match qa.post_recv(&[RecvWr {
+        wr_id: 1,
+        sg_list: &[smr.sge(0, 8)],
+    }]) {
+        Err(PostError {
+            error: Error::InvalidArgument(_),
+            ..
+        }) => {}
+        r => fail!("post_recv on a QP of an SRQ: {r:?}"),
+    }
+    let cmr_a = a.pd.alloc_mr(SLOT, Access::LOCAL_WRITE)?;
+    let cmr_b = b.pd.alloc_mr(SLOT, Access::LOCAL_WRITE)?;
+    // (peer, its server QP, length): A, B, A, each waited for in turn.
+    let plan: [(&End, &Mr, &Qp, usize); 3] = [
+        (&a, &cmr_a, &qa, 20),
+        (&b, &cmr_b, &qb, 33),
+        (&a, &cmr_a, &qa, 0),
+    ];
+    for (i, &(peer, cmr, sqp, len)) in plan.iter().enumerate() {
+        let data = pattern(50 + i as u64, len);
+        cmr.write_at(0, &data)?;
+        peer.qp
+            .post_send(&[send_wr(i as u64, SendOp::Send, &[cmr.sge(0, len as u32)])])?;
+        check_ok(&env.wait(&peer.cq, 1)?[0], i as u64, WcOpcode::Send)?;
+        let w = env.wait(&scq, 1)?;
+        let want = 1000 + i as u64;
+        check_ok(&w[0], want, WcOpcode::Recv).map_err(|e| format!("message {i}: {e}"))?;
+        ensure!(
+            w[0].qp_num == sqp.qp_num(),
+            "message {i}: qp_num {} is not the receiving QP's {}",
+            w[0].qp_num,
+            sqp.qp_num()
+        );
+        ensure!(
+            w[0].byte_len as usize == len,
+            "message {i}: byte_len {} != {len}",
+            w[0].byte_len
+        );
+        guarded(&smr, i * SLOT, &data).map_err(|e| format!("message {i}: {e}"))?;
+        ensure!(
+            srq.posted() == 3 - i,
+            "message {i}: posted() = {}, want {}",
+            srq.posted(),
+            3 - i
+        );
+    }
+    // The untouched receive's slot is untouched.
+    cmp("slot 3", &read_mr(&smr, 3 * SLOT, SLOT), &[0xEE; SLOT])?;
+    env.quiet(&scq, Duration::from_millis(20))?;
+    Ok(())
+}
+
+/// Three CQs on one completion channel, tagged; all armed, completions on
+/// the 2nd and 3rd only: `take_fired` yields exactly their two tags (each
+/// once), then nothing; the channel fd is no longer readable; re-armed with
+/// no new completion, nothing; a new completion on one, just its tag.
+fn case_tagged_cqs(env: &Env<'_>) -> R {
+    let ch = env.server.create_comp_channel()?;
+    let tags = [0x11u64, 0, u64::MAX];
+    let mut cqs = Vec::new();
+    for t in tags {
+        match env.server.create_cq_tagged(64, &ch, t) {
+            Ok(cq) => cqs.push(cq),
+            Err(Error::NotSupported(w)) => return Err(CaseErr::Skip(w)),
+            Err(e) => fail!("create_cq_tagged: {e}"),
+        }
+    }
+    // One connection: its server QP sends on CQ 2 and receives on CQ 3;
+    // CQ 1 has no QP at all.
+    let spd = env.server.alloc_pd()?;
+    let sinit = QpInit {
+        recv_cq: cqs[2].clone(),
+        ..QpInit::new(&spd, &cqs[1])
+    };
+    let smr = spd.alloc_mr(4096, Access::LOCAL_WRITE)?;
+    let ssge = [smr.sge(0, 4096)];
+    let recv = |wr_id| RecvWr {
+        wr_id,
+        sg_list: &ssge,
+    };
+    let (sqp, c) = env.client_to(&sinit)?;
+    sqp.post_recv(&[recv(1)])?;
+    let cmr = c.pd.alloc_mr(4096, Access::LOCAL_WRITE)?;
+    c.qp.post_recv(&[RecvWr {
+        wr_id: 9,
+        sg_list: &[cmr.sge(0, 4096)],
+    }])?;
+    for cq in &cqs {
+        cq.arm(false)?;
+    }
+    let take = |out: &mut Vec<u64>| -> std::result::Result<usize, String> {
+        ch.take_fired(out).map_err(|e| format!("take_fired: {e}"))
+    };
+    let mut got = Vec::new();
+    ensure!(take(&mut got)? == 0, "fired before any completion: {got:?}");
+    c.qp.post_send(&[send_wr(2, SendOp::Send, &[cmr.sge(0, 100)])])?;
+    sqp.post_send(&[send_wr(3, SendOp::Send, &[smr.sge(0, 50)])])?;
+    let t = Instant::now();
+    while got.len() < 2 && t.elapsed() < TIMEOUT {
+        env.progress();
+        take(&mut got)?;
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let mut sorted = got.clone();
+    sorted.sort_unstable();
+    ensure!(
+        sorted == [0, u64::MAX],
+        "take_fired yielded {got:?}, want exactly the tags of CQs 2 and 3"
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    env.progress();
+    let mut again = Vec::new();
+    ensure!(take(&mut again)? == 0, "second call yielded {again:?}");
+    let mut p = libc::pollfd {
+        fd: ch.fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd for the call.
+    let k = unsafe { libc::poll(&mut p, 1, 0) };
+    ensure!(k == 0, "the channel fd is still readable after take_fired");
+    check_ok(&env.wait(&cqs[1], 1)?[0], 3, WcOpcode::Send)?;
+    check_ok(&env.wait(&cqs[2], 1)?[0], 1, WcOpcode::Recv)?;
+    env.wait(&c.cq, 2)?;
+    for cq in &cqs {
+        cq.arm(false)?;
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    env.progress();
+    ensure!(take(&mut again)? == 0, "re-armed, no completion: {again:?}");
+    // One more completion, on CQ 3 only.
+    sqp.post_recv(&[recv(4)])?;
+    c.qp.post_send(&[send_wr(5, SendOp::Send, &[cmr.sge(0, 10)])])?;
+    let t = Instant::now();
+    while again.is_empty() && t.elapsed() < TIMEOUT {
+        env.progress();
+        take(&mut again)?;
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    ensure!(again == [u64::MAX], "after one receive: {again:?}");
+    check_ok(&env.wait(&cqs[2], 1)?[0], 4, WcOpcode::Recv)?;
+    env.wait(&c.cq, 1)?;
+    for (i, cq) in cqs.iter().enumerate() {
+        env.quiet(cq, Duration::from_millis(5))
+            .map_err(|e| format!("CQ {}: {e}", i + 1))?;
+    }
     Ok(())
 }
 

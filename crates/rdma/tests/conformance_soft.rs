@@ -88,6 +88,8 @@ cases!(
     cm_ird_ord_negotiated,
     cq_channel_blocking_wait,
     cq_arm_solicited_only,
+    srq_two_qps_share_receives,
+    cq_tagged_channel_reports_fired,
     prot_write_wrong_key,
     prot_read_wrong_key,
     prot_write_other_pd_key,

@@ -858,3 +858,237 @@ fn flushed_partial_frame_sends_from_its_own_copy() {
     let expect = pattern(3, 100);
     assert_eq!(out.get(16..116), Some(&expect[..]), "{out:?}");
 }
+
+// ---------------------------------------------------------------------------
+// Shared receive queues, over loopback sockets (the wake-up of a QP holding
+// Sends goes through its context).
+
+/// A server context (`Progress::Manual`, one SRQ) and a client context.
+struct SrqRig {
+    s: Context,
+    c: Context,
+    l: Listener,
+    spd: Pd,
+    scq: Cq,
+    srq: Srq,
+}
+
+impl SrqRig {
+    fn new() -> SrqRig {
+        let open = |progress| {
+            super::provider()
+                .open(
+                    Some(super::DEVICE),
+                    &Config {
+                        progress,
+                        ..Config::default()
+                    },
+                )
+                .expect("open")
+        };
+        let (s, c) = (open(Progress::Manual), open(Progress::Auto));
+        let l = s
+            .listen("127.0.0.1:0".parse().expect("addr"), 16)
+            .expect("listen");
+        let spd = s.alloc_pd().expect("pd");
+        let scq = s.create_cq(256, None).expect("cq");
+        let srq = spd.create_srq(64, 2).expect("srq");
+        SrqRig {
+            s,
+            c,
+            l,
+            spd,
+            scq,
+            srq,
+        }
+    }
+
+    /// A server QP on the SRQ (receive window `window`) and its client
+    /// peer (QP, PD, CQ).
+    fn connect(&self, window: Option<usize>) -> (Qp, Qp, Pd, Cq) {
+        let sinit = QpInit {
+            recv_window: window,
+            srq: Some(self.srq.clone()),
+            ..QpInit::new(&self.spd, &self.scq)
+        };
+        let cpd = self.c.alloc_pd().expect("pd");
+        let ccq = self.c.create_cq(256, None).expect("cq");
+        let cinit = QpInit::new(&cpd, &ccq);
+        let addr = self.l.local_addr();
+        let (sqp, cqp) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                let r = self
+                    .l
+                    .get_request(Some(std::time::Duration::from_secs(10)))
+                    .expect("request")
+                    .expect("a request");
+                r.accept(&sinit, &ConnParams::default()).expect("accept")
+            });
+            let c = self
+                .c
+                .connect(addr, &cinit, &ConnParams::default())
+                .expect("connect");
+            (h.join().expect("accept thread"), c)
+        });
+        (sqp, cqp, cpd, ccq)
+    }
+
+    /// Drive the server for `ms` milliseconds, collecting its completions.
+    fn run(&self, ms: u64) -> Vec<Wc> {
+        let t = std::time::Instant::now();
+        let mut v = Vec::new();
+        let mut b = [Wc::BLANK; 16];
+        while t.elapsed() < std::time::Duration::from_millis(ms) {
+            self.s.progress().expect("progress");
+            let k = self.scq.poll(&mut b).expect("poll");
+            v.extend_from_slice(&b[..k]);
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        v
+    }
+
+    /// Drive the server until `n` completions (30 s at most).
+    fn wait(&self, n: usize) -> Vec<Wc> {
+        let t = std::time::Instant::now();
+        let mut v = Vec::new();
+        let mut b = [Wc::BLANK; 16];
+        while v.len() < n {
+            assert!(t.elapsed().as_secs() < 30, "timeout after {v:?}");
+            let k = self
+                .scq
+                .poll(&mut b[..(n - v.len()).min(16)])
+                .expect("poll");
+            v.extend_from_slice(&b[..k]);
+            if k == 0 {
+                self.s.progress().expect("progress");
+                std::thread::yield_now();
+            }
+        }
+        v
+    }
+}
+
+/// Sends to a QP whose SRQ is empty are held (anonymously, then with the
+/// socket left unread once the QP's window is full: 3 × 3000 bytes against
+/// 4 KiB) and placed byte for byte, in arrival order, once receives are
+/// posted to the SRQ.
+#[test]
+fn srq_empty_holds_sends_until_receives_are_posted() {
+    let rig = SrqRig::new();
+    let (sqp, cqp, cpd, ccq) = rig.connect(Some(4096));
+    let cmr = cpd.alloc_mr(3 * 3000, Access::LOCAL_WRITE).expect("mr");
+    let data: Vec<Vec<u8>> = (0..3).map(|i| pattern(70 + i, 3000)).collect();
+    for (i, d) in data.iter().enumerate() {
+        cmr.write_at(i * 3000, d).expect("fill");
+    }
+    let sges: Vec<[Sge; 1]> = (0..3).map(|i| [cmr.sge(i * 3000, 3000)]).collect();
+    let sends: Vec<SendWr<'_>> = sges
+        .iter()
+        .enumerate()
+        .map(|(i, sg)| SendWr::new(i as u64, SendOp::Send, sg))
+        .collect();
+    cqp.post_send(&sends).expect("send");
+    let early = rig.run(150);
+    assert!(early.is_empty(), "completions with an empty SRQ: {early:?}");
+    assert_eq!(rig.srq.posted(), 0);
+    let st = super::qp_stats(&sqp).expect("soft QP");
+    assert!(st.anon_bytes > 0, "the first Send is buffered: {st:?}");
+    assert!(
+        st.paused > 0,
+        "the window filled and reading stopped: {st:?}"
+    );
+    let smr = rig.spd.alloc_mr(4 * 4096, Access::LOCAL_WRITE).expect("mr");
+    smr.fill(0, 4 * 4096, 0xEE).expect("fill");
+    for i in 0..4 {
+        rig.srq
+            .post_recv(&[RecvWr {
+                wr_id: 500 + i as u64,
+                sg_list: &[smr.sge(i * 4096, 4000)],
+            }])
+            .expect("post to the SRQ");
+    }
+    let w = rig.wait(3);
+    for (i, wc) in w.iter().enumerate() {
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        assert_eq!(wc.opcode, WcOpcode::Recv, "{wc:?}");
+        assert_eq!(wc.wr_id, 500 + i as u64, "arrival order: {w:?}");
+        assert_eq!(wc.qp_num, sqp.qp_num(), "{wc:?}");
+        assert_eq!(wc.byte_len, 3000, "{wc:?}");
+        let mut got = vec![0u8; 4096];
+        smr.read_at(i * 4096, &mut got).expect("read");
+        assert!(got[..3000] == data[i][..], "message {i} differs");
+        assert!(got[3000..].iter().all(|&b| b == 0xEE), "past message {i}");
+    }
+    assert_eq!(rig.srq.posted(), 1);
+    let mut b = [Wc::BLANK; 4];
+    let t = std::time::Instant::now();
+    let mut sent = 0;
+    while sent < 3 && t.elapsed().as_secs() < 30 {
+        sent += ccq.poll(&mut b).expect("poll");
+    }
+    assert_eq!(sent, 3);
+    assert!(rig.run(20).is_empty());
+    assert_eq!(super::qp_stats(&sqp).expect("soft").anon_bytes, 0);
+}
+
+/// A QP in error flushes none of its SRQ's receives: they stay posted and
+/// another QP of the SRQ consumes them, first posted first.
+#[test]
+fn srq_qp_error_leaves_srq_receives() {
+    let rig = SrqRig::new();
+    let (qa, _ca, _pa, _cqa) = rig.connect(None);
+    let (qb, cb, pb, cqb) = rig.connect(None);
+    let smr = rig.spd.alloc_mr(2 * 64, Access::LOCAL_WRITE).expect("mr");
+    let (s0, s1) = ([smr.sge(0, 64)], [smr.sge(64, 64)]);
+    rig.srq
+        .post_recv(&[
+            RecvWr {
+                wr_id: 1,
+                sg_list: &s0,
+            },
+            RecvWr {
+                wr_id: 2,
+                sg_list: &s1,
+            },
+        ])
+        .expect("post");
+    qa.set_error();
+    assert_eq!(qa.state(), QpState::Error);
+    let flushed = rig.run(100);
+    assert!(
+        flushed.iter().all(|w| w.qp_num == qa.qp_num()) && flushed.iter().all(|w| w.wr_id > 2),
+        "SRQ receives flushed by QP A's error: {flushed:?}"
+    );
+    assert_eq!(rig.srq.posted(), 2, "{flushed:?}");
+    let cmr = pb.alloc_mr(64, Access::LOCAL_WRITE).expect("mr");
+    let data = pattern(99, 40);
+    cmr.write_at(0, &data).expect("fill");
+    cb.post_send(&[SendWr::new(7, SendOp::Send, &[cmr.sge(0, 40)])])
+        .expect("send");
+    let w = rig.wait(1);
+    assert_eq!(w[0].status, WcStatus::Success, "{w:?}");
+    assert_eq!(w[0].wr_id, 1, "first posted first: {w:?}");
+    assert_eq!(w[0].qp_num, qb.qp_num());
+    assert_eq!(w[0].byte_len, 40);
+    let mut got = vec![0u8; 40];
+    smr.read_at(0, &mut got).expect("read");
+    assert_eq!(got, data);
+    assert_eq!(rig.srq.posted(), 1);
+    let mut b = [Wc::BLANK; 2];
+    let t = std::time::Instant::now();
+    while cqb.poll(&mut b).expect("poll") == 0 {
+        assert!(t.elapsed().as_secs() < 30);
+    }
+    assert_eq!(b[0].wr_id, 7);
+    // A QP of an SRQ takes no receives of its own.
+    assert!(matches!(
+        qb.post_recv(&[RecvWr {
+            wr_id: 3,
+            sg_list: &s0,
+        }]),
+        Err(PostError {
+            error: Error::InvalidArgument(_),
+            ..
+        })
+    ));
+}
