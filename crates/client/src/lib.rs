@@ -1291,6 +1291,7 @@ impl File {
             None
         };
         let msg_max = e.max_write_message(src.is_some());
+        let plain = chunk;
         let mut message = false;
         if buf.len() > chunk && msg_max > chunk {
             message = true;
@@ -1311,6 +1312,22 @@ impl File {
         loop {
             while err.is_none() && issued < buf.len() && pending.len() < depth {
                 let len = chunk.min(buf.len() - issued);
+                if message && e.max_write_message(src.is_some()) < len {
+                    // Fewer credits than when the write was planned (the
+                    // server took back an idle connection's): smaller
+                    // messages, or plain requests.
+                    let fits = e.max_write_message(src.is_some());
+                    if fits > plain {
+                        chunk = fits;
+                        if self.no_buffering && chunk >= usize::from(page) {
+                            chunk -= chunk % usize::from(page);
+                        }
+                    } else {
+                        message = false;
+                        chunk = plain;
+                    }
+                    continue;
+                }
                 let data = &buf[issued..issued + len];
                 let r = if message {
                     let sub = src.as_ref().map(|u| u.at(issued));

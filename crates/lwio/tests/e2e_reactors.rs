@@ -12,6 +12,9 @@ use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "e2e-reactors-token-0123456789";
 
+/// The tests count this process's reactor threads: one server at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn connect(s: &LocalServer) -> Client {
     let opts = ClientOptions {
         op_timeout: Duration::from_secs(20),
@@ -40,6 +43,7 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 
 #[test]
 fn two_reactors_drive_24_connections_and_balance_them() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let rdma = RdmaServerOptions {
         reactors: 2,
@@ -113,4 +117,91 @@ fn two_reactors_drive_24_connections_and_balance_them() {
     let grew: Vec<usize> = (0..2).filter(|&i| after[i].0 == before[i].0 + 1).collect();
     assert_eq!(grew.len(), 1, "{before:?} -> {after:?}");
     assert_eq!(before[grew[0]].0, min, "{before:?} -> {after:?}");
+}
+
+/// The shared receive pool (issue 13): receives come from one pool per
+/// reactor, sized by the credits granted. Idle connections are brought
+/// down to one credit and the pool gives back what they no longer need;
+/// a connection that wakes up gets its credits back and moves data
+/// exactly; when every client has left the pool holds nothing.
+#[test]
+fn idle_connections_hold_one_credit_of_the_shared_pool() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let rdma = RdmaServerOptions {
+        reactors: 2,
+        max_connections_per_host: 64,
+        idle_reclaim: Duration::from_millis(300),
+        ..RdmaServerOptions::default()
+    };
+    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    assert_eq!(
+        s.rdma.receive_pool().registered_bytes,
+        0,
+        "nothing before a client"
+    );
+    let clients: Vec<Client> = (0..40).map(|_| connect(&s)).collect();
+    let files: Vec<_> = clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            c.open(&format!("p{i}"), &OpenOptions::read_write().create(true))
+                .unwrap()
+        })
+        .collect();
+    let round = |salt: u64| {
+        for (i, f) in files.iter().enumerate() {
+            let data = pattern(salt + i as u64, 300_003);
+            assert_eq!(f.write_at(&data, 1).unwrap(), data.len());
+            let mut back = vec![0u8; data.len()];
+            assert_eq!(f.read_at(&mut back, 1).unwrap(), data.len());
+            assert_eq!(back, data, "client {i}");
+        }
+    };
+    round(100);
+    let busy = s.rdma.receive_pool();
+    assert!(busy.promised >= 40, "{busy:?}");
+    // Idle: one credit each, and the pool no bigger than that needs (its
+    // buffers come in chunks of 16, one partial chunk per reactor).
+    let t0 = Instant::now();
+    while s.rdma.receive_pool().promised != 40 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "idle connections not down to one credit: {:?}, credits {:?}",
+            s.rdma.receive_pool(),
+            s.rdma.connection_credits()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let idle = s.rdma.receive_pool();
+    let slot = (56 + RdmaServerOptions::default().proto.max_recv_buffer_size as usize)
+        .next_multiple_of(64);
+    assert_eq!(idle.in_use, 0, "{idle:?}");
+    assert!(idle.posted >= 40, "every credit has a receive: {idle:?}");
+    assert!(
+        idle.registered_bytes <= (40 + 2 * 16) * slot,
+        "pool larger than its credits need: {idle:?} (was {busy:?})"
+    );
+    println!(
+        "receive pool: busy {} KiB, idle {} KiB for 40 connections ({} KiB each)",
+        busy.registered_bytes >> 10,
+        idle.registered_bytes >> 10,
+        (idle.registered_bytes / 40) >> 10
+    );
+    // Waking up: credits come back, data exact.
+    round(200);
+    for i in 0..files.len() {
+        let want = pattern(200 + i as u64, 300_003);
+        assert_eq!(
+            std::fs::read(dir.path().join(format!("p{i}"))).unwrap()[1..],
+            want[..]
+        );
+    }
+    drop(files);
+    drop(clients);
+    wait_for("connections gone", || s.rdma.stats().connections == 0);
+    wait_for("pool empty", || {
+        let p = s.rdma.receive_pool();
+        p.promised == 0 && p.registered_bytes == 0 && p.posted == 0
+    });
 }

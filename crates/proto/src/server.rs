@@ -346,6 +346,7 @@ pub struct ServerConn {
     credits: u16,
     outstanding: u32,
     polled_completions: u64,
+    data_requests: u64,
     credit_hint: u8,
     credit_tx: Option<CreditTx>,
     slow_credit_replies: u64,
@@ -397,6 +398,7 @@ impl ServerConn {
             credits: 1,
             outstanding: 0,
             polled_completions: 0,
+            data_requests: 0,
             credit_hint: 0,
             credit_tx: None,
             slow_credit_replies: 0,
@@ -446,6 +448,12 @@ impl ServerConn {
     /// mode) so far: a server may busy-poll while its client does.
     pub fn polled_completions(&self) -> u64 {
         self.polled_completions
+    }
+    /// Data requests (READ, WRITE, VEC_READ, VEC_WRITE) received so far:
+    /// a balancer's sign of a connection in use (credit replies and
+    /// INTERRUPTs are not).
+    pub fn data_requests(&self) -> u64 {
+        self.data_requests
     }
 
     /// Current credit limit.
@@ -857,6 +865,12 @@ impl ServerConn {
         };
         let opcode = req.opcode();
         self.stats.received(opcode);
+        if matches!(
+            opcode,
+            Opcode::Read | Opcode::Write | Opcode::VecRead | Opcode::VecWrite
+        ) {
+            self.data_requests += 1;
+        }
         self.cur = Some((opcode, now));
         let mode = req.mode();
         if let CompletionMode::Interrupt { cookie: 0, .. } = mode {

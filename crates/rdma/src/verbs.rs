@@ -630,6 +630,11 @@ pub mod ops {
         fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError>;
         /// Receives posted and not yet taken by a QP.
         fn posted(&self) -> usize;
+        /// Take back up to `max` receives no QP has taken (the last posted
+        /// first); their wr_ids. Devices cannot: none.
+        fn withdraw(&self, _max: usize) -> Vec<u64> {
+            Vec::new()
+        }
     }
 
     pub trait MrOps: AsAny {
@@ -934,6 +939,14 @@ impl Srq {
     /// receive completions polled from the QPs bound to it).
     pub fn posted(&self) -> usize {
         self.0.posted()
+    }
+    /// Take back up to `max` receives that no QP has taken yet, the last
+    /// posted first, and return their wr_ids: their buffers are the
+    /// caller's again. Not a verbs operation: the soft provider does it (a
+    /// receive pool shrinks after a burst); devices return none (their
+    /// receives stay posted until consumed).
+    pub fn withdraw(&self, max: usize) -> Vec<u64> {
+        self.0.withdraw(max)
     }
 }
 

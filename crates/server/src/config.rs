@@ -95,7 +95,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_frame: DEFAULT_MAX_FRAME,
-            max_sessions: 256,
+            max_sessions: 4096,
             idle_timeout: Duration::from_secs(300),
             login_timeout: Duration::from_secs(10),
             max_open_files_per_session: 1024,
@@ -108,7 +108,7 @@ impl Default for Limits {
             unauth_burst_per_host: 40,
             unauth_rate: 200,
             unauth_burst: 400,
-            max_rdma_connections: 256,
+            max_rdma_connections: 4096,
             max_rdma_connections_per_host: 32,
             max_leases_per_session: 1024,
             max_leases: 65_536,
@@ -560,7 +560,7 @@ token = "lwio-token1$9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f
 
 [limits]
 max_frame = 1048576
-max_sessions = 256
+max_sessions = 4096
 idle_timeout = "5m"
 login_timeout = "10s"
 max_open_files_per_session = 1024
@@ -577,7 +577,7 @@ max_leases_per_session = 1024
 max_leases = 65536
 lease_break_timeout = "2s"
 durable_grace = "60s"
-max_rdma_connections = 256
+max_rdma_connections = 4096
 max_rdma_connections_per_host = 32
 
 [io]

@@ -36,6 +36,8 @@ pub struct RdmaSnapshot {
     pub max_connections: usize,
     /// Each reactor's connections and busy time (nanoseconds).
     pub reactors: Vec<(usize, u64)>,
+    /// The shared receive pools, summed.
+    pub pool: crate::io_phase::pool::PoolStats,
 }
 
 /// The content type of [`render`]'s text.
@@ -202,6 +204,30 @@ impl Collector for Figures {
             "lwio_storage_queue_depth",
             "File I/Os waiting for a storage thread",
             i64_of(s.storage_queue),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_receive_pool_bytes",
+            "Memory registered for the reactors' shared receive pools",
+            i64_of(r.pool.registered_bytes),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_receive_pool_posted",
+            "Receives posted to the shared receive queues",
+            i64_of(r.pool.posted),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_receive_pool_in_use",
+            "Receive buffers holding a message being served",
+            i64_of(r.pool.in_use),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_receive_pool_promised",
+            "Credits the pools back: what connections hold (posted + in use is at least this)",
+            i64_of(r.pool.promised),
         )?;
         let mut m = e.encode_descriptor(
             "lwio_reactor_connections",

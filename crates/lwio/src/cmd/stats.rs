@@ -147,6 +147,28 @@ pub fn table(server: &str, text: &str) -> String {
     );
     let _ = writeln!(
         o,
+        "Receive pool         {} ({} posted, {} in use, {} credits backed)",
+        bytes(g("lwio_rdma_receive_pool_bytes")),
+        g("lwio_rdma_receive_pool_posted"),
+        g("lwio_rdma_receive_pool_in_use"),
+        g("lwio_rdma_receive_pool_promised")
+    );
+    let conns = by_label(&s, "lwio_reactor_connections", "reactor");
+    let busy = by_label(&s, "lwio_reactor_busy_seconds_total", "reactor");
+    if !conns.is_empty() {
+        let each: Vec<String> = conns
+            .iter()
+            .map(|(r, n)| {
+                format!(
+                    "#{r}: {n} conns, busy {:.1} s",
+                    busy.get(r).copied().unwrap_or(0.0)
+                )
+            })
+            .collect();
+        let _ = writeln!(o, "Reactors             {}", each.join("; "));
+    }
+    let _ = writeln!(
+        o,
         "Storage queue        {} (inline I/Os {}, cancelled {})",
         g("lwio_storage_queue_depth"),
         g("lwio_inline_ios_total"),
@@ -206,6 +228,14 @@ lwio_rdma_connections_limit 256
 lwio_rdma_connections_accepted_total 3
 lwio_rdma_connections_rejected_total 1
 lwio_rdma_registered_bytes 1572864
+lwio_rdma_receive_pool_bytes 1049600
+lwio_rdma_receive_pool_posted 16
+lwio_rdma_receive_pool_in_use 0
+lwio_rdma_receive_pool_promised 2
+lwio_reactor_connections{reactor=\"0\"} 1
+lwio_reactor_connections{reactor=\"1\"} 0
+lwio_reactor_busy_seconds_total{reactor=\"0\"} 0.25
+lwio_reactor_busy_seconds_total{reactor=\"1\"} 0
 lwio_requests_total{op=\"read\"} 4
 lwio_requests_total{op=\"close\"} 0
 lwio_requests_completed_total{op=\"read\"} 4
@@ -236,6 +266,14 @@ lwio_request_errors_total{status=\"STATUS_END_OF_FILE\"} 1
             "{t}"
         );
         assert!(t.contains("Registered memory    1.5 MiB"), "{t}");
+        assert!(
+            t.contains("Receive pool         1.0 MiB (16 posted, 0 in use, 2 credits backed)"),
+            "{t}"
+        );
+        assert!(
+            t.contains("Reactors             #0: 1 conns, busy 0.2 s; #1: 0 conns, busy 0.0 s"),
+            "{t}"
+        );
         assert!(
             t.lines().any(|l| l.split_whitespace().collect::<Vec<_>>()
                 == ["read", "4", "4", "2.0", "KiB", "≤10", "µs", ">1", "s"]),

@@ -50,7 +50,7 @@ impl CqShared {
     ) -> CqShared {
         CqShared {
             tag,
-            q: Mutex::new(VecDeque::with_capacity((depth as usize).min(4096))),
+            q: Mutex::new(VecDeque::with_capacity((depth as usize).min(64))),
             depth: depth.max(1) as usize,
             overflow: AtomicBool::new(false),
             armed: AtomicU8::new(ARM_NONE),

@@ -147,4 +147,12 @@ impl SrqOps for SoftSrq {
     fn posted(&self) -> usize {
         self.0.lock().rq.len()
     }
+    fn withdraw(&self, max: usize) -> Vec<u64> {
+        let mut q = self.0.lock();
+        let n = max.min(q.rq.len());
+        let at = q.rq.len() - n;
+        // A receive a QP has taken is off the queue already: only untaken
+        // ones come back, and their buffers are no longer referenced.
+        q.rq.drain(at..).rev().map(|w| w.wr_id).collect()
+    }
 }

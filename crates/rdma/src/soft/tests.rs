@@ -1092,3 +1092,48 @@ fn srq_qp_error_leaves_srq_receives() {
         })
     ));
 }
+
+/// `Srq::withdraw` takes back untaken receives, last posted first, and
+/// never one a QP has taken: a Send then lands in the receive left posted.
+#[test]
+fn srq_withdraw_takes_back_untaken_receives() {
+    let rig = SrqRig::new();
+    let (qb, cb, pb, _cqb) = rig.connect(None);
+    let smr = rig.spd.alloc_mr(3 * 64, Access::LOCAL_WRITE).expect("mr");
+    smr.fill(0, 3 * 64, 0xEE).expect("fill");
+    let sg: Vec<[Sge; 1]> = (0..3).map(|i| [smr.sge(i * 64, 64)]).collect();
+    let wrs: Vec<RecvWr<'_>> = sg
+        .iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr {
+            wr_id: 10 + i as u64,
+            sg_list: s,
+        })
+        .collect();
+    rig.srq.post_recv(&wrs).expect("post");
+    assert_eq!(rig.srq.withdraw(2), vec![12, 11]);
+    assert_eq!(rig.srq.posted(), 1);
+    assert_eq!(rig.srq.withdraw(0), Vec::<u64>::new());
+    let cmr = pb.alloc_mr(64, Access::LOCAL_WRITE).expect("mr");
+    let data = pattern(5, 50);
+    cmr.write_at(0, &data).expect("fill");
+    cb.post_send(&[SendWr::new(1, SendOp::Send, &[cmr.sge(0, 50)])])
+        .expect("send");
+    let w = rig.wait(1);
+    assert_eq!(
+        (w[0].wr_id, w[0].qp_num, w[0].byte_len),
+        (10, qb.qp_num(), 50)
+    );
+    let mut got = vec![0u8; 3 * 64];
+    smr.read_at(0, &mut got).expect("read");
+    assert_eq!(&got[..50], &data[..]);
+    assert!(
+        got[64..].iter().all(|&b| b == 0xEE),
+        "withdrawn buffers untouched"
+    );
+    assert_eq!(
+        rig.srq.withdraw(5),
+        Vec::<u64>::new(),
+        "the taken one is gone"
+    );
+}

@@ -7,6 +7,7 @@
 //! verbs API of `lwio-rdma` and on the file backends of [`crate::fs`].
 
 pub mod memobj;
+pub mod pool;
 pub mod reactor;
 pub mod ring;
 pub mod server;

@@ -35,10 +35,71 @@ use super::Waker;
 const INBOX: u64 = u64::MAX;
 /// The token of its io_uring's eventfd.
 const RING: u64 = u64::MAX - 1;
+/// The token of its domain `d`'s completion channel: `DOMAIN - d`.
+const DOMAIN: u64 = u64::MAX - 2;
+
+/// How a listener's connections get their receives on a reactor.
+#[derive(Clone)]
+pub(super) struct DomainSpec {
+    pub(super) ctx: lwio_rdma::Context,
+    /// Soft provider with per-reactor progress: the reactor gets a
+    /// manual-progress sibling of `ctx` and reads its connections' sockets.
+    pub(super) sibling: bool,
+    /// The device has shared receive queues (else: a receive region per
+    /// connection, as before).
+    pub(super) srq_wr: u32,
+    /// Bytes of one receive buffer.
+    pub(super) slot: usize,
+}
+
+/// One reactor's resources on one device: a context (the soft provider's
+/// own manual-progress one), a protection domain, one completion channel
+/// for all its connections' CQs (tagged with the connection id) and the
+/// shared receive pool.
+pub(super) struct Domain {
+    pub(super) ctx: lwio_rdma::Context,
+    /// `ctx` is this reactor's: it drives it (`Context::progress`).
+    manual: bool,
+    pub(super) pd: lwio_rdma::Pd,
+    pub(super) chan: lwio_rdma::CompChannel,
+    pub(super) pool: Arc<super::pool::RecvPool>,
+}
+
+impl Domain {
+    fn new(spec: &DomainSpec, shared: &Arc<Shared>) -> Result<Domain, lwio_rdma::Error> {
+        let own = if spec.sibling {
+            spec.ctx.open_manual_sibling()?
+        } else {
+            None
+        };
+        let manual = own.is_some();
+        let ctx = own.unwrap_or_else(|| spec.ctx.clone());
+        let pd = ctx.alloc_pd()?;
+        let srq = pd.create_srq(spec.srq_wr, 1)?;
+        let chan = ctx.create_comp_channel()?;
+        lock(&shared.domain_pds).push(pd.clone());
+        let pool = Arc::new(super::pool::RecvPool::new(
+            pd.clone(),
+            srq,
+            spec.slot,
+            shared.clone(),
+        ));
+        lock(&shared.pools).push(pool.clone());
+        Ok(Domain {
+            ctx,
+            manual,
+            pd,
+            chan,
+            pool,
+        })
+    }
+}
 
 /// What the rest of the server sees of one reactor.
 struct Handle {
     inbox: mpsc::Sender<Conn>,
+    /// Its domain on each listener's device (None: no SRQ there).
+    domains: Vec<Option<Arc<Domain>>>,
     waker: Arc<Waker>,
     /// Connections it drives (queued to it included).
     load: Arc<AtomicUsize>,
@@ -73,6 +134,7 @@ impl Reactors {
         n: usize,
         shared: &Arc<Shared>,
         use_ring: bool,
+        specs: &[DomainSpec],
     ) -> std::io::Result<Reactors> {
         let closing = Arc::new(AtomicBool::new(false));
         let mut handles = Vec::new();
@@ -87,6 +149,32 @@ impl Reactors {
             // the reactor thread holds for as long as it uses `ep`.
             let wfd = unsafe { BorrowedFd::borrow_raw(waker.fd()) };
             epoll::add(&ep, wfd, EventData::new_u64(INBOX), EventFlags::IN)?;
+            let mut domains = Vec::new();
+            for (d, spec) in specs.iter().enumerate() {
+                let dom = if spec.srq_wr > 0 {
+                    match Domain::new(spec, shared) {
+                        Ok(dom) => {
+                            // SAFETY: the channel's fd lives as long as the
+                            // domain, which the reactor holds as long as `ep`.
+                            let cfd = unsafe { BorrowedFd::borrow_raw(dom.chan.fd()) };
+                            epoll::add(
+                                &ep,
+                                cfd,
+                                EventData::new_u64(DOMAIN - d as u64),
+                                EventFlags::IN,
+                            )?;
+                            Some(Arc::new(dom))
+                        }
+                        Err(e) => {
+                            warn!(reactor = i, error = %e, "no shared receive queue; each connection registers its own receive buffers");
+                            None
+                        }
+                    }
+                } else {
+                    None
+                };
+                domains.push(dom);
+            }
             let rio = if use_ring {
                 match super::ring::Ring::new(RING_ENTRIES) {
                     Ok(ring) => {
@@ -105,6 +193,8 @@ impl Reactors {
                 None
             };
             let r = Reactor {
+                domains: domains.clone(),
+                by_id: std::collections::HashMap::new(),
                 rio,
                 index: i,
                 ep,
@@ -123,6 +213,7 @@ impl Reactors {
                 .spawn(move || r.run())?;
             handles.push(Handle {
                 inbox: tx,
+                domains,
                 waker,
                 load,
             });
@@ -136,14 +227,27 @@ impl Reactors {
         })
     }
 
-    /// Hand a connection to the least loaded reactor.
-    pub(super) fn assign(&self, conn: Conn) {
-        let h = self
+    /// Choose the least loaded reactor for a new connection on listener
+    /// `l` (counted from now on): its index and its domain there.
+    pub(super) fn pick(&self, l: usize) -> (usize, Option<Arc<Domain>>) {
+        let (i, h) = self
             .handles
             .iter()
-            .min_by_key(|h| h.load.load(Ordering::Relaxed))
+            .enumerate()
+            .min_by_key(|(_, h)| h.load.load(Ordering::Relaxed))
             .expect("at least one reactor");
         h.load.fetch_add(1, Ordering::Relaxed);
+        (i, h.domains.get(l).cloned().flatten())
+    }
+
+    /// The connection picked for reactor `i` was not accepted.
+    pub(super) fn unpick(&self, i: usize) {
+        self.handles[i].load.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Hand a connection to reactor `i` (from [`Reactors::pick`]).
+    pub(super) fn assign(&self, i: usize, conn: Conn) {
+        let h = &self.handles[i];
         if let Err(mpsc::SendError(c)) = h.inbox.send(conn) {
             // The reactor is gone (it panicked): close here.
             h.load.fetch_sub(1, Ordering::Relaxed);
@@ -180,6 +284,10 @@ impl Reactors {
 const RING_ENTRIES: u32 = 256;
 
 struct Reactor {
+    /// Its domain on each listener's device.
+    domains: Vec<Option<Arc<Domain>>>,
+    /// Slot of each connection by id (the tag of its CQ).
+    by_id: std::collections::HashMap<u64, usize>,
     /// Its io_uring for file I/O (None: the storage pool does it).
     rio: Option<Arc<Mutex<RingIo>>>,
     index: usize,
@@ -220,9 +328,9 @@ impl Reactor {
         };
         let fds = c.fds();
         let mut ok = true;
-        for (k, fd) in fds.iter().enumerate() {
+        for &(fd, k) in fds.iter() {
             // SAFETY: `c` owns `fd` and is alive across this call.
-            let bfd = unsafe { borrow(*fd) };
+            let bfd = unsafe { borrow(fd) };
             let token = 2 * slot as u64 + k as u64;
             if let Err(e) = epoll::add(&self.ep, bfd, EventData::new_u64(token), EventFlags::IN) {
                 warn!(conn = c.id(), error = %e, "cannot watch a connection; closing it");
@@ -231,7 +339,7 @@ impl Reactor {
             }
         }
         if !ok {
-            for fd in fds {
+            for (fd, _) in fds {
                 // SAFETY: as above.
                 let _ = epoll::delete(&self.ep, unsafe { borrow(fd) });
             }
@@ -245,6 +353,7 @@ impl Reactor {
         self.stats.connections.fetch_add(1, Ordering::Relaxed);
         let mut c = c;
         c.attach(slot, self.rio.clone());
+        self.by_id.insert(c.id(), slot);
         self.slots[slot] = Some(c);
         self.mark_hot(slot);
     }
@@ -260,7 +369,8 @@ impl Reactor {
         let Some(mut c) = self.slots[slot].take() else {
             return;
         };
-        for fd in c.fds() {
+        self.by_id.remove(&c.id());
+        for (fd, _) in c.fds() {
             // SAFETY: `c` still owns its fds here (dropped below).
             let _ = epoll::delete(&self.ep, unsafe { borrow(fd) });
         }
@@ -282,6 +392,7 @@ impl Reactor {
         let mut wcs = [Wc::BLANK; 32];
         let mut ready: Vec<usize> = Vec::new();
         let mut done: Vec<RingDone> = Vec::new();
+        let mut tags: Vec<u64> = Vec::new();
         let mut next_tick = Instant::now() + STATS_FLUSH;
         loop {
             while let Ok(c) = self.inbox.try_recv() {
@@ -312,6 +423,26 @@ impl Reactor {
                 }
                 if token == RING {
                     // Reaped below, every round.
+                    continue;
+                }
+                if token <= DOMAIN && token > DOMAIN - self.domains.len() as u64 {
+                    let Some(d) = &self.domains[(DOMAIN - token) as usize] else {
+                        continue;
+                    };
+                    if d.manual {
+                        // Read the connections' sockets: completions land
+                        // in their CQs, and armed ones fire the channel.
+                        if let Err(e) = d.ctx.progress() {
+                            warn!(error = %e, "RDMA progress failed");
+                        }
+                    }
+                    tags.clear();
+                    let _ = d.chan.take_fired(&mut tags);
+                    for t in &tags {
+                        if let Some(&slot) = self.by_id.get(t) {
+                            ready.push(slot);
+                        }
+                    }
                     continue;
                 }
                 let slot = (token / 2) as usize;
@@ -416,8 +547,10 @@ fn epoll_wait(ep: impl AsFd, out: &mut [Event], ms: i32) -> usize {
 /// its only use).
 #[allow(dead_code)]
 pub(super) enum Keep {
-    /// A read buffer, or the receive region a reassembled write is in.
+    /// A read buffer.
     Mr(Arc<lwio_rdma::Mr>),
+    /// The receive regions a reassembled write is in.
+    Mrs(Vec<Arc<lwio_rdma::Mr>>),
     /// A copy of the data (a WRITE's bytes, or an aligned bounce buffer).
     Bytes(Vec<u8>),
 }

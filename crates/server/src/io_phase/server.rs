@@ -67,7 +67,8 @@ use lwio_rdma::{
 };
 use tracing::{debug, info, warn};
 
-use super::reactor::{Keep, ReactorStats, Reactors, RingIo};
+use super::pool::RecvPool;
+use super::reactor::{Domain, DomainSpec, Keep, ReactorStats, Reactors, RingIo};
 use super::{io_error_status, Waker};
 use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
@@ -117,6 +118,10 @@ pub struct RdmaServerOptions {
     /// After completing a request its client polls for (status block), the
     /// reactor polls that connection this long before it sleeps.
     pub busy_poll_polled: Duration,
+    /// Receive buffers from a shared receive pool per reactor and device
+    /// (an SRQ) where the device has SRQs, sized by the credits granted;
+    /// false: each connection registers its own.
+    pub shared_receives: bool,
     /// Soft provider: give each connection its own context with manual
     /// progress (its thread reads its own socket; no engine thread).
     pub conn_contexts: bool,
@@ -144,7 +149,7 @@ impl Default for RdmaServerOptions {
                 max_message: DEFAULT_MAX_MESSAGE,
                 ..ServerConfig::default()
             },
-            max_connections: 256,
+            max_connections: 4096,
             max_connections_per_host: 32,
             max_memory: 512 << 20,
             credit_budget: 4096,
@@ -157,6 +162,7 @@ impl Default for RdmaServerOptions {
             busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
             conn_contexts: true,
+            shared_receives: true,
             shutdown_grace: Duration::from_secs(10),
             recv_window: Some(128 * 1024),
             rdma: lwio_rdma::Config::default(),
@@ -224,12 +230,18 @@ struct ConnEntry {
     ctl: mpsc::Sender<Control>,
     waker: Arc<Waker>,
     credits: Arc<AtomicUsize>,
-    /// The connection's protection domain, for its census.
-    pd: Pd,
+    /// The connection's own protection domain, for its census (None: a
+    /// reactor domain's, counted once in `Shared::domain_pds`).
+    pd: Option<Pd>,
 }
 
 pub(super) struct Shared {
     opts: RdmaServerOptions,
+    /// The protection domains of the reactors' receive pools (shared by
+    /// their connections), for the census.
+    pub(super) domain_pds: Mutex<Vec<Pd>>,
+    /// The reactors' receive pools.
+    pub(super) pools: Mutex<Vec<Arc<RecvPool>>>,
     /// Each reactor's counters, by index.
     reactors: Mutex<Vec<Arc<ReactorStats>>>,
     conns: Mutex<HashMap<u64, ConnEntry>>,
@@ -310,12 +322,14 @@ impl Shared {
     fn retire(&self, id: u64) {
         let mut conns = lock(&self.conns);
         if let Some(e) = conns.remove(&id) {
-            *lock(&self.closed_census) += e.pd.census();
+            if let Some(pd) = &e.pd {
+                *lock(&self.closed_census) += pd.census();
+            }
         }
     }
 
     /// Register server memory: local access only, accounted against the budget.
-    fn register(&self, pd: &Pd, len: usize, access: Access) -> Result<Mr, NtStatus> {
+    pub(super) fn register(&self, pd: &Pd, len: usize, access: Access) -> Result<Mr, NtStatus> {
         let remote = Access::REMOTE_READ | Access::REMOTE_WRITE | Access::MW_BIND;
         if access.intersects(remote) {
             // Never happens by construction; refuse rather than expose.
@@ -350,7 +364,13 @@ impl Shared {
         }
     }
 
-    fn unregister(&self, mr: Mr) {
+    /// Memory a storage job still holds after its owner let it go: it is
+    /// freed when the job ends; no longer counted.
+    pub(super) fn forget(&self, len: usize) {
+        self.mem_used.fetch_sub(len, Ordering::AcqRel);
+    }
+
+    pub(super) fn unregister(&self, mr: Mr) {
         self.mem_used.fetch_sub(mr.len(), Ordering::AcqRel);
         drop(mr);
     }
@@ -385,7 +405,12 @@ impl ServerHandle {
             let conns = lock(&s.conns);
             let mut c = *lock(&s.closed_census);
             for e in conns.values() {
-                c += e.pd.census();
+                if let Some(pd) = &e.pd {
+                    c += pd.census();
+                }
+            }
+            for pd in lock(&s.domain_pds).iter() {
+                c += pd.census();
             }
             (conns.len(), c)
         };
@@ -415,6 +440,19 @@ impl ServerHandle {
 
     /// Requests served, by opcode, latency and error status: those of
     /// closed connections, and of live ones as of at most 50 ms ago.
+    /// The shared receive pools, summed.
+    pub fn receive_pool(&self) -> super::pool::PoolStats {
+        let mut t = super::pool::PoolStats::default();
+        for p in lock(&self.0.pools).iter() {
+            let s = p.stats();
+            t.registered_bytes += s.registered_bytes;
+            t.posted += s.posted;
+            t.in_use += s.in_use;
+            t.promised += s.promised;
+        }
+        t
+    }
+
     /// Each reactor's connections and busy time (nanoseconds).
     pub fn reactors(&self) -> Vec<(usize, u64)> {
         lock(&self.0.reactors)
@@ -618,6 +656,8 @@ impl RdmaServer {
         }
         let shared = Arc::new(Shared {
             opts,
+            domain_pds: Mutex::new(Vec::new()),
+            pools: Mutex::new(Vec::new()),
             reactors: Mutex::new(Vec::new()),
             conns: Mutex::new(HashMap::new()),
             per_host: Mutex::new(HashMap::new()),
@@ -685,6 +725,7 @@ impl RdmaPhase for RdmaServer {
             credit_budget: self.shared.opts.credit_budget,
             max_connections: self.shared.opts.max_connections,
             reactors: h.reactors(),
+            pool: h.receive_pool(),
         })
     }
 
@@ -700,7 +741,30 @@ impl RdmaPhase for RdmaServer {
             n => n,
         };
         let use_ring = state.backend.kind() == crate::fs::backend::BackendKind::IoUring;
-        let reactors = match Reactors::start(n, sh, use_ring) {
+        // Each listener's receives: a shared receive pool per reactor where
+        // the device has SRQs (the soft provider always does).
+        let specs: Vec<DomainSpec> = self
+            .listeners
+            .iter()
+            .map(|l| {
+                let soft = l.ctx.device().provider == "soft";
+                let slot = (COMMON_HEADER_LEN + l.proto.max_recv_buffer_size as usize)
+                    .next_multiple_of(64);
+                let most = (sh.opts.max_memory / slot.max(1)).clamp(64, 1 << 20) as u32;
+                let caps = l.ctx.device().caps.as_ref().map_or(0, |c| c.max_srq_wr);
+                DomainSpec {
+                    ctx: l.ctx.clone(),
+                    sibling: soft && sh.opts.conn_contexts,
+                    srq_wr: if sh.opts.shared_receives {
+                        most.min(caps)
+                    } else {
+                        0
+                    },
+                    slot,
+                }
+            })
+            .collect();
+        let reactors = match Reactors::start(n, sh, use_ring, &specs) {
             Ok(r) => r,
             Err(e) => {
                 warn!(error = %e, "cannot start the RDMA reactors; RDMA phase not serving");
@@ -712,10 +776,10 @@ impl RdmaPhase for RdmaServer {
             // turn with a short wait.
             let wait = Duration::from_millis(if self.listeners.len() == 1 { 100 } else { 20 });
             let mut got = None;
-            for l in &self.listeners {
+            for (li, l) in self.listeners.iter().enumerate() {
                 match l.listener.get_request(Some(wait)) {
                     Ok(Some(r)) => {
-                        got = Some((l, r));
+                        got = Some((li, l, r));
                         break;
                     }
                     Ok(None) => {}
@@ -725,7 +789,7 @@ impl RdmaPhase for RdmaServer {
                     }
                 }
             }
-            let Some((listening, req)) = got else {
+            let Some((li, listening, req)) = got else {
                 continue;
             };
             let peer = req.peer_addr();
@@ -754,13 +818,24 @@ impl RdmaPhase for RdmaServer {
                 continue;
             }
             let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
-            match Conn::accept(id, listening, req, sh.clone(), state.clone(), pool.clone()) {
+            let (r, domain) = reactors.pick(li);
+            let accepted = Conn::accept(
+                id,
+                listening,
+                req,
+                sh.clone(),
+                state.clone(),
+                pool.clone(),
+                domain.as_deref(),
+            );
+            match accepted {
                 Ok((conn, entry)) => {
                     sh.accepted.fetch_add(1, Ordering::Relaxed);
                     lock(&sh.conns).insert(id, entry);
-                    reactors.assign(conn);
+                    reactors.assign(r, conn);
                 }
                 Err(e) => {
+                    reactors.unpick(r);
                     warn!(%peer, error = %e, "cannot accept RDMA connection");
                     sh.rejected.fetch_add(1, Ordering::Relaxed);
                     sh.host_release(ip);
@@ -795,8 +870,7 @@ enum JobKind {
     /// receive region `mr`, in order (buffers kept for the message, not
     /// posted until the job's reply).
     WriteParts {
-        mr: Arc<Mr>,
-        iov: Vec<(usize, usize)>,
+        iov: Vec<(Arc<Mr>, usize, usize)>,
     },
 }
 
@@ -923,28 +997,36 @@ fn ring_job(
             crate::fs::backend::check_alignment(align, offset, at, len).map_err(bad)?;
             Ok((vec![iov(at, len)], true, Keep::Bytes(data)))
         }
-        JobKind::WriteParts { mr, iov: parts } => {
-            let base = mr.addr() as usize;
-            for &(at, len) in &parts {
-                if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+        JobKind::WriteParts { iov: parts } => {
+            for (mr, at, len) in &parts {
+                if at.checked_add(*len).is_none_or(|e| e > mr.len()) {
                     return Err(STATUS_INVALID_PARAMETER);
                 }
             }
             if a > 1 {
-                let total: usize = parts.iter().map(|p| p.1).sum();
+                let total: usize = parts.iter().map(|p| p.2).sum();
                 let (at, b) = bounce(total, &mut |d| {
                     let mut o = 0;
-                    for &(at, len) in &parts {
-                        // Pieces checked inside the region above.
-                        let _ = mr.read_at(at, &mut d[o..o + len]);
+                    for (mr, at, len) in &parts {
+                        // Pieces checked inside their regions above.
+                        let _ = mr.read_at(*at, &mut d[o..o + len]);
                         o += len;
                     }
                 });
                 crate::fs::backend::check_alignment(align, offset, at, total).map_err(bad)?;
                 return Ok((vec![iov(at, total)], true, Keep::Bytes(b)));
             }
-            let v = parts.iter().map(|&(at, len)| iov(base + at, len)).collect();
-            Ok((v, true, Keep::Mr(mr)))
+            let v = parts
+                .iter()
+                .map(|(mr, at, len)| iov(mr.addr() as usize + at, *len))
+                .collect();
+            let mut regions: Vec<Arc<Mr>> = Vec::new();
+            for (mr, _, _) in parts {
+                if !regions.iter().any(|r| Arc::ptr_eq(r, &mr)) {
+                    regions.push(mr);
+                }
+            }
+            Ok((v, true, Keep::Mrs(regions)))
         }
     }
 }
@@ -1008,10 +1090,10 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
                 [crate::fs::backend::IoOp::write(fd, job.offset, data).aligned(job.align)];
             backend.submit_cancellable(&mut ops, cancel).pop()
         }
-        JobKind::WriteParts { mr, iov } => {
-            let base = mr.addr() as usize;
+        JobKind::WriteParts { iov } => {
             let mut slices: Vec<&[u8]> = Vec::with_capacity(iov.len());
-            for &(at, len) in iov {
+            for (mr, at, len) in iov {
+                let (at, len, base) = (*at, *len, mr.addr() as usize);
                 if at.checked_add(len).is_none_or(|e| e > mr.len()) {
                     return Err(STATUS_INVALID_PARAMETER);
                 }
@@ -1295,6 +1377,30 @@ struct ReadBuf {
 }
 
 const SEND_SLOT: usize = 256;
+/// Send slots registered at a time: a connection starts with one chunk
+/// (16 KiB) and registers more only when its sends outrun it.
+const SEND_CHUNK: usize = 64;
+
+/// Where a connection's receive buffers come from.
+enum RecvSrc {
+    /// Its own region, posted on its own QP (devices without SRQs).
+    Own(Arc<Mr>),
+    /// Its reactor's shared receive pool on this device.
+    Pool(Arc<RecvPool>),
+    /// Torn down.
+    Gone,
+}
+
+impl RecvSrc {
+    /// Release an own region that was never used (a failed accept).
+    fn free(self, shared: &Shared) {
+        if let RecvSrc::Own(m) = self {
+            if let Ok(m) = Arc::try_unwrap(m) {
+                shared.unregister(m);
+            }
+        }
+    }
+}
 
 pub(super) struct Conn {
     id: u64,
@@ -1303,12 +1409,18 @@ pub(super) struct Conn {
     cq: Cq,
     chan: CompChannel,
     pd: Pd,
-    recv_mr: Option<Arc<Mr>>,
+    /// Where its receives come from.
+    recv: RecvSrc,
+    /// Pool mode: the credits it promised the pool, and the buffers it
+    /// holds (taken, not yet handed back).
+    backed: usize,
+    held: std::collections::HashSet<RecvId>,
     /// Receive buffers a storage job writes from (a reassembled message),
     /// reposted when it completes.
     frag_bufs: HashMap<OpId, Vec<RecvId>>,
     recv_slot: usize,
-    send_mr: Option<Mr>,
+    /// Its send slots, in chunks of [`SEND_CHUNK`].
+    send_mrs: Vec<Mr>,
     send_free: Vec<u32>,
     sq_depth: usize,
     sq_inflight: usize,
@@ -1353,6 +1465,8 @@ pub(super) struct Conn {
     last_busy: Instant,
     last_polled: Instant,
     last_polled_count: u64,
+    /// Data requests seen at the last balancing round.
+    requests_balanced: u64,
     /// Work requests of this round of actions, posted together by
     /// `flush_sq`: (wr_id, operation, SGE).
     sq_pending: Vec<(u64, SendOp, Option<lwio_rdma::Sge>)>,
@@ -1369,24 +1483,13 @@ impl Conn {
         shared: Arc<Shared>,
         state: Arc<ServerState>,
         pool: StoragePool,
+        domain: Option<&Domain>,
     ) -> Result<(Conn, ConnEntry), lwio_rdma::Error> {
         let peer = req.peer_addr();
-        let ctx = &listening.ctx;
         let mut cfg = listening.proto.clone();
         cfg.session_id = crate::fs::table::random_u64() | 1;
         let nrecv = usize::from(shared.opts.max_credits_per_conn.max(cfg.max_credits)) + 2;
         let sq_depth = 1024usize;
-        // A provider with a progress thread (soft): this connection's own
-        // context, driven by its thread alone (the QP joins it at accept).
-        let own_ctx = if shared.opts.conn_contexts {
-            ctx.open_manual_sibling()?
-        } else {
-            None
-        };
-        let ctx = own_ctx.as_ref().unwrap_or(ctx);
-        let pd = ctx.alloc_pd()?;
-        let chan = ctx.create_comp_channel()?;
-        let cq = ctx.create_cq((nrecv + sq_depth + 16) as u32, Some(&chan))?;
         let recv_slot =
             (COMMON_HEADER_LEN + cfg.max_recv_buffer_size as usize).next_multiple_of(64);
         let nomem = |what: &str| {
@@ -1400,17 +1503,69 @@ impl Conn {
             );
             let _ = req.reject(why.as_bytes());
         };
-        let recv_mr = match shared.register(&pd, recv_slot * nrecv, Access::LOCAL_WRITE) {
-            Ok(m) => m,
-            Err(_) => {
-                out_of_memory(req);
-                return Err(nomem("receive buffers"));
+        // Pool mode (the reactor's domain on this device): the receives
+        // come from the reactor's shared receive queue; this connection
+        // promises the pool the credits it grants, from one (AUTH) up to
+        // the initial grant, as far as the budget allows.
+        let backed = match domain {
+            Some(d) => {
+                let got = d.pool.reserve(usize::from(cfg.max_credits), 1);
+                if got == 0 {
+                    out_of_memory(req);
+                    return Err(nomem("receive buffers"));
+                }
+                cfg.max_credits = u16::try_from(got).unwrap_or(u16::MAX);
+                got
+            }
+            None => 0,
+        };
+        // Without a domain, with a provider that has a progress thread
+        // (soft): this connection's own context, driven by its reactor
+        // alone (the QP joins it at accept).
+        let own_ctx = if domain.is_none() && shared.opts.conn_contexts {
+            listening.ctx.open_manual_sibling()?
+        } else {
+            None
+        };
+        let (ctx, pd, chan) = match domain {
+            Some(d) => (&d.ctx, d.pd.clone(), d.chan.clone()),
+            None => {
+                let ctx = own_ctx.as_ref().unwrap_or(&listening.ctx);
+                (ctx, ctx.alloc_pd()?, ctx.create_comp_channel()?)
             }
         };
-        let send_mr = match shared.register(&pd, SEND_SLOT * sq_depth, Access::empty()) {
+        let depth = (nrecv + sq_depth + 16) as u32;
+        let cq = match domain {
+            Some(_) => ctx.create_cq_tagged(depth, &chan, id),
+            None => ctx.create_cq(depth, Some(&chan)),
+        };
+        let release = |backed: usize| {
+            if let Some(d) = domain {
+                d.pool.release(backed);
+            }
+        };
+        let cq = match cq {
+            Ok(c) => c,
+            Err(e) => {
+                release(backed);
+                return Err(e);
+            }
+        };
+        let recv = match domain {
+            Some(d) => RecvSrc::Pool(d.pool.clone()),
+            None => match shared.register(&pd, recv_slot * nrecv, Access::LOCAL_WRITE) {
+                Ok(m) => RecvSrc::Own(Arc::new(m)),
+                Err(_) => {
+                    out_of_memory(req);
+                    return Err(nomem("receive buffers"));
+                }
+            },
+        };
+        let send_mr = match shared.register(&pd, SEND_SLOT * SEND_CHUNK, Access::empty()) {
             Ok(m) => m,
             Err(_) => {
-                shared.unregister(recv_mr);
+                recv.free(&shared);
+                release(backed);
                 out_of_memory(req);
                 return Err(nomem("send buffers"));
             }
@@ -1421,22 +1576,26 @@ impl Conn {
             recv_cq: cq.clone(),
             cap: QpCap {
                 max_send_wr: sq_depth as u32,
-                max_recv_wr: nrecv as u32,
+                max_recv_wr: if domain.is_some() { 0 } else { nrecv as u32 },
                 max_send_sge: 2,
                 max_recv_sge: 1,
                 max_inline_data: 0,
             },
             sq_sig_all: true,
             recv_window: shared.opts.recv_window,
-            srq: None,
+            srq: domain.map(|d| d.pool.srq().clone()),
         };
-        // The receives are posted on the QP before the acceptance reaches
-        // the client: its AUTH may follow the handshake at once, and on
-        // iWARP devices (siw, iWARP NICs) a Send that finds no posted
-        // receive is fatal (no RNR retry).
-        let sges: Vec<[lwio_rdma::Sge; 1]> = (0..nrecv)
-            .map(|i| [recv_mr.sge(i * recv_slot, recv_slot as u32)])
-            .collect();
+        // The receives are posted before the acceptance reaches the
+        // client (on its QP, or in the pool by `reserve`): its AUTH may
+        // follow the handshake at once, and on iWARP devices (siw, iWARP
+        // NICs) a Send that finds no posted receive is fatal (no RNR
+        // retry).
+        let sges: Vec<[lwio_rdma::Sge; 1]> = match &recv {
+            RecvSrc::Own(mr) => (0..nrecv)
+                .map(|i| [mr.sge(i * recv_slot, recv_slot as u32)])
+                .collect(),
+            _ => Vec::new(),
+        };
         let recvs: Vec<RecvWr<'_>> = sges
             .iter()
             .enumerate()
@@ -1448,7 +1607,8 @@ impl Conn {
         let qp = match req.accept_with_recvs(&init, &ConnParams::default(), &recvs) {
             Ok(q) => q,
             Err(e) => {
-                shared.unregister(recv_mr);
+                recv.free(&shared);
+                release(backed);
                 shared.unregister(send_mr);
                 return Err(e);
             }
@@ -1464,7 +1624,7 @@ impl Conn {
             ctl: ctl_tx,
             waker: waker.clone(),
             credits: credits_pub.clone(),
-            pd: pd.clone(),
+            pd: domain.is_none().then(|| pd.clone()),
         };
         let sconn = ServerConn::new(cfg, now);
         Ok((
@@ -1475,11 +1635,13 @@ impl Conn {
                 cq,
                 chan,
                 pd,
-                recv_mr: Some(Arc::new(recv_mr)),
+                recv,
+                backed,
+                held: Default::default(),
                 frag_bufs: HashMap::new(),
                 recv_slot,
-                send_mr: Some(send_mr),
-                send_free: (0..sq_depth as u32).rev().collect(),
+                send_mrs: vec![send_mr],
+                send_free: (0..SEND_CHUNK as u32).rev().collect(),
                 sq_depth,
                 sq_inflight: 0,
                 deferred: VecDeque::new(),
@@ -1514,6 +1676,7 @@ impl Conn {
                 last_busy: now,
                 last_polled: now,
                 last_polled_count: 0,
+                requests_balanced: 0,
                 sq_pending: Vec::new(),
                 _ctx: own_ctx,
             },
@@ -1549,6 +1712,15 @@ impl Conn {
             for w in wcs[..n].iter().copied() {
                 self.completion(w);
             }
+        }
+        if busy
+            && matches!(self.recv, RecvSrc::Pool(_))
+            && self.sconn.credits() < self.base_credits
+            && !self.sconn.credit_transaction_active()
+        {
+            // Woken from idle with one credit: grant now, not at the next
+            // balancing round.
+            self.balance(now);
         }
         self.tick(now);
         let polled = self.sconn.polled_completions();
@@ -1627,8 +1799,12 @@ impl Conn {
     /// The fds its reactor waits on: the completion channel (with the soft
     /// provider's own context, also readable on socket input) and the
     /// waker that storage threads and the control plane use.
-    pub(super) fn fds(&self) -> [std::os::fd::RawFd; 2] {
-        [self.chan.fd(), self.waker.fd()]
+    pub(super) fn fds(&self) -> Vec<(std::os::fd::RawFd, usize)> {
+        match self.recv {
+            // The reactor's domain channel reports this one's CQ by tag.
+            RecvSrc::Pool(_) => vec![(self.waker.fd(), 1)],
+            _ => vec![(self.chan.fd(), 0), (self.waker.fd(), 1)],
+        }
     }
 
     /// Consume the readiness of the fds [`Conn::fds`] returned.
@@ -1738,17 +1914,37 @@ impl Conn {
         for mr in self.mem.teardown(&self.state) {
             self.shared.unregister(mr);
         }
-        if let Some(m) = self.recv_mr.take() {
-            let len = m.len();
-            match Arc::try_unwrap(m) {
-                Ok(mr) => self.shared.unregister(mr),
-                // A storage job still writes from it; freed when it ends.
-                Err(_) => {
-                    self.shared.mem_used.fetch_sub(len, Ordering::AcqRel);
+        match std::mem::replace(&mut self.recv, RecvSrc::Gone) {
+            RecvSrc::Own(m) => {
+                let len = m.len();
+                match Arc::try_unwrap(m) {
+                    Ok(mr) => self.shared.unregister(mr),
+                    // A storage job still writes from it; freed when it ends.
+                    Err(_) => self.shared.forget(len),
                 }
             }
+            RecvSrc::Pool(p) => {
+                // Buffers a storage job of this connection still writes
+                // from never come back to the pool (the job keeps their
+                // region); the others go back now, and the credits stop
+                // being promised.
+                let busy: std::collections::HashSet<RecvId> = self
+                    .frag_bufs
+                    .iter()
+                    .filter(|(op, _)| {
+                        self.ring_ops.contains_key(op) || self.cancels.contains_key(op)
+                    })
+                    .flat_map(|(_, b)| b.iter().copied())
+                    .collect();
+                let back: Vec<RecvId> = self.held.drain().filter(|b| !busy.contains(b)).collect();
+                p.give_back(&back);
+                p.lose(busy.len());
+                p.release(self.backed);
+                self.backed = 0;
+            }
+            RecvSrc::Gone => {}
         }
-        if let Some(m) = self.send_mr.take() {
+        for m in self.send_mrs.drain(..) {
             self.shared.unregister(m);
         }
         self.shared
@@ -1760,7 +1956,18 @@ impl Conn {
     fn control(&mut self, c: Control) {
         match c {
             Control::CreditDelta(d) => {
+                let d = if d > 0 {
+                    self.promise(d as usize) as i32
+                } else {
+                    d
+                };
+                if d == 0 {
+                    return;
+                }
                 let r = self.sconn.start_credit_delta(Instant::now(), d);
+                if r.is_err() && d > 0 {
+                    self.unpromise(d as usize);
+                }
                 debug!(conn = self.id, delta = d, result = ?r, "credit delta requested");
             }
             Control::Shutdown => {
@@ -1771,10 +1978,47 @@ impl Conn {
         }
     }
 
+    /// Pool mode: promise the pool up to `n` more credits before granting
+    /// them (its receives are posted first); how many it took. Own
+    /// receive buffers: all of them (they are posted already).
+    fn promise(&mut self, n: usize) -> usize {
+        match &self.recv {
+            RecvSrc::Pool(p) => {
+                let got = p.reserve(n, 1);
+                self.backed += got;
+                got
+            }
+            _ => n,
+        }
+    }
+
+    /// What an idle connection keeps: one credit when its receives come
+    /// from the pool (issue 13), else its initial grant (its own buffers
+    /// stay registered anyway).
+    fn idle_credits(&self) -> u16 {
+        match self.recv {
+            RecvSrc::Pool(_) => 1,
+            _ => self.base_credits,
+        }
+    }
+
+    /// Undo a [`Conn::promise`] whose grant did not start.
+    fn unpromise(&mut self, n: usize) {
+        if let RecvSrc::Pool(p) = &self.recv {
+            p.release(n);
+            self.backed = self.backed.saturating_sub(n);
+        }
+    }
+
     /// Credit balancing: grant to busy connections from the global budget,
     /// reclaim from idle ones.
     fn balance(&mut self, now: Instant) {
         let credits = self.sconn.credits();
+        if usize::from(credits) < self.backed {
+            // The client gave credits back: the pool need not back them.
+            let n = self.backed - usize::from(credits);
+            self.unpromise(n);
+        }
         self.credits_pub
             .store(usize::from(credits), Ordering::Relaxed);
         let d = i64::from(credits) - self.credits_reported;
@@ -1808,8 +2052,15 @@ impl Conn {
         if !self.shared.opts.auto_credits {
             return;
         }
-        let busy = self.sconn.outstanding() + 1 >= u32::from(credits)
-            || u16::from(self.sconn.credit_hint()) >= credits;
+        // Busy: short of credits with requests coming (a connection with
+        // no I/O since the last round is not, whatever its last request's
+        // hint said: else an idle one at one credit looks busy).
+        let fresh = self.sconn.data_requests() != self.requests_balanced;
+        self.requests_balanced = self.sconn.data_requests();
+        let active = self.sconn.outstanding() > 0 || fresh;
+        let busy = active
+            && (self.sconn.outstanding() + 1 >= u32::from(credits)
+                || u16::from(self.sconn.credit_hint()) >= credits);
         if busy {
             self.last_io = now;
             let max = self
@@ -1820,20 +2071,36 @@ impl Conn {
                 .min(self.client_cap.unwrap_or(255));
             let granted = self.shared.credits_granted.load(Ordering::Acquire);
             let room = i64::from(self.shared.opts.credit_budget) - granted;
-            let want = i64::from(max.saturating_sub(credits)).min(8).min(room);
-            if want > 0 && self.sconn.start_credit_delta(now, want as i32).is_ok() {
-                debug!(
-                    conn = self.id,
-                    delta = want,
-                    "granting credits to a busy connection"
-                );
+            // Back to the initial grant at once (a connection waking from
+            // idle holds one credit in pool mode), then 8 at a time.
+            let step = i64::from(self.base_credits.saturating_sub(credits)).max(8);
+            let want = i64::from(max.saturating_sub(credits)).min(step).min(room);
+            let want = if want > 0 {
+                self.promise(want as usize) as i64
+            } else {
+                0
+            };
+            if want > 0 {
+                if self.sconn.start_credit_delta(now, want as i32).is_ok() {
+                    debug!(
+                        conn = self.id,
+                        delta = want,
+                        "granting credits to a busy connection"
+                    );
+                } else {
+                    self.unpromise(want as usize);
+                }
             }
         } else if self.sconn.outstanding() > 0 {
             self.last_io = now;
-        } else if credits > self.base_credits
+        } else if credits > self.idle_credits()
             && now.duration_since(self.last_io) >= self.shared.opts.idle_reclaim
         {
-            let delta = -i32::from(credits - self.base_credits);
+            let delta = -i32::from(credits - self.idle_credits());
+            // Idle: its spare read buffers go back too.
+            for mr in self.spare_bufs.drain(..) {
+                self.shared.unregister(mr);
+            }
             if self.sconn.start_credit_delta(now, delta).is_ok() {
                 debug!(
                     conn = self.id,
@@ -1848,26 +2115,33 @@ impl Conn {
         let v = wrid::value(w.wr_id);
         match wrid::kind(w.wr_id) {
             wrid::RECV => {
+                if let RecvSrc::Pool(p) = &self.recv {
+                    p.taken();
+                    self.held.insert(v);
+                }
                 if !w.is_ok() {
                     if w.status != WcStatus::WrFlushErr {
                         warn!(conn = self.id, status = ?w.status, "receive failed");
+                    }
+                    if matches!(self.recv, RecvSrc::Pool(_)) {
+                        self.repost_recv(v);
                     }
                     return;
                 }
                 let slot = v as usize;
                 let len = (w.byte_len as usize).min(self.recv_slot);
-                let Some(mr) = self.recv_mr.as_ref() else {
+                let Some((mr, at)) = self.recv_buf(v) else {
                     return;
                 };
-                let at = slot * self.recv_slot;
                 let Ok(view) = mr.slice(at, len) else {
+                    self.repost_recv(v);
                     return;
                 };
                 if self.closing.is_none() {
                     // SAFETY: the slice covers this slot's received bytes
-                    // only, not the receive region: the other slots stay
-                    // posted and the provider may be placing into them right
-                    // now. This slot's receive has just completed (polled
+                    // only, not the receive region (its own or a pool
+                    // chunk): the other slots stay posted and the provider
+                    // may be placing into them right now. This slot's receive has just completed (polled
                     // here) and is re-posted only below, after the slice is
                     // gone (`handle_recv` keeps nothing that borrows it); the
                     // region is registered LOCAL_WRITE only, so no peer key
@@ -1939,8 +2213,15 @@ impl Conn {
 
     /// Post receive buffer `slot` again.
     fn repost_recv(&mut self, slot: RecvId) {
-        let Some(mr) = self.recv_mr.as_ref() else {
-            return;
+        let mr = match &self.recv {
+            RecvSrc::Own(mr) => mr,
+            RecvSrc::Pool(p) => {
+                if self.held.remove(&slot) {
+                    p.give_back(&[slot]);
+                }
+                return;
+            }
+            RecvSrc::Gone => return,
         };
         let at = slot as usize * self.recv_slot;
         if at >= mr.len() {
@@ -1951,6 +2232,15 @@ impl Conn {
             wr_id: wrid::RECV | slot,
             sg_list: &sge,
         }]);
+    }
+
+    /// The region and offset of receive buffer `id`.
+    fn recv_buf(&self, id: RecvId) -> Option<(Arc<Mr>, usize)> {
+        match &self.recv {
+            RecvSrc::Own(mr) => Some((mr.clone(), id as usize * self.recv_slot)),
+            RecvSrc::Pool(p) => p.buf(id),
+            RecvSrc::Gone => None,
+        }
     }
 
     /// A reassembled message: its data is `parts` of the receive buffers
@@ -1966,32 +2256,35 @@ impl Conn {
         parts: Vec<(RecvId, std::ops::Range<usize>)>,
     ) {
         let bufs: Vec<RecvId> = parts.iter().map(|(b, _)| *b).collect();
-        let (Some(f), Some(mr)) = (self.files.get(&file).cloned(), self.recv_mr.clone()) else {
+        let Some(f) = self.files.get(&file).cloned() else {
             self.repost_recvs(bufs);
             self.file_for(op, file, true);
             return;
         };
-        // Offsets into the receive region: (start, len), in message order.
-        let mut iov: Vec<(usize, usize)> = Vec::with_capacity(parts.len());
+        // Pieces of the receive buffers: (region, start, len), in message
+        // order.
+        let mut iov: Vec<(Arc<Mr>, usize, usize)> = Vec::with_capacity(parts.len());
         for (b, r) in &parts {
-            let at = *b as usize * self.recv_slot;
-            if r.end > self.recv_slot || r.start > r.end || at + r.end > mr.len() {
+            let place = self.recv_buf(*b);
+            let Some((mr, at)) = place.filter(|(mr, at)| {
+                r.end <= self.recv_slot && r.start <= r.end && at + r.end <= mr.len()
+            }) else {
                 self.repost_recvs(bufs);
                 self.close_conn("a fragment range outside its receive buffer");
                 return;
-            }
+            };
             if r.end > r.start {
-                iov.push((at + r.start, r.len()));
+                iov.push((mr, at + r.start, r.len()));
             }
         }
         self.shared.fragment_writes.fetch_add(1, Ordering::Relaxed);
         if f.mem.is_some() || !f.rights.write {
             // A memory object (its publisher's connection does the I/O
             // from a copy), or a refusal: the FileWrite way, from a copy.
-            let mut data = Vec::with_capacity(iov.iter().map(|p| p.1).sum());
-            for &(at, len) in &iov {
-                let mut piece = vec![0u8; len];
-                if mr.read_at(at, &mut piece).is_err() {
+            let mut data = Vec::with_capacity(iov.iter().map(|p| p.2).sum());
+            for (mr, at, len) in &iov {
+                let mut piece = vec![0u8; *len];
+                if mr.read_at(*at, &mut piece).is_err() {
                     break;
                 }
                 data.extend_from_slice(&piece);
@@ -2007,22 +2300,21 @@ impl Conn {
             return;
         }
         self.last_io = Instant::now();
-        let total: usize = iov.iter().map(|p| p.1).sum();
+        let total: usize = iov.iter().map(|p| p.2).sum();
         let inline = {
-            let base = mr.addr() as usize;
             let vecs: Vec<libc::iovec> = iov
                 .iter()
-                .map(|&(at, len)| libc::iovec {
-                    iov_base: (base + at) as *mut libc::c_void,
-                    iov_len: len,
+                .map(|(mr, at, len)| libc::iovec {
+                    iov_base: (mr.addr() as usize + at) as *mut libc::c_void,
+                    iov_len: *len,
                 })
                 .collect();
-            // SAFETY: every iovec lies in the receive region (checked
+            // SAFETY: every iovec lies in a receive region (checked
             // above) within a buffer the state machine kept: not posted
             // since its fragment arrived, so the provider places nothing
             // there, and the region is LOCAL_WRITE only, so no peer key
-            // reaches it; the kernel only reads it; `mr` (an Arc of the
-            // region) keeps it mapped across the call.
+            // reaches it; the kernel only reads it; `iov` holds an Arc of
+            // each region, which keeps it mapped across the call.
             unsafe {
                 inline_io_vec(
                     &mut self.inline_mode,
@@ -2047,7 +2339,7 @@ impl Conn {
             .fragment_write_calls
             .fetch_add(1, Ordering::Relaxed);
         self.frag_bufs.insert(op, bufs);
-        self.dispatch(op, f, offset, JobKind::WriteParts { mr, iov });
+        self.dispatch(op, f, offset, JobKind::WriteParts { iov });
     }
 
     fn storage_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
@@ -2073,9 +2365,7 @@ impl Conn {
         if free {
             if let Some(b) = self.read_bufs.remove(&op) {
                 if let Ok(mr) = Arc::try_unwrap(b.mr) {
-                    if self.spare_bufs.len() < usize::from(self.sconn.credits()).max(4)
-                        && mr.len() == self.read_buf_len()
-                    {
+                    if self.spare_bufs.len() < usize::from(self.sconn.credits()).min(4) {
                         self.spare_bufs.push(mr);
                     } else {
                         self.shared.unregister(mr);
@@ -2199,8 +2489,15 @@ impl Conn {
                 let Some(f) = self.file_for(op, file, false) else {
                     return Ok(());
                 };
-                let want = self.read_buf_len();
-                let mr = match self.spare_bufs.pop() {
+                // Sized by the read (a power of two from 64 KiB up to the
+                // window), so small reads of many connections do not each
+                // pin a whole window.
+                let want = (len as usize)
+                    .max(1)
+                    .next_power_of_two()
+                    .clamp(64 << 10, self.read_buf_len().max(64 << 10));
+                let spare = self.spare_bufs.iter().position(|m| m.len() >= want);
+                let mr = match spare.map(|i| self.spare_bufs.swap_remove(i)) {
                     Some(m) => m,
                     None => match self.shared.register(&self.pd, want, Access::LOCAL_WRITE) {
                         Ok(m) => m,
@@ -2459,13 +2756,26 @@ impl Conn {
         if self.sq_inflight >= self.sq_depth {
             return Err(back(bytes));
         }
+        if self.send_free.is_empty() && self.send_mrs.len() * SEND_CHUNK < self.sq_depth {
+            // More sends in flight than slots: one more chunk (within the
+            // budget; else the action waits for a slot to come back).
+            if let Ok(m) = self
+                .shared
+                .register(&self.pd, SEND_SLOT * SEND_CHUNK, Access::empty())
+            {
+                let base = (self.send_mrs.len() * SEND_CHUNK) as u32;
+                self.send_mrs.push(m);
+                self.send_free
+                    .extend((base..base + SEND_CHUNK as u32).rev());
+            }
+        }
         let Some(slot) = self.send_free.pop() else {
             return Err(back(bytes));
         };
-        let Some(mr) = self.send_mr.as_ref() else {
+        let Some(mr) = self.send_mrs.get(slot as usize / SEND_CHUNK) else {
             return Ok(());
         };
-        let off = slot as usize * SEND_SLOT;
+        let off = (slot as usize % SEND_CHUNK) * SEND_SLOT;
         if mr.write_at(off, &bytes).is_err() {
             self.send_free.push(slot);
             self.close_conn("send slot out of range");

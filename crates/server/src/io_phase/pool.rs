@@ -1,0 +1,275 @@
+//! The shared receive pool (issue 13): the receive buffers of all of one
+//! reactor's connections on one device, posted to one shared receive queue
+//! (SRQ), sized by the credits actually granted — not by connections ×
+//! maximum credits.
+//!
+//! Every credit a connection holds is a Send its client may make, and every
+//! Send takes a receive. So the pool keeps `posted + in_use ≥ promised`,
+//! where `promised` is the sum of the credits its connections hold and
+//! `in_use` the buffers holding messages not yet handed back: each
+//! connection uses at most its credits' worth, so whatever it may still
+//! send finds a receive (iWARP has no receiver-not-ready retry: a Send
+//! with none is fatal on siw). A connection promises before it grants
+//! ([`RecvPool::reserve`], which posts what the promise needs, registering
+//! more buffers within the server's registered-memory budget) and stops
+//! promising when the client has given credits back
+//! ([`RecvPool::release`]). A buffer handed back is posted again only
+//! while the promises need it; else it stays free. Where the provider can
+//! take untaken receives back (the soft provider's `Srq::withdraw`),
+//! `release` does, and a chunk of buffers that is wholly free is
+//! unregistered: an idle connection then costs the pool one buffer.
+//! Devices keep surplus receives posted until traffic consumes them.
+
+use std::sync::{Arc, Mutex};
+
+use lwio_proto::wrid;
+use lwio_rdma::{Access, Mr, Pd, RecvWr, Srq};
+use tracing::{debug, warn};
+
+use super::server::{lock, Shared};
+
+/// Buffers per registered chunk.
+const CHUNK: usize = 16;
+
+pub(super) struct RecvPool {
+    srq: Srq,
+    pd: Pd,
+    /// Bytes of one receive buffer.
+    slot: usize,
+    shared: Arc<Shared>,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Registered chunks by index (None: unregistered); buffer `id` is
+    /// slot `id % CHUNK` of chunk `id / CHUNK`.
+    chunks: Vec<Option<Arc<Mr>>>,
+    /// Free buffers of each chunk (counted to unregister whole chunks).
+    chunk_free: Vec<usize>,
+    /// Registered buffers neither posted nor in use.
+    free: Vec<u64>,
+    in_use: usize,
+    promised: usize,
+}
+
+/// What the pool holds (for metrics and tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub registered_bytes: usize,
+    pub posted: usize,
+    pub in_use: usize,
+    pub promised: usize,
+}
+
+impl RecvPool {
+    pub(super) fn new(pd: Pd, srq: Srq, slot: usize, shared: Arc<Shared>) -> RecvPool {
+        RecvPool {
+            srq,
+            pd,
+            slot,
+            shared,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    pub(super) fn srq(&self) -> &Srq {
+        &self.srq
+    }
+
+    /// The region and offset of buffer `id`.
+    pub(super) fn buf(&self, id: u64) -> Option<(Arc<Mr>, usize)> {
+        let i = lock(&self.inner);
+        let c = i.chunks.get(id as usize / CHUNK)?.as_ref()?;
+        Some((c.clone(), (id as usize % CHUNK) * self.slot))
+    }
+
+    pub(super) fn stats(&self) -> PoolStats {
+        let i = lock(&self.inner);
+        PoolStats {
+            registered_bytes: i.chunks.iter().flatten().count() * CHUNK * self.slot,
+            posted: self.srq.posted(),
+            in_use: i.in_use,
+            promised: i.promised,
+        }
+    }
+
+    /// Promise up to `want` more credits, at least `min` or none: posts the
+    /// receives the promises need. Returns how many were promised.
+    pub(super) fn reserve(&self, want: usize, min: usize) -> usize {
+        let mut i = lock(&self.inner);
+        let mut got = 0;
+        while got < want {
+            let need = (i.promised + got + 1).saturating_sub(self.srq.posted() + i.in_use);
+            if need > 0 && !self.post_one(&mut i) {
+                break;
+            }
+            got += 1;
+        }
+        if got < min {
+            // Undo: the surplus stays posted (used by the next promise).
+            return 0;
+        }
+        i.promised += got;
+        got
+    }
+
+    /// Post one buffer (free, or from a new chunk); false if the budget is
+    /// spent.
+    fn post_one(&self, i: &mut Inner) -> bool {
+        if i.free.is_empty() && !self.grow(i) {
+            return false;
+        }
+        let Some(id) = i.free.pop() else {
+            return false;
+        };
+        self.post(i, id)
+    }
+
+    fn post(&self, i: &mut Inner, id: u64) -> bool {
+        let c = id as usize / CHUNK;
+        let Some(mr) = i.chunks.get(c).and_then(|m| m.clone()) else {
+            return false;
+        };
+        let sge = [mr.sge((id as usize % CHUNK) * self.slot, self.slot as u32)];
+        let wr = RecvWr {
+            wr_id: wrid::RECV | id,
+            sg_list: &sge,
+        };
+        match self.srq.post_recv(&[wr]) {
+            Ok(()) => {
+                i.chunk_free[c] -= 1;
+                true
+            }
+            Err(e) => {
+                warn!(error = %e.error, "cannot post to the shared receive queue");
+                i.free.push(id);
+                false
+            }
+        }
+    }
+
+    /// Register one more chunk within the budget.
+    fn grow(&self, i: &mut Inner) -> bool {
+        let Ok(mr) = self
+            .shared
+            .register(&self.pd, CHUNK * self.slot, Access::LOCAL_WRITE)
+        else {
+            debug!("receive pool: registered-memory budget spent");
+            return false;
+        };
+        let c = match i.chunks.iter().position(|m| m.is_none()) {
+            Some(c) => c,
+            None => {
+                i.chunks.push(None);
+                i.chunk_free.push(0);
+                i.chunks.len() - 1
+            }
+        };
+        i.chunks[c] = Some(Arc::new(mr));
+        i.chunk_free[c] = CHUNK;
+        i.free
+            .extend((0..CHUNK).rev().map(|k| (c * CHUNK + k) as u64));
+        true
+    }
+
+    /// Stop promising `n` credits: take back the receives no promise
+    /// needs where the provider can, and unregister wholly free chunks.
+    /// When the registered buffers far outnumber the promises, every
+    /// untaken receive is taken back and the needed ones posted again from
+    /// the lowest chunks, so the others empty and go (a Send arriving
+    /// meanwhile waits in the provider's indicate window, seed 003).
+    pub(super) fn release(&self, n: usize) {
+        let mut i = lock(&self.inner);
+        i.promised = i.promised.saturating_sub(n);
+        let registered = i.chunks.iter().flatten().count() * CHUNK;
+        let posted = self.srq.posted();
+        let compact = registered > i.promised + 2 * CHUNK;
+        let take = if compact {
+            posted
+        } else {
+            (posted + i.in_use).saturating_sub(i.promised).min(posted)
+        };
+        if take > 0 {
+            for w in self.srq.withdraw(take) {
+                let id = wrid::value(w);
+                let c = id as usize / CHUNK;
+                if let Some(f) = i.chunk_free.get_mut(c) {
+                    *f += 1;
+                }
+                i.free.push(id);
+            }
+        }
+        if compact {
+            // Lowest ids last: `post_one` pops them first.
+            i.free.sort_unstable_by(|a, b| b.cmp(a));
+            while self.srq.posted() + i.in_use < i.promised {
+                if !self.post_one(&mut i) {
+                    break;
+                }
+            }
+        }
+        self.shrink(&mut i);
+    }
+
+    /// Unregister chunks none of whose buffers is posted or in use.
+    fn shrink(&self, i: &mut Inner) {
+        let whole: Vec<usize> = (0..i.chunks.len())
+            .filter(|&c| i.chunks[c].is_some() && i.chunk_free[c] == CHUNK)
+            .collect();
+        if whole.is_empty() {
+            return;
+        }
+        i.free.retain(|id| !whole.contains(&(*id as usize / CHUNK)));
+        for c in whole {
+            if let Some(mr) = i.chunks[c].take() {
+                match Arc::try_unwrap(mr) {
+                    Ok(mr) => self.shared.unregister(mr),
+                    Err(mr) => {
+                        // A storage job still writes from it (a
+                        // reassembled message of a closed connection):
+                        // freed when that job ends.
+                        self.shared.forget(mr.len());
+                    }
+                }
+            }
+            i.chunk_free[c] = 0;
+        }
+    }
+
+    /// A receive completed (with a message, or flushed): its buffer is in
+    /// use until handed back. (What is posted is the SRQ's own count: a
+    /// receive a QP took whose completion is never polled — its
+    /// connection gone — then errs towards posting one more, never one
+    /// fewer.)
+    pub(super) fn taken(&self) {
+        lock(&self.inner).in_use += 1;
+    }
+
+    /// Buffers handed back: posted again while the promises need them,
+    /// else kept free.
+    pub(super) fn give_back(&self, ids: &[u64]) {
+        let mut i = lock(&self.inner);
+        for &id in ids {
+            i.in_use = i.in_use.saturating_sub(1);
+            let c = id as usize / CHUNK;
+            if i.chunks.get(c).is_none_or(|m| m.is_none()) {
+                continue;
+            }
+            i.chunk_free[c] += 1;
+            if self.srq.posted() + i.in_use < i.promised {
+                // (A failed post keeps it free.)
+                self.post(&mut i, id);
+            } else {
+                i.free.push(id);
+            }
+        }
+    }
+
+    /// Buffers that will never come back (a closed connection's storage
+    /// job that outlived it): no longer counted in use.
+    pub(super) fn lose(&self, n: usize) {
+        let mut i = lock(&self.inner);
+        i.in_use = i.in_use.saturating_sub(n);
+    }
+}
