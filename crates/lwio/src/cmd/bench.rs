@@ -298,19 +298,22 @@ impl Rng {
 
 // -------------------------------------------------------------- the runs
 
+/// What one job does (also `lwio-scale`'s IOPS runs).
 #[derive(Debug, Clone, Copy)]
-struct Plan {
-    rw: RwPattern,
-    bs: usize,
-    qd: usize,
-    size: u64,
+pub struct Plan {
+    pub rw: RwPattern,
+    pub bs: usize,
+    pub qd: usize,
+    /// Bytes of the file the offsets fall in.
+    pub size: u64,
 }
 
-struct JobResult {
-    hist: Histogram<u64>,
-    reads: u64,
-    writes: u64,
-    elapsed: Duration,
+/// One job's figures: latencies (ns) of its completed I/Os.
+pub struct JobResult {
+    pub hist: Histogram<u64>,
+    pub reads: u64,
+    pub writes: u64,
+    pub elapsed: Duration,
 }
 
 /// One I/O in flight: its requests (request, status slot, stage, length).
@@ -320,7 +323,9 @@ struct InFlight {
     read: bool,
 }
 
-fn job(
+/// Keep `plan.qd` I/Os in flight on `file` for `runtime` (or until
+/// `stop`), after `start`; counts each completed I/O in `live`.
+pub fn job(
     client: &Client,
     file: &File,
     plan: Plan,
@@ -540,6 +545,26 @@ fn layout(client: &Client, url: &LwioUrl, size: u64) -> anyhow::Result<()> {
     f.close().map_err(|e| ctx(url, e))
 }
 
+/// The client options of one job of `bs`-byte I/Os at depth `qd`.
+pub fn job_options(bs: usize, qd: usize, completion: Completion) -> ClientOptions {
+    let read_chunk = bs.next_multiple_of(4096).clamp(4096, 512 * 1024);
+    let chunks = bs.div_ceil(read_chunk);
+    let stage_slots = (qd * chunks).clamp(1, (MAX_STAGE_BYTES / read_chunk).max(1));
+    ClientOptions {
+        completion,
+        credits: (qd * chunks).clamp(1, 1024) as u16,
+        read_chunk,
+        stage_slots,
+        write_chunk: bs.clamp(512, WRITE_CHUNK),
+        // Every write request in flight is encoded in its own send slot.
+        send_slots: (qd * bs.div_ceil(WRITE_CHUNK)).clamp(16, 1024),
+        // Polling means polling: a waiter spins up to 10 ms (a 1 MiB read
+        // at QD 8 takes milliseconds) before it falls back to INTERRUPT.
+        poll_spin: Duration::from_millis(10),
+        ..ClientOptions::default()
+    }
+}
+
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if a.bs == 0 || a.bs > MAX_BS {
         anyhow::bail!("--bs must be between 1 byte and {}", format_size(MAX_BS));
@@ -566,28 +591,17 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     };
     url.require_export()?;
     let bs = a.bs as usize;
-    let read_chunk = bs.next_multiple_of(4096).clamp(4096, 512 * 1024);
-    let chunks = bs.div_ceil(read_chunk);
     let qd = a.qd as usize;
-    let stage_slots = (qd * chunks).clamp(1, (MAX_STAGE_BYTES / read_chunk).max(1));
-    let opts = ClientOptions {
-        completion: match a.completion {
+    let mut opts = job_options(
+        bs,
+        qd,
+        match a.completion {
             CliCompletion::Poll => Completion::Poll,
             CliCompletion::Interrupt => Completion::Interrupt,
         },
-        provider: a.client.provider,
-        device: a.client.device.clone(),
-        credits: (qd * chunks).clamp(1, 1024) as u16,
-        read_chunk,
-        stage_slots,
-        write_chunk: bs.clamp(512, WRITE_CHUNK),
-        // Every write request in flight is encoded in its own send slot.
-        send_slots: (qd * bs.div_ceil(WRITE_CHUNK)).clamp(16, 1024),
-        // Polling means polling: a waiter spins up to 10 ms (a 1 MiB read
-        // at QD 8 takes milliseconds) before it falls back to INTERRUPT.
-        poll_spin: Duration::from_millis(10),
-        ..ClientOptions::default()
-    };
+    );
+    opts.provider = a.client.provider;
+    opts.device = a.client.device.clone();
     let mut client_args = a.client.clone();
     if let Some(e) = &embedded {
         // Log in with the token generated for this run.
