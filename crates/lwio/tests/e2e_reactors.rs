@@ -90,6 +90,7 @@ fn two_reactors_drive_24_connections_and_balance_them() {
     );
     assert!(r.iter().all(|x| x.1 > 0), "both reactors did work: {r:?}");
     assert_eq!(s.rdma.stats().connections, 24);
+    wait_for("24 serving", || s.rdma.connection_states() == (0, 24, 0));
     // Half leave: their places free, the rest keep working.
     drop(files);
     let mut clients = clients;

@@ -38,6 +38,8 @@ pub struct RdmaSnapshot {
     pub reactors: Vec<(usize, u64)>,
     /// The shared receive pools, summed.
     pub pool: crate::io_phase::pool::PoolStats,
+    /// Live connections: (authenticating, serving, closing).
+    pub states: (usize, usize, usize),
 }
 
 /// The content type of [`render`]'s text.
@@ -205,6 +207,19 @@ impl Collector for Figures {
             "File I/Os waiting for a storage thread",
             i64_of(s.storage_queue),
         )?;
+        let mut m = e.encode_descriptor(
+            "lwio_rdma_connections_by_state",
+            "RDMA connections by state (within 50 ms)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (st, n) in [
+            ("authenticating", r.states.0),
+            ("serving", r.states.1),
+            ("closing", r.states.2),
+        ] {
+            ConstGauge::new(i64_of(n)).encode(m.encode_family(&[("state", st)])?)?;
+        }
         gauge(
             &mut e,
             "lwio_rdma_receive_pool_bytes",

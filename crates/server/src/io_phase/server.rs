@@ -227,6 +227,9 @@ enum Control {
 }
 
 struct ConnEntry {
+    /// Its state for metrics: [`CONN_AUTHENTICATING`], [`CONN_SERVING`]
+    /// or [`CONN_CLOSING`].
+    state: Arc<std::sync::atomic::AtomicU8>,
     ctl: mpsc::Sender<Control>,
     waker: Arc<Waker>,
     credits: Arc<AtomicUsize>,
@@ -273,6 +276,11 @@ pub(super) struct Shared {
     /// Jobs queued for the storage threads and not yet taken.
     storage_queued: Arc<AtomicUsize>,
 }
+
+/// Connection states, for metrics.
+const CONN_AUTHENTICATING: u8 = 0;
+const CONN_SERVING: u8 = 1;
+const CONN_CLOSING: u8 = 2;
 
 /// How often a connection adds its request counters into the server's.
 pub(super) const STATS_FLUSH: Duration = Duration::from_millis(50);
@@ -483,6 +491,19 @@ impl ServerHandle {
     }
 
     /// Current credit limits of the live connections.
+    /// Live connections by state: (authenticating, serving, closing).
+    pub fn connection_states(&self) -> (usize, usize, usize) {
+        let mut n = (0, 0, 0);
+        for c in lock(&self.0.conns).values() {
+            match c.state.load(Ordering::Relaxed) {
+                CONN_AUTHENTICATING => n.0 += 1,
+                CONN_SERVING => n.1 += 1,
+                _ => n.2 += 1,
+            }
+        }
+        n
+    }
+
     pub fn connection_credits(&self) -> Vec<usize> {
         lock(&self.0.conns)
             .values()
@@ -726,6 +747,7 @@ impl RdmaPhase for RdmaServer {
             max_connections: self.shared.opts.max_connections,
             reactors: h.reactors(),
             pool: h.receive_pool(),
+            states: h.connection_states(),
         })
     }
 
@@ -1442,6 +1464,7 @@ pub(super) struct Conn {
     ctl_rx: mpsc::Receiver<Control>,
     waker: Arc<Waker>,
     credits_pub: Arc<AtomicUsize>,
+    state_pub: Arc<std::sync::atomic::AtomicU8>,
     credits_reported: i64,
     base_credits: u16,
     /// The most credits the client said it can use (learned from a CREDIT
@@ -1617,6 +1640,7 @@ impl Conn {
         let (ctl_tx, ctl_rx) = mpsc::channel();
         let waker = Arc::new(Waker::new()?);
         let credits_pub = Arc::new(AtomicUsize::new(1));
+        let state_pub = Arc::new(std::sync::atomic::AtomicU8::new(CONN_AUTHENTICATING));
         let now = Instant::now();
         let base_credits = cfg.max_credits;
         info!(conn = id, %peer, qpn = qp.qp_num(), listener = %listening.describe(), "RDMA connection accepted");
@@ -1624,6 +1648,7 @@ impl Conn {
             ctl: ctl_tx,
             waker: waker.clone(),
             credits: credits_pub.clone(),
+            state: state_pub.clone(),
             pd: domain.is_none().then(|| pd.clone()),
         };
         let sconn = ServerConn::new(cfg, now);
@@ -1661,6 +1686,7 @@ impl Conn {
                 ctl_rx,
                 waker,
                 credits_pub,
+                state_pub,
                 credits_reported: 0,
                 base_credits,
                 client_cap: None,
@@ -1738,6 +1764,14 @@ impl Conn {
     /// protocol timers, credit balancing and counters every
     /// [`STATS_FLUSH`], memory-object work, pending actions.
     pub(super) fn tick(&mut self, now: Instant) {
+        let st = if self.closing.is_some() || self.draining.is_some() {
+            CONN_CLOSING
+        } else if self.sconn.is_authenticated() {
+            CONN_SERVING
+        } else {
+            CONN_AUTHENTICATING
+        };
+        self.state_pub.store(st, Ordering::Relaxed);
         if let Some(t) = self.sconn.poll_timeout() {
             if now >= t {
                 let slow = self.sconn.slow_credit_replies();
