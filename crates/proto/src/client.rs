@@ -388,6 +388,11 @@ impl<U: Default> ClientConn<U> {
         v.sort_unstable();
         v
     }
+    /// How many outstanding requests complete by a status block write
+    /// (what [`ClientConn::polled_slots`] lists), without listing them.
+    pub fn polled_outstanding(&self) -> usize {
+        self.by_slot.len()
+    }
     /// The status block slot of an outstanding polled request (None once it
     /// completed, or when it completes by interrupt).
     pub fn slot_of(&self, req: ReqId) -> Option<u32> {
