@@ -18,7 +18,15 @@
 //! it waits for wakes it directly; other waiters sleep on a condition
 //! variable and one of them takes over when the driver leaves. A
 //! **progress thread** drives only while nobody waits, so an idle client
-//! still answers credit transactions. In polling mode a waiter spins on its
+//! still answers credit transactions. It sleeps on the completion channel
+//! and a wake-up eventfd of its own until the next deadline that needs it
+//! (`Engine::next_wake`: the state machine's earliest request deadline,
+//! and in polling mode a 20 ms status-block scan while polled requests are
+//! outstanding); with nothing outstanding, until an event, so an idle
+//! client costs no wake-ups. A caller that gives the state machine an
+//! earlier deadline than the one it sleeps to wakes it
+//! (`Engine::nudge_progress`), and so do `shutdown` and dropping the
+//! engine. In polling mode a waiter spins on its
 //! own IO_STATUS_BLOCK (`Mr::load_u64`, no receive involved), driving the
 //! CQ and yielding the CPU each round; when the spin budget is spent it
 //! sends INTERRUPT and sleeps until the server answers.
@@ -42,7 +50,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -79,6 +87,9 @@ const AUTH_BUF: usize = 256;
 const STATUS_SLOTS: u32 = 256;
 /// Request messages posted together at most (one post list).
 const SEND_BATCH: usize = 32;
+/// Polling mode: how often the progress thread scans the status blocks of
+/// outstanding requests while no caller drives.
+const POLL_SCAN: Duration = Duration::from_millis(20);
 
 /// In the reason of a connection this client's provider terminated
 /// because the server sent what it must not (`Engine::refused_by_us`): a
@@ -143,6 +154,14 @@ pub struct ClientStats {
     pub fragments_sent: u64,
     pub polled_completions: u64,
     pub interrupt_completions: u64,
+    /// Times the progress thread woke up (each turn of its loop: from its
+    /// sleep on the completion channel, or from a short nap while a caller
+    /// drives). An idle connection stays near zero.
+    pub progress_wakeups: u64,
+    /// Requests whose op timeout passed before their answer came (the
+    /// state machine's `TimedOut`; they stay outstanding until answered),
+    /// found by a waiter or by the progress thread.
+    pub timed_out: u64,
     /// Of the interrupt completions, reads completed by the server's RDMA
     /// Write with Immediate (ImmediateCookie) rather than a status message.
     pub immediate_completions: u64,
@@ -312,6 +331,21 @@ struct Locked {
     stats: ClientStats,
     /// An eventfd signalled at every completion ([`Engine::set_notify`]).
     notify: Option<Arc<std::os::fd::OwnedFd>>,
+    /// How the progress thread sleeps now (set by it before it sleeps,
+    /// cleared when it wakes or is woken).
+    nap: Nap,
+}
+
+/// The progress thread's sleep on the completion channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Nap {
+    /// Not asleep on the channel (running a round, or standing by while a
+    /// caller drives), or already woken.
+    Awake,
+    /// Asleep until this deadline or an event.
+    Until(Instant),
+    /// Asleep until an event: nothing needs a timer.
+    Forever,
 }
 
 /// The engine. Shared by `Client`, its `File`s and the progress thread.
@@ -339,8 +373,14 @@ pub struct Engine {
     /// Held by the one thread that sleeps on the completion channel and
     /// processes what arrives (the *driver*): a waiting caller when there
     /// is one, so its completion wakes it directly, else the progress
-    /// thread.
-    driver: Mutex<()>,
+    /// thread. A flag rather than a mutex: the progress thread keeps the
+    /// role while it sleeps without holding the engine.
+    driver: AtomicBool,
+    /// An eventfd that ends the progress thread's sleep (`nudge_progress`,
+    /// `shutdown`, `drop`).
+    wake: Arc<std::os::fd::OwnedFd>,
+    /// The progress thread's loop turns ([`ClientStats::progress_wakeups`]).
+    wakeups: AtomicU64,
     /// Callers that may block (inside `wait`, `issue`, `interrupt`,
     /// `fence_group`); while non-zero the progress thread stands by
     /// instead of taking the driver role.
@@ -531,7 +571,15 @@ impl Engine {
             auth: None,
             stats: ClientStats::default(),
             notify: None,
+            nap: Nap::Awake,
         };
+        let wake = Arc::new(
+            rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+            )
+            .map_err(|e| Error::Io(format!("eventfd: {e}")))?,
+        );
         let e = Arc::new(Engine {
             cfg,
             qp,
@@ -551,15 +599,18 @@ impl Engine {
             stop: AtomicBool::new(false),
             progress: Mutex::new(None),
             provider,
-            driver: Mutex::new(()),
+            driver: AtomicBool::new(false),
+            wake: wake.clone(),
+            wakeups: AtomicU64::new(0),
             waiters: std::sync::atomic::AtomicUsize::new(0),
             is_lost: AtomicBool::new(false),
             failed_over: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&e);
+        let chan = e.chan.clone();
         let t = std::thread::Builder::new()
             .name("lwio-client-progress".into())
-            .spawn(move || progress_loop(weak))
+            .spawn(move || progress_loop(weak, chan, wake))
             .map_err(|e| Error::Io(format!("cannot start the progress thread: {e}")))?;
         *e.progress.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
         // AUTH.
@@ -644,6 +695,7 @@ impl Engine {
     /// Stop the progress thread and disconnect.
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Release);
+        self.wake_progress();
         let _ = self.qp.disconnect();
         {
             let mut st = lock(&self.st);
@@ -675,6 +727,7 @@ impl Engine {
         let st = lock(&self.st);
         let mut s = st.stats.clone();
         s.credits = st.conn.credits();
+        s.progress_wakeups = self.wakeups.load(Ordering::Relaxed);
         s
     }
 
@@ -842,12 +895,103 @@ impl Engine {
                 // Its waiter (woken below) returns TimedOut and abandons it.
                 ClientEvent::TimedOut { req, opcode } => {
                     debug!(req, ?opcode, "request timed out");
+                    st.stats.timed_out += 1;
                 }
             }
         }
         if notify {
             self.cv.notify_all();
         }
+        self.nudge_progress(st);
+    }
+
+    /// When the progress thread must run next, asleep on the completion
+    /// channel: the earliest request deadline of the state machine (its
+    /// `handle_timeout`: a request's op timeout, an unanswered CREDIT
+    /// reply), and while polled requests are outstanding the next scan of
+    /// their status blocks (a polled completion posts no event). `None`:
+    /// only an event needs it — nothing is outstanding, or only an
+    /// INTERRUPT, which has no deadline and is answered by a message.
+    /// Everything else that needs it is an event on the channel: a
+    /// receive (a status response, the server's credit messages, a flushed
+    /// receive when the connection breaks), a send, bind or invalidation
+    /// completion, and under the soft provider's manual progress any input
+    /// or transmit room on its socket.
+    fn next_wake(&self, st: &Locked, now: Instant) -> Option<Instant> {
+        let deadline = st.conn.poll_timeout();
+        if st.conn.polled_outstanding() > 0 {
+            let scan = now + POLL_SCAN;
+            return Some(deadline.map_or(scan, |d| d.min(scan)));
+        }
+        deadline
+    }
+
+    /// Wake the progress thread if it sleeps past what it now has to do
+    /// (a request issued while it slept without a deadline). Cheap while it
+    /// is awake; an eventfd write at most once per sleep.
+    fn nudge_progress(&self, st: &mut Locked) {
+        let until = match st.nap {
+            Nap::Awake => return,
+            Nap::Until(t) => Some(t),
+            Nap::Forever => None,
+        };
+        let Some(next) = self.next_wake(st, Instant::now()) else {
+            return;
+        };
+        if until.is_some_and(|t| t <= next) {
+            return;
+        }
+        st.nap = Nap::Awake;
+        self.wake_progress();
+    }
+
+    /// End the progress thread's sleep (now, or its next one).
+    fn wake_progress(&self) {
+        // An eventfd counter: +1, non-blocking (EAGAIN only when it is
+        // already readable).
+        let _ = rustix::io::write(&*self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Take the driver role if nobody has it.
+    fn take_driver(&self) -> bool {
+        self.driver
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    fn release_driver(&self) {
+        self.driver.store(false, Ordering::Release);
+    }
+
+    /// One round of the progress thread, which holds the driver role: take
+    /// the channel's event (under manual progress, read the sockets), then
+    /// process completions until the completion queue is empty *and armed*,
+    /// so that the next completion makes the channel readable. False once
+    /// the connection is lost.
+    fn progress_round(&self) -> bool {
+        lock(&self.st).nap = Nap::Awake;
+        if let Err(err) = self.chan.wait(Some(Duration::ZERO)) {
+            let mut st = lock(&self.st);
+            self.mark_lost(&mut st, format!("completion channel failed: {err}"));
+            return false;
+        }
+        loop {
+            match self.drive(Duration::ZERO) {
+                None => return false,
+                // `Cq::wait` armed the queue and found it empty after.
+                Some(0) => return true,
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// What the progress thread sleeps until ([`Engine::next_wake`]),
+    /// recorded for [`Engine::nudge_progress`].
+    fn plan_nap(&self) -> Option<Instant> {
+        let mut st = lock(&self.st);
+        let until = self.next_wake(&st, Instant::now());
+        st.nap = until.map_or(Nap::Forever, Nap::Until);
+        until
     }
 
     /// Post the queued request messages, as few post calls as possible (the
@@ -1064,16 +1208,17 @@ impl Engine {
     /// One round as the driver (the caller holds `self.driver`): sleep on
     /// the completion channel up to `timeout` (the soft provider's manual
     /// progress reads the socket in this thread), then process every
-    /// completion, status block and action. False once the connection is
-    /// lost (completions drained).
-    fn drive(&self, timeout: Duration) -> bool {
+    /// completion, status block and action. The completions the wait
+    /// returned (0: the queue was armed and empty when it timed out), or
+    /// `None` once the connection is lost (completions drained).
+    fn drive(&self, timeout: Duration) -> Option<usize> {
         let mut wcs = [Wc::BLANK; 32];
         let n = match self.cq.wait(&self.chan, &mut wcs, Some(timeout)) {
             Ok(n) => n,
             Err(err) => {
                 let mut st = lock(&self.st);
                 self.mark_lost(&mut st, format!("completion channel failed: {err}"));
-                return false;
+                return None;
             }
         };
         if n > 0 {
@@ -1104,9 +1249,9 @@ impl Engine {
             self.cv.notify_all();
             // Keep draining flushes so resources are accounted, then stop.
             let _ = self.cq.poll(&mut wcs);
-            return false;
+            return None;
         }
-        true
+        Some(n)
     }
 
     fn poll_cq(&self) -> bool {
@@ -2007,10 +2152,11 @@ impl Engine {
     /// condition variable the driver signals.
     fn sleep_or_drive(&self, mut st: MutexGuard<'_, Locked>, wait: Duration) {
         self.flush_sends(&mut st);
-        if let Ok(driver) = self.driver.try_lock() {
+        if self.take_driver() {
             drop(st);
+            let driving = Driving(self);
             self.drive(wait);
-            drop(driver);
+            drop(driving);
             if self.waiters.load(Ordering::Acquire) > 1 {
                 // Others wait on the condition variable: one of them takes
                 // the driver role now.
@@ -2337,6 +2483,9 @@ fn free_stage(st: &mut Locked, s: Stage) {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        // The progress thread may sleep without a deadline: it wakes, finds
+        // the engine gone and ends.
+        self.wake_progress();
         let _ = self.qp.disconnect();
     }
 }
@@ -2357,33 +2506,91 @@ impl Drop for Waiting<'_> {
     }
 }
 
-fn progress_loop(weak: std::sync::Weak<Engine>) {
+/// Gives the driver role back when a caller's turn as the driver ends
+/// (also by unwinding).
+struct Driving<'a>(&'a Engine);
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        self.0.release_driver();
+    }
+}
+
+/// The progress thread: the driver while no caller waits. Between rounds
+/// it sleeps on the completion channel and its wake-up eventfd until the
+/// next deadline ([`Engine::next_wake`]), holding the driver role but not
+/// the engine (dropping the engine wakes it, and it ends).
+fn progress_loop(
+    weak: std::sync::Weak<Engine>,
+    chan: CompChannel,
+    wake: Arc<std::os::fd::OwnedFd>,
+) {
+    // Whether this thread holds the driver role (across its sleep).
+    let mut driving = false;
     loop {
         let Some(e) = weak.upgrade() else { return };
         if e.stop.load(Ordering::Acquire) {
+            if driving {
+                e.release_driver();
+            }
             return;
         }
-        // A caller is waiting and drives the CQ itself: stand by (short
-        // naps, so an idle client still answers credit messages promptly).
-        if e.waiters.load(Ordering::Acquire) > 0 {
-            drop(e);
-            std::thread::sleep(Duration::from_millis(2));
-            continue;
+        e.wakeups.fetch_add(1, Ordering::Relaxed);
+        if !driving {
+            // A caller is waiting and drives the CQ itself: stand by (short
+            // naps, so an idle client still answers credit messages
+            // promptly once it stops).
+            if e.waiters.load(Ordering::Acquire) > 0 || !e.take_driver() {
+                drop(e);
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            driving = true;
         }
-        let Ok(driver) = e.driver.try_lock() else {
-            drop(e);
-            std::thread::sleep(Duration::from_millis(2));
-            continue;
-        };
-        if !e.drive(Duration::from_millis(20)) {
+        if !e.progress_round() {
+            e.release_driver();
             return;
         }
-        drop(driver);
         if e.waiters.load(Ordering::Acquire) > 0 {
             // A caller started waiting meanwhile (on the condition
             // variable, the driver role being taken): hand it over.
+            e.release_driver();
+            driving = false;
             e.cv.notify_all();
+            continue;
         }
+        let until = e.plan_nap();
+        drop(e);
+        nap(&chan, &wake, until);
+    }
+}
+
+/// Sleep until `chan` has an event (for the soft provider's manual
+/// progress also: its sockets have work), `wake` is signalled, or `until`.
+/// The event stays for the next round to take; the wake-up is consumed.
+fn nap(chan: &CompChannel, wake: &std::os::fd::OwnedFd, until: Option<Instant>) {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let timeout = until.map(|t| {
+        let d = t.saturating_duration_since(Instant::now());
+        Timespec {
+            tv_sec: d.as_secs().try_into().unwrap_or(i64::MAX),
+            tv_nsec: d.subsec_nanos().into(),
+        }
+    });
+    // SAFETY: the descriptor belongs to `chan`, which this thread keeps
+    // alive (a clone of the engine's channel) for as long as the borrow
+    // lasts: this function.
+    let chan_fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(chan.fd()) };
+    let mut fds = [
+        PollFd::from_borrowed_fd(chan_fd, PollFlags::IN),
+        PollFd::new(wake, PollFlags::IN),
+    ];
+    // EINTR or an error: the next round looks (an error of the channel
+    // shows there).
+    let _ = rustix::event::poll(&mut fds, timeout.as_ref());
+    if !fds[1].revents().is_empty() {
+        let mut count = [0u8; 8];
+        let _ = rustix::io::read(wake, &mut count);
     }
 }
 
