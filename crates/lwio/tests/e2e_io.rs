@@ -40,6 +40,10 @@ fn client(s: &LocalServer, completion: Completion) -> Client {
         register_threshold: Some(64 * 1024),
         ..ClientOptions::default()
     };
+    connect_with(s, opts)
+}
+
+fn connect_with(s: &LocalServer, opts: ClientOptions) -> Client {
     Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
         .expect("client connects")
 }
@@ -1477,4 +1481,139 @@ fn polled_waits_sleep_on_interrupt() {
         "the slow read did not sleep on an INTERRUPT: {before:?} -> {st:?}"
     );
     assert_eq!(st.credit_violations, 0, "{st:?}");
+}
+
+/// Issue 13: an idle client costs (almost) no wake-ups. Connected, a file
+/// open and nothing in flight, its progress thread sleeps until an event or
+/// a deadline, not on a 20 ms tick (which was 50 wake-ups a second per
+/// client); a read right after is served byte for byte.
+fn idle_suite(completion: Completion) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), RdmaServerOptions::default());
+    let c = client(&s, completion);
+    let f = c
+        .open("idle.bin", &OpenOptions::read_write().create(true))
+        .unwrap();
+    let data = pattern(13, 100_003);
+    assert_eq!(f.write_at(&data, 0).unwrap(), data.len());
+    let mut back = vec![0u8; data.len()];
+    assert_eq!(f.read_at(&mut back, 0).unwrap(), data.len());
+    assert_eq!(back, data);
+    // What a polling waiter whose spin ran out leaves behind: an INTERRUPT
+    // outstanding until the next completion. It has no deadline, and no
+    // status block to scan.
+    // (The reads above may have sent one already: then this one joins it.)
+    c.engine().arm_interrupt();
+    assert!(c.stats().interrupts_sent >= 1);
+    // The server's credit balancing may still take back what the traffic
+    // earned (a credit transaction: a few wake-ups); then nothing happens.
+    std::thread::sleep(Duration::from_millis(500));
+    let window = Duration::from_secs(2);
+    let before = c.stats().progress_wakeups;
+    std::thread::sleep(window);
+    let woke = c.stats().progress_wakeups - before;
+    eprintln!("{completion:?}: {woke} progress wake-ups in {window:?} idle");
+    assert!(
+        woke <= 5 * window.as_secs(),
+        "{completion:?}: an idle client's progress thread woke {woke} times in {window:?}"
+    );
+    let mut again = vec![0u8; data.len()];
+    assert_eq!(f.read_at(&mut again, 0).unwrap(), data.len());
+    assert_eq!(again, data);
+    let st = c.stats();
+    assert_eq!(st.credit_violations, 0);
+    assert_eq!(st.timed_out, 0);
+}
+
+#[test]
+fn idle_client_sleeps() {
+    for completion in [Completion::Interrupt, Completion::Poll] {
+        idle_suite(completion);
+    }
+}
+
+/// The deadlines the progress thread sleeps to still fire: a read that
+/// nobody waits for (its request at the server, waiting on an empty FIFO)
+/// times out in the state machine at the op timeout, found by the progress
+/// thread alone; fed, the FIFO completes it (the engine frees its staging
+/// buffer) and the file works on.
+fn unwaited_deadline_suite(completion: Completion) {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let feed = slow_fifo(dir.path(), &format!("deadline-{completion:?}.fifo"));
+    let op_timeout = Duration::from_millis(700);
+    let c = connect_with(
+        &s,
+        ClientOptions {
+            completion,
+            credits: 8,
+            op_timeout,
+            ..ClientOptions::default()
+        },
+    );
+    let f = c
+        .open(
+            &format!("deadline-{completion:?}.fifo"),
+            &OpenOptions::read_write(),
+        )
+        .unwrap();
+    let e = c.engine();
+    let (req, _stage) = e.issue_read(f.fid(), 0, 16, None).unwrap();
+    e.flush();
+    let issued = std::time::Instant::now();
+    std::thread::sleep(op_timeout / 2);
+    assert_eq!(c.stats().timed_out, 0, "timed out early");
+    wait_for(
+        || c.stats().timed_out == 1,
+        "the unwaited request times out",
+    );
+    let late = issued.elapsed();
+    assert!(
+        late < op_timeout + Duration::from_millis(500),
+        "{completion:?}: timed out {late:?} after issue (op timeout {op_timeout:?})"
+    );
+    // Its waiter comes late: the request timed out (and is abandoned).
+    assert!(matches!(e.wait(req, None), Err(Error::TimedOut(_))));
+    // The server answers it once the FIFO has data; the file works on.
+    (&feed).write_all(&[1u8; 16]).unwrap();
+    (&feed).write_all(b"fifo works").unwrap();
+    let mut b = [0u8; 10];
+    assert_eq!(f.read_at(&mut b, 0).unwrap(), 10, "read after the timeout");
+    assert_eq!(&b, b"fifo works");
+    assert_eq!(c.stats().credit_violations, 0);
+}
+
+#[test]
+fn unwaited_deadline_fires() {
+    for completion in [Completion::Interrupt, Completion::Poll] {
+        unwaited_deadline_suite(completion);
+    }
+}
+
+/// An idle client, asleep without a deadline, still sees its connection
+/// go: the server stops and the channel reports it lost at once (a flushed
+/// receive is an event), not on a tick.
+#[test]
+fn idle_client_sees_the_server_go() {
+    for completion in [Completion::Interrupt, Completion::Poll] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = server(dir.path(), no_auto());
+        let c = client(&s, completion);
+        let f = c
+            .open("gone.bin", &OpenOptions::read_write().create(true))
+            .unwrap();
+        assert_eq!(f.write_at(b"before", 0).unwrap(), 6);
+        std::thread::sleep(Duration::from_millis(300));
+        let e = c.engine();
+        assert!(e.lost().is_none());
+        let woke = c.stats().progress_wakeups;
+        s.stop();
+        wait_for(|| e.lost().is_some(), "the idle client sees the loss");
+        eprintln!(
+            "{completion:?}: lost ({:?}) after {} wake-ups",
+            e.lost(),
+            c.stats().progress_wakeups - woke
+        );
+    }
 }
