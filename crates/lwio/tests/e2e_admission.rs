@@ -86,33 +86,54 @@ fn connection_cap_refuses_with_the_reason_and_frees_slots() {
 #[test]
 fn out_of_registered_memory_is_the_reason_given() {
     let dir = tempfile::tempdir().unwrap();
-    // Room for one connection's buffers, not two.
-    let probe = {
-        let s = LocalServer::start(
-            dir.path(),
-            "ex",
-            TOKEN,
-            Limits::default(),
-            RdmaServerOptions::default(),
-        )
-        .unwrap();
-        let c = connect(&s).unwrap();
-        let used = s.rdma.stats().registered_bytes;
-        drop(c);
-        used
-    };
+    // A budget of 1 MiB: each connection admitted holds at least one
+    // receive buffer of the pool and one chunk of send slots; clients are
+    // admitted (with fewer credits as it fills) until one no longer fits.
+    let budget = 1 << 20;
     let rdma = RdmaServerOptions {
-        max_memory: probe + probe / 2,
+        max_memory: budget,
+        max_connections_per_host: 1000,
         ..RdmaServerOptions::default()
     };
     let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
-    let _first = connect(&s).expect("one fits");
-    match connect(&s) {
-        Err(Error::Busy(m)) => assert!(
-            m.starts_with("out of receive memory: ") && m.ends_with(" MiB)"),
-            "{m}"
-        ),
-        Err(e) => panic!("want the server's reason, got: {e}"),
-        Ok(_) => panic!("a second connection fit in one connection's memory"),
+    let mut clients = Vec::new();
+    let refusal = loop {
+        match connect(&s) {
+            Ok(c) => {
+                assert!(s.rdma.stats().registered_bytes <= budget);
+                clients.push(c);
+                assert!(clients.len() < 500, "1 MiB held 500 connections");
+            }
+            Err(Error::Busy(m)) => break m,
+            Err(e) => panic!("want the server's reason, got: {e}"),
+        }
+    };
+    assert!(
+        refusal.starts_with("out of receive memory: ") && refusal.ends_with(" MiB)"),
+        "{refusal}"
+    );
+    assert!(clients.len() >= 2, "only {} admitted", clients.len());
+    println!("{} connections in 1 MiB, then: {refusal}", clients.len());
+    // Every admitted one works, and a slot frees when one leaves.
+    for (i, c) in clients.iter().enumerate() {
+        let f = c
+            .open(&format!("m{i}"), &OpenOptions::read_write().create(true))
+            .unwrap();
+        let data = pattern(i as u64, 3000);
+        assert_eq!(f.write_at(&data, 0).unwrap(), data.len());
+        let mut back = vec![0u8; data.len()];
+        assert_eq!(f.read_at(&mut back, 0).unwrap(), data.len());
+        assert_eq!(back, data);
+    }
+    drop(clients.pop());
+    let t0 = Instant::now();
+    loop {
+        match connect(&s) {
+            Ok(_) => break,
+            Err(Error::Busy(_)) if t0.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("no room freed: {e}"),
+        }
     }
 }

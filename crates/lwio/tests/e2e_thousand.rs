@@ -312,8 +312,11 @@ fn a_thousand_clients_on_one_server() {
         reg_kib <= REGISTERED_PER_CONN_KIB,
         "{reg_kib:.1} KiB registered per idle connection (bound {REGISTERED_PER_CONN_KIB} KiB)"
     );
+    // A fixed set of threads (reactors, storage, the side channel's
+    // runtime, which may start a few more on demand), not one per
+    // connection.
     assert!(
-        idle.threads <= base.threads + 2,
+        idle.threads <= base.threads + 10,
         "server threads grew with connections: {} -> {}",
         base.threads,
         idle.threads

@@ -277,6 +277,10 @@ pub(super) struct Shared {
     storage_queued: Arc<AtomicUsize>,
 }
 
+/// How long a READ waits for a read buffer when the registered-memory
+/// budget is spent before it is answered STATUS_INSUFFICIENT_RESOURCES.
+const READ_BUFFER_WAIT: Duration = Duration::from_secs(2);
+
 /// Connection states, for metrics.
 const CONN_AUTHENTICATING: u8 = 0;
 const CONN_SERVING: u8 = 1;
@@ -370,6 +374,21 @@ impl Shared {
                 Err(STATUS_INSUFFICIENT_RESOURCES)
             }
         }
+    }
+
+    /// Receive buffers of `slot` bytes the budget holds beyond what every
+    /// connection still to come (up to `max_connections`) needs to be
+    /// admitted idle (one receive buffer and one chunk of send slots):
+    /// what credits beyond one may use.
+    pub(super) fn extra_buffers(&self, slot: usize) -> usize {
+        let live = lock(&self.conns).len();
+        let floor =
+            self.opts.max_connections.saturating_sub(live) * (slot + SEND_SLOT * SEND_CHUNK);
+        self.opts
+            .max_memory
+            .saturating_sub(self.mem_used.load(Ordering::Relaxed))
+            .saturating_sub(floor)
+            / slot.max(1)
     }
 
     /// Memory a storage job still holds after its owner let it go: it is
@@ -1487,6 +1506,8 @@ pub(super) struct Conn {
     rio: Option<Arc<Mutex<RingIo>>>,
     /// File I/Os on the ring: op → ring id.
     ring_ops: HashMap<OpId, u64>,
+    /// READs waiting for the registered-memory budget: since when.
+    read_waits: HashMap<OpId, Instant>,
     /// Reactor bookkeeping: last balancing round, last I/O work, last
     /// polled completion (and the count it saw).
     last_tick: Instant,
@@ -1526,7 +1547,7 @@ impl Conn {
         let out_of_memory = |req: lwio_rdma::ConnRequest| {
             let why = format!(
                 "out of receive memory: {} MiB registered (limit {} MiB)",
-                shared.mem_used.load(Ordering::Relaxed) >> 20,
+                shared.mem_used.load(Ordering::Relaxed).div_ceil(1 << 20),
                 shared.opts.max_memory >> 20
             );
             let _ = req.reject(why.as_bytes());
@@ -1535,9 +1556,26 @@ impl Conn {
         // come from the reactor's shared receive queue; this connection
         // promises the pool the credits it grants, from one (AUTH) up to
         // the initial grant, as far as the budget allows.
+        // Admitted only with room for its buffers and one read buffer (a
+        // connection that could never read is refused at the door).
+        let need = recv_slot + SEND_SLOT * SEND_CHUNK + (64 << 10);
+        if domain.is_some()
+            && shared.mem_used.load(Ordering::Relaxed) + need > shared.opts.max_memory
+        {
+            out_of_memory(req);
+            return Err(nomem("receive buffers"));
+        }
         let backed = match domain {
             Some(d) => {
-                let got = d.pool.reserve(usize::from(cfg.max_credits), 1);
+                // The initial grant shrinks as the budget fills (one,
+                // plus a sixteenth of the receive buffers the budget has
+                // beyond every possible connection's one): a storm of new
+                // connections is admitted with fewer credits each rather
+                // than refused, and the balancer grants more to the ones
+                // that turn busy.
+                let extra = shared.extra_buffers(recv_slot) / 16;
+                let want = usize::from(cfg.max_credits).min(1 + extra);
+                let got = d.pool.reserve(want, 1);
                 if got == 0 {
                     out_of_memory(req);
                     return Err(nomem("receive buffers"));
@@ -1703,6 +1741,7 @@ impl Conn {
                 slot: 0,
                 rio: None,
                 ring_ops: HashMap::new(),
+                read_waits: HashMap::new(),
                 last_tick: now,
                 last_busy: now,
                 last_polled: now,
@@ -2023,6 +2062,7 @@ impl Conn {
     fn promise(&mut self, n: usize) -> usize {
         match &self.recv {
             RecvSrc::Pool(p) => {
+                let n = n.min(self.shared.extra_buffers(self.recv_slot));
                 let got = p.reserve(n, 1);
                 self.backed += got;
                 got
@@ -2404,7 +2444,12 @@ impl Conn {
         if free {
             if let Some(b) = self.read_bufs.remove(&op) {
                 if let Ok(mr) = Arc::try_unwrap(b.mr) {
-                    if self.spare_bufs.len() < usize::from(self.sconn.credits()).min(4) {
+                    // Kept for the next read while the budget has room;
+                    // given back when it is three quarters spent.
+                    let used = self.shared.mem_used.load(Ordering::Relaxed);
+                    if self.spare_bufs.len() < usize::from(self.sconn.credits()).min(4)
+                        && used <= self.shared.opts.max_memory / 4 * 3
+                    {
                         self.spare_bufs.push(mr);
                     } else {
                         self.shared.unregister(mr);
@@ -2520,7 +2565,7 @@ impl Conn {
             }
             ServerAction::FileRead {
                 op,
-                fid: _,
+                fid,
                 file,
                 offset,
                 len,
@@ -2536,16 +2581,42 @@ impl Conn {
                     .next_power_of_two()
                     .clamp(64 << 10, self.read_buf_len().max(64 << 10));
                 let spare = self.spare_bufs.iter().position(|m| m.len() >= want);
-                let mr = match spare.map(|i| self.spare_bufs.swap_remove(i)) {
-                    Some(m) => m,
-                    None => match self.shared.register(&self.pd, want, Access::LOCAL_WRITE) {
-                        Ok(m) => m,
-                        Err(st) => {
-                            self.sconn
-                                .handle_storage_complete(Instant::now(), op, Err(st));
-                            return Ok(());
+                let got = match spare.map(|i| self.spare_bufs.swap_remove(i)) {
+                    Some(m) => Ok(m),
+                    None => self
+                        .shared
+                        .register(&self.pd, want, Access::LOCAL_WRITE)
+                        .or_else(|_| {
+                            // Tight: the smallest buffer (a read larger
+                            // than it is short, and the client reads on).
+                            self.shared
+                                .register(&self.pd, 64 << 10, Access::LOCAL_WRITE)
+                        }),
+                };
+                let mr = match got {
+                    Ok(m) => {
+                        self.read_waits.remove(&op);
+                        m
+                    }
+                    Err(st) => {
+                        // The budget is spent: wait for buffers to come
+                        // back (this connection's or others'), up to
+                        // READ_BUFFER_WAIT, then answer the status.
+                        let since = *self.read_waits.entry(op).or_insert_with(Instant::now);
+                        if since.elapsed() < READ_BUFFER_WAIT {
+                            return Err(ServerAction::FileRead {
+                                op,
+                                fid,
+                                file,
+                                offset,
+                                len,
+                            });
                         }
-                    },
+                        self.read_waits.remove(&op);
+                        self.sconn
+                            .handle_storage_complete(Instant::now(), op, Err(st));
+                        return Ok(());
+                    }
                 };
                 let mr = Arc::new(mr);
                 self.read_bufs.insert(
