@@ -2447,7 +2447,7 @@ impl Conn {
                     // Kept for the next read while the budget has room;
                     // given back when it is three quarters spent.
                     let used = self.shared.mem_used.load(Ordering::Relaxed);
-                    if self.spare_bufs.len() < usize::from(self.sconn.credits()).min(4)
+                    if self.spare_bufs.len() < usize::from(self.sconn.credits()).max(4)
                         && used <= self.shared.opts.max_memory / 4 * 3
                     {
                         self.spare_bufs.push(mr);
