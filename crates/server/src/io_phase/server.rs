@@ -212,7 +212,8 @@ pub struct ServerStats {
     pub ios_cancelled: u64,
     /// Jobs waiting for a storage thread now.
     pub storage_queue: usize,
-    /// Reassembled fragmented messages written to their files.
+    /// Reassembled fragmented messages (of two fragments or more) written
+    /// to their files; WRITEs received whole are not counted here.
     pub fragment_writes: u64,
     /// Write calls those took: one `pwritev` each on the connection
     /// thread, or one batch submitted to the storage backend.
@@ -1461,8 +1462,8 @@ pub(super) struct Conn {
     /// holds (taken, not yet handed back).
     backed: usize,
     held: std::collections::HashSet<RecvId>,
-    /// Receive buffers a storage job writes from (a reassembled message),
-    /// reposted when it completes.
+    /// Receive buffers a storage job writes from (a reassembled message's,
+    /// a WRITE's), reposted when it completes.
     frag_bufs: HashMap<OpId, Vec<RecvId>>,
     recv_slot: usize,
     /// Its send slots, in chunks of [`SEND_CHUNK`].
@@ -2335,7 +2336,8 @@ impl Conn {
         parts: Vec<(RecvId, std::ops::Range<usize>)>,
     ) {
         let bufs: Vec<RecvId> = parts.iter().map(|(b, _)| *b).collect();
-        let Some(f) = self.files.get(&file).cloned() else {
+        let Some(f) = self.files.get(&file).filter(|f| f.rights.write).cloned() else {
+            // (`file_for` answers the refusal: nothing copied.)
             self.repost_recvs(bufs);
             self.file_for(op, file, true);
             return;
@@ -2356,10 +2358,13 @@ impl Conn {
                 iov.push((mr, at + r.start, r.len()));
             }
         }
-        self.shared.fragment_writes.fetch_add(1, Ordering::Relaxed);
-        if f.mem.is_some() || !f.rights.write {
+        let frag = u64::from(parts.len() > 1);
+        self.shared
+            .fragment_writes
+            .fetch_add(frag, Ordering::Relaxed);
+        if f.mem.is_some() {
             // A memory object (its publisher's connection does the I/O
-            // from a copy), or a refusal: the FileWrite way, from a copy.
+            // from a copy): the FileWrite way, from a copy.
             let mut data = Vec::with_capacity(iov.iter().map(|p| p.2).sum());
             for (mr, at, len) in &iov {
                 let mut piece = vec![0u8; *len];
@@ -2374,7 +2379,7 @@ impl Conn {
             };
             self.shared
                 .fragment_write_calls
-                .fetch_add(1, Ordering::Relaxed);
+                .fetch_add(frag, Ordering::Relaxed);
             self.dispatch(op, f, offset, JobKind::Write { data });
             return;
         }
@@ -2390,7 +2395,7 @@ impl Conn {
                 .collect();
             // SAFETY: every iovec lies in a receive region (checked
             // above) within a buffer the state machine kept: not posted
-            // since its fragment arrived, so the provider places nothing
+            // since its message arrived, so the provider places nothing
             // there, and the region is LOCAL_WRITE only, so no peer key
             // reaches it; the kernel only reads it; `iov` holds an Arc of
             // each region, which keeps it mapped across the call.
@@ -2408,7 +2413,7 @@ impl Conn {
         if let Some(n) = inline {
             self.shared
                 .fragment_write_calls
-                .fetch_add(1, Ordering::Relaxed);
+                .fetch_add(frag, Ordering::Relaxed);
             self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
             self.repost_recvs(bufs);
             self.storage_done(op, Ok(n));
@@ -2416,7 +2421,7 @@ impl Conn {
         }
         self.shared
             .fragment_write_calls
-            .fetch_add(1, Ordering::Relaxed);
+            .fetch_add(frag, Ordering::Relaxed);
         self.frag_bufs.insert(op, bufs);
         self.dispatch(op, f, offset, JobKind::WriteParts { iov });
     }
