@@ -3,7 +3,9 @@
 //! each step starts with a selector byte; messages are length-prefixed.
 //! Optionally a valid AUTH is injected first so the fuzzer reaches the
 //! authenticated state. Invariants: no panic, nothing produced after
-//! CloseConnection, outstanding ≤ credits.
+//! CloseConnection, outstanding ≤ credits, and every receive buffer kept
+//! (a fragment's, or a WRITE's whose data is lent to its FileWriteParts)
+//! handed back exactly once, with ranges inside the bytes it received.
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
@@ -65,8 +67,9 @@ fuzz_target!(|data: &[u8]| {
     let mut hooks = Hooks;
     let mut ops: Vec<OpId> = Vec::new();
     let mut closed = false;
-    // Receive buffers the state machine kept, and the next buffer id.
-    let mut kept: std::collections::HashSet<u64> = Default::default();
+    // Receive buffers the state machine kept (with the length of the
+    // message each received), and the next buffer id.
+    let mut kept: std::collections::HashMap<u64, usize> = Default::default();
     let mut next_buf = 0u64;
     if data.first().is_some_and(|b| b & 1 != 0) {
         s.handle_recv(t0, &auth(), &mut hooks);
@@ -99,7 +102,7 @@ fuzz_target!(|data: &[u8]| {
                 }
                 next_buf += 1;
                 if s.handle_recv_in(t0, next_buf, &m, &mut hooks) == RecvBuffer::Kept {
-                    kept.insert(next_buf);
+                    kept.insert(next_buf, m.len());
                 }
                 rest = rest.get(1 + n..).unwrap_or(&[]);
             }
@@ -127,15 +130,18 @@ fuzz_target!(|data: &[u8]| {
                     ops.push(op)
                 }
                 ServerAction::FileWriteParts { op, parts, .. } => {
-                    // Every part is a kept buffer, handed back once.
-                    for (b, _) in parts {
-                        assert!(kept.remove(&b), "buffer {b} not kept, or given back twice");
+                    // Every part is a kept buffer, handed back once, and
+                    // lies in the bytes it received.
+                    for (b, r) in parts {
+                        let len = kept.remove(&b);
+                        assert!(len.is_some(), "buffer {b} not kept, or given back twice");
+                        assert!(r.start <= r.end && Some(r.end) <= len, "{r:?} outside buffer {b}");
                     }
                     ops.push(op)
                 }
                 ServerAction::RepostRecvs(bufs) => {
                     for b in bufs {
-                        assert!(kept.remove(&b), "buffer {b} not kept, or given back twice");
+                        assert!(kept.remove(&b).is_some(), "buffer {b} not kept, or given back twice");
                     }
                 }
                 ServerAction::CloseConnection(_) => closed = true,

@@ -93,23 +93,11 @@ pub trait ServerHooks {
         resume_key: &SrvResumeKey,
         flags_and_attributes: u32,
     ) -> Result<u64, NtStatus>;
-
-    /// Optionally carry out a WRITE at once, straight from the request's
-    /// bytes (no copy): `Some(Ok(n))`/`Some(Err(status))` completes it now,
-    /// `None` (the default) emits [`ServerAction::FileWrite`] with a copy of
-    /// the data instead. `file` is a handle `open_file` returned; the
-    /// embedder checks that it may be written, as for `FileWrite`.
-    fn write_now(
-        &mut self,
-        _file: u64,
-        _offset: u64,
-        _data: &[u8],
-    ) -> Option<Result<u32, NtStatus>> {
-        None
-    }
 }
 
 /// A receive buffer the embedder names in [`ServerConn::handle_recv_in`].
+/// `RecvId::MAX` is no buffer (what [`ServerConn::handle_recv`] passes):
+/// nothing is kept under it.
 pub type RecvId = u64;
 
 /// What the embedder does with the receive buffer of a message it handed
@@ -118,9 +106,11 @@ pub type RecvId = u64;
 pub enum RecvBuffer {
     /// Done with: post it again.
     Repost,
-    /// Kept (a fragment of a message being reassembled): it comes back in
-    /// a [`ServerAction::FileWriteParts`] or [`ServerAction::RepostRecvs`];
-    /// until then the embedder neither reposts nor reuses it.
+    /// Kept: a fragment of a message being reassembled, or a WRITE (a
+    /// VEC_WRITE without COLLAPSE) whose data it holds, lent to the file
+    /// write. It comes back in a [`ServerAction::FileWriteParts`] or
+    /// [`ServerAction::RepostRecvs`]; until then the embedder neither
+    /// reposts nor reuses it.
     Kept,
 }
 
@@ -188,7 +178,9 @@ pub enum ServerAction {
         offset: u64,
         len: u32,
     },
-    /// Write `data` at `offset`; answer with `Ok(bytes_written)`.
+    /// Write `data` at `offset`; answer with `Ok(bytes_written)`. The
+    /// data is the server's own: a COLLAPSE write's expansion, or a WRITE
+    /// that came through [`ServerConn::handle_recv`] (no buffer to lend).
     FileWrite {
         op: OpId,
         fid: u16,
@@ -196,11 +188,14 @@ pub enum ServerAction {
         offset: u64,
         data: Vec<u8>,
     },
-    /// Write a reassembled message's data at `offset`: the bytes are
-    /// `range` of each receive buffer in `parts` (ranges of the bytes the
-    /// embedder passed to `handle_recv_in`), in order — one `pwritev`, no
-    /// copy. When the write is done the embedder reposts every buffer of
-    /// `parts` and answers `handle_storage_complete(op, Ok(bytes_written))`.
+    /// Write data that is still in receive buffers at `offset`: the bytes
+    /// are `range` of each receive buffer in `parts` (ranges of the bytes
+    /// the embedder passed to `handle_recv_in`), in order — one `pwritev`,
+    /// no copy. A reassembled message has a part per fragment; a WRITE (or
+    /// VEC_WRITE without COLLAPSE) received whole has one, its data in its
+    /// own buffer. When the write is done the embedder reposts every buffer
+    /// of `parts` and answers `handle_storage_complete(op,
+    /// Ok(bytes_written))`.
     FileWriteParts {
         op: OpId,
         fid: u16,
@@ -646,9 +641,10 @@ impl ServerConn {
     }
 
     /// Process one received message (exactly the bytes received) whose
-    /// buffer the embedder reposts at once. A fragment (§5.12) cannot be
-    /// kept this way: it terminates the connection; an embedder that
-    /// negotiates fragments uses [`ServerConn::handle_recv_in`].
+    /// buffer the embedder reposts at once: a WRITE's data is copied into
+    /// a [`ServerAction::FileWrite`]. A fragment (§5.12) cannot be kept
+    /// this way: it terminates the connection; an embedder that negotiates
+    /// fragments uses [`ServerConn::handle_recv_in`].
     pub fn handle_recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
         if self.is_fragment(msg) {
             self.now = now;
@@ -658,10 +654,11 @@ impl ServerConn {
     }
 
     /// Process one received message (exactly the bytes received) that
-    /// landed in receive buffer `buf`; the answer says whether the
-    /// embedder may post the buffer again now or must keep it (a fragment
-    /// of a message being reassembled; ranges in later actions are offsets
-    /// into these same `msg` bytes).
+    /// landed in receive buffer `buf` (not `RecvId::MAX`); the answer says
+    /// whether the embedder may post the buffer again now or must keep it:
+    /// a fragment of a message being reassembled, or a WRITE whose data is
+    /// lent to its [`ServerAction::FileWriteParts`] (ranges in later
+    /// actions are offsets into these same `msg` bytes).
     pub fn handle_recv_in(
         &mut self,
         now: Instant,
@@ -678,8 +675,9 @@ impl ServerConn {
                 self.frag = None;
                 self.close(CloseReason::Fragment(FragmentError::Missing));
             }
-            self.recv(now, msg, hooks);
-            RecvBuffer::Repost
+            let mut kept = RecvBuffer::Repost;
+            self.recv(now, buf, &mut kept, msg, hooks);
+            kept
         };
         self.cur = None;
         r
@@ -855,7 +853,16 @@ impl ServerConn {
         });
     }
 
-    fn recv(&mut self, now: Instant, msg: &[u8], hooks: &mut dyn ServerHooks) {
+    /// A whole message in buffer `buf`; `kept` becomes `Kept` when a
+    /// write's data is lent from it.
+    fn recv(
+        &mut self,
+        now: Instant,
+        buf: RecvId,
+        kept: &mut RecvBuffer,
+        msg: &[u8],
+        hooks: &mut dyn ServerHooks,
+    ) {
         if self.state == State::Closed {
             return;
         }
@@ -924,7 +931,7 @@ impl ServerConn {
                 if !self.payload_ok(data.len()) {
                     return self.close(CloseReason::PayloadTooLarge);
                 }
-                self.write_in_place(fid, offset, data, mode, hooks)
+                *kept = self.write_in_place(fid, offset, buf, msg, data, mode)
             }
             RequestOp::VecWrite {
                 fid,
@@ -940,7 +947,9 @@ impl ServerConn {
                     return self.close(CloseReason::PayloadTooLarge);
                 }
                 if !collapse {
-                    return self.write_in_place(fid, offset, data, mode, hooks);
+                    // Its data is the rest of the message, as a WRITE's.
+                    *kept = self.write_in_place(fid, offset, buf, msg, data, mode);
+                    return;
                 }
                 // Longer than a window (up to MAX_MESSAGE): the expansion
                 // is server memory, reserved from the fragment budget.
@@ -1491,29 +1500,38 @@ impl ServerConn {
         Ok(out)
     }
 
-    /// A write whose data is the request's own bytes: offered to
-    /// [`ServerHooks::write_now`] first, else copied into a `FileWrite`.
+    /// A write whose data is the request's own bytes, `data`, the tail of
+    /// `msg` (a WRITE's payload, or a VEC_WRITE's without COLLAPSE): lent
+    /// from receive buffer `buf` to a one-part `FileWriteParts` (`Kept`),
+    /// or — without a buffer (`RecvId::MAX`, [`ServerConn::handle_recv`])
+    /// — copied into a `FileWrite`. A write answered at once (refused, or
+    /// empty) keeps nothing.
     fn write_in_place(
         &mut self,
         fid: u16,
         offset: u64,
+        buf: RecvId,
+        msg: &[u8],
         data: &[u8],
         mode: CompletionMode,
-        hooks: &mut dyn ServerHooks,
-    ) {
-        if !data.is_empty() {
-            if let Ok(file) = self.check_io(fid, offset, data.len() as u32) {
-                if let Some(r) = hooks.write_now(file, offset, data) {
-                    return match r {
-                        Ok(n) => {
-                            self.complete_io(mode, n.min(data.len() as u32), STATUS_SUCCESS, false)
-                        }
-                        Err(st) => self.complete_io(mode, 0, normalize(st), false),
-                    };
-                }
-            }
+    ) -> RecvBuffer {
+        if buf == RecvId::MAX {
+            self.start_write(fid, offset, data.to_vec(), mode);
+            return RecvBuffer::Repost;
         }
-        self.start_write(fid, offset, data.to_vec(), mode);
+        let range = msg.len().saturating_sub(data.len())..msg.len();
+        debug_assert!(std::ptr::eq(&msg[range.clone()], data));
+        let Some((op, file)) = self.new_write(fid, offset, data.len(), mode) else {
+            return RecvBuffer::Repost;
+        };
+        self.actions.push_back(ServerAction::FileWriteParts {
+            op,
+            fid,
+            file,
+            offset,
+            parts: vec![(buf, range)],
+        });
+        RecvBuffer::Kept
     }
 
     /// A FileWrite of `data`; its op, unless it was answered at once.
@@ -1524,7 +1542,29 @@ impl ServerConn {
         data: Vec<u8>,
         mode: CompletionMode,
     ) -> Option<OpId> {
-        let len = data.len() as u32;
+        let (op, file) = self.new_write(fid, offset, data.len(), mode)?;
+        self.actions.push_back(ServerAction::FileWrite {
+            op,
+            fid,
+            file,
+            offset,
+            data,
+        });
+        Some(op)
+    }
+
+    /// The op of a write of `len` bytes and its file, unless it was
+    /// answered at once: refused (`check_io`), or empty.
+    fn new_write(
+        &mut self,
+        fid: u16,
+        offset: u64,
+        len: usize,
+        mode: CompletionMode,
+    ) -> Option<(OpId, u64)> {
+        // (At most a message's size, or MAX_MESSAGE for a COLLAPSE
+        // expansion: within u32.)
+        let len = u32::try_from(len).unwrap_or(u32::MAX);
         let file = match self.check_io(fid, offset, len) {
             Ok(f) => f,
             Err(st) => {
@@ -1532,7 +1572,7 @@ impl ServerConn {
                 return None;
             }
         };
-        if data.is_empty() {
+        if len == 0 {
             self.complete_io(mode, 0, STATUS_SUCCESS, false);
             return None;
         }
@@ -1545,14 +1585,7 @@ impl ServerConn {
             mode,
             requested: len,
         });
-        self.actions.push_back(ServerAction::FileWrite {
-            op,
-            fid,
-            file,
-            offset,
-            data,
-        });
-        Some(op)
+        Some((op, file))
     }
 
     /// A storage operation finished: `Ok(bytes transferred)` or the failure

@@ -88,14 +88,8 @@ impl LocalMemory for Mem {
     }
 }
 
-/// Writes taken by `write_now`: (file, offset, data).
-type DirectWrites = Vec<(u64, u64, Vec<u8>)>;
-
 struct Hooks {
     secrets: HashMap<Guid, Vec<u8>>,
-    /// `Some`: take writes at once (`write_now`), recording them; `Err`
-    /// answers them with that status.
-    direct: Option<Result<DirectWrites, NtStatus>>,
 }
 
 impl ServerHooks for Hooks {
@@ -107,15 +101,6 @@ impl ServerHooks for Hooks {
             77 => Ok(1),
             78 if flags & FILE_NO_INTERMEDIATE_BUFFERING != 0 => Ok(1),
             _ => Err(STATUS_ACCESS_DENIED),
-        }
-    }
-    fn write_now(&mut self, file: u64, offset: u64, data: &[u8]) -> Option<Result<u32, NtStatus>> {
-        match self.direct.as_mut()? {
-            Ok(log) => {
-                log.push((file, offset, data.to_vec()));
-                Some(Ok(data.len() as u32))
-            }
-            Err(st) => Some(Err(*st)),
         }
     }
 }
@@ -246,7 +231,6 @@ impl Sim {
             mem,
             hooks: Hooks {
                 secrets: HashMap::from([(KEY, SECRET.to_vec())]),
-                direct: None,
             },
             storage,
             to_server: VecDeque::new(),
@@ -702,51 +686,139 @@ fn write_into_encodes_the_same_message_in_place() {
     }
 }
 
+/// Hand `msg` to the server as received in buffer `buf` (`None`: through
+/// `handle_recv`, no buffer); what it answered and every action.
+fn recv_in(s: &mut Sim, buf: Option<RecvId>, msg: &[u8]) -> (RecvBuffer, Vec<ServerAction>) {
+    let r = match buf {
+        Some(b) => s.server.handle_recv_in(s.now, b, msg, &mut s.hooks),
+        None => {
+            s.server.handle_recv(s.now, msg, &mut s.hooks);
+            RecvBuffer::Repost
+        }
+    };
+    (r, std::iter::from_fn(|| s.server.poll_action()).collect())
+}
+
+/// How many times `acts` hand receive buffer `buf` back.
+fn handbacks(acts: &[ServerAction], buf: RecvId) -> usize {
+    acts.iter()
+        .map(|a| match a {
+            ServerAction::FileWriteParts { parts, .. } => {
+                parts.iter().filter(|(b, _)| *b == buf).count()
+            }
+            ServerAction::RepostRecvs(bufs) => bufs.iter().filter(|b| **b == buf).count(),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// The (cookie, information, status) of the status responses in `acts`.
+fn statuses(acts: &[ServerAction]) -> Vec<(u64, u32, NtStatus)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            ServerAction::Send(b) => {
+                let r = StatusResponse::from_bytes(b).unwrap();
+                Some((r.cookie, r.ios.information, r.ios.status))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
-fn write_now_hook_completes_writes_without_file_write() {
-    let mut s = Sim::with(server_cfg(), client_cfg());
+fn a_write_lends_its_receive_buffer_to_file_write_parts() {
+    let mut s = Sim::new();
     s.connect();
-    let fid = s.register(RK_NOBUF, FILE_NO_INTERMEDIATE_BUFFERING);
-    let before = s.storage.files[&1].clone();
-    s.hooks.direct = Some(Ok(Vec::new()));
-    for mode in [Mode::Interrupt, Mode::Polled] {
-        let r = s
-            .client
-            .write(s.now, fid, 70, b"in place", mode)
-            .unwrap()
-            .req;
-        s.pump();
-        assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
+    let fid = s.register(RK_PLAIN, 0);
+    let data: &[u8] = b"lent, not copied";
+    let n = data.len() as u32;
+    let write = |cookie: u64, fid: u16, data: &[u8]| {
+        raw(RequestOp::Write {
+            fid,
+            offset: 70,
+            data,
+            mode: intr(cookie),
+        })
+    };
+    let vec_write = raw(RequestOp::VecWrite {
+        fid,
+        offset: 70,
+        length: n,
+        num_pages: 1,
+        page_size: 4096,
+        collapse: false,
+        data,
+        mode: intr(42),
+    });
+    for (cookie, msg) in [(41, write(41, fid, data)), (42, vec_write)] {
+        let (kept, acts) = recv_in(&mut s, Some(7), &msg);
+        assert_eq!(kept, RecvBuffer::Kept);
+        // Exactly one action: the write, from the data's exact place in
+        // the message (after the 56-byte header) in buffer 7.
+        let [ServerAction::FileWriteParts {
+            op,
+            fid: f,
+            file: 1,
+            offset: 70,
+            parts,
+        }] = &acts[..]
+        else {
+            panic!("not one FileWriteParts: {acts:?}");
+        };
+        assert_eq!(*f, fid);
+        assert_eq!(parts, &vec![(7, 56..56 + data.len())]);
+        assert_eq!(&msg[parts[0].1.clone()], data);
+        // Done: one status; the buffer was handed back once, by the
+        // FileWriteParts (the embedder reposts it with the write done).
+        s.server.handle_storage_complete(s.now, *op, Ok(n));
+        let done: Vec<_> = std::iter::from_fn(|| s.server.poll_action()).collect();
+        assert_eq!(statuses(&done), vec![(cookie, n, STATUS_SUCCESS)]);
+        assert_eq!(handbacks(&acts, 7) + handbacks(&done, 7), 1);
+        assert_eq!(done.len(), 1, "{done:?}");
     }
-    // Taken by the hook, straight from the request: no FileWrite reached
-    // the storage, and the hook saw the exact bytes and place.
-    assert_eq!(s.storage.files[&1], before);
-    assert_eq!(
-        s.hooks.direct,
-        Some(Ok(vec![
-            (1, 70, b"in place".to_vec()),
-            (1, 70, b"in place".to_vec())
-        ]))
+    // Without a buffer (`handle_recv`): a FileWrite of a copy.
+    let msg = write(43, fid, data);
+    let (_, acts) = recv_in(&mut s, None, &msg);
+    let [ServerAction::FileWrite { op, data: copy, .. }] = &acts[..] else {
+        panic!("not one FileWrite: {acts:?}");
+    };
+    assert_eq!(copy, data);
+    s.server.handle_storage_complete(s.now, *op, Ok(n));
+    let done: Vec<_> = std::iter::from_fn(|| s.server.poll_action()).collect();
+    assert_eq!(statuses(&done), vec![(43, n, STATUS_SUCCESS)]);
+    // Answered at once, the buffer posted again at once: a refusal (no
+    // such Fid) and an empty write.
+    for (msg, want) in [
+        (write(44, fid + 9, data), (44, 0, STATUS_INVALID_HANDLE)),
+        (write(45, fid, b""), (45, 0, STATUS_SUCCESS)),
+    ] {
+        let (kept, acts) = recv_in(&mut s, Some(7), &msg);
+        assert_eq!(kept, RecvBuffer::Repost);
+        assert_eq!(statuses(&acts), vec![want]);
+        assert_eq!(acts.len(), 1, "{acts:?}");
+    }
+    // Cancelled before the embedder took its write: the buffer comes back
+    // once, in a RepostRecvs, and the write is never issued.
+    let msg = write(46, fid, data);
+    let kept = s.server.handle_recv_in(s.now, 7, &msg, &mut s.hooks);
+    assert_eq!(kept, RecvBuffer::Kept);
+    let (kept, acts) = recv_in(&mut s, Some(8), &raw(RequestOp::Cancel { fid, cookie: 47 }));
+    assert_eq!(kept, RecvBuffer::Repost);
+    assert!(
+        acts.contains(&ServerAction::RepostRecvs(vec![7])),
+        "{acts:?}"
     );
-    // A hook failure is the request's status.
-    s.hooks.direct = Some(Err(STATUS_DISK_FULL));
-    let r = s
-        .client
-        .write(s.now, fid, 0, b"x", Mode::Interrupt)
-        .unwrap()
-        .req;
-    s.pump();
-    assert_eq!(s.completion(r), Some((0, STATUS_DISK_FULL)));
-    // Without the hook, the FileWrite path as before.
-    s.hooks.direct = None;
-    let r = s
-        .client
-        .write(s.now, fid, 0, b"y", Mode::Interrupt)
-        .unwrap()
-        .req;
-    s.pump();
-    assert_eq!(s.completion(r), Some((1, STATUS_SUCCESS)));
-    assert_eq!(s.storage.files[&1][0], b'y');
+    assert!(!acts
+        .iter()
+        .any(|a| matches!(a, ServerAction::FileWriteParts { .. })));
+    assert_eq!(handbacks(&acts, 7), 1);
+    assert_eq!(handbacks(&acts, 8), 0);
+    assert_eq!(
+        statuses(&acts),
+        vec![(46, 0, STATUS_CANCELLED), (47, 0, STATUS_SUCCESS)]
+    );
+    assert_eq!(s.server.outstanding(), 0);
+    assert_eq!(s.server.pending_ops(), 0);
 }
 
 #[test]

@@ -15,8 +15,8 @@
 //! `epoll_wait` on their completion channels and on the eventfds that
 //! storage workers and the control plane (credit balancing, shutdown) use
 //! to wake them. Page-cache I/O runs on the reactor itself (`inline_io`: tmpfs plain
-//! calls, else `RWF_NOWAIT`; writes straight from the receive buffer via
-//! `ServerHooks::write_now`); what would block runs on a small pool of
+//! calls, else `RWF_NOWAIT`; writes straight from the receive buffer that
+//! `ServerAction::FileWriteParts` lends); what would block runs on a small pool of
 //! storage threads over the [`crate::fs::backend::Backend`] (io_uring where
 //! available). Each round's RDMA Writes and sends are posted as one list.
 //!
@@ -1343,41 +1343,11 @@ struct Hooks<'a> {
     files: &'a mut HashMap<u64, OpenFile>,
     next_file: &'a mut u64,
     peer: SocketAddr,
-    inline_mode: &'a mut HashMap<(u64, bool), InlineMode>,
     /// Memory objects this connection may carry (docs/memory-objects.md).
     mem: &'a mut super::memobj::PubSide,
 }
 
 impl ServerHooks for Hooks<'_> {
-    /// Page-cache writes straight from the receive buffer (no copy), by the
-    /// fast path's rules (`Conn::try_inline`); the rest goes the FileWrite
-    /// way.
-    fn write_now(&mut self, file: u64, offset: u64, data: &[u8]) -> Option<Result<u32, NtStatus>> {
-        let f = self.files.get(&file)?;
-        if f.mem.is_some() {
-            return None;
-        }
-        if !f.rights.write {
-            return Some(Err(STATUS_ACCESS_DENIED));
-        }
-        // SAFETY: the kernel only reads `data`, which the state machine
-        // lends for this call (the request's receive buffer, not reposted
-        // until the request has been handled).
-        let r = unsafe {
-            inline_io(
-                self.inline_mode,
-                self.shared.opts.inline_io,
-                f,
-                offset,
-                data.as_ptr() as *mut u8,
-                data.len(),
-                true,
-            )
-        }?;
-        self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
-        Some(Ok(r))
-    }
-
     fn session_secret(&mut self, key: &Guid) -> Option<Vec<u8>> {
         let Some(n) = self.state.lookup_negotiate_key(key) else {
             info!(peer = %self.peer, %key, "AUTH with an unknown or expired negotiate key");
@@ -2236,7 +2206,6 @@ impl Conn {
                         files: &mut self.files,
                         next_file: &mut self.next_file,
                         peer: self.peer,
-                        inline_mode: &mut self.inline_mode,
                         mem: &mut self.mem,
                     };
                     let kept =
@@ -2248,9 +2217,10 @@ impl Conn {
                         info!(conn = self.id, peer = %self.peer, session = ?self.session, credits = self.sconn.credits(), "AUTH ok");
                     }
                     if kept == RecvBuffer::Kept {
-                        // A fragment: its buffer comes back with the
-                        // message's write (FileWriteParts) or a refusal
-                        // (RepostRecvs), and is reposted then.
+                        // A fragment, or a WRITE's data lent to its file
+                        // write: the buffer comes back with the write
+                        // (FileWriteParts) or a refusal (RepostRecvs), and
+                        // is reposted then.
                         return;
                     }
                 }
@@ -2323,11 +2293,13 @@ impl Conn {
         }
     }
 
-    /// A reassembled message: its data is `parts` of the receive buffers
-    /// the fragments landed in (kept, not posted, since). Written with one
-    /// `pwritev` from there on this thread when the page-cache fast path
-    /// allows, else by a storage thread from the same buffers; the buffers
-    /// are reposted once the write is done (`storage_done`).
+    /// A write whose data is `parts` of receive buffers (kept, not posted,
+    /// since): a reassembled message's fragments, or a WRITE's one buffer.
+    /// Written with one `pwritev` from there on this thread when the
+    /// page-cache fast path allows, else on the reactor's io_uring (or a storage thread) from the
+    /// same buffers; the buffers are reposted once the write is done
+    /// (`storage_done`). The fragment counters count messages of several
+    /// fragments only.
     fn write_parts(
         &mut self,
         op: OpId,
