@@ -379,12 +379,14 @@ impl Shared {
 
     /// Receive buffers of `slot` bytes the budget holds beyond what every
     /// connection still to come (up to `max_connections`) needs to be
-    /// admitted idle (one receive buffer and one chunk of send slots):
-    /// what credits beyond one may use.
+    /// admitted idle (one receive buffer and one chunk of send slots), that
+    /// floor taking at most half the budget: what credits beyond one may
+    /// use.
     pub(super) fn extra_buffers(&self, slot: usize) -> usize {
         let live = lock(&self.conns).len();
-        let floor =
-            self.opts.max_connections.saturating_sub(live) * (slot + SEND_SLOT * SEND_CHUNK);
+        let floor = (self.opts.max_connections.saturating_sub(live)
+            * (slot + SEND_SLOT * SEND_CHUNK))
+            .min(self.opts.max_memory / 2);
         self.opts
             .max_memory
             .saturating_sub(self.mem_used.load(Ordering::Relaxed))
