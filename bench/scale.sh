@@ -13,11 +13,12 @@
 # clients needs: every client here comes from 127.0.0.1 and logs in with the
 # one token (one user), so the per-host and per-user limits and the
 # unauthenticated-connection rate limits are raised (printed below). Where a
-# default stops the run (today: the 512 MiB registered-memory budget at
-# about 60 connections of ~8.5 MiB, then the cap of 256), lwio-scale prints
-# the connection it stopped at and the client's error line.
+# default stops the run (before issue 13's reactors and shared receive pool:
+# the 512 MiB registered-memory budget at about 60 connections of ~8.5 MiB,
+# then the cap of 256), lwio-scale prints the connection it stopped at and
+# the client's error line.
 #
-#   bench/scale.sh                        # today's defaults: shows where it stops
+#   bench/scale.sh                        # the defaults
 #   bench/scale.sh --config-extra 'rdma.max_write_size = 1024' \
 #                  --config-extra 'limits.max_rdma_connections = 1100' \
 #                  --config-extra 'limits.max_sessions = 1100'
