@@ -1312,20 +1312,24 @@ impl File {
         loop {
             while err.is_none() && issued < buf.len() && pending.len() < depth {
                 let len = chunk.min(buf.len() - issued);
-                if message && e.max_write_message(src.is_some()) < len {
-                    // Fewer credits than when the write was planned (the
-                    // server took back an idle connection's): smaller
-                    // messages, or plain requests.
+                // Fewer credits than when the write was planned (the server
+                // took back an idle connection's, before this message or
+                // while it waited to go): smaller messages, or plain
+                // requests.
+                let shrink = |chunk: &mut usize, message: &mut bool| {
                     let fits = e.max_write_message(src.is_some());
                     if fits > plain {
-                        chunk = fits;
-                        if self.no_buffering && chunk >= usize::from(page) {
-                            chunk -= chunk % usize::from(page);
+                        *chunk = fits;
+                        if self.no_buffering && *chunk >= usize::from(page) {
+                            *chunk -= *chunk % usize::from(page);
                         }
                     } else {
-                        message = false;
-                        chunk = plain;
+                        *message = false;
+                        *chunk = plain;
                     }
+                };
+                if message && e.max_write_message(src.is_some()) < len {
+                    shrink(&mut chunk, &mut message);
                     continue;
                 }
                 let data = &buf[issued..issued + len];
@@ -1352,6 +1356,9 @@ impl File {
                         };
                         pending.push_back((req, slot, len));
                         issued += len;
+                    }
+                    Err(_) if message && e.max_write_message(src.is_some()) < len => {
+                        shrink(&mut chunk, &mut message);
                     }
                     Err(x) => err = Some(x),
                 }
