@@ -1304,6 +1304,21 @@ impl File {
                 chunk -= chunk % usize::from(page);
             }
         }
+        // Fewer credits than when the write was planned (the server took
+        // back an idle connection's, before a message or while it waited to
+        // go): smaller messages, or plain requests.
+        let shrink = |chunk: &mut usize, message: &mut bool| {
+            let fits = e.max_write_message(src.is_some());
+            if fits > plain {
+                *chunk = fits;
+                if self.no_buffering && *chunk >= usize::from(page) {
+                    *chunk -= *chunk % usize::from(page);
+                }
+            } else {
+                *message = false;
+                *chunk = plain;
+            }
+        };
         let depth = usize::from(e.credits()).max(1);
         let mut pending = std::collections::VecDeque::new();
         let mut issued = 0usize;
@@ -1312,26 +1327,6 @@ impl File {
         loop {
             while err.is_none() && issued < buf.len() && pending.len() < depth {
                 let len = chunk.min(buf.len() - issued);
-                // Fewer credits than when the write was planned (the server
-                // took back an idle connection's, before this message or
-                // while it waited to go): smaller messages, or plain
-                // requests.
-                let shrink = |chunk: &mut usize, message: &mut bool| {
-                    let fits = e.max_write_message(src.is_some());
-                    if fits > plain {
-                        *chunk = fits;
-                        if self.no_buffering && *chunk >= usize::from(page) {
-                            *chunk -= *chunk % usize::from(page);
-                        }
-                    } else {
-                        *message = false;
-                        *chunk = plain;
-                    }
-                };
-                if message && e.max_write_message(src.is_some()) < len {
-                    shrink(&mut chunk, &mut message);
-                    continue;
-                }
                 let data = &buf[issued..issued + len];
                 let r = if message {
                     let sub = src.as_ref().map(|u| u.at(issued));

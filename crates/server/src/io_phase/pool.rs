@@ -98,11 +98,14 @@ impl RecvPool {
     /// receives the promises need. Returns how many were promised.
     pub(super) fn reserve(&self, want: usize, min: usize) -> usize {
         let mut i = lock(&self.inner);
+        let mut have = self.srq.posted() + i.in_use;
         let mut got = 0;
         while got < want {
-            let need = (i.promised + got + 1).saturating_sub(self.srq.posted() + i.in_use);
-            if need > 0 && !self.post_one(&mut i) {
-                break;
+            if i.promised + got + 1 > have {
+                if !self.post_one(&mut i) {
+                    break;
+                }
+                have += 1;
             }
             got += 1;
         }

@@ -112,10 +112,6 @@ pub struct ReactorStats {
     /// Nanoseconds spent turning connections (not sleeping, not idle
     /// busy-polling rounds that found nothing).
     pub busy_ns: AtomicU64,
-    /// Rounds that slept in `epoll_wait`.
-    pub sleeps: AtomicU64,
-    /// File I/Os on its io_uring.
-    pub ring_in_flight: AtomicUsize,
 }
 
 /// The server's reactors.
@@ -326,35 +322,24 @@ impl Reactor {
                 self.slots.len() - 1
             }
         };
+        let mut c = c;
+        c.attach(slot, self.rio.clone());
         let fds = c.fds();
-        let mut ok = true;
-        for &(fd, k) in fds.iter() {
-            // SAFETY: `c` owns `fd` and is alive across this call.
+        self.stats.connections.fetch_add(1, Ordering::Relaxed);
+        self.by_id.insert(c.id(), slot);
+        let id = c.id();
+        self.slots[slot] = Some(c);
+        for (fd, k) in fds {
+            // SAFETY: the connection in `slot` owns `fd` and is alive across
+            // this call.
             let bfd = unsafe { borrow(fd) };
             let token = 2 * slot as u64 + k as u64;
             if let Err(e) = epoll::add(&self.ep, bfd, EventData::new_u64(token), EventFlags::IN) {
-                warn!(conn = c.id(), error = %e, "cannot watch a connection; closing it");
-                ok = false;
-                break;
+                warn!(conn = id, error = %e, "cannot watch a connection; closing it");
+                self.remove(slot);
+                return;
             }
         }
-        if !ok {
-            for (fd, _) in fds {
-                // SAFETY: as above.
-                let _ = epoll::delete(&self.ep, unsafe { borrow(fd) });
-            }
-            self.free.push(slot);
-            self.load.fetch_sub(1, Ordering::Relaxed);
-            let mut c = c;
-            c.teardown();
-            c.release();
-            return;
-        }
-        self.stats.connections.fetch_add(1, Ordering::Relaxed);
-        let mut c = c;
-        c.attach(slot, self.rio.clone());
-        self.by_id.insert(c.id(), slot);
-        self.slots[slot] = Some(c);
         self.mark_hot(slot);
     }
 
@@ -411,9 +396,6 @@ impl Reactor {
                 // Round up: a 0 ms wait would spin until the timer.
                 (left.as_micros().div_ceil(1000)).min(50) as i32
             };
-            if ms > 0 {
-                self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
-            }
             let n = epoll_wait(&self.ep, &mut evs, ms);
             for ev in &evs[..n] {
                 let token = ev.data.u64();
@@ -506,11 +488,7 @@ impl Reactor {
             }
             if let Some(rio) = &self.rio {
                 // One io_uring_enter for the file I/O of this round.
-                let mut rio = lock(rio);
-                rio.submit();
-                self.stats
-                    .ring_in_flight
-                    .store(rio.in_flight(), Ordering::Relaxed);
+                lock(rio).submit();
             }
             if worked {
                 let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -555,25 +533,32 @@ pub(super) enum Keep {
     Bytes(Vec<u8>),
 }
 
-/// One file I/O of a connection on its reactor's ring.
-struct RingOp {
-    conn: u64,
-    slot: usize,
-    op: lwio_proto::server::OpId,
-    file: Arc<std::fs::File>,
+/// A file I/O a connection hands to its reactor's ring.
+pub(super) struct RingJob {
+    pub(super) conn: u64,
+    pub(super) slot: usize,
+    pub(super) op: lwio_proto::server::OpId,
+    pub(super) file: Arc<std::fs::File>,
     /// Offset of the next byte.
-    offset: u64,
+    pub(super) offset: u64,
     /// The pieces still to transfer (pointers into `keep`).
-    iov: Vec<libc::iovec>,
-    write: bool,
-    done: usize,
-    cancelled: bool,
-    _keep: Keep,
+    pub(super) iov: Vec<libc::iovec>,
+    pub(super) write: bool,
+    /// Held, never read: it keeps the memory `iov` points into alive.
+    #[allow(dead_code)]
+    pub(super) keep: Keep,
 }
 
-// SAFETY: the raw pointers in `iov` point into `_keep`, which the op owns
-// and moves with it; nothing else reaches them through the op.
-unsafe impl Send for RingOp {}
+// SAFETY: the raw pointers in `iov` point into `keep`, which the job owns
+// and moves with it; nothing else reaches them through the job.
+unsafe impl Send for RingJob {}
+
+/// A job on the ring, with its progress.
+struct RingOp {
+    job: RingJob,
+    done: usize,
+    cancelled: bool,
+}
 
 /// The file I/O of one reactor's connections: its io_uring (issue 13: a
 /// page-cache miss costs no thread hand-off), submitted once per round.
@@ -600,38 +585,20 @@ impl RingIo {
         }
     }
 
-    /// Start a file I/O of `len` bytes over `iov` (all inside `keep`).
-    /// Returns the ring id the connection cancels it by.
+    /// Start `job` (its `iov` all inside its `keep`). Returns the ring id
+    /// the connection cancels it by.
     ///
     /// # Safety
-    /// Every iovec must lie in memory that `keep` keeps alive, and nothing
-    /// may write that memory (for a read: nor read it) until the op's
-    /// completion comes back from [`RingIo::reap`].
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn push(
-        &mut self,
-        conn: u64,
-        slot: usize,
-        op: lwio_proto::server::OpId,
-        file: Arc<std::fs::File>,
-        offset: u64,
-        iov: Vec<libc::iovec>,
-        write: bool,
-        keep: Keep,
-    ) -> Result<u64, lwio_proto::NtStatus> {
+    /// Every iovec must lie in memory that `job.keep` keeps alive, and
+    /// nothing may write that memory (for a read: nor read it) until the
+    /// op's completion comes back from [`RingIo::reap`].
+    pub(super) unsafe fn push(&mut self, job: RingJob) -> Result<u64, lwio_proto::NtStatus> {
         let id = self.next;
         self.next += 1;
         let rop = RingOp {
-            conn,
-            slot,
-            op,
-            file,
-            offset,
-            iov,
-            write,
+            job,
             done: 0,
             cancelled: false,
-            _keep: keep,
         };
         // SAFETY: the caller's contract, passed on; the op (and so `keep`)
         // stays in `self.ops` until its completion is reaped.
@@ -645,20 +612,21 @@ impl RingIo {
     /// # Safety
     /// As [`RingIo::push`].
     unsafe fn submit_op(&mut self, id: u64, rop: &RingOp) -> Result<(), super::ring::PushError> {
-        let f = rop.file.clone();
-        // SAFETY: the pieces lie in `rop._keep` (caller), which lives in
+        let j = &rop.job;
+        let f = j.file.clone();
+        // SAFETY: the pieces lie in `j.keep` (caller), which lives in
         // `self.ops` until this id is reaped.
         unsafe {
-            match (rop.write, rop.iov.as_slice()) {
+            match (j.write, j.iov.as_slice()) {
                 (false, [one]) => {
                     self.ring
-                        .read(id, f, one.iov_base as *mut u8, one.iov_len, rop.offset)
+                        .read(id, f, one.iov_base as *mut u8, one.iov_len, j.offset)
                 }
                 (true, [one]) => {
                     self.ring
-                        .write(id, f, one.iov_base as *const u8, one.iov_len, rop.offset)
+                        .write(id, f, one.iov_base as *const u8, one.iov_len, j.offset)
                 }
-                (_, many) => self.ring.writev(id, f, many.to_vec(), rop.offset),
+                (_, many) => self.ring.writev(id, f, many.to_vec(), j.offset),
             }
         }
     }
@@ -669,10 +637,6 @@ impl RingIo {
             r.cancelled = true;
             self.ring.cancel(id);
         }
-    }
-
-    pub(super) fn in_flight(&self) -> usize {
-        self.ops.len()
     }
 
     pub(super) fn has_unsubmitted(&mut self) -> bool {
@@ -695,16 +659,14 @@ impl RingIo {
             let Some(mut rop) = self.ops.remove(&id) else {
                 continue;
             };
-            let retry = |rop: &RingOp| {
-                !rop.cancelled && !rop.iov.is_empty() && rop.iov.iter().any(|v| v.iov_len > 0)
-            };
+            let retry = |rop: &RingOp| !rop.cancelled && rop.job.iov.iter().any(|v| v.iov_len > 0);
             let result = if res == -libc::EINTR || res == -libc::EAGAIN {
                 None
             } else if res < 0 {
                 let e = std::io::Error::from_raw_os_error(-res);
                 Some(Err(super::io_error_status(&e)))
             } else if res == 0 {
-                if rop.write && retry(&rop) {
+                if rop.job.write && retry(&rop) {
                     Some(Err(super::STATUS_UNEXPECTED_IO_ERROR))
                 } else {
                     Some(Ok(rop.done))
@@ -712,18 +674,19 @@ impl RingIo {
             } else {
                 let mut n = res as usize;
                 rop.done += n;
-                rop.offset += n as u64;
-                while n > 0 && !rop.iov.is_empty() {
-                    let first = &mut rop.iov[0];
+                let j = &mut rop.job;
+                j.offset += n as u64;
+                while n > 0 && !j.iov.is_empty() {
+                    let first = &mut j.iov[0];
                     let k = n.min(first.iov_len);
                     first.iov_base = (first.iov_base as usize + k) as *mut libc::c_void;
                     first.iov_len -= k;
                     n -= k;
                     if first.iov_len == 0 {
-                        rop.iov.remove(0);
+                        j.iov.remove(0);
                     }
                 }
-                if rop.iov.is_empty() {
+                if j.iov.is_empty() {
                     Some(Ok(rop.done))
                 } else {
                     None
@@ -734,7 +697,7 @@ impl RingIo {
                 None if rop.cancelled => Err(lwio_proto::status::STATUS_CANCELLED),
                 None => {
                     // SAFETY: the remaining pieces still lie in the op's
-                    // own `_keep` (advanced within it), and it goes back
+                    // own `keep` (advanced within it), and it goes back
                     // into `self.ops` until reaped again.
                     match unsafe { self.submit_op(id, &rop) } {
                         Ok(()) => {
@@ -746,7 +709,7 @@ impl RingIo {
                 }
             };
             let r = result.map(|n| u32::try_from(n).unwrap_or(u32::MAX));
-            out.push((rop.conn, rop.slot, rop.op, r));
+            out.push((rop.job.conn, rop.job.slot, rop.job.op, r));
         }
     }
 }

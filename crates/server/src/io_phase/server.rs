@@ -68,7 +68,7 @@ use lwio_rdma::{
 use tracing::{debug, info, warn};
 
 use super::pool::RecvPool;
-use super::reactor::{Domain, DomainSpec, Keep, ReactorStats, Reactors, RingIo};
+use super::reactor::{Domain, DomainSpec, Keep, ReactorStats, Reactors, RingIo, RingJob};
 use super::{io_error_status, Waker};
 use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
@@ -2728,6 +2728,16 @@ impl Conn {
         if let (Some(rio), false) = (self.rio.clone(), slow_hook) {
             let align = if f.direct { f.align } else { 1 };
             let r = ring_job(offset, align, kind).and_then(|(iov, write, keep)| {
+                let job = RingJob {
+                    conn: self.id,
+                    slot: self.slot,
+                    op,
+                    file: f.file.clone(),
+                    offset,
+                    iov,
+                    write,
+                    keep,
+                };
                 // SAFETY: `ring_job` built every iovec inside `keep`, which
                 // the ring op owns until its completion is reaped. A read
                 // buffer is this op's alone while it is at storage (see
@@ -2735,18 +2745,7 @@ impl Conn {
                 // kept for the message (reposted only in `storage_done`),
                 // registered LOCAL_WRITE only: nothing writes them while
                 // the kernel reads them.
-                unsafe {
-                    lock(&rio).push(
-                        self.id,
-                        self.slot,
-                        op,
-                        f.file.clone(),
-                        offset,
-                        iov,
-                        write,
-                        keep,
-                    )
-                }
+                unsafe { lock(&rio).push(job) }
             });
             match r {
                 Ok(id) => {
