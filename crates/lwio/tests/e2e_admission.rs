@@ -86,8 +86,9 @@ fn connection_cap_refuses_with_the_reason_and_frees_slots() {
 #[test]
 fn out_of_registered_memory_is_the_reason_given() {
     let dir = tempfile::tempdir().unwrap();
-    // A budget of 1 MiB: each connection admitted holds at least one
-    // receive buffer of the pool and one chunk of send slots; clients are
+    // A budget of 1 MiB: each connection admitted holds at least its
+    // share of the pool's receive reserve and one chunk of send slots
+    // (4 KiB), and admission wants room for one read buffer; clients are
     // admitted (with fewer credits as it fills) until one no longer fits.
     let budget = 1 << 20;
     let rdma = RdmaServerOptions {
@@ -95,14 +96,25 @@ fn out_of_registered_memory_is_the_reason_given() {
         max_connections_per_host: 1000,
         ..RdmaServerOptions::default()
     };
-    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    // Many clients from one address, quickly: the side channel's per-host
+    // limits are not what this test is about.
+    let limits = Limits {
+        max_connections_per_host: 2000,
+        max_sessions_per_user: 2000,
+        unauth_rate_per_host: 10_000,
+        unauth_burst_per_host: 10_000,
+        unauth_rate: 10_000,
+        unauth_burst: 10_000,
+        ..Limits::default()
+    };
+    let s = LocalServer::start(dir.path(), "ex", TOKEN, limits, rdma).unwrap();
     let mut clients = Vec::new();
     let refusal = loop {
         match connect(&s) {
             Ok(c) => {
                 assert!(s.rdma.stats().registered_bytes <= budget);
                 clients.push(c);
-                assert!(clients.len() < 500, "1 MiB held 500 connections");
+                assert!(clients.len() < 1000, "1 MiB held 1000 connections");
             }
             Err(Error::Busy(m)) => break m,
             Err(e) => panic!("want the server's reason, got: {e}"),

@@ -635,6 +635,11 @@ pub mod ops {
         fn withdraw(&self, _max: usize) -> Vec<u64> {
             Vec::new()
         }
+        /// Times a Send found the SRQ empty and waited for a receive (the
+        /// soft provider; devices: 0).
+        fn starved(&self) -> u64 {
+            0
+        }
     }
 
     pub trait MrOps: AsAny {
@@ -947,6 +952,13 @@ impl Srq {
     /// receives stay posted until consumed).
     pub fn withdraw(&self, max: usize) -> Vec<u64> {
         self.0.withdraw(max)
+    }
+
+    /// Times a Send arrived to find no receive posted and waited for one
+    /// (the soft provider buffers it under the QP's indicate window); 0 on
+    /// devices, where such a Send is an error or an RNR retry.
+    pub fn starved(&self) -> u64 {
+        self.0.starved()
     }
 }
 

@@ -241,8 +241,14 @@ impl Collector for Figures {
         gauge(
             &mut e,
             "lwio_rdma_receive_pool_promised",
-            "Credits the pools back: what connections hold (posted + in use is at least this)",
+            "Credits the pools back: what connections hold",
             i64_of(r.pool.promised),
+        )?;
+        counter(
+            &mut e,
+            "lwio_rdma_receive_pool_starved",
+            "Sends that found a shared receive queue empty and waited for a receive",
+            r.pool.starved,
         )?;
         let mut m = e.encode_descriptor(
             "lwio_reactor_connections",

@@ -147,11 +147,12 @@ pub fn table(server: &str, text: &str) -> String {
     );
     let _ = writeln!(
         o,
-        "Receive pool         {} ({} posted, {} in use, {} credits backed)",
+        "Receive pool         {} ({} posted, {} in use, {} credits held, {} waits for a receive)",
         bytes(g("lwio_rdma_receive_pool_bytes")),
         g("lwio_rdma_receive_pool_posted"),
         g("lwio_rdma_receive_pool_in_use"),
-        g("lwio_rdma_receive_pool_promised")
+        g("lwio_rdma_receive_pool_promised"),
+        g("lwio_rdma_receive_pool_starved_total")
     );
     let conns = by_label(&s, "lwio_reactor_connections", "reactor");
     let busy = by_label(&s, "lwio_reactor_busy_seconds_total", "reactor");
@@ -232,6 +233,7 @@ lwio_rdma_receive_pool_bytes 1049600
 lwio_rdma_receive_pool_posted 16
 lwio_rdma_receive_pool_in_use 0
 lwio_rdma_receive_pool_promised 2
+lwio_rdma_receive_pool_starved_total 3
 lwio_reactor_connections{reactor=\"0\"} 1
 lwio_reactor_connections{reactor=\"1\"} 0
 lwio_reactor_busy_seconds_total{reactor=\"0\"} 0.25
@@ -267,7 +269,7 @@ lwio_request_errors_total{status=\"STATUS_END_OF_FILE\"} 1
         );
         assert!(t.contains("Registered memory    1.5 MiB"), "{t}");
         assert!(
-            t.contains("Receive pool         1.0 MiB (16 posted, 0 in use, 2 credits backed)"),
+            t.contains("Receive pool         1.0 MiB (16 posted, 0 in use, 2 credits held, 3 waits for a receive)"),
             "{t}"
         );
         assert!(

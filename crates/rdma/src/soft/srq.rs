@@ -27,6 +27,8 @@ pub struct SrqShared {
     max_wr: usize,
     max_sge: usize,
     q: Mutex<SrqQueue>,
+    /// QPs that found the queue empty (counted once per wait).
+    starved: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -54,6 +56,9 @@ impl SrqBinding {
         let r = q.rq.pop_front();
         if r.is_none() && q.waiting.insert(self.token) {
             q.waiters.push((self.token, self.ctx.clone()));
+            self.srq
+                .starved
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         r
     }
@@ -74,6 +79,7 @@ impl SrqShared {
             max_wr: max_wr as usize,
             max_sge: max_sge as usize,
             q: Mutex::new(SrqQueue::default()),
+            starved: Default::default(),
         })
     }
 
@@ -154,5 +160,8 @@ impl SrqOps for SoftSrq {
         // A receive a QP has taken is off the queue already: only untaken
         // ones come back, and their buffers are no longer referenced.
         q.rq.drain(at..).rev().map(|w| w.wr_id).collect()
+    }
+    fn starved(&self) -> u64 {
+        self.0.starved.load(std::sync::atomic::Ordering::Relaxed)
     }
 }

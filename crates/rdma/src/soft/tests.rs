@@ -991,6 +991,7 @@ fn srq_empty_holds_sends_until_receives_are_posted() {
     let early = rig.run(150);
     assert!(early.is_empty(), "completions with an empty SRQ: {early:?}");
     assert_eq!(rig.srq.posted(), 0);
+    assert_eq!(rig.srq.starved(), 1, "one QP waits for a receive");
     let st = super::qp_stats(&sqp).expect("soft QP");
     assert!(st.anon_bytes > 0, "the first Send is buffered: {st:?}");
     assert!(
@@ -1029,6 +1030,7 @@ fn srq_empty_holds_sends_until_receives_are_posted() {
     assert_eq!(sent, 3);
     assert!(rig.run(20).is_empty());
     assert_eq!(super::qp_stats(&sqp).expect("soft").anon_bytes, 0);
+    assert_eq!(rig.srq.starved(), 1, "no wait since the post");
 }
 
 /// A QP in error flushes none of its SRQ's receives: they stay posted and

@@ -17,8 +17,20 @@
 //! while the promises need it; else it stays free. Where the provider can
 //! take untaken receives back (the soft provider's `Srq::withdraw`),
 //! `release` does, and a chunk of buffers that is wholly free is
-//! unregistered: an idle connection then costs the pool one buffer.
+//! unregistered.
 //! Devices keep surplus receives posted until traffic consumes them.
+//!
+//! Where a Send that finds the queue empty waits instead of failing (the
+//! soft provider: it buffers the Send under the QP's indicate window and
+//! stops reading that socket until a receive is posted, seed 003), the
+//! pool does not back every connection's *first* credit with a buffer of
+//! its own: those are backed together by a reserve of
+//! [`idle_reserve`] buffers (`overcommit`). An idle connection, brought
+//! down to one credit, then costs the pool a fraction of a buffer; if more
+//! idle connections send at once than the reserve holds, the later ones
+//! wait in TCP until a buffer comes back. Credits beyond the first are
+//! always backed one for one, so a fragmented message — which needs all
+//! its credits at once — never waits on another connection's buffers.
 
 use std::sync::{Arc, Mutex};
 
@@ -37,7 +49,16 @@ pub(super) struct RecvPool {
     /// Bytes of one receive buffer.
     slot: usize,
     shared: Arc<Shared>,
+    /// A Send finding no receive waits (see the module's doc): first
+    /// credits share the [`idle_reserve`].
+    overcommit: bool,
     inner: Mutex<Inner>,
+}
+
+/// Buffers that back the first credits of `holders` connections together
+/// when the pool overcommits: a chunk, plus one per 32 connections.
+pub(super) fn idle_reserve(holders: usize) -> usize {
+    holders.min(CHUNK + holders / 32)
 }
 
 #[derive(Default)]
@@ -51,6 +72,8 @@ struct Inner {
     free: Vec<u64>,
     in_use: usize,
     promised: usize,
+    /// Connections promising at least one credit.
+    holders: usize,
 }
 
 /// What the pool holds (for metrics and tests).
@@ -60,16 +83,36 @@ pub struct PoolStats {
     pub posted: usize,
     pub in_use: usize,
     pub promised: usize,
+    /// Times a Send found the pool's SRQ empty and waited (overcommitted
+    /// first credits all used at once).
+    pub starved: u64,
 }
 
 impl RecvPool {
-    pub(super) fn new(pd: Pd, srq: Srq, slot: usize, shared: Arc<Shared>) -> RecvPool {
+    pub(super) fn new(
+        pd: Pd,
+        srq: Srq,
+        slot: usize,
+        shared: Arc<Shared>,
+        overcommit: bool,
+    ) -> RecvPool {
         RecvPool {
             srq,
             pd,
             slot,
             shared,
+            overcommit,
             inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Receive bytes an idle connection (one credit) costs the pool: a
+    /// buffer, or its share of the reserve when the pool overcommits.
+    pub(super) fn idle_bytes(&self) -> usize {
+        if self.overcommit {
+            self.slot.div_ceil(32)
+        } else {
+            self.slot
         }
     }
 
@@ -91,17 +134,30 @@ impl RecvPool {
             posted: self.srq.posted(),
             in_use: i.in_use,
             promised: i.promised,
+            starved: self.srq.starved(),
         }
     }
 
-    /// Promise up to `want` more credits, at least `min` or none: posts the
-    /// receives the promises need. Returns how many were promised.
-    pub(super) fn reserve(&self, want: usize, min: usize) -> usize {
+    /// Receives that `promised` credits of `holders` connections need
+    /// posted or in use.
+    fn need(&self, promised: usize, holders: usize) -> usize {
+        if self.overcommit {
+            promised.saturating_sub(holders) + idle_reserve(holders)
+        } else {
+            promised
+        }
+    }
+
+    /// Promise up to `want` more credits, at least `min` or none, for a
+    /// connection that promised none so far if `first`: posts the receives
+    /// the promises need. Returns how many were promised.
+    pub(super) fn reserve(&self, want: usize, min: usize, first: bool) -> usize {
         let mut i = lock(&self.inner);
         let mut have = self.srq.posted() + i.in_use;
+        let holders = i.holders + usize::from(first);
         let mut got = 0;
         while got < want {
-            if i.promised + got + 1 > have {
+            if self.need(i.promised + got + 1, holders) > have {
                 if !self.post_one(&mut i) {
                     break;
                 }
@@ -114,6 +170,7 @@ impl RecvPool {
             return 0;
         }
         i.promised += got;
+        i.holders = holders;
         got
     }
 
@@ -176,22 +233,26 @@ impl RecvPool {
         true
     }
 
-    /// Stop promising `n` credits: take back the receives no promise
+    /// Stop promising `n` credits (all of one connection's if `last`): take back the receives no promise
     /// needs where the provider can, and unregister wholly free chunks.
-    /// When the registered buffers far outnumber the promises, every
+    /// When a whole chunk more than the promises need is registered, every
     /// untaken receive is taken back and the needed ones posted again from
     /// the lowest chunks, so the others empty and go (a Send arriving
     /// meanwhile waits in the provider's indicate window, seed 003).
-    pub(super) fn release(&self, n: usize) {
+    pub(super) fn release(&self, n: usize, last: bool) {
         let mut i = lock(&self.inner);
         i.promised = i.promised.saturating_sub(n);
+        if last {
+            i.holders = i.holders.saturating_sub(1);
+        }
+        let need = self.need(i.promised, i.holders);
         let registered = i.chunks.iter().flatten().count() * CHUNK;
         let posted = self.srq.posted();
-        let compact = registered > i.promised + 2 * CHUNK;
+        let compact = registered >= need.next_multiple_of(CHUNK) + CHUNK;
         let take = if compact {
             posted
         } else {
-            (posted + i.in_use).saturating_sub(i.promised).min(posted)
+            (posted + i.in_use).saturating_sub(need).min(posted)
         };
         if take > 0 {
             for w in self.srq.withdraw(take) {
@@ -206,7 +267,7 @@ impl RecvPool {
         if compact {
             // Lowest ids last: `post_one` pops them first.
             i.free.sort_unstable_by(|a, b| b.cmp(a));
-            while self.srq.posted() + i.in_use < i.promised {
+            while self.srq.posted() + i.in_use < need {
                 if !self.post_one(&mut i) {
                     break;
                 }
@@ -253,6 +314,7 @@ impl RecvPool {
     /// else kept free.
     pub(super) fn give_back(&self, ids: &[u64]) {
         let mut i = lock(&self.inner);
+        let need = self.need(i.promised, i.holders);
         for &id in ids {
             i.in_use = i.in_use.saturating_sub(1);
             let c = id as usize / CHUNK;
@@ -260,7 +322,7 @@ impl RecvPool {
                 continue;
             }
             i.chunk_free[c] += 1;
-            if self.srq.posted() + i.in_use < i.promised {
+            if self.srq.posted() + i.in_use < need {
                 // (A failed post keeps it free.)
                 self.post(&mut i, id);
             } else {

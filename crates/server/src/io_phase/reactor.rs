@@ -50,6 +50,9 @@ pub(super) struct DomainSpec {
     pub(super) srq_wr: u32,
     /// Bytes of one receive buffer.
     pub(super) slot: usize,
+    /// A Send that finds the SRQ empty waits (the soft provider): the pool
+    /// backs first credits with a shared reserve (`pool::idle_reserve`).
+    pub(super) overcommit: bool,
 }
 
 /// One reactor's resources on one device: a context (the soft provider's
@@ -83,6 +86,7 @@ impl Domain {
             srq,
             spec.slot,
             shared.clone(),
+            spec.overcommit,
         ));
         lock(&shared.pools).push(pool.clone());
         Ok(Domain {

@@ -379,13 +379,13 @@ impl Shared {
 
     /// Receive buffers of `slot` bytes the budget holds beyond what every
     /// connection still to come (up to `max_connections`) needs to be
-    /// admitted idle (one receive buffer and one chunk of send slots), that
-    /// floor taking at most half the budget: what credits beyond one may
-    /// use.
-    pub(super) fn extra_buffers(&self, slot: usize) -> usize {
+    /// admitted idle (`idle` receive bytes — one buffer, or its share of
+    /// the pool's reserve — and one chunk of send slots), that floor taking
+    /// at most half the budget: what credits beyond one may use.
+    pub(super) fn extra_buffers(&self, slot: usize, idle: usize) -> usize {
         let live = lock(&self.conns).len();
         let floor = (self.opts.max_connections.saturating_sub(live)
-            * (slot + SEND_SLOT * SEND_CHUNK))
+            * (idle + SEND_SLOT * SEND_CHUNK))
             .min(self.opts.max_memory / 2);
         self.opts
             .max_memory
@@ -468,8 +468,6 @@ impl ServerHandle {
         }
     }
 
-    /// Requests served, by opcode, latency and error status: those of
-    /// closed connections, and of live ones as of at most 50 ms ago.
     /// The shared receive pools, summed.
     pub fn receive_pool(&self) -> super::pool::PoolStats {
         let mut t = super::pool::PoolStats::default();
@@ -479,6 +477,7 @@ impl ServerHandle {
             t.posted += s.posted;
             t.in_use += s.in_use;
             t.promised += s.promised;
+            t.starved += s.starved;
         }
         t
     }
@@ -810,6 +809,7 @@ impl RdmaPhase for RdmaServer {
                         0
                     },
                     slot,
+                    overcommit: soft,
                 }
             })
             .collect();
@@ -1397,8 +1397,8 @@ struct ReadBuf {
 
 const SEND_SLOT: usize = 256;
 /// Send slots registered at a time: a connection starts with one chunk
-/// (16 KiB) and registers more only when its sends outrun it.
-const SEND_CHUNK: usize = 64;
+/// (4 KiB) and registers more only when its sends outrun it.
+const SEND_CHUNK: usize = 16;
 
 /// Where a connection's receive buffers come from.
 enum RecvSrc {
@@ -1531,7 +1531,8 @@ impl Conn {
         // the initial grant, as far as the budget allows.
         // Admitted only with room for its buffers and one read buffer (a
         // connection that could never read is refused at the door).
-        let need = recv_slot + SEND_SLOT * SEND_CHUNK + (64 << 10);
+        let idle = domain.map_or(recv_slot, |d| d.pool.idle_bytes());
+        let need = idle + SEND_SLOT * SEND_CHUNK + (64 << 10);
         if domain.is_some()
             && shared.mem_used.load(Ordering::Relaxed) + need > shared.opts.max_memory
         {
@@ -1546,9 +1547,9 @@ impl Conn {
                 // connections is admitted with fewer credits each rather
                 // than refused, and the balancer grants more to the ones
                 // that turn busy.
-                let extra = shared.extra_buffers(recv_slot) / 16;
+                let extra = shared.extra_buffers(recv_slot, idle) / 16;
                 let want = usize::from(cfg.max_credits).min(1 + extra);
-                let got = d.pool.reserve(want, 1);
+                let got = d.pool.reserve(want, 1, true);
                 if got == 0 {
                     out_of_memory(req);
                     return Err(nomem("receive buffers"));
@@ -1580,7 +1581,7 @@ impl Conn {
         };
         let release = |backed: usize| {
             if let Some(d) = domain {
-                d.pool.release(backed);
+                d.pool.release(backed, true);
             }
         };
         let cq = match cq {
@@ -1990,7 +1991,7 @@ impl Conn {
                 let back: Vec<RecvId> = self.held.drain().filter(|b| !busy.contains(b)).collect();
                 p.give_back(&back);
                 p.lose(busy.len());
-                p.release(self.backed);
+                p.release(self.backed, self.backed > 0);
                 self.backed = 0;
             }
             RecvSrc::Gone => {}
@@ -2035,8 +2036,8 @@ impl Conn {
     fn promise(&mut self, n: usize) -> usize {
         match &self.recv {
             RecvSrc::Pool(p) => {
-                let n = n.min(self.shared.extra_buffers(self.recv_slot));
-                let got = p.reserve(n, 1);
+                let n = n.min(self.shared.extra_buffers(self.recv_slot, p.idle_bytes()));
+                let got = p.reserve(n, 1, self.backed == 0);
                 self.backed += got;
                 got
             }
@@ -2057,8 +2058,9 @@ impl Conn {
     /// Undo a [`Conn::promise`] whose grant did not start.
     fn unpromise(&mut self, n: usize) {
         if let RecvSrc::Pool(p) = &self.recv {
-            p.release(n);
-            self.backed = self.backed.saturating_sub(n);
+            let n = n.min(self.backed);
+            self.backed -= n;
+            p.release(n, n > 0 && self.backed == 0);
         }
     }
 
