@@ -82,6 +82,10 @@ pub struct Piece {
 /// Staging buffer size and the payload size from which (CRC off) we read
 /// straight into the target memory instead of through the staging buffer.
 pub const STAGE: usize = 64 * 1024;
+/// The staging buffer's size until a read fills it (and again after
+/// `STAGE_QUIET` small reads): what an idle QP holds.
+pub const STAGE_MIN: usize = 4096;
+pub const STAGE_QUIET: u32 = 256;
 pub const DIRECT_MIN: usize = 4096;
 /// Read large payloads straight into registered memory (default). Off, every
 /// byte goes through the staging buffer and is copied once; a switch for
@@ -305,6 +309,8 @@ struct Stage {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    /// Reads in a row that brought less than `STAGE_MIN` (see `fill`).
+    quiet: u32,
 }
 
 /// Counters for tests and benchmarks.
@@ -489,9 +495,10 @@ impl QpEngine {
             stage: Stage {
                 all_staged: crc,
                 small: true,
-                buf: vec![0u8; STAGE].into_boxed_slice(),
+                buf: vec![0u8; STAGE_MIN].into_boxed_slice(),
                 start: 0,
                 end: 0,
+                quiet: 0,
             },
             fpdu: FpduReceiver::new(FpduConfig {
                 crc,

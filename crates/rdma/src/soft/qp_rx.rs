@@ -10,21 +10,53 @@ impl Stage {
         self.end - self.start
     }
 
+    /// Read up to `limit` bytes after the staged ones. The buffer starts
+    /// at [`STAGE_MIN`] (an idle connection's QP holds no more), grows to
+    /// [`STAGE`] when a read fills it, and goes back to the small size once
+    /// [`STAGE_QUIET`] reads in a row on an empty stage brought little.
     fn fill(&mut self, io: &mut dyn Io, limit: usize) -> io::Result<usize> {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
+            if self.buf.len() > STAGE_MIN && self.quiet >= STAGE_QUIET {
+                self.buf = vec![0u8; STAGE_MIN].into_boxed_slice();
+                self.quiet = 0;
+            }
         } else if self.end == self.buf.len() {
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
+        }
+        if self.end == self.buf.len() {
+            self.grow();
         }
         let room = (self.buf.len() - self.end).min(limit.max(1));
         // SAFETY: the range is inside our own boxed buffer; no reference to it
         // is live during the call.
         let n = unsafe { io.read(self.buf.as_mut_ptr().add(self.end), room)? };
         self.end += n;
+        if n == room && self.end == self.buf.len() {
+            self.grow();
+            self.quiet = 0;
+        } else if n < STAGE_MIN {
+            self.quiet = self.quiet.saturating_add(1);
+        } else {
+            self.quiet = 0;
+        }
         Ok(n)
+    }
+
+    /// Up to the full [`STAGE`], keeping the staged bytes.
+    fn grow(&mut self) {
+        if self.buf.len() >= STAGE {
+            return;
+        }
+        let mut b = vec![0u8; STAGE].into_boxed_slice();
+        let n = self.end - self.start;
+        b[..n].copy_from_slice(&self.buf[self.start..self.end]);
+        self.buf = b;
+        self.start = 0;
+        self.end = n;
     }
 }
 
