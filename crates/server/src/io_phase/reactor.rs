@@ -13,7 +13,9 @@
 //! connection is hot it arms their CQs (re-polling once to close the race)
 //! and sleeps in `epoll_wait` until an event or the next timer. Every
 //! [`super::server::STATS_FLUSH`] it runs each idle connection's timers,
-//! credit balancing and counters without touching its queues.
+//! credit balancing and counters without touching its queues, in slices
+//! of [`TICK_SLICE`] connections or more spread over that period (up to 25
+//! of them), so that no round stops for a thousand connections at once.
 //!
 //! A new connection goes to the reactor with the fewest connections.
 
@@ -383,6 +385,7 @@ impl Reactor {
         let mut done: Vec<RingDone> = Vec::new();
         let mut tags: Vec<u64> = Vec::new();
         let mut next_tick = Instant::now() + STATS_FLUSH;
+        let mut tick_at = 0;
         loop {
             while let Ok(c) = self.inbox.try_recv() {
                 self.adopt(c);
@@ -474,8 +477,16 @@ impl Reactor {
             }
             let now = Instant::now();
             if now >= next_tick {
-                next_tick = now + STATS_FLUSH;
-                for slot in 0..self.slots.len() {
+                // In slices: every connection once per STATS_FLUSH, but
+                // with hundreds of them no round stops for all at once (a
+                // hot request would wait behind the whole tick).
+                let n = self.slots.len();
+                let slices = (n / TICK_SLICE).clamp(1, 25);
+                let from = if tick_at < n { tick_at } else { 0 };
+                let to = (from + n.div_ceil(slices)).min(n);
+                tick_at = to;
+                next_tick = now + STATS_FLUSH / slices as u32;
+                for slot in from..to {
                     if self.marked[slot] {
                         continue;
                     }
@@ -505,6 +516,9 @@ impl Reactor {
         info!(reactor = self.index, "reactor stopped");
     }
 }
+
+/// Connections one slice of the idle tick covers (at least; see `run`).
+const TICK_SLICE: usize = 32;
 
 fn epoll_wait(ep: impl AsFd, out: &mut [Event], ms: i32) -> usize {
     let t = rustix::event::Timespec {
