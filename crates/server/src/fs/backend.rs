@@ -12,6 +12,8 @@
 //! * [`ThreadPoolBackend`] — a bounded pool of threads doing
 //!   `pread`/`pwrite`, used when io_uring is unavailable (old kernels, seccomp,
 //!   `io_uring_disabled`). [`open_backend`] detects which one works and logs it.
+//! * [`InlineBackend`] — `pread`/`pwrite` on the caller's thread, for threads
+//!   whose job is to block on file I/O (the RDMA phase's storage threads).
 //!
 //! Cancellation ([`Backend::submit_cancellable`]): io_uring cancels requests
 //! that are running (`IORING_OP_ASYNC_CANCEL`) once the flag is raised; they
@@ -538,6 +540,48 @@ struct Job {
     done: mpsc::Sender<(usize, io::Result<usize>)>,
 }
 
+/// `pread`/`pwrite` on the calling thread: for threads that exist to
+/// block on file I/O (the RDMA phase's storage threads when io_uring is
+/// unavailable), so that they are the one pool, not a pool in front of
+/// [`ThreadPoolBackend`]'s. Cancellation skips the operations, and chunks,
+/// not yet started.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct InlineBackend;
+
+impl Backend for InlineBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Threads
+    }
+
+    fn submit(&self, ops: &mut [IoOp<'_>]) -> Vec<io::Result<usize>> {
+        self.submit_cancellable(ops, &AtomicBool::new(false))
+    }
+
+    fn submit_cancellable(
+        &self,
+        ops: &mut [IoOp<'_>],
+        cancel: &AtomicBool,
+    ) -> Vec<io::Result<usize>> {
+        let pre = prevalidate(ops);
+        ops.iter_mut()
+            .zip(pre)
+            .map(|(op, pre)| {
+                if let Some(r) = pre {
+                    return r;
+                }
+                if cancel.load(Ordering::Relaxed) {
+                    return Err(cancelled());
+                }
+                let (addr, len, write) = (op.buf.addr(), op.buf.len(), op.buf.is_write());
+                // SAFETY: `op.buf` is a live borrow (exclusive for a read)
+                // of [addr, addr+len) and `op.fd` a borrowed open fd, both
+                // held by `ops` for the whole call.
+                unsafe { rw_all(op.fd.as_raw_fd(), addr, len, op.offset, write, Some(cancel)) }
+            })
+            .collect()
+    }
+}
+
 /// `pread`/`pwrite` on a bounded pool of threads.
 pub struct ThreadPoolBackend {
     tx: Option<mpsc::SyncSender<Job>>,
@@ -553,18 +597,40 @@ impl fmt::Debug for ThreadPoolBackend {
 }
 
 fn do_job(j: &Job) -> io::Result<usize> {
+    // SAFETY: the submitting thread keeps the buffer [addr, addr+len) and
+    // the fd alive until it has received this job's result (or the job is
+    // dropped), see `ThreadPoolBackend::submit`.
+    unsafe { rw_all(j.fd, j.addr, j.len, j.offset, j.write, None) }
+}
+
+/// `pread`/`pwrite` until all of [addr, addr+len) is done (a read: or end
+/// of file), retrying EINTR; between chunks, stops if `cancel` is raised.
+///
+/// # Safety
+/// `fd` is open and [addr, addr+len) is memory the caller lets this call
+/// write (a read) or read (a write) until it returns.
+unsafe fn rw_all(
+    fd: RawFd,
+    addr: usize,
+    len: usize,
+    offset: u64,
+    write: bool,
+    cancel: Option<&AtomicBool>,
+) -> io::Result<usize> {
     let mut done = 0usize;
-    while done < j.len {
-        let n = (j.len - done).min(MAX_CHUNK);
-        let off = (j.offset + done as u64) as libc::off_t;
-        // SAFETY: the submitting thread keeps the buffer [addr, addr+len) and
-        // the fd alive until it has received this job's result (or the job is
-        // dropped), see `ThreadPoolBackend::submit`.
+    while done < len {
+        if done > 0 && cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            return Err(cancelled());
+        }
+        let n = (len - done).min(MAX_CHUNK);
+        let off = (offset + done as u64) as libc::off_t;
+        // SAFETY: the caller's contract: the range and the fd stay valid
+        // for this call.
         let r = unsafe {
-            if j.write {
-                libc::pwrite(j.fd, (j.addr + done) as *const libc::c_void, n, off)
+            if write {
+                libc::pwrite(fd, (addr + done) as *const libc::c_void, n, off)
             } else {
-                libc::pread(j.fd, (j.addr + done) as *mut libc::c_void, n, off)
+                libc::pread(fd, (addr + done) as *mut libc::c_void, n, off)
             }
         };
         if r < 0 {
@@ -575,7 +641,7 @@ fn do_job(j: &Job) -> io::Result<usize> {
             return Err(e);
         }
         if r == 0 {
-            if j.write {
+            if write {
                 return Err(io::ErrorKind::WriteZero.into());
             }
             break;
@@ -677,7 +743,8 @@ mod tests {
     use std::os::fd::AsFd;
 
     fn backends() -> Vec<Arc<dyn Backend>> {
-        let mut v: Vec<Arc<dyn Backend>> = vec![Arc::new(ThreadPoolBackend::new(3))];
+        let mut v: Vec<Arc<dyn Backend>> =
+            vec![Arc::new(ThreadPoolBackend::new(3)), Arc::new(InlineBackend)];
         match UringBackend::new(8, 2) {
             Ok(b) => v.push(Arc::new(b)),
             Err(e) => eprintln!("io_uring unavailable here, testing threads only: {e}"),

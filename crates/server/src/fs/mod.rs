@@ -41,7 +41,9 @@ use std::sync::{Arc, OnceLock};
 
 use lwio_side::error::{Error, ErrorCode, Result};
 
-pub use backend::{Backend, BackendKind, IoBuf, IoOp, ThreadPoolBackend, UringBackend};
+pub use backend::{
+    Backend, BackendKind, InlineBackend, IoBuf, IoOp, ThreadPoolBackend, UringBackend,
+};
 pub use lwio_side::types::{
     Attr, AttrX, DirEntry, FileKind, OpenOptions, RemoveKind, SetAttr, SetTime, StatFs,
 };

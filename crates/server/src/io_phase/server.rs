@@ -774,9 +774,11 @@ impl RdmaPhase for RdmaServer {
 
     fn serve(&self, state: Arc<ServerState>, shutdown: Shutdown) {
         let sh = &self.shared;
+        // The storage threads do their file I/O themselves (they exist to
+        // block on it): one pool, not one in front of the backend's.
         let pool = StoragePool::new(
             sh.opts.storage_threads,
-            state.backend.clone(),
+            Arc::new(crate::fs::InlineBackend),
             sh.storage_queued.clone(),
         );
         let n = match sh.opts.reactors {

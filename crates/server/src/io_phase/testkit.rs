@@ -13,6 +13,16 @@ use crate::fs::{ExportSpec, ResolveMode};
 use crate::server::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
 use lwio_side::Token;
 
+/// The one read-write export `export` of `root`.
+fn one(root: &Path, export: &str) -> ExportSpec {
+    ExportSpec {
+        name: export.into(),
+        path: root.to_path_buf(),
+        read_only: false,
+        allow_hardlinks: false,
+    }
+}
+
 /// A running server.
 pub struct LocalServer {
     /// Side-channel address (`host:port` for `Client::connect`).
@@ -60,13 +70,29 @@ impl LocalServer {
         limits: Limits,
         rdma: RdmaServerOptions,
     ) -> lwio_side::Result<LocalServer> {
-        let spec = ExportSpec {
-            name: export.into(),
-            path: root.to_path_buf(),
-            read_only: false,
-            allow_hardlinks: false,
-        };
-        LocalServer::start_exports(vec![spec], token, limits, rdma)
+        LocalServer::start_exports(
+            vec![one(root, export)],
+            token,
+            limits,
+            rdma,
+            IoConfig::default(),
+        )
+    }
+
+    /// [`LocalServer::start`] with this file I/O backend (`[io]`), e.g.
+    /// the thread pool of a host without io_uring.
+    pub fn start_with_io(
+        root: &Path,
+        export: &str,
+        token: &str,
+        limits: Limits,
+        mut rdma: RdmaServerOptions,
+        io: IoConfig,
+    ) -> lwio_side::Result<LocalServer> {
+        rdma.listen = "127.0.0.1:0".parse().expect("literal address");
+        rdma.provider = ProviderChoice::Soft;
+        rdma.device = None;
+        LocalServer::start_exports(vec![one(root, export)], token, limits, rdma, io)
     }
 
     /// [`LocalServer::start`] with these exports (read-only ones, several).
@@ -79,7 +105,7 @@ impl LocalServer {
         rdma.listen = "127.0.0.1:0".parse().expect("literal address");
         rdma.provider = ProviderChoice::Soft;
         rdma.device = None;
-        LocalServer::start_exports(exports, token, limits, rdma)
+        LocalServer::start_exports(exports, token, limits, rdma, IoConfig::default())
     }
 
     fn start_exports(
@@ -87,6 +113,7 @@ impl LocalServer {
         token: &str,
         limits: Limits,
         rdma: RdmaServerOptions,
+        io: IoConfig,
     ) -> lwio_side::Result<LocalServer> {
         let provider = rdma.provider;
         let opts = ServerOptions {
@@ -98,7 +125,7 @@ impl LocalServer {
                 allow_anonymous: false,
             },
             limits,
-            io: IoConfig::default(),
+            io,
             provider,
             resolve: ResolveMode::Auto,
         };
