@@ -47,6 +47,11 @@ pub struct Limits {
     pub login_timeout: Duration,
     /// Open files per session.
     pub max_open_files_per_session: usize,
+    /// Open files server-wide.
+    pub max_open_files: usize,
+    /// Descriptors the open files are held with (the descriptor cache,
+    /// docs/descriptor-cache.md); 0 = half of RLIMIT_NOFILE.
+    pub max_open_descriptors: usize,
     /// How long a server request resume key (and a negotiate key) is accepted.
     #[serde(deserialize_with = "de_duration")]
     pub resume_key_ttl: Duration,
@@ -98,7 +103,9 @@ impl Default for Limits {
             max_sessions: 4096,
             idle_timeout: Duration::from_secs(300),
             login_timeout: Duration::from_secs(10),
-            max_open_files_per_session: 1024,
+            max_open_files_per_session: 16_384,
+            max_open_files: 1_000_000,
+            max_open_descriptors: 0,
             resume_key_ttl: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
             max_connections_per_host: 64,
@@ -390,6 +397,7 @@ impl Config {
         for (k, v) in [
             ("max_sessions", l.max_sessions),
             ("max_open_files_per_session", l.max_open_files_per_session),
+            ("max_open_files", l.max_open_files),
             ("max_connections_per_host", l.max_connections_per_host),
             ("max_sessions_per_user", l.max_sessions_per_user),
             ("max_unauthenticated", l.max_unauthenticated),
@@ -563,7 +571,9 @@ max_frame = 1048576
 max_sessions = 4096
 idle_timeout = "5m"
 login_timeout = "10s"
-max_open_files_per_session = 1024
+max_open_files_per_session = 16384
+max_open_files = 1000000
+max_open_descriptors = 0
 resume_key_ttl = "60s"
 shutdown_grace = "10s"
 max_connections_per_host = 64

@@ -506,7 +506,8 @@ impl Server {
                 opts.limits.resume_key_ttl,
                 opts.limits.max_open_files_per_session,
                 opts.server_name.clone(),
-            ),
+            )
+            .with_caps(opts.limits.max_open_files, opts.limits.max_open_descriptors),
             leases: Arc::new(crate::side::leases::Leases::new(&opts.limits)),
             mem_objects: Arc::default(),
             backend,
@@ -529,9 +530,15 @@ impl Server {
                 path = %e.root.display(),
                 read_only = e.read_only,
                 resolver = ?e.resolve_mode(),
+                reopen_by_handle = e.reopens_by_handle(),
                 "export"
             );
         }
+        tracing::info!(
+            max_open_files = opts.limits.max_open_files,
+            max_open_descriptors = state.open_files.descriptors().max(),
+            "open files"
+        );
         Ok(Server {
             state,
             listener,

@@ -30,6 +30,7 @@
 //! by that one request (the usual limit of fd-based confinement).
 
 pub mod backend;
+pub mod fdcache;
 pub mod table;
 
 use std::collections::BTreeMap;
@@ -393,11 +394,10 @@ pub fn lock_file(
                 (false, true) => libc::O_WRONLY,
                 _ => libc::O_RDONLY,
             };
-            let fd = match reopen(f.file.as_raw_fd(), libc::O_RDWR) {
+            let file = f.fd()?;
+            let fd = match reopen(file.as_raw_fd(), libc::O_RDWR) {
                 Ok(fd) => fd,
-                Err(_) => {
-                    reopen(f.file.as_raw_fd(), acc).map_err(|e| Error::from_errno(e, &what))?
-                }
+                Err(_) => reopen(file.as_raw_fd(), acc).map_err(|e| Error::from_errno(e, &what))?,
             };
             v.insert(fd).as_raw_fd()
         }
@@ -542,6 +542,9 @@ pub struct Export {
     pub allow_hardlinks: bool,
     root_fd: OwnedFd,
     openat2: bool,
+    /// Open files can be reopened by file handle (the mount id of the
+    /// root), docs/descriptor-cache.md.
+    handles: Option<i32>,
 }
 
 impl Export {
@@ -576,6 +579,7 @@ impl Export {
             }
             ResolveMode::Fallback => false,
         };
+        let handles = fdcache::probe_handles(&spec.name, fd.as_raw_fd());
         Ok(Export {
             name: spec.name.clone(),
             root: spec.path.clone(),
@@ -583,7 +587,14 @@ impl Export {
             allow_hardlinks: spec.allow_hardlinks,
             root_fd: fd,
             openat2,
+            handles,
         })
+    }
+
+    /// Whether open files of this export are reopened by file handle (else
+    /// by path), docs/descriptor-cache.md.
+    pub fn reopens_by_handle(&self) -> bool {
+        self.handles.is_some()
     }
 
     /// Which resolver this export uses.

@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::OpenedFile;
+use super::fdcache::{FdCache, FdRef, Fid};
+use super::{Export, OpenedFile};
 use lwio_side::error::{Error, ErrorCode, Result};
 
 /// Identifies a side-channel session (assigned at login).
@@ -54,7 +55,9 @@ pub struct Rights {
 pub struct OpenFile {
     /// Side-channel handle.
     pub handle: u64,
-    pub file: Arc<File>,
+    /// The file's identity and cached descriptor: [`OpenFile::fd`] for I/O
+    /// (docs/descriptor-cache.md).
+    pub fid: Arc<Fid>,
     pub rights: Rights,
     /// The side-channel session that opened it.
     pub session: SessionId,
@@ -72,6 +75,15 @@ pub struct OpenFile {
     /// publisher's memory, and `file` is only a sealed, empty-content
     /// stand-in of the object's size.
     pub mem: Option<Arc<crate::memobj::MemObj>>,
+}
+
+impl OpenFile {
+    /// The file's descriptor, held open for as long as the [`FdRef`] lives
+    /// (reopened if the cache had closed it; ESTALE if the file was removed
+    /// or replaced meanwhile).
+    pub fn fd(&self) -> Result<FdRef> {
+        self.fid.get()
+    }
 }
 
 /// Why a resume key lookup was refused.
@@ -103,6 +115,10 @@ pub struct OpenFileTable {
     inner: Mutex<Inner>,
     ttl: Duration,
     max_per_session: usize,
+    /// Open files server-wide.
+    max_total: usize,
+    /// The descriptors behind them.
+    cache: Arc<FdCache>,
     server_name: String,
     pid: u64,
     /// `Rekey`s that found the file still held by an earlier RDMA
@@ -142,11 +158,30 @@ impl OpenFileTable {
             }),
             ttl,
             max_per_session,
+            max_total: usize::MAX,
+            cache: FdCache::new(super::fdcache::default_max_descriptors()),
             server_name: server_name.into(),
             pid: u64::from(std::process::id()),
             rekey_waits: AtomicU64::new(0),
             rekey_busy: AtomicU64::new(0),
         }
+    }
+
+    /// At most `max_open_files` open files server-wide, held with at most
+    /// `max_descriptors` open descriptors (0: half of RLIMIT_NOFILE).
+    pub fn with_caps(mut self, max_open_files: usize, max_descriptors: usize) -> OpenFileTable {
+        self.max_total = max_open_files;
+        self.cache = FdCache::new(if max_descriptors == 0 {
+            super::fdcache::default_max_descriptors()
+        } else {
+            max_descriptors
+        });
+        self
+    }
+
+    /// The descriptor cache behind the open files.
+    pub fn descriptors(&self) -> &Arc<FdCache> {
+        &self.cache
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -156,6 +191,8 @@ impl OpenFileTable {
     }
 
     /// Enter a freshly opened file; returns it and its request resume key.
+    /// `origin`: the export it was opened in, by `path` (`None`: its
+    /// descriptor cannot be reopened and stays open).
     pub fn insert(
         &self,
         session: SessionId,
@@ -163,8 +200,19 @@ impl OpenFileTable {
         rights: Rights,
         export: &str,
         path: &str,
+        origin: Option<&Arc<Export>>,
     ) -> Result<(OpenFile, SrvRequestResumeKey)> {
         let mut g = self.lock();
+        let total = g.by_handle.len();
+        if total >= self.max_total {
+            return Err(Error::new(
+                ErrorCode::TooManyOpenFiles,
+                format!(
+                    "this server already has {total} open files (limit {})",
+                    self.max_total
+                ),
+            ));
+        }
         let n = g.per_session.get(&session).copied().unwrap_or(0);
         if n >= self.max_per_session {
             return Err(Error::new(
@@ -190,9 +238,12 @@ impl OpenFileTable {
         };
         let handle = g.next_handle;
         g.next_handle += 1;
+        let fid = self
+            .cache
+            .insert(opened.file, origin.map(|e| (e.clone(), path)));
         let file = OpenFile {
             handle,
-            file: Arc::new(opened.file),
+            fid,
             rights,
             session,
             export: export.to_string(),
@@ -312,7 +363,7 @@ impl OpenFileTable {
     pub fn in_use(&self, handle: u64, session: SessionId) -> Option<bool> {
         let g = self.lock();
         let e = g.by_handle.get(&handle)?;
-        (e.file.session == session).then(|| Arc::strong_count(&e.file.file) > 1)
+        (e.file.session == session).then(|| Arc::strong_count(&e.file.fid) > 1)
     }
 
     /// Count a `Rekey` that had to wait for an earlier connection's hold
@@ -513,7 +564,7 @@ mod tests {
         let t = OpenFileTable::new(Duration::from_secs(60), 10_000, "srv");
         let mut seen = std::collections::HashSet::new();
         for _ in 0..2000 {
-            let (f, rk) = t.insert(1, opened(), RW, "e", "p").unwrap();
+            let (f, rk) = t.insert(1, opened(), RW, "e", "p", None).unwrap();
             assert_eq!(rk.server_name, "srv");
             assert_eq!(rk.key.pid, u64::from(std::process::id()));
             assert!(seen.insert(rk.key.resume_key));
@@ -525,7 +576,7 @@ mod tests {
     #[test]
     fn resume_key_session_binding() {
         let t = OpenFileTable::new(Duration::from_secs(60), 8, "srv");
-        let (f, rk) = t.insert(7, opened(), RW, "e", "a/b").unwrap();
+        let (f, rk) = t.insert(7, opened(), RW, "e", "a/b", None).unwrap();
         let got = t.lookup_resume_key(&rk.key, 7).unwrap();
         assert_eq!(got.handle, f.handle);
         assert_eq!(got.path, "a/b");
@@ -556,7 +607,7 @@ mod tests {
     #[test]
     fn resume_key_expiry() {
         let t = OpenFileTable::new(Duration::from_millis(30), 8, "srv");
-        let (f, rk) = t.insert(1, opened(), RW, "e", "p").unwrap();
+        let (f, rk) = t.insert(1, opened(), RW, "e", "p", None).unwrap();
         assert!(t.lookup_resume_key(&rk.key, 1).is_ok());
         std::thread::sleep(Duration::from_millis(60));
         assert_eq!(
@@ -570,9 +621,9 @@ mod tests {
     #[test]
     fn adopt_rekey_and_file_id() {
         let t = OpenFileTable::new(Duration::from_secs(60), 8, "srv");
-        let (f, rk) = t.insert(1, opened(), RW, "e", "p").unwrap();
+        let (f, rk) = t.insert(1, opened(), RW, "e", "p", None).unwrap();
         assert_eq!(t.in_use(f.handle, 1), Some(true), "`f` holds a clone");
-        let (id, h) = (file_id(&f.file), f.handle);
+        let (id, h) = (f.fid.ident(), f.handle);
         drop(f);
         assert_eq!(t.in_use(h, 1), Some(false));
         assert_eq!(t.adopt(1, 2), 1);
@@ -585,7 +636,7 @@ mod tests {
         assert!(t.rekey(h, 1).is_err(), "the old session has no handle now");
         let (g, rk2) = t.rekey(h, 2).unwrap();
         assert_ne!(rk2.key.resume_key, rk.key.resume_key);
-        assert_eq!(file_id(&g.file), id);
+        assert_eq!(g.fid.ident(), id);
         assert_ne!(id, 0);
         assert_eq!(
             t.lookup_resume_key(&rk.key, 2).unwrap_err(),
@@ -594,21 +645,21 @@ mod tests {
         );
         assert_eq!(t.lookup_resume_key(&rk2.key, 2).unwrap().handle, h);
         // Another file has another id.
-        let (o, _) = t.insert(2, opened(), RW, "e", "q").unwrap();
-        assert_ne!(file_id(&o.file), id);
+        let (o, _) = t.insert(2, opened(), RW, "e", "q", None).unwrap();
+        assert_ne!(o.fid.ident(), id);
     }
 
     #[test]
     fn per_session_limit_and_session_close() {
         let t = OpenFileTable::new(Duration::from_secs(60), 2, "srv");
-        t.insert(1, opened(), RW, "e", "p").unwrap();
-        t.insert(1, opened(), RW, "e", "p").unwrap();
-        let e = t.insert(1, opened(), RW, "e", "p").unwrap_err();
+        t.insert(1, opened(), RW, "e", "p", None).unwrap();
+        t.insert(1, opened(), RW, "e", "p", None).unwrap();
+        let e = t.insert(1, opened(), RW, "e", "p", None).unwrap_err();
         assert_eq!(e.code, ErrorCode::TooManyOpenFiles);
-        t.insert(2, opened(), RW, "e", "p").unwrap();
+        t.insert(2, opened(), RW, "e", "p", None).unwrap();
         assert_eq!(t.close_session(1), 2);
         assert_eq!(t.session_len(1), 0);
         assert_eq!(t.len(), 1);
-        t.insert(1, opened(), RW, "e", "p").unwrap();
+        t.insert(1, opened(), RW, "e", "p", None).unwrap();
     }
 }

@@ -556,7 +556,9 @@ pub(super) struct RingJob {
     pub(super) conn: u64,
     pub(super) slot: usize,
     pub(super) op: lwio_proto::server::OpId,
-    pub(super) file: Arc<std::fs::File>,
+    /// The file's descriptor, held until the completion is reaped: the
+    /// descriptor cache never closes it under the op.
+    pub(super) file: crate::fs::fdcache::FdRef,
     /// Offset of the next byte.
     pub(super) offset: u64,
     /// The pieces still to transfer (pointers into `keep`).
@@ -631,7 +633,7 @@ impl RingIo {
     /// As [`RingIo::push`].
     unsafe fn submit_op(&mut self, id: u64, rop: &RingOp) -> Result<(), super::ring::PushError> {
         let j = &rop.job;
-        let f = j.file.clone();
+        let f = j.file.arc();
         // SAFETY: the pieces lie in `j.keep` (caller), which lives in
         // `self.ops` until this id is reaped.
         unsafe {

@@ -45,7 +45,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -932,7 +932,7 @@ struct Job {
     /// so a write of a lost connection is applied or cancelled before any
     /// later write to the file can arrive (docs/reconnect.md, the ordering
     /// rule). Dropped only after the I/O returned, never before.
-    file: Arc<std::fs::File>,
+    file: crate::fs::fdcache::FdRef,
     offset: u64,
     align: u32,
     kind: JobKind,
@@ -1259,6 +1259,7 @@ unsafe fn inline_io(
     cache: &mut HashMap<(u64, bool), InlineMode>,
     enabled: bool,
     f: &OpenFile,
+    fd: RawFd,
     offset: u64,
     ptr: *mut u8,
     len: usize,
@@ -1269,7 +1270,7 @@ unsafe fn inline_io(
         iov_len: len,
     }];
     // SAFETY: the caller's contract, for the one piece.
-    unsafe { inline_io_iov(cache, enabled, f, offset, &iov, len, write) }
+    unsafe { inline_io_iov(cache, enabled, f, fd, offset, &iov, len, write) }
 }
 
 /// [`inline_io`] of a write gathered from several pieces: one `pwritev2`.
@@ -1281,20 +1282,24 @@ unsafe fn inline_io_vec(
     cache: &mut HashMap<(u64, bool), InlineMode>,
     enabled: bool,
     f: &OpenFile,
+    fd: RawFd,
     offset: u64,
     iov: &[libc::iovec],
     total: usize,
 ) -> Option<u32> {
     // SAFETY: the caller's contract.
-    unsafe { inline_io_iov(cache, enabled, f, offset, iov, total, true) }
+    unsafe { inline_io_iov(cache, enabled, f, fd, offset, iov, total, true) }
 }
 
 /// # Safety
-/// As [`inline_io`], for every piece of `iov` (`total` bytes in all).
+/// As [`inline_io`], for every piece of `iov` (`total` bytes in all);
+/// `fd` is `f`'s descriptor, held open across the call.
+#[allow(clippy::too_many_arguments)]
 unsafe fn inline_io_iov(
     cache: &mut HashMap<(u64, bool), InlineMode>,
     enabled: bool,
     f: &OpenFile,
+    fd: RawFd,
     offset: u64,
     iov: &[libc::iovec],
     len: usize,
@@ -1304,7 +1309,6 @@ unsafe fn inline_io_iov(
         return None;
     }
     let n = u32::try_from(len).ok()?;
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&*f.file);
     let mode = *cache
         .entry((f.handle, write))
         .or_insert_with(|| inline_mode_of(fd));
@@ -1334,6 +1338,19 @@ unsafe fn inline_io_iov(
         return None;
     }
     (r as usize == len).then_some(n)
+}
+
+/// The status of an I/O whose file's descriptor could not be opened again
+/// (docs/descriptor-cache.md): out of descriptors is a resource shortage;
+/// anything else (removed, replaced, no longer permitted) means the open
+/// file is gone: STATUS_FILE_DELETED, which clients map to ESTALE.
+fn reopen_status(f: &OpenFile, e: &lwio_side::error::Error) -> NtStatus {
+    debug!(export = %f.export, path = %f.path, "cannot reopen an open file: {}", e.message);
+    if e.code == lwio_side::error::ErrorCode::TooManyOpenFiles {
+        STATUS_INSUFFICIENT_RESOURCES
+    } else {
+        STATUS_FILE_DELETED
+    }
 }
 
 // --------------------------------------------------------------- connection
@@ -2362,6 +2379,14 @@ impl Conn {
             return;
         }
         self.last_io = Instant::now();
+        let fd = match f.fd() {
+            Ok(fd) => fd,
+            Err(e) => {
+                self.repost_recvs(bufs);
+                self.storage_done(op, Err(reopen_status(&f, &e)));
+                return;
+            }
+        };
         let total: usize = iov.iter().map(|p| p.2).sum();
         let inline = {
             let vecs: Vec<libc::iovec> = iov
@@ -2382,6 +2407,7 @@ impl Conn {
                     &mut self.inline_mode,
                     self.shared.opts.inline_io,
                     &f,
+                    fd.as_raw_fd(),
                     offset,
                     &vecs,
                     total,
@@ -2400,6 +2426,7 @@ impl Conn {
         self.shared
             .fragment_write_calls
             .fetch_add(frag, Ordering::Relaxed);
+        drop(fd);
         self.frag_bufs.insert(op, bufs);
         self.dispatch(op, f, offset, JobKind::WriteParts { iov });
     }
@@ -2719,7 +2746,16 @@ impl Conn {
             }
             return;
         }
-        if let Some(r) = self.try_inline(&f, offset, &kind) {
+        // The descriptor, held (never closed by the cache) until the I/O
+        // has returned.
+        let fd = match f.fd() {
+            Ok(fd) => fd,
+            Err(e) => {
+                self.storage_done(op, Err(reopen_status(&f, &e)));
+                return;
+            }
+        };
+        if let Some(r) = self.try_inline(&f, fd.as_raw_fd(), offset, &kind) {
             self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
             // Release the read buffer's Arc before `storage_done`, which
             // takes the buffer back with `Arc::try_unwrap`.
@@ -2736,7 +2772,7 @@ impl Conn {
                     conn: self.id,
                     slot: self.slot,
                     op,
-                    file: f.file.clone(),
+                    file: fd,
                     offset,
                     iov,
                     write,
@@ -2762,7 +2798,7 @@ impl Conn {
         let cancel = Arc::new(AtomicBool::new(false));
         let job = Job {
             op,
-            file: f.file.clone(),
+            file: fd,
             offset,
             align: if f.direct { f.align } else { 1 },
             kind,
@@ -2800,7 +2836,7 @@ impl Conn {
     /// whole: reads and writes of the same bytes are idempotent). Skipped
     /// for `O_DIRECT` files and when `inline_io` is off; a file system that
     /// refuses `RWF_NOWAIT` is remembered per file and direction.
-    fn try_inline(&mut self, f: &OpenFile, offset: u64, kind: &JobKind) -> Option<u32> {
+    fn try_inline(&mut self, f: &OpenFile, fd: RawFd, offset: u64, kind: &JobKind) -> Option<u32> {
         let (ptr, len, write) = match kind {
             JobKind::Read { buf, len } => (buf.addr() as *mut u8, (*len).min(buf.len()), false),
             JobKind::Write { data } => (data.as_ptr() as *mut u8, data.len(), true),
@@ -2818,6 +2854,7 @@ impl Conn {
                 &mut self.inline_mode,
                 self.shared.opts.inline_io,
                 f,
+                fd,
                 offset,
                 ptr,
                 len,

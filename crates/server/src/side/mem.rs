@@ -289,7 +289,7 @@ fn open(
     let (file, rk) =
         state
             .open_files
-            .insert(session, opened, Rights { read, write }, export, path)?;
+            .insert(session, opened, Rights { read, write }, export, path, None)?;
     debug!(session, %export, %path, handle = file.handle, "open memory object");
     Ok(Response::Opened {
         handle: file.handle,

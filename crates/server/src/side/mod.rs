@@ -785,7 +785,7 @@ async fn rekey(state: &Arc<ServerState>, session: u64, handle: u64) -> Result<Re
     }
     let (file, rk) = state.open_files.rekey(handle, session)?;
     blocking(move || {
-        let size = file.file.metadata().map(|m| m.len()).unwrap_or(0);
+        let size = file.fd()?.metadata().map(|m| m.len()).unwrap_or(0);
         Ok(opened_response(&file, &rk, size))
     })
     .await
@@ -803,7 +803,7 @@ fn opened_response(
         size,
         align: file.align,
         resume_key: crate::fs::table::encode_request_resume_key(rk),
-        file_id: crate::fs::table::file_id(&file.file),
+        file_id: file.fid.ident(),
     }
 }
 
@@ -1032,9 +1032,9 @@ async fn handle(
                     read: o.read,
                     write: o.write,
                 };
-                let (file, rk) = st
-                    .open_files
-                    .insert(session, opened, rights, &ex.name, &path)?;
+                let (file, rk) =
+                    st.open_files
+                        .insert(session, opened, rights, &ex.name, &path, Some(&ex))?;
                 debug!(session, export = %ex.name, %path, handle = file.handle, "open");
                 Ok(opened_response(&file, &rk, size))
             })
@@ -1078,7 +1078,7 @@ async fn handle(
                 ));
             }
             blocking(move || {
-                f.file
+                f.fd()?
                     .set_len(size)
                     .map_err(|e| Error::from_io(&e, format!("{}/{}", f.export, f.path)))?;
                 Ok(Response::Ok)
@@ -1089,9 +1089,9 @@ async fn handle(
             let f = state.open_files.get(handle, session)?;
             blocking(move || {
                 let r = if data_only {
-                    f.file.sync_data()
+                    f.fd()?.sync_data()
                 } else {
-                    f.file.sync_all()
+                    f.fd()?.sync_all()
                 };
                 r.map_err(|e| Error::from_io(&e, format!("{}/{}", f.export, f.path)))?;
                 Ok(Response::Ok)
@@ -1130,7 +1130,7 @@ async fn handle(
             blocking(move || {
                 let what = format!("{}/{}", f.export, f.path);
                 Ok(Response::AttrX(crate::fs::statx_fd(
-                    f.file.as_raw_fd(),
+                    f.fd()?.as_raw_fd(),
                     &what,
                 )?))
             })
@@ -1161,7 +1161,7 @@ async fn handle(
             blocking(move || {
                 let what = format!("{}/{}", f.export, f.path);
                 Ok(Response::AttrX(crate::fs::set_attr_fd(
-                    f.file.as_raw_fd(),
+                    f.fd()?.as_raw_fd(),
                     &set,
                     &what,
                 )?))
@@ -1210,9 +1210,9 @@ async fn handle(
             blocking(move || {
                 let what = format!("{}/{} -> {}/{}", s.export, s.path, d.export, d.path);
                 Ok(Response::Copied(crate::fs::copy_range_fd(
-                    s.file.as_raw_fd(),
+                    s.fd()?.as_raw_fd(),
                     src_offset,
-                    d.file.as_raw_fd(),
+                    d.fd()?.as_raw_fd(),
                     dst_offset,
                     len,
                     &what,
@@ -1240,7 +1240,7 @@ async fn handle(
             }
             blocking(move || {
                 let what = format!("{}/{}", f.export, f.path);
-                crate::fs::fallocate_fd(f.file.as_raw_fd(), mode, offset, len, &what)?;
+                crate::fs::fallocate_fd(f.fd()?.as_raw_fd(), mode, offset, len, &what)?;
                 Ok(Response::Ok)
             })
             .await
@@ -1259,7 +1259,7 @@ async fn handle(
                     libc::SEEK_HOLE
                 };
                 Ok(Response::Offset(crate::fs::seek_fd(
-                    f.file.as_raw_fd(),
+                    f.fd()?.as_raw_fd(),
                     offset,
                     w,
                     &what,
