@@ -14,9 +14,7 @@
 //! its stdin with its figures; it exits when its stdin closes. Hence
 //! `harness = false` (crates/lwio/Cargo.toml): `main` is the test.
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lwio::scale::{qd1_reads, raise_nofile, ProcStatus};
@@ -25,6 +23,13 @@ use lwio_rdma::conformance::pattern;
 use lwio_server::config::Config;
 use lwio_server::io_phase::server::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
+
+#[path = "common/child.rs"]
+mod child;
+#[path = "common/harness.rs"]
+mod harness;
+
+use child::ChildServer;
 
 const TOKEN: &str = "e2e-thousand-token-0123456789";
 const SERVE_ENV: &str = "LWIO_THOUSAND_SERVE";
@@ -70,29 +75,19 @@ fn serve_child(root: &str) {
     let rdma = RdmaServerOptions::from_config(&cfg, "127.0.0.1:0".parse().unwrap());
     let s = LocalServer::start(Path::new(root), "ex", TOKEN, cfg.limits.clone(), rdma)
         .expect("server starts");
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", s.side_addr).unwrap();
-    out.flush().unwrap();
-    for _ in std::io::stdin().lines().map_while(Result::ok) {
+    child::serve(s.side_addr, || {
         let st = s.rdma.stats();
-        writeln!(
-            out,
-            "{} {} {}",
-            st.connections,
-            st.registered_bytes,
-            s.state.open_files.len()
-        )
-        .unwrap();
-        out.flush().unwrap();
-    }
-    std::process::exit(0);
+        vec![
+            st.connections as u64,
+            st.registered_bytes as u64,
+            s.state.open_files.len() as u64,
+        ]
+    })
 }
 
 /// The server child, from the test's side.
 struct Server {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    c: ChildServer,
     side_addr: String,
 }
 
@@ -106,35 +101,13 @@ struct Figures {
 
 impl Server {
     fn start(root: &Path) -> Server {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .env(SERVE_ENV, root)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("server child");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut side_addr = String::new();
-        stdout.read_line(&mut side_addr).unwrap();
-        assert!(!side_addr.is_empty(), "the server child did not start");
-        Server {
-            child,
-            stdin,
-            stdout,
-            side_addr: side_addr.trim().to_string(),
-        }
+        let c = ChildServer::start(SERVE_ENV, root);
+        let side_addr = c.side_addr.clone();
+        Server { c, side_addr }
     }
 
     fn figures(&mut self) -> Figures {
-        writeln!(self.stdin, "?").unwrap();
-        let mut l = String::new();
-        self.stdout.read_line(&mut l).unwrap();
-        let v: Vec<u64> = l
-            .split_whitespace()
-            .map(|x| x.parse().expect("figure"))
-            .collect();
-        assert_eq!(v.len(), 3, "server child said {l:?}");
+        let v = self.c.figures(3);
         Figures {
             connections: v[0],
             registered: v[1],
@@ -143,7 +116,7 @@ impl Server {
     }
 
     fn status(&self) -> ProcStatus {
-        ProcStatus::of(self.child.id()).expect("server status")
+        ProcStatus::of(self.c.pid()).expect("server status")
     }
 
     /// Wait until the server has `n` RDMA connections (bounded).
@@ -161,13 +134,6 @@ impl Server {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -208,36 +174,10 @@ fn main() {
     if let Ok(root) = std::env::var(SERVE_ENV) {
         return serve_child(&root);
     }
-    const NAME: &str = "a_thousand_clients_on_one_server";
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--list") {
-        println!("{NAME}: test");
-        return;
-    }
-    // libtest's arguments that matter here: name filters, --exact, --skip,
-    // --ignored (this test is not ignored); others are accepted and
-    // ignored (and the value of those that take one skipped).
-    let exact = args.iter().any(|a| a == "--exact");
-    let matches = |f: &str| if exact { f == NAME } else { NAME.contains(f) };
-    let (mut filters, mut skipped, mut it) = (Vec::new(), false, args.iter());
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--skip" => skipped |= it.next().is_some_and(|f| matches(f)),
-            "--test-threads" | "--format" | "--color" | "--logfile" | "--shuffle-seed" | "-Z" => {
-                it.next();
-            }
-            "--ignored" => skipped = true,
-            f if !f.starts_with('-') => filters.push(f),
-            _ => {}
-        }
-    }
-    if skipped || !(filters.is_empty() || filters.iter().any(|f| matches(f))) {
-        println!("running 0 tests ({NAME} filtered out)");
-        return;
-    }
-    println!("running 1 test");
-    a_thousand_clients_on_one_server();
-    println!("test {NAME} ... ok");
+    harness::run(
+        "a_thousand_clients_on_one_server",
+        a_thousand_clients_on_one_server,
+    );
 }
 
 fn a_thousand_clients_on_one_server() {
