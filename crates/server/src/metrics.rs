@@ -52,6 +52,8 @@ struct Figures {
     durable_sessions: usize,
     /// `Rekey`s that waited for an earlier RDMA connection, and gave up.
     rekey_waits: (u64, u64),
+    /// The descriptor cache behind the open files, and its bound.
+    descriptors: (crate::fs::fdcache::FdCacheStats, usize),
     rdma: Option<RdmaSnapshot>,
 }
 
@@ -124,6 +126,37 @@ impl Collector for Figures {
             "lwio_rekey_drain_busy",
             "Rekeys answered Busy: the earlier connection still held the file after 10 s",
             self.rekey_waits.1,
+        )?;
+        let (d, max) = &self.descriptors;
+        gauge(
+            &mut e,
+            "lwio_open_descriptors",
+            "Descriptors held open for the open files (the descriptor cache)",
+            i64_of(d.open),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_open_descriptors_limit",
+            "The descriptor cache's bound (limits.max_open_descriptors)",
+            i64_of(*max),
+        )?;
+        counter(
+            &mut e,
+            "lwio_descriptor_evictions",
+            "Descriptors of open files closed to stay within the bound",
+            d.evictions,
+        )?;
+        counter(
+            &mut e,
+            "lwio_descriptor_reopens",
+            "Descriptors of open files opened again on use",
+            d.reopens,
+        )?;
+        counter(
+            &mut e,
+            "lwio_descriptor_reopens_stale",
+            "Reopens that found the file removed or replaced (stale file handle)",
+            d.stale,
         )?;
         let Some(r) = &self.rdma else {
             return Ok(());
@@ -382,6 +415,10 @@ pub fn render(state: &ServerState) -> String {
         open_files: state.open_files.len(),
         durable_sessions: state.durable_sessions(),
         rekey_waits: state.open_files.rekey_waits(),
+        descriptors: (
+            state.open_files.descriptors().stats(),
+            state.open_files.descriptors().max(),
+        ),
         rdma: state.rdma_snapshot(),
     }));
     let mut out = String::new();
