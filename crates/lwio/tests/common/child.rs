@@ -3,7 +3,9 @@
 //! the test's own executable started again with an environment variable
 //! naming the export directory runs a `LocalServer` there, prints its side
 //! channel address, and answers each "?" line on its stdin with a line of
-//! figures; it exits when its stdin closes. Included with `#[path]`.
+//! figures; it exits when its stdin closes. Included with `#[path]` (each
+//! test compiles its own copy, so what one does not use is not dead code).
+#![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;

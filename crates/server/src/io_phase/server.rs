@@ -1257,7 +1257,6 @@ fn inline_mode_of(fd: std::os::fd::RawFd) -> InlineMode {
 /// anything else during the call; for a write, valid for reads.
 unsafe fn inline_io(
     cache: &mut HashMap<(u64, bool), InlineMode>,
-    enabled: bool,
     f: &OpenFile,
     fd: RawFd,
     offset: u64,
@@ -1270,7 +1269,7 @@ unsafe fn inline_io(
         iov_len: len,
     }];
     // SAFETY: the caller's contract, for the one piece.
-    unsafe { inline_io_iov(cache, enabled, f, fd, offset, &iov, len, write) }
+    unsafe { inline_io_iov(cache, f, fd, offset, &iov, len, write) }
 }
 
 /// [`inline_io`] of a write gathered from several pieces: one `pwritev2`.
@@ -1280,7 +1279,6 @@ unsafe fn inline_io(
 /// their summed length.
 unsafe fn inline_io_vec(
     cache: &mut HashMap<(u64, bool), InlineMode>,
-    enabled: bool,
     f: &OpenFile,
     fd: RawFd,
     offset: u64,
@@ -1288,16 +1286,14 @@ unsafe fn inline_io_vec(
     total: usize,
 ) -> Option<u32> {
     // SAFETY: the caller's contract.
-    unsafe { inline_io_iov(cache, enabled, f, fd, offset, iov, total, true) }
+    unsafe { inline_io_iov(cache, f, fd, offset, iov, total, true) }
 }
 
 /// # Safety
 /// As [`inline_io`], for every piece of `iov` (`total` bytes in all);
 /// `fd` is `f`'s descriptor, held open across the call.
-#[allow(clippy::too_many_arguments)]
 unsafe fn inline_io_iov(
     cache: &mut HashMap<(u64, bool), InlineMode>,
-    enabled: bool,
     f: &OpenFile,
     fd: RawFd,
     offset: u64,
@@ -1305,7 +1301,7 @@ unsafe fn inline_io_iov(
     len: usize,
     write: bool,
 ) -> Option<u32> {
-    if !enabled || f.direct || len == 0 || iov.len() > 1024 {
+    if f.direct || len == 0 || iov.len() > 1024 {
         return None;
     }
     let n = u32::try_from(len).ok()?;
@@ -2388,7 +2384,9 @@ impl Conn {
             }
         };
         let total: usize = iov.iter().map(|p| p.2).sum();
-        let inline = {
+        let inline = if !self.shared.opts.inline_io {
+            None
+        } else {
             let vecs: Vec<libc::iovec> = iov
                 .iter()
                 .map(|(mr, at, len)| libc::iovec {
@@ -2405,7 +2403,6 @@ impl Conn {
             unsafe {
                 inline_io_vec(
                     &mut self.inline_mode,
-                    self.shared.opts.inline_io,
                     &f,
                     fd.as_raw_fd(),
                     offset,
@@ -2837,6 +2834,9 @@ impl Conn {
     /// for `O_DIRECT` files and when `inline_io` is off; a file system that
     /// refuses `RWF_NOWAIT` is remembered per file and direction.
     fn try_inline(&mut self, f: &OpenFile, fd: RawFd, offset: u64, kind: &JobKind) -> Option<u32> {
+        if !self.shared.opts.inline_io {
+            return None;
+        }
         let (ptr, len, write) = match kind {
             JobKind::Read { buf, len } => (buf.addr() as *mut u8, (*len).min(buf.len()), false),
             JobKind::Write { data } => (data.as_ptr() as *mut u8, data.len(), true),
@@ -2849,18 +2849,7 @@ impl Conn {
         // races with nothing; its length is clamped to the buffer and the
         // Arc in `kind` keeps the mapping alive. A write's source is a live
         // Vec in `kind`, only read.
-        unsafe {
-            inline_io(
-                &mut self.inline_mode,
-                self.shared.opts.inline_io,
-                f,
-                fd,
-                offset,
-                ptr,
-                len,
-                write,
-            )
-        }
+        unsafe { inline_io(&mut self.inline_mode, f, fd, offset, ptr, len, write) }
     }
 
     /// Post a Send (remote = None) or an RDMA Write of owned bytes.
