@@ -81,6 +81,7 @@ fn serve_child(root: &str) {
             st.connections as u64,
             st.registered_bytes as u64,
             s.state.open_files.len() as u64,
+            s.rdma.receive_pool().promised as u64,
         ]
     })
 }
@@ -97,6 +98,8 @@ struct Figures {
     connections: u64,
     registered: u64,
     open_files: u64,
+    /// Credits the connections hold (the receive pools' promises).
+    credits: u64,
 }
 
 impl Server {
@@ -107,11 +110,12 @@ impl Server {
     }
 
     fn figures(&mut self) -> Figures {
-        let v = self.c.figures(3);
+        let v = self.c.figures(4);
         Figures {
             connections: v[0],
             registered: v[1],
             open_files: v[2],
+            credits: v[3],
         }
     }
 
@@ -222,8 +226,22 @@ fn a_thousand_clients_on_one_server() {
     });
     let connect_time = t.elapsed();
     // Idle connections give their extra credits back after 2 s (down to
-    // one each) and the pool what they no longer need.
-    std::thread::sleep(Duration::from_millis(3000));
+    // one each) and the pool what they no longer need: wait for that
+    // (bounded), then a little for the pool's compaction.
+    let t0 = Instant::now();
+    loop {
+        let f = s.figures();
+        if f.credits == CLIENTS as u64 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "idle connections still hold {} credits after 60 s (want {CLIENTS})",
+            f.credits
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_millis(500));
     let (idle, m) = (s.status(), s.figures());
     let own = ProcStatus::own().unwrap();
     assert_eq!(m.connections, CLIENTS as u64);
