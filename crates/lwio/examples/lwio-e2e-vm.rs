@@ -9,7 +9,10 @@
 //! checked byte for byte against the exported file. On a device with RDMA
 //! Write with Immediate (rxe) interrupt-mode reads must complete through it;
 //! on one without memory windows (siw) the provider's per-request
-//! registration stands in for them. Prints `PASS name` / `FAIL name: why`
+//! registration stands in for them. The server's receives must come from
+//! its shared receive pool (an SRQ) where the device has SRQs.
+//! `LWIO_E2E_IDLE_RECLAIM_MS` sets the server's `idle_reclaim` (e.g. 20:
+//! idle credits are taken back between every step). Prints `PASS name` / `FAIL name: why`
 //! lines; exits 1 if anything failed. Not part of the `lwio` CLI.
 
 use std::io::{IoSlice, IoSliceMut};
@@ -186,6 +189,13 @@ fn main() {
         listen: format!("{ip}:0").parse().expect("IP address"),
         ..RdmaServerOptions::default()
     };
+    let mut rdma = rdma;
+    if let Some(ms) = std::env::var("LWIO_E2E_IDLE_RECLAIM_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        rdma.idle_reclaim = Duration::from_millis(ms);
+    }
     let server = match LocalServer::start_on(&root, "ex", TOKEN, Limits::default(), rdma) {
         Ok(s) => s,
         Err(e) => {
@@ -214,6 +224,20 @@ fn main() {
             io_case(&c, &root, &format!("{name}.bin"))?;
             let st = c.stats();
             println!("  {name}: {st:?}");
+            // While the client is connected: the server's receives came
+            // from the shared receive pool (an SRQ) where the device has
+            // SRQs, else from the connection's own region.
+            let pool = server.rdma.receive_pool();
+            println!("  {name}: server receive pool {pool:?}");
+            if caps.max_srq_wr > 0 {
+                check(pool.promised > 0 && pool.registered_bytes > 0, || {
+                    format!("the device has SRQs but the server's receive pool is unused: {pool:?}")
+                })?;
+            } else {
+                check(pool.registered_bytes == 0, || {
+                    format!("the device has no SRQ but the server's receive pool holds memory: {pool:?}")
+                })?;
+            }
             check(st.windows_bound == st.windows_invalidated, || {
                 "a window was left bound".into()
             })?;

@@ -800,12 +800,9 @@ impl RdmaPhase for RdmaServer {
                 DomainSpec {
                     ctx: l.ctx.clone(),
                     sibling: soft && sh.opts.conn_contexts,
-                    // Verbs devices keep a receive region per connection
-                    // for now: with an SRQ, lwio-e2e on rxe (interrupt
-                    // mode) stalled "waiting for a credit" (not yet
-                    // understood); siw and the conformance suite's SRQ
-                    // cases pass.
-                    srq_wr: if sh.opts.shared_receives && soft {
+                    // `caps` is 0 on a verbs device without SRQs
+                    // (max_srq 0): a receive region per connection.
+                    srq_wr: if sh.opts.shared_receives {
                         most.min(caps)
                     } else {
                         0
