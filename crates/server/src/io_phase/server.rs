@@ -1988,6 +1988,7 @@ impl Conn {
                 }
             }
             RecvSrc::Pool(p) => {
+                self.drain_pool_receives(&p);
                 // Buffers a storage job of this connection still writes
                 // from never come back to the pool (the job keeps their
                 // region); the others go back now, and the credits stop
@@ -2015,6 +2016,37 @@ impl Conn {
             .credits_granted
             .fetch_sub(self.credits_reported, Ordering::AcqRel);
         info!(conn = self.id, peer = %self.peer, files = self.files.len(), "RDMA connection closed");
+    }
+
+    /// Pool mode, at teardown (the QP disconnected): the receives of the
+    /// shared queue this QP took whose completions still wait in its CQ
+    /// become buffers it holds, handed back with the others. On verbs
+    /// devices `Srq::posted` counts a receive until its completion is
+    /// polled, so one left in a CQ nobody polls any more would count as
+    /// posted for good and the pool would post one fewer than its
+    /// promises need (an RoCE client's Send then waits in RNR retries).
+    fn drain_pool_receives(&mut self, p: &RecvPool) {
+        let mut wcs = [Wc::BLANK; 16];
+        let mut took = 0;
+        while let Ok(n) = self.cq.poll(&mut wcs) {
+            if n == 0 {
+                break;
+            }
+            for w in &wcs[..n] {
+                if wrid::kind(w.wr_id) == wrid::RECV {
+                    p.taken();
+                    self.held.insert(wrid::value(w.wr_id));
+                    took += 1;
+                }
+            }
+        }
+        if took > 0 {
+            debug!(
+                conn = self.id,
+                receives = took,
+                "closing: shared receives left in the CQ handed back"
+            );
+        }
     }
 
     fn control(&mut self, c: Control) {
