@@ -522,3 +522,68 @@ fn malformed_fragment_sequences_terminate_with_the_exact_status() {
     );
     drop(dir);
 }
+
+/// The credit balancer counts a fragmented message's credits: a client
+/// writing 1 MiB messages (16 fragments of 64 KiB) eight at a time is short
+/// of credits whenever its spare ones cannot hold one more such message,
+/// however few requests it has outstanding, and is granted more — up to
+/// the eight messages it has queued, not stuck at two in flight.
+#[test]
+fn a_busy_fragmented_writer_is_granted_credits_for_its_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rdma = RdmaServerOptions {
+        max_memory: 1 << 30,
+        ..RdmaServerOptions::default()
+    };
+    rdma.proto.max_recv_buffer_size = 64 << 10;
+    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        ClientOptions {
+            completion: Completion::Interrupt,
+            credits: 128,
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap();
+    let f = c
+        .open("busy", &OpenOptions::read_write().create(true))
+        .unwrap();
+    let start = c.credits();
+    let t0 = Instant::now();
+    let mut most = start;
+    std::thread::scope(|sc| {
+        for k in 0..8u64 {
+            let f = &f;
+            sc.spawn(move || {
+                let data = pattern(1 << 20, k as u32);
+                let mut i = 0u64;
+                while t0.elapsed() < Duration::from_secs(3) {
+                    let at = ((i * 8 + k) % 32) << 20;
+                    assert_eq!(f.write_at(&data, at).unwrap(), data.len());
+                    i += 1;
+                }
+            });
+        }
+        while t0.elapsed() < Duration::from_secs(3) {
+            most = most.max(c.credits());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    println!("credits: {start} at the start, {most} at most while writing");
+    assert!(
+        most >= 96,
+        "a writer of 16-fragment messages, 8 at a time, got at most {most} credits (from {start})"
+    );
+    // What the writers left on disk: each 1 MiB slot holds its writer's
+    // pattern.
+    let disk = std::fs::read(dir.path().join("busy")).unwrap();
+    for slot in 0..disk.len() >> 20 {
+        let want = pattern(1 << 20, (slot % 8) as u32);
+        assert!(
+            disk[slot << 20..(slot + 1) << 20] == want[..],
+            "slot {slot}"
+        );
+    }
+}

@@ -343,6 +343,9 @@ pub struct ServerConn {
     polled_completions: u64,
     data_requests: u64,
     credit_hint: u8,
+    /// Credits (fragments) of the largest message reassembled since
+    /// [`ServerConn::take_largest_message`] last asked.
+    largest_message: u32,
     credit_tx: Option<CreditTx>,
     slow_credit_replies: u64,
     unused_credits_reported: u32,
@@ -395,6 +398,7 @@ impl ServerConn {
             polled_completions: 0,
             data_requests: 0,
             credit_hint: 0,
+            largest_message: 0,
             credit_tx: None,
             slow_credit_replies: 0,
             unused_credits_reported: 0,
@@ -462,6 +466,13 @@ impl ServerConn {
     /// Last Credits hint received from the client.
     pub fn credit_hint(&self) -> u8 {
         self.credit_hint
+    }
+    /// The credits the largest message took since the last call (its
+    /// fragments; 0 if no fragmented message arrived): a client whose
+    /// spare credits cannot hold another such message is short of them,
+    /// however few requests it has outstanding.
+    pub fn take_largest_message(&mut self) -> u32 {
+        std::mem::take(&mut self.largest_message)
     }
     pub fn credit_transaction_active(&self) -> bool {
         self.credit_tx.is_some()
@@ -753,6 +764,7 @@ impl ServerConn {
                     return RecvBuffer::Repost;
                 };
                 h.frags += 1;
+                self.largest_message = self.largest_message.max(h.frags);
                 self.stats.messages_reassembled += 1;
                 self.write_assembled(h, msg, hooks);
                 RecvBuffer::Kept

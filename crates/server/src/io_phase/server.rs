@@ -112,6 +112,11 @@ pub struct RdmaServerOptions {
     /// Do page-cache file I/O on the reactor thread (tmpfs/ramfs: plain
     /// calls; elsewhere `RWF_NOWAIT`, falling back to a storage thread).
     pub inline_io: bool,
+    /// File reads and writes of at least this many bytes go to the
+    /// kernel's io_uring workers (`IOSQE_ASYNC`) instead of the reactor
+    /// thread, so that one connection's large page-cache copies run beside
+    /// its network copies (0: never; without io_uring: not used).
+    pub offload_io_min: usize,
     /// A reactor polls a connection this long after its last activity before
     /// it sleeps.
     pub busy_poll: Duration,
@@ -159,6 +164,7 @@ impl Default for RdmaServerOptions {
             storage_threads: 4,
             reactors: 0,
             inline_io: true,
+            offload_io_min: 0,
             busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
             conn_contexts: true,
@@ -240,7 +246,7 @@ struct ConnEntry {
 }
 
 pub(super) struct Shared {
-    opts: RdmaServerOptions,
+    pub(super) opts: RdmaServerOptions,
     /// The protection domains of the reactors' receive pools (shared by
     /// their connections), for the census.
     pub(super) domain_pds: Mutex<Vec<Pd>>,
@@ -2152,12 +2158,17 @@ impl Conn {
         }
         // Busy: short of credits with requests coming (a connection with
         // no I/O since the last round is not, whatever its last request's
-        // hint said: else an idle one at one credit looks busy).
+        // hint said: else an idle one at one credit looks busy). Short:
+        // its spare credits cannot hold one more request, or one more of
+        // the largest fragmented message it sent this round (a client
+        // writing 16-fragment messages with 40 credits has two in flight
+        // and 8 credits it cannot use).
         let fresh = self.sconn.data_requests() != self.requests_balanced;
         self.requests_balanced = self.sconn.data_requests();
         let active = self.sconn.outstanding() > 0 || fresh;
+        let message = self.sconn.take_largest_message().max(1);
         let busy = active
-            && (self.sconn.outstanding() + 1 >= u32::from(credits)
+            && (self.sconn.outstanding() + message >= u32::from(credits)
                 || u16::from(self.sconn.credit_hint()) >= credits);
         if busy {
             self.last_io = now;
@@ -2170,8 +2181,11 @@ impl Conn {
             let granted = self.shared.credits_granted.load(Ordering::Acquire);
             let room = i64::from(self.shared.opts.credit_budget) - granted;
             // Back to the initial grant at once (a connection waking from
-            // idle holds one credit in pool mode), then 8 at a time.
-            let step = i64::from(self.base_credits.saturating_sub(credits)).max(8);
+            // idle holds one credit in pool mode), then 8 at a time, or one
+            // more of its largest messages.
+            let step = i64::from(self.base_credits.saturating_sub(credits))
+                .max(8)
+                .max(i64::from(message));
             let want = i64::from(max.saturating_sub(credits)).min(step).min(room);
             let want = if want > 0 {
                 self.promise(want as usize) as i64
@@ -2413,7 +2427,7 @@ impl Conn {
             }
         };
         let total: usize = iov.iter().map(|p| p.2).sum();
-        let inline = if !self.shared.opts.inline_io {
+        let inline = if !self.shared.opts.inline_io || self.offloads(total) {
             None
         } else {
             let vecs: Vec<libc::iovec> = iov
@@ -2862,6 +2876,13 @@ impl Conn {
     /// whole: reads and writes of the same bytes are idempotent). Skipped
     /// for `O_DIRECT` files and when `inline_io` is off; a file system that
     /// refuses `RWF_NOWAIT` is remembered per file and direction.
+    /// Whether an I/O of `len` bytes goes to the ring's workers rather than
+    /// inline (see `RdmaServerOptions::offload_io_min`).
+    fn offloads(&self, len: usize) -> bool {
+        let min = self.shared.opts.offload_io_min;
+        min > 0 && len >= min && self.rio.is_some()
+    }
+
     fn try_inline(&mut self, f: &OpenFile, fd: RawFd, offset: u64, kind: &JobKind) -> Option<u32> {
         if !self.shared.opts.inline_io {
             return None;
@@ -2872,6 +2893,9 @@ impl Conn {
             // Tried inline before it became a job (`write_parts`).
             JobKind::WriteParts { .. } => return None,
         };
+        if self.offloads(len) {
+            return None;
+        }
         // SAFETY: a read lands in a server read buffer registered with
         // LOCAL_WRITE only (no remote key reaches it) from which no RDMA
         // Write is posted until this op completes, so the kernel's write
