@@ -25,24 +25,30 @@
 #   bench/scale.sh --connections 1,10 --jobs 1,2 --runtime 2s --latency-runtime 2s
 #
 # --config-extra 'SECTION.KEY = VALUE' (docs/config.md; dotted TOML keys)
-# adds a setting or replaces one of the script's; other arguments go to
-# lwio-scale. Mounts a tmpfs for the export when run as root, else uses
+# adds a setting or replaces one of the script's; --bin DIR runs the lwio
+# and lwio-scale found in DIR instead of building them (an A/B of two
+# builds); other arguments go to lwio-scale. Mounts a tmpfs for the export when run as root, else uses
 # /dev/shm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EXTRA=()
 PASS=()
+BIN=
 while [ $# -gt 0 ]; do
   case "$1" in
+    --bin) BIN=$2; shift 2 ;;
+    --bin=*) BIN=${1#*=}; shift ;;
     --config-extra) EXTRA+=("$2"); shift 2 ;;
     --config-extra=*) EXTRA+=("${1#*=}"); shift ;;
     *) PASS+=("$1"); shift ;;
   esac
 done
 
-cargo build --release -q -p lwio --bin lwio --bin lwio-scale
-BIN=${CARGO_TARGET_DIR:-target}/release
+if [ -z "$BIN" ]; then
+  cargo build --release -q -p lwio --bin lwio --bin lwio-scale
+  BIN=${CARGO_TARGET_DIR:-target}/release
+fi
 
 if [ "$(id -u)" = 0 ]; then
   WORK=$(mktemp -d /tmp/lwio-scale.XXXXXX)
