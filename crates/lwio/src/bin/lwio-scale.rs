@@ -8,7 +8,10 @@
 //!    offsets of `--file`, one at a time, for `--latency-runtime`: p50/p99.
 //! 2. **IOPS**: for each `--jobs` J, J clients (each its own connection and
 //!    thread, `lwio bench`'s job loop) keep `--qd` 4 KiB random reads in
-//!    flight for `--runtime`: aggregate IOPS.
+//!    flight for `--runtime`: aggregate IOPS, and the CPU time this process
+//!    (the clients) and the server used per I/O meanwhile (what decides the
+//!    IOPS once the CPUs are all busy, and less noisy than IOPS on a shared
+//!    machine).
 //! 3. **Idle connections**: clients (default options, each with the file
 //!    open) are connected one at a time up to each of `--connections`,
 //!    timing every connect + open; at each step the server's RSS and threads
@@ -267,15 +270,17 @@ fn run(a: &Args) -> anyhow::Result<()> {
         "iops: 4 KiB random reads, QD {} per job, {:?} each, completion {:?}",
         a.qd, a.runtime, a.completion
     );
-    println!("  jobs       IOPS   p50_us   p99_us");
+    println!("  jobs       IOPS   p50_us   p99_us  client_cpu_us/io  server_cpu_us/io");
     let mut iops_by_jobs = Vec::new();
     for &j in &a.jobs {
         match iops(&cx, j) {
-            Ok((iops, h)) => {
+            Ok((iops, h, cpu)) => {
                 println!(
-                    "  {j:>4} {iops:>10.0} {:>8.1} {:>8.1}",
+                    "  {j:>4} {iops:>10.0} {:>8.1} {:>8.1}  {:>16}  {:>16}",
                     us(&h, 0.5),
-                    us(&h, 0.99)
+                    us(&h, 0.99),
+                    cpu.0,
+                    cpu.1
                 );
                 iops_by_jobs.push((j, iops));
             }
@@ -409,8 +414,10 @@ fn run(a: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Aggregate IOPS (and latencies) of `j` jobs at QD `--qd`.
-fn iops(cx: &Ctx, j: usize) -> Result<(f64, Histogram<u64>), String> {
+/// Aggregate IOPS (and latencies) of `j` jobs at QD `--qd`, and the CPU
+/// time per I/O of this process and of the server (µs, one decimal; "n/a"
+/// when it cannot be read).
+fn iops(cx: &Ctx, j: usize) -> Result<(f64, Histogram<u64>, (String, String)), String> {
     let a = cx.a;
     let completion = match a.completion {
         CliCompletion::Poll => Completion::Poll,
@@ -433,6 +440,14 @@ fn iops(cx: &Ctx, j: usize) -> Result<(f64, Histogram<u64>), String> {
         qd: a.qd,
         size: a.size,
     };
+    let me = std::process::id();
+    let cpu = || {
+        (
+            cpu_time(me).ok(),
+            a.server_pid.and_then(|p| cpu_time(p).ok()),
+        )
+    };
+    let mut cpu0 = (None, None);
     let live = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let barrier = Arc::new(Barrier::new(j + 1));
@@ -445,6 +460,7 @@ fn iops(cx: &Ctx, j: usize) -> Result<(f64, Histogram<u64>), String> {
             })
             .collect();
         barrier.wait();
+        cpu0 = cpu();
         hs.into_iter()
             .map(|h| {
                 h.join()
@@ -452,6 +468,7 @@ fn iops(cx: &Ctx, j: usize) -> Result<(f64, Histogram<u64>), String> {
             })
             .collect()
     });
+    let cpu1 = cpu();
     let mut hist =
         Histogram::<u64>::new_with_bounds(1, 120_000_000_000, 3).map_err(|e| e.to_string())?;
     let (mut ios, mut elapsed) = (0u64, Duration::ZERO);
@@ -461,5 +478,15 @@ fn iops(cx: &Ctx, j: usize) -> Result<(f64, Histogram<u64>), String> {
         ios += r.reads + r.writes;
         elapsed = elapsed.max(r.elapsed);
     }
-    Ok((ios as f64 / elapsed.as_secs_f64().max(1e-9), hist))
+    let per_io = |x: Option<Duration>, y: Option<Duration>| match (x, y) {
+        (Some(x), Some(y)) if ios > 0 => {
+            format!(
+                "{:.1}",
+                y.saturating_sub(x).as_secs_f64() * 1e6 / ios as f64
+            )
+        }
+        _ => "n/a".into(),
+    };
+    let cpu = (per_io(cpu0.0, cpu1.0), per_io(cpu0.1, cpu1.1));
+    Ok((ios as f64 / elapsed.as_secs_f64().max(1e-9), hist, cpu))
 }
