@@ -414,10 +414,13 @@ fn run(a: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The CPU time per I/O of this process and of the server during an IOPS
+/// run (µs, one decimal; "n/a" when it cannot be read).
+type CpuPerIo = (String, String);
+
 /// Aggregate IOPS (and latencies) of `j` jobs at QD `--qd`, and the CPU
-/// time per I/O of this process and of the server (µs, one decimal; "n/a"
-/// when it cannot be read).
-fn iops(cx: &Ctx, j: usize) -> Result<(f64, Histogram<u64>, (String, String)), String> {
+/// time per I/O.
+fn iops(cx: &Ctx, j: usize) -> Result<(f64, Histogram<u64>, CpuPerIo), String> {
     let a = cx.a;
     let completion = match a.completion {
         CliCompletion::Poll => Completion::Poll,
