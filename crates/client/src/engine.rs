@@ -2587,8 +2587,10 @@ fn progress_loop(
                 standby = (standby * 2).min(STANDBY_MAX);
                 let reapers = lock(&e.st).notify.is_some();
                 e.standby_wake.store(reapers, Ordering::Release);
-                if reapers && e.waiters.load(Ordering::Acquire) == 0 {
-                    // The last caller left before the flag was up.
+                if reapers && busy && e.waiters.load(Ordering::Acquire) == 0 {
+                    // The last caller left before the flag was up. (Not
+                    // when the driver role was what we missed: its holder
+                    // is about to let go, and we nap rather than spin.)
                     e.standby_wake.store(false, Ordering::Release);
                     woken = true;
                     continue;
