@@ -179,8 +179,7 @@ impl Reactors {
             }
             let rio = if use_ring {
                 match super::ring::Ring::new(RING_ENTRIES) {
-                    Ok(mut ring) => {
-                        ring.set_async_min(shared.opts.offload_io_min);
+                    Ok(ring) => {
                         // SAFETY: the ring's eventfd lives as long as the
                         // ring, which the reactor holds as long as `ep`.
                         let rfd = unsafe { BorrowedFd::borrow_raw(ring.fd()) };

@@ -193,9 +193,6 @@ pub struct Ring {
     /// Entries (operations and cancels) put in the submission queue whose
     /// completions have not been reaped.
     with_kernel: usize,
-    /// Reads and writes of at least this many bytes go to the kernel's
-    /// io-wq workers at once (`IOSQE_ASYNC`; 0: never).
-    async_min: usize,
     /// At most this many entries with the kernel: the completion queue size.
     kernel_cap: usize,
     max_in_flight: usize,
@@ -329,7 +326,6 @@ impl Ring {
             overflow: VecDeque::new(),
             ready: Vec::new(),
             with_kernel: 0,
-            async_min: 0,
             kernel_cap,
             max_in_flight: max_in_flight.max(1),
             enters: 0,
@@ -342,24 +338,6 @@ impl Ring {
     /// edge-triggered): it becomes readable when the kernel posts a
     /// completion (or a queued operation is cancelled) and is drained by
     /// [`Ring::reap`]. Valid as long as the ring.
-    /// Send reads and writes of `bytes` or more straight to the kernel's
-    /// worker threads (`IOSQE_ASYNC`) instead of trying them in
-    /// `io_uring_enter` first: a large page-cache copy then runs beside
-    /// the submitting thread rather than on it (0: never).
-    pub fn set_async_min(&mut self, bytes: usize) {
-        self.async_min = bytes;
-    }
-
-    /// The entry of an operation moving `len` bytes, sent to the workers
-    /// when it is large (see [`Ring::set_async_min`]).
-    fn sized(async_min: usize, e: squeue::Entry, len: usize) -> squeue::Entry {
-        if async_min > 0 && len >= async_min {
-            e.flags(squeue::Flags::ASYNC)
-        } else {
-            e
-        }
-    }
-
     pub fn fd(&self) -> RawFd {
         self.efd.as_raw_fd()
     }
@@ -447,11 +425,9 @@ impl Ring {
         build: impl FnOnce(types::Fd, u32) -> squeue::Entry,
     ) -> Result<(), PushError> {
         self.check_push(user_data)?;
-        let n = u32::try_from(len).map_err(|_| PushError::TooLarge)?;
-        let async_min = self.async_min;
-        let entry = |fd| Ring::sized(async_min, build(fd, n), len);
+        let len = u32::try_from(len).map_err(|_| PushError::TooLarge)?;
         // SAFETY: passed on from the caller.
-        unsafe { self.push_op(user_data, file, None, |fd, _| entry(fd)) };
+        unsafe { self.push_op(user_data, file, None, |fd, _| build(fd, len)) };
         Ok(())
     }
 
@@ -569,9 +545,7 @@ impl Ring {
     ) -> Result<(), PushError> {
         self.check_push(user_data)?;
         let n = u32::try_from(iovecs.len()).map_err(|_| PushError::TooLarge)?;
-        let len: usize = iovecs.iter().map(|v| v.iov_len).sum();
         let iov = iovecs.into_boxed_slice();
-        let async_min = self.async_min;
         // SAFETY: the caller keeps the buffers valid and unwritten until the
         // completion is reaped; the iovec array is the boxed slice that the
         // slab entry owns until then (its heap address does not change when
@@ -579,8 +553,7 @@ impl Ring {
         unsafe {
             self.push_op(user_data, file, Some(iov), |fd, iov| {
                 let p = iov.map_or(std::ptr::null(), |v| v.as_ptr());
-                let e = opcode::Writev::new(fd, p, n).offset(offset).build();
-                Ring::sized(async_min, e, len)
+                opcode::Writev::new(fd, p, n).offset(offset).build()
             })
         };
         Ok(())

@@ -112,11 +112,6 @@ pub struct RdmaServerOptions {
     /// Do page-cache file I/O on the reactor thread (tmpfs/ramfs: plain
     /// calls; elsewhere `RWF_NOWAIT`, falling back to a storage thread).
     pub inline_io: bool,
-    /// File reads and writes of at least this many bytes go to the
-    /// kernel's io_uring workers (`IOSQE_ASYNC`) instead of the reactor
-    /// thread, so that one connection's large page-cache copies run beside
-    /// its network copies (0: never; without io_uring: not used).
-    pub offload_io_min: usize,
     /// A reactor polls a connection this long after its last activity before
     /// it sleeps.
     pub busy_poll: Duration,
@@ -164,7 +159,6 @@ impl Default for RdmaServerOptions {
             storage_threads: 4,
             reactors: 0,
             inline_io: true,
-            offload_io_min: 0,
             busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
             conn_contexts: true,
@@ -246,7 +240,7 @@ struct ConnEntry {
 }
 
 pub(super) struct Shared {
-    pub(super) opts: RdmaServerOptions,
+    opts: RdmaServerOptions,
     /// The protection domains of the reactors' receive pools (shared by
     /// their connections), for the census.
     pub(super) domain_pds: Mutex<Vec<Pd>>,
@@ -2427,7 +2421,7 @@ impl Conn {
             }
         };
         let total: usize = iov.iter().map(|p| p.2).sum();
-        let inline = if !self.shared.opts.inline_io || self.offloads(total) {
+        let inline = if !self.shared.opts.inline_io {
             None
         } else {
             let vecs: Vec<libc::iovec> = iov
@@ -2876,13 +2870,6 @@ impl Conn {
     /// whole: reads and writes of the same bytes are idempotent). Skipped
     /// for `O_DIRECT` files and when `inline_io` is off; a file system that
     /// refuses `RWF_NOWAIT` is remembered per file and direction.
-    /// Whether an I/O of `len` bytes goes to the ring's workers rather than
-    /// inline (see `RdmaServerOptions::offload_io_min`).
-    fn offloads(&self, len: usize) -> bool {
-        let min = self.shared.opts.offload_io_min;
-        min > 0 && len >= min && self.rio.is_some()
-    }
-
     fn try_inline(&mut self, f: &OpenFile, fd: RawFd, offset: u64, kind: &JobKind) -> Option<u32> {
         if !self.shared.opts.inline_io {
             return None;
@@ -2893,9 +2880,6 @@ impl Conn {
             // Tried inline before it became a job (`write_parts`).
             JobKind::WriteParts { .. } => return None,
         };
-        if self.offloads(len) {
-            return None;
-        }
         // SAFETY: a read lands in a server read buffer registered with
         // LOCAL_WRITE only (no remote key reaches it) from which no RDMA
         // Write is posted until this op completes, so the kernel's write
