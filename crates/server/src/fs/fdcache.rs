@@ -123,8 +123,26 @@ fn open_by_handle(mount_fd: RawFd, h: &Handle, flags: i32) -> std::result::Resul
 
 /// Whether open files of the export rooted at `root` can be reopened by
 /// handle: the file system gives handles and this process may use them
-/// (`CAP_DAC_READ_SEARCH`). `Some(mount id)` if so.
-pub(super) fn probe_handles(name: &str, root: RawFd) -> Option<i32> {
+/// (`CAP_DAC_READ_SEARCH`). If so, the mount id and the root opened for
+/// reading (the mount fd `open_by_handle_at` takes: an O_PATH one fails
+/// with EBADF).
+pub(super) fn probe_handles(name: &str, root: RawFd) -> Option<(i32, OwnedFd)> {
+    let dir = match super::sys_openat(
+        root,
+        c".",
+        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        0,
+    ) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::info!(
+                export = name,
+                errno = e,
+                "cannot open the export's root for reading; open files are reopened by path"
+            );
+            return None;
+        }
+    };
     let (h, mount) = match name_to_handle(root) {
         Ok(v) => v,
         Err(e) => {
@@ -136,13 +154,13 @@ pub(super) fn probe_handles(name: &str, root: RawFd) -> Option<i32> {
             return None;
         }
     };
-    match open_by_handle(root, &h, libc::O_PATH) {
-        Ok(_) => Some(mount),
+    match open_by_handle(dir.as_raw_fd(), &h, libc::O_PATH) {
+        Ok(_) => Some((mount, dir)),
         Err(e) => {
             tracing::info!(
                 export = name,
                 errno = e,
-                "open_by_handle_at refused (needs CAP_DAC_READ_SEARCH); open files are reopened by path"
+                "open_by_handle_at failed (EPERM: it needs CAP_DAC_READ_SEARCH); open files are reopened by path"
             );
             None
         }
@@ -521,7 +539,7 @@ impl Fid {
         let flags = self.flags | libc::O_NONBLOCK;
         let by_handle = handle
             .as_ref()
-            .map(|h| open_by_handle(export.root_fd.as_raw_fd(), h, flags));
+            .map(|h| open_by_handle(export.handle_root_fd(), h, flags));
         let fd = match by_handle {
             Some(Ok(fd)) => fd,
             Some(Err(libc::ESTALE | libc::ENOENT)) => return Err(gone(&self.cache, "was removed")),

@@ -545,6 +545,9 @@ pub struct Export {
     /// Open files can be reopened by file handle (the mount id of the
     /// root), docs/descriptor-cache.md.
     handles: Option<i32>,
+    /// The root opened for reading: `open_by_handle_at`'s mount fd (it
+    /// refuses the O_PATH `root_fd` with EBADF).
+    handle_root: Option<OwnedFd>,
 }
 
 impl Export {
@@ -579,7 +582,10 @@ impl Export {
             }
             ResolveMode::Fallback => false,
         };
-        let handles = fdcache::probe_handles(&spec.name, fd.as_raw_fd());
+        let (handles, handle_root) = match fdcache::probe_handles(&spec.name, fd.as_raw_fd()) {
+            Some((mount, dir)) => (Some(mount), Some(dir)),
+            None => (None, None),
+        };
         Ok(Export {
             name: spec.name.clone(),
             root: spec.path.clone(),
@@ -588,7 +594,15 @@ impl Export {
             root_fd: fd,
             openat2,
             handles,
+            handle_root,
         })
+    }
+
+    /// The mount fd files of this export are reopened by handle with.
+    fn handle_root_fd(&self) -> RawFd {
+        self.handle_root
+            .as_ref()
+            .map_or(self.root_fd.as_raw_fd(), |d| d.as_raw_fd())
     }
 
     /// Whether open files of this export are reopened by file handle (else
