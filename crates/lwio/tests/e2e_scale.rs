@@ -1,7 +1,12 @@
-//! Many open files on one server (issue 13): 100,000 files open at once
-//! across 10 clients (fewer where the descriptor limit cannot be raised), each read once byte for byte, then closed; the
-//! server's open files, connections, registered memory and descriptors go
-//! back to where they started.
+//! Many open files on one server, in this process (issue 13): as many files
+//! as the descriptor limit would have allowed one descriptor each (100,000
+//! where it can be raised; 16,000 under this CI machine's hard limit of
+//! 20,000) open at once across 10 clients, each read once byte for byte,
+//! then closed; the server's descriptors stay within its descriptor cache's
+//! bound while they are open, and its open files, connections, registered
+//! memory and descriptors go back to where they started. The full 100,000
+//! under a 20,000 limit, with the server in a child process, is
+//! tests/e2e_hundred_thousand.rs.
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -18,8 +23,8 @@ const WANT: usize = 100_000;
 /// Raise this process's descriptor limit as far as allowed, and return
 /// how many files the test may hold open: 100,000 (issue 13), or fewer when
 /// the hard limit is lower and cannot be raised (no CAP_SYS_RESOURCE; this
-/// CI machine's hard limit is 20,000). The server holds one descriptor per
-/// open file, and the clients and the server share this process.
+/// CI machine's hard limit is 20,000). The clients and the server share
+/// this process.
 fn files_allowed(want: usize) -> usize {
     let mut r = libc::rlimit {
         rlim_cur: 0,
@@ -177,9 +182,14 @@ fn open_files_up_to_100k_and_nothing_leaks() {
     }
     let opened_in = t0.elapsed();
     assert_eq!(s.state.open_files.len(), total, "all open at once");
+    // The descriptor cache keeps at most its bound open (a few more while
+    // concurrent opens race the eviction).
+    let bound = s.state.open_files.descriptors().max();
+    let fds = open_fds();
+    eprintln!("{total} files open: {fds} descriptors in this process (cache bound {bound}, {fds_before} before)");
     assert!(
-        open_fds() >= fds_before + total,
-        "one descriptor per open file"
+        fds <= fds_before + bound + 64,
+        "{fds} descriptors with {total} files open (cache bound {bound}, {fds_before} before)"
     );
     go.wait();
     for w in workers {
