@@ -379,13 +379,18 @@ impl Shared {
 
     /// Receive buffers of `slot` bytes the budget holds beyond what every
     /// connection still to come (up to `max_connections`) needs to be
-    /// admitted idle (`idle` receive bytes — one buffer, or its share of
-    /// the pool's reserve — and one chunk of send slots), that floor taking
-    /// at most half the budget: what credits beyond one may use.
-    pub(super) fn extra_buffers(&self, slot: usize, idle: usize) -> usize {
+    /// admitted idle (one receive buffer and one chunk of send slots),
+    /// that floor taking at most half the budget: what credits beyond one
+    /// may use. (On the soft provider an idle connection costs only a
+    /// share of the pool's reserve, `RecvPool::idle_bytes`, and admission
+    /// counts that; the floor here stays at a whole buffer so that a storm
+    /// of connections gets small initial grants: with the reserve's share
+    /// instead, the first few hundred of a thousand took 32 credits each
+    /// and the budget ran out before idle reclaim gave them back.)
+    pub(super) fn extra_buffers(&self, slot: usize) -> usize {
         let live = lock(&self.conns).len();
         let floor = (self.opts.max_connections.saturating_sub(live)
-            * (idle + SEND_SLOT * SEND_CHUNK))
+            * (slot + SEND_SLOT * SEND_CHUNK))
             .min(self.opts.max_memory / 2);
         self.opts
             .max_memory
@@ -1559,7 +1564,7 @@ impl Conn {
                 // connections is admitted with fewer credits each rather
                 // than refused, and the balancer grants more to the ones
                 // that turn busy.
-                let extra = shared.extra_buffers(recv_slot, idle) / 16;
+                let extra = shared.extra_buffers(recv_slot) / 16;
                 let want = usize::from(cfg.max_credits).min(1 + extra);
                 let got = d.pool.reserve(want, 1, true);
                 if got == 0 {
@@ -2080,7 +2085,7 @@ impl Conn {
     fn promise(&mut self, n: usize) -> usize {
         match &self.recv {
             RecvSrc::Pool(p) => {
-                let n = n.min(self.shared.extra_buffers(self.recv_slot, p.idle_bytes()));
+                let n = n.min(self.shared.extra_buffers(self.recv_slot));
                 let got = p.reserve(n, 1, self.backed == 0);
                 self.backed += got;
                 got
