@@ -289,10 +289,15 @@ impl AsyncFile {
     /// first (on the blocking pool) if a reconnect happened since or its
     /// channel is lost (a failover to another channel).
     async fn route(&self) -> Result<(Arc<Engine>, u16)> {
-        let r = self.file.now();
-        let epoch = self.file.client.0.epoch.load(Ordering::Acquire);
-        if r.stale.is_none() && r.epoch == epoch && r.engine.lost().is_none() {
-            return Ok((r.engine, r.fid));
+        // Never wait for the route's lock on this thread: whoever holds it
+        // is renewing the route through side-channel calls (as long as the
+        // server takes: a stopped server stalled every task of the runtime
+        // here). Busy: wait on the blocking pool instead.
+        if let Some(r) = self.file.try_now() {
+            let epoch = self.file.client.0.epoch.load(Ordering::Acquire);
+            if r.stale.is_none() && r.epoch == epoch && r.engine.lost().is_none() {
+                return Ok((r.engine, r.fid));
+            }
         }
         let f = self.file.clone();
         tokio::task::spawn_blocking(move || f.current())

@@ -963,6 +963,18 @@ impl File {
         self.route.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// The route as it stands, or `None` while another thread holds it to
+    /// renew it (a re-registration, a failover: side-channel calls that
+    /// can take as long as the server does). Async callers use this: a
+    /// runtime thread must not block on that lock.
+    fn try_now(&self) -> Option<reconnect::Route> {
+        match self.route.try_lock() {
+            Ok(g) => Some(g.clone()),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner().clone()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// fstat(2) of the open file, from the server (by its handle).
     pub fn stat(&self) -> Result<lwio_side::types::AttrX> {
         self.retry(|r| self.client.0.side_once(|s| s.stat_handle(r.handle)))
