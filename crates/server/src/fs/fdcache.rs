@@ -127,44 +127,30 @@ fn open_by_handle(mount_fd: RawFd, h: &Handle, flags: i32) -> std::result::Resul
 /// reading (the mount fd `open_by_handle_at` takes: an O_PATH one fails
 /// with EBADF).
 pub(super) fn probe_handles(name: &str, root: RawFd) -> Option<(i32, OwnedFd)> {
-    let dir = match super::sys_openat(
-        root,
-        c".",
-        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        0,
-    ) {
-        Ok(d) => d,
-        Err(e) => {
-            tracing::info!(
-                export = name,
-                errno = e,
-                "cannot open the export's root for reading; open files are reopened by path"
-            );
-            return None;
-        }
+    // Why not, logged once per export: its open files are reopened by path.
+    let by_path = |errno: i32, why: &str| {
+        tracing::info!(
+            export = name,
+            errno,
+            "{why}; open files are reopened by path"
+        );
     };
-    let (h, mount) = match name_to_handle(root) {
-        Ok(v) => v,
-        Err(e) => {
-            tracing::info!(
-                export = name,
-                errno = e,
-                "no file handles on this file system; open files are reopened by path"
-            );
-            return None;
-        }
-    };
-    match open_by_handle(dir.as_raw_fd(), &h, libc::O_PATH) {
-        Ok(_) => Some((mount, dir)),
-        Err(e) => {
-            tracing::info!(
-                export = name,
-                errno = e,
-                "open_by_handle_at failed (EPERM: it needs CAP_DAC_READ_SEARCH); open files are reopened by path"
-            );
-            None
-        }
-    }
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
+    let dir = super::sys_openat(root, c".", flags, 0)
+        .map_err(|e| by_path(e, "cannot open the export's root for reading"))
+        .ok()?;
+    let (h, mount) = name_to_handle(root)
+        .map_err(|e| by_path(e, "no file handles on this file system"))
+        .ok()?;
+    open_by_handle(dir.as_raw_fd(), &h, libc::O_PATH)
+        .map_err(|e| {
+            by_path(
+                e,
+                "open_by_handle_at failed (EPERM: it needs CAP_DAC_READ_SEARCH)",
+            )
+        })
+        .ok()?;
+    Some((mount, dir))
 }
 
 /// The flags an open file is reopened with: its access mode and status
