@@ -200,6 +200,76 @@ fn rdma_connection_cut_in_flight_requests_complete() {
     );
 }
 
+/// The async API on a one-thread runtime: `tasks` tasks each write
+/// `blocks` 4 KiB blocks of `name` (and read each back, if `read_back`);
+/// once a quarter of them are done, `fault` runs on that runtime. Every
+/// call must end Ok, the client must have noticed (a reconnect or a
+/// failover), and every block must be exact on disk.
+fn async_blocks_through(
+    dir: &Path,
+    client: &Client,
+    name: &str,
+    (tasks, blocks): (usize, usize),
+    read_back: bool,
+    fault: impl AsyncFnOnce(),
+) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = lwio_client::async_client::AsyncClient::from_client(client.clone()).unwrap();
+        let f = c.open(name, &rw()).await.unwrap();
+        let done = Arc::new(AtomicUsize::new(0));
+        let mut set = tokio::task::JoinSet::new();
+        for t in 0..tasks {
+            let (f, done) = (f.clone(), done.clone());
+            set.spawn(async move {
+                for b in 0..blocks {
+                    let at = ((b * tasks + t) * 4096) as u64;
+                    let data = block(t, b)[..4096].to_vec();
+                    assert_eq!(
+                        f.write_at(&data, at).await.unwrap(),
+                        4096,
+                        "task {t} block {b}"
+                    );
+                    if read_back {
+                        let mut back = vec![0u8; 4096];
+                        assert_eq!(f.read_at(&mut back, at).await.unwrap(), 4096);
+                        assert!(back == data, "task {t} block {b} read back");
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        while done.load(Ordering::Relaxed) < tasks * blocks / 4 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        fault().await;
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+        eprintln!(
+            "async calls sent again after the fault: {}",
+            f.resent_calls()
+        );
+    });
+    assert!(
+        client.reconnects() + client.failovers() >= 1,
+        "the cut was noticed"
+    );
+    let disk = std::fs::read(dir.join("data").join(name)).unwrap();
+    for t in 0..tasks {
+        for b in 0..blocks {
+            let at = (b * tasks + t) * 4096;
+            assert!(
+                disk[at..at + 4096] == block(t, b)[..4096],
+                "task {t} block {b} on disk"
+            );
+        }
+    }
+}
+
 /// The async API: 32 tasks write and read back 4 KiB blocks while the RDMA
 /// socket is cut: every call succeeds and every block is exact on disk.
 /// (Calls the lost connection left unanswered are sent again after the
@@ -214,54 +284,14 @@ fn async_io_is_sent_again_after_a_cut() {
     let srv = Srv::start(dir.path(), "60s");
     let client = srv.connect(Duration::from_secs(20));
     let port = srv.rdma.rsplit_once(':').unwrap().1.to_string();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (tasks, blocks) = (32usize, 64usize);
-    rt.block_on(async {
-        let c = lwio_client::async_client::AsyncClient::from_client(client.clone()).unwrap();
-        let f = c.open("async.bin", &rw()).await.unwrap();
-        let done = Arc::new(AtomicUsize::new(0));
-        let mut set = tokio::task::JoinSet::new();
-        for t in 0..tasks {
-            let (f, done) = (f.clone(), done.clone());
-            set.spawn(async move {
-                for b in 0..blocks {
-                    let at = ((b * tasks + t) * 4096) as u64;
-                    let data = block(t, b)[..4096].to_vec();
-                    assert_eq!(f.write_at(&data, at).await.unwrap(), 4096);
-                    let mut back = vec![0u8; 4096];
-                    assert_eq!(f.read_at(&mut back, at).await.unwrap(), 4096);
-                    assert!(back == data, "task {t} block {b} read back");
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-            });
-        }
-        // Cut once a quarter of the work is done.
-        while done.load(Ordering::Relaxed) < tasks * blocks / 4 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        cut(&port, None);
-        while let Some(r) = set.join_next().await {
-            r.unwrap();
-        }
-        eprintln!("async calls sent again after the cut: {}", f.resent_calls());
-    });
-    assert!(
-        client.reconnects() + client.failovers() >= 1,
-        "the cut was noticed"
+    async_blocks_through(
+        dir.path(),
+        &client,
+        "async.bin",
+        (32, 64),
+        true,
+        async || cut(&port, None),
     );
-    let disk = std::fs::read(dir.path().join("data/async.bin")).unwrap();
-    for t in 0..tasks {
-        for b in 0..blocks {
-            let at = (b * tasks + t) * 4096;
-            assert!(
-                disk[at..at + 4096] == block(t, b)[..4096],
-                "task {t} block {b} on disk"
-            );
-        }
-    }
 }
 
 /// The async API when the server stops (SIGSTOP) while the RDMA socket is
@@ -281,11 +311,6 @@ fn async_io_recovers_when_the_server_stops_through_a_cut() {
     let client = srv.connect(Duration::from_secs(20));
     let port = srv.rdma.rsplit_once(':').unwrap().1.to_string();
     let pid = srv.child.id().to_string();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (tasks, blocks) = (8usize, 64usize);
     let signal = |sig: &str| {
         let st = std::process::Command::new("kill")
             .args([sig, &pid])
@@ -293,53 +318,17 @@ fn async_io_recovers_when_the_server_stops_through_a_cut() {
             .unwrap();
         assert!(st.success(), "kill {sig} {pid}");
     };
-    rt.block_on(async {
-        let c = lwio_client::async_client::AsyncClient::from_client(client.clone()).unwrap();
-        let f = c.open("stopped.bin", &rw()).await.unwrap();
-        let done = Arc::new(AtomicUsize::new(0));
-        let mut set = tokio::task::JoinSet::new();
-        for t in 0..tasks {
-            let (f, done) = (f.clone(), done.clone());
-            set.spawn(async move {
-                for b in 0..blocks {
-                    let at = ((b * tasks + t) * 4096) as u64;
-                    let data = block(t, b)[..4096].to_vec();
-                    assert_eq!(
-                        f.write_at(&data, at).await.unwrap(),
-                        4096,
-                        "task {t} block {b}"
-                    );
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-            });
-        }
-        while done.load(Ordering::Relaxed) < tasks * blocks / 4 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        signal("-STOP");
-        cut(&port, None);
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        signal("-CONT");
-        while let Some(r) = set.join_next().await {
-            r.unwrap();
-        }
-        eprintln!(
-            "async calls sent again after the stop and cut: {}",
-            f.resent_calls()
-        );
-    });
-    assert!(
-        client.reconnects() + client.failovers() >= 1,
-        "the cut was noticed"
+    async_blocks_through(
+        dir.path(),
+        &client,
+        "stopped.bin",
+        (8, 64),
+        false,
+        async || {
+            signal("-STOP");
+            cut(&port, None);
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            signal("-CONT");
+        },
     );
-    let disk = std::fs::read(dir.path().join("data/stopped.bin")).unwrap();
-    for t in 0..tasks {
-        for b in 0..blocks {
-            let at = (b * tasks + t) * 4096;
-            assert!(
-                disk[at..at + 4096] == block(t, b)[..4096],
-                "task {t} block {b} on disk"
-            );
-        }
-    }
 }
