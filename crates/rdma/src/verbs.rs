@@ -635,6 +635,11 @@ pub mod ops {
         fn withdraw(&self, _max: usize) -> Vec<u64> {
             Vec::new()
         }
+        /// Take back every untaken receive whose wr_id `pick` selects;
+        /// their wr_ids. Devices cannot: none.
+        fn withdraw_if(&self, _pick: &mut dyn FnMut(u64) -> bool) -> Vec<u64> {
+            Vec::new()
+        }
         /// Times a Send found the SRQ empty and waited for a receive (the
         /// soft provider; devices: 0).
         fn starved(&self) -> u64 {
@@ -952,6 +957,14 @@ impl Srq {
     /// receives stay posted until consumed).
     pub fn withdraw(&self, max: usize) -> Vec<u64> {
         self.0.withdraw(max)
+    }
+    /// Take back every receive no QP has taken yet whose wr_id `pick`
+    /// selects (in posting order), and return their wr_ids; the others
+    /// stay posted in their order. As [`Srq::withdraw`], devices return
+    /// none. (A pool frees whole regions this way after a burst, without
+    /// taking back and posting again the receives it keeps.)
+    pub fn withdraw_if(&self, mut pick: impl FnMut(u64) -> bool) -> Vec<u64> {
+        self.0.withdraw_if(&mut pick)
     }
 
     /// Times a Send arrived to find no receive posted and waited for one

@@ -161,6 +161,20 @@ impl SrqOps for SoftSrq {
         // ones come back, and their buffers are no longer referenced.
         q.rq.drain(at..).rev().map(|w| w.wr_id).collect()
     }
+    fn withdraw_if(&self, pick: &mut dyn FnMut(u64) -> bool) -> Vec<u64> {
+        let mut q = self.0.lock();
+        let mut out = Vec::new();
+        // As `withdraw`: only untaken receives are on the queue.
+        q.rq.retain(|w| {
+            if pick(w.wr_id) {
+                out.push(w.wr_id);
+                false
+            } else {
+                true
+            }
+        });
+        out
+    }
     fn starved(&self) -> u64 {
         self.0.starved.load(std::sync::atomic::Ordering::Relaxed)
     }

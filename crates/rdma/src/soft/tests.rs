@@ -874,6 +874,24 @@ struct SrqRig {
 }
 
 impl SrqRig {
+    /// `n` receives of 64 bytes each, wr_ids 10, 11, …, posted to the SRQ
+    /// in that order; their region, filled with 0xEE.
+    fn post_numbered(&self, n: usize) -> Mr {
+        let smr = self.spd.alloc_mr(n * 64, Access::LOCAL_WRITE).expect("mr");
+        smr.fill(0, n * 64, 0xEE).expect("fill");
+        let sg: Vec<[Sge; 1]> = (0..n).map(|i| [smr.sge(i * 64, 64)]).collect();
+        let wrs: Vec<RecvWr<'_>> = sg
+            .iter()
+            .enumerate()
+            .map(|(i, s)| RecvWr {
+                wr_id: 10 + i as u64,
+                sg_list: s,
+            })
+            .collect();
+        self.srq.post_recv(&wrs).expect("post");
+        smr
+    }
+
     fn new() -> SrqRig {
         let open = |progress| {
             super::provider()
@@ -1101,18 +1119,7 @@ fn srq_qp_error_leaves_srq_receives() {
 fn srq_withdraw_takes_back_untaken_receives() {
     let rig = SrqRig::new();
     let (qb, cb, pb, _cqb) = rig.connect(None);
-    let smr = rig.spd.alloc_mr(3 * 64, Access::LOCAL_WRITE).expect("mr");
-    smr.fill(0, 3 * 64, 0xEE).expect("fill");
-    let sg: Vec<[Sge; 1]> = (0..3).map(|i| [smr.sge(i * 64, 64)]).collect();
-    let wrs: Vec<RecvWr<'_>> = sg
-        .iter()
-        .enumerate()
-        .map(|(i, s)| RecvWr {
-            wr_id: 10 + i as u64,
-            sg_list: s,
-        })
-        .collect();
-    rig.srq.post_recv(&wrs).expect("post");
+    let smr = rig.post_numbered(3);
     assert_eq!(rig.srq.withdraw(2), vec![12, 11]);
     assert_eq!(rig.srq.posted(), 1);
     assert_eq!(rig.srq.withdraw(0), Vec::<u64>::new());
@@ -1138,4 +1145,33 @@ fn srq_withdraw_takes_back_untaken_receives() {
         Vec::<u64>::new(),
         "the taken one is gone"
     );
+}
+
+#[test]
+fn srq_withdraw_if_takes_back_the_picked_receives_and_keeps_the_order() {
+    let rig = SrqRig::new();
+    let (qb, cb, pb, _cqb) = rig.connect(None);
+    let smr = rig.post_numbered(5);
+    assert_eq!(rig.srq.withdraw_if(|id| id % 2 == 0), vec![10, 12, 14]);
+    assert_eq!(rig.srq.posted(), 2);
+    let cmr = pb.alloc_mr(64, Access::LOCAL_WRITE).expect("mr");
+    let data = pattern(9, 40);
+    cmr.write_at(0, &data).expect("fill");
+    cb.post_send(&[SendWr::new(1, SendOp::Send, &[cmr.sge(0, 40)])])
+        .expect("send");
+    let w = rig.wait(1);
+    assert_eq!(
+        (w[0].wr_id, w[0].qp_num, w[0].byte_len),
+        (11, qb.qp_num(), 40),
+        "the first kept receive takes the Send"
+    );
+    let mut got = vec![0u8; 5 * 64];
+    smr.read_at(0, &mut got).expect("read");
+    assert_eq!(&got[64..104], &data[..]);
+    assert!(
+        got[..64].iter().chain(&got[128..]).all(|&b| b == 0xEE),
+        "withdrawn and untaken buffers untouched"
+    );
+    assert_eq!(rig.srq.withdraw_if(|_| true), vec![13]);
+    assert_eq!(rig.srq.posted(), 0);
 }

@@ -74,6 +74,9 @@ struct Inner {
     promised: usize,
     /// Connections promising at least one credit.
     holders: usize,
+    /// Receives posted since the pool was made (tests: the cost of
+    /// compaction).
+    posts: u64,
 }
 
 /// What the pool holds (for metrics and tests).
@@ -199,6 +202,7 @@ impl RecvPool {
         match self.srq.post_recv(&[wr]) {
             Ok(()) => {
                 i.chunk_free[c] -= 1;
+                i.posts += 1;
                 true
             }
             Err(e) => {
@@ -233,12 +237,22 @@ impl RecvPool {
         true
     }
 
-    /// Stop promising `n` credits (all of one connection's if `last`): take back the receives no promise
-    /// needs where the provider can, and unregister wholly free chunks.
-    /// When a whole chunk more than the promises need is registered, every
-    /// untaken receive is taken back and the needed ones posted again from
-    /// the lowest chunks, so the others empty and go (a Send arriving
-    /// meanwhile waits in the provider's indicate window, seed 003).
+    /// Stop promising `n` credits (all of one connection's if `last`): take
+    /// back the receives no promise needs where the provider can, and
+    /// unregister wholly free chunks.
+    ///
+    /// Compaction: when the chunks registered beyond what the promises
+    /// need are a whole chunk and an eighth of all registered (hysteresis),
+    /// the untaken receives of the chunks above the lowest ones that hold
+    /// the need are taken back (`Srq::withdraw_if`), and as many posted
+    /// again from those lowest chunks, so the others empty and go. A Send
+    /// arriving meanwhile waits in the provider's indicate window (seed
+    /// 003). The work is a scan of the queue, done after at least an
+    /// eighth of the pool has become surplus: amortized, a few steps per
+    /// buffer freed. (Taking every receive back and posting the needed
+    /// ones again on each release, as this first did, stalled a reactor
+    /// for seconds when a thousand new connections were brought down to
+    /// one credit at once.)
     pub(super) fn release(&self, n: usize, last: bool) {
         let mut i = lock(&self.inner);
         i.promised = i.promised.saturating_sub(n);
@@ -246,34 +260,68 @@ impl RecvPool {
             i.holders = i.holders.saturating_sub(1);
         }
         let need = self.need(i.promised, i.holders);
-        let registered = i.chunks.iter().flatten().count() * CHUNK;
+        let chunks = i.chunks.iter().flatten().count();
+        let surplus = chunks.saturating_sub(need.div_ceil(CHUNK));
         let posted = self.srq.posted();
-        let compact = registered >= need.next_multiple_of(CHUNK) + CHUNK;
-        let take = if compact {
-            posted
-        } else {
-            (posted + i.in_use).saturating_sub(need).min(posted)
-        };
-        if take > 0 {
-            for w in self.srq.withdraw(take) {
-                let id = wrid::value(w);
-                let c = id as usize / CHUNK;
-                if let Some(f) = i.chunk_free.get_mut(c) {
-                    *f += 1;
+        if surplus > chunks / 8 {
+            // The lowest registered chunks that hold `need` are kept.
+            let mut room = 0;
+            let mut cut = i.chunks.len();
+            for (c, m) in i.chunks.iter().enumerate() {
+                if room >= need {
+                    cut = c;
+                    break;
                 }
-                i.free.push(id);
+                if m.is_some() {
+                    room += CHUNK;
+                }
             }
-        }
-        if compact {
-            // Lowest ids last: `post_one` pops them first.
-            i.free.sort_unstable_by(|a, b| b.cmp(a));
+            let back = self
+                .srq
+                .withdraw_if(|w| wrid::value(w) as usize / CHUNK >= cut);
+            self.freed(&mut i, &back);
+            // Post again from the kept chunks' free buffers (lowest first).
+            let mut kept: Vec<u64> = Vec::new();
+            i.free.retain(|&id| {
+                let low = (id as usize / CHUNK) < cut;
+                if low {
+                    kept.push(id);
+                }
+                !low
+            });
+            kept.sort_unstable_by(|a, b| b.cmp(a));
+            while self.srq.posted() + i.in_use < need {
+                let Some(id) = kept.pop() else { break };
+                if !self.post(&mut i, id) {
+                    break;
+                }
+            }
+            i.free.extend(kept);
+            // Still short (buffers of the high chunks in use): as reserve.
             while self.srq.posted() + i.in_use < need {
                 if !self.post_one(&mut i) {
                     break;
                 }
             }
+        } else {
+            let take = (posted + i.in_use).saturating_sub(need).min(posted);
+            if take > 0 {
+                let back = self.srq.withdraw(take);
+                self.freed(&mut i, &back);
+            }
         }
         self.shrink(&mut i);
+    }
+
+    /// Receives taken back from the SRQ: their buffers are free.
+    fn freed(&self, i: &mut Inner, ids: &[u64]) {
+        for &w in ids {
+            let id = wrid::value(w);
+            if let Some(f) = i.chunk_free.get_mut(id as usize / CHUNK) {
+                *f += 1;
+            }
+            i.free.push(id);
+        }
     }
 
     /// Unregister chunks none of whose buffers is posted or in use.
@@ -284,7 +332,11 @@ impl RecvPool {
         if whole.is_empty() {
             return;
         }
-        i.free.retain(|id| !whole.contains(&(*id as usize / CHUNK)));
+        let mut gone = vec![false; i.chunks.len()];
+        for &c in &whole {
+            gone[c] = true;
+        }
+        i.free.retain(|&id| !gone[id as usize / CHUNK]);
         for c in whole {
             if let Some(mr) = i.chunks[c].take() {
                 match Arc::try_unwrap(mr) {
@@ -336,5 +388,106 @@ impl RecvPool {
     pub(super) fn lose(&self, n: usize) {
         let mut i = lock(&self.inner);
         i.in_use = i.in_use.saturating_sub(n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::io_phase::server::RdmaServerOptions;
+    use std::sync::atomic::Ordering;
+
+    const SLOT: usize = 256;
+
+    fn pool(max_memory: usize) -> (RecvPool, Arc<Shared>) {
+        let ctx = lwio_rdma::soft::provider()
+            .open(None, &lwio_rdma::Config::default())
+            .expect("soft device");
+        let pd = ctx.alloc_pd().expect("pd");
+        let srq = pd.create_srq(16_384, 1).expect("srq");
+        let shared = Arc::new(Shared::new(RdmaServerOptions {
+            max_memory,
+            ..RdmaServerOptions::default()
+        }));
+        (RecvPool::new(pd, srq, SLOT, shared.clone(), true), shared)
+    }
+
+    fn check(p: &RecvPool) -> (usize, usize) {
+        let i = lock(&p.inner);
+        let need = p.need(i.promised, i.holders);
+        assert!(
+            p.srq.posted() + i.in_use >= need,
+            "posted {} + in use {} < need {need}",
+            p.srq.posted(),
+            i.in_use
+        );
+        (need, i.chunks.iter().flatten().count())
+    }
+
+    /// A thousand connections granted 16 credits each, then brought down
+    /// to one, then gone: every promise stays backed, the pool shrinks to
+    /// what the promises need, and it posts a bounded number of receives
+    /// on the way (taking every receive back and posting the needed ones
+    /// again on each release posted about seven million here, and
+    /// stalled a reactor for seconds in `hostile_peers`).
+    #[test]
+    fn a_thousand_connections_come_and_go_with_bounded_work() {
+        let (p, shared) = pool(1 << 30);
+        for _ in 0..1000 {
+            assert_eq!(p.reserve(16, 1, true), 16);
+        }
+        let (need, _) = check(&p);
+        assert_eq!(need, 15 * 1000 + idle_reserve(1000));
+        let posts = lock(&p.inner).posts;
+        assert_eq!(posts as usize, need, "one post per needed receive");
+        for _ in 0..1000 {
+            p.release(15, false);
+            check(&p);
+        }
+        let (need, chunks) = check(&p);
+        assert_eq!(need, idle_reserve(1000));
+        let kept = need.div_ceil(CHUNK);
+        assert!(
+            chunks < kept + 1 + chunks / 8 + 1,
+            "{chunks} chunks registered for {need} receives"
+        );
+        assert_eq!(
+            shared.mem_used.load(Ordering::Relaxed),
+            chunks * CHUNK * SLOT,
+            "the budget counts what is registered"
+        );
+        let reposted = lock(&p.inner).posts - posts;
+        assert!(
+            reposted <= (kept * CHUNK) as u64,
+            "{reposted} receives posted again while shrinking"
+        );
+        for _ in 0..1000 {
+            p.release(1, true);
+            check(&p);
+        }
+        let st = p.stats();
+        assert_eq!((st.promised, st.posted, st.registered_bytes), (0, 0, 0));
+        assert_eq!(shared.mem_used.load(Ordering::Relaxed), 0);
+    }
+
+    /// Growing again after a compaction reuses the kept chunks' buffers
+    /// first and backs every promise.
+    #[test]
+    fn promises_after_a_compaction_are_backed() {
+        let (p, _shared) = pool(1 << 30);
+        for _ in 0..100 {
+            p.reserve(16, 1, true);
+        }
+        for _ in 0..90 {
+            p.release(15, false);
+            check(&p);
+        }
+        for _ in 0..90 {
+            assert_eq!(p.reserve(15, 1, false), 15);
+            check(&p);
+        }
+        let (need, chunks) = check(&p);
+        assert_eq!(need, 1500 + idle_reserve(100));
+        assert_eq!(chunks, need.div_ceil(CHUNK), "no chunk beyond the need");
     }
 }

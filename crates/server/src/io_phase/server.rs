@@ -253,7 +253,7 @@ pub(super) struct Shared {
     per_host: Mutex<HashMap<IpAddr, usize>>,
     next_conn: AtomicU64,
     consumed_keys: Mutex<HashMap<Guid, Instant>>,
-    mem_used: AtomicUsize,
+    pub(super) mem_used: AtomicUsize,
     credits_granted: AtomicI64,
     accepted: AtomicU64,
     rejected: AtomicU64,
@@ -295,6 +295,38 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Shared {
+    /// Nothing registered, accepted or counted yet.
+    pub(super) fn new(opts: RdmaServerOptions) -> Shared {
+        Shared {
+            opts,
+            domain_pds: Mutex::new(Vec::new()),
+            pools: Mutex::new(Vec::new()),
+            reactors: Mutex::new(Vec::new()),
+            conns: Mutex::new(HashMap::new()),
+            per_host: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            consumed_keys: Mutex::new(HashMap::new()),
+            mem_used: AtomicUsize::new(0),
+            credits_granted: AtomicI64::new(0),
+            accepted: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+            mrs: AtomicU64::new(0),
+            mrs_remote: AtomicU64::new(0),
+            closed_census: Mutex::new(PdCensus::default()),
+            auth_ok: AtomicU64::new(0),
+            auth_failed: AtomicU64::new(0),
+            closed_by_protocol: AtomicU64::new(0),
+            inline_ios: AtomicU64::new(0),
+            slow_credit_replies: AtomicU64::new(0),
+            ios_cancelled: AtomicU64::new(0),
+            fragment_writes: AtomicU64::new(0),
+            fragment_write_calls: AtomicU64::new(0),
+            closed_by_status: Mutex::new(Default::default()),
+            requests: Mutex::new(RequestStats::default()),
+            storage_queued: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
     /// Take a per-host slot for `ip`; false if the host is at its cap.
     fn host_acquire(&self, ip: IpAddr) -> bool {
         let mut m = lock(&self.per_host);
@@ -701,34 +733,7 @@ impl RdmaServer {
                 ))
             }));
         }
-        let shared = Arc::new(Shared {
-            opts,
-            domain_pds: Mutex::new(Vec::new()),
-            pools: Mutex::new(Vec::new()),
-            reactors: Mutex::new(Vec::new()),
-            conns: Mutex::new(HashMap::new()),
-            per_host: Mutex::new(HashMap::new()),
-            next_conn: AtomicU64::new(1),
-            consumed_keys: Mutex::new(HashMap::new()),
-            mem_used: AtomicUsize::new(0),
-            credits_granted: AtomicI64::new(0),
-            accepted: AtomicU64::new(0),
-            rejected: AtomicU64::new(0),
-            mrs: AtomicU64::new(0),
-            mrs_remote: AtomicU64::new(0),
-            closed_census: Mutex::new(PdCensus::default()),
-            auth_ok: AtomicU64::new(0),
-            auth_failed: AtomicU64::new(0),
-            closed_by_protocol: AtomicU64::new(0),
-            inline_ios: AtomicU64::new(0),
-            slow_credit_replies: AtomicU64::new(0),
-            ios_cancelled: AtomicU64::new(0),
-            fragment_writes: AtomicU64::new(0),
-            fragment_write_calls: AtomicU64::new(0),
-            closed_by_status: Mutex::new(Default::default()),
-            requests: Mutex::new(RequestStats::default()),
-            storage_queued: Arc::new(AtomicUsize::new(0)),
-        });
+        let shared = Arc::new(Shared::new(opts));
         Ok(RdmaServer { listeners, shared })
     }
 
