@@ -265,7 +265,10 @@ int lwio_submit(const struct lwio_client *c, const struct lwio_op *ops, unsigned
 /**
  * Reap completions into `cqes`: waits until at least `min` operations have
  * completed, then adds those already complete, up to `max`. Completions
- * come in submission order. The number reaped, or -errno.
+ * come in submission order. The number reaped, or -errno. An operation
+ * whose requests a lost connection took runs that part again here, after
+ * the reconnect (waiting up to `op_timeout`), as the blocking calls do: a
+ * network blip does not fail it.
  */
 int lwio_reap(const struct lwio_client *c,
               struct lwio_cqe *cqes,

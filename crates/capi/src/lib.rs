@@ -900,6 +900,21 @@ struct Part {
     at: usize,
     len: usize,
     done: Option<(u32, NtStatus)>,
+    /// Lost with its connection (not issued, or issued and never
+    /// answered): `finish` runs it again through the `File`, which waits
+    /// for the reconnect (docs/reconnect.md).
+    replay: bool,
+}
+
+impl Part {
+    /// Its request was lost with the connection when `e` is
+    /// `ConnectionLost`; abandoned otherwise (a timeout). Either way the
+    /// engine has freed its stage.
+    fn lost(&mut self, e: &lwio_client::Error) {
+        self.stage = None;
+        self.done = Some((0, LOST));
+        self.replay = matches!(e, lwio_client::Error::ConnectionLost(_));
+    }
 }
 
 struct Pending {
@@ -909,8 +924,11 @@ struct Pending {
     /// A read landing straight in the caller's memory (no staging).
     dst: Option<UserDst>,
     engine: Arc<Engine>,
-    /// Keeps the file open until the operation is reaped.
-    _file: Arc<OpenFile>,
+    /// Keeps the file open until the operation is reaped; runs lost parts
+    /// again.
+    file: Arc<OpenFile>,
+    /// The operation's file offset.
+    offset: u64,
     parts: Vec<Part>,
     /// A failure at issue time (no parts after it were issued).
     issue_error: Option<i64>,
@@ -918,7 +936,7 @@ struct Pending {
 
 impl Pending {
     /// Collect the parts' results (staging copies, releases) into a CQE.
-    fn finish(self) -> lwio_cqe {
+    fn finish(mut self) -> lwio_cqe {
         if let Some(d) = &self.dst {
             // No window over the caller's memory outlives the operation.
             self.engine.fence_group(d.group());
@@ -926,8 +944,21 @@ impl Pending {
         let mut total: i64 = 0;
         let mut err = None;
         let mut ended = false;
-        for p in self.parts {
+        for p in std::mem::take(&mut self.parts) {
             let (n, st) = p.done.unwrap_or((0, LOST));
+            if p.replay && !ended && err.is_none() {
+                // Lost with the connection: the blocking call runs it
+                // again after the reconnect (and re-registers the file,
+                // so later submissions use the new connection).
+                match self.replay(&p) {
+                    Ok(n) => {
+                        total += n as i64;
+                        ended = n < p.len;
+                    }
+                    Err(e) => err = Some(-i64::from(errno::client(&e))),
+                }
+                continue;
+            }
             match (st, p.stage) {
                 // Landed in the caller's memory (fenced above).
                 (STATUS_SUCCESS, Some(Stage::User)) if !ended && err.is_none() => {
@@ -973,6 +1004,29 @@ impl Pending {
         lwio_cqe {
             user_data: self.user_data,
             res,
+        }
+    }
+
+    /// Run part `p` again as a blocking read or write of the `File`. The
+    /// ordering rule holds (docs/reconnect.md): the operation has not been
+    /// reaped, so it is concurrent with those submitted meanwhile, and it
+    /// completes only after its re-sent piece did.
+    fn replay(&self, p: &Part) -> lwio_client::Result<usize> {
+        let off = self.offset + p.at as u64;
+        if self.read {
+            // SAFETY: the caller lent `len` bytes at `buf` until this
+            // operation is reaped (lwio_op's contract). No window over
+            // them is bound any more (`finish` fenced the group), so no
+            // peer writes them; the read below is the only writer.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut((self.buf as *mut u8).add(p.at), p.len) };
+            self.file.file.read_at(dst, off)
+        } else {
+            // SAFETY: the caller lent `len` readable bytes at `buf` until
+            // this operation is reaped; nothing writes them meanwhile.
+            let src =
+                unsafe { std::slice::from_raw_parts((self.buf as *const u8).add(p.at), p.len) };
+            self.file.file.write_at(src, off)
         }
     }
 }
@@ -1025,7 +1079,8 @@ fn issue_inner(op: &lwio_op) -> Result<Option<Pending>, c_int> {
         buf: op.buf as usize,
         dst,
         engine: e.clone(),
-        _file: f.clone(),
+        file: f.clone(),
+        offset: op.offset,
         parts: Vec::new(),
         issue_error: None,
     };
@@ -1052,7 +1107,21 @@ fn issue_inner(op: &lwio_op) -> Result<Option<Pending>, c_int> {
                 at,
                 len: n,
                 done: None,
+                replay: false,
             }),
+            Err(lwio_client::Error::ConnectionLost(_)) => {
+                // The rest runs again when reaped (after the reconnect).
+                p.parts.push(Part {
+                    req: 0,
+                    slot: None,
+                    stage: None,
+                    at,
+                    len: len - at,
+                    done: Some((0, LOST)),
+                    replay: true,
+                });
+                break;
+            }
             Err(err) => {
                 let code = fail_client(&err);
                 if p.parts.is_empty() {
@@ -1131,7 +1200,10 @@ pub unsafe extern "C" fn lwio_submit(
 
 /// Reap completions into `cqes`: waits until at least `min` operations have
 /// completed, then adds those already complete, up to `max`. Completions
-/// come in submission order. The number reaped, or -errno.
+/// come in submission order. The number reaped, or -errno. An operation
+/// whose requests a lost connection took runs that part again here, after
+/// the reconnect (waiting up to `op_timeout`), as the blocking calls do: a
+/// network blip does not fail it.
 #[no_mangle]
 pub unsafe extern "C" fn lwio_reap(
     c: *const LwioClient,
@@ -1167,11 +1239,7 @@ pub unsafe extern "C" fn lwio_reap(
                     match r {
                         Ok(Some(r)) => part.done = Some(r),
                         Ok(None) => all = false,
-                        Err(_) => {
-                            // Abandoned: the engine frees its stage.
-                            part.stage = None;
-                            part.done = Some((0, LOST));
-                        }
+                        Err(e) => part.lost(&e),
                     }
                 }
                 if all || got < min {
@@ -1182,14 +1250,10 @@ pub unsafe extern "C" fn lwio_reap(
             };
             let Some(mut p) = front else { break };
             for part in p.parts.iter_mut().filter(|x| x.done.is_none()) {
-                part.done = Some(match p.engine.wait(part.req, part.slot) {
-                    Ok(r) => r,
-                    // Abandoned by the engine, which then frees its stage.
-                    Err(_) => {
-                        part.stage = None;
-                        (0, LOST)
-                    }
-                });
+                match p.engine.wait(part.req, part.slot) {
+                    Ok(r) => part.done = Some(r),
+                    Err(e) => part.lost(&e),
+                }
             }
             let cqe = p.finish();
             // SAFETY: `got < max` and the caller passes room for `max`.

@@ -8,49 +8,13 @@
  *
  * Prints "ok - ..." per check; exits 1 at the first failure. */
 #define _GNU_SOURCE
-#include <errno.h>
-#include <fcntl.h>
-#include <inttypes.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
-
-#include <lwio.h>
-
-static int checks;
-
-#define CHECK(cond, ...)                                                     \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "FAIL line %d: ", __LINE__);                     \
-            fprintf(stderr, __VA_ARGS__);                                    \
-            fprintf(stderr, " (lwio_errmsg: %s)\n", lwio_errmsg());          \
-            exit(1);                                                         \
-        }                                                                    \
-        checks++;                                                            \
-    } while (0)
-
-static void fill(unsigned char *b, size_t n, unsigned seed) {
-    uint32_t x = seed * 2654435761u + 1;
-    for (size_t i = 0; i < n; i++) {
-        x ^= x << 13; x ^= x >> 17; x ^= x << 5;
-        b[i] = (unsigned char)x;
-    }
-}
+#include "check.h"
 
 int main(int argc, char **argv) {
-    if (argc < 5) {
-        fprintf(stderr, "usage: %s URL TOKEN_FILE FINGERPRINT SRVDIR [poll]\n", argv[0]);
-        return 2;
-    }
-    const char *url = argv[1];
     struct lwio_options o;
-    lwio_options_init(&o);
-    o.fingerprint = argv[3];
+    test_options(&o, argc, argv);
     o.token_file = argv[2];
-    o.completion = argc > 5 && !strcmp(argv[5], "poll") ? LWIO_COMPLETION_POLL
-                                                         : LWIO_COMPLETION_INTERRUPT;
+    const char *url = argv[1];
     struct lwio_client *a = lwio_connect(url, &o);
     CHECK(a != NULL, "connect publisher");
     struct lwio_client *b = lwio_connect(url, &o);
