@@ -1004,9 +1004,8 @@ impl Engine {
         until
     }
 
-    /// Post the queued request messages, as few post calls as possible (the
-    /// soft provider writes one post list with one `writev`).
-    /// Post the request messages issued so far now. Issuing only queues
+    /// Post the request messages issued so far now (as few post calls as
+    /// possible: the soft provider writes one post list with one `writev`). Issuing only queues
     /// them (a blocking caller's wait posts them together); a caller that
     /// issues and returns without waiting (POSIX AIO, whose completions
     /// another thread reaps) calls this so they go on the wire at once.
@@ -1940,6 +1939,29 @@ impl Engine {
 
     pub fn issue_close(&self, fid: u16) -> Result<ReqId> {
         self.issue(|_, st| Some(st.conn.close_file(Instant::now(), fid).map_err(client_err)))
+    }
+
+    /// An ordering barrier on this connection: returns once every RDMA
+    /// Write that the server posted on it before it saw this call's
+    /// request is placed in this client's memory.
+    ///
+    /// The request is CLOSE of FID 0, which is never assigned, so the
+    /// server answers it at once with STATUS_INVALID_HANDLE and changes
+    /// nothing. The answer is a Send on the same connection after those
+    /// Writes, and a receive completes only after the Writes before it are
+    /// placed (RFC 5040 §5.5; the same on InfiniBand). On iWARP a Write's
+    /// own completion at the server means only that it was sent: here the
+    /// soft provider places it when one of this client's threads next
+    /// reads the connection, which waiting for the answer does.
+    pub fn barrier(&self) -> Result<()> {
+        let req = self.issue_close(0)?;
+        match self.wait(req, None)? {
+            (_, lwio_proto::status::STATUS_INVALID_HANDLE) => Ok(()),
+            (_, status) => Err(Error::Status {
+                what: "CLOSE of FID 0 (the ordering barrier)".into(),
+                status,
+            }),
+        }
     }
 
     pub fn issue_cancel(&self, fid: u16) -> Result<ReqId> {

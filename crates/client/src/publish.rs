@@ -162,11 +162,21 @@ impl Published {
     /// other clients into the object have completed (or `timeout`, at most
     /// 60 s, passes) and return how many have. Start with 0 and pass the
     /// last count back. Holds this client's side channel while it waits.
+    ///
+    /// The writes counted are in this client's memory when it returns: the
+    /// server answers a write once its RDMA Write is sent, so this waits
+    /// for an ordering barrier on channel 0 ([`crate::Engine::barrier`])
+    /// after the count.
     pub fn wait_writes(&self, seen: u64, timeout: std::time::Duration) -> Result<u64> {
         let ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
-        self.client
+        let n = self
+            .client
             .0
-            .side(|s| s.wait_writes(&self.export, &self.name, seen, ms))
+            .side(|s| s.wait_writes(&self.export, &self.name, seen, ms))?;
+        if n > seen {
+            self.client.0.channel(0).barrier()?;
+        }
+        Ok(n)
     }
 
     /// The whole object, copied out.
@@ -194,8 +204,9 @@ impl Published {
         Ok(buf)
     }
 
-    /// Unpublish on the server, then deregister (invalidating the key) even
-    /// when the server cannot be told (it withdraws the object itself when
+    /// Unpublish on the server, wait until the writes it made are placed,
+    /// then deregister (invalidating the key) even when the server cannot
+    /// be told (it withdraws the object itself when
     /// this client's session or channel ends).
     fn withdraw(&mut self) -> Result<()> {
         let Some(mr) = self.mr.take() else {
@@ -205,6 +216,18 @@ impl Published {
             .client
             .0
             .side(|s| s.unpublish(&self.export, &self.name));
+        if r.is_ok() {
+            // The server answered once its RDMA operations on the object
+            // completed; a Write's completion means only that it was sent.
+            // The barrier's answer comes after them on the connection:
+            // once it is in, so are their bytes, and deregistering cannot
+            // strand one (a write the writer was told is done, missing
+            // from the buffer given back). Best effort: a lost connection
+            // has nothing more to place.
+            if let Err(e) = self.client.0.channel(0).barrier() {
+                tracing::debug!(path = %self.path, error = %e, "unpublish: no ordering barrier");
+            }
+        }
         drop(mr);
         match r {
             Ok(()) => Ok(()),

@@ -614,3 +614,72 @@ fn reads_after_unpublish_are_refused_not_served() {
     ));
     assert_server_unexposed(&s);
 }
+
+/// What the publisher is told is in its memory: the writes that
+/// [`Published::wait_writes`] counts, and every write finished before
+/// [`Published::unpublish`], are in the memory it reads at once, even when
+/// its own threads were not reading its connection (the server answers a
+/// write once its RDMA Write is sent, and on iWARP the publisher places it
+/// when it next reads its connection). Before each write the publisher does
+/// I/O of its own, so that its progress thread naps rather than waiting on
+/// the socket. Without the ordering barrier after the count and before the
+/// deregistration, the memory lacked the write: the CI failure of
+/// `cli_data::publish_serves_memory_to_cat_and_cp`, whose `--out` file
+/// missed the last writes.
+#[test]
+fn what_the_publisher_is_told_is_in_its_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    std::fs::write(dir.path().join("own.bin"), vec![7u8; 4096]).unwrap();
+    for completion in [Completion::Poll, Completion::Interrupt] {
+        let a = client(&s, completion);
+        const LEN: usize = 1 << 20;
+        let mut want = pattern(23, LEN);
+        let own = a.open("own.bin", &OpenOptions::read_only()).unwrap();
+        let b = client(&s, Completion::Interrupt);
+        let own_io = || {
+            let mut x = [0u8; 4096];
+            for _ in 0..20 {
+                assert_eq!(own.read_at(&mut x, 0).unwrap(), 4096);
+            }
+        };
+        for round in 0..10u32 {
+            let mut buf = a.register_buffer(LEN).unwrap();
+            buf.copy_from_slice(&want);
+            let p = a.publish("told", buf, MemRights::ReadWrite).unwrap();
+            let w = b
+                .open(".lwio-mem/told", &OpenOptions::read_write())
+                .unwrap();
+            let mut seen = 0;
+            for k in 0..5u32 {
+                own_io();
+                let at = ((round * 5 + k) as usize * 40_961) % (LEN - 8192);
+                let patch = pattern(100 + u64::from(round * 5 + k), 8192);
+                assert_eq!(w.write_at(&patch, at as u64).unwrap(), 8192);
+                want[at..at + 8192].copy_from_slice(&patch);
+                seen = p.wait_writes(seen, Duration::from_secs(10)).unwrap();
+                let mut got = vec![0u8; 8192];
+                p.read_at(at, &mut got).unwrap();
+                assert!(
+                    got == patch,
+                    "{completion:?} round {round}.{k}: wait_writes said {seen} writes, \
+                     but the memory at {at} lacks the last"
+                );
+            }
+            // A last write, then unpublish at once: the buffer given back
+            // holds it.
+            own_io();
+            let at = (round as usize * 77_777) % (LEN - 65536);
+            let patch = pattern(900 + u64::from(round), 65536);
+            assert_eq!(w.write_at(&patch, at as u64).unwrap(), 65536);
+            want[at..at + 65536].copy_from_slice(&patch);
+            drop(w);
+            let back = p.unpublish().unwrap();
+            assert!(
+                back[..] == want[..],
+                "{completion:?} round {round}: the buffer given back lacks a write finished \
+                 before unpublish"
+            );
+        }
+    }
+}
