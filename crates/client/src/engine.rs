@@ -1005,10 +1005,11 @@ impl Engine {
     }
 
     /// Post the request messages issued so far now (as few post calls as
-    /// possible: the soft provider writes one post list with one `writev`). Issuing only queues
-    /// them (a blocking caller's wait posts them together); a caller that
-    /// issues and returns without waiting (POSIX AIO, whose completions
-    /// another thread reaps) calls this so they go on the wire at once.
+    /// possible: the soft provider writes one post list with one `writev`).
+    /// Issuing only queues them (a blocking caller's wait posts them
+    /// together); a caller that issues and returns without waiting (POSIX
+    /// AIO, whose completions another thread reaps) calls this so they go
+    /// on the wire at once.
     pub fn flush(&self) {
         let mut st = lock(&self.st);
         self.flush_sends(&mut st);

@@ -972,3 +972,25 @@ fn publish_serves_more_than_the_default_registration_cache() {
         .stdout(predicate::str::contains(format!("Size: {}", 300 << 20)));
     assert!(stop(p).success());
 }
+
+/// A publisher that has been idle long enough for the server to reclaim
+/// its credits (down to one) still serves its object: the server's RDMA
+/// Reads of its memory are answered.
+#[test]
+fn publish_serves_reads_after_the_publisher_idles() {
+    let s = serve();
+    let local = tempfile::tempdir().unwrap();
+    let src = local.path().join("idle.bin");
+    let want = write_pattern(&src, 8 << 20, 3);
+    let (p, url) = publish(
+        &s,
+        &[&s.url("data"), "idle", "--file", src.to_str().unwrap()],
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    s.cmd(&["cat", &url])
+        .timeout(Duration::from_secs(20))
+        .assert()
+        .success()
+        .stdout(predicate::function(|o: &[u8]| o == want.as_slice()));
+    assert!(stop(p).success());
+}

@@ -327,11 +327,26 @@ impl CtxShared {
 
     /// One round of the event loop (`ms` = epoll timeout, 0 while QPs have
     /// work left over from their budget).
+    ///
+    /// Work left over (a QP stopped on its budget again) keeps the wake-up
+    /// eventfd signalled, so that the context's fd, and every manual
+    /// channel's, stays readable until a later round does it: `handle` may
+    /// just have consumed the signal that `schedule` gave for it, and the
+    /// socket, read only in part, has no new edge to report.
     pub fn progress_once(&self, ms: i32) -> Result<usize> {
         let (mut n, more) = self.run_ready();
         let mut evs = [sys::NO_EVENT; 64];
         let k = sys::epoll_wait(&*self.ep, &mut evs, if more { 0 } else { ms })?;
         n += self.handle(&evs[..k]);
+        if self.manual
+            && !self
+                .ready
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+        {
+            sys::eventfd_write(&*self.wake);
+        }
         Ok(n)
     }
 

@@ -1175,3 +1175,143 @@ fn srq_withdraw_if_takes_back_the_picked_receives_and_keeps_the_order() {
     assert_eq!(rig.srq.withdraw_if(|_| true), vec![13]);
     assert_eq!(rig.srq.posted(), 0);
 }
+
+/// Under `Progress::Manual` a QP reads at most `RX_BUDGET_MANUAL` segments
+/// per round, and the context's fd (so a manual channel's fd) must stay
+/// readable for as long as such leftover work waits: the socket, read only
+/// in part, reports no new edge. 200 small RDMA Writes and a Send are in
+/// the server's socket before it reads any; a consumer that sleeps in
+/// `poll(2)` on its channel between rounds gets them all, byte for byte.
+/// Before the fix, the second round consumed the wake-up that the first
+/// had left for the leftover and the consumer slept with 3,000 bytes
+/// unread (a `lwio publish` process left the server's RDMA Read of its
+/// memory unanswered so, and a publisher's memory lacked writes the
+/// server had reported done).
+#[test]
+fn manual_progress_keeps_the_channel_readable_while_budgeted_work_is_left() {
+    use std::os::fd::BorrowedFd;
+    const N: usize = 200;
+    const LEN: usize = 64;
+    let open = |progress| {
+        super::provider()
+            .open(
+                Some(super::DEVICE),
+                &Config {
+                    progress,
+                    ..Config::default()
+                },
+            )
+            .expect("open")
+    };
+    let (s, c) = (open(Progress::Manual), open(Progress::Auto));
+    let l = s
+        .listen("127.0.0.1:0".parse().expect("addr"), 4)
+        .expect("listen");
+    let chan = s.create_comp_channel().expect("channel");
+    let spd = s.alloc_pd().expect("pd");
+    let scq = s.create_cq(64, Some(&chan)).expect("cq");
+    let smr = spd
+        .alloc_mr(N * LEN + 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .expect("mr");
+    smr.fill(0, N * LEN + 64, 0xEE).expect("fill");
+    let cpd = c.alloc_pd().expect("pd");
+    let ccq = c.create_cq(512, None).expect("cq");
+    let data = pattern(91, N * LEN + 64);
+    let cmr = cpd.alloc_mr(N * LEN + 64, Access::LOCAL_WRITE).expect("mr");
+    cmr.write_at(0, &data).expect("fill");
+    let sinit = QpInit::new(&spd, &scq);
+    let cinit = QpInit {
+        cap: QpCap {
+            max_send_wr: (N + 8) as u32,
+            ..QpCap::default()
+        },
+        ..QpInit::new(&cpd, &ccq)
+    };
+    let addr = l.local_addr();
+    let (sqp, cqp) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| {
+            let r = l
+                .get_request(Some(std::time::Duration::from_secs(10)))
+                .expect("request")
+                .expect("a request");
+            r.accept(&sinit, &ConnParams::default()).expect("accept")
+        });
+        let q = c
+            .connect(addr, &cinit, &ConnParams::default())
+            .expect("connect");
+        (h.join().expect("accept thread"), q)
+    });
+    sqp.post_recv(&[RecvWr {
+        wr_id: 7,
+        sg_list: &[smr.sge(N * LEN, 64)],
+    }])
+    .expect("post recv");
+    // The server's socket holds every segment before it reads one.
+    let sges: Vec<[Sge; 1]> = (0..=N).map(|i| [cmr.sge(i * LEN, LEN as u32)]).collect();
+    let wrs: Vec<SendWr<'_>> = sges
+        .iter()
+        .enumerate()
+        .map(|(i, sg)| {
+            let op = if i < N {
+                SendOp::Write {
+                    remote_addr: smr.addr() + (i * LEN) as u64,
+                    rkey: smr.rkey(),
+                }
+            } else {
+                SendOp::Send
+            };
+            SendWr::new(i as u64, op, sg)
+        })
+        .collect();
+    cqp.post_send(&wrs).expect("post");
+    let t = std::time::Instant::now();
+    let mut done = 0;
+    let mut b = [Wc::BLANK; 64];
+    while done <= N {
+        assert!(t.elapsed().as_secs() < 30, "the client's sends: {done}");
+        done += ccq.poll(&mut b).expect("poll");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    // The consumer: a round, then sleep on the channel until it is readable.
+    let mut got = Vec::new();
+    let mut rounds = 0;
+    while got.is_empty() {
+        rounds += 1;
+        s.progress().expect("progress");
+        scq.arm(false).expect("arm");
+        let k = scq.poll(&mut b).expect("poll");
+        got.extend_from_slice(&b[..k]);
+        if !got.is_empty() {
+            break;
+        }
+        // SAFETY: the channel outlives this borrow.
+        let fd = unsafe { BorrowedFd::borrow_raw(chan.fd()) };
+        let mut fds = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = rustix::event::Timespec {
+            tv_sec: 5,
+            tv_nsec: 0,
+        };
+        let n = rustix::event::poll(&mut fds, Some(&ts)).expect("poll(2)");
+        let st = super::qp_stats(&sqp).expect("soft QP");
+        assert!(
+            n == 1,
+            "round {rounds}: the channel's fd is not readable, with the Send not yet \
+             delivered and budgeted work left ({st:?})"
+        );
+        let _ = chan.take_fired(&mut Vec::new());
+    }
+    assert!(
+        rounds > 2,
+        "{rounds} rounds: the budget did not stop a round"
+    );
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].status, WcStatus::Success, "{got:?}");
+    assert_eq!(got[0].wr_id, 7);
+    assert_eq!(got[0].byte_len, LEN as u32);
+    let mut placed = vec![0u8; N * LEN + 64];
+    smr.read_at(0, &mut placed).expect("read");
+    assert!(placed == data, "the Writes and the Send, byte for byte");
+}
