@@ -863,6 +863,19 @@ fn flushed_partial_frame_sends_from_its_own_copy() {
 // Shared receive queues, over loopback sockets (the wake-up of a QP holding
 // Sends goes through its context).
 
+/// A soft context with progress model `progress`.
+fn open_soft(progress: Progress) -> Context {
+    super::provider()
+        .open(
+            Some(super::DEVICE),
+            &Config {
+                progress,
+                ..Config::default()
+            },
+        )
+        .expect("open")
+}
+
 /// A server context (`Progress::Manual`, one SRQ) and a client context.
 struct SrqRig {
     s: Context,
@@ -893,18 +906,7 @@ impl SrqRig {
     }
 
     fn new() -> SrqRig {
-        let open = |progress| {
-            super::provider()
-                .open(
-                    Some(super::DEVICE),
-                    &Config {
-                        progress,
-                        ..Config::default()
-                    },
-                )
-                .expect("open")
-        };
-        let (s, c) = (open(Progress::Manual), open(Progress::Auto));
+        let (s, c) = (open_soft(Progress::Manual), open_soft(Progress::Auto));
         let l = s
             .listen("127.0.0.1:0".parse().expect("addr"), 16)
             .expect("listen");
@@ -1192,18 +1194,7 @@ fn manual_progress_keeps_the_channel_readable_while_budgeted_work_is_left() {
     use std::os::fd::BorrowedFd;
     const N: usize = 200;
     const LEN: usize = 64;
-    let open = |progress| {
-        super::provider()
-            .open(
-                Some(super::DEVICE),
-                &Config {
-                    progress,
-                    ..Config::default()
-                },
-            )
-            .expect("open")
-    };
-    let (s, c) = (open(Progress::Manual), open(Progress::Auto));
+    let (s, c) = (open_soft(Progress::Manual), open_soft(Progress::Auto));
     let l = s
         .listen("127.0.0.1:0".parse().expect("addr"), 4)
         .expect("listen");
