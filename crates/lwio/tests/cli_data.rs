@@ -802,9 +802,30 @@ fn metrics_count_what_clients_did() {
     );
 }
 
+/// A `lwio publish` process: killed if the test ends without stopping it
+/// (a failed assertion), and its stderr printed when the test fails.
+struct Publisher {
+    child: Child,
+    log: tempfile::NamedTempFile,
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(self.log.path()).unwrap_or_default();
+            eprintln!("--- lwio publish stderr ---\n{log}--- end ---");
+        }
+    }
+}
+
 /// `lwio publish` as a process: its first stdout line is the object's URL.
-fn publish(s: &Served, args: &[&str]) -> (Child, String) {
+fn publish(s: &Served, args: &[&str]) -> (Publisher, String) {
     use std::io::BufRead;
+    let log = tempfile::NamedTempFile::new().unwrap();
     let mut child = Command::cargo_bin("lwio")
         .unwrap()
         .arg("publish")
@@ -816,23 +837,23 @@ fn publish(s: &Served, args: &[&str]) -> (Child, String) {
         .env_remove("LWIO_TOKEN")
         .env_remove("RUST_LOG")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(log.reopen().unwrap())
         .spawn()
         .unwrap();
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    (child, line.trim().to_string())
+    (Publisher { child, log }, line.trim().to_string())
 }
 
 /// SIGTERM, then the exit status (within 30 s).
-fn stop(mut c: Child) -> std::process::ExitStatus {
+fn stop(mut p: Publisher) -> std::process::ExitStatus {
     // SAFETY: signalling our own child process.
-    unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
     let t0 = Instant::now();
     loop {
-        if let Some(st) = c.try_wait().unwrap() {
+        if let Some(st) = p.child.try_wait().unwrap() {
             return st;
         }
         assert!(
