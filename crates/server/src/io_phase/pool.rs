@@ -79,6 +79,13 @@ struct Inner {
     posts: u64,
 }
 
+impl Inner {
+    /// Chunks registered now.
+    fn registered_chunks(&self) -> usize {
+        self.chunks.iter().flatten().count()
+    }
+}
+
 /// What the pool holds (for metrics and tests).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolStats {
@@ -133,7 +140,7 @@ impl RecvPool {
     pub(super) fn stats(&self) -> PoolStats {
         let i = lock(&self.inner);
         PoolStats {
-            registered_bytes: i.chunks.iter().flatten().count() * CHUNK * self.slot,
+            registered_bytes: i.registered_chunks() * CHUNK * self.slot,
             posted: self.srq.posted(),
             in_use: i.in_use,
             promised: i.promised,
@@ -260,7 +267,7 @@ impl RecvPool {
             i.holders = i.holders.saturating_sub(1);
         }
         let need = self.need(i.promised, i.holders);
-        let chunks = i.chunks.iter().flatten().count();
+        let chunks = i.registered_chunks();
         let surplus = chunks.saturating_sub(need.div_ceil(CHUNK));
         let posted = self.srq.posted();
         if surplus > chunks / 8 {
@@ -421,7 +428,7 @@ mod tests {
             p.srq.posted(),
             i.in_use
         );
-        (need, i.chunks.iter().flatten().count())
+        (need, i.registered_chunks())
     }
 
     /// A thousand connections granted 16 credits each, then brought down
