@@ -31,10 +31,7 @@ fn stale_write_of_a_lost_connection_never_lands_after_a_newer_one() {
     if !in_netns(NAME) {
         return;
     }
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
+    common::init_logging();
     let dir = tempfile::tempdir().unwrap();
     let s = LocalServer::start(
         dir.path(),

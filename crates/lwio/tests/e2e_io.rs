@@ -2,6 +2,8 @@
 //! channel + RDMA listener, temp export) and a real client, every opcode in
 //! both completion modes, byte-exact file contents, credits, the async API.
 
+mod common;
+
 use std::io::{IoSlice, IoSliceMut};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -17,10 +19,7 @@ use lwio_server::io_phase::testkit::LocalServer;
 const TOKEN: &str = "e2e-test-token-0123456789";
 
 fn server(dir: &Path, rdma: RdmaServerOptions) -> LocalServer {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
+    common::init_logging();
     LocalServer::start(dir, "ex", TOKEN, Limits::default(), rdma).expect("server starts")
 }
 

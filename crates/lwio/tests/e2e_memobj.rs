@@ -3,6 +3,8 @@
 //! buffer read and written by other clients as `ex/.lwio-mem/NAME`, served
 //! by the server with RDMA Reads and Writes on the publisher's connection.
 
+mod common;
+
 use std::path::Path;
 use std::time::Duration;
 
@@ -16,10 +18,7 @@ use lwio_server::io_phase::testkit::LocalServer;
 const TOKEN: &str = "e2e-memobj-token-0123456789";
 
 fn server(dir: &Path) -> LocalServer {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
+    common::init_logging();
     LocalServer::start(
         dir,
         "ex",

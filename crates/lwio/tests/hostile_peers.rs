@@ -55,10 +55,7 @@ fn env() -> Env {
 
 /// [`env`] with the RDMA options adjusted by `adjust`.
 fn env_with(adjust: impl FnOnce(&mut RdmaServerOptions)) -> Env {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
+    common::init_logging();
     let dir = tempfile::tempdir().unwrap();
     let model: Vec<u8> = (0..200_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
     std::fs::write(dir.path().join("good.bin"), &model).unwrap();

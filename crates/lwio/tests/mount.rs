@@ -7,6 +7,8 @@
 //! .ci/run installs it): as root the mount is a plain mount(2). Without
 //! them they fail: a skipped mount test is not a pass.
 
+mod common;
+
 use std::fs;
 use std::io::{ErrorKind, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -42,10 +44,7 @@ impl Fixture {
 
     fn with_limits(limits: Limits) -> Fixture {
         require_fuse();
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-            .with_test_writer()
-            .try_init();
+        common::init_logging();
         let dir = tempfile::tempdir().unwrap();
         fs::create_dir(dir.path().join("export")).unwrap();
         let server = LocalServer::start(

@@ -5,3 +5,12 @@
 pub mod hostile;
 pub mod malicious;
 pub mod reconnect;
+
+/// Log to the test's output at `RUST_LOG` (default `warn`); once per test
+/// binary, later calls do nothing.
+pub fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_test_writer()
+        .try_init();
+}
