@@ -367,6 +367,9 @@ pub struct Engine {
     stage_off: usize,
     st: Mutex<Locked>,
     cv: Condvar,
+    /// Threads asleep on `cv` (counted under `st`): see
+    /// [`Engine::notify_sleepers`].
+    cv_sleepers: std::sync::atomic::AtomicUsize,
     stop: AtomicBool,
     progress: Mutex<Option<JoinHandle<()>>>,
     provider: &'static str,
@@ -604,6 +607,7 @@ impl Engine {
             stage_off,
             st: Mutex::new(st),
             cv: Condvar::new(),
+            cv_sleepers: std::sync::atomic::AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             progress: Mutex::new(None),
             provider,
@@ -662,10 +666,7 @@ impl Engine {
                     e.shutdown();
                     return Err(Error::TimedOut("RDMA authentication".into()));
                 }
-                st =
-                    e.cv.wait_timeout(st, deadline - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                st = e.cv_wait(st, deadline - now);
             }
         }
     }
@@ -822,7 +823,7 @@ impl Engine {
             // says why, so log it too.
             info!(reason = %why, "RDMA connection lost: also");
         }
-        self.cv.notify_all();
+        self.notify_sleepers(st);
     }
 
     /// Why the connection broke if this client's RDMA provider refused the
@@ -910,7 +911,7 @@ impl Engine {
             }
         }
         if notify {
-            self.cv.notify_all();
+            self.notify_sleepers(st);
         }
         self.nudge_progress(st);
     }
@@ -1181,7 +1182,7 @@ impl Engine {
                             st.inval_pending.remove(&v);
                         }
                     }
-                    self.cv.notify_all();
+                    self.notify_sleepers(st);
                 }
                 if !w.is_ok() && w.status != WcStatus::WrFlushErr {
                     warn!(status = ?w.status, opcode = ?w.opcode, "window operation failed");
@@ -1634,7 +1635,7 @@ impl Engine {
         }
         let mut st = lock(&self.st);
         free_stage(&mut st, stage);
-        self.cv.notify_all();
+        self.notify_sleepers(&mut st);
     }
 
     pub fn release_stage(&self, stage: Stage) {
@@ -2197,12 +2198,34 @@ impl Engine {
             }
             return;
         }
-        drop(
-            self.cv
-                .wait_timeout(st, wait)
-                .unwrap_or_else(|p| p.into_inner())
-                .0,
-        );
+        drop(self.cv_wait(st, wait));
+    }
+
+    /// Sleep on `cv` for at most `wait` (counted in `cv_sleepers` while
+    /// asleep, under the lock).
+    fn cv_wait<'a>(&self, st: MutexGuard<'a, Locked>, wait: Duration) -> MutexGuard<'a, Locked> {
+        self.cv_sleepers.fetch_add(1, Ordering::Relaxed);
+        let st = self
+            .cv
+            .wait_timeout(st, wait)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        self.cv_sleepers.fetch_sub(1, Ordering::Relaxed);
+        st
+    }
+
+    /// Wake the threads asleep on `cv`, if there are any. Only with the
+    /// state lock held (`st: &mut Locked`): a sleeper counts itself under
+    /// that lock before it sleeps, and `Condvar::wait` releases it only
+    /// once the sleeper is on the condition variable, so a notifier that
+    /// holds the lock either sees the count or changed the state before
+    /// the sleeper looked at it. std's condition variable makes a system
+    /// call on every notify, sleepers or not, and this is on every
+    /// completion's path (one `futex` per I/O before).
+    fn notify_sleepers(&self, _st: &mut Locked) {
+        if self.cv_sleepers.load(Ordering::Relaxed) > 0 {
+            self.cv.notify_all();
+        }
     }
 
     /// Staging buffers free now for a read of `len` bytes (small reads may
