@@ -876,6 +876,25 @@ fn open_soft(progress: Progress) -> Context {
         .expect("open")
 }
 
+/// Connect `c` (QP `cinit`) to listener `l`, accepted with `sinit`:
+/// (server QP, client QP).
+fn accept_and_connect(l: &Listener, sinit: &QpInit, c: &Context, cinit: &QpInit) -> (Qp, Qp) {
+    let addr = l.local_addr();
+    std::thread::scope(|sc| {
+        let h = sc.spawn(|| {
+            let r = l
+                .get_request(Some(std::time::Duration::from_secs(10)))
+                .expect("request")
+                .expect("a request");
+            r.accept(sinit, &ConnParams::default()).expect("accept")
+        });
+        let q = c
+            .connect(addr, cinit, &ConnParams::default())
+            .expect("connect");
+        (h.join().expect("accept thread"), q)
+    })
+}
+
 /// A server context (`Progress::Manual`, one SRQ) and a client context.
 struct SrqRig {
     s: Context,
@@ -934,22 +953,7 @@ impl SrqRig {
         let cpd = self.c.alloc_pd().expect("pd");
         let ccq = self.c.create_cq(256, None).expect("cq");
         let cinit = QpInit::new(&cpd, &ccq);
-        let addr = self.l.local_addr();
-        let (sqp, cqp) = std::thread::scope(|sc| {
-            let h = sc.spawn(|| {
-                let r = self
-                    .l
-                    .get_request(Some(std::time::Duration::from_secs(10)))
-                    .expect("request")
-                    .expect("a request");
-                r.accept(&sinit, &ConnParams::default()).expect("accept")
-            });
-            let c = self
-                .c
-                .connect(addr, &cinit, &ConnParams::default())
-                .expect("connect");
-            (h.join().expect("accept thread"), c)
-        });
+        let (sqp, cqp) = accept_and_connect(&self.l, &sinit, &self.c, &cinit);
         (sqp, cqp, cpd, ccq)
     }
 
@@ -1218,20 +1222,7 @@ fn manual_progress_keeps_the_channel_readable_while_budgeted_work_is_left() {
         },
         ..QpInit::new(&cpd, &ccq)
     };
-    let addr = l.local_addr();
-    let (sqp, cqp) = std::thread::scope(|sc| {
-        let h = sc.spawn(|| {
-            let r = l
-                .get_request(Some(std::time::Duration::from_secs(10)))
-                .expect("request")
-                .expect("a request");
-            r.accept(&sinit, &ConnParams::default()).expect("accept")
-        });
-        let q = c
-            .connect(addr, &cinit, &ConnParams::default())
-            .expect("connect");
-        (h.join().expect("accept thread"), q)
-    });
+    let (sqp, cqp) = accept_and_connect(&l, &sinit, &c, &cinit);
     sqp.post_recv(&[RecvWr {
         wr_id: 7,
         sg_list: &[smr.sge(N * LEN, 64)],
