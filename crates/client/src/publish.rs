@@ -206,8 +206,8 @@ impl Published {
 
     /// Unpublish on the server, wait until the writes it made are placed,
     /// then deregister (invalidating the key) even when the server cannot
-    /// be told (it withdraws the object itself when
-    /// this client's session or channel ends).
+    /// be told (it withdraws the object itself when this client's session
+    /// or channel ends).
     fn withdraw(&mut self) -> Result<()> {
         let Some(mr) = self.mr.take() else {
             return Ok(());
