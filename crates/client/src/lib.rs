@@ -33,6 +33,7 @@ pub mod handoff;
 pub mod publish;
 pub mod reconnect;
 pub mod side;
+mod standby;
 pub mod url;
 
 use std::io::{IoSlice, IoSliceMut};
