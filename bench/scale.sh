@@ -29,14 +29,21 @@
 # and lwio-scale found in DIR instead of building them (an A/B of two
 # builds); other arguments go to lwio-scale. Mounts a tmpfs for the export when run as root, else uses
 # /dev/shm.
+#
+# --pin puts the server on CPU 0 and lwio-scale on the others (taskset):
+# the clients of a real deployment run on other machines, and unpinned, on
+# two CPUs, 256 client threads take turns with the server's reactors on
+# both (bench/RESULTS.md, 2026-11-26 13:00).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EXTRA=()
 PASS=()
 BIN=
+PIN=
 while [ $# -gt 0 ]; do
   case "$1" in
+    --pin) PIN=1; shift ;;
     --bin) BIN=$2; shift 2 ;;
     --bin=*) BIN=${1#*=}; shift ;;
     --config-extra) EXTRA+=("$2"); shift 2 ;;
@@ -96,7 +103,20 @@ echo "  and per-user limits and the unauthenticated-connection rate limits are r
 echo "  defaults (docs/config.md) plus any --config-extra. The server's configuration:"
 sed 's/^/    /' "$CONF"
 
-"$BIN/lwio" serve --config "$CONF" --export "scale=$EXPORT" \
+SERVER_CPUS=()
+CLIENT_CPUS=()
+if [ -n "$PIN" ]; then
+  NCPU=$(nproc)
+  if [ "$NCPU" -lt 2 ]; then
+    echo "bench/scale.sh: --pin needs 2 CPUs or more (this machine has $NCPU)" >&2
+    exit 2
+  fi
+  SERVER_CPUS=(taskset -c 0)
+  CLIENT_CPUS=(taskset -c "1-$((NCPU - 1))")
+  echo "bench/scale.sh: --pin: the server on CPU 0, lwio-scale on CPUs 1-$((NCPU - 1))"
+fi
+
+"${SERVER_CPUS[@]}" "$BIN/lwio" serve --config "$CONF" --export "scale=$EXPORT" \
   --listen 127.0.0.1:0 --rdma-listen 127.0.0.1:0 --metrics 127.0.0.1:0 \
   --token-file "$WORK/token" --ready-file "$WORK/ready" --no-tls --provider soft \
   >"$WORK/server.out" 2>"$WORK/server.log" &
@@ -110,7 +130,7 @@ SIDE=$(head -1 "$WORK/ready")
 METRICS=$(sed -n 's|^lwio: metrics on http://\(.*\)/metrics$|\1|p' "$WORK/server.out")
 [ -n "$SIDE" ] && [ -n "$METRICS" ] || { echo "bench/scale.sh: lwio serve did not start" >&2; cat "$WORK/server.log" >&2; exit 2; }
 
-"$BIN/lwio-scale" --url "lwio://$SIDE/scale" --token-file "$WORK/token" \
+"${CLIENT_CPUS[@]}" "$BIN/lwio-scale" --url "lwio://$SIDE/scale" --token-file "$WORK/token" \
   --server-pid "$SERVER" --metrics "$METRICS" "${PASS[@]}"
 
 # What the server said about the connections it refused.
