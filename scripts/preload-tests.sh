@@ -215,7 +215,15 @@ print(h.hexdigest(), off)
 PY
 (
   for _ in $(seq 1 600); do [ -e "$W/paused" ] && break; sleep 0.1; done
-  kill -9 "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null
+  kill -9 "$SERVER_PID"
+  # It is not this subshell's child, so wait(1) cannot wait for it: wait
+  # until it has exited (gone, or a zombie: its sockets are closed), or the
+  # new server may find its ports still held and exit.
+  for _ in $(seq 1 200); do
+    st=$(awk '/^State:/ {print $2}' "/proc/$SERVER_PID/status" 2>/dev/null)
+    [ -z "$st" ] || [ "$st" = Z ] && break
+    sleep 0.05
+  done
   "$LWIO" serve --export "data=$W/export" --listen "127.0.0.1:$PORT" --provider soft \
     >"$W/serve2.log" 2>&1 3>&- &
   for _ in $(seq 1 100); do grep -q "RDMA listening" "$W/serve2.log" && break; sleep 0.1; done
@@ -233,7 +241,7 @@ if [ $rc = 0 ] && [ "$(tail -1 <<<"$out")" = "$want" ] &&
   pass "server killed and restarted under a program reading and writing: every byte read and copied"
   grep python "$W/report.restart" | sed 's/^/    /'
 else
-  fail "server restart" "rc=$rc out='$out' want='$want' copy: $(cmp "$W/export/restart.bin" "$W/export/restart.copy" 2>&1); report: $(grep python "$W/report.restart" 2>/dev/null)"
+  fail "server restart" "rc=$rc out='$out' want='$want' copy: $(cmp "$W/export/restart.bin" "$W/export/restart.copy" 2>&1); report: $(grep python "$W/report.restart" 2>/dev/null); restarted server's log: $(tail -5 "$W/serve2.log" 2>/dev/null)"
 fi
 
 echo "preload-tests: $FAILS failure(s)"
