@@ -29,15 +29,12 @@ pub(crate) trait OnClock: Send + Sync {
 
 struct Clock {
     members: Vec<Weak<dyn OnClock>>,
-    /// The process whose clock thread runs (0: none). A child of `fork`
-    /// inherits this memory but not the thread: it starts its own, and
-    /// drops the parent's members (their progress threads are not in it).
-    running: u32,
+    running: bool,
 }
 
 static CLOCK: Mutex<Clock> = Mutex::new(Clock {
     members: Vec::new(),
-    running: 0,
+    running: false,
 });
 
 fn lock() -> std::sync::MutexGuard<'static, Clock> {
@@ -49,15 +46,11 @@ fn lock() -> std::sync::MutexGuard<'static, Clock> {
 /// be started, and the member is not listed.
 pub(crate) fn join(member: Weak<dyn OnClock>) -> std::io::Result<()> {
     let mut c = lock();
-    let me = std::process::id();
-    if c.running != me {
-        if c.running != 0 {
-            c.members.clear();
-        }
+    if !c.running {
         std::thread::Builder::new()
             .name("lwio-client-standby".into())
             .spawn(run)?;
-        c.running = me;
+        c.running = true;
     }
     c.members.push(member);
     Ok(())
@@ -69,24 +62,10 @@ fn run() {
         let mut c = lock();
         // A member is looked at under the lock: `tick` only reads counters
         // and may write an eventfd, and `join` is rare (once per stretch
-        // of standing by). The members are let go after it: dropping the
-        // last handle of a client runs its teardown, not under the lock.
-        let mut held = Vec::with_capacity(c.members.len());
-        c.members.retain(|m| match m.upgrade() {
-            Some(m) => {
-                let stays = m.tick();
-                held.push(m);
-                stays
-            }
-            None => false,
-        });
-        let done = c.members.is_empty();
-        if done {
-            c.running = 0;
-        }
-        drop(c);
-        drop(held);
-        if done {
+        // of standing by).
+        c.members.retain(|m| m.upgrade().is_some_and(|m| m.tick()));
+        if c.members.is_empty() {
+            c.running = false;
             return;
         }
     }
