@@ -158,9 +158,6 @@ pub struct ClientStats {
     /// sleep on the completion channel, or from a short nap while a caller
     /// drives). An idle connection stays near zero.
     pub progress_wakeups: u64,
-    /// Times the process's standby clock woke the progress thread to take
-    /// the driver role back (its callers had stopped waiting).
-    pub clock_takeovers: u64,
     /// Requests whose op timeout passed before their answer came (the
     /// state machine's `TimedOut`; they stay outstanding until answered),
     /// found by a waiter or by the progress thread.
@@ -399,17 +396,6 @@ pub struct Engine {
     /// C APIs): the last waiter to leave wakes it, so that nobody's
     /// completions wait for the end of its nap.
     standby_wake: AtomicBool,
-    /// The progress thread stands by on the process's standby clock
-    /// (`standby.rs`), asleep until the clock wakes it.
-    on_clock: AtomicBool,
-    /// Listed with the clock (set by the progress thread when it joins,
-    /// cleared by the clock when it drops the engine from its list).
-    clock_listed: AtomicBool,
-    /// The callers' `waits` at the clock's last look, plus one (0: not
-    /// looked at yet in this stretch).
-    clock_seen: AtomicU64,
-    /// [`ClientStats::clock_takeovers`].
-    clock_takeovers: AtomicU64,
     /// Set with `Locked::lost` (never cleared): [`Engine::lost`] checks it
     /// without the lock, on every call of a file.
     is_lost: AtomicBool,
@@ -631,10 +617,6 @@ impl Engine {
             waiters: std::sync::atomic::AtomicUsize::new(0),
             waits: AtomicU64::new(0),
             standby_wake: AtomicBool::new(false),
-            on_clock: AtomicBool::new(false),
-            clock_listed: AtomicBool::new(false),
-            clock_seen: AtomicU64::new(0),
-            clock_takeovers: AtomicU64::new(0),
             is_lost: AtomicBool::new(false),
             failed_over: AtomicBool::new(false),
         });
@@ -757,7 +739,6 @@ impl Engine {
         let mut s = st.stats.clone();
         s.credits = st.conn.credits();
         s.progress_wakeups = self.wakeups.load(Ordering::Relaxed);
-        s.clock_takeovers = self.clock_takeovers.load(Ordering::Relaxed);
         s
     }
 
@@ -2604,58 +2585,20 @@ impl Drop for Driving<'_> {
 /// further one that finds them still at it is twice as long, up to
 /// [`STANDBY_MAX`].
 const STANDBY_FIRST: Duration = Duration::from_millis(2);
-/// The longest nap the progress thread times itself: past it, it stands by
-/// on the process's standby clock (`standby.rs`), which looks at all the
-/// clients of the process every 50 ms. Napping on its own (a fixed 2 ms
-/// nap cost 500 wake-ups a second, with 256 busy clients on two CPUs
-/// 128,000 a second and a quarter of the machine; napping up to 50 ms, 20
-/// a client and 9 % of the client's CPU at 256, issue 13), a busy client
-/// now costs none, and one whose callers stopped is driven again within
-/// two ticks of the clock.
-const STANDBY_MAX: Duration = Duration::from_millis(32);
-/// Standing by on the clock, the progress thread still looks on its own
-/// this often (should a wake-up ever be missed).
-const CLOCK_SAFETY: Duration = Duration::from_secs(1);
-
-impl crate::standby::OnClock for Engine {
-    fn tick(&self) -> bool {
-        let stays = !self.stop.load(Ordering::Acquire) && self.on_clock.load(Ordering::SeqCst) && {
-            let w = self.waits.load(Ordering::Acquire).wrapping_add(1).max(1);
-            let seen = self.clock_seen.swap(w, Ordering::AcqRel);
-            if seen == w && self.waiters.load(Ordering::Acquire) == 0 {
-                // No caller waited for a whole tick: the progress
-                // thread takes the driver role back.
-                if self.on_clock.swap(false, Ordering::SeqCst) {
-                    self.clock_takeovers.fetch_add(1, Ordering::Relaxed);
-                    self.wake_progress();
-                }
-                false
-            } else {
-                true
-            }
-        };
-        if stays {
-            return true;
-        }
-        self.clock_listed.store(false, Ordering::SeqCst);
-        // The progress thread may have come back to the clock meanwhile and
-        // found itself still listed (so it did not join again): it stays.
-        !self.stop.load(Ordering::Acquire)
-            && self.on_clock.load(Ordering::SeqCst)
-            && !self.clock_listed.swap(true, Ordering::SeqCst)
-    }
-}
+/// The longest nap standing by: a client whose callers keep waiting costs
+/// 20 wake-ups a second (a fixed 2 ms nap cost 500: with 256 busy clients
+/// on two CPUs, 128,000 a second and a quarter of the machine, issue 13),
+/// and one whose callers stopped is driven again within two of them.
+const STANDBY_MAX: Duration = Duration::from_millis(50);
 
 /// The progress thread: the driver while no caller waits. Between rounds
 /// it sleeps on the completion channel and its wake-up eventfd until the
 /// next deadline ([`Engine::next_wake`]), holding the driver role but not
 /// the engine (dropping the engine wakes it, and it ends). While callers
 /// wait (and so drive) it stands by, napping on its eventfd for
-/// [`STANDBY_FIRST`] doubling to [`STANDBY_MAX`], then asleep on the
-/// eventfd while the process's standby clock looks (`standby.rs`), and
-/// takes the role back after a nap, or a tick of the clock, in which no
-/// caller waited at all (or at once when the last one leaves while the
-/// notify fd is in use: `Engine::standby_wake`).
+/// [`STANDBY_FIRST`] doubling to [`STANDBY_MAX`], and takes the role back
+/// after a nap in which no caller waited at all (or at once when the last
+/// one leaves while the notify fd is in use: `Engine::standby_wake`).
 fn progress_loop(
     weak: std::sync::Weak<Engine>,
     chan: CompChannel,
@@ -2687,7 +2630,7 @@ fn progress_loop(
             seen_waits = waits;
             if busy || !e.take_driver() {
                 let nap = standby;
-                standby = (standby * 2).min(STANDBY_MAX * 2);
+                standby = (standby * 2).min(STANDBY_MAX);
                 let reapers = lock(&e.st).notify.is_some();
                 e.standby_wake.store(reapers, Ordering::Release);
                 if reapers && busy && e.waiters.load(Ordering::Acquire) == 0 {
@@ -2696,25 +2639,6 @@ fn progress_loop(
                     // is about to let go, and we nap rather than spin.)
                     e.standby_wake.store(false, Ordering::Release);
                     woken = true;
-                    continue;
-                }
-                if nap > STANDBY_MAX {
-                    // Long enough on our own: the clock looks from now on.
-                    e.clock_seen.store(0, Ordering::Release);
-                    e.on_clock.store(true, Ordering::SeqCst);
-                    let me: std::sync::Weak<dyn crate::standby::OnClock> = weak.clone();
-                    let listed = e.clock_listed.swap(true, Ordering::SeqCst)
-                        || crate::standby::join(me).is_ok();
-                    if !listed {
-                        // No clock thread: nap on our own.
-                        e.clock_listed.store(false, Ordering::SeqCst);
-                        e.on_clock.store(false, Ordering::SeqCst);
-                    }
-                    drop(e);
-                    woken = nap_standby(&wake, if listed { CLOCK_SAFETY } else { nap });
-                    if let Some(e) = weak.upgrade() {
-                        e.on_clock.store(false, Ordering::SeqCst);
-                    }
                     continue;
                 }
                 drop(e);

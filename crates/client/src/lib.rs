@@ -33,7 +33,6 @@ pub mod handoff;
 pub mod publish;
 pub mod reconnect;
 pub mod side;
-mod standby;
 pub mod url;
 
 use std::io::{IoSlice, IoSliceMut};

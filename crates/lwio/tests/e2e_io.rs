@@ -7,7 +7,7 @@ mod common;
 use std::io::{IoSlice, IoSliceMut};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lwio_client::{AsyncClient, Client, ClientOptions, Completion, Error, OpenOptions};
 use lwio_proto::status::{STATUS_ACCESS_DENIED, STATUS_INVALID_PARAMETER, STATUS_SUCCESS};
@@ -1587,71 +1587,6 @@ fn unwaited_deadline_suite(completion: Completion) {
 fn unwaited_deadline_fires() {
     for completion in [Completion::Interrupt, Completion::Poll] {
         unwaited_deadline_suite(completion);
-    }
-}
-
-/// A client whose callers keep waiting costs its progress thread no
-/// wake-ups: after a few short naps it sleeps, and the process's standby
-/// clock looks for it (it napped 50 ms on its own, 20 wake-ups a second
-/// per client: issue 13). When the callers stop, the clock hands the
-/// driver role back to it, and the idle client sees the server go.
-#[test]
-fn busy_client_progress_thread_stands_by_on_the_clock() {
-    for completion in [Completion::Interrupt, Completion::Poll] {
-        let dir = tempfile::tempdir().unwrap();
-        let mut s = server(dir.path(), no_auto());
-        let c = client(&s, completion);
-        let f = c
-            .open("busy.bin", &OpenOptions::read_write().create(true))
-            .unwrap();
-        let data = pattern(29, 4096);
-        assert_eq!(f.write_at(&data, 0).unwrap(), data.len());
-        let mut back = vec![0u8; data.len()];
-        let busy = |d: Duration| {
-            let t = Instant::now();
-            let mut n = 0u64;
-            while t.elapsed() < d {
-                back.fill(0);
-                assert_eq!(f.read_at(&mut back, 0).unwrap(), data.len());
-                assert!(back == data, "read {n} differs");
-                n += 1;
-            }
-            n
-        };
-        // The short naps (2 + 4 + 8 + 16 + 32 ms) pass in the first half
-        // second; then the progress thread is on the clock.
-        let mut busy = busy;
-        busy(Duration::from_millis(500));
-        let (w0, k0) = (c.stats().progress_wakeups, c.stats().clock_takeovers);
-        let reads = busy(Duration::from_secs(2));
-        let (w1, k1) = (c.stats().progress_wakeups, c.stats().clock_takeovers);
-        eprintln!(
-            "{completion:?}: {} progress wake-ups, {} clock takeovers in 2 s of {reads} reads",
-            w1 - w0,
-            k1 - k0
-        );
-        // At most its own look every second (napping itself: 40).
-        assert!(
-            w1 - w0 <= 4,
-            "{completion:?}: {} progress wake-ups while the caller drove",
-            w1 - w0
-        );
-        assert_eq!(
-            k1, k0,
-            "{completion:?}: the clock took over from a busy caller"
-        );
-        // The caller stops: within two ticks the clock wakes the progress
-        // thread, which drives again.
-        wait_for(
-            || c.stats().clock_takeovers > k1,
-            "the clock hands the driver role back",
-        );
-        std::thread::sleep(Duration::from_millis(100));
-        let e = c.engine();
-        assert!(e.lost().is_none());
-        s.stop();
-        wait_for(|| e.lost().is_some(), "the idle client sees the loss");
-        assert_eq!(c.stats().credit_violations, 0);
     }
 }
 
