@@ -235,3 +235,92 @@ fn idle_connections_hold_one_credit_of_the_shared_pool() {
         p.promised == 0 && p.registered_bytes == 0 && p.posted == 0
     });
 }
+
+/// Read buffers (readbuf.rs): a 4 KiB read holds a 4 KiB slot of its
+/// reactor's slab, not a 64 KiB region of its own kept for the
+/// connection's next reads. 32 clients, 8 threads each reading 4 KiB, every
+/// byte checked: the server's read buffers (registered bytes beyond its
+/// receive pool, sampled throughout) stay within a few slab chunks (regions
+/// of their own took 32 connections × 8 × 64 KiB = 16 MiB here), and
+/// nothing is registered once the clients have gone.
+#[test]
+fn small_reads_hold_small_slots() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let rdma = RdmaServerOptions {
+        reactors: 2,
+        max_connections_per_host: 64,
+        ..RdmaServerOptions::default()
+    };
+    const CLIENTS: usize = 32;
+    const LEN: usize = 256 << 10;
+    for i in 0..CLIENTS {
+        std::fs::write(
+            dir.path().join(format!("r{i}")),
+            pattern(900 + i as u64, LEN),
+        )
+        .unwrap();
+    }
+    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let clients: Vec<Client> = (0..CLIENTS).map(|_| connect(&s)).collect();
+    let files: Vec<_> = clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| c.open(&format!("r{i}"), &OpenOptions::read_only()).unwrap())
+        .collect();
+    // Registered bytes beyond the receive pool and each connection's first
+    // chunk of send slots (4 KiB; a connection whose sends outrun it
+    // registers another, within the bound below).
+    let reads = || {
+        let st = s.rdma.stats().registered_bytes;
+        st.saturating_sub(s.rdma.receive_pool().registered_bytes + CLIENTS * 4096)
+    };
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let peak = std::thread::scope(|sc| {
+        let sampler = sc.spawn(|| {
+            let mut peak = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(reads());
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            peak
+        });
+        let readers: Vec<_> = files
+            .iter()
+            .enumerate()
+            .flat_map(|(i, f)| (0..8).map(move |t| (i, f, t)))
+            .map(|(i, f, t)| {
+                sc.spawn(move || {
+                    let want = pattern(900 + i as u64, LEN);
+                    let mut b = vec![0u8; 4096];
+                    for k in 0..32 {
+                        let at = ((t * 32 + k) * 4096 + 512 * t) % (LEN - 4096);
+                        assert_eq!(f.read_at(&mut b, at as u64).unwrap(), 4096);
+                        assert!(
+                            b == want[at..at + 4096],
+                            "client {i} thread {t} read at {at}"
+                        );
+                    }
+                })
+            })
+            .collect();
+        for r in readers {
+            r.join().unwrap();
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        sampler.join().unwrap()
+    });
+    println!(
+        "read buffers of {CLIENTS} connections, 8 reads of 4 KiB each at a time: peak {} KiB",
+        peak >> 10
+    );
+    // Two reactors, each at most one chunk of 4 KiB slots for its 128
+    // reads and one spare.
+    assert!(peak <= 4 << 20, "read buffers reached {} KiB", peak >> 10);
+    drop(files);
+    drop(clients);
+    wait_for("connections gone", || s.rdma.stats().connections == 0);
+    wait_for("nothing registered", || {
+        s.rdma.stats().registered_bytes == 0
+    });
+}

@@ -37,7 +37,10 @@ pub const MAX_SIZE: u64 = 1 << 40;
 pub enum MemOp {
     /// RDMA Read `len` bytes at the offset into the reader's server buffer
     /// (copied there from a bounce buffer of the publisher's connection).
-    Read { buf: Arc<lwio_rdma::Mr>, len: usize },
+    Read {
+        buf: Arc<crate::io_phase::readbuf::ReadBuffer>,
+        len: usize,
+    },
     /// RDMA Write these bytes at the offset.
     Write { data: Vec<u8> },
 }

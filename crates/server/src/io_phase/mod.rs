@@ -9,6 +9,7 @@
 pub mod memobj;
 pub mod pool;
 pub mod reactor;
+pub mod readbuf;
 pub mod ring;
 pub mod server;
 pub mod testkit;

@@ -229,16 +229,7 @@ impl RecvPool {
             debug!("receive pool: registered-memory budget spent");
             return false;
         };
-        let c = match i.chunks.iter().position(|m| m.is_none()) {
-            Some(c) => c,
-            None => {
-                i.chunks.push(None);
-                i.chunk_free.push(0);
-                i.chunks.len() - 1
-            }
-        };
-        i.chunks[c] = Some(Arc::new(mr));
-        i.chunk_free[c] = CHUNK;
+        let c = super::readbuf::place_chunk(&mut i.chunks, &mut i.chunk_free, mr, CHUNK);
         i.free
             .extend((0..CHUNK).rev().map(|k| (c * CHUNK + k) as u64));
         true

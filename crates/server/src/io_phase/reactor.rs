@@ -68,6 +68,8 @@ pub(super) struct Domain {
     pub(super) pd: lwio_rdma::Pd,
     pub(super) chan: lwio_rdma::CompChannel,
     pub(super) pool: Arc<super::pool::RecvPool>,
+    /// Read buffers of its connections, by slot size (readbuf.rs).
+    pub(super) reads: [Arc<super::readbuf::ReadSlab>; 2],
 }
 
 impl Domain {
@@ -91,12 +93,20 @@ impl Domain {
             spec.overcommit,
         ));
         lock(&shared.pools).push(pool.clone());
+        let reads = super::readbuf::SLOTS.map(|slot| {
+            Arc::new(super::readbuf::ReadSlab::new(
+                pd.clone(),
+                shared.clone(),
+                slot,
+            ))
+        });
         Ok(Domain {
             ctx,
             manual,
             pd,
             chan,
             pool,
+            reads,
         })
     }
 }
@@ -544,7 +554,7 @@ fn epoll_wait(ep: impl AsFd, out: &mut [Event], ms: i32) -> usize {
 #[allow(dead_code)]
 pub(super) enum Keep {
     /// A read buffer.
-    Mr(Arc<lwio_rdma::Mr>),
+    Mr(Arc<super::readbuf::ReadBuffer>),
     /// The receive regions a reassembled write is in.
     Mrs(Vec<Arc<lwio_rdma::Mr>>),
     /// A copy of the data (a WRITE's bytes, or an aligned bounce buffer).

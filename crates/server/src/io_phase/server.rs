@@ -69,6 +69,7 @@ use tracing::{debug, info, warn};
 
 use super::pool::RecvPool;
 use super::reactor::{Domain, DomainSpec, Keep, ReactorStats, Reactors, RingIo, RingJob};
+use super::readbuf::{ReadBuffer, ReadSlab, SLOTS as READ_SLOTS};
 use super::{io_error_status, Waker};
 use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
@@ -918,7 +919,7 @@ impl RdmaPhase for RdmaServer {
 
 enum JobKind {
     Read {
-        buf: Arc<Mr>,
+        buf: Arc<ReadBuffer>,
         len: usize,
     },
     Write {
@@ -1113,17 +1114,21 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
             let Ok(mut view) = buf.slice_mut(0, len) else {
                 return Err(STATUS_INVALID_PARAMETER);
             };
-            // SAFETY: `buf` belongs to this op alone: a read buffer goes
-            // back to the spare pool only once its op is released, its RDMA
-            // Writes have completed and it is no longer at storage
+            // SAFETY: `buf` belongs to this op alone. A region of its own
+            // goes back to the spare pool only once its op is released, its
+            // RDMA Writes have completed and it is no longer at storage
             // (`maybe_free_buf`), and `Arc::try_unwrap` proves this job's
-            // reference is gone by then. It is registered LOCAL_WRITE only,
-            // so no remote key reaches it and no receive is posted into it;
-            // the reactor posts an RDMA Write from it only after
-            // this job's reply arrives (and did not do the I/O inline: an op
-            // goes either inline or to the pool). So this slice over
-            // [0, len) is the only access to those bytes while it lives; the
-            // Arc keeps the Mr, and its mapping, alive.
+            // reference is gone by then; a slab's slot goes back to its slab
+            // only when the last `Arc<ReadBuffer>` (this job holds one) is
+            // dropped, and other slots of its chunk are disjoint byte ranges
+            // (`ReadBuffer::slice_mut` is bounded to this slot's). It is
+            // registered LOCAL_WRITE only, so no remote key reaches it and no
+            // receive is posted into it; the reactor posts an RDMA Write from
+            // it only after this job's reply arrives (and did not do the I/O
+            // inline: an op goes either inline or to the pool). So this slice
+            // over [0, len) of the buffer is the only access to those bytes
+            // while it lives; the Arc keeps the chunk's Mr, and its mapping,
+            // alive.
             let slice = unsafe { view.as_mut_slice() };
             let mut ops =
                 [crate::fs::backend::IoOp::read(fd, job.offset, slice).aligned(job.align)];
@@ -1411,7 +1416,7 @@ impl ServerHooks for Hooks<'_> {
 }
 
 struct ReadBuf {
-    mr: Arc<Mr>,
+    buf: Arc<ReadBuffer>,
     writes_inflight: u32,
     released: bool,
     at_storage: bool,
@@ -1467,7 +1472,11 @@ pub(super) struct Conn {
     sq_inflight: usize,
     deferred: VecDeque<ServerAction>,
     read_bufs: HashMap<OpId, ReadBuf>,
+    /// Regions of its own kept for its next reads (larger than a slot).
     spare_bufs: Vec<Mr>,
+    /// Its reactor's read slots on this device, by size (None: no reactor
+    /// domain).
+    reads: Option<[Arc<ReadSlab>; 2]>,
     cancels: HashMap<OpId, Arc<AtomicBool>>,
     /// Memory-object I/O this connection carries for its publisher.
     mem: super::memobj::PubSide,
@@ -1691,6 +1700,12 @@ impl Conn {
             pd: domain.is_none().then(|| pd.clone()),
         };
         let sconn = ServerConn::new(cfg, now);
+        let reads = domain.map(|d| {
+            for r in &d.reads {
+                r.attach();
+            }
+            d.reads.clone()
+        });
         Ok((
             Conn {
                 id,
@@ -1711,6 +1726,7 @@ impl Conn {
                 deferred: VecDeque::new(),
                 read_bufs: HashMap::new(),
                 spare_bufs: Vec::new(),
+                reads,
                 cancels: HashMap::new(),
                 mem: Default::default(),
                 files: HashMap::new(),
@@ -1973,17 +1989,24 @@ impl Conn {
         // finish into a channel nobody reads. Registered memory is released
         // here (deregistration invalidates keys before the memory goes).
         for (_, b) in self.read_bufs.drain() {
-            let len = b.mr.len();
-            match Arc::try_unwrap(b.mr) {
-                Ok(mr) => self.shared.unregister(mr),
+            if b.buf.is_slot() {
+                // Back to the slab when the last holder lets go.
+                continue;
+            }
+            let len = b.buf.len();
+            match Arc::try_unwrap(b.buf).ok().and_then(ReadBuffer::into_own) {
+                Some(mr) => self.shared.unregister(mr),
                 // A storage job still holds it; it is freed when the job ends.
-                Err(_) => {
+                None => {
                     self.shared.mem_used.fetch_sub(len, Ordering::AcqRel);
                 }
             }
         }
         for mr in self.spare_bufs.drain(..) {
             self.shared.unregister(mr);
+        }
+        for slab in self.reads.take().into_iter().flatten() {
+            slab.detach();
         }
         for mr in self.mem.teardown(&self.state) {
             self.shared.unregister(mr);
@@ -2497,7 +2520,8 @@ impl Conn {
             .is_some_and(|b| b.released && b.writes_inflight == 0 && !b.at_storage);
         if free {
             if let Some(b) = self.read_bufs.remove(&op) {
-                if let Ok(mr) = Arc::try_unwrap(b.mr) {
+                // A slab's slot goes back to it as the last holder drops it.
+                if let Some(mr) = Arc::try_unwrap(b.buf).ok().and_then(ReadBuffer::into_own) {
                     // Kept for the next read while the budget has room;
                     // given back when it is three quarters spent.
                     let used = self.shared.mem_used.load(Ordering::Relaxed);
@@ -2598,11 +2622,11 @@ impl Conn {
                     self.close_conn("RDMA write from an unknown read buffer");
                     return Ok(());
                 };
-                if (offset as usize).saturating_add(len as usize) > b.mr.len() {
+                if (offset as usize).saturating_add(len as usize) > b.buf.len() {
                     self.close_conn("RDMA write outside its read buffer");
                     return Ok(());
                 }
-                let sge = [b.mr.sge(offset as usize, len)];
+                let sge = [b.buf.sge(offset as usize, len)];
                 let opk = match imm {
                     Some(imm) => SendOp::WriteWithImm {
                         remote_addr,
@@ -2636,21 +2660,37 @@ impl Conn {
                     .clamp(64 << 10, self.read_buf_len().max(64 << 10));
                 let spare = self.spare_bufs.iter().position(|m| m.len() >= want);
                 let got = match spare.map(|i| self.spare_bufs.swap_remove(i)) {
-                    Some(m) => Ok(m),
-                    None => self
-                        .shared
-                        .register(&self.pd, want, Access::LOCAL_WRITE)
-                        .or_else(|_| {
-                            // Tight: the smallest buffer (a read larger
-                            // than it is short, and the client reads on).
+                    Some(m) => Ok(ReadBuffer::own(m)),
+                    None => {
+                        // Up to 64 KiB: a slot of the reactor's slab of
+                        // the smallest size that holds it (readbuf.rs);
+                        // larger, or without slabs: a region of its own.
+                        // Tight: a smaller buffer (a read larger than it is
+                        // short, and the client reads on).
+                        let slabs = self.reads.as_ref();
+                        let slab = |k: usize| slabs.ok_or(STATUS_INSUFFICIENT_RESOURCES)?[k].take();
+                        let own = |len| {
                             self.shared
-                                .register(&self.pd, 64 << 10, Access::LOCAL_WRITE)
-                        }),
+                                .register(&self.pd, len, Access::LOCAL_WRITE)
+                                .map(ReadBuffer::own)
+                        };
+                        let size = (len as usize).max(1);
+                        if slabs.is_some() && size <= READ_SLOTS[0] {
+                            slab(0).or_else(|_| own(READ_SLOTS[0]))
+                        } else if slabs.is_some() && size <= READ_SLOTS[1] {
+                            slab(1).or_else(|_| own(want)).or_else(|_| slab(0))
+                        } else {
+                            own(want)
+                                .or_else(|_| slab(1))
+                                .or_else(|_| own(64 << 10))
+                                .or_else(|_| slab(0))
+                        }
+                    }
                 };
-                let mr = match got {
-                    Ok(m) => {
+                let buf = match got {
+                    Ok(b) => {
                         self.read_waits.remove(&op);
-                        m
+                        b
                     }
                     Err(st) => {
                         // The budget is spent: wait for buffers to come
@@ -2672,18 +2712,18 @@ impl Conn {
                         return Ok(());
                     }
                 };
-                let mr = Arc::new(mr);
+                let buf = Arc::new(buf);
                 self.read_bufs.insert(
                     op,
                     ReadBuf {
-                        mr: mr.clone(),
+                        buf: buf.clone(),
                         writes_inflight: 0,
                         released: false,
                         at_storage: true,
                     },
                 );
-                let len = (len as usize).min(mr.len());
-                self.dispatch(op, f, offset, JobKind::Read { buf: mr, len });
+                let len = (len as usize).min(buf.len());
+                self.dispatch(op, f, offset, JobKind::Read { buf, len });
                 Ok(())
             }
             ServerAction::FileWrite {
@@ -2893,8 +2933,10 @@ impl Conn {
         // SAFETY: a read lands in a server read buffer registered with
         // LOCAL_WRITE only (no remote key reaches it) from which no RDMA
         // Write is posted until this op completes, so the kernel's write
-        // races with nothing; its length is clamped to the buffer and the
-        // Arc in `kind` keeps the mapping alive. A write's source is a live
+        // races with nothing; its length is clamped to the buffer (a slab
+        // slot's own bytes: other slots are disjoint, and this one is not
+        // given to another read while the Arc in `kind` lives) and that Arc
+        // keeps the mapping alive. A write's source is a live
         // Vec in `kind`, only read.
         unsafe { inline_io(&mut self.inline_mode, f, fd, offset, ptr, len, write) }
     }
