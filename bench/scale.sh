@@ -33,7 +33,7 @@
 # --pin puts the server on CPU 0 and lwio-scale on the others (taskset):
 # the clients of a real deployment run on other machines, and unpinned, on
 # two CPUs, 256 client threads take turns with the server's reactors on
-# both (bench/RESULTS.md, 2026-11-26 13:00).
+# both (bench/RESULTS.md, "2026-11-26 (12:20–13:10): a standby clock ...").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
