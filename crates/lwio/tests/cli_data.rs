@@ -774,6 +774,10 @@ fn metrics_count_what_clients_did() {
     }
     assert_eq!(series(&text, "lwio_rdma_remote_access_regions"), Some(0.0));
     assert_eq!(series(&text, "lwio_rdma_memory_windows"), Some(0.0));
+    // The reads are answered and their slab slots back (the slabs keep
+    // their regions while the reactor has connections).
+    assert_eq!(series(&text, "lwio_rdma_read_slab_in_use_bytes"), Some(0.0));
+    assert!(series(&text, "lwio_rdma_read_slab_bytes").is_some());
     assert!(series(&text, "lwio_rdma_connections_accepted_total").unwrap() >= 2.0);
     // The same figures over the side channel, for a person.
     let out = s.cmd(&["stats", &s.url("")]).output().unwrap();
@@ -792,6 +796,7 @@ fn metrics_count_what_clients_did() {
         table.contains("Exposed memory       0 regions, 0 windows"),
         "{table}"
     );
+    assert!(table.contains("Read-buffer slabs    "), "{table}");
     let raw = s.cmd(&["stats", "--raw", &s.url("")]).output().unwrap();
     assert!(String::from_utf8(raw.stdout)
         .unwrap()

@@ -310,10 +310,15 @@ fn small_reads_hold_small_slots() {
         done.store(true, std::sync::atomic::Ordering::Relaxed);
         sampler.join().unwrap()
     });
+    let slabs = s.rdma.read_slabs();
     println!(
-        "read buffers of {CLIENTS} connections, 8 reads of 4 KiB each at a time: peak {} KiB",
+        "read buffers of {CLIENTS} connections, 8 reads of 4 KiB each at a time: peak {} KiB; \
+         slabs after: {slabs:?}",
         peak >> 10
     );
+    // The reads came from the slabs, and every slot is back.
+    assert!(slabs.registered_bytes >= 1 << 20, "{slabs:?}");
+    assert_eq!(slabs.in_use_bytes, 0, "{slabs:?}");
     // Two reactors, each at most one chunk of 4 KiB slots for its 128
     // reads and one spare.
     assert!(peak <= 4 << 20, "read buffers reached {} KiB", peak >> 10);
@@ -323,4 +328,5 @@ fn small_reads_hold_small_slots() {
     wait_for("nothing registered", || {
         s.rdma.stats().registered_bytes == 0
     });
+    assert_eq!(s.rdma.read_slabs(), Default::default());
 }

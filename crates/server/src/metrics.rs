@@ -38,6 +38,8 @@ pub struct RdmaSnapshot {
     pub reactors: Vec<(usize, u64)>,
     /// The shared receive pools, summed.
     pub pool: crate::io_phase::pool::PoolStats,
+    /// The reactors' read-buffer slabs, summed.
+    pub read_slabs: crate::io_phase::readbuf::ReadSlabStats,
     /// Live connections: (authenticating, serving, closing).
     pub states: (usize, usize, usize),
 }
@@ -282,6 +284,18 @@ impl Collector for Figures {
             "lwio_rdma_receive_pool_starved",
             "Sends that found a shared receive queue empty and waited for a receive",
             r.pool.starved,
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_read_slab_bytes",
+            "Memory registered for the reactors' read-buffer slabs",
+            i64_of(r.read_slabs.registered_bytes),
+        )?;
+        gauge(
+            &mut e,
+            "lwio_rdma_read_slab_in_use_bytes",
+            "Read-buffer slab slots holding a read's data",
+            i64_of(r.read_slabs.in_use_bytes),
         )?;
         let mut m = e.encode_descriptor(
             "lwio_reactor_connections",

@@ -154,6 +154,12 @@ pub fn table(server: &str, text: &str) -> String {
         g("lwio_rdma_receive_pool_promised"),
         g("lwio_rdma_receive_pool_starved_total")
     );
+    let _ = writeln!(
+        o,
+        "Read-buffer slabs    {} ({} in use)",
+        bytes(g("lwio_rdma_read_slab_bytes")),
+        bytes(g("lwio_rdma_read_slab_in_use_bytes"))
+    );
     let conns = by_label(&s, "lwio_reactor_connections", "reactor");
     let busy = by_label(&s, "lwio_reactor_busy_seconds_total", "reactor");
     if !conns.is_empty() {
@@ -234,6 +240,8 @@ lwio_rdma_receive_pool_posted 16
 lwio_rdma_receive_pool_in_use 0
 lwio_rdma_receive_pool_promised 2
 lwio_rdma_receive_pool_starved_total 3
+lwio_rdma_read_slab_bytes 2097152
+lwio_rdma_read_slab_in_use_bytes 65536
 lwio_reactor_connections{reactor=\"0\"} 1
 lwio_reactor_connections{reactor=\"1\"} 0
 lwio_reactor_busy_seconds_total{reactor=\"0\"} 0.25
@@ -270,6 +278,10 @@ lwio_request_errors_total{status=\"STATUS_END_OF_FILE\"} 1
         assert!(t.contains("Registered memory    1.5 MiB"), "{t}");
         assert!(
             t.contains("Receive pool         1.0 MiB (16 posted, 0 in use, 2 credits held, 3 waits for a receive)"),
+            "{t}"
+        );
+        assert!(
+            t.contains("Read-buffer slabs    2.0 MiB (64.0 KiB in use)"),
             "{t}"
         );
         assert!(

@@ -100,6 +100,7 @@ impl Domain {
                 slot,
             ))
         });
+        lock(&shared.read_slabs).extend(reads.iter().cloned());
         Ok(Domain {
             ctx,
             manual,

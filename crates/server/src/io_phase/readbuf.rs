@@ -171,6 +171,15 @@ struct Inner {
     users: usize,
 }
 
+/// What the read slabs hold (for metrics and tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadSlabStats {
+    /// Registered for slabs.
+    pub registered_bytes: usize,
+    /// In slots holding a read's data.
+    pub in_use_bytes: usize,
+}
+
 /// What a slab holds (for tests).
 #[cfg(test)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -271,6 +280,15 @@ impl ReadSlab {
                 // reference before its lease); freed when the last goes.
                 Err(_) => self.shared.forget(len),
             }
+        }
+    }
+
+    pub(super) fn usage(&self) -> ReadSlabStats {
+        let i = lock(&self.inner);
+        let slots = i.chunks.iter().flatten().count() * self.per_chunk;
+        ReadSlabStats {
+            registered_bytes: slots * self.slot,
+            in_use_bytes: (slots - i.free.len()) * self.slot,
         }
     }
 

@@ -69,7 +69,7 @@ use tracing::{debug, info, warn};
 
 use super::pool::RecvPool;
 use super::reactor::{Domain, DomainSpec, Keep, ReactorStats, Reactors, RingIo, RingJob};
-use super::readbuf::{ReadBuffer, ReadSlab, SLOTS as READ_SLOTS};
+use super::readbuf::{ReadBuffer, ReadSlab, ReadSlabStats, SLOTS as READ_SLOTS};
 use super::{io_error_status, Waker};
 use crate::fs::backend::Backend;
 use crate::fs::table::{Denied, OpenFile, SessionId};
@@ -247,6 +247,8 @@ pub(super) struct Shared {
     pub(super) domain_pds: Mutex<Vec<Pd>>,
     /// The reactors' receive pools.
     pub(super) pools: Mutex<Vec<Arc<RecvPool>>>,
+    /// The reactors' read-buffer slabs (for metrics).
+    pub(super) read_slabs: Mutex<Vec<Arc<ReadSlab>>>,
     /// Each reactor's counters, by index.
     reactors: Mutex<Vec<Arc<ReactorStats>>>,
     conns: Mutex<HashMap<u64, ConnEntry>>,
@@ -302,6 +304,7 @@ impl Shared {
             opts,
             domain_pds: Mutex::new(Vec::new()),
             pools: Mutex::new(Vec::new()),
+            read_slabs: Mutex::new(Vec::new()),
             reactors: Mutex::new(Vec::new()),
             conns: Mutex::new(HashMap::new()),
             per_host: Mutex::new(HashMap::new()),
@@ -516,6 +519,17 @@ impl ServerHandle {
             t.in_use += s.in_use;
             t.promised += s.promised;
             t.starved += s.starved;
+        }
+        t
+    }
+
+    /// The reactors' read-buffer slabs, summed.
+    pub fn read_slabs(&self) -> ReadSlabStats {
+        let mut t = ReadSlabStats::default();
+        for s in lock(&self.0.read_slabs).iter() {
+            let u = s.usage();
+            t.registered_bytes += u.registered_bytes;
+            t.in_use_bytes += u.in_use_bytes;
         }
         t
     }
@@ -779,6 +793,7 @@ impl RdmaPhase for RdmaServer {
             max_connections: self.shared.opts.max_connections,
             reactors: h.reactors(),
             pool: h.receive_pool(),
+            read_slabs: h.read_slabs(),
             states: h.connection_states(),
         })
     }
