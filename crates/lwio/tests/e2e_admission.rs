@@ -127,6 +127,7 @@ fn out_of_registered_memory_is_the_reason_given() {
     assert!(clients.len() >= 2, "only {} admitted", clients.len());
     println!("{} connections in 1 MiB, then: {refusal}", clients.len());
     // Every admitted one works, and a slot frees when one leaves.
+    let before = s.rdma.stats().registered_bytes;
     for (i, c) in clients.iter().enumerate() {
         let f = c
             .open(&format!("m{i}"), &OpenOptions::read_write().create(true))
@@ -137,6 +138,28 @@ fn out_of_registered_memory_is_the_reason_given() {
         assert_eq!(f.read_at(&mut back, 0).unwrap(), data.len());
         assert_eq!(back, data);
     }
+    // No 1 MiB region of read slots fits this budget: the reads took
+    // 4 KiB regions of their own and gave them back (none kept as a spare
+    // no later read would take).
+    // A read's buffer goes back once the server has its RDMA Write's
+    // completion, which may follow the client's by a moment; spares would
+    // stay until idle reclaim (2 s).
+    let t0 = Instant::now();
+    let after = loop {
+        let after = s.rdma.stats().registered_bytes;
+        if after <= before || t0.elapsed() > Duration::from_millis(500) {
+            break after;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let slabs = s.rdma.read_slabs();
+    println!("registered before the reads {before} B, after {after} B; slabs {slabs:?}");
+    assert_eq!(slabs.registered_bytes, 0, "{slabs:?}");
+    assert!(
+        after <= before,
+        "the reads left {} B registered",
+        after - before
+    );
     drop(clients.pop());
     let t0 = Instant::now();
     loop {
@@ -148,4 +171,58 @@ fn out_of_registered_memory_is_the_reason_given() {
             Err(e) => panic!("no room freed: {e}"),
         }
     }
+}
+
+/// A budget with no room for a 1 MiB region of read slots: small reads
+/// take 4 KiB regions of their own, exact, and give them back; none is
+/// kept as a spare (no later read would take a region under 64 KiB).
+#[test]
+fn small_reads_fit_a_budget_without_room_for_a_slab() {
+    let dir = tempfile::tempdir().unwrap();
+    let rdma = RdmaServerOptions {
+        max_memory: 1 << 20,
+        max_connections_per_host: 1000,
+        ..RdmaServerOptions::default()
+    };
+    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let clients: Vec<_> = (0..4).map(|_| connect(&s).unwrap()).collect();
+    let files: Vec<_> = clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let data = pattern(40 + i as u64, 3000);
+            std::fs::write(dir.path().join(format!("s{i}")), &data).unwrap();
+            (
+                c.open(&format!("s{i}"), &OpenOptions::read_only()).unwrap(),
+                data,
+            )
+        })
+        .collect();
+    let before = s.rdma.stats().registered_bytes;
+    for _ in 0..3 {
+        for (i, (f, data)) in files.iter().enumerate() {
+            let mut back = vec![0u8; data.len()];
+            assert_eq!(f.read_at(&mut back, 0).unwrap(), data.len());
+            assert!(back == *data, "client {i}");
+        }
+    }
+    // A read's buffer goes back once the server has its RDMA Write's
+    // completion, which may follow the client's by a moment; spares would
+    // stay until idle reclaim (2 s).
+    let t0 = Instant::now();
+    let after = loop {
+        let after = s.rdma.stats().registered_bytes;
+        if after <= before || t0.elapsed() > Duration::from_millis(500) {
+            break after;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let slabs = s.rdma.read_slabs();
+    println!("registered before the reads {before} B, after {after} B; slabs {slabs:?}");
+    assert_eq!(slabs.registered_bytes, 0, "{slabs:?}");
+    assert!(
+        after <= before,
+        "the reads left {} B registered",
+        after - before
+    );
 }

@@ -310,6 +310,9 @@ fn small_reads_hold_small_slots() {
         done.store(true, std::sync::atomic::Ordering::Relaxed);
         sampler.join().unwrap()
     });
+    // Every slot comes back (once the server has its RDMA Write's
+    // completion, which may follow the client's by a moment).
+    wait_for("slots back", || s.rdma.read_slabs().in_use_bytes == 0);
     let slabs = s.rdma.read_slabs();
     println!(
         "read buffers of {CLIENTS} connections, 8 reads of 4 KiB each at a time: peak {} KiB; \

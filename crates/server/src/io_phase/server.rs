@@ -2538,9 +2538,12 @@ impl Conn {
                 // A slab's slot goes back to it as the last holder drops it.
                 if let Some(mr) = Arc::try_unwrap(b.buf).ok().and_then(ReadBuffer::into_own) {
                     // Kept for the next read while the budget has room;
-                    // given back when it is three quarters spent.
+                    // given back when it is three quarters spent. (Not a
+                    // region smaller than 64 KiB, taken when a slab could
+                    // not grow: no read would take it again.)
                     let used = self.shared.mem_used.load(Ordering::Relaxed);
-                    if self.spare_bufs.len() < usize::from(self.sconn.credits()).max(4)
+                    if mr.len() >= 64 << 10
+                        && self.spare_bufs.len() < usize::from(self.sconn.credits()).max(4)
                         && used <= self.shared.opts.max_memory / 4 * 3
                     {
                         self.spare_bufs.push(mr);
