@@ -120,8 +120,7 @@ impl ReadBuffer {
 
     /// Copy bytes into the buffer.
     pub(crate) fn write_at(&self, off: usize, src: &[u8]) -> lwio_rdma::Result<()> {
-        self.check(off, src.len())?;
-        self.mr.write_at(self.base + off, src)
+        self.slice_mut(off, src.len())?.write_at(0, src)
     }
 }
 
@@ -178,14 +177,6 @@ pub struct ReadSlabStats {
     pub registered_bytes: usize,
     /// In slots holding a read's data.
     pub in_use_bytes: usize,
-}
-
-/// What a slab holds (for tests).
-#[cfg(test)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct SlabStats {
-    pub chunks: usize,
-    pub free: usize,
 }
 
 impl ReadSlab {
@@ -291,15 +282,6 @@ impl ReadSlab {
             in_use_bytes: (slots - i.free.len()) * self.slot,
         }
     }
-
-    #[cfg(test)]
-    pub(super) fn stats(&self) -> SlabStats {
-        let i = lock(&self.inner);
-        SlabStats {
-            chunks: i.chunks.iter().flatten().count(),
-            free: i.free.len(),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -340,7 +322,14 @@ mod tests {
         let (s, shared) = slab(64 << 20, SLOT);
         s.attach();
         let bufs: Vec<ReadBuffer> = (0..3 * CHUNK).map(|_| s.take().unwrap()).collect();
-        assert_eq!(s.stats(), SlabStats { chunks: 3, free: 0 });
+        let all = 3 * CHUNK_BYTES;
+        assert_eq!(
+            s.usage(),
+            ReadSlabStats {
+                registered_bytes: all,
+                in_use_bytes: all
+            }
+        );
         assert_eq!(used(&shared), 3 * CHUNK * SLOT);
         // Each slot its own SLOT bytes: write a tag into every one, read
         // them all back.
@@ -380,12 +369,12 @@ mod tests {
         // All back, none in use: a chunk is kept while another chunk's
         // worth of slots is free elsewhere, so at most two stay.
         drop(bufs);
-        let st = s.stats();
-        assert!(st.chunks <= 2, "{st:?}");
-        assert_eq!(used(&shared), st.chunks * CHUNK * SLOT);
+        let st = s.usage();
+        assert!(st.registered_bytes <= 2 * CHUNK_BYTES, "{st:?}");
+        assert_eq!(used(&shared), st.registered_bytes);
         // The last connection gone: nothing stays registered.
         s.detach();
-        assert_eq!(s.stats(), SlabStats { chunks: 0, free: 0 });
+        assert_eq!(s.usage(), ReadSlabStats::default());
         assert_eq!(used(&shared), 0);
     }
 
@@ -401,7 +390,7 @@ mod tests {
         s.detach();
         assert_eq!(used(&shared), CHUNK_BYTES, "still in use");
         drop(job);
-        assert_eq!(s.stats(), SlabStats { chunks: 0, free: 0 });
+        assert_eq!(s.usage(), ReadSlabStats::default());
         assert_eq!(used(&shared), 0);
     }
 
