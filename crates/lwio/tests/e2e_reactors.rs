@@ -41,16 +41,22 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// A server on `dir` with two reactors (and room for 64 connections from
+/// this host), `rdma`'s other options as given.
+fn two_reactors(dir: &std::path::Path, rdma: RdmaServerOptions) -> LocalServer {
+    let rdma = RdmaServerOptions {
+        reactors: 2,
+        max_connections_per_host: 64,
+        ..rdma
+    };
+    LocalServer::start(dir, "ex", TOKEN, Limits::default(), rdma).unwrap()
+}
+
 #[test]
 fn two_reactors_drive_24_connections_and_balance_them() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let rdma = RdmaServerOptions {
-        reactors: 2,
-        max_connections_per_host: 64,
-        ..RdmaServerOptions::default()
-    };
-    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let s = two_reactors(dir.path(), RdmaServerOptions::default());
     wait_for("2 reactor threads", || {
         threads_named("lwio-reactor-").len() == 2
     });
@@ -129,13 +135,13 @@ fn two_reactors_drive_24_connections_and_balance_them() {
 fn idle_connections_hold_one_credit_of_the_shared_pool() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let rdma = RdmaServerOptions {
-        reactors: 2,
-        max_connections_per_host: 64,
-        idle_reclaim: Duration::from_millis(300),
-        ..RdmaServerOptions::default()
-    };
-    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let s = two_reactors(
+        dir.path(),
+        RdmaServerOptions {
+            idle_reclaim: Duration::from_millis(300),
+            ..RdmaServerOptions::default()
+        },
+    );
     assert_eq!(
         s.rdma.receive_pool().registered_bytes,
         0,
@@ -247,11 +253,6 @@ fn idle_connections_hold_one_credit_of_the_shared_pool() {
 fn small_reads_hold_small_slots() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let rdma = RdmaServerOptions {
-        reactors: 2,
-        max_connections_per_host: 64,
-        ..RdmaServerOptions::default()
-    };
     const CLIENTS: usize = 32;
     const LEN: usize = 256 << 10;
     for i in 0..CLIENTS {
@@ -261,7 +262,7 @@ fn small_reads_hold_small_slots() {
         )
         .unwrap();
     }
-    let s = LocalServer::start(dir.path(), "ex", TOKEN, Limits::default(), rdma).unwrap();
+    let s = two_reactors(dir.path(), RdmaServerOptions::default());
     let clients: Vec<Client> = (0..CLIENTS).map(|_| connect(&s)).collect();
     let files: Vec<_> = clients
         .iter()
