@@ -69,16 +69,7 @@ NBDPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0));
 PIDS+=($!)
 
 # lwio serve, configured as bench/scale.sh does (one host and one user stand for many clients).
-cat >"$WORK/lwio.toml" <<'EOF'
-limits.max_connections_per_host = 2000
-limits.max_rdma_connections_per_host = 2000
-limits.max_sessions_per_user = 2000
-limits.unauth_rate_per_host = 5000
-limits.unauth_burst_per_host = 5000
-limits.unauth_rate = 5000
-limits.unauth_burst = 5000
-EOF
-"${SRV[@]}" "$BIN/lwio" serve --config "$WORK/lwio.toml" --export "data=$DATA" \
+"${SRV[@]}" "$BIN/lwio" serve --config bench/one-host.toml --export "data=$DATA" \
   --listen 127.0.0.1:0 --rdma-listen 127.0.0.1:0 --metrics 127.0.0.1:0 \
   --token-file "$WORK/token" --ready-file "$WORK/ready" --no-tls --provider soft \
   >"$WORK/lwio.out" 2>"$WORK/lwio.log" &
@@ -96,8 +87,8 @@ FIO=(--name=rr --rw=randread --bs=4k --iodepth=8 --thread --group_reporting --ti
 echo "  local: fio ${FIO[*]} --ioengine=io_uring --filename=$DATA/file.bin --numjobs=N"
 echo "  NBD:   nbdkit -f -i 127.0.0.1 -p $NBDPORT file file=$DATA/file.bin;"
 echo "         fio ${FIO[*]} --ioengine=nbd --uri=nbd://127.0.0.1:$NBDPORT --size=64M --numjobs=N"
-echo "  lwio:  lwio serve --config lwio.toml --export data=$DATA --listen 127.0.0.1:0 --rdma-listen 127.0.0.1:0 --metrics 127.0.0.1:0 --no-tls --provider soft"
-echo "         (lwio.toml: the per-host, per-user and rate limits raised, as bench/scale.sh prints them);"
+echo "  lwio:  lwio serve --config bench/one-host.toml --export data=$DATA --listen 127.0.0.1:0 --rdma-listen 127.0.0.1:0 --metrics 127.0.0.1:0 --no-tls --provider soft"
+echo "         (bench/one-host.toml: the per-host, per-user and rate limits raised);"
 echo "         lwio-scale --url lwio://$SIDE/data --file file.bin --connections 1 --latency-runtime 1s --jobs N --runtime ${RUNTIME}s"
 
 fio_iops() {  # fio JSON on stdin -> read IOPS (its nbd engine prints a line per connection first)

@@ -75,17 +75,9 @@ if [ "$(id -u)" = 0 ]; then
   mount -t tmpfs -o size=256m,mode=0755 lwio-scale "$EXPORT"
 fi
 
-# The configuration: one "SECTION.KEY = VALUE" per line (dotted TOML keys).
+# The configuration (bench/one-host.toml, and --config-extra).
 CONF=$WORK/lwio.toml
-cat >"$CONF" <<'EOF'
-limits.max_connections_per_host = 2000
-limits.max_rdma_connections_per_host = 2000
-limits.max_sessions_per_user = 2000
-limits.unauth_rate_per_host = 5000
-limits.unauth_burst_per_host = 5000
-limits.unauth_rate = 5000
-limits.unauth_burst = 5000
-EOF
+cp bench/one-host.toml "$CONF"
 for e in "${EXTRA[@]}"; do
   key=$(printf '%s' "${e%%=*}" | tr -d '[:space:]')
   [ -n "$key" ] && [ "$key" != "$e" ] || { echo "bench/scale.sh: --config-extra wants 'SECTION.KEY = VALUE', got: $e" >&2; exit 2; }
@@ -101,7 +93,7 @@ echo "bench/scale.sh: $(date -u '+%Y-%m-%d %H:%M UTC'); $(nproc) CPUs, $(grep -m
 echo "bench/scale.sh: all clients come from 127.0.0.1 and log in with one token (one user): the per-host"
 echo "  and per-user limits and the unauthenticated-connection rate limits are raised; the rest is lwio serve's"
 echo "  defaults (docs/config.md) plus any --config-extra. The server's configuration:"
-sed 's/^/    /' "$CONF"
+grep -v '^#' "$CONF" | sed 's/^/    /'
 
 SERVER_CPUS=()
 CLIENT_CPUS=()
