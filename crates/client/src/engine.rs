@@ -110,6 +110,9 @@ pub struct EngineConfig {
     pub write_chunk: usize,
     pub send_slots: usize,
     pub poll_spin: Duration,
+    /// Interrupt mode: how long a waiter polls the completion queue before
+    /// it sleeps (zero: it sleeps at once). See [`Spinner`].
+    pub busy_poll: Duration,
     pub op_timeout: Duration,
     pub auth_timeout: Duration,
     /// Blocking reads of at least this many bytes into plain caller memory
@@ -158,6 +161,10 @@ pub struct ClientStats {
     /// sleep on the completion channel, or from a short nap while a caller
     /// drives). An idle connection stays near zero.
     pub progress_wakeups: u64,
+    /// Waits (interrupt mode) whose completion came while the waiting
+    /// thread busy-polled, before it would have slept
+    /// ([`EngineConfig::busy_poll`]).
+    pub busy_poll_hits: u64,
     /// Requests whose op timeout passed before their answer came (the
     /// state machine's `TimedOut`; they stay outstanding until answered),
     /// found by a waiter or by the progress thread.
@@ -384,6 +391,7 @@ pub struct Engine {
     wake: Arc<std::os::fd::OwnedFd>,
     /// The progress thread's loop turns ([`ClientStats::progress_wakeups`]).
     wakeups: AtomicU64,
+    busy_poll_hits: AtomicU64,
     /// Callers that may block (inside `wait`, `issue`, `interrupt`,
     /// `fence_group`); while non-zero the progress thread stands by
     /// instead of taking the driver role.
@@ -614,6 +622,7 @@ impl Engine {
             driver: AtomicBool::new(false),
             wake: wake.clone(),
             wakeups: AtomicU64::new(0),
+            busy_poll_hits: AtomicU64::new(0),
             waiters: std::sync::atomic::AtomicUsize::new(0),
             waits: AtomicU64::new(0),
             standby_wake: AtomicBool::new(false),
@@ -739,6 +748,7 @@ impl Engine {
         let mut s = st.stats.clone();
         s.credits = st.conn.credits();
         s.progress_wakeups = self.wakeups.load(Ordering::Relaxed);
+        s.busy_poll_hits = self.busy_poll_hits.load(Ordering::Relaxed);
         s
     }
 
@@ -2107,6 +2117,8 @@ impl Engine {
         };
         let spin_until = Instant::now() + self.cfg.poll_spin;
         let mut sleeps = 0u32;
+        // Interrupt mode: busy-polled once already in this wait.
+        let mut spun = false;
         loop {
             // Polling: watch our own status block without the lock.
             if let (Completion::Poll, Some(s)) = (self.cfg.completion, slot) {
@@ -2177,7 +2189,39 @@ impl Engine {
                 wait = Duration::from_millis(1 << sleeps.min(6));
                 sleeps += 1;
             }
+            if !spun
+                && self.cfg.completion == Completion::Interrupt
+                && !self.cfg.busy_poll.is_zero()
+            {
+                spun = true;
+                if let Some(_spinner) = Spinner::enter() {
+                    drop(st);
+                    if let Some(r) = self.busy_poll(req)? {
+                        return Ok(r);
+                    }
+                    continue;
+                }
+            }
             self.sleep_or_drive(st, wait.min(until));
+        }
+    }
+
+    /// Interrupt mode, before the first sleep of a wait: poll the
+    /// completion queue (under manual progress: the sockets, in this
+    /// thread) for up to `busy_poll`, yielding the CPU each round, and
+    /// return `req`'s completion if it came meanwhile.
+    fn busy_poll(&self, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
+        let until = Instant::now() + self.cfg.busy_poll;
+        loop {
+            self.poll_cq();
+            if let Some(r) = self.peek_done(req)? {
+                self.busy_poll_hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(r));
+            }
+            if Instant::now() >= until {
+                return Ok(None);
+            }
+            std::thread::yield_now();
         }
     }
 
@@ -2546,6 +2590,42 @@ impl Drop for Engine {
     }
 }
 
+/// Threads of this process busy-polling in interrupt mode now.
+static SPINNERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A place among the threads of the process that busy-poll before they
+/// sleep (interrupt mode, [`EngineConfig::busy_poll`]): at most one per CPU
+/// this process may run on. More spinners than CPUs would only take turns
+/// with the threads (and, on one host, the server) whose work they wait for.
+struct Spinner;
+
+impl Spinner {
+    fn enter() -> Option<Spinner> {
+        static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let cpus =
+            *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        // Not `then_some(Spinner)`: that builds the guard even when no
+        // place was taken, and its drop gives back a place never held.
+        take_place(&SPINNERS, cpus).then(|| Spinner)
+    }
+}
+
+/// One of `cap` places counted in `count`, if one is free.
+fn take_place(count: &std::sync::atomic::AtomicUsize, cap: usize) -> bool {
+    if count.fetch_add(1, Ordering::AcqRel) < cap {
+        true
+    } else {
+        count.fetch_sub(1, Ordering::AcqRel);
+        false
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        SPINNERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Counts a caller inside `wait`/`issue` for as long as it lives.
 struct Waiting<'a>(&'a Engine);
 
@@ -2728,5 +2808,23 @@ pub fn status_text(s: NtStatus) -> String {
 impl Engine {
     pub(crate) fn pd(&self) -> &Pd {
         &self.pd
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busy_poll_places_are_one_per_cpu() {
+        let count = std::sync::atomic::AtomicUsize::new(0);
+        assert!(take_place(&count, 2));
+        assert!(take_place(&count, 2));
+        // Full: refused, and the refusal leaves the count as it was.
+        assert!(!take_place(&count, 2));
+        assert_eq!(count.load(Ordering::Relaxed), 2);
+        count.fetch_sub(1, Ordering::AcqRel);
+        assert!(take_place(&count, 2));
+        assert!(!take_place(&count, 2));
     }
 }

@@ -224,6 +224,11 @@ pub struct ClientOptions {
     pub send_slots: usize,
     /// Polling mode: how long a waiter spins on its status block.
     pub poll_spin: Duration,
+    /// Interrupt mode: how long a waiting thread polls for its completion
+    /// before it sleeps (zero: it sleeps at once). A reply that comes
+    /// within this time costs no wake-up of the thread. At most one thread
+    /// per CPU of the process polls at a time; the others sleep at once.
+    pub busy_poll: Duration,
     /// Blocking reads of at least this many bytes into plain memory land
     /// directly in the caller's buffer, registered for the call, instead of
     /// a staging slot and a copy (`Some(usize::MAX)` = always stage). `None`
@@ -269,6 +274,7 @@ impl Default for ClientOptions {
             write_chunk: 16 * 1024,
             send_slots: 64,
             poll_spin: Duration::from_micros(200),
+            busy_poll: Duration::from_micros(20),
             register_threshold: None,
             reg_cache_bytes: 256 << 20,
             reg_cache_entries: 64,
@@ -680,6 +686,7 @@ pub(crate) fn dial_all(
         write_chunk: opts.write_chunk.max(512),
         send_slots: opts.send_slots,
         poll_spin: opts.poll_spin,
+        busy_poll: opts.busy_poll,
         op_timeout: opts.op_timeout,
         auth_timeout: opts.connect_timeout,
         register_threshold: usize::MAX,

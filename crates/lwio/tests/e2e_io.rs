@@ -1616,3 +1616,48 @@ fn idle_client_sees_the_server_go() {
         );
     }
 }
+
+/// Interrupt mode: a waiter polls the completion queue for up to
+/// `busy_poll` before it sleeps, and a reply inside that window ends the
+/// wait without a sleep. `busy_poll` zero: every wait that finds its reply
+/// missing sleeps at once. The bytes are exact either way.
+#[test]
+fn interrupt_waiters_busy_poll_before_they_sleep() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), RdmaServerOptions::default());
+    let data = pattern(29, 64 * 4096);
+    for (busy_poll, polls) in [(Duration::from_secs(1), true), (Duration::ZERO, false)] {
+        let c = connect_with(
+            &s,
+            ClientOptions {
+                completion: Completion::Interrupt,
+                busy_poll,
+                op_timeout: Duration::from_secs(20),
+                ..ClientOptions::default()
+            },
+        );
+        let f = c
+            .open("busy.bin", &OpenOptions::read_write().create(true))
+            .unwrap();
+        assert_eq!(f.write_at(&data, 0).unwrap(), data.len());
+        let before = c.stats().busy_poll_hits;
+        let mut buf = vec![0u8; 4096];
+        for i in 0..200usize {
+            let off = (i * 37 % 63) * 4096 + i % 17;
+            assert_eq!(f.read_at(&mut buf, off as u64).unwrap(), 4096);
+            assert_eq!(buf[..], data[off..off + 4096], "read {i} at {off}");
+        }
+        let hits = c.stats().busy_poll_hits - before;
+        eprintln!("busy_poll {busy_poll:?}: {hits} of 200 reads ended by busy polling");
+        if polls {
+            // Other tests of this binary may hold the process's polling
+            // places (one per CPU) for a moment: not every read, but some.
+            assert!(hits > 0, "no wait ended by busy polling in 200 reads");
+        } else {
+            assert_eq!(hits, 0);
+        }
+        let st = c.stats();
+        assert_eq!(st.credit_violations, 0, "{st:?}");
+        assert_eq!(st.timed_out, 0, "{st:?}");
+    }
+}
