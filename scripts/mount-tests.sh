@@ -167,10 +167,10 @@ case_fstab() {
   # mount(8)'s helper runs `lwio URL MOUNTPOINT -o OPTIONS` for a fuse.lwio line.
   local bin=$W/bin
   mkdir -p "$bin" && ln -sf "$LWIO" "$bin/lwio"
-  if PATH=$bin:$PATH mount.fuse3 "$URL" "$W/mnt2" -t lwio -o "ro,provider=soft,_netdev" >"$W/fstab.out" 2>&1 &&
+  if PATH=$bin:$PATH mount.fuse3 "$URL" "$W/mnt2" -t lwio -o "ro,provider=soft,busy_poll=50us,_netdev" >"$W/fstab.out" 2>&1 &&
     mountpoint -q "$W/mnt2" && cmp -s "$W/mnt2/sqlite/t.db" "$W/export/sqlite/t.db" &&
     ! touch "$W/mnt2/ro-test" 2>/dev/null; then
-    fusermount3 -u "$W/mnt2" && pass "fstab form (mount.fuse3 -t lwio, -o ro): mounted, read equal, write refused, unmounted"
+    fusermount3 -u "$W/mnt2" && pass "fstab form (mount.fuse3 -t lwio, -o ro,busy_poll=50us): mounted, read equal, write refused, unmounted"
   else
     fail fstab "$(cat "$W/fstab.out" | head -3)"
   fi
@@ -179,9 +179,10 @@ case_fstab() {
 case_bad_input() {
   local out n
   # One line each, before anything is mounted.
-  for what in "unreachable:lwio://127.0.0.1:1/data" "no-export:$URL/../nosuch" "wrong-token:$URL"; do
+  for what in "unreachable:lwio://127.0.0.1:1/data" "no-export:$URL/../nosuch" "wrong-token:$URL" "bad-option:$URL"; do
     local name=${what%%:*} url=${what#*:} extra=()
     [ "$name" = no-export ] && url=lwio://127.0.0.1:$PORT/nosuch
+    [ "$name" = bad-option ] && extra=(-o busy_poll=fast)
     [ "$name" = wrong-token ] && { echo "wrong-token-0123456789abcdef0123" >"$W/bad.token"; extra=(--token-file "$W/bad.token"); }
     out=$("$LWIO" mount --daemon "$url" "$W/mnt2" --provider soft --connect-timeout 2s "${extra[@]}" 2>&1)
     local rc=$?

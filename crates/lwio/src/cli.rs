@@ -237,6 +237,11 @@ pub struct ClientArgs {
     /// Verbs device to use (default: the ones that route to the server).
     #[arg(long, value_name = "NAME")]
     pub device: Option<String>,
+    /// Interrupt completions: how long a waiting thread polls for its
+    /// completion before it sleeps ("0s": it sleeps at once; at most one
+    /// thread per CPU polls at a time).
+    #[arg(long, value_name = "DURATION", default_value = "20us", value_parser = parse_duration)]
+    pub busy_poll: Duration,
 }
 
 #[derive(Debug, Args)]

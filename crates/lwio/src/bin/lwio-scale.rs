@@ -76,6 +76,10 @@ struct Args {
     file: String,
     #[arg(long, default_value = "64MiB", value_parser = size)]
     size: u64,
+    /// Every client's `ClientOptions::busy_poll` (interrupt mode: how long
+    /// a waiter polls before it sleeps; "0s" = sleep at once).
+    #[arg(long, default_value = "20us", value_parser = duration)]
+    busy_poll: Duration,
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -118,6 +122,10 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn connect(&self, opts: ClientOptions) -> Result<Client, lwio_client::Error> {
+        let opts = ClientOptions {
+            busy_poll: self.a.busy_poll,
+            ..opts
+        };
         Client::connect(&self.a.url, Some(&self.token), opts)
     }
 
@@ -243,9 +251,10 @@ fn run(a: &Args) -> anyhow::Result<()> {
     }
     cx.settle(0);
     println!(
-        "setup: file {} of {} MiB; idle and QD1 clients: default ClientOptions (completion interrupt, 16 credits asked)",
+        "setup: file {} of {} MiB; idle and QD1 clients: default ClientOptions (completion interrupt, 16 credits asked); busy_poll {:?} on every client",
         a.file,
-        a.size >> 20
+        a.size >> 20,
+        a.busy_poll
     );
 
     // 1. QD1 alone.

@@ -41,6 +41,7 @@ pub fn connect_data(
     opts.connect_timeout = args.connect_timeout;
     opts.provider = args.provider;
     opts.device = args.device.clone();
+    opts.busy_poll = args.busy_poll;
     lwio_client::Client::connect_with(&url.authority(), &side, opts)
         .map_err(|e| anyhow::anyhow!(describe(&e)))
 }

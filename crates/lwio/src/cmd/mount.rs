@@ -58,6 +58,11 @@ fn client_option(
         "no_tls" if v.is_none() => a.no_tls = true,
         "known_hosts" => a.known_hosts = Some(need(v)?.into()),
         "strict_host_key_checking" if v.is_none() => a.strict_host_key_checking = true,
+        "busy_poll" => {
+            let v = need(v)?;
+            a.busy_poll =
+                parse_duration(&v).map_err(|e| anyhow!("mount option \"busy_poll={v}\": {e}"))?
+        }
         "connect_timeout" => {
             let v = need(v)?;
             a.connect_timeout = parse_duration(&v)
