@@ -392,6 +392,8 @@ pub struct Engine {
     /// The progress thread's loop turns ([`ClientStats::progress_wakeups`]).
     wakeups: AtomicU64,
     busy_poll_hits: AtomicU64,
+    /// Busy polls in a row that ended without their reply.
+    busy_poll_misses: std::sync::atomic::AtomicU32,
     /// Callers that may block (inside `wait`, `issue`, `interrupt`,
     /// `fence_group`); while non-zero the progress thread stands by
     /// instead of taking the driver role.
@@ -623,6 +625,7 @@ impl Engine {
             wake: wake.clone(),
             wakeups: AtomicU64::new(0),
             busy_poll_hits: AtomicU64::new(0),
+            busy_poll_misses: std::sync::atomic::AtomicU32::new(0),
             waiters: std::sync::atomic::AtomicUsize::new(0),
             waits: AtomicU64::new(0),
             standby_wake: AtomicBool::new(false),
@@ -2194,7 +2197,7 @@ impl Engine {
                 && !self.cfg.busy_poll.is_zero()
             {
                 spun = true;
-                if let Some(_spinner) = Spinner::enter() {
+                if let Some(_spinner) = self.busy_poll_turn().then(Spinner::enter).flatten() {
                     drop(st);
                     if let Some(r) = self.busy_poll(req)? {
                         return Ok(r);
@@ -2216,13 +2219,32 @@ impl Engine {
             self.poll_cq();
             if let Some(r) = self.peek_done(req)? {
                 self.busy_poll_hits.fetch_add(1, Ordering::Relaxed);
+                self.busy_poll_misses.store(0, Ordering::Relaxed);
                 return Ok(Some(r));
             }
             if Instant::now() >= until {
+                let m = self.busy_poll_misses.load(Ordering::Relaxed);
+                self.busy_poll_misses.store(
+                    m.saturating_add(1).min(BUSY_POLL_MISSES_MAX),
+                    Ordering::Relaxed,
+                );
                 return Ok(None);
             }
             std::thread::yield_now();
         }
+    }
+
+    /// Whether this wait busy-polls: always while busy polling pays; after
+    /// `m` >= 2 polls in a row that ended without the reply (replies that
+    /// take longer than the window: deep queues, large or slow I/O), only
+    /// every 2^(m-1)-th wait (at most every 64th), so a connection whose
+    /// replies are slow spends almost nothing on it and one whose replies
+    /// became fast again finds out within 64 waits.
+    fn busy_poll_turn(&self) -> bool {
+        busy_poll_turn(
+            self.busy_poll_misses.load(Ordering::Relaxed),
+            self.waits.load(Ordering::Relaxed),
+        )
     }
 
     /// Block for at most `wait`: as the driver if nobody is (the completion
@@ -2590,6 +2612,10 @@ impl Drop for Engine {
     }
 }
 
+/// Where the count of busy polls that missed in a row stops (every 64th
+/// wait polls: [`Engine::busy_poll_turn`]).
+const BUSY_POLL_MISSES_MAX: u32 = 16;
+
 /// Threads of this process busy-polling in interrupt mode now.
 static SPINNERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -2608,6 +2634,12 @@ impl Spinner {
         // place was taken, and its drop gives back a place never held.
         take_place(&SPINNERS, cpus).then(|| Spinner)
     }
+}
+
+/// [`Engine::busy_poll_turn`]: after `misses` busy polls in a row without
+/// their reply, whether wait number `waits` polls.
+fn busy_poll_turn(misses: u32, waits: u64) -> bool {
+    misses < 2 || waits.is_multiple_of(1u64 << (misses - 1).min(6))
 }
 
 /// One of `cap` places counted in `count`, if one is free.
@@ -2826,5 +2858,16 @@ mod tests {
         count.fetch_sub(1, Ordering::AcqRel);
         assert!(take_place(&count, 2));
         assert!(!take_place(&count, 2));
+    }
+
+    #[test]
+    fn busy_polls_that_miss_back_off_to_every_64th_wait() {
+        let polls = |misses| (0..256u64).filter(|&w| busy_poll_turn(misses, w)).count();
+        assert_eq!(polls(0), 256);
+        assert_eq!(polls(1), 256);
+        assert_eq!(polls(2), 128);
+        assert_eq!(polls(3), 64);
+        assert_eq!(polls(7), 4);
+        assert_eq!(polls(BUSY_POLL_MISSES_MAX), 4);
     }
 }
