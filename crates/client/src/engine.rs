@@ -392,8 +392,8 @@ pub struct Engine {
     /// The progress thread's loop turns ([`ClientStats::progress_wakeups`]).
     wakeups: AtomicU64,
     busy_poll_hits: AtomicU64,
-    /// Busy polls in a row that ended without their reply.
-    busy_poll_misses: std::sync::atomic::AtomicU32,
+    /// How often busy polls end with their reply ([`busy_poll_score`]).
+    busy_poll_score: std::sync::atomic::AtomicU32,
     /// Callers that may block (inside `wait`, `issue`, `interrupt`,
     /// `fence_group`); while non-zero the progress thread stands by
     /// instead of taking the driver role.
@@ -625,7 +625,7 @@ impl Engine {
             wake: wake.clone(),
             wakeups: AtomicU64::new(0),
             busy_poll_hits: AtomicU64::new(0),
-            busy_poll_misses: std::sync::atomic::AtomicU32::new(0),
+            busy_poll_score: std::sync::atomic::AtomicU32::new(BUSY_POLL_SCORE_ONE),
             waiters: std::sync::atomic::AtomicUsize::new(0),
             waits: AtomicU64::new(0),
             standby_wake: AtomicBool::new(false),
@@ -2219,30 +2219,32 @@ impl Engine {
             self.poll_cq();
             if let Some(r) = self.peek_done(req)? {
                 self.busy_poll_hits.fetch_add(1, Ordering::Relaxed);
-                self.busy_poll_misses.store(0, Ordering::Relaxed);
+                self.busy_poll_score(true);
                 return Ok(Some(r));
             }
             if Instant::now() >= until {
-                let m = self.busy_poll_misses.load(Ordering::Relaxed);
-                self.busy_poll_misses.store(
-                    m.saturating_add(1).min(BUSY_POLL_MISSES_MAX),
-                    Ordering::Relaxed,
-                );
+                self.busy_poll_score(false);
                 return Ok(None);
             }
             std::thread::yield_now();
         }
     }
 
-    /// Whether this wait busy-polls: always while busy polling pays; after
-    /// `m` >= 2 polls in a row that ended without the reply (replies that
-    /// take longer than the window: deep queues, large or slow I/O), only
-    /// every 2^(m-1)-th wait (at most every 64th), so a connection whose
-    /// replies are slow spends almost nothing on it and one whose replies
-    /// became fast again finds out within 64 waits.
+    /// Count a busy poll that ended with its reply (`hit`) or without.
+    fn busy_poll_score(&self, hit: bool) {
+        let s = self.busy_poll_score.load(Ordering::Relaxed);
+        self.busy_poll_score
+            .store(busy_poll_score(s, hit), Ordering::Relaxed);
+    }
+
+    /// Whether this wait busy-polls: while at least about one poll in
+    /// eight ends with its reply ([`busy_poll_score`]); below that (replies
+    /// that take longer than the window: deep queues, large or slow I/O),
+    /// only every 16th wait polls, so such a connection spends almost
+    /// nothing on it and finds out when its replies are fast again.
     fn busy_poll_turn(&self) -> bool {
         busy_poll_turn(
-            self.busy_poll_misses.load(Ordering::Relaxed),
+            self.busy_poll_score.load(Ordering::Relaxed),
             self.waits.load(Ordering::Relaxed),
         )
     }
@@ -2612,9 +2614,12 @@ impl Drop for Engine {
     }
 }
 
-/// Where the count of busy polls that missed in a row stops (every 64th
-/// wait polls: [`Engine::busy_poll_turn`]).
-const BUSY_POLL_MISSES_MAX: u32 = 16;
+/// A busy-poll score of 1: every poll ends with its reply.
+const BUSY_POLL_SCORE_ONE: u32 = 1024;
+/// Below this score (about one poll in eight ending with its reply) a
+/// connection polls only on every [`BUSY_POLL_PROBE`]-th wait.
+const BUSY_POLL_SCORE_MIN: u32 = BUSY_POLL_SCORE_ONE / 8;
+const BUSY_POLL_PROBE: u64 = 16;
 
 /// Threads of this process busy-polling in interrupt mode now.
 static SPINNERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -2636,10 +2641,20 @@ impl Spinner {
     }
 }
 
-/// [`Engine::busy_poll_turn`]: after `misses` busy polls in a row without
-/// their reply, whether wait number `waits` polls.
-fn busy_poll_turn(misses: u32, waits: u64) -> bool {
-    misses < 2 || waits.is_multiple_of(1u64 << (misses - 1).min(6))
+/// The share of busy polls that ended with their reply, as a moving
+/// average (1/8 weight to the newest) scaled to [`BUSY_POLL_SCORE_ONE`].
+fn busy_poll_score(score: u32, hit: bool) -> u32 {
+    if hit {
+        score + (BUSY_POLL_SCORE_ONE - score.min(BUSY_POLL_SCORE_ONE)) / 8
+    } else {
+        score - score / 8
+    }
+}
+
+/// [`Engine::busy_poll_turn`]: whether wait number `waits` polls, at
+/// `score`.
+fn busy_poll_turn(score: u32, waits: u64) -> bool {
+    score >= BUSY_POLL_SCORE_MIN || waits.is_multiple_of(BUSY_POLL_PROBE)
 }
 
 /// One of `cap` places counted in `count`, if one is free.
@@ -2861,13 +2876,24 @@ mod tests {
     }
 
     #[test]
-    fn busy_polls_that_miss_back_off_to_every_64th_wait() {
-        let polls = |misses| (0..256u64).filter(|&w| busy_poll_turn(misses, w)).count();
-        assert_eq!(polls(0), 256);
-        assert_eq!(polls(1), 256);
-        assert_eq!(polls(2), 128);
-        assert_eq!(polls(3), 64);
-        assert_eq!(polls(7), 4);
-        assert_eq!(polls(BUSY_POLL_MISSES_MAX), 4);
+    fn busy_polling_follows_how_often_it_pays() {
+        let polls = |score| (0..256u64).filter(|&w| busy_poll_turn(score, w)).count();
+        let after = |hits: &[bool]| {
+            hits.iter()
+                .fold(BUSY_POLL_SCORE_ONE, |s, &h| busy_poll_score(s, h))
+        };
+        assert_eq!(polls(after(&[])), 256);
+        // Two polls in five that catch their reply keep polling on.
+        let mix: Vec<bool> = (0..200).map(|i| i % 5 < 2).collect();
+        assert_eq!(polls(after(&mix)), 256);
+        // One in twenty does not: every 16th wait polls, to find out.
+        let rare: Vec<bool> = (0..200).map(|i| i % 20 == 0).collect();
+        assert_eq!(polls(after(&rare)), 16);
+        // All misses: the score stays within bounds and recovers with hits.
+        let s = after(&[false; 1000]);
+        assert_eq!(polls(s), 16);
+        let back = (0..30).fold(s, |s, _| busy_poll_score(s, true));
+        assert_eq!(polls(back), 256);
+        assert!(back <= BUSY_POLL_SCORE_ONE);
     }
 }

@@ -274,7 +274,7 @@ impl Default for ClientOptions {
             write_chunk: 16 * 1024,
             send_slots: 64,
             poll_spin: Duration::from_micros(200),
-            busy_poll: Duration::from_micros(20),
+            busy_poll: Duration::from_micros(50),
             register_threshold: None,
             reg_cache_bytes: 256 << 20,
             reg_cache_entries: 64,

@@ -240,7 +240,7 @@ pub struct ClientArgs {
     /// Interrupt completions: how long a waiting thread polls for its
     /// completion before it sleeps ("0s": it sleeps at once; at most one
     /// thread per CPU polls at a time).
-    #[arg(long, value_name = "DURATION", default_value = "20us", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "50us", value_parser = parse_duration)]
     pub busy_poll: Duration,
 }
 

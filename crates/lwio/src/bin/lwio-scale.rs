@@ -78,7 +78,7 @@ struct Args {
     size: u64,
     /// Every client's `ClientOptions::busy_poll` (interrupt mode: how long
     /// a waiter polls before it sleeps; "0s" = sleep at once).
-    #[arg(long, default_value = "20us", value_parser = duration)]
+    #[arg(long, default_value = "50us", value_parser = duration)]
     busy_poll: Duration,
 }
 
