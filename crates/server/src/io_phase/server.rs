@@ -285,6 +285,11 @@ pub(super) struct Shared {
 /// budget is spent before it is answered STATUS_INSUFFICIENT_RESOURCES.
 const READ_BUFFER_WAIT: Duration = Duration::from_secs(2);
 
+/// The smallest read region of its own a connection registers (reads up to
+/// it take slab slots where there are slabs): what admission reserves for
+/// one read, and the smallest region worth keeping as a spare.
+const MIN_READ_REGION: usize = 64 << 10;
+
 /// Connection states, for metrics.
 const CONN_AUTHENTICATING: u8 = 0;
 const CONN_SERVING: u8 = 1;
@@ -1578,7 +1583,7 @@ impl Conn {
         // Admitted only with room for its buffers and one read buffer (a
         // connection that could never read is refused at the door).
         let idle = domain.map_or(recv_slot, |d| d.pool.idle_bytes());
-        let need = idle + SEND_SLOT * SEND_CHUNK + (64 << 10);
+        let need = idle + SEND_SLOT * SEND_CHUNK + MIN_READ_REGION;
         if domain.is_some()
             && shared.mem_used.load(Ordering::Relaxed) + need > shared.opts.max_memory
         {
@@ -2542,7 +2547,7 @@ impl Conn {
                     // region smaller than 64 KiB, taken when a slab could
                     // not grow: no read would take it again.)
                     let used = self.shared.mem_used.load(Ordering::Relaxed);
-                    if mr.len() >= 64 << 10
+                    if mr.len() >= MIN_READ_REGION
                         && self.spare_bufs.len() < usize::from(self.sconn.credits()).max(4)
                         && used <= self.shared.opts.max_memory / 4 * 3
                     {
@@ -2675,7 +2680,7 @@ impl Conn {
                 let want = (len as usize)
                     .max(1)
                     .next_power_of_two()
-                    .clamp(64 << 10, self.read_buf_len().max(64 << 10));
+                    .clamp(MIN_READ_REGION, self.read_buf_len().max(MIN_READ_REGION));
                 let spare = self.spare_bufs.iter().position(|m| m.len() >= want);
                 let got = match spare.map(|i| self.spare_bufs.swap_remove(i)) {
                     Some(m) => Ok(ReadBuffer::own(m)),
@@ -2700,7 +2705,7 @@ impl Conn {
                         } else {
                             own(want)
                                 .or_else(|_| slab(1))
-                                .or_else(|_| own(64 << 10))
+                                .or_else(|_| own(MIN_READ_REGION))
                                 .or_else(|_| slab(0))
                         }
                     }
