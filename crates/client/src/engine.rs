@@ -2641,6 +2641,12 @@ impl Spinner {
     }
 }
 
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        SPINNERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The share of busy polls that ended with their reply, as a moving
 /// average (1/8 weight to the newest) scaled to [`BUSY_POLL_SCORE_ONE`].
 fn busy_poll_score(score: u32, hit: bool) -> u32 {
@@ -2664,12 +2670,6 @@ fn take_place(count: &std::sync::atomic::AtomicUsize, cap: usize) -> bool {
     } else {
         count.fetch_sub(1, Ordering::AcqRel);
         false
-    }
-}
-
-impl Drop for Spinner {
-    fn drop(&mut self) {
-        SPINNERS.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
