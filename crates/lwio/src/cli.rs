@@ -239,9 +239,9 @@ pub struct ClientArgs {
     pub device: Option<String>,
     /// Interrupt completions: how long a waiting thread polls for its
     /// completion before it sleeps ("0s": it sleeps at once; at most one
-    /// thread per CPU polls at a time).
-    #[arg(long, value_name = "DURATION", default_value = "50us", value_parser = parse_duration)]
-    pub busy_poll: Duration,
+    /// thread per CPU polls at a time). Default: the client library's, 50us.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub busy_poll: Option<Duration>,
 }
 
 #[derive(Debug, Args)]

@@ -77,9 +77,10 @@ struct Args {
     #[arg(long, default_value = "64MiB", value_parser = size)]
     size: u64,
     /// Every client's `ClientOptions::busy_poll` (interrupt mode: how long
-    /// a waiter polls before it sleeps; "0s" = sleep at once).
-    #[arg(long, default_value = "50us", value_parser = duration)]
-    busy_poll: Duration,
+    /// a waiter polls before it sleeps; "0s" = sleep at once). Default:
+    /// the library's.
+    #[arg(long, value_parser = duration)]
+    busy_poll: Option<Duration>,
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -123,7 +124,7 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     fn connect(&self, opts: ClientOptions) -> Result<Client, lwio_client::Error> {
         let opts = ClientOptions {
-            busy_poll: self.a.busy_poll,
+            busy_poll: self.a.busy_poll.unwrap_or(opts.busy_poll),
             ..opts
         };
         Client::connect(&self.a.url, Some(&self.token), opts)
@@ -254,7 +255,7 @@ fn run(a: &Args) -> anyhow::Result<()> {
         "setup: file {} of {} MiB; idle and QD1 clients: default ClientOptions (completion interrupt, 16 credits asked); busy_poll {:?} on every client",
         a.file,
         a.size >> 20,
-        a.busy_poll
+        a.busy_poll.unwrap_or(ClientOptions::default().busy_poll)
     );
 
     // 1. QD1 alone.

@@ -41,7 +41,9 @@ pub fn connect_data(
     opts.connect_timeout = args.connect_timeout;
     opts.provider = args.provider;
     opts.device = args.device.clone();
-    opts.busy_poll = args.busy_poll;
+    if let Some(d) = args.busy_poll {
+        opts.busy_poll = d;
+    }
     lwio_client::Client::connect_with(&url.authority(), &side, opts)
         .map_err(|e| anyhow::anyhow!(describe(&e)))
 }

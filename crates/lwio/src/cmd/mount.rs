@@ -34,6 +34,10 @@ fn client_option(
     v: Option<String>,
 ) -> anyhow::Result<()> {
     let need = |v: Option<String>| v.ok_or_else(|| anyhow!("mount option {k:?}: needs a value"));
+    let duration = |v: Option<String>| {
+        let v = need(v)?;
+        parse_duration(&v).map_err(|e| anyhow!("mount option \"{k}={v}\": {e}"))
+    };
     match k {
         "provider" => {
             let v = need(v)?;
@@ -58,16 +62,8 @@ fn client_option(
         "no_tls" if v.is_none() => a.no_tls = true,
         "known_hosts" => a.known_hosts = Some(need(v)?.into()),
         "strict_host_key_checking" if v.is_none() => a.strict_host_key_checking = true,
-        "busy_poll" => {
-            let v = need(v)?;
-            a.busy_poll =
-                parse_duration(&v).map_err(|e| anyhow!("mount option \"busy_poll={v}\": {e}"))?
-        }
-        "connect_timeout" => {
-            let v = need(v)?;
-            a.connect_timeout = parse_duration(&v)
-                .map_err(|e| anyhow!("mount option \"connect_timeout={v}\": {e}"))?
-        }
+        "busy_poll" => a.busy_poll = Some(duration(v)?),
+        "connect_timeout" => a.connect_timeout = duration(v)?,
         _ => bail!(
             "mount option {:?}: unknown (see `lwio mount --help`)",
             match v {
