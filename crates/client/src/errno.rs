@@ -27,6 +27,12 @@ pub fn side(e: &lwio_side::Error) -> i32 {
         C::FrameTooLarge => E2BIG,
         C::NoSuchOffset => ENXIO,
         C::Locked => EAGAIN,
+        C::NotPermitted => EPERM,
+        C::CrossDevice => EXDEV,
+        C::TooManyLinks => EMLINK,
+        C::Loop => ELOOP,
+        C::FileTooLarge => EFBIG,
+        C::TextBusy => ETXTBSY,
         C::UnsupportedVersion | C::Io | C::Disconnected | C::ConnectFailed => EIO,
     }
 }
@@ -43,6 +49,7 @@ pub fn client(e: &crate::Error) -> i32 {
         E::Cancelled => EINTR,
         E::TimedOut(_) => ETIMEDOUT,
         E::Stale(_) => ESTALE,
+        E::Fs(e) => side(e),
         E::Status { status, .. } => match *status {
             STATUS_DISK_FULL => ENOSPC,
             STATUS_INVALID_HANDLE | STATUS_FILE_CLOSED => EBADF,

@@ -103,6 +103,10 @@ pub enum Error {
     Rdma(String),
     #[error("side channel: {0}")]
     Side(String),
+    /// The server's file system refused a call with this code (it maps to
+    /// one errno: `EEXIST`, `EPERM`, `ENAMETOOLONG`, …, errno.rs).
+    #[error("{0}")]
+    Fs(lwio_side::Error),
     #[error("I/O: {0}")]
     Io(String),
     /// The file is no longer the one that was opened: after a server
@@ -146,6 +150,18 @@ impl From<lwio_side::Error> for Error {
             ErrorCode::Disconnected => Error::ConnectionLost(m),
             ErrorCode::TimedOut => Error::TimedOut(m),
             ErrorCode::InvalidArgument => Error::InvalidArgument(m),
+            ErrorCode::Exists
+            | ErrorCode::NotADirectory
+            | ErrorCode::IsADirectory
+            | ErrorCode::NoSpace
+            | ErrorCode::DirectoryNotEmpty
+            | ErrorCode::NameTooLong
+            | ErrorCode::NotPermitted
+            | ErrorCode::CrossDevice
+            | ErrorCode::TooManyLinks
+            | ErrorCode::Loop
+            | ErrorCode::FileTooLarge
+            | ErrorCode::TextBusy => Error::Fs(e),
             _ => Error::Side(m),
         }
     }
@@ -547,6 +563,19 @@ impl Client {
     /// [`Client::open`] with the permission bits a created file gets (before
     /// the server's umask).
     pub fn open_mode(&self, path: &str, o: &OpenOptions, mode: u32) -> Result<File> {
+        self.open_as(path, o, mode, None)
+    }
+
+    /// [`Client::open_mode`] on behalf of `caller` (the ids an `identity =
+    /// "client"` export acts as: docs/mount.md, "Identities"); a reopen
+    /// after a server restart carries them too.
+    pub fn open_as(
+        &self,
+        path: &str,
+        o: &OpenOptions,
+        mode: u32,
+        caller: Option<lwio_side::types::Creds>,
+    ) -> Result<File> {
         let (export, rel) = self.split(path)?;
         let inner = &self.0;
         let channel = inner
@@ -557,7 +586,9 @@ impl Client {
         let (route, file_id) = inner.retry(|| {
             let epoch = inner.epoch.load(Ordering::Acquire);
             let reset = inner.reset.load(Ordering::Acquire);
-            let rf = inner.side_once(|s| s.open(&export, &rel, &o.0, mode))?;
+            let rf = inner.side_once(|s| {
+                s.as_caller(caller.as_ref(), |s| s.open(&export, &rel, &o.0, mode))
+            })?;
             let r = reconnect::register(inner, channel, &rf, o.0.no_buffering, epoch, reset)
                 .inspect_err(|_| {
                     let _ = inner.side_once(|s| s.close(rf.handle));
@@ -577,6 +608,7 @@ impl Client {
             path: rel,
             open: o.0,
             mode,
+            caller,
             file_id,
             no_buffering: o.0.no_buffering,
             closed: false,
@@ -933,6 +965,8 @@ pub struct File {
     /// same access, never create, truncate or exclusive).
     open: lwio_side::types::OpenOptions,
     mode: u32,
+    /// Whose ids it was opened with (a reopen uses them again).
+    caller: Option<lwio_side::types::Creds>,
     /// The server's identity of the file (0 = unknown).
     file_id: u64,
     no_buffering: bool,

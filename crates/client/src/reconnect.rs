@@ -372,7 +372,11 @@ impl File {
         o.create = false;
         o.truncate = false;
         o.exclusive = false;
-        let rf = match inner.side_once(|s| s.open(&self.export, &self.path, &o, self.mode)) {
+        let rf = match inner.side_once(|s| {
+            s.as_caller(self.caller.as_ref(), |s| {
+                s.open(&self.export, &self.path, &o, self.mode)
+            })
+        }) {
             Ok(rf) => rf,
             Err(Error::NotFound(_)) => {
                 return Err(Error::Stale(format!(

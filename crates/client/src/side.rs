@@ -13,7 +13,7 @@ use lwio_side::codec::*;
 use lwio_side::error::{Error, ErrorCode, Result};
 use lwio_side::negotiate::{self, NegotiateRequestRepr, NegotiateResponseRepr};
 use lwio_side::tls::SideStream;
-use lwio_side::types::{Attr, AttrX, DirEntry, OpenOptions, RemoveKind, SetAttr, StatFs};
+use lwio_side::types::{Attr, AttrX, Creds, DirEntry, OpenOptions, RemoveKind, SetAttr, StatFs};
 use lwio_side::SessionSecret;
 /// What an application needs to log in and secure the side channel.
 pub use lwio_side::{tls, ClientTls, Login, Token};
@@ -88,6 +88,8 @@ pub struct AsyncClient<S = SideStream> {
     session: Session,
     max_frame: u32,
     timeout: Duration,
+    /// Whose ids the requests carry ([`AsyncClient::set_caller`]).
+    caller: Option<Creds>,
 }
 
 fn lost(e: impl std::fmt::Display) -> Error {
@@ -146,6 +148,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
     ) -> Result<AsyncClient<S>> {
         let mut c = AsyncClient {
             stream,
+            caller: None,
             next_id: 1,
             session: Session {
                 id: 0,
@@ -289,11 +292,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         &self.session
     }
 
+    /// The requests from now on carry these ids (the calling process's:
+    /// what an `identity = "client"` export acts as, docs/mount.md,
+    /// "Identities"); `None` = none. Sent only to a server of protocol
+    /// [`CREDS_VERSION`] or later.
+    pub fn set_caller(&mut self, c: Option<Creds>) {
+        self.caller = c;
+    }
+
     /// Send one request and wait for its response; server errors become `Err`.
     pub async fn call(&mut self, req: Request) -> Result<Response> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1).max(1);
-        let body = req.encode(id);
+        let caller = self
+            .caller
+            .as_ref()
+            .filter(|_| self.session.version >= CREDS_VERSION);
+        let body = req.encode_as(id, caller);
         if body.len() > self.max_frame as usize {
             return Err(Error::new(ErrorCode::FrameTooLarge, "request too large"));
         }
@@ -776,6 +791,26 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         .await
     }
 
+    /// mknod(2): a FIFO, socket or (where the export allows) device node.
+    pub async fn mknod(&mut self, export: &str, path: &str, mode: u32, rdev: u64) -> Result<AttrX> {
+        self.attrx(Request::Mknod {
+            export: export.into(),
+            path: path.into(),
+            mode,
+            rdev,
+        })
+        .await
+    }
+
+    /// fsync(2) of a directory on the server.
+    pub async fn fsync_dir(&mut self, export: &str, path: &str) -> Result<()> {
+        self.ok(Request::FsyncDir {
+            export: export.into(),
+            path: path.into(),
+        })
+        .await
+    }
+
     pub async fn readlink(&mut self, export: &str, path: &str) -> Result<String> {
         match self
             .call(Request::Readlink {
@@ -878,6 +913,23 @@ impl Client {
 
     pub fn session(&self) -> &Session {
         self.inner.session()
+    }
+    /// See [`AsyncClient::set_caller`].
+    pub fn set_caller(&mut self, c: Option<Creds>) {
+        self.inner.set_caller(c)
+    }
+    /// `f` with the requests carrying `c`, then none again.
+    pub fn as_caller<T>(&mut self, c: Option<&Creds>, f: impl FnOnce(&mut Client) -> T) -> T {
+        self.inner.set_caller(c.cloned());
+        let r = f(self);
+        self.inner.set_caller(None);
+        r
+    }
+    pub fn mknod(&mut self, export: &str, path: &str, mode: u32, rdev: u64) -> Result<AttrX> {
+        self.rt.block_on(self.inner.mknod(export, path, mode, rdev))
+    }
+    pub fn fsync_dir(&mut self, export: &str, path: &str) -> Result<()> {
+        self.rt.block_on(self.inner.fsync_dir(export, path))
     }
     pub fn ping(&mut self) -> Result<()> {
         self.rt.block_on(self.inner.ping())

@@ -723,6 +723,10 @@ fn kind_name(k: FileKind) -> &'static str {
         FileKind::File => "file",
         FileKind::Dir => "directory",
         FileKind::Symlink => "symlink",
+        FileKind::Fifo => "fifo",
+        FileKind::Socket => "socket",
+        FileKind::CharDev => "character device",
+        FileKind::BlockDev => "block device",
         FileKind::Other => "other",
     }
 }
@@ -732,6 +736,10 @@ fn kind_char(k: FileKind) -> char {
         FileKind::File => '-',
         FileKind::Dir => 'd',
         FileKind::Symlink => 'l',
+        FileKind::Fifo => 'p',
+        FileKind::Socket => 's',
+        FileKind::CharDev => 'c',
+        FileKind::BlockDev => 'b',
         FileKind::Other => '?',
     }
 }

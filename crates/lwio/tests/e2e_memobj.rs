@@ -488,7 +488,7 @@ fn forged_paths_and_bad_names_are_refused() {
     }
     let r = a.publish(&long, a.register_buffer(4096).unwrap(), MemRights::ReadOnly);
     match r {
-        Err(Error::Side(m)) => assert!(m.contains("1..=128"), "{m}"),
+        Err(Error::Fs(e)) => assert!(e.message.contains("1..=128"), "{e}"),
         other => panic!("129-byte name: {:?}", other.map(|p| p.path().to_string())),
     }
     // 128 bytes is fine.

@@ -961,6 +961,7 @@ fn read_only_export_and_rename_across_file_systems() {
         path: path.to_path_buf(),
         read_only,
         allow_hardlinks: false,
+        ..Default::default()
     };
     let server = LocalServer::start_specs(
         vec![spec("rw", &rw, false), spec("ro", &ro, true)],

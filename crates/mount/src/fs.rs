@@ -18,6 +18,7 @@ use lwio_side::types::{
 };
 use tracing::{debug, warn};
 
+use crate::caller::{self, Acting};
 use crate::errno;
 use crate::inodes::{join, Inodes};
 use crate::leases::{split, Hit, LeaseCache, Listing};
@@ -196,6 +197,10 @@ fn kind_of(a: &AttrX) -> FileType {
     match a.kind {
         FileKind::Dir => FileType::Directory,
         FileKind::Symlink => FileType::Symlink,
+        FileKind::Fifo => FileType::NamedPipe,
+        FileKind::Socket => FileType::Socket,
+        FileKind::CharDev => FileType::CharDevice,
+        FileKind::BlockDev => FileType::BlockDevice,
         FileKind::File | FileKind::Other => FileType::RegularFile,
     }
 }
@@ -287,7 +292,12 @@ impl LwioFs {
         let mut tries = 0;
         let r = loop {
             let gen = self.shared.client_gen.load(Ordering::Acquire);
-            let r = self.client().side(|s| Ok(f(s)));
+            // The ids of the FUSE request this thread serves, if any
+            // (caller.rs).
+            let who = caller::current();
+            let r = self
+                .client()
+                .side(|s| Ok(s.as_caller(who.as_ref(), |s| f(s))));
             let lost = matches!(&r, Ok(Err(e)) if is_lost(e))
                 || matches!(&r, Err(lwio_client::Error::ConnectionLost(_)));
             if !lost || (tries > 0 && !self.shared.hard) || !self.shared.reconnect(gen) {
@@ -539,7 +549,7 @@ impl LwioFs {
             None => format!("{}/{path}", self.export),
         };
         client
-            .open_mode(&full, &o, create_mode.unwrap_or(0o644))
+            .open_as(&full, &o, create_mode.unwrap_or(0o644), caller::current())
             .map_err(|e| {
                 debug!(path, error = %e, "open");
                 errno::client(&e)
@@ -772,7 +782,8 @@ impl Filesystem for LwioFs {
         tracing::info!(stats = %self.stats.summary(), "unmounted");
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _as = Acting::of(req);
         Stats::add(&self.stats.lookups, 1);
         let path = match self.child(parent, name) {
             Ok(p) => p,
@@ -813,7 +824,8 @@ impl Filesystem for LwioFs {
         lock(&self.shared.inodes).forget(ino.0, nlookup);
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+    fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _as = Acting::of(req);
         // fstat of an open file asks by handle: right even after the name
         // was unlinked or renamed by someone else.
         if let (None, true, Ok(p)) = (fh, self.leasing(), self.path(ino)) {
@@ -836,7 +848,7 @@ impl Filesystem for LwioFs {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -852,6 +864,7 @@ impl Filesystem for LwioFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let _as = Acting::of(req);
         let r = (|| -> Res<AttrX> {
             if self.cfg.read_only {
                 return Err(libc::EROFS);
@@ -893,13 +906,14 @@ impl Filesystem for LwioFs {
 
     fn mkdir(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
         umask: u32,
         reply: ReplyEntry,
     ) {
+        let _as = Acting::of(req);
         let r = (|| -> Res<(String, AttrX)> {
             let path = self.child(parent, name)?;
             let export = &self.export;
@@ -914,22 +928,25 @@ impl Filesystem for LwioFs {
         }
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _as = Acting::of(req);
         self.remove(parent, name, RemoveKind::NotDir, reply)
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _as = Acting::of(req);
         self.remove(parent, name, RemoveKind::Dir, reply)
     }
 
     fn symlink(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         link_name: &OsStr,
         target: &std::path::Path,
         reply: ReplyEntry,
     ) {
+        let _as = Acting::of(req);
         let r = (|| -> Res<(String, AttrX)> {
             let path = self.child(parent, link_name)?;
             let target = target.to_str().ok_or(libc::EILSEQ)?;
@@ -946,12 +963,13 @@ impl Filesystem for LwioFs {
 
     fn link(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         newparent: INodeNo,
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        let _as = Acting::of(req);
         let r = (|| -> Res<(String, AttrX)> {
             let from = self.path(ino)?;
             let to = self.child(newparent, newname)?;
@@ -1136,7 +1154,8 @@ impl Filesystem for LwioFs {
         }
     }
 
-    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+    fn readlink(&self, req: &Request, ino: INodeNo, reply: ReplyData) {
+        let _as = Acting::of(req);
         let r = self.path(ino).and_then(|p| {
             let export = &self.export;
             self.side(|s| s.readlink(export, &p))
@@ -1149,7 +1168,7 @@ impl Filesystem for LwioFs {
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -1157,6 +1176,7 @@ impl Filesystem for LwioFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        let _as = Acting::of(req);
         let r = (|| -> Res<()> {
             let from = self.child(parent, name)?;
             let to = self.child(newparent, newname)?;
@@ -1206,7 +1226,8 @@ impl Filesystem for LwioFs {
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let _as = Acting::of(req);
         let r = self.path(ino).and_then(|p| {
             let f = self.open_path(&p, flags.0, None)?;
             if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
@@ -1225,7 +1246,7 @@ impl Filesystem for LwioFs {
 
     fn create(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -1233,6 +1254,7 @@ impl Filesystem for LwioFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        let _as = Acting::of(req);
         let r = (|| -> Res<(String, File, AttrX)> {
             let path = self.child(parent, name)?;
             let f = self.open_path(&path, flags, Some(mode & !umask & 0o7777))?;
@@ -1410,7 +1432,8 @@ impl Filesystem for LwioFs {
         }
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _as = Acting::of(req);
         let r = self.path(ino).and_then(|p| self.dir_listing(&p));
         match r {
             Ok((list, leased)) => {
@@ -1546,13 +1569,49 @@ impl Filesystem for LwioFs {
     fn fsyncdir(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        // Directory operations are synchronous on the server.
-        reply.ok();
+        // The server fsyncs the directory: the names created, removed and
+        // renamed in it are on its disk (docs/durability.md).
+        let export = &self.export;
+        match self
+            .path(ino)
+            .and_then(|p| self.side(|s| s.fsync_dir(export, &p)))
+        {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let _as = Acting::of(req);
+        let r = (|| -> Res<(String, AttrX)> {
+            if self.cfg.read_only {
+                return Err(libc::EROFS);
+            }
+            let path = self.child(parent, name)?;
+            let export = &self.export;
+            let mode = mode & libc::S_IFMT | mode & !umask & 0o7777;
+            let a = self.side(|s| s.mknod(export, &path, mode, u64::from(rdev)))?;
+            self.own_change(&path, Own::Is(&a));
+            Ok((path, a))
+        })();
+        match r {
+            Ok((p, a)) => self.entry(&p, &a, reply),
+            Err(e) => reply.error(err(e)),
+        }
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

@@ -12,6 +12,7 @@
 
 /// Errors as errno values (the client library's mapping).
 pub use lwio_client::errno;
+mod caller;
 pub mod fs;
 mod inodes;
 mod leases;

@@ -223,26 +223,122 @@ pub enum ProgressChoice {
 }
 
 /// One `[exports]` entry: a path, or a table with options.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExportEntry {
     Path(PathBuf),
-    Table {
-        path: PathBuf,
-        #[serde(default)]
-        read_only: bool,
-        /// Who may read: user names, `"*"` (any authenticated user),
-        /// `"anonymous"`. Default: everyone who can log in.
-        #[serde(default)]
-        readers: Option<Vec<String>>,
-        /// Who may write (and read). Default: everyone who can log in.
-        #[serde(default)]
-        writers: Option<Vec<String>>,
-        /// Open regular files that have more than one hard link (a hard
-        /// link may name a file outside the export). Default: refused.
-        #[serde(default)]
-        allow_hardlinks: bool,
-    },
+    Table(ExportTable),
+}
+
+/// `identity` of an export entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum IdentityKey {
+    /// Every call as the server's own uid and gid.
+    #[default]
+    Server,
+    /// Every call as the caller (docs/mount.md, "Identities").
+    Client,
+}
+
+fn yes() -> bool {
+    true
+}
+fn nobody() -> u32 {
+    crate::fs::ids::NOBODY
+}
+
+/// The table form of an export entry. An unknown key is an error, as
+/// everywhere in the file: a misspelt `readonly` must not leave an export
+/// writable.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportTable {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub read_only: bool,
+    /// Who may read: user names, `"*"` (any authenticated user),
+    /// `"anonymous"`. Default: everyone who can log in.
+    #[serde(default)]
+    pub readers: Option<Vec<String>>,
+    /// Who may write (and read). Default: everyone who can log in.
+    #[serde(default)]
+    pub writers: Option<Vec<String>>,
+    /// Open regular files that have more than one hard link (a hard
+    /// link may name a file outside the export). Default: refused.
+    #[serde(default)]
+    pub allow_hardlinks: bool,
+    /// `"server"` (default) or `"client"`.
+    #[serde(default)]
+    pub identity: IdentityKey,
+    /// exports(5): uid 0 acts as `anon_uid`. Default true.
+    #[serde(default = "yes")]
+    pub root_squash: bool,
+    /// exports(5): every caller acts as `anon_uid`. Default false.
+    #[serde(default)]
+    pub all_squash: bool,
+    #[serde(default = "nobody")]
+    pub anon_uid: u32,
+    #[serde(default = "nobody")]
+    pub anon_gid: u32,
+    /// Logins whose asserted uid and gid are believed (user names, `"*"`).
+    #[serde(default)]
+    pub trust_client_ids: Vec<String>,
+    /// Clients may create device nodes (default: EPERM).
+    #[serde(default)]
+    pub allow_devices: bool,
+}
+
+impl ExportTable {
+    fn new(path: PathBuf) -> ExportTable {
+        ExportTable {
+            path,
+            read_only: false,
+            readers: None,
+            writers: None,
+            allow_hardlinks: false,
+            identity: IdentityKey::Server,
+            root_squash: true,
+            all_squash: false,
+            anon_uid: nobody(),
+            anon_gid: nobody(),
+            trust_client_ids: Vec::new(),
+            allow_devices: false,
+        }
+    }
+
+    fn identity(&self) -> crate::fs::ids::Identity {
+        use crate::fs::ids::{Identity, IdentityMode};
+        Identity {
+            mode: match self.identity {
+                IdentityKey::Server => IdentityMode::Server,
+                IdentityKey::Client => IdentityMode::Client,
+            },
+            root_squash: self.root_squash,
+            all_squash: self.all_squash,
+            anon_uid: self.anon_uid,
+            anon_gid: self.anon_gid,
+            trust_client_ids: self.trust_client_ids.clone(),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ExportEntry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // Not `#[serde(untagged)]`: its one error ("did not match any
+        // variant") would hide which key of the table is wrong.
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Path(PathBuf),
+            Table(toml::Table),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Path(p) => Ok(ExportEntry::Path(p)),
+            Raw::Table(t) => ExportTable::deserialize(t)
+                .map(ExportEntry::Table)
+                .map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 /// One `[users.NAME]` entry: an argon2id password hash and/or a per-user
@@ -254,6 +350,11 @@ pub struct UserEntry {
     pub password: Option<String>,
     /// `lwio-token1$…` verifier of the user's token.
     pub token: Option<String>,
+    /// The uid this user's calls run as on `identity = "client"` exports
+    /// that do not trust its asserted ids (`trust_client_ids`).
+    pub uid: Option<u32>,
+    /// Its gid there (default: `uid`).
+    pub gid: Option<u32>,
 }
 
 /// The whole file.
@@ -368,12 +469,19 @@ impl Config {
         }
         self.user_db()?;
         for (name, e) in &self.exports {
-            if let ExportEntry::Table {
-                readers, writers, ..
-            } = e
-            {
-                for (what, list) in [("readers", readers), ("writers", writers)] {
+            if let ExportEntry::Table(t) = e {
+                let trust = Some(t.trust_client_ids.clone());
+                for (what, list) in [
+                    ("readers", &t.readers),
+                    ("writers", &t.writers),
+                    ("trust_client_ids", &trust),
+                ] {
                     for who in list.iter().flatten() {
+                        if what == "trust_client_ids" && who == ANONYMOUS {
+                            return Err(ConfigError(format!(
+                                "exports.{name}.trust_client_ids: anonymous sessions cannot be trusted with ids (they act as anon_uid)"
+                            )));
+                        }
                         if who != ANY_USER && who != ANONYMOUS && !self.users.contains_key(who) {
                             return Err(ConfigError(format!(
                                 "exports.{name}.{what}: unknown user {who:?} (define [users.{who}], or use \"*\" or \"anonymous\")"
@@ -434,25 +542,18 @@ impl Config {
     /// Add or replace an export (command-line `--export` overrides the file;
     /// an export replaced this way keeps the file's access lists).
     pub fn set_export(&mut self, spec: &ExportSpec) {
-        let (readers, writers, allow_hardlinks) = match self.exports.get(&spec.name) {
-            Some(ExportEntry::Table {
-                readers,
-                writers,
-                allow_hardlinks,
-                ..
-            }) => (readers.clone(), writers.clone(), *allow_hardlinks),
-            _ => (None, None, spec.allow_hardlinks),
+        let mut t = match self.exports.get(&spec.name) {
+            Some(ExportEntry::Table(t)) => t.clone(),
+            _ => {
+                let mut t = ExportTable::new(spec.path.clone());
+                t.allow_hardlinks = spec.allow_hardlinks;
+                t
+            }
         };
-        self.exports.insert(
-            spec.name.clone(),
-            ExportEntry::Table {
-                path: spec.path.clone(),
-                read_only: spec.read_only,
-                readers,
-                writers,
-                allow_hardlinks,
-            },
-        );
+        t.path = spec.path.clone();
+        t.read_only = spec.read_only;
+        self.exports
+            .insert(spec.name.clone(), ExportEntry::Table(t));
     }
 
     /// The configured users with parsed credentials.
@@ -460,6 +561,11 @@ impl Config {
         let mut db = UserDb::new();
         for (name, u) in &self.users {
             validate_user_name(name).map_err(|e| ConfigError(format!("users.{name}: {e}")))?;
+            if u.gid.is_some() && u.uid.is_none() {
+                return Err(ConfigError(format!(
+                    "users.{name}: gid without uid: give uid too"
+                )));
+            }
             if u.password.is_none() && u.token.is_none() {
                 return Err(ConfigError(format!(
                     "users.{name}: give `password` (an argon2id hash) and/or `token` (a token verifier), both from `lwio hash-password`"
@@ -481,6 +587,7 @@ impl Config {
                 UserCredentials {
                     password: u.password.clone(),
                     token,
+                    ids: u.uid.map(|uid| (uid, u.gid.unwrap_or(uid))),
                 },
             );
         }
@@ -494,9 +601,9 @@ impl Config {
             .map(|(name, e)| {
                 let acl = match e {
                     ExportEntry::Path(_) => Acl::default(),
-                    ExportEntry::Table {
-                        readers, writers, ..
-                    } => Acl::from_lists(readers.as_deref(), writers.as_deref()),
+                    ExportEntry::Table(t) => {
+                        Acl::from_lists(t.readers.as_deref(), t.writers.as_deref())
+                    }
                 };
                 (name.clone(), acl)
             })
@@ -511,19 +618,15 @@ impl Config {
                 ExportEntry::Path(p) => ExportSpec {
                     name: name.clone(),
                     path: p.clone(),
-                    read_only: false,
-                    allow_hardlinks: false,
+                    ..ExportSpec::default()
                 },
-                ExportEntry::Table {
-                    path,
-                    read_only,
-                    allow_hardlinks,
-                    ..
-                } => ExportSpec {
+                ExportEntry::Table(t) => ExportSpec {
                     name: name.clone(),
-                    path: path.clone(),
-                    read_only: *read_only,
-                    allow_hardlinks: *allow_hardlinks,
+                    path: t.path.clone(),
+                    read_only: t.read_only,
+                    allow_hardlinks: t.allow_hardlinks,
+                    identity: t.identity(),
+                    allow_devices: t.allow_devices,
                 },
             })
             .collect()

@@ -11,11 +11,19 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, ErrorCode};
 use crate::types::{
-    Attr, AttrX, FileKind, RemoveKind, SetAttr, SetTime, StatFs, RENAME_EXCHANGE, RENAME_NOREPLACE,
+    Attr, AttrX, Creds, FileKind, RemoveKind, SetAttr, SetTime, StatFs, MAX_GROUPS,
+    RENAME_EXCHANGE, RENAME_NOREPLACE,
 };
 
 /// Side-channel protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The first version whose requests may carry the caller's credentials
+/// ([`FLAG_CREDS`]), with `Mknod`, `FsyncDir` and the file kinds 5-8
+/// (docs/side-channel.md §2). A session of version 1 gets none of them.
+pub const CREDS_VERSION: u16 = 2;
+/// Body-header flag: the caller's credentials ([`Creds`]) follow the id:
+/// `uid: u32 | gid: u32 | ngroups: u16 | groups: u32 × ngroups`.
+pub const FLAG_CREDS: u16 = 0x0001;
 /// Oldest version this build accepts.
 pub const MIN_PROTOCOL_VERSION: u16 = 1;
 /// Magic at the start of Hello payloads: ASCII `LWSC`.
@@ -340,6 +348,22 @@ pub enum Request {
         seen: u64,
         timeout_ms: u32,
     },
+    /// mknod(2) of a FIFO, socket or device node (`mode` carries the
+    /// `S_IFMT` type and the permission bits; `rdev` the device number).
+    /// Devices only where the export allows them. Answered by `AttrX`.
+    /// Protocol 2.
+    Mknod {
+        export: String,
+        path: String,
+        mode: u32,
+        rdev: u64,
+    },
+    /// fsync(2) of a directory: its entries (creates, removes, renames in
+    /// it) are on the server's disk when this is answered Ok. Protocol 2.
+    FsyncDir {
+        export: String,
+        path: String,
+    },
 }
 
 /// Memory-object grants (`Publish::rights`).
@@ -489,6 +513,8 @@ pub mod ty {
     pub const WAIT_WRITES: u16 = 0x0025;
     pub const RESUME: u16 = 0x0026;
     pub const REKEY: u16 = 0x0027;
+    pub const MKNOD: u16 = 0x0028;
+    pub const FSYNC_DIR: u16 = 0x0029;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
@@ -750,16 +776,35 @@ impl<'a> R<'a> {
     }
 }
 
-/// Body header: (type, id, payload).
+/// Body header: (type, id, payload); the credentials of a request that
+/// carries them are skipped (see [`Request::decode_as`]).
 pub fn split_body(body: &[u8]) -> Result<(u16, u32, &[u8]), DecodeError> {
+    split_head(body).map(|(t, id, _, payload)| (t, id, payload))
+}
+
+/// A body split: (type, id, credentials, payload).
+type Head<'a> = (u16, u32, Option<Creds>, &'a [u8]);
+
+/// Body header with its optional credentials.
+fn split_head(body: &[u8]) -> Result<Head<'_>, DecodeError> {
     let mut r = R { b: body };
     let t = r.u16()?;
     let flags = r.u16()?;
-    if flags != 0 {
+    if flags & !FLAG_CREDS != 0 {
         return Err(DecodeError("unknown flags"));
     }
     let id = r.u32()?;
-    Ok((t, id, r.b))
+    let creds = if flags & FLAG_CREDS != 0 {
+        let (uid, gid, n) = (r.u32()?, r.u32()?, r.u16()? as usize);
+        if n > MAX_GROUPS {
+            return Err(DecodeError("too many groups in credentials"));
+        }
+        let groups = (0..n).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
+        Some(Creds { uid, gid, groups })
+    } else {
+        None
+    };
+    Ok((t, id, creds, r.b))
 }
 
 /// Serialised size of one full-attribute listing entry (for paging).
@@ -1093,13 +1138,58 @@ impl Request {
                 w.u64(*seen);
                 w.u32(*timeout_ms);
             }
+            Request::Mknod {
+                export,
+                path,
+                mode,
+                rdev,
+            } => {
+                w = W::head(ty::MKNOD, id);
+                w.str(export);
+                w.str(path);
+                w.u32(*mode);
+                w.u64(*rdev);
+            }
+            Request::FsyncDir { export, path } => {
+                w = W::head(ty::FSYNC_DIR, id);
+                w.str(export);
+                w.str(path);
+            }
         }
         w.0
     }
 
-    /// Decode a frame body: (id, request).
+    /// Encode with the caller's credentials in the body header
+    /// ([`FLAG_CREDS`]; only to a peer of [`CREDS_VERSION`] or later).
+    /// Groups past [`MAX_GROUPS`] are left out.
+    pub fn encode_as(&self, id: u32, creds: Option<&Creds>) -> Vec<u8> {
+        let body = self.encode(id);
+        let Some(c) = creds else { return body };
+        let groups = &c.groups[..c.groups.len().min(MAX_GROUPS)];
+        let mut w = W(Vec::with_capacity(body.len() + 10 + 4 * groups.len()));
+        w.raw(&body[..2]);
+        w.u16(FLAG_CREDS);
+        w.raw(&body[4..BODY_HEADER_LEN]);
+        w.u32(c.uid);
+        w.u32(c.gid);
+        w.u16(groups.len() as u16);
+        for g in groups {
+            w.u32(*g);
+        }
+        w.raw(&body[BODY_HEADER_LEN..]);
+        w.0
+    }
+
+    /// Decode a frame body: (id, request); credentials, if any, are
+    /// dropped (see [`Request::decode_as`]).
     pub fn decode(body: &[u8]) -> Result<(u32, Request), DecodeError> {
-        let (t, id, payload) = split_body(body)?;
+        Request::decode_as(body).map(|(id, _, req)| (id, req))
+    }
+
+    /// Decode a frame body: (id, the caller's credentials if the header
+    /// carries them, request). What the server runs.
+    pub fn decode_as(body: &[u8]) -> Result<(u32, Option<Creds>, Request), DecodeError> {
+        let (t, id, creds, payload) = split_head(body)?;
         let mut r = R { b: payload };
         let req = match t {
             ty::HELLO => {
@@ -1333,14 +1423,50 @@ impl Request {
                 seen: r.u64()?,
                 timeout_ms: r.u32()?,
             },
+            ty::MKNOD => Request::Mknod {
+                export: r.str()?,
+                path: r.str()?,
+                mode: r.u32()?,
+                rdev: r.u64()?,
+            },
+            ty::FSYNC_DIR => Request::FsyncDir {
+                export: r.str()?,
+                path: r.str()?,
+            },
             _ => return Err(DecodeError("unknown request type")),
         };
         r.end()?;
-        Ok((id, req))
+        Ok((id, creds, req))
     }
 }
 
 impl Response {
+    /// The response as a peer of protocol `version` can decode it: file
+    /// kinds past 4 (FIFOs, sockets, devices: [`CREDS_VERSION`]) become
+    /// `Other` for a version-1 peer.
+    pub fn for_version(mut self, version: u16) -> Response {
+        if version >= CREDS_VERSION {
+            return self;
+        }
+        match &mut self {
+            Response::Error(e) => e.code = e.code.for_v1(),
+            Response::Attr(a) => a.kind = a.kind.for_v1(),
+            Response::AttrX(a) => a.kind = a.kind.for_v1(),
+            Response::DirPage { entries, .. } => {
+                for e in entries {
+                    e.attr.kind = e.attr.kind.for_v1();
+                }
+            }
+            Response::DirPageX { entries, .. } => {
+                for (_, a) in entries {
+                    a.kind = a.kind.for_v1();
+                }
+            }
+            _ => {}
+        }
+        self
+    }
+
     /// Encode as a frame body answering request `id`.
     pub fn encode(&self, id: u32) -> Vec<u8> {
         let mut w;
@@ -1499,7 +1625,10 @@ impl Response {
     /// Decode a frame body: (id, response). Unknown error codes decode as
     /// [`ErrorCode::Io`] with the number in the message.
     pub fn decode(body: &[u8]) -> Result<(u32, Response), DecodeError> {
-        let (t, id, payload) = split_body(body)?;
+        let (t, id, creds, payload) = split_head(body)?;
+        if creds.is_some() {
+            return Err(DecodeError("credentials in a response"));
+        }
         let mut r = R { b: payload };
         let resp = match t {
             ty::OK => Response::Ok,

@@ -55,11 +55,26 @@ pub enum ErrorCode {
     NoSuchOffset = 26,
     /// A byte-range lock conflicts with another owner's (EAGAIN).
     Locked = 27,
+    /// The caller may not do this (EPERM: not the owner, the sticky bit,
+    /// a device node the export does not allow), where `PermissionDenied`
+    /// is EACCES (mode bits). Protocol 2; a version-1 peer is sent
+    /// `PermissionDenied`.
+    NotPermitted = 28,
+    /// Across file systems (EXDEV). Protocol 2 (version 1: `Unsupported`).
+    CrossDevice = 29,
+    /// Too many links (EMLINK). Protocol 2 (version 1: `Io`).
+    TooManyLinks = 30,
+    /// Too many levels of symbolic links (ELOOP). Protocol 2 (version 1: `Io`).
+    Loop = 31,
+    /// File too large (EFBIG). Protocol 2 (version 1: `NoSpace`).
+    FileTooLarge = 32,
+    /// Text file busy (ETXTBSY). Protocol 2 (version 1: `Busy`).
+    TextBusy = 33,
 }
 
 impl ErrorCode {
     /// All codes, for tests and docs.
-    pub const ALL: [ErrorCode; 27] = [
+    pub const ALL: [ErrorCode; 33] = [
         ErrorCode::BadRequest,
         ErrorCode::NotFound,
         ErrorCode::PermissionDenied,
@@ -87,6 +102,12 @@ impl ErrorCode {
         ErrorCode::ConnectFailed,
         ErrorCode::NoSuchOffset,
         ErrorCode::Locked,
+        ErrorCode::NotPermitted,
+        ErrorCode::CrossDevice,
+        ErrorCode::TooManyLinks,
+        ErrorCode::Loop,
+        ErrorCode::FileTooLarge,
+        ErrorCode::TextBusy,
     ];
 
     pub fn from_u16(v: u16) -> Option<ErrorCode> {
@@ -119,6 +140,12 @@ impl ErrorCode {
             ErrorCode::ConnectFailed => K::ConnectionRefused,
             ErrorCode::NoSuchOffset => K::InvalidInput,
             ErrorCode::Locked => K::WouldBlock,
+            ErrorCode::NotPermitted => K::PermissionDenied,
+            ErrorCode::CrossDevice => K::CrossesDevices,
+            ErrorCode::TooManyLinks => K::TooManyLinks,
+            ErrorCode::Loop => K::Other,
+            ErrorCode::FileTooLarge => K::FileTooLarge,
+            ErrorCode::TextBusy => K::ExecutableFileBusy,
         }
     }
 
@@ -152,6 +179,12 @@ impl ErrorCode {
             ErrorCode::ConnectFailed => "cannot connect",
             ErrorCode::NoSuchOffset => "no data or hole at or after the offset",
             ErrorCode::Locked => "locked by another owner",
+            ErrorCode::NotPermitted => "operation not permitted",
+            ErrorCode::CrossDevice => "across file systems",
+            ErrorCode::TooManyLinks => "too many links",
+            ErrorCode::Loop => "too many levels of symbolic links",
+            ErrorCode::FileTooLarge => "file too large",
+            ErrorCode::TextBusy => "text file busy",
         }
     }
 
@@ -159,11 +192,17 @@ impl ErrorCode {
     pub fn from_errno(errno: i32) -> ErrorCode {
         match errno {
             libc::ENOENT => ErrorCode::NotFound,
-            libc::EACCES | libc::EPERM => ErrorCode::PermissionDenied,
+            libc::EACCES => ErrorCode::PermissionDenied,
+            libc::EPERM => ErrorCode::NotPermitted,
+            libc::EXDEV => ErrorCode::CrossDevice,
+            libc::EMLINK => ErrorCode::TooManyLinks,
+            libc::ELOOP => ErrorCode::Loop,
+            libc::EFBIG => ErrorCode::FileTooLarge,
+            libc::ETXTBSY => ErrorCode::TextBusy,
             libc::EEXIST => ErrorCode::Exists,
             libc::ENOTDIR => ErrorCode::NotADirectory,
             libc::EISDIR => ErrorCode::IsADirectory,
-            libc::ENOSPC | libc::EDQUOT | libc::EFBIG => ErrorCode::NoSpace,
+            libc::ENOSPC | libc::EDQUOT => ErrorCode::NoSpace,
             libc::ENOTEMPTY => ErrorCode::DirectoryNotEmpty,
             libc::EMFILE | libc::ENFILE => ErrorCode::TooManyOpenFiles,
             libc::EINVAL => ErrorCode::InvalidArgument,
@@ -174,6 +213,20 @@ impl ErrorCode {
             libc::ETIMEDOUT => ErrorCode::TimedOut,
             libc::ENXIO => ErrorCode::NoSuchOffset,
             _ => ErrorCode::Io,
+        }
+    }
+}
+
+impl ErrorCode {
+    /// The code as a protocol-1 peer knows it (codes 1-27).
+    pub fn for_v1(self) -> ErrorCode {
+        match self {
+            ErrorCode::NotPermitted => ErrorCode::PermissionDenied,
+            ErrorCode::CrossDevice => ErrorCode::Unsupported,
+            ErrorCode::TooManyLinks | ErrorCode::Loop => ErrorCode::Io,
+            ErrorCode::FileTooLarge => ErrorCode::NoSpace,
+            ErrorCode::TextBusy => ErrorCode::Busy,
+            c => c,
         }
     }
 }

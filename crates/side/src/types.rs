@@ -8,7 +8,17 @@ pub enum FileKind {
     File = 1,
     Dir = 2,
     Symlink = 3,
+    /// Anything a protocol-1 peer cannot name (and devices' kinds below
+    /// are sent as this to it).
     Other = 4,
+    /// A FIFO (named pipe). Protocol 2.
+    Fifo = 5,
+    /// A Unix-domain socket. Protocol 2.
+    Socket = 6,
+    /// A character device. Protocol 2.
+    CharDev = 7,
+    /// A block device. Protocol 2.
+    BlockDev = 8,
 }
 
 impl FileKind {
@@ -18,6 +28,10 @@ impl FileKind {
             2 => Some(FileKind::Dir),
             3 => Some(FileKind::Symlink),
             4 => Some(FileKind::Other),
+            5 => Some(FileKind::Fifo),
+            6 => Some(FileKind::Socket),
+            7 => Some(FileKind::CharDev),
+            8 => Some(FileKind::BlockDev),
             _ => None,
         }
     }
@@ -26,9 +40,52 @@ impl FileKind {
             libc::S_IFREG => FileKind::File,
             libc::S_IFDIR => FileKind::Dir,
             libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFIFO => FileKind::Fifo,
+            libc::S_IFSOCK => FileKind::Socket,
+            libc::S_IFCHR => FileKind::CharDev,
+            libc::S_IFBLK => FileKind::BlockDev,
             _ => FileKind::Other,
         }
     }
+
+    /// The `S_IFMT` bits of this kind (0 for `Other`).
+    pub fn mode_bits(self) -> u32 {
+        match self {
+            FileKind::File => libc::S_IFREG,
+            FileKind::Dir => libc::S_IFDIR,
+            FileKind::Symlink => libc::S_IFLNK,
+            FileKind::Fifo => libc::S_IFIFO,
+            FileKind::Socket => libc::S_IFSOCK,
+            FileKind::CharDev => libc::S_IFCHR,
+            FileKind::BlockDev => libc::S_IFBLK,
+            FileKind::Other => 0,
+        }
+    }
+
+    /// The kind as a protocol-1 peer knows it (kinds 1-4).
+    pub fn for_v1(self) -> FileKind {
+        match self {
+            FileKind::File | FileKind::Dir | FileKind::Symlink | FileKind::Other => self,
+            _ => FileKind::Other,
+        }
+    }
+}
+
+/// The most supplementary groups a request's credentials carry (NFS's
+/// AUTH_SYS carries 16; Linux allows 65,536: a caller in more is sent with
+/// its first 64, docs/mount.md "Identities").
+pub const MAX_GROUPS: usize = 64;
+
+/// Who a request acts for: the calling process's uid, gid and
+/// supplementary groups, as the client's kernel gave them (FUSE) or as
+/// the client process has them. What the server does with them is the
+/// export's `identity` policy (docs/mount.md, "Identities").
+#[derive(Debug, Clone, PartialEq, Eq, Default, Hash)]
+pub struct Creds {
+    pub uid: u32,
+    pub gid: u32,
+    /// At most [`MAX_GROUPS`].
+    pub groups: Vec<u32>,
 }
 
 /// File attributes returned by stat and listings.

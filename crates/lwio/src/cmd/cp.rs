@@ -187,7 +187,11 @@ impl Clients<'_> {
                             }
                             k => k,
                         },
-                        FileKind::Other => Kind::Other,
+                        FileKind::Other
+                        | FileKind::Fifo
+                        | FileKind::Socket
+                        | FileKind::CharDev
+                        | FileKind::BlockDev => Kind::Other,
                     };
                     out.push((e.name, k));
                 }

@@ -599,6 +599,7 @@ mod tests {
             path: dir.path().to_path_buf(),
             read_only: false,
             allow_hardlinks: false,
+            ..Default::default()
         };
         let mut ex = Export::open(&spec, ResolveMode::Auto).unwrap();
         if !handles {

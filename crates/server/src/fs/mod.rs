@@ -31,6 +31,7 @@
 
 pub mod backend;
 pub mod fdcache;
+pub mod ids;
 pub mod table;
 
 use std::collections::BTreeMap;
@@ -70,13 +71,17 @@ pub fn serve_fifos_for_tests(on: bool) {
 }
 
 /// `NAME=PATH` plus options, as configured.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ExportSpec {
     pub name: String,
     pub path: PathBuf,
     pub read_only: bool,
     /// Open regular files with more than one hard link (default: refused).
     pub allow_hardlinks: bool,
+    /// Whose ids the calls run as (docs/mount.md, "Identities").
+    pub identity: ids::Identity,
+    /// Clients may create device nodes (default: `EPERM`).
+    pub allow_devices: bool,
 }
 
 impl std::str::FromStr for ExportSpec {
@@ -92,8 +97,7 @@ impl std::str::FromStr for ExportSpec {
         Ok(ExportSpec {
             name: name.to_string(),
             path: PathBuf::from(path),
-            read_only: false,
-            allow_hardlinks: false,
+            ..ExportSpec::default()
         })
     }
 }
@@ -540,6 +544,10 @@ pub struct Export {
     pub read_only: bool,
     /// Open regular files with `st_nlink > 1`.
     pub allow_hardlinks: bool,
+    /// Whose ids the calls run as.
+    pub identity: ids::Identity,
+    /// Clients may create device nodes.
+    pub allow_devices: bool,
     root_fd: OwnedFd,
     openat2: bool,
     /// Open files can be reopened by file handle (the mount id of the
@@ -591,6 +599,8 @@ impl Export {
             root: spec.path.clone(),
             read_only: spec.read_only,
             allow_hardlinks: spec.allow_hardlinks,
+            identity: spec.identity.clone(),
+            allow_devices: spec.allow_devices,
             root_fd: fd,
             openat2,
             handles,
@@ -1065,6 +1075,93 @@ impl Export {
         Ok(AttrX::from_stat(&st))
     }
 
+    /// Whether `set` only clears S_ISUID and S_ISGID of the file at
+    /// `path` and the caller (the thread's ids) may write the file: what a
+    /// client's kernel asks, with the writer's ids, before a write by
+    /// someone other than the owner (file_remove_privs), and what the
+    /// local kernel does for any writer (docs/mount.md, "Identities").
+    pub fn only_kills_privileges(&self, path: &str, set: &SetAttr) -> Result<bool> {
+        let Some(new) = set.mode else {
+            return Ok(false);
+        };
+        if set.uid.is_some()
+            || set.gid.is_some()
+            || set.size.is_some()
+            || set.atime.is_some()
+            || set.mtime.is_some()
+        {
+            return Ok(false);
+        }
+        let cur = self.statx(path, false)?;
+        let bits = libc::S_ISUID | libc::S_ISGID;
+        if cur.kind != FileKind::File
+            || new & !bits != cur.perm & !bits
+            || new & bits & !(cur.perm & bits) != 0
+            || new == cur.perm
+        {
+            return Ok(false);
+        }
+        let comps = split_rel_path(path)?;
+        let (dir, name) = self.resolve_parent(&comps)?;
+        Ok(rustix::fs::accessat(
+            &dir,
+            name.as_c_str(),
+            rustix::fs::Access::WRITE_OK,
+            rustix::fs::AtFlags::EACCESS | rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .is_ok())
+    }
+
+    /// mknod(2) at `path`: a FIFO or socket (or an empty regular file);
+    /// a character or block device only where the export sets
+    /// `allow_devices` (else `NotPermitted`, EPERM).
+    pub fn mknod(&self, path: &str, mode: u32, rdev: u64) -> Result<AttrX> {
+        self.check_writable()?;
+        let comps = split_rel_path(path)?;
+        match mode & libc::S_IFMT {
+            libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFREG => {}
+            libc::S_IFCHR | libc::S_IFBLK if self.allow_devices => {}
+            libc::S_IFCHR | libc::S_IFBLK => {
+                return Err(Error::new(
+                    ErrorCode::NotPermitted,
+                    format!(
+                        "{}: export {} does not allow device nodes (allow_devices)",
+                        self.describe(&comps),
+                        self.name
+                    ),
+                ))
+            }
+            _ => {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("{}: mknod of mode {mode:#o}", self.describe(&comps)),
+                ))
+            }
+        }
+        let (dir, name) = self.resolve_parent(&comps)?;
+        let mode = mode & (libc::S_IFMT | 0o7777);
+        // SAFETY: a valid dirfd and NUL-terminated name; integers otherwise.
+        if unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), mode, rdev as libc::dev_t) } != 0
+        {
+            return Err(Error::from_errno(errno(), self.describe(&comps)));
+        }
+        let st = fstatat_nofollow(dir.as_raw_fd(), &name)
+            .map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
+        Ok(AttrX::from_stat(&st))
+    }
+
+    /// fsync(2) of the directory at `path`: the names created, removed
+    /// and renamed in it are on disk when this returns.
+    pub fn fsync_dir(&self, path: &str) -> Result<()> {
+        let comps = split_rel_path(path)?;
+        let fd = self.resolve(&comps, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
+        // SAFETY: a valid descriptor we own.
+        if unsafe { libc::fsync(fd.as_raw_fd()) } != 0 {
+            return Err(Error::from_errno(errno(), self.describe(&comps)));
+        }
+        Ok(())
+    }
+
     /// The target of the symbolic link at `path`.
     pub fn readlink(&self, path: &str) -> Result<String> {
         let comps = split_rel_path(path)?;
@@ -1355,6 +1452,15 @@ impl Exports {
                 return Err(Error::new(
                     ErrorCode::InvalidArgument,
                     format!("export {} is defined twice", s.name),
+                ));
+            }
+            if s.identity.mode == ids::IdentityMode::Client && !ids::can_switch() {
+                return Err(Error::new(
+                    ErrorCode::PermissionDenied,
+                    format!(
+                        "export {}: identity = \"client\" needs a server that may act as other users (root, or CAP_SETUID and CAP_SETGID); use identity = \"server\" otherwise",
+                        s.name
+                    ),
                 ));
             }
             map.insert(s.name.clone(), Arc::new(Export::open(s, mode)?));

@@ -40,6 +40,7 @@ fn export(f: &Fixture, mode: ResolveMode) -> Export {
         path: f.root.clone(),
         read_only: false,
         allow_hardlinks: false,
+        ..Default::default()
     };
     Export::open(&spec, mode).unwrap()
 }
@@ -102,6 +103,7 @@ fn missing_root_and_duplicates() {
         path: f.root.clone(),
         read_only: false,
         allow_hardlinks: false,
+        ..Default::default()
     };
     let e = Exports::open(&[s.clone(), s], ResolveMode::Auto).unwrap_err();
     assert!(e.message.contains("twice"));
@@ -259,6 +261,7 @@ fn hard_links_are_refused_unless_allowed() {
             path: f.root.clone(),
             read_only: false,
             allow_hardlinks: true,
+            ..Default::default()
         };
         let allowed = Export::open(&spec, m).unwrap();
         let mut of = allowed.open_file("hl", &RO, 0).unwrap();
@@ -273,6 +276,7 @@ fn hard_links_are_refused_unless_allowed() {
         path: f.root.clone(),
         read_only: false,
         allow_hardlinks: true,
+        ..Default::default()
     };
     let allowed = Export::open(&spec, ResolveMode::Auto).unwrap();
     assert_eq!(allowed.open_file("hl", &rw_trunc, 0).unwrap().size, 0);
@@ -367,6 +371,7 @@ fn open_rights() {
         path: f.root.clone(),
         read_only: true,
         allow_hardlinks: false,
+        ..Default::default()
     };
     let ro = Export::open(&spec, ResolveMode::Auto).unwrap();
     assert!(ro.open_file("t", &RO, 0).is_ok());
@@ -517,7 +522,7 @@ fn file_system_ops_never_leave_the_export_or_follow_a_final_link() {
         // Hard links only where allowed.
         assert_eq!(
             e.link("sub/file.txt", "hard").unwrap_err().code,
-            ErrorCode::PermissionDenied
+            ErrorCode::NotPermitted
         );
         assert!(!f.root.join("hard").exists());
         // Rename flags.
@@ -555,6 +560,7 @@ fn file_system_ops_never_leave_the_export_or_follow_a_final_link() {
         path: f.root.clone(),
         read_only: false,
         allow_hardlinks: true,
+        ..Default::default()
     };
     let e = Export::open(&spec, ResolveMode::Auto).unwrap();
     let a = e.link("sub/file.txt", "hard").unwrap();

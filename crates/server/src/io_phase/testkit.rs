@@ -20,6 +20,7 @@ fn one(root: &Path, export: &str) -> ExportSpec {
         path: root.to_path_buf(),
         read_only: false,
         allow_hardlinks: false,
+        ..Default::default()
     }
 }
 

@@ -186,6 +186,9 @@ pub struct UserCredentials {
     /// argon2id PHC string.
     pub password: Option<String>,
     pub token: Option<TokenVerifier>,
+    /// `uid`/`gid` from the config: what the user's calls run as on
+    /// `identity = "client"` exports that do not trust its ids.
+    pub ids: Option<(u32, u32)>,
 }
 
 /// Configured users by name.

@@ -24,8 +24,9 @@ mod security_tests;
 #[cfg(test)]
 mod tests;
 
+use crate::fs::ids::{as_caller, Caller, Creds};
 use crate::fs::table::Rights;
-use crate::fs::OpenOptions;
+use crate::fs::{Export, OpenOptions};
 use crate::server::{NegotiatedClient, ServerState, SessionInfo, Shutdown};
 use access::Principal;
 use admission::ConnGuard;
@@ -252,6 +253,9 @@ async fn serve_session<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let mut phase = Phase::Hello;
+    // The protocol version the Hello settled (1 until then): what the
+    // responses may carry (`Response::for_version`).
+    let mut version = 1;
     let max = state.limits.max_frame;
     debug!(%peer, tls, "connection");
     loop {
@@ -299,7 +303,7 @@ async fn serve_session<S>(
                 break;
             }
         };
-        let (id, req) = match Request::decode(&body) {
+        let (id, creds, req) = match Request::decode_as(&body) {
             Ok(x) => x,
             Err(e) => {
                 warn!(%peer, error = %e, "bad request; closing session");
@@ -334,7 +338,11 @@ async fn serve_session<S>(
                 }
             }
         }
-        let (resp, close) = step(&state, &mut phase, peer, tls, req).await;
+        let (resp, close) = step(&state, &mut phase, peer, tls, creds, req).await;
+        if let Response::Hello { version: v, .. } = &resp {
+            version = *v;
+        }
+        let resp = resp.for_version(version);
         if matches!(phase, Phase::Ready { .. }) {
             if let Some(g) = guard.as_mut() {
                 g.authenticated();
@@ -388,6 +396,7 @@ async fn step(
     phase: &mut Phase,
     peer: SocketAddr,
     tls: bool,
+    creds: Option<Creds>,
     req: Request,
 ) -> (Response, bool) {
     match (&*phase, req) {
@@ -496,7 +505,7 @@ async fn step(
             // touches, and makes no grants there until it is done.
             let change = touches(state, session, &principal, &req);
             let _breaking = state.leases.break_for(session, change).await;
-            match handle(state, session, &principal, req).await {
+            match handle(state, session, &principal, creds.as_ref(), req).await {
                 Ok(r) => (r, false),
                 Err(e) => {
                     debug!(session, code = ?e.code, error = %e, "request failed");
@@ -656,6 +665,38 @@ where
         .unwrap_or_else(|e| Err(Error::new(ErrorCode::Io, format!("internal error: {e}"))))
 }
 
+/// [`blocking`], as `ids` (`None`: as the server) for the whole call.
+async fn blocking_as<T, F>(ids: Option<Creds>, f: F) -> Result<T, Error>
+where
+    F: FnOnce() -> Result<T, Error> + Send + 'static,
+    T: Send + 'static,
+{
+    blocking(move || as_caller(ids.as_ref(), f)).await
+}
+
+/// The ids a call of `who` on `ex` runs as (docs/mount.md,
+/// "Identities"): `None` on an `identity = "server"` export.
+fn ids_for(
+    state: &ServerState,
+    who: &Principal,
+    creds: Option<&Creds>,
+    ex: &Export,
+) -> Result<Option<Creds>, Error> {
+    let configured = match who {
+        Principal::User(u) => state.security.users.get(u).and_then(|c| c.ids),
+        _ => None,
+    };
+    ex.identity.resolve(
+        &ex.name,
+        &Caller {
+            login: (*who != Principal::Anonymous).then(|| who.name()),
+            is_user: matches!(who, Principal::User(_)),
+            asserted: creds,
+            configured,
+        },
+    )
+}
+
 /// The directories a request changes (docs/leases.md, "What breaks a
 /// lease"): none for a request that changes nothing, or that its sender may
 /// not make (it fails without touching anything, and breaks nothing).
@@ -694,6 +735,7 @@ fn touches(state: &ServerState, session: u64, who: &Principal, req: &Request) ->
         | Request::Remove2 { export, path, .. }
         | Request::SetAttr { export, path, .. }
         | Request::Symlink { export, path, .. }
+        | Request::Mknod { export, path, .. }
             if may_write(export) =>
         {
             parent(&mut c, export, path)
@@ -915,8 +957,15 @@ async fn handle(
     state: &Arc<ServerState>,
     session: u64,
     who: &Principal,
+    creds: Option<&Creds>,
     req: Request,
 ) -> Result<Response, Error> {
+    // The export a request names, and the ids its call runs as.
+    let export_as = |export: &str| -> Result<(Arc<Export>, Option<Creds>), Error> {
+        let ex = state.exports.get(export)?.clone();
+        let ids = ids_for(state, who, creds, &ex)?;
+        Ok((ex, ids))
+    };
     if let Some(r) = mem::intercept(state, session, who, &req) {
         return r;
     }
@@ -969,9 +1018,9 @@ async fn handle(
             cookie,
         } => {
             check(state, who, &export, READ)?;
-            let ex = state.exports.get(&export)?.clone();
+            let (ex, ids) = export_as(&export)?;
             let budget = (state.limits.max_frame as usize).saturating_sub(64);
-            blocking(move || {
+            blocking_as(ids, move || {
                 let all: Vec<WireDirEntry> = ex
                     .list(&path)?
                     .into_iter()
@@ -990,8 +1039,8 @@ async fn handle(
         }
         Request::Stat { export, path } => {
             check(state, who, &export, READ)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || Ok(Response::Attr(ex.stat(&path)?))).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || Ok(Response::Attr(ex.stat(&path)?))).await
         }
         Request::Open {
             export,
@@ -1014,7 +1063,7 @@ async fn handle(
                 write: o.write || o.create || o.truncate,
             };
             check(state, who, &export, need)?;
-            let ex = state.exports.get(&export)?.clone();
+            let (ex, ids) = export_as(&export)?;
             if state.open_files.session_len(session) >= state.limits.max_open_files_per_session {
                 return Err(Error::new(
                     ErrorCode::TooManyOpenFiles,
@@ -1026,7 +1075,7 @@ async fn handle(
             }
             let st = state.clone();
             blocking(move || {
-                let opened = ex.open_file(&path, &o, mode)?;
+                let opened = as_caller(ids.as_ref(), || ex.open_file(&path, &o, mode))?;
                 let size = opened.size;
                 let rights = Rights {
                     read: o.read,
@@ -1046,8 +1095,8 @@ async fn handle(
         }
         Request::Remove { export, path } => {
             check(state, who, &export, WRITE)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || ex.remove(&path).map(|_| Response::Ok)).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || ex.remove(&path).map(|_| Response::Ok)).await
         }
         Request::Rename {
             export,
@@ -1056,8 +1105,11 @@ async fn handle(
             replace,
         } => {
             check(state, who, &export, WRITE)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || ex.rename(&from, &to, replace).map(|_| Response::Ok)).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || {
+                ex.rename(&from, &to, replace).map(|_| Response::Ok)
+            })
+            .await
         }
         Request::Mkdir {
             export,
@@ -1066,8 +1118,11 @@ async fn handle(
             parents,
         } => {
             check(state, who, &export, WRITE)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || ex.mkdir(&path, mode, parents).map(|_| Response::Ok)).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || {
+                ex.mkdir(&path, mode, parents).map(|_| Response::Ok)
+            })
+            .await
         }
         Request::SetSize { handle, size } => {
             let f = state.open_files.get(handle, session)?;
@@ -1077,10 +1132,14 @@ async fn handle(
                     "set-size needs a file opened for writing",
                 ));
             }
+            // As the caller: a truncate by another user clears S_ISUID.
+            let (_, ids) = export_as(&f.export)?;
             blocking(move || {
-                f.fd()?
-                    .set_len(size)
-                    .map_err(|e| Error::from_io(&e, format!("{}/{}", f.export, f.path)))?;
+                let fd = f.fd()?;
+                as_caller(ids.as_ref(), || {
+                    fd.set_len(size)
+                        .map_err(|e| Error::from_io(&e, format!("{}/{}", f.export, f.path)))
+                })?;
                 Ok(Response::Ok)
             })
             .await
@@ -1104,9 +1163,9 @@ async fn handle(
             cookie,
         } => {
             check(state, who, &export, READ)?;
-            let ex = state.exports.get(&export)?.clone();
+            let (ex, ids) = export_as(&export)?;
             let budget = (state.limits.max_frame as usize).saturating_sub(64);
-            blocking(move || {
+            blocking_as(ids, move || {
                 let all = ex.list_x(&path)?;
                 let (page, next_cookie) = page(&all, cookie, budget, |e| dir_entry_x_len(&e.0));
                 Ok(Response::DirPageX {
@@ -1122,8 +1181,8 @@ async fn handle(
             follow,
         } => {
             check(state, who, &export, READ)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || Ok(Response::AttrX(ex.statx(&path, follow)?))).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || Ok(Response::AttrX(ex.statx(&path, follow)?))).await
         }
         Request::StatHandle { handle } => {
             let f = state.open_files.get(handle, session)?;
@@ -1138,8 +1197,25 @@ async fn handle(
         }
         Request::SetAttr { export, path, set } => {
             check(state, who, &export, WRITE)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || Ok(Response::AttrX(ex.set_attr(&path, &set)?))).await
+            let (ex, ids) = export_as(&export)?;
+            blocking(move || {
+                let r = as_caller(ids.as_ref(), || ex.set_attr(&path, &set));
+                let a = match r {
+                    // A writer's kernel clears the set-id bits of the file
+                    // it writes by a chmod as the writer; the local kernel
+                    // lets any writer do that much.
+                    Err(e) if e.code == ErrorCode::NotPermitted && ids.is_some() => {
+                        if as_caller(ids.as_ref(), || ex.only_kills_privileges(&path, &set))? {
+                            ex.set_attr(&path, &set)?
+                        } else {
+                            return Err(e);
+                        }
+                    }
+                    r => r?,
+                };
+                Ok(Response::AttrX(a))
+            })
+            .await
         }
         Request::SetAttrHandle { handle, set } => {
             let f = state.open_files.get(handle, session)?;
@@ -1158,13 +1234,16 @@ async fn handle(
                     "set-size needs a file opened for writing",
                 ));
             }
+            let (_, ids) = export_as(&f.export)?;
             blocking(move || {
                 let what = format!("{}/{}", f.export, f.path);
-                Ok(Response::AttrX(crate::fs::set_attr_fd(
-                    f.fd()?.as_raw_fd(),
-                    &set,
-                    &what,
-                )?))
+                // The descriptor first, as the server (a reopen may need
+                // its rights), then the change as the caller.
+                let fd = f.fd()?;
+                let a = as_caller(ids.as_ref(), || {
+                    crate::fs::set_attr_fd(fd.as_raw_fd(), &set, &what)
+                })?;
+                Ok(Response::AttrX(a))
             })
             .await
         }
@@ -1222,8 +1301,8 @@ async fn handle(
         }
         Request::Link { export, from, to } => {
             check(state, who, &export, WRITE)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || Ok(Response::AttrX(ex.link(&from, &to)?))).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || Ok(Response::AttrX(ex.link(&from, &to)?))).await
         }
         Request::Fallocate {
             handle,
@@ -1273,13 +1352,16 @@ async fn handle(
             target,
         } => {
             check(state, who, &export, WRITE)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || Ok(Response::AttrX(ex.symlink(&path, &target)?))).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || {
+                Ok(Response::AttrX(ex.symlink(&path, &target)?))
+            })
+            .await
         }
         Request::Readlink { export, path } => {
             check(state, who, &export, READ)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || Ok(Response::Target(ex.readlink(&path)?))).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || Ok(Response::Target(ex.readlink(&path)?))).await
         }
         // Any logged-in session: aggregate counters, no names or paths.
         Request::Stats => Ok(Response::Metrics(crate::metrics::render(state))),
@@ -1290,8 +1372,11 @@ async fn handle(
         }
         Request::Remove2 { export, path, kind } => {
             check(state, who, &export, WRITE)?;
-            let ex = state.exports.get(&export)?.clone();
-            blocking(move || ex.remove_kind(&path, kind).map(|_| Response::Ok)).await
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || {
+                ex.remove_kind(&path, kind).map(|_| Response::Ok)
+            })
+            .await
         }
         Request::Rename2 {
             export,
@@ -1300,8 +1385,30 @@ async fn handle(
             flags,
         } => {
             check(state, who, &export, WRITE)?;
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || {
+                ex.rename_flags(&from, &to, flags).map(|_| Response::Ok)
+            })
+            .await
+        }
+        Request::Mknod {
+            export,
+            path,
+            mode,
+            rdev,
+        } => {
+            check(state, who, &export, WRITE)?;
+            let (ex, ids) = export_as(&export)?;
+            blocking_as(ids, move || {
+                Ok(Response::AttrX(ex.mknod(&path, mode, rdev)?))
+            })
+            .await
+        }
+        Request::FsyncDir { export, path } => {
+            // As the server: a sync reveals and changes nothing.
+            check(state, who, &export, READ)?;
             let ex = state.exports.get(&export)?.clone();
-            blocking(move || ex.rename_flags(&from, &to, flags).map(|_| Response::Ok)).await
+            blocking(move || ex.fsync_dir(&path).map(|_| Response::Ok)).await
         }
         Request::LeaseDir { export, path, want } => {
             check(state, who, &export, READ)?;

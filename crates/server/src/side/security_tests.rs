@@ -46,6 +46,7 @@ fn users() -> UserDb {
         UserCredentials {
             password: Some(hash_password("alice-pw")),
             token: None,
+            ids: None,
         },
     );
     db.insert(
@@ -53,6 +54,7 @@ fn users() -> UserDb {
         UserCredentials {
             password: Some(hash_password("bob-pw")),
             token: Some(TokenVerifier::from_token(BOB_TOKEN.as_bytes())),
+            ids: None,
         },
     );
     db
@@ -84,6 +86,7 @@ async fn start(limits: Limits, anonymous: bool, security: Security) -> Running {
         path: dir.path().join(n),
         read_only: false,
         allow_hardlinks: false,
+        ..Default::default()
     };
     let opts = ServerOptions {
         listen: "127.0.0.1:0".into(),

@@ -34,6 +34,7 @@ async fn start(limits: Limits, anonymous: bool) -> Running {
             path: dir.path().join("data"),
             read_only: false,
             allow_hardlinks: false,
+            ..Default::default()
         }],
         auth: AuthPolicy {
             token: Some(Token::new(TOKEN).unwrap()),

@@ -194,6 +194,16 @@ fn all_requests() -> Vec<Request> {
             seen: 3,
             timeout_ms: 1000,
         },
+        Request::Mknod {
+            export: "e".into(),
+            path: "p".into(),
+            mode: libc::S_IFIFO | 0o640,
+            rdev: 0,
+        },
+        Request::FsyncDir {
+            export: "e".into(),
+            path: "d".into(),
+        },
     ]
 }
 
@@ -532,11 +542,14 @@ fn strictness() {
         DecodeError("trailing bytes")
     );
     let mut b = Request::Ping.encode(1);
-    b[2] = 1;
+    b[2] = 4;
     assert_eq!(
         Request::decode(&b).unwrap_err(),
         DecodeError("unknown flags")
     );
+    // FLAG_CREDS with no credentials after the id.
+    b[2] = 1;
+    assert_eq!(Request::decode(&b).unwrap_err(), DecodeError("truncated"));
     let b = Request::Rename {
         export: "e".into(),
         from: "a".into(),
@@ -702,4 +715,123 @@ fn opened_without_file_id_decodes_as_unknown() {
     let (id, r) = Response::decode(old).unwrap();
     assert_eq!(id, 5);
     assert!(matches!(r, Response::Opened { file_id: 0, .. }), "{r:?}");
+}
+
+#[test]
+fn golden_credentials_and_mknod() {
+    let c = Creds {
+        uid: 1000,
+        gid: 0x0102,
+        groups: vec![7, 0x0a0b0c0d],
+    };
+    let req = Request::FsyncDir {
+        export: "e".into(),
+        path: "d".into(),
+    };
+    let b = req.encode_as(9, Some(&c));
+    assert_eq!(
+        b,
+        [
+            0x29, 0x00, // type FSYNC_DIR
+            0x01, 0x00, // flags: FLAG_CREDS
+            9, 0, 0, 0, // id
+            0xe8, 0x03, 0, 0, // uid 1000
+            0x02, 0x01, 0, 0, // gid
+            2, 0, // two groups
+            7, 0, 0, 0, 0x0d, 0x0c, 0x0b, 0x0a, // groups
+            1, 0, b'e', 1, 0, b'd', // export, path
+        ]
+    );
+    assert_eq!(
+        Request::decode_as(&b).unwrap(),
+        (9, Some(c.clone()), req.clone())
+    );
+    // Without credentials the bytes are protocol 1's.
+    assert_eq!(req.encode_as(9, None), req.encode(9));
+    assert_eq!(Request::decode_as(&req.encode(9)).unwrap(), (9, None, req));
+    let m = Request::Mknod {
+        export: "e".into(),
+        path: "p".into(),
+        mode: libc::S_IFIFO | 0o640,
+        rdev: 0x0102,
+    }
+    .encode(1);
+    let mut want = vec![0x28, 0, 0, 0, 1, 0, 0, 0, 1, 0, b'e', 1, 0, b'p'];
+    want.extend_from_slice(&(libc::S_IFIFO | 0o640).to_le_bytes());
+    want.extend_from_slice(&0x0102u64.to_le_bytes());
+    assert_eq!(m, want);
+}
+
+#[test]
+fn credentials_are_bounded_and_requests_only() {
+    let many = Creds {
+        uid: 1,
+        gid: 1,
+        groups: (0..200).collect(),
+    };
+    let b = Request::Ping.encode_as(1, Some(&many));
+    let (_, c, _) = Request::decode_as(&b).unwrap();
+    assert_eq!(
+        c.unwrap().groups,
+        (0..MAX_GROUPS as u32).collect::<Vec<_>>()
+    );
+    // A header claiming more groups than allowed is refused.
+    let mut bad = Request::Ping.encode(1);
+    bad[2] = 1;
+    bad.extend_from_slice(&[1, 0, 0, 0, 1, 0, 0, 0]);
+    bad.extend_from_slice(&((MAX_GROUPS as u16) + 1).to_le_bytes());
+    bad.extend(std::iter::repeat_n(0, 4 * (MAX_GROUPS + 1)));
+    assert_eq!(
+        Request::decode_as(&bad).unwrap_err(),
+        DecodeError("too many groups in credentials")
+    );
+    // Credentials cut short, and unknown flags.
+    let b = Request::Ping.encode_as(1, Some(&many));
+    assert!(Request::decode_as(&b[..12]).is_err());
+    let mut f = Request::Ping.encode(1);
+    f[2] = 2;
+    assert_eq!(
+        Request::decode_as(&f).unwrap_err(),
+        DecodeError("unknown flags")
+    );
+    // A response never carries credentials.
+    let mut r = Response::Ok.encode(1);
+    r[2] = 1;
+    r.extend_from_slice(&[0; 10]);
+    assert!(Response::decode(&r).is_err());
+}
+
+#[test]
+fn new_kinds_reach_a_version_1_peer_as_other() {
+    let mut a = attrx();
+    a.kind = FileKind::Fifo;
+    let r = Response::AttrX(a);
+    assert_eq!(r.clone().for_version(CREDS_VERSION), r);
+    let Response::AttrX(old) = r.for_version(1) else {
+        panic!()
+    };
+    assert_eq!(old.kind, FileKind::Other);
+    let page = Response::DirPageX {
+        entries: vec![(
+            "s".into(),
+            AttrX {
+                kind: FileKind::Socket,
+                ..attrx()
+            },
+        )],
+        next_cookie: 0,
+    };
+    let Response::DirPageX { entries, .. } = page.for_version(1) else {
+        panic!()
+    };
+    assert_eq!(entries[0].1.kind, FileKind::Other);
+    for k in [
+        FileKind::Fifo,
+        FileKind::Socket,
+        FileKind::CharDev,
+        FileKind::BlockDev,
+    ] {
+        assert_eq!(FileKind::from_mode(k.mode_bits() | 0o644), k);
+        assert_eq!(FileKind::from_u8(k as u8), Some(k));
+    }
 }
