@@ -1552,8 +1552,28 @@ impl File {
         self.retry(|r| self.client.0.side_once(|s| s.fsync(r.handle, true)))
     }
 
+    /// A side-channel call on this open file's handle (fstat, fchmod,
+    /// fallocate, a lock, …). When the connection is lost under it, the
+    /// client connects again, the file is registered (or reopened) on the
+    /// new session, and the call is made again with the file's new
+    /// handle. The outer error is the connection's; the inner one is the
+    /// server's answer, with its code.
+    pub fn side<T>(
+        &self,
+        mut f: impl FnMut(&mut crate::side::Client, u64) -> lwio_side::Result<T>,
+    ) -> Result<lwio_side::Result<T>> {
+        self.retry(|r| {
+            self.client.0.side_once(|s| match f(s, r.handle) {
+                // Lost: through `retry`, which reconnects and reopens.
+                Err(e) if e.code == ErrorCode::Disconnected => Err(e),
+                answer => Ok(answer),
+            })
+        })
+    }
+
     /// The side-channel handle of this open file (for side-channel calls
-    /// that act on an open file, through [`Client::side`]).
+    /// that act on an open file, through [`Client::side`]; [`File::side`]
+    /// keeps it current across a reconnect).
     pub fn handle(&self) -> u64 {
         self.now().handle
     }

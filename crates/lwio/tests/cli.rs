@@ -350,6 +350,31 @@ fn serve_errors() {
         .assert()
         .failure()
         .stderr(predicate::str::contains("unknown field"));
+    // A misspelt key inside an export's table (readonly for read_only)
+    // is refused too: the server does not start, and says which key.
+    let data = d.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen = \"127.0.0.1:0\"\n[exports]\ndata = {{ path = \"{}\", readonly = true }}\n",
+            data.display()
+        ),
+    )
+    .unwrap();
+    lwio()
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .arg("--token-file")
+        .arg(d.path().join("t"))
+        .timeout(std::time::Duration::from_secs(20))
+        .assert()
+        .failure()
+        .stderr(
+            one_line_error()
+                .and(predicate::str::contains("unknown field `readonly`"))
+                .and(predicate::str::contains("read_only")),
+        );
 }
 
 #[test]

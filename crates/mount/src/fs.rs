@@ -329,25 +329,25 @@ impl LwioFs {
         lock(&self.shared.inodes).path(ino.0).ok_or(libc::ENOENT)
     }
 
-    /// The side-channel handle of a file open on node `ino`, for a node
-    /// whose name is gone (unlinked while open).
-    fn open_handle_of(&self, ino: INodeNo) -> Option<u64> {
+    /// A file open on node `ino`, for a node whose name is gone (unlinked
+    /// while open).
+    fn open_file_of(&self, ino: INodeNo) -> Option<Arc<File>> {
         lock(&self.files)
             .values()
             .find(|o| o.ino == ino.0)
-            .map(|o| o.current().handle())
+            .map(|o| o.current())
     }
 
-    /// The server handle to act on for `ino`: the given open file, else
-    /// (for a node with no name left) any file open on it; None: by path.
-    fn handle_for(&self, ino: INodeNo, fh: Option<FileHandle>) -> Res<Option<u64>> {
+    /// The open file to act on for `ino`: the given one, else (for a node
+    /// with no name left) any file open on it; None: by path.
+    fn file_for(&self, ino: INodeNo, fh: Option<FileHandle>) -> Res<Option<Arc<File>>> {
         if let Some(Ok(f)) = fh.map(|fh| self.file(fh)) {
-            return Ok(Some(f.handle()));
+            return Ok(Some(f));
         }
         if lock(&self.shared.inodes).path(ino.0).is_some() {
             return Ok(None);
         }
-        self.open_handle_of(ino).map(Some).ok_or(libc::ENOENT)
+        self.open_file_of(ino).map(Some).ok_or(libc::ENOENT)
     }
 
     fn child(&self, parent: INodeNo, name: &OsStr) -> Res<String> {
@@ -419,6 +419,28 @@ impl LwioFs {
         let o = self.entry_of(fh)?;
         self.fresh(&o)?;
         Ok(o.current())
+    }
+
+    /// A side-channel call on open file `f`'s handle, counted: the handle
+    /// stays right across a reconnect (the call is made again on the
+    /// reopened file, [`File::side`]).
+    fn on_file<T>(
+        &self,
+        f: &File,
+        call: impl FnMut(&mut lwio_client::side::Client, u64) -> lwio_side::Result<T>,
+    ) -> Res<T> {
+        Stats::add(&self.stats.side_calls, 1);
+        match f.side(call) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                debug!(error = %e, "side channel");
+                Err(errno::side(&e))
+            }
+            Err(e) => {
+                warn!(error = %e, "side channel");
+                Err(errno::client(&e))
+            }
+        }
     }
 
     /// Reopen `o` on the current client if it belongs to an older one.
@@ -838,8 +860,8 @@ impl Filesystem for LwioFs {
                 }
             }
         }
-        let r = match self.handle_for(ino, fh) {
-            Ok(Some(h)) => self.side(|s| s.stat_handle(h)),
+        let r = match self.file_for(ino, fh) {
+            Ok(Some(f)) => self.on_file(&f, |s, h| s.stat_handle(h)),
             Ok(None) => self.path(ino).and_then(|p| self.stat(&p)),
             Err(e) => Err(e),
         };
@@ -888,8 +910,8 @@ impl Filesystem for LwioFs {
                 atime: t(atime),
                 mtime: t(mtime),
             };
-            let a = match self.handle_for(ino, fh)? {
-                Some(h) => self.side(|s| s.set_attr_handle(h, &set))?,
+            let a = match self.file_for(ino, fh)? {
+                Some(f) => self.on_file(&f, |s, h| s.set_attr_handle(h, &set))?,
                 None => {
                     let path = self.path(ino)?;
                     let export = &self.export;
@@ -1008,8 +1030,7 @@ impl Filesystem for LwioFs {
             if mode as u32 & !lwio_side::codec::FALLOC_KNOWN != 0 {
                 return Err(libc::EOPNOTSUPP);
             }
-            let h = f.handle();
-            self.side(|s| s.fallocate(h, mode as u32, offset, length))
+            self.on_file(&f, |s, h| s.fallocate(h, mode as u32, offset, length))
         });
         if let Ok(p) = self.path(ino) {
             self.own_change(&p, Own::Stale);
@@ -1038,8 +1059,7 @@ impl Filesystem for LwioFs {
                 _ => return Err(libc::EINVAL),
             };
             let off = u64::try_from(offset).map_err(|_| libc::ENXIO)?;
-            let h = f.handle();
-            self.side(|s| s.seek(h, off, w))
+            self.on_file(&f, |s, h| s.seek(h, off, w))
         });
         match r {
             Ok(o) => reply.offset(o as i64),
@@ -1089,9 +1109,8 @@ impl Filesystem for LwioFs {
         reply: fuser::ReplyLock,
     ) {
         let r = self.file(fh).and_then(|f| {
-            let h = f.handle();
             let (kind, len) = lock_args(typ, start, end)?;
-            self.side(|s| s.test_lock(h, lock_owner.0, kind, start, len))
+            self.on_file(&f, |s, h| s.test_lock(h, lock_owner.0, kind, start, len))
         });
         match r {
             Ok(None) => reply.locked(start, end, libc::F_UNLCK, 0),
@@ -1127,7 +1146,6 @@ impl Filesystem for LwioFs {
         reply: ReplyEmpty,
     ) {
         let r = self.file(fh).and_then(|f| {
-            let h = f.handle();
             let (kind, len) = lock_args(typ, start, end)?;
             if kind != 0 {
                 lock(&self.lockers)
@@ -1139,7 +1157,7 @@ impl Filesystem for LwioFs {
             // this mount's side channel); we retry, backing off to 50 ms.
             let mut nap = Duration::from_millis(1);
             loop {
-                match self.side(|s| s.lock(h, lock_owner.0, kind, start, len)) {
+                match self.on_file(&f, |s, h| s.lock(h, lock_owner.0, kind, start, len)) {
                     Err(libc::EAGAIN) if sleep => {
                         std::thread::sleep(nap);
                         nap = (nap * 2).min(Duration::from_millis(50));
@@ -1334,8 +1352,7 @@ impl Filesystem for LwioFs {
                 .get_mut(&fh.0)
                 .is_some_and(|o| o.remove(&lock_owner.0));
             if had {
-                let h = f.handle();
-                self.side(|s| s.lock(h, lock_owner.0, 0, 0, 0))?;
+                self.on_file(&f, |s, h| s.lock(h, lock_owner.0, 0, 0, 0))?;
             }
             Ok(())
         });

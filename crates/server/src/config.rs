@@ -813,6 +813,55 @@ mod tests {
     }
 
     #[test]
+    fn unknown_keys_are_refused_in_every_table() {
+        for (text, key) in [
+            (
+                "[exports]\ndata = { path = \"/d\", readonly = true }",
+                "readonly",
+            ),
+            ("[exports.data]\npath = \"/d\"\nwriter = [\"*\"]", "writer"),
+            (
+                "[exports]\ndata = { path = \"/d\", identity = \"client\", rootsquash = false }",
+                "rootsquash",
+            ),
+            ("[users.alice]\npasswd = \"x\"", "passwd"),
+            ("[limits]\nmax_sesions = 1", "max_sesions"),
+            ("[io]\nworker = 1", "worker"),
+            ("[rdma]\nprogres = \"engine\"", "progres"),
+        ] {
+            let e = Config::from_toml(text).unwrap_err();
+            assert!(
+                e.0.contains(&format!("unknown field `{key}`")),
+                "{text}: {e}"
+            );
+            assert!(!e.0.contains('\n'), "one line: {e}");
+        }
+        // The keys that exist are taken.
+        let c = Config::from_toml(
+            "[users.alice]\ntoken = \"lwio-token1$00$00\"\nuid = 1000\n[exports]\ndata = { path = \"/d\", identity = \"client\", trust_client_ids = [\"alice\"], all_squash = true, anon_uid = 7, anon_gid = 8, allow_devices = true }",
+        );
+        // (The token verifier above is malformed on purpose: the error
+        // names it, not an unknown key.)
+        assert!(c.unwrap_err().0.contains("users.alice.token"));
+        let c = Config::from_toml(
+            "[exports]\ndata = { path = \"/d\", identity = \"client\", trust_client_ids = [\"*\"], root_squash = false, anon_uid = 7, allow_devices = true }",
+        )
+        .unwrap();
+        let spec = &c.export_specs()[0];
+        assert_eq!(spec.identity.mode, crate::fs::ids::IdentityMode::Client);
+        assert!(!spec.identity.root_squash && spec.allow_devices);
+        assert_eq!((spec.identity.anon_uid, spec.identity.anon_gid), (7, 65534));
+        let e = Config::from_toml("[exports]\ndata = { path = \"/d\", identity = \"root\" }")
+            .unwrap_err();
+        assert!(e.0.contains("unknown variant `root`"), "{e}");
+        let e = Config::from_toml(
+            "[exports]\ndata = { path = \"/d\", identity = \"client\", trust_client_ids = [\"mallory\"] }",
+        )
+        .unwrap_err();
+        assert!(e.0.contains("unknown user \"mallory\""), "{e}");
+    }
+
+    #[test]
     fn errors_are_readable() {
         let e = Config::from_toml("listn = \"x\"").unwrap_err();
         assert!(e.0.contains("unknown field"), "{e}");
