@@ -17,6 +17,7 @@
 #             an untrusted login cannot assert ids: it is refused, or acts
 #             as its configured uid whatever it asserts.
 #   fsyncdir  fsync(2) of a directory on the mount fsyncs it on the server.
+#   cli       lwio cp sends its process's ids: a file it writes is its user's.
 #   postgres  PostgreSQL from Debian as its own user: initdb -k, pgbench,
 #             pg_amcheck --heapallindexed, pg_checksums -c; then again with
 #             the server SIGKILLed and restarted during pgbench.
@@ -175,6 +176,21 @@ EOF
   fi
 }
 
+case_cli() {
+  # lwio cp sends its process's ids, as an NFS client does: run by uid
+  # 2001 with the trusted login, the file it writes is 2001's.
+  install -o 2001 -g 2001 -m 600 "$W/dave.pw" "$W/dave-2001.pw"
+  install -o 2001 -g 2001 -m 644 /etc/hostname "$W/src-2001"
+  local kh=$W/kh-2001; cp "$LWIO_KNOWN_HOSTS" "$kh" 2>/dev/null; touch "$kh"; chown 2001 "$kh"
+  if setpriv --reuid=2001 --regid=2001 --clear-groups env HOME="$W" LWIO_KNOWN_HOSTS="$kh" LWIO_FINGERPRINT="$FP" \
+    "$LWIO" cp --provider soft --user dave --password-file "$W/dave-2001.pw" "$W/src-2001" "$URL/data/by-cli" 2>"$W/cli.err" &&
+    [ "$(stat -c %u:%g "$W/data/by-cli")" = 2001:2001 ] && cmp -s "$W/src-2001" "$W/data/by-cli"; then
+    pass "cli: lwio cp run by uid 2001 writes a file of 2001:2001, byte for byte"
+  else
+    fail cli "$(cat "$W/cli.err"); $(stat -c %u:%g "$W/data/by-cli" 2>&1)"
+  fi
+}
+
 pg() { # as the postgres user
   setpriv --reuid=postgres --regid=postgres --init-groups env -i PATH="$PGBIN:/usr/bin:/bin" HOME=/tmp "$@"
 }
@@ -230,7 +246,7 @@ case_postgres() {
   fi
 }
 
-CASES=(${@:-posix squash fsyncdir postgres})
+CASES=(${@:-posix squash fsyncdir cli postgres})
 for c in "${CASES[@]}"; do
   T0=$(date +%s); RUN=$((RUN + 1))
   "case_$c"

@@ -35,6 +35,28 @@ pub struct ClientOptions {
     pub tls: ClientTls,
     /// Send a password even over plain TCP (the server must allow it too).
     pub allow_plain_password: bool,
+    /// The ids the requests carry (what an `identity = "client"` export
+    /// acts as, for a login it trusts): by default this process's real
+    /// uid, gid and groups, as an NFS client sends its caller's.
+    pub caller: Option<Creds>,
+}
+
+/// This process's real uid and gid and its supplementary groups.
+pub fn process_ids() -> Creds {
+    // SAFETY: getuid/getgid cannot fail; getgroups with size 0 only counts.
+    let (uid, gid, n) = unsafe {
+        (
+            libc::getuid(),
+            libc::getgid(),
+            libc::getgroups(0, std::ptr::null_mut()),
+        )
+    };
+    let mut groups = vec![0; n.max(0) as usize];
+    // SAFETY: the kernel writes at most `groups.len()` gids into it.
+    let m = unsafe { libc::getgroups(groups.len() as libc::c_int, groups.as_mut_ptr()) };
+    groups.truncate(m.max(0) as usize);
+    groups.truncate(lwio_side::types::MAX_GROUPS);
+    Creds { uid, gid, groups }
 }
 
 impl ClientOptions {
@@ -47,6 +69,7 @@ impl ClientOptions {
             max_frame: HARD_MAX_FRAME,
             tls: ClientTls::Off,
             allow_plain_password: false,
+            caller: Some(process_ids()),
         }
     }
 }
@@ -148,7 +171,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
     ) -> Result<AsyncClient<S>> {
         let mut c = AsyncClient {
             stream,
-            caller: None,
+            caller: opts.caller.clone(),
             next_id: 1,
             session: Session {
                 id: 0,
@@ -918,11 +941,13 @@ impl Client {
     pub fn set_caller(&mut self, c: Option<Creds>) {
         self.inner.set_caller(c)
     }
-    /// `f` with the requests carrying `c`, then none again.
+    /// `f` with the requests carrying `c` (`None`: the connection's own,
+    /// [`ClientOptions::caller`]), then the connection's own again.
     pub fn as_caller<T>(&mut self, c: Option<&Creds>, f: impl FnOnce(&mut Client) -> T) -> T {
-        self.inner.set_caller(c.cloned());
+        let Some(c) = c else { return f(self) };
+        let own = std::mem::replace(&mut self.inner.caller, Some(c.clone()));
         let r = f(self);
-        self.inner.set_caller(None);
+        self.inner.caller = own;
         r
     }
     pub fn mknod(&mut self, export: &str, path: &str, mode: u32, rdev: u64) -> Result<AttrX> {
