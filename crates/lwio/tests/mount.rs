@@ -368,9 +368,22 @@ fn posix_attributes_links_and_rename_flags() {
         (m.uid(), m.gid(), m.ino() != 0),
         (srv.uid(), srv.gid(), true)
     );
-    std::os::unix::fs::chown(f.m("a"), Some(1234), Some(4321)).unwrap();
-    let srv = fs::metadata(f.srv("a")).unwrap();
-    assert_eq!((srv.uid(), srv.gid()), (1234, 4321));
+    // identity = "server" (the default): the files are the server's
+    // user's, and stay so: a chown to anyone else is EPERM and changes
+    // nothing; chown to the server's own ids is allowed (tar as root).
+    let refused = std::os::unix::fs::chown(f.m("a"), Some(1234), Some(4321)).unwrap_err();
+    assert_eq!(refused.raw_os_error(), Some(libc::EPERM), "{refused}");
+    let after = fs::metadata(f.srv("a")).unwrap();
+    assert_eq!((after.uid(), after.gid()), (srv.uid(), srv.gid()));
+    std::os::unix::fs::chown(f.m("a"), Some(srv.uid()), Some(srv.gid())).unwrap();
+    // No set-id bits from a client (issue 31: a writer's chmod 4755 left a
+    // setuid-root file on a root server); the rest of the mode is kept.
+    fs::set_permissions(f.m("a"), fs::Permissions::from_mode(0o6755)).unwrap();
+    assert_eq!(
+        fs::metadata(f.srv("a")).unwrap().permissions().mode() & 0o7777,
+        0o755
+    );
+    fs::set_permissions(f.m("a"), fs::Permissions::from_mode(0o644)).unwrap();
 
     // Symlinks: created verbatim, read back, listed and lstat'ed as links,
     // followed inside the export.

@@ -155,6 +155,41 @@ impl Identity {
     }
 }
 
+/// `identity = "server"`: the server's user owns everything. What a
+/// client asks is bounded so that it cannot make more of that than a file
+/// of the server's user (docs/security.md, "Identities"):
+/// set-user-id and set-group-id bits are cleared from the modes it gives
+/// (a client of a root server would otherwise leave setuid-root programs
+/// on it), and a chown may name only the server's uid and its groups, as
+/// a non-root owner's chown may (else `NotPermitted`, EPERM).
+pub fn server_bounds(set: &mut lwio_side::types::SetAttr, what: &str) -> Result<()> {
+    if let Some(m) = &mut set.mode {
+        *m = strip_setid(*m);
+    }
+    // SAFETY: geteuid/getegid cannot fail and touch no memory.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    if set.uid.is_some_and(|u| u != uid) {
+        return Err(Error::new(
+            ErrorCode::NotPermitted,
+            format!("{what}: this export's files all belong to the server's user (identity = \"server\"): chown to uid {} refused", set.uid.unwrap_or_default()),
+        ));
+    }
+    if let Some(g) = set.gid {
+        if g != gid && !getgroups()?.contains(&g) {
+            return Err(Error::new(
+                ErrorCode::NotPermitted,
+                format!("{what}: chown to gid {g}, not a group of the server's user (identity = \"server\")"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `mode` without S_ISUID and S_ISGID (see [`server_bounds`]).
+pub fn strip_setid(mode: u32) -> u32 {
+    mode & !(libc::S_ISUID | libc::S_ISGID)
+}
+
 /// Whether this process may act as other users (`identity = "client"`):
 /// it holds `CAP_SETUID` and `CAP_SETGID` (as root does), probed by taking
 /// another file-system uid and giving it back.

@@ -674,6 +674,40 @@ where
     blocking(move || as_caller(ids.as_ref(), f)).await
 }
 
+/// On an `identity = "server"` export, what a client asks is bounded to
+/// what the server's own user could make ([`crate::fs::ids::server_bounds`]):
+/// no set-id bits, no chown to anyone else.
+fn server_bounds(state: &ServerState, session: u64, mut req: Request) -> Result<Request, Error> {
+    use crate::fs::ids::{strip_setid, IdentityMode};
+    let by_server = |export: &str| {
+        state
+            .exports
+            .get(export)
+            .is_ok_and(|e| e.identity.mode == IdentityMode::Server)
+    };
+    match &mut req {
+        Request::Open { export, mode, .. }
+        | Request::Mkdir { export, mode, .. }
+        | Request::Mknod { export, mode, .. }
+            if by_server(export) =>
+        {
+            *mode = strip_setid(*mode)
+        }
+        Request::SetAttr { export, path, set } if by_server(export) => {
+            crate::fs::ids::server_bounds(set, &format!("{export}/{path}"))?
+        }
+        Request::SetAttrHandle { handle, set } => {
+            if let Ok(f) = state.open_files.get(*handle, session) {
+                if by_server(&f.export) {
+                    crate::fs::ids::server_bounds(set, &format!("{}/{}", f.export, f.path))?
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(req)
+}
+
 /// The ids a call of `who` on `ex` runs as (docs/mount.md,
 /// "Identities"): `None` on an `identity = "server"` export.
 fn ids_for(
@@ -966,6 +1000,7 @@ async fn handle(
         let ids = ids_for(state, who, creds, &ex)?;
         Ok((ex, ids))
     };
+    let req = server_bounds(state, session, req)?;
     if let Some(r) = mem::intercept(state, session, who, &req) {
         return r;
     }
