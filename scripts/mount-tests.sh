@@ -127,10 +127,11 @@ case_sysbench() {
     $sb --file-test-mode=rndrw --time=10 run 2>&1 &&
     $sb --file-test-mode=seqrd run 2>&1 &&
     $sb cleanup >/dev/null)
-  if [ $? -eq 0 ] && grep -q "reads/s" <<<"$out" && ! grep -qi "validation failed\|FATAL" <<<"$out"; then
+  local rc=$?
+  if [ $rc -eq 0 ] && grep -q "reads/s" <<<"$out" && ! grep -qi "validation failed\|FATAL" <<<"$out"; then
     pass "sysbench fileio --validate=on: seqwr, rndrw (10 s), seqrd"
   else
-    fail sysbench "$(grep -i "fatal\|valid\|error" <<<"$out" | head -3)"
+    fail sysbench "rc=$rc: $(grep -i "fatal\|failed\|error" <<<"$out" | head -3) | last lines: $(tail -4 <<<"$out" | tr '\n' ' ')"
   fi
 }
 
