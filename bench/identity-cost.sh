@@ -34,10 +34,10 @@ for _ in $(seq 1 100); do grep -q "RDMA listening" "$W/serve.log" && break; slee
 export LWIO_FINGERPRINT=$(grep -o 'sha256:[0-9A-F:]*' "$W/serve.log" | head -1)
 O=allow_other,attr_timeout=0,entry_timeout=0,noleases
 for e in srv cli; do
-  "$LWIO" mount --daemon --provider soft "lwio://127.0.0.1:$PORT/$e" "$W/m-$e" -o "$O"
+  "$LWIO" mount --daemon --provider soft --token-file "$W/token" "lwio://127.0.0.1:$PORT/$e" "$W/m-$e" -o "$O"
 done
 run() { # dir -> ops/s of create + stat + unlink, as uid 2001
-  setpriv --reuid=2001 --regid=2001 --clear-groups python3 - "$1" "$N" <<'EOF'
+  setpriv --reuid=2001 --regid=2001 --clear-groups /usr/bin/python3 - "$1" "$N" <<'EOF'
 import os, sys, time
 d, n = sys.argv[1], int(sys.argv[2])
 t = time.perf_counter()

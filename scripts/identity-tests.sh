@@ -111,7 +111,7 @@ mount_as "$URL/data" "$W/mnt" dave "$W/dave.pw" || { echo "FAIL: mount"; cat "$W
 
 case_posix() {
   local out=$W/posix.out
-  if timeout 600 python3 scripts/posix-checks.py "$W/data" "$W/mnt" >"$out" 2>&1; then
+  if timeout 600 /usr/bin/python3 scripts/posix-checks.py "$W/data" "$W/mnt" >"$out" 2>&1; then
     pass "posix: $(tail -1 "$out") (mount and export agree, users 2001-2003)"
   else
     grep -v '^PASS' "$out" | head -40

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """posix-checks.py - POSIX file-system semantics, checked by several users.
 
 usage: posix-checks.py REFERENCE_DIR DIR [DIR ...]
@@ -245,6 +245,42 @@ def utimensat_rules(d):
         as_user("A", os.utime, p, (1, 1)),
         as_user("A", os.utime, p, (5, 5)),
         as_user("B", os.utime, q, None),  # no write access: EACCES
+    ]
+
+
+def utimensat(path, atime, mtime):
+    """utimensat(2) with raw (sec, nsec) pairs: UTIME_NOW and UTIME_OMIT
+    are nsec values Python's os.utime cannot pass."""
+    import ctypes
+
+    class Ts(ctypes.Structure):
+        _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ts = (Ts * 2)(Ts(*atime), Ts(*mtime))
+    if libc.utimensat(-100, path.encode(), ts, 0) != 0:  # AT_FDCWD
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
+
+
+@check(want=["ok", "EPERM", "EPERM", "1000000000 7"])
+def utime_omit_and_now(d):
+    p = f"{d}/f"
+    as_user("A", touch, p)
+    os.chmod(p, 0o666)
+    os.utime(p, ns=(7, 1_000_000_007))
+    return [
+        # Both omitted: nothing to change, no permission needed.
+        as_user("C", utimensat, p, (0, UTIME_OMIT), (0, UTIME_OMIT)),
+        # Now for one, omit the other: only "both now" is allowed to any
+        # writer (Linux utimensat(2)); this needs the owner.
+        as_user("B", utimensat, p, (0, UTIME_NOW), (0, UTIME_OMIT)),
+        # A time given: the owner only.
+        as_user("B", utimensat, p, (5, 0), (0, UTIME_OMIT)),
+        f"{os.lstat(p).st_mtime_ns // 1_000_000_000 * 1_000_000_000} {os.lstat(p).st_mtime_ns % 1_000_000_000}",
     ]
 
 
