@@ -4,7 +4,8 @@
 # programs of crates/capi/tests/c with cc and pkg-config against the
 # installed header, shared and static library, and run them against a real
 # `lwio serve` (soft provider, loopback, TLS pinned), in both completion
-# modes. Each program checks its own results byte for byte.
+# modes. Each program checks its own results byte for byte; those of
+# ASAN_PROGRAMS also run built with -fsanitize=address (when cc has it).
 #
 # usage: scripts/capi-tests.sh      env: LWIO (lwio binary; default: built)
 set -uo pipefail
@@ -39,6 +40,7 @@ for _ in $(seq 1 100); do grep -q "RDMA listening" "$W/serve.log" && break; slee
 FP=$(grep -o 'sha256:[0-9A-F:]*' "$W/serve.log" | head -1)
 [ -n "$FP" ] || { echo "FAIL: server did not start"; cat "$W/serve.log"; exit 1; }
 URL=lwio://127.0.0.1:$PORT/data
+ASAN_PROGRAMS="publish_fail"
 
 for src in crates/capi/tests/c/*.c; do
   name=$(basename "$src" .c)
@@ -48,9 +50,20 @@ for src in crates/capi/tests/c/*.c; do
   cc -Wall -Wextra -Werror -O1 -o "$W/$name-static" "$src" $(pkg-config --cflags lwio) \
     "$W/prefix/lib/liblwio.a" $(pkg-config --libs-only-other --static lwio) -lpthread -ldl -lm ||
     { fail "$name: does not link statically"; continue; }
+  bins="$name $name-static"
+  # Programs that check memory the library hands back also run under
+  # AddressSanitizer (shared library), where the compiler has it.
+  case " $ASAN_PROGRAMS " in *" $name "*)
+    if cc -fsanitize=address -g -Wall -Wextra -Werror -O1 -o "$W/$name-asan" "$src" \
+        $(pkg-config --cflags --libs lwio) -Wl,-rpath,"$W/prefix/lib" 2>"$W/asan.log"; then
+      bins="$bins $name-asan"
+    else
+      echo "SKIP $name-asan: cc has no AddressSanitizer ($(head -1 "$W/asan.log"))"
+    fi ;;
+  esac
   for mode in interrupt poll; do
-    for bin in "$name" "$name-static"; do
-      if out=$("$W/$bin" "$URL" "$W/token" "$FP" "$W/export" "$mode" 2>&1); then
+    for bin in $bins; do
+      if out=$(ASAN_OPTIONS=detect_leaks=0 "$W/$bin" "$URL" "$W/token" "$FP" "$W/export" "$mode" 2>&1); then
         echo "PASS $bin ($mode): $(echo "$out" | tail -1)"
       else
         fail "$bin ($mode): $(echo "$out" | tail -3 | tr '\n' ' ')"

@@ -237,6 +237,8 @@ int lwio_buf_free(void *p);
  * (≥ 1) or -errno. Until `lwio_unpublish`, the buffer may change at any
  * time under the program (remote writers), and `lwio_buf_free` of it
  * fails with -EBUSY. `lwio_disconnect` unpublishes the client's objects.
+ * When it fails (the name taken, too many objects, ...) the buffer stays
+ * the program's as it was: usable, and freed with `lwio_buf_free`.
  */
 int64_t lwio_publish(const struct lwio_client *c,
                      const char *name,

@@ -811,6 +811,8 @@ pub const LWIO_MEM_READ_ONLY: c_uint = 1;
 /// (≥ 1) or -errno. Until `lwio_unpublish`, the buffer may change at any
 /// time under the program (remote writers), and `lwio_buf_free` of it
 /// fails with -EBUSY. `lwio_disconnect` unpublishes the client's objects.
+/// When it fails (the name taken, too many objects, ...) the buffer stays
+/// the program's as it was: usable, and freed with `lwio_buf_free`.
 #[no_mangle]
 pub unsafe extern "C" fn lwio_publish(
     c: *const LwioClient,
@@ -841,7 +843,13 @@ pub unsafe extern "C" fn lwio_publish(
                 .ok_or_else(|| fail(libc::EINVAL, "not a buffer of lwio_buf_alloc"))?;
             let published = match c.client.publish(name, b, rights) {
                 Ok(p) => p,
-                Err(e) => return Err(fail_client(&e)),
+                Err(e) => {
+                    // Refused: the buffer is the program's again, as it
+                    // was (freeing it here would leave the caller's
+                    // pointer dangling).
+                    tables().bufs.insert(buf as usize, e.buf);
+                    return Err(fail_client(&e.error));
+                }
             };
             let full = published.path().to_string();
             if !path.is_null() && path_len > 0 {

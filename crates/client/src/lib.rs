@@ -49,7 +49,7 @@ use tracing::{debug, info};
 pub use async_client::{AsyncClient, AsyncFile};
 use engine::{status_text, EngineConfig};
 pub use engine::{ClientStats, Engine};
-pub use publish::{MemRights, Published};
+pub use publish::{MemRights, PublishError, Published};
 
 use crate::url::{LwioUrl, DEFAULT_PORT};
 use lwio_rdma::ProviderChoice;

@@ -55,18 +55,70 @@ impl std::fmt::Debug for Published {
     }
 }
 
+/// A refused [`Client::publish`]: why, and the buffer, given back untouched
+/// (unregistered for remote access again: no key to it is valid).
+pub struct PublishError {
+    pub error: Error,
+    pub buf: RegisteredBuf,
+}
+
+impl PublishError {
+    /// The buffer, the caller's again.
+    pub fn into_buf(self) -> RegisteredBuf {
+        self.buf
+    }
+}
+
+impl std::fmt::Debug for PublishError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PublishError")
+            .field("error", &self.error)
+            .field("buf", &self.buf)
+            .finish()
+    }
+}
+
+impl std::fmt::Display for PublishError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for PublishError {}
+
+impl From<PublishError> for Error {
+    fn from(e: PublishError) -> Error {
+        e.error
+    }
+}
+
 impl Client {
     /// Publish `buf` as memory object `name`: `NAME` in the export of the
     /// URL this client connected to, or `EXPORT/NAME`. The object's path
     /// is `EXPORT/.lwio-mem/NAME` ([`Published::path`]); it lives until
     /// [`Published::unpublish`], the drop of the [`Published`], or this
     /// client's disconnection. Needs write access to the export.
-    pub fn publish(&self, name: &str, buf: RegisteredBuf, rights: MemRights) -> Result<Published> {
-        let (export, name) = self.split(name)?;
+    ///
+    /// On any error the buffer comes back in the [`PublishError`], its
+    /// remote-access registration already withdrawn: a caller that lent
+    /// its memory (the C API's `lwio_publish`) keeps it.
+    pub fn publish(
+        &self,
+        name: &str,
+        buf: RegisteredBuf,
+        rights: MemRights,
+    ) -> std::result::Result<Published, PublishError> {
+        let (export, name) = match self.split(name) {
+            Ok(v) => v,
+            Err(error) => return Err(PublishError { error, buf }),
+        };
         if name.is_empty() || name.contains('/') {
-            return Err(Error::InvalidArgument(format!(
-                "{name:?}: a memory object's name is one path component"
-            )));
+            return Err(PublishError {
+                error: Error::InvalidArgument(format!(
+                    "{name:?}: a memory object's name is one path component"
+                )),
+                buf,
+            });
         }
         let len = buf.len;
         let access = match rights {
@@ -80,12 +132,21 @@ impl Client {
         // (page-rounded); `Published` owns `buf` until after the Mr is
         // dropped (`withdraw` drops the Mr first, and `unpublish` hands
         // `buf` back only then), so the range stays allocated while the key
-        // is valid. The registration covers exactly [ptr, ptr+len), the
+        // is valid; on an error below the Mr is dropped before `buf` is
+        // handed back. The registration covers exactly [ptr, ptr+len), the
         // published range. No Rust reference to those bytes exists while it
         // lives: `buf` is moved in here (its Deref is unreachable until it
         // is given back), and `Published` reads and writes them only
         // through the Mr's copying accessors.
-        let mr = unsafe { engine.pd().register_raw(buf.mem.as_ptr(), len, access)? };
+        let mr = match unsafe { engine.pd().register_raw(buf.mem.as_ptr(), len, access) } {
+            Ok(mr) => mr,
+            Err(e) => {
+                return Err(PublishError {
+                    error: e.into(),
+                    buf,
+                })
+            }
+        };
         let key = self
             .0
             .channel_keys
@@ -93,22 +154,34 @@ impl Client {
             .unwrap_or_else(|p| p.into_inner())
             .first()
             .copied()
-            .ok_or_else(|| Error::Side("no RDMA channel".into()))?;
+            .ok_or_else(|| Error::Side("no RDMA channel".into()));
         let bits = match rights {
             MemRights::ReadOnly => MEM_READ,
             MemRights::ReadWrite => MEM_READ | MEM_WRITE,
         };
-        let rel = self.0.side(|s| {
-            s.publish(
-                &export,
-                &name,
-                len as u64,
-                mr.addr(),
-                mr.rkey(),
-                bits,
-                key.to_bytes(),
-            )
-        })?;
+        let rel = key.and_then(|key| {
+            self.0.side(|s| {
+                s.publish(
+                    &export,
+                    &name,
+                    len as u64,
+                    mr.addr(),
+                    mr.rkey(),
+                    bits,
+                    key.to_bytes(),
+                )
+            })
+        });
+        let rel = match rel {
+            Ok(rel) => rel,
+            Err(error) => {
+                // The key dies before the memory is the caller's again
+                // (a server that published it after all, e.g. past a
+                // timeout, can no longer reach it).
+                drop(mr);
+                return Err(PublishError { error, buf });
+            }
+        };
         Ok(Published {
             client: self.clone(),
             path: format!("{export}/{rel}"),

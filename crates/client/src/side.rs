@@ -410,10 +410,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
             else {
                 return Err(unexpected(&r));
             };
-            out.extend(entries.into_iter().map(|e| DirEntry {
-                name: e.name,
-                attr: e.attr,
-            }));
+            for e in entries {
+                check_entry_name(&e.name)?;
+                out.push(DirEntry {
+                    name: e.name,
+                    attr: e.attr,
+                });
+            }
             if next_cookie == 0 || next_cookie <= cookie {
                 return Ok(out);
             }
@@ -440,6 +443,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
             else {
                 return Err(unexpected(&r));
             };
+            for (name, _) in &entries {
+                check_entry_name(name)?;
+            }
             out.extend(entries);
             if next_cookie == 0 || next_cookie <= cookie {
                 return Ok(out);
@@ -907,6 +913,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         };
         negotiate::decode_response(&response)
     }
+}
+
+/// A listed entry's name must be one path component: not empty, `.` or
+/// `..`, without `/` or NUL. A malicious server could otherwise make a
+/// consumer that joins names to a local path (`lwio cp -r`, the mount)
+/// climb out of its destination (`../x`) or replace it (an absolute name).
+pub fn check_entry_name(name: &str) -> Result<()> {
+    if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
+        return Err(Error::new(
+            ErrorCode::BadRequest,
+            format!("server listed an invalid entry name {name:?}"),
+        ));
+    }
+    Ok(())
 }
 
 fn unexpected(r: &Response) -> Error {

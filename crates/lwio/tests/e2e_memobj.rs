@@ -479,14 +479,20 @@ fn forged_paths_and_bad_names_are_refused() {
     assert_eq!(raw_publish(&a, "ok"), Err(C::PermissionDenied));
     // The same through the library (which refuses "" and "/" itself).
     for name in ["", "a/b"] {
-        let r = a.publish(name, a.register_buffer(4096).unwrap(), MemRights::ReadOnly);
+        let r = a
+            .publish(name, a.register_buffer(4096).unwrap(), MemRights::ReadOnly)
+            .map_err(Error::from);
         assert!(matches!(r, Err(Error::InvalidArgument(_))), "{name:?}");
     }
     for name in ["..", "a\0b"] {
-        let r = a.publish(name, a.register_buffer(4096).unwrap(), MemRights::ReadOnly);
+        let r = a
+            .publish(name, a.register_buffer(4096).unwrap(), MemRights::ReadOnly)
+            .map_err(Error::from);
         assert!(matches!(r, Err(Error::InvalidArgument(_))), "{name:?}");
     }
-    let r = a.publish(&long, a.register_buffer(4096).unwrap(), MemRights::ReadOnly);
+    let r = a
+        .publish(&long, a.register_buffer(4096).unwrap(), MemRights::ReadOnly)
+        .map_err(Error::from);
     match r {
         Err(Error::Fs(e)) => assert!(e.message.contains("1..=128"), "{e}"),
         other => panic!("129-byte name: {:?}", other.map(|p| p.path().to_string())),
@@ -528,9 +534,14 @@ fn a_publisher_gets_16_objects_and_no_more() {
                 assert!(i < 16, "object {i} published");
                 held.push(p);
             }
-            Err(Error::Side(m)) => {
+            Err(lwio_client::PublishError {
+                error: Error::Side(m),
+                buf,
+            }) => {
                 assert!(i >= 16, "object {i} refused: {m}");
                 assert!(m.contains("too many memory objects"), "{m}");
+                // The refused buffer comes back, the caller's to use.
+                assert_eq!(buf.len(), 4096);
                 refused += 1;
             }
             Err(e) => panic!("object {i}: {e:?}"),
@@ -561,7 +572,8 @@ fn a_publisher_gets_16_objects_and_no_more() {
             "more",
             a.register_buffer(4096).unwrap(),
             MemRights::ReadOnly
-        ),
+        )
+        .map_err(Error::from),
         Err(Error::Side(_))
     ));
     assert_eq!(s.state.mem_objects.len(), 16);

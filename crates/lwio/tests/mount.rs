@@ -885,9 +885,26 @@ fn flock_holds_across_two_mounts() {
     let f = Fixture::new();
     let (a, b, _mnt_b) = f.two_mounts();
     fs::write(f.srv("lockfile"), b"").unwrap();
-    let fa = fs::File::open(a.mountpoint().join("lockfile")).unwrap();
-    let fb = fs::File::open(b.mountpoint().join("lockfile")).unwrap();
-    let fb2 = fs::File::open(b.mountpoint().join("lockfile")).unwrap();
+    // Opened read-write: the server refuses write (exclusive) locks on a
+    // file opened read-only (issue 31), and flock arrives as a whole-file
+    // lock of the open file that the side channel cannot tell from fcntl's.
+    let open = |m: &Mounted| {
+        fs::File::options()
+            .read(true)
+            .write(true)
+            .open(m.mountpoint().join("lockfile"))
+            .unwrap()
+    };
+    let fa = open(&a);
+    let fb = open(&b);
+    let fb2 = open(&b);
+    // Unlike a local flock(2): LOCK_EX on a read-only open is EBADF (as a
+    // local fcntl write lock on one is); LOCK_SH works.
+    let ro = fs::File::open(b.mountpoint().join("lockfile")).unwrap();
+    assert_eq!(flock(&ro, libc::LOCK_EX | libc::LOCK_NB), Err(libc::EBADF));
+    flock(&ro, libc::LOCK_SH | libc::LOCK_NB).unwrap();
+    flock(&ro, libc::LOCK_UN).unwrap();
+    drop(ro);
     flock(&fa, libc::LOCK_EX | libc::LOCK_NB).unwrap();
     assert_eq!(
         flock(&fb, libc::LOCK_EX | libc::LOCK_NB),
@@ -916,7 +933,7 @@ fn flock_holds_across_two_mounts() {
     let (waited, fb2) = t.join().unwrap();
     assert!(waited >= Duration::from_millis(250), "{waited:?}");
     // Held by B now: A's new descriptor is refused.
-    let fa = fs::File::open(a.mountpoint().join("lockfile")).unwrap();
+    let fa = open(&a);
     assert_eq!(
         flock(&fa, libc::LOCK_EX | libc::LOCK_NB),
         Err(libc::EWOULDBLOCK)

@@ -52,6 +52,11 @@ pub struct Limits {
     /// Descriptors the open files are held with (the descriptor cache,
     /// docs/descriptor-cache.md); 0 = half of RLIMIT_NOFILE.
     pub max_open_descriptors: usize,
+    /// Byte-range lock owners on one open file (each holds an open file
+    /// description of its own on the server).
+    pub max_lock_owners_per_file: usize,
+    /// Byte-range lock owners on all the open files of one session.
+    pub max_lock_owners_per_session: usize,
     /// How long a server request resume key (and a negotiate key) is accepted.
     #[serde(deserialize_with = "de_duration")]
     pub resume_key_ttl: Duration,
@@ -106,6 +111,8 @@ impl Default for Limits {
             max_open_files_per_session: 16_384,
             max_open_files: 1_000_000,
             max_open_descriptors: 0,
+            max_lock_owners_per_file: 64,
+            max_lock_owners_per_session: 1024,
             resume_key_ttl: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
             max_connections_per_host: 64,
@@ -506,6 +513,8 @@ impl Config {
             ("max_sessions", l.max_sessions),
             ("max_open_files_per_session", l.max_open_files_per_session),
             ("max_open_files", l.max_open_files),
+            ("max_lock_owners_per_file", l.max_lock_owners_per_file),
+            ("max_lock_owners_per_session", l.max_lock_owners_per_session),
             ("max_connections_per_host", l.max_connections_per_host),
             ("max_sessions_per_user", l.max_sessions_per_user),
             ("max_unauthenticated", l.max_unauthenticated),
@@ -677,6 +686,8 @@ login_timeout = "10s"
 max_open_files_per_session = 16384
 max_open_files = 1000000
 max_open_descriptors = 0
+max_lock_owners_per_file = 64
+max_lock_owners_per_session = 1024
 resume_key_ttl = "60s"
 shutdown_grace = "10s"
 max_connections_per_host = 64

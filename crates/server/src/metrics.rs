@@ -138,6 +138,12 @@ impl Collector for Figures {
         )?;
         gauge(
             &mut e,
+            "lwio_lock_descriptors",
+            "Of them, byte-range lock descriptions (one per client lock owner)",
+            i64_of(d.locks),
+        )?;
+        gauge(
+            &mut e,
             "lwio_open_descriptors_limit",
             "The descriptor cache's bound (limits.max_open_descriptors)",
             i64_of(*max),

@@ -507,7 +507,11 @@ impl Server {
                 opts.limits.max_open_files_per_session,
                 opts.server_name.clone(),
             )
-            .with_caps(opts.limits.max_open_files, opts.limits.max_open_descriptors),
+            .with_caps(opts.limits.max_open_files, opts.limits.max_open_descriptors)
+            .with_lock_caps(
+                opts.limits.max_lock_owners_per_file,
+                opts.limits.max_lock_owners_per_session,
+            ),
             leases: Arc::new(crate::side::leases::Leases::new(&opts.limits)),
             mem_objects: Arc::default(),
             backend,

@@ -202,6 +202,20 @@ impl Clients<'_> {
     }
 }
 
+/// A listed name is joined to the destination only if it is one path
+/// component: a server's `../x` would climb out of it and an absolute name
+/// replace it (the client library refuses such listings already; this is
+/// the second line).
+fn one_component(dir: &Loc, name: &str) -> anyhow::Result<()> {
+    use std::path::Component;
+    let mut c = Path::new(name).components();
+    let one = matches!((c.next(), c.next()), (Some(Component::Normal(n)), None) if *n == *name);
+    if !one || name.contains(['/', '\0']) {
+        anyhow::bail!("{dir}: server listed an invalid entry name {name:?}");
+    }
+    Ok(())
+}
+
 fn warn_skip(l: &Loc, why: &str) {
     eprintln!("lwio: warning: skipping {l}: {why}");
 }
@@ -313,6 +327,7 @@ fn plan_children(
     steps: &mut Vec<Step>,
 ) -> anyhow::Result<()> {
     for (name, kind) in clients.list(src)? {
+        one_component(src, &name)?;
         let (s, d) = (src.join(&name), dst.join(&name));
         match kind {
             Kind::File(size) => steps.push(Step::Copy {
@@ -612,4 +627,34 @@ fn copy_file(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_one_component_names_are_joined() {
+        let dir = Loc::Local(PathBuf::from("/tmp/dst"));
+        for good in ["a", "a.b", "..a", "a..", ".hidden", "a b", "a\\b"] {
+            one_component(&dir, good).unwrap();
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../x",
+            "/etc/passwd",
+            "a/b",
+            "a/",
+            "./a",
+            "a\0b",
+        ] {
+            let e = one_component(&dir, bad).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                format!("/tmp/dst: server listed an invalid entry name {bad:?}")
+            );
+        }
+    }
 }

@@ -54,7 +54,7 @@ pub fn run(a: PublishArgs) -> anyhow::Result<()> {
     };
     let published = client
         .publish(&format!("{export}/{}", a.name), buf, rights)
-        .map_err(|e| anyhow::anyhow!("publishing {}: {}", a.name, describe(&e)))?;
+        .map_err(|e| anyhow::anyhow!("publishing {}: {}", a.name, describe(&e.error)))?;
     let url = format!("lwio://{}/{}", a.url.authority(), published.path());
     {
         let mut out = std::io::stdout().lock();

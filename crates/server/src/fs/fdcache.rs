@@ -17,7 +17,8 @@
 //! `O_TMPFILE`), FIFOs — and, for as long as it lasts, a descriptor that an
 //! operation holds ([`FdRef`]): eviction never closes a descriptor under an
 //! I/O. Byte-range locks live on descriptions of their own
-//! (`OpenFile::locks`), never on the cached one, so closing it loses none.
+//! (`OpenFile::locks`), never on the cached one, so closing it loses none;
+//! those descriptions count against the bound too ([`FdCache::reserve_lock`]).
 //! A reopened descriptor has the open's status flags (`O_DIRECT`,
 //! `O_DSYNC`, `O_APPEND`, `O_NOATIME`), never `O_CREAT`, `O_EXCL` or
 //! `O_TRUNC`.
@@ -201,6 +202,9 @@ pub struct FdCacheStats {
     pub open: usize,
     /// Of them, pinned (never closed early).
     pub pinned: usize,
+    /// Of them, byte-range lock descriptions (`OpenFile::locks`: one per
+    /// client lock owner, never closed early).
+    pub locks: usize,
     /// The most descriptors held at once.
     pub peak: usize,
     /// Descriptors closed to make room, and reopened on use.
@@ -222,6 +226,8 @@ pub struct FdCache {
     fids: AtomicUsize,
     open: AtomicUsize,
     pinned: AtomicUsize,
+    /// Lock descriptions counted in `open` ([`FdCache::reserve_lock`]).
+    locks: AtomicUsize,
     peak: AtomicUsize,
     evictions: AtomicU64,
     reopens: AtomicU64,
@@ -269,6 +275,7 @@ impl FdCache {
             fids: AtomicUsize::new(0),
             open: AtomicUsize::new(0),
             pinned: AtomicUsize::new(0),
+            locks: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
             evictions: AtomicU64::new(0),
             reopens: AtomicU64::new(0),
@@ -286,6 +293,7 @@ impl FdCache {
             fids: self.fids.load(Ordering::Relaxed),
             open: self.open.load(Ordering::Relaxed),
             pinned: self.pinned.load(Ordering::Relaxed),
+            locks: self.locks.load(Ordering::Relaxed),
             peak: self.peak.load(Ordering::Relaxed),
             evictions: self.evictions.load(Ordering::Relaxed),
             reopens: self.reopens.load(Ordering::Relaxed),
@@ -330,6 +338,40 @@ impl FdCache {
         }
         self.opened(&fid, pinned);
         fid
+    }
+
+    /// Count a byte-range lock description about to be opened (it lives
+    /// outside the cache and is never closed early) against the bound,
+    /// closing cached descriptors to make room. `false`, counting nothing,
+    /// when even then it would pass the bound: the caller refuses the lock.
+    /// [`FdCache::release_lock`] when the description is closed.
+    pub fn reserve_lock(&self) -> bool {
+        let n = self.open.fetch_add(1, Ordering::Relaxed) + 1;
+        self.locks.fetch_add(1, Ordering::Relaxed);
+        if n > self.max {
+            let (mut held, mut closed) = (Vec::new(), Vec::new());
+            {
+                let mut res = lock(&self.resident);
+                if self.open.load(Ordering::Relaxed) > self.max {
+                    self.evict(&mut res, &mut held, &mut closed);
+                }
+            }
+            drop(closed);
+            drop(held);
+            if self.open.load(Ordering::Relaxed) > self.max {
+                self.release_lock();
+                return false;
+            }
+        }
+        self.peak
+            .fetch_max(self.open.load(Ordering::Relaxed), Ordering::Relaxed);
+        true
+    }
+
+    /// A lock description of [`FdCache::reserve_lock`] was closed.
+    pub fn release_lock(&self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+        self.locks.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// `fid` has a descriptor open again: count it, make it evictable

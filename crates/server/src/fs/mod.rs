@@ -369,6 +369,11 @@ pub fn copy_range_fd(
 /// lock is taken or released (F_OFD_SETLK, never waiting: a conflict is
 /// `Locked`). Unlocking the whole file drops the owner's description, and
 /// with it all its locks.
+///
+/// Each owner's description is opened with the handle's own access (a
+/// file opened read-only takes read locks only: a write lock is refused
+/// with EBADF, as `fcntl(F_SETLK, F_WRLCK)` on an O_RDONLY descriptor is),
+/// and the descriptions are bounded ([`table::LockOwners`]).
 pub fn lock_file(
     f: &OpenFile,
     owner: u64,
@@ -380,30 +385,32 @@ pub fn lock_file(
     let what = format!("{}/{}", f.export, f.path);
     let mut locks = f.locks.lock().unwrap_or_else(|p| p.into_inner());
     if kind == 0 && !test && start == 0 && len == 0 {
-        locks.remove(&owner);
+        locks.remove(owner);
         return Ok(None);
     }
-    let fd = match locks.entry(owner) {
-        std::collections::hash_map::Entry::Occupied(o) => o.get().as_raw_fd(),
-        std::collections::hash_map::Entry::Vacant(_) if kind == 0 && !test => return Ok(None),
-        std::collections::hash_map::Entry::Vacant(v) => {
+    if kind == 2 && !test && !f.rights.write {
+        return Err(Error::new(
+            ErrorCode::BadHandle,
+            format!("{what}: a write lock needs the file opened for writing (Bad file descriptor)"),
+        ));
+    }
+    let fd = match locks.get(owner) {
+        Some(fd) => fd,
+        None if kind == 0 && !test => return Ok(None),
+        None => {
             // A description of its own per owner, so that owners conflict
-            // with each other as processes do, here and across sessions.
-            // Opened read-write where the file allows it even for a reader:
-            // a client's flock(LOCK_EX) arrives as a whole-file write lock
-            // and flock(2) needs no write access (this description is used
-            // for locking only, never for I/O).
+            // with each other as processes do, here and across sessions;
+            // with the handle's access, never more (it is used for locking
+            // only, never for I/O).
             let acc = match (f.rights.read, f.rights.write) {
                 (true, true) => libc::O_RDWR,
                 (false, true) => libc::O_WRONLY,
                 _ => libc::O_RDONLY,
             };
-            let file = f.fd()?;
-            let fd = match reopen(file.as_raw_fd(), libc::O_RDWR) {
-                Ok(fd) => fd,
-                Err(_) => reopen(file.as_raw_fd(), acc).map_err(|e| Error::from_errno(e, &what))?,
-            };
-            v.insert(fd).as_raw_fd()
+            locks.add(owner, &what, || {
+                let file = f.fd()?;
+                reopen(file.as_raw_fd(), acc).map_err(|e| Error::from_errno(e, &what))
+            })?
         }
     };
     let (Ok(s), Ok(l)) = (i64::try_from(start), i64::try_from(len)) else {

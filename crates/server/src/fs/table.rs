@@ -14,7 +14,8 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -69,8 +70,9 @@ pub struct OpenFile {
     pub key: SrvResumeKey,
     /// POSIX byte-range locks taken through this handle: one open file
     /// description per client lock owner, holding that owner's OFD locks
-    /// (docs/side-channel.md, Lock). They go when the handle closes.
-    pub locks: Arc<std::sync::Mutex<HashMap<u64, std::os::fd::OwnedFd>>>,
+    /// (docs/side-channel.md, Lock), bounded per handle and per session.
+    /// They go when the handle closes.
+    pub locks: Arc<Mutex<LockOwners>>,
     /// A memory object (docs/memory-objects.md): its I/O goes to the
     /// publisher's memory, and `file` is only a sealed, empty-content
     /// stand-in of the object's size.
@@ -83,6 +85,129 @@ impl OpenFile {
     /// or replaced meanwhile).
     pub fn fd(&self) -> Result<FdRef> {
         self.fid.get()
+    }
+}
+
+/// The lock descriptions of one open file, by client lock owner: at most
+/// `per_file` of them, at most `per_session` across the session's open
+/// files, each counted among the descriptor cache's descriptors (issue 31:
+/// a reader looping Lock with new owners held one descriptor each, without
+/// bound).
+pub struct LockOwners {
+    fds: HashMap<u64, OwnedFd>,
+    /// The session's count of lock descriptions, shared by its open files
+    /// (moved to the adopting session by [`OpenFileTable::adopt`]).
+    session: Arc<AtomicUsize>,
+    cache: Arc<FdCache>,
+    per_file: usize,
+    per_session: usize,
+}
+
+impl std::fmt::Debug for LockOwners {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockOwners")
+            .field("owners", &self.fds.len())
+            .finish()
+    }
+}
+
+impl LockOwners {
+    /// The description of `owner`, if it has one.
+    pub fn get(&self, owner: u64) -> Option<RawFd> {
+        self.fds.get(&owner).map(|f| f.as_raw_fd())
+    }
+
+    /// Owners holding a description.
+    pub fn len(&self) -> usize {
+        self.fds.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.fds.is_empty()
+    }
+
+    /// Give `owner` the description `open` makes, within the bounds: per
+    /// file, per session, and the server's descriptors. `what` names the
+    /// file in the refusal.
+    pub fn add(
+        &mut self,
+        owner: u64,
+        what: &str,
+        open: impl FnOnce() -> Result<OwnedFd>,
+    ) -> Result<RawFd> {
+        let n = self.fds.len();
+        if n >= self.per_file {
+            return Err(Error::new(
+                ErrorCode::TooManyOpenFiles,
+                format!(
+                    "{what}: this open file already has {n} lock owners (limit max_lock_owners_per_file = {})",
+                    self.per_file
+                ),
+            ));
+        }
+        let max = self.per_session;
+        if let Err(n) = self
+            .session
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+        {
+            return Err(Error::new(
+                ErrorCode::TooManyOpenFiles,
+                format!(
+                    "{what}: this session already has {n} lock owners (limit max_lock_owners_per_session = {max})"
+                ),
+            ));
+        }
+        if !self.cache.reserve_lock() {
+            self.session.fetch_sub(1, Ordering::Relaxed);
+            return Err(Error::new(
+                ErrorCode::TooManyOpenFiles,
+                format!(
+                    "{what}: the server holds {} descriptors (limit max_open_descriptors = {})",
+                    self.cache.stats().open,
+                    self.cache.max()
+                ),
+            ));
+        }
+        match open() {
+            Ok(fd) => {
+                let raw = fd.as_raw_fd();
+                if let Some(old) = self.fds.insert(owner, fd) {
+                    // Not reached (`add` is for owners without one), but
+                    // never count a description twice.
+                    drop(old);
+                    self.release(1);
+                }
+                Ok(raw)
+            }
+            Err(e) => {
+                self.release(1);
+                Err(e)
+            }
+        }
+    }
+
+    /// Close `owner`'s description (and with it all its locks).
+    pub fn remove(&mut self, owner: u64) {
+        if self.fds.remove(&owner).is_some() {
+            self.release(1);
+        }
+    }
+
+    fn release(&self, n: usize) {
+        self.session.fetch_sub(n, Ordering::Relaxed);
+        for _ in 0..n {
+            self.cache.release_lock();
+        }
+    }
+}
+
+impl Drop for LockOwners {
+    fn drop(&mut self) {
+        let n = self.fds.len();
+        self.fds.clear();
+        self.release(n);
     }
 }
 
@@ -107,6 +232,8 @@ struct Inner {
     by_handle: HashMap<u64, Entry>,
     by_key: HashMap<u64, u64>,
     per_session: HashMap<SessionId, usize>,
+    /// Lock descriptions per session ([`LockOwners`]).
+    lock_owners: HashMap<SessionId, Arc<AtomicUsize>>,
     next_handle: u64,
 }
 
@@ -119,6 +246,9 @@ pub struct OpenFileTable {
     max_total: usize,
     /// The descriptors behind them.
     cache: Arc<FdCache>,
+    /// Lock owners (descriptions) per open file and per session.
+    max_lock_owners_per_file: usize,
+    max_lock_owners_per_session: usize,
     server_name: String,
     pid: u64,
     /// `Rekey`s that found the file still held by an earlier RDMA
@@ -160,6 +290,8 @@ impl OpenFileTable {
             max_per_session,
             max_total: usize::MAX,
             cache: FdCache::new(super::fdcache::default_max_descriptors()),
+            max_lock_owners_per_file: 64,
+            max_lock_owners_per_session: 1024,
             server_name: server_name.into(),
             pid: u64::from(std::process::id()),
             rekey_waits: AtomicU64::new(0),
@@ -176,6 +308,14 @@ impl OpenFileTable {
         } else {
             max_descriptors
         });
+        self
+    }
+
+    /// At most `per_file` lock owners (each an open file description) on
+    /// one open file, and `per_session` on all of a session's.
+    pub fn with_lock_caps(mut self, per_file: usize, per_session: usize) -> OpenFileTable {
+        self.max_lock_owners_per_file = per_file;
+        self.max_lock_owners_per_session = per_session;
         self
     }
 
@@ -251,7 +391,13 @@ impl OpenFileTable {
             direct: opened.direct,
             align: opened.align,
             key,
-            locks: Arc::default(),
+            locks: Arc::new(Mutex::new(LockOwners {
+                fds: HashMap::new(),
+                session: g.lock_owners.entry(session).or_default().clone(),
+                cache: self.cache.clone(),
+                per_file: self.max_lock_owners_per_file,
+                per_session: self.max_lock_owners_per_session,
+            })),
             mem: opened.mem,
         };
         g.by_key.insert(rk, handle);
@@ -334,6 +480,7 @@ impl OpenFileTable {
             }
         }
         g.per_session.remove(&session);
+        g.lock_owners.remove(&session);
         handles.len()
     }
 
@@ -342,13 +489,21 @@ impl OpenFileTable {
     pub fn adopt(&self, old: SessionId, new: SessionId) -> usize {
         let mut g = self.lock();
         let mut n = 0;
+        let counter = g.lock_owners.entry(new).or_default().clone();
         for e in g.by_handle.values_mut() {
             if e.file.session == old {
                 e.file.session = new;
                 n += 1;
+                // Its lock descriptions count for the new session now.
+                let mut l = e.file.locks.lock().unwrap_or_else(|p| p.into_inner());
+                let k = l.fds.len();
+                l.session.fetch_sub(k, Ordering::Relaxed);
+                counter.fetch_add(k, Ordering::Relaxed);
+                l.session = counter.clone();
             }
         }
         g.per_session.remove(&old);
+        g.lock_owners.remove(&old);
         if n > 0 {
             *g.per_session.entry(new).or_insert(0) += n;
         }
@@ -557,6 +712,101 @@ mod tests {
         let mut odd = b.clone();
         odd[24] = 13;
         assert_eq!(decode_request_resume_key(&odd), None);
+    }
+
+    /// Lock owners: per file, per session (following `adopt`), within the
+    /// descriptor bound, released by a whole-file unlock and by the close;
+    /// a read-only file takes read locks only.
+    #[test]
+    fn lock_owners_are_bounded_and_counted() {
+        use crate::fs::lock_file;
+        let t = OpenFileTable::new(Duration::from_secs(60), 100, "srv")
+            .with_caps(1000, 1000)
+            .with_lock_caps(4, 6);
+        let stats = || t.descriptors().stats();
+        let (a, _) = t.insert(1, opened(), RW, "e", "a", None).unwrap();
+        for o in 1..=4 {
+            lock_file(&a, o, 1, 0, 0, false).unwrap();
+        }
+        let e = lock_file(&a, 5, 1, 0, 0, false).unwrap_err();
+        assert_eq!(e.code, ErrorCode::TooManyOpenFiles);
+        assert_eq!(
+            e.message,
+            "e/a: this open file already has 4 lock owners (limit max_lock_owners_per_file = 4)"
+        );
+        // An owner that has its description takes more locks on it.
+        lock_file(&a, 4, 1, 100, 10, false).unwrap();
+        let (b, _) = t.insert(1, opened(), RW, "e", "b", None).unwrap();
+        lock_file(&b, 1, 1, 0, 0, false).unwrap();
+        lock_file(&b, 2, 1, 0, 0, false).unwrap();
+        let e = lock_file(&b, 3, 1, 0, 0, false).unwrap_err();
+        assert_eq!(e.code, ErrorCode::TooManyOpenFiles);
+        assert_eq!(
+            e.message,
+            "e/b: this session already has 6 lock owners (limit max_lock_owners_per_session = 6)"
+        );
+        assert_eq!(stats().locks, 6);
+        assert_eq!(stats().open, 2 + 6, "two files, six lock descriptions");
+        // Another session has its own count.
+        let (c, _) = t.insert(2, opened(), RW, "e", "c", None).unwrap();
+        lock_file(&c, 1, 1, 0, 0, false).unwrap();
+        // A whole-file unlock closes the owner's description.
+        lock_file(&a, 1, 0, 0, 0, false).unwrap();
+        assert_eq!(stats().locks, 6);
+        lock_file(&b, 3, 1, 0, 0, false).unwrap();
+        // Adopted files bring their count: session 2 has 7 now.
+        assert_eq!(t.adopt(1, 2), 2);
+        let e = lock_file(&c, 2, 1, 0, 0, false).unwrap_err();
+        assert!(e.message.contains("already has 7 lock owners"), "{e}");
+        // Closing (and the last clone going) releases them all.
+        for f in [a, b, c] {
+            t.close(f.handle, 2).unwrap();
+        }
+        assert_eq!(stats().locks, 0);
+        assert_eq!(stats().open, 0);
+        let (d, _) = t.insert(2, opened(), RW, "e", "d", None).unwrap();
+        lock_file(&d, 1, 1, 0, 0, false).unwrap();
+
+        // A read-only file: read locks, on a read-only description; no
+        // write lock (EBADF), though a test for one is a query.
+        let ro = Rights {
+            read: true,
+            write: false,
+        };
+        let (r, _) = t.insert(3, opened(), ro, "e", "r", None).unwrap();
+        let e = lock_file(&r, 1, 2, 0, 0, false).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadHandle);
+        assert_eq!(lock_file(&r, 1, 2, 0, 0, true).unwrap(), None);
+        lock_file(&r, 1, 1, 0, 0, false).unwrap();
+        let fd = r.locks.lock().unwrap().get(1).unwrap();
+        // SAFETY: F_GETFL on a descriptor `r` holds open.
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        assert_eq!(fl & libc::O_ACCMODE, libc::O_RDONLY);
+    }
+
+    /// Lock descriptions count against the descriptor bound: past it the
+    /// cached descriptors are closed to make room, and when none can be,
+    /// a new owner is refused.
+    #[test]
+    fn lock_owners_count_against_the_descriptor_bound() {
+        use crate::fs::lock_file;
+        let t = OpenFileTable::new(Duration::from_secs(60), 100, "srv").with_caps(1000, 4);
+        // Pinned (unlinked) files: their descriptors cannot be closed.
+        let (a, _) = t.insert(1, opened(), RW, "e", "a", None).unwrap();
+        for o in 1..=3 {
+            lock_file(&a, o, 1, 0, 0, false).unwrap();
+        }
+        let e = lock_file(&a, 4, 1, 0, 0, false).unwrap_err();
+        assert_eq!(e.code, ErrorCode::TooManyOpenFiles);
+        assert_eq!(
+            e.message,
+            "e/a: the server holds 4 descriptors (limit max_open_descriptors = 4)"
+        );
+        assert_eq!(t.descriptors().stats().locks, 3);
+        assert_eq!(t.descriptors().stats().open, 4);
+        // The refusal counted nothing toward the session either.
+        lock_file(&a, 1, 0, 0, 0, false).unwrap();
+        lock_file(&a, 4, 1, 0, 0, false).unwrap();
     }
 
     #[test]
