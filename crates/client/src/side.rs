@@ -965,7 +965,7 @@ impl Client {
     /// [`ClientOptions::caller`]), then the connection's own again.
     pub fn as_caller<T>(&mut self, c: Option<&Creds>, f: impl FnOnce(&mut Client) -> T) -> T {
         let Some(c) = c else { return f(self) };
-        let own = std::mem::replace(&mut self.inner.caller, Some(c.clone()));
+        let own = self.inner.caller.replace(c.clone());
         let r = f(self);
         self.inner.caller = own;
         r
