@@ -266,7 +266,27 @@ case_hard() {
   fusermount3 -u "$H" 2>/dev/null || fusermount3 -uz "$H"
 }
 
-CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death hard})
+case_local_change() {
+  # A leased directory changed on the server's own file system (not
+  # through lwio): the server's fanotify watch breaks the lease, and the
+  # mount shows the new name within a second (before: lease_timeout, 60 s).
+  mkdir -p "$W/export/lc"
+  ls "$M/lc" >/dev/null; ls "$M/lc" >/dev/null   # listed: leased
+  touch "$W/export/lc/made-on-the-server"
+  local t0=$(date +%s%N) seen=0
+  for _ in $(seq 1 20); do
+    if ls "$M/lc" | grep -q made-on-the-server; then seen=1; break; fi
+    sleep 0.05
+  done
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  if [ $seen = 1 ]; then
+    pass "local change: a name made on the server's disk shows on the mount after $ms ms"
+  else
+    fail local_change "not seen within 1 s: $(ls "$M/lc")"
+  fi
+}
+
+CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death hard local_change})
 for c in "${CASES[@]}"; do
   T0=$(date +%s); RUN=$((RUN + 1))
   "case_$c"

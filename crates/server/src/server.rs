@@ -194,6 +194,9 @@ pub struct ServerState {
     pub open_files: OpenFileTable,
     /// Directory leases (docs/leases.md).
     pub leases: Arc<crate::side::leases::Leases>,
+    /// Breaks for changes made on the server's own file system (None:
+    /// fanotify not allowed here).
+    pub dir_watch: Option<Arc<crate::side::dirwatch::DirWatch>>,
     /// Published memory objects (docs/memory-objects.md).
     pub mem_objects: Arc<crate::memobj::MemObjects>,
     pub backend: Arc<dyn Backend>,
@@ -499,6 +502,7 @@ impl Server {
         let listener = TcpListener::bind(&opts.listen)
             .await
             .map_err(|e| Error::from_io(&e, format!("cannot listen on {}", opts.listen)))?;
+        let leases = Arc::new(crate::side::leases::Leases::new(&opts.limits));
         let state = Arc::new(ServerState {
             server_name: opts.server_name.clone(),
             exports,
@@ -512,7 +516,8 @@ impl Server {
                 opts.limits.max_lock_owners_per_file,
                 opts.limits.max_lock_owners_per_session,
             ),
-            leases: Arc::new(crate::side::leases::Leases::new(&opts.limits)),
+            leases: leases.clone(),
+            dir_watch: crate::side::dirwatch::DirWatch::start(leases, opts.limits.max_leases),
             mem_objects: Arc::default(),
             backend,
             limits: opts.limits.clone(),

@@ -58,6 +58,18 @@ impl std::fmt::Debug for Handle {
     }
 }
 
+impl Handle {
+    /// The handle of `fd` (its file system's own name for the inode).
+    pub(crate) fn of_fd(fd: RawFd) -> std::result::Result<Handle, i32> {
+        name_to_handle(fd).map(|(h, _)| h)
+    }
+
+    /// Its type and bytes, as fanotify reports a file's handle.
+    pub(crate) fn parts(&self) -> (i32, &[u8]) {
+        (self.kind, &self.data)
+    }
+}
+
 /// The handle of `fd` and the id of the mount it is on.
 fn name_to_handle(fd: RawFd) -> std::result::Result<(Handle, i32), i32> {
     let mut h = RawHandle {

@@ -1157,6 +1157,12 @@ impl Export {
         Ok(AttrX::from_stat(&st))
     }
 
+    /// The directory at `path`, opened for reading (what fanotify marks).
+    pub fn open_dir(&self, path: &str) -> Result<OwnedFd> {
+        let comps = split_rel_path(path)?;
+        self.resolve(&comps, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+    }
+
     /// fsync(2) of the directory at `path`: the names created, removed
     /// and renamed in it are on disk when this returns.
     pub fn fsync_dir(&self, path: &str) -> Result<()> {

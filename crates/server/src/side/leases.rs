@@ -279,6 +279,49 @@ impl Leases {
         g.drop_session(session);
     }
 
+    /// A change made on the server's own file system (side/dirwatch.rs):
+    /// break every lease on `key`, whoever holds it, without waiting (the
+    /// change is made already). The number of leases broken.
+    pub fn break_external(&self, key: &DirKey) -> usize {
+        let mut g = self.lock();
+        let ids: Vec<u64> = g
+            .by_dir
+            .get(key)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default();
+        Self::send_breaks(&mut g, ids)
+    }
+
+    /// Every lease, broken without waiting (the watch lost events).
+    pub fn break_all_external(&self) -> usize {
+        let mut g = self.lock();
+        let ids: Vec<u64> = g.leases.keys().copied().collect();
+        Self::send_breaks(&mut g, ids)
+    }
+
+    fn send_breaks(g: &mut Inner, ids: Vec<u64>) -> usize {
+        let mut n = 0;
+        for id in ids {
+            let Some(l) = g.remove(id) else { continue };
+            let Some((_, tx)) = g.watchers.get(&l.session) else {
+                continue;
+            };
+            // Nobody waits for the acknowledgement: the receiver goes.
+            let (ack, _) = oneshot::channel();
+            let m = BreakMsg {
+                lease_id: id,
+                export: l.key.0,
+                path: l.key.1,
+                ack,
+            };
+            if tx.send(m).is_ok() {
+                g.breaks += 1;
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Break what `change` by `session` touches, and wait for the holders.
     /// The returned guard keeps the directories "breaking" (no grants) until
     /// it is dropped, after the change was made.

@@ -15,6 +15,7 @@ use tracing::{debug, info, warn};
 
 pub mod access;
 pub mod admission;
+pub mod dirwatch;
 pub mod leases;
 mod mem;
 pub mod tls;
@@ -1448,6 +1449,13 @@ async fn handle(
         Request::LeaseDir { export, path, want } => {
             check(state, who, &export, READ)?;
             let key = leases::dir_key(&export, &path)?;
+            // Watched before it is granted: a change made on the server's
+            // own file system after the grant breaks it (dirwatch.rs).
+            if let Some(w) = &state.dir_watch {
+                if let Ok(fd) = state.exports.get(&export)?.open_dir(&key.1) {
+                    w.watch(std::os::fd::AsFd::as_fd(&fd), &key, &state.leases);
+                }
+            }
             let (lease_id, granted) = state.leases.grant(session, key.clone(), want, || {
                 state.open_files.writers_in(&key.0, &key.1, session)
             });
