@@ -300,26 +300,28 @@ impl Leases {
     }
 
     fn send_breaks(g: &mut Inner, ids: Vec<u64>) -> usize {
-        let mut n = 0;
-        for id in ids {
-            let Some(l) = g.remove(id) else { continue };
-            let Some((_, tx)) = g.watchers.get(&l.session) else {
-                continue;
-            };
-            // Nobody waits for the acknowledgement: the receiver goes.
-            let (ack, _) = oneshot::channel();
-            let m = BreakMsg {
-                lease_id: id,
-                export: l.key.0,
-                path: l.key.1,
-                ack,
-            };
-            if tx.send(m).is_ok() {
-                g.breaks += 1;
-                n += 1;
-            }
-        }
-        n
+        // Nobody waits for the acknowledgements: the receivers go.
+        ids.into_iter()
+            .filter(|id| Self::send_break(g, *id).is_some())
+            .count()
+    }
+
+    /// Remove lease `id` and send its holder the break: the lease, and
+    /// the receiver its acknowledgement fires (None: no such lease, or
+    /// its holder's watching connection is gone, which took its cache).
+    fn send_break(g: &mut Inner, id: u64) -> Option<(Lease, oneshot::Receiver<()>)> {
+        let l = g.remove(id)?;
+        let (_, tx) = g.watchers.get(&l.session)?;
+        let (ack, rx) = oneshot::channel();
+        let m = BreakMsg {
+            lease_id: id,
+            export: l.key.0.clone(),
+            path: l.key.1.clone(),
+            ack,
+        };
+        tx.send(m).ok()?;
+        g.breaks += 1;
+        Some((l, rx))
     }
 
     /// Break what `change` by `session` touches, and wait for the holders.
@@ -372,19 +374,7 @@ impl Leases {
                 g.remove(id);
             }
             for id in victims {
-                let Some(l) = g.remove(id) else { continue };
-                let Some((_, tx)) = g.watchers.get(&l.session) else {
-                    continue;
-                };
-                let (ack, rx) = oneshot::channel();
-                let m = BreakMsg {
-                    lease_id: id,
-                    export: l.key.0.clone(),
-                    path: l.key.1.clone(),
-                    ack,
-                };
-                if tx.send(m).is_ok() {
-                    g.breaks += 1;
+                if let Some((l, rx)) = Self::send_break(&mut g, id) {
                     waits.push((id, l.session, l.key, rx));
                 }
             }
