@@ -636,7 +636,28 @@ impl Engine {
         let chan = e.chan.clone();
         let t = std::thread::Builder::new()
             .name("lwio-client-progress".into())
-            .spawn(move || progress_loop(weak, chan, wake))
+            .spawn(move || {
+                // Every end of the thread says why (issue 33: a publisher's
+                // progress thread once vanished with nothing logged). A
+                // panic marks the connection lost, so that no waiter waits
+                // for a thread that is gone.
+                let w = weak.clone();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    progress_loop(weak, chan, wake)
+                }));
+                if let Err(p) = r {
+                    let msg = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".into());
+                    tracing::error!(panic = %msg, "client progress thread ended by a panic");
+                    if let Some(e) = w.upgrade() {
+                        let mut st = lock(&e.st);
+                        e.mark_lost(&mut st, format!("the progress thread panicked: {msg}"));
+                    }
+                }
+            })
             .map_err(|e| Error::Io(format!("cannot start the progress thread: {e}")))?;
         *e.progress.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
         // AUTH.
@@ -744,6 +765,16 @@ impl Engine {
     /// domain holds: regions, those with a remote right, windows.
     pub fn census(&self) -> lwio_rdma::PdCensus {
         self.pd.census()
+    }
+
+    /// Whether the progress thread runs (it ends only with the engine, a
+    /// stop, or a lost connection, and says which in the log).
+    pub fn progress_running(&self) -> bool {
+        self.progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|t| !t.is_finished())
     }
 
     pub fn stats(&self) -> ClientStats {
@@ -2739,11 +2770,15 @@ fn progress_loop(
     let mut seen_waits = 0u64;
     let mut woken = false;
     loop {
-        let Some(e) = weak.upgrade() else { return };
+        let Some(e) = weak.upgrade() else {
+            debug!("client progress thread ends: the engine is gone");
+            return;
+        };
         if e.stop.load(Ordering::Acquire) {
             if driving {
                 e.release_driver();
             }
+            debug!("client progress thread ends: stopped");
             return;
         }
         e.wakeups.fetch_add(1, Ordering::Relaxed);
@@ -2778,6 +2813,8 @@ fn progress_loop(
         woken = false;
         if !e.progress_round() {
             e.release_driver();
+            let why = lock(&e.st).lost.clone().unwrap_or_default();
+            info!(reason = %why, "client progress thread ends: the connection is lost");
             return;
         }
         if e.waiters.load(Ordering::Acquire) > 0 {

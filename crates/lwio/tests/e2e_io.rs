@@ -1661,3 +1661,49 @@ fn interrupt_waiters_busy_poll_before_they_sleep() {
         assert_eq!(st.timed_out, 0, "{st:?}");
     }
 }
+
+/// A client's progress thread lives as long as its engine does (issue 33:
+/// one once ended with nothing logged while its client went on): through
+/// I/O, idle stretches longer than its longest standby nap, and a large
+/// write, in both completion modes; and it ends, with the connection
+/// reported lost, when the server goes.
+#[test]
+fn progress_threads_live_as_long_as_their_engines() {
+    for completion in [Completion::Interrupt, Completion::Poll] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = server(dir.path(), RdmaServerOptions::default());
+        let c = client(&s, completion);
+        let alive = |what: &str| {
+            for (i, e) in c.engines().iter().enumerate() {
+                assert!(
+                    e.progress_running(),
+                    "{completion:?}: channel {i}'s progress thread ended {what}"
+                );
+            }
+        };
+        alive("at connect");
+        let data = pattern(31, (8 << 20) + 1);
+        let f = c
+            .open("p.bin", &OpenOptions::read_write().create(true))
+            .unwrap();
+        assert_eq!(f.write_at(&data, 0).unwrap(), data.len());
+        alive("after an 8 MiB + 1 write");
+        for round in 0..3 {
+            // Longer than the standby naps (up to 50 ms) and the re-poll
+            // backoff: the thread sleeps, and must come back.
+            std::thread::sleep(Duration::from_millis(300));
+            let mut buf = vec![0u8; 4096];
+            assert_eq!(f.read_at(&mut buf, 4096 * round).unwrap(), 4096);
+            assert_eq!(buf[..], data[4096 * round as usize..][..4096]);
+            alive("after an idle stretch");
+        }
+        drop(f);
+        // The server goes: the thread ends, and says why (the engine is
+        // marked lost, so no waiter waits on it).
+        drop(s);
+        wait_for(
+            || c.engines().iter().all(|e| !e.progress_running()),
+            "progress threads to end after the server went",
+        );
+    }
+}
