@@ -62,9 +62,12 @@ Examples:
   lwio serve --export data=/srv/data --export logs=/var/log/app --listen [::]:7420
   lwio serve --config /etc/lwio/lwio.toml --provider soft
   lwio serve --export data=/tmp/d --listen 127.0.0.1:0 --ready-file /tmp/lwio.addr
+  lwio serve --check-config /etc/lwio/lwio.toml   check a file, print what would be served
 
 The token file is created with a random token (mode 0600) if it does not exist;
-copy it to clients. SIGINT/SIGTERM stop the server gracefully.")]
+copy it to clients. SIGINT/SIGTERM stop the server gracefully. Under systemd
+(NOTIFY_SOCKET) it reports READY=1 once every listener accepts, and STATUS=.
+SIGHUP re-reads and checks the config file (docs/operations.md).")]
     Serve(ServeArgs),
     /// List a directory, or the exports when the URL names none.
     #[command(after_help = "\
@@ -175,6 +178,33 @@ Put the output in the server config:
   [users.alice]
   password = \"$argon2id$v=19$…\"")]
     HashPassword(HashPasswordArgs),
+    /// Write the man pages or shell completions (for packaging).
+    #[command(hide = true)]
+    Generate(GenerateArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    #[command(subcommand)]
+    pub what: GenerateWhat,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GenerateWhat {
+    /// lwio.1, lwio-SUBCOMMAND.1, lwio.toml.5 and liblwio.3 into DIR.
+    Man { dir: PathBuf },
+    /// Completions for bash (lwio), zsh (_lwio) and fish (lwio.fish) into DIR.
+    Completions { dir: PathBuf },
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum LogFormat {
+    /// One line per event.
+    #[default]
+    Text,
+    /// One JSON object per line (for log shippers).
+    Json,
 }
 
 #[derive(Debug, Args)]
@@ -244,7 +274,7 @@ pub struct ClientArgs {
     pub busy_poll: Option<Duration>,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Export a directory as NAME (repeatable; overrides the config file's NAME).
     #[arg(long = "export", value_name = "NAME=PATH")]
@@ -301,6 +331,15 @@ pub struct ServeArgs {
     /// docs/security.md). Same as `compat_md5_auth = true`.
     #[arg(long)]
     pub compat_md5_auth: bool,
+    /// Check FILE (a --config file, with the other flags given) instead of
+    /// serving: print what the server would do and exit 0, or one line per
+    /// problem and exit 1.
+    #[arg(long, value_name = "FILE", conflicts_with = "config")]
+    pub check_config: Option<PathBuf>,
+    /// Log format on stderr: text (one line per event) or json (one JSON
+    /// object per line, for log shippers).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 #[derive(Debug, Args)]
@@ -523,6 +562,19 @@ pub struct RdmaBenchArgs {
 /// A failure to report as one line.
 pub type CliResult = anyhow::Result<()>;
 
+/// A failure already reported on stderr (several lines): the binary exits
+/// with this status and prints nothing more.
+#[derive(Debug)]
+pub struct Reported(pub u8);
+
+impl std::fmt::Display for Reported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "failed (reported above)")
+    }
+}
+
+impl std::error::Error for Reported {}
+
 /// Run a parsed command.
 pub fn run(cli: Cli) -> CliResult {
     // Client commands log only when asked (RUST_LOG): their output is
@@ -558,6 +610,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Devices => devices(),
         Command::RdmaBench(a) => crate::cmd::rdma_bench::run(a),
         Command::HashPassword(a) => hash_password(a),
+        Command::Generate(a) => crate::cmd::generate::run(a),
     }
 }
 
@@ -924,14 +977,24 @@ fn devices() -> CliResult {
     Ok(())
 }
 
-fn init_tracing() {
-    init_tracing_default("info");
-}
-
 /// Logs on stderr: RUST_LOG, else `default`.
 pub fn init_tracing_default(default: &str) {
+    init_tracing_format(default, LogFormat::Text);
+}
+
+/// Logs on stderr in `format`: RUST_LOG, else `default`.
+pub fn init_tracing_format(default: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    if format == LogFormat::Json {
+        let _ = tracing_subscriber::fmt()
+            .json()
+            .with_current_span(false)
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+        return;
+    }
     // Colours only on a terminal: a log file or journal gets plain text.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -946,6 +1009,20 @@ pub fn serve_config(a: &ServeArgs) -> anyhow::Result<Config> {
         Some(p) => Config::load(p)?,
         None => Config::default(),
     };
+    apply_serve_flags(&mut c, a);
+    c.validate()?;
+    if c.exports.is_empty() {
+        anyhow::bail!("{NOTHING_TO_SERVE}");
+    }
+    Ok(c)
+}
+
+/// Why a server with no export does not start.
+pub const NOTHING_TO_SERVE: &str =
+    "nothing to serve: give at least one --export NAME=PATH (or [exports] in --config)";
+
+/// The flags of `serve` over the config file's values.
+pub fn apply_serve_flags(c: &mut Config, a: &ServeArgs) {
     if let Some(l) = &a.listen {
         c.listen = l.clone();
     }
@@ -977,13 +1054,6 @@ pub fn serve_config(a: &ServeArgs) -> anyhow::Result<Config> {
     for e in &a.exports {
         c.set_export(e);
     }
-    c.validate()?;
-    if c.exports.is_empty() {
-        anyhow::bail!(
-            "nothing to serve: give at least one --export NAME=PATH (or [exports] in --config)"
-        );
-    }
-    Ok(c)
 }
 
 fn write_ready_file(path: &Path, addr: &str) -> anyhow::Result<()> {
@@ -994,7 +1064,10 @@ fn write_ready_file(path: &Path, addr: &str) -> anyhow::Result<()> {
 }
 
 fn serve(a: ServeArgs) -> CliResult {
-    init_tracing();
+    if let Some(file) = &a.check_config {
+        return crate::cmd::check_config::run(&a, file);
+    }
+    init_tracing_format("info", a.log_format);
     let c = serve_config(&a)?;
     let token_path = c.token_file.clone().or_else(default_token_file);
     let token = match &token_path {
@@ -1066,15 +1139,7 @@ fn serve(a: ServeArgs) -> CliResult {
         if let Some(p) = &a.ready_file {
             write_ready_file(p, &addr)?;
         }
-        let stop = server.shutdown_handle();
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            }
-            stop.trigger();
-        });
+        crate::cmd::serve::start_service(&server, a.clone(), c.clone())?;
         server.run().await?;
         Ok::<(), anyhow::Error>(())
     })

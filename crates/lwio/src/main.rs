@@ -46,6 +46,9 @@ fn main() -> ExitCode {
     match lwio::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            if let Some(r) = e.downcast_ref::<lwio::cli::Reported>() {
+                return ExitCode::from(r.0);
+            }
             eprintln!("lwio: error: {}", lwio::cli::error_line(&e));
             ExitCode::FAILURE
         }

@@ -8,8 +8,11 @@
 
 pub mod bench;
 pub mod cat;
+pub mod check_config;
 pub mod cp;
+pub mod generate;
 pub mod mount;
+pub mod notify;
 pub mod publish;
 pub mod rdma_bench;
 pub mod serve;
