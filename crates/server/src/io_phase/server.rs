@@ -1867,6 +1867,9 @@ impl Conn {
         }
         if now.duration_since(self.last_tick) >= STATS_FLUSH {
             self.last_tick = now;
+            // Files whose handles were closed: let their descriptors go
+            // (their Fids answer STATUS_FILE_CLOSED, `file_for`).
+            self.files.retain(|_, f| !f.is_closed());
             self.balance(now);
             self.flush_request_stats();
         }
@@ -2417,7 +2420,12 @@ impl Conn {
         parts: Vec<(RecvId, std::ops::Range<usize>)>,
     ) {
         let bufs: Vec<RecvId> = parts.iter().map(|(b, _)| *b).collect();
-        let Some(f) = self.files.get(&file).filter(|f| f.rights.write).cloned() else {
+        let Some(f) = self
+            .files
+            .get(&file)
+            .filter(|f| f.rights.write && !f.is_closed())
+            .cloned()
+        else {
             // (`file_for` answers the refusal: nothing copied.)
             self.repost_recvs(bufs);
             self.file_for(op, file, true);
@@ -2825,6 +2833,14 @@ impl Conn {
         self.last_io = Instant::now();
         let st = match self.files.get(&file) {
             None => STATUS_INVALID_HANDLE,
+            // Its handle was closed on the side channel, or its session
+            // ended: the Fid is dead on every connection (issue 31).
+            Some(f) if f.is_closed() => {
+                if let Some(f) = self.files.remove(&file) {
+                    debug!(conn = self.id, path = %f.path, file, "Fid of a closed handle");
+                }
+                STATUS_FILE_CLOSED
+            }
             Some(f) if (write && f.rights.write) || (!write && f.rights.read) => {
                 return Some(f.clone())
             }
