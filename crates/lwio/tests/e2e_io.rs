@@ -934,6 +934,46 @@ fn write_through_open() {
     assert_eq!(b, d);
 }
 
+/// `O_SYNC` is `O_SYNC` at the server, not `O_DSYNC` (issue 31): a `sync`
+/// open's descriptors carry `__O_SYNC | O_DSYNC`, a `write_through` one's
+/// `O_DSYNC` only.
+#[test]
+fn sync_open_is_o_sync_at_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let c = client(&s, Completion::Interrupt);
+    let path = dir.path().join("sync.bin");
+    let f = c
+        .open(
+            "sync.bin",
+            &OpenOptions::read_write().create(true).sync(true),
+        )
+        .unwrap();
+    let flags = fd_flags(&path);
+    assert!(
+        !flags.is_empty() && flags.iter().all(|fl| fl & libc::O_SYNC == libc::O_SYNC),
+        "server fds are O_SYNC (0o4010000): {:?}",
+        flags.iter().map(|f| format!("{f:o}")).collect::<Vec<_>>()
+    );
+    let d = pattern(13, 10_007);
+    assert_eq!(f.write_at(&d, 3).unwrap(), d.len());
+    assert_eq!(local_read(&path, 3, d.len()), d);
+    drop(f);
+    let dpath = dir.path().join("dsync.bin");
+    let _g = c
+        .open(
+            "dsync.bin",
+            &OpenOptions::read_write().create(true).write_through(true),
+        )
+        .unwrap();
+    let flags = fd_flags(&dpath);
+    assert!(
+        !flags.is_empty() && flags.iter().all(|fl| fl & libc::O_SYNC == libc::O_DSYNC),
+        "write-through stays O_DSYNC: {:?}",
+        flags.iter().map(|f| format!("{f:o}")).collect::<Vec<_>>()
+    );
+}
+
 /// A resume key from a read-only open registers (REGISTER carries no access
 /// of its own) but cannot write: WRITE, VEC_WRITE and VEC_WRITE with
 /// COLLAPSE on its Fid fail with ACCESS_DENIED and the file is unchanged.
