@@ -276,12 +276,19 @@ fn hostile_cases() {
     drop(other);
 
     // 8. Credits exceeded: granted 1; an INTERRUPT holds it; one more request.
+    // The server counts the request it received beyond the credits.
+    let overruns = e.s.rdma.stats().credit_overruns;
     let mut h = hostile(&e);
     h.auth(1);
     h.send_req(RequestOp::Interrupt { cookie: 20 });
     h.send_req(RequestOp::Interrupt { cookie: 21 });
     h.send_req(RequestOp::Interrupt { cookie: 22 });
     assert!(h.terminated(T), "credit overflow terminates");
+    assert_eq!(
+        e.s.rdma.stats().credit_overruns,
+        overruns + 1,
+        "the request beyond the credit is counted (once: the connection closed)"
+    );
     e.check_good();
 
     // 9. No AUTH within the (400 ms) timeout.

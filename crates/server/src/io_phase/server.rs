@@ -202,6 +202,9 @@ pub struct ServerStats {
     pub auth_ok: u64,
     pub auth_failed: u64,
     pub closed_by_protocol: u64,
+    /// Requests (or fragments) a client sent beyond the credits it was
+    /// granted; each closes its connection (`CreditOverflow`).
+    pub credit_overruns: u64,
     /// File I/Os done by reactors themselves (page-cache fast
     /// path, `inline_io`) rather than by storage threads.
     pub inline_ios: u64,
@@ -268,6 +271,7 @@ pub(super) struct Shared {
     auth_ok: AtomicU64,
     auth_failed: AtomicU64,
     closed_by_protocol: AtomicU64,
+    credit_overruns: AtomicU64,
     inline_ios: AtomicU64,
     slow_credit_replies: AtomicU64,
     ios_cancelled: AtomicU64,
@@ -325,6 +329,7 @@ impl Shared {
             auth_ok: AtomicU64::new(0),
             auth_failed: AtomicU64::new(0),
             closed_by_protocol: AtomicU64::new(0),
+            credit_overruns: AtomicU64::new(0),
             inline_ios: AtomicU64::new(0),
             slow_credit_replies: AtomicU64::new(0),
             ios_cancelled: AtomicU64::new(0),
@@ -504,6 +509,7 @@ impl ServerHandle {
             auth_ok: s.auth_ok.load(Ordering::Relaxed),
             auth_failed: s.auth_failed.load(Ordering::Relaxed),
             closed_by_protocol: s.closed_by_protocol.load(Ordering::Relaxed),
+            credit_overruns: s.credit_overruns.load(Ordering::Relaxed),
             inline_ios: s.inline_ios.load(Ordering::Relaxed),
             slow_credit_replies: s.slow_credit_replies.load(Ordering::Relaxed),
             ios_cancelled: s.ios_cancelled.load(Ordering::Relaxed),
@@ -2810,6 +2816,12 @@ impl Conn {
                 match &reason {
                     CloseReason::AuthFailed => {
                         self.shared.auth_failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    CloseReason::CreditOverflow => {
+                        self.shared.credit_overruns.fetch_add(1, Ordering::Relaxed);
+                        self.shared
+                            .closed_by_protocol
+                            .fetch_add(1, Ordering::Relaxed);
                     }
                     _ => {
                         self.shared
