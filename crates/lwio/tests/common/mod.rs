@@ -8,7 +8,10 @@ pub mod reconnect;
 
 /// A skip: fails under CI, else prints `SKIPPED: reason` (the caller
 /// returns). lwio-server's, shared with its own unit tests.
-pub use lwio_server::io_phase::testkit::skip;
+#[track_caller]
+pub fn skip(reason: impl std::fmt::Display) {
+    lwio_server::io_phase::testkit::skip(reason)
+}
 
 /// Log to the test's output at `RUST_LOG` (default `warn`); once per test
 /// binary, later calls do nothing.
