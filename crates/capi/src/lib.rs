@@ -443,7 +443,7 @@ pub unsafe extern "C" fn lwio_open(
             o.0.exclusive = flags & libc::O_EXCL != 0;
             o.0.truncate = flags & libc::O_TRUNC != 0;
             o.0.no_buffering = flags & libc::O_DIRECT != 0;
-            o.0.write_through = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+            o.0.set_sync_flags(flags);
             if acc == libc::O_ACCMODE {
                 return Err(fail(libc::EINVAL, "flags: no access mode"));
             }

@@ -110,3 +110,67 @@ fn a_panic_inside_becomes_eio_with_its_message() {
     assert_eq!(r, -libc::EIO);
     assert!(msg().contains("boom"), "{}", msg());
 }
+
+/// `O_SYNC` through the C API reaches the server as `O_SYNC` (issue 31):
+/// it used to be sent as write-through and opened `O_DSYNC`.
+#[test]
+fn o_sync_is_o_sync_at_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = "capi-sync-token-0123456789abcdef";
+    let s = lwio_server::io_phase::testkit::LocalServer::start(
+        dir.path(),
+        "ex",
+        token,
+        lwio_server::config::Limits::default(),
+        lwio_server::io_phase::server::RdmaServerOptions::default(),
+    )
+    .unwrap();
+    let url = std::ffi::CString::new(format!("lwio://{}/ex", s.side_addr)).unwrap();
+    let tok = std::ffi::CString::new(token).unwrap();
+    let mut o = std::mem::MaybeUninit::<lwio_options>::uninit();
+    // SAFETY: init writes every field; the strings outlive the calls; the
+    // client is disconnected once, after its descriptor is closed.
+    unsafe {
+        lwio_options_init(o.as_mut_ptr());
+        let mut o = o.assume_init();
+        o.no_tls = 1;
+        o.token = tok.as_ptr();
+        let c = lwio_connect(url.as_ptr(), &o);
+        assert!(!c.is_null(), "{}", msg());
+        let fd = lwio_open(
+            c,
+            c"s.bin".as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_SYNC,
+            0o600,
+        );
+        assert!(fd >= 0, "{}", msg());
+        let flags = server_fd_flags(&dir.path().join("s.bin"));
+        assert!(
+            !flags.is_empty() && flags.iter().all(|f| f & libc::O_SYNC == libc::O_SYNC),
+            "the server's descriptors are O_SYNC (0o4010000): {:?}",
+            flags.iter().map(|f| format!("{f:o}")).collect::<Vec<_>>()
+        );
+        assert_eq!(lwio_close(fd), 0);
+        assert_eq!(lwio_disconnect(c), 0);
+    }
+}
+
+/// Open flags of this process's descriptors of `path` (the in-process
+/// server's), from /proc/self/fdinfo.
+fn server_fd_flags(path: &std::path::Path) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        if std::fs::read_link(e.path()).ok().as_deref() != Some(path) {
+            continue;
+        }
+        let info = std::fs::read_to_string(format!(
+            "/proc/self/fdinfo/{}",
+            e.file_name().to_string_lossy()
+        ))
+        .unwrap_or_default();
+        if let Some(l) = info.lines().find(|l| l.starts_with("flags:")) {
+            out.push(i32::from_str_radix(l[6..].trim(), 8).unwrap());
+        }
+    }
+    out
+}

@@ -339,8 +339,16 @@ impl OpenOptions {
         self.0.no_buffering = on;
         self
     }
+    /// `O_DSYNC` at the server: each write's data is on storage when it
+    /// completes.
     pub fn write_through(mut self, on: bool) -> Self {
         self.0.write_through = on;
+        self
+    }
+    /// `O_SYNC` at the server: as `write_through`, and the metadata the
+    /// write changed (e.g. times) too.
+    pub fn sync(mut self, on: bool) -> Self {
+        self.0.sync = on;
         self
     }
 }

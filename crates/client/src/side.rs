@@ -489,6 +489,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
             (o.truncate, OPEN_TRUNCATE),
             (o.no_buffering, OPEN_NO_BUFFERING),
             (o.write_through, OPEN_WRITE_THROUGH),
+            (o.sync, OPEN_SYNC),
         ] {
             if on {
                 flags |= bit;

@@ -599,7 +599,9 @@ fn full_disk_is_a_clear_error() {
         &["unshare", "-Urm"],
         "mount -t tmpfs -o size=1m lwio-test \"$LWIO_DATA\"",
     ) else {
-        eprintln!("skipped: cannot mount a tmpfs in a user namespace here");
+        lwio_server::io_phase::testkit::skip(
+            "cannot mount a tmpfs in a user namespace here (unshare -Urm)",
+        );
         return;
     };
     let local = tempfile::tempdir().unwrap();

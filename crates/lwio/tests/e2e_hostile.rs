@@ -276,12 +276,19 @@ fn hostile_cases() {
     drop(other);
 
     // 8. Credits exceeded: granted 1; an INTERRUPT holds it; one more request.
+    // The server counts the request it received beyond the credits.
+    let overruns = e.s.rdma.stats().credit_overruns;
     let mut h = hostile(&e);
     h.auth(1);
     h.send_req(RequestOp::Interrupt { cookie: 20 });
     h.send_req(RequestOp::Interrupt { cookie: 21 });
     h.send_req(RequestOp::Interrupt { cookie: 22 });
     assert!(h.terminated(T), "credit overflow terminates");
+    assert_eq!(
+        e.s.rdma.stats().credit_overruns,
+        overruns + 1,
+        "the request beyond the credit is counted (once: the connection closed)"
+    );
     e.check_good();
 
     // 9. No AUTH within the (400 ms) timeout.
@@ -347,4 +354,72 @@ fn md5_auth_only_with_compat_md5_auth() {
         good.auth(4);
         e.check_good();
     }
+}
+
+/// The Fid of a file whose handle is gone answers an error, not data, on
+/// the RDMA connection that registered it (issue 31): after a side-channel
+/// Close of the handle, and after the session ended and its durable grace
+/// ran out. Before the fix the connection kept the file and served it.
+#[test]
+fn closed_handle_and_ended_session_revoke_the_fid() {
+    let limits = Limits {
+        durable_grace: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("f.bin"), vec![0x77u8; 8192]).unwrap();
+    let s = LocalServer::start(
+        dir.path(),
+        "ex",
+        TOKEN,
+        limits,
+        RdmaServerOptions {
+            auto_credits: false,
+            ..RdmaServerOptions::default()
+        },
+    )
+    .unwrap();
+    let dead = |st: NtStatus| st == STATUS_FILE_CLOSED || st == STATUS_INVALID_HANDLE;
+
+    // 1. Close over the side channel.
+    let mut h = connect(&s, TOKEN, Guid::from_u128(21));
+    h.auth(4);
+    let o = lwio_side::types::OpenOptions {
+        read: true,
+        ..Default::default()
+    };
+    let rf = h.side.open("ex", "f.bin", &o, 0).unwrap();
+    let fid = h.register_key(rf.resume_key.key, h.session_id);
+    assert_eq!(h.read_status(fid, 0, 100), STATUS_SUCCESS);
+    h.side.close(rf.handle).unwrap();
+    let st = h.read_status(fid, 0, 100);
+    assert!(
+        dead(st),
+        "READ of the Fid of a closed handle: {st:#x} ({})",
+        lwio_proto::status::name(st).unwrap_or("?")
+    );
+
+    // 2. The session ends (its side channel goes), the grace runs out.
+    let mut h = connect(&s, TOKEN, Guid::from_u128(22));
+    h.auth(4);
+    let rf = h.side.open("ex", "f.bin", &o, 0).unwrap();
+    let fid = h.register_key(rf.resume_key.key, h.session_id);
+    assert_eq!(h.read_status(fid, 0, 100), STATUS_SUCCESS);
+    // Replace the side channel by another session's: the first one ends.
+    let other = connect(&s, TOKEN, Guid::from_u128(23));
+    drop(std::mem::replace(&mut h.side, other.side));
+    let t = Instant::now();
+    let st = loop {
+        let st = h.read_status(fid, 0, 100);
+        if st != STATUS_SUCCESS || t.elapsed() > Duration::from_secs(5) {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        dead(st),
+        "READ of the Fid of an ended session's file, past its grace: {st:#x} ({})",
+        lwio_proto::status::name(st).unwrap_or("?")
+    );
+    assert_eq!(s.state.open_files.len(), 0);
 }

@@ -182,7 +182,11 @@ fn io_suite(completion: Completion) {
     // Windows: every one bound was invalidated after its request.
     let stats = c.stats();
     assert_eq!(stats.windows_bound, stats.windows_invalidated, "{stats:?}");
-    assert_eq!(stats.credit_violations, 0);
+    assert_eq!(
+        s.rdma.stats().credit_overruns,
+        0,
+        "requests beyond the credits granted"
+    );
     match completion {
         Completion::Poll => assert!(stats.polled_completions > 0, "{stats:?}"),
         Completion::Interrupt => assert_eq!(stats.polled_completions, 0, "{stats:?}"),
@@ -280,7 +284,11 @@ fn control_suite(completion: Completion) {
         t.join().unwrap();
     }
     let st = c.stats();
-    assert_eq!(st.credit_violations, 0, "{st:?}");
+    assert_eq!(
+        s.rdma.stats().credit_overruns,
+        0,
+        "requests beyond the credits granted"
+    );
     assert!(st.max_outstanding <= 3 && st.max_outstanding >= 2, "{st:?}");
     assert_eq!(
         s.rdma.stats().closed_by_protocol,
@@ -337,7 +345,7 @@ fn storage_on_io_uring(s: &LocalServer) -> bool {
         UringBackend::new(2, 1).is_err(),
         "io_uring works here, but the server's storage uses {kind}"
     );
-    eprintln!("skipped: io_uring is unavailable here; running I/O cannot be cancelled");
+    common::skip("io_uring is unavailable here; running I/O cannot be cancelled");
     false
 }
 
@@ -410,7 +418,11 @@ fn cancel_running_suite(completion: Completion) {
     let mut back = [0u8; 10];
     (&feed).read_exact(&mut back).unwrap();
     assert_eq!(&back, b"and writes");
-    assert_eq!(c.stats().credit_violations, 0);
+    assert_eq!(
+        s.rdma.stats().credit_overruns,
+        0,
+        "requests beyond the credits granted"
+    );
     assert_eq!(s.rdma.stats().closed_by_protocol, 0);
 }
 
@@ -559,7 +571,11 @@ fn async_api_and_dropped_future() {
             "the dropped read wrote the buffer"
         );
         assert_eq!(g.dropped_futures(), 1);
-        assert_eq!(c.stats().credit_violations, 0);
+        assert_eq!(
+            s.rdma.stats().credit_overruns,
+            0,
+            "requests beyond the credits granted"
+        );
     });
 }
 
@@ -610,7 +626,11 @@ fn async_concurrency_suite(completion: Completion) {
             st.max_outstanding > 2,
             "one thread never had more than two requests out: the futures block ({st:?})"
         );
-        assert_eq!(st.credit_violations, 0);
+        assert_eq!(
+            s.rdma.stats().credit_overruns,
+            0,
+            "requests beyond the credits granted"
+        );
         let whole = local_read(&dir.path().join("conc.bin"), 0, tasks * blocks * 4096);
         for t in 0..tasks {
             for b in 0..blocks {
@@ -734,7 +754,11 @@ fn registered_suite(completion: Completion) {
 
     let st = c.stats();
     assert_eq!(st.windows_bound, st.windows_invalidated, "{st:?}");
-    assert_eq!(st.credit_violations, 0);
+    assert_eq!(
+        s.rdma.stats().credit_overruns,
+        0,
+        "requests beyond the credits granted"
+    );
     // Least privilege (seed 002): the provider registered caller and engine
     // memory with no remote right of its own (reached only through the
     // windows bound per request), counted by the provider itself.
@@ -895,7 +919,11 @@ fn direct_suite(completion: Completion) {
     // write_repeated_at on such a file falls back to plain writes.
     assert_eq!(g.write_repeated_at(&page, 3 * 4096, 0).unwrap(), 3 * 4096);
     assert_eq!(local_read(&plain_path, 4096, 4096), page);
-    assert_eq!(c.stats().credit_violations, 0);
+    assert_eq!(
+        s.rdma.stats().credit_overruns,
+        0,
+        "requests beyond the credits granted"
+    );
 }
 
 #[test]
@@ -932,6 +960,46 @@ fn write_through_open() {
     let mut b = vec![0u8; d.len()];
     assert_eq!(f.read_at(&mut b, 17).unwrap(), d.len());
     assert_eq!(b, d);
+}
+
+/// `O_SYNC` is `O_SYNC` at the server, not `O_DSYNC` (issue 31): a `sync`
+/// open's descriptors carry `__O_SYNC | O_DSYNC`, a `write_through` one's
+/// `O_DSYNC` only.
+#[test]
+fn sync_open_is_o_sync_at_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path(), no_auto());
+    let c = client(&s, Completion::Interrupt);
+    let path = dir.path().join("sync.bin");
+    let f = c
+        .open(
+            "sync.bin",
+            &OpenOptions::read_write().create(true).sync(true),
+        )
+        .unwrap();
+    let flags = fd_flags(&path);
+    assert!(
+        !flags.is_empty() && flags.iter().all(|fl| fl & libc::O_SYNC == libc::O_SYNC),
+        "server fds are O_SYNC (0o4010000): {:?}",
+        flags.iter().map(|f| format!("{f:o}")).collect::<Vec<_>>()
+    );
+    let d = pattern(13, 10_007);
+    assert_eq!(f.write_at(&d, 3).unwrap(), d.len());
+    assert_eq!(local_read(&path, 3, d.len()), d);
+    drop(f);
+    let dpath = dir.path().join("dsync.bin");
+    let _g = c
+        .open(
+            "dsync.bin",
+            &OpenOptions::read_write().create(true).write_through(true),
+        )
+        .unwrap();
+    let flags = fd_flags(&dpath);
+    assert!(
+        !flags.is_empty() && flags.iter().all(|fl| fl & libc::O_SYNC == libc::O_DSYNC),
+        "write-through stays O_DSYNC: {:?}",
+        flags.iter().map(|f| format!("{f:o}")).collect::<Vec<_>>()
+    );
 }
 
 /// A resume key from a read-only open registers (REGISTER carries no access
@@ -1044,7 +1112,11 @@ fn many_clients_many_files() {
     }
     for c in &clients {
         let st = c.stats();
-        assert_eq!(st.credit_violations, 0, "{st:?}");
+        assert_eq!(
+            s.rdma.stats().credit_overruns,
+            0,
+            "requests beyond the credits granted"
+        );
         assert_eq!(st.windows_bound, st.windows_invalidated, "{st:?}");
     }
     let ss = s.rdma.stats();
@@ -1479,7 +1551,11 @@ fn polled_waits_sleep_on_interrupt() {
         st.interrupt_completions > before.interrupt_completions,
         "the slow read did not sleep on an INTERRUPT: {before:?} -> {st:?}"
     );
-    assert_eq!(st.credit_violations, 0, "{st:?}");
+    assert_eq!(
+        s.rdma.stats().credit_overruns,
+        0,
+        "requests beyond the credits granted"
+    );
 }
 
 /// Issue 13: an idle client costs (almost) no wake-ups. Connected, a file
@@ -1520,7 +1596,11 @@ fn idle_suite(completion: Completion) {
     assert_eq!(f.read_at(&mut again, 0).unwrap(), data.len());
     assert_eq!(again, data);
     let st = c.stats();
-    assert_eq!(st.credit_violations, 0);
+    assert_eq!(
+        s.rdma.stats().credit_overruns,
+        0,
+        "requests beyond the credits granted"
+    );
     assert_eq!(st.timed_out, 0);
 }
 
@@ -1580,7 +1660,11 @@ fn unwaited_deadline_suite(completion: Completion) {
     let mut b = [0u8; 10];
     assert_eq!(f.read_at(&mut b, 0).unwrap(), 10, "read after the timeout");
     assert_eq!(&b, b"fifo works");
-    assert_eq!(c.stats().credit_violations, 0);
+    assert_eq!(
+        s.rdma.stats().credit_overruns,
+        0,
+        "requests beyond the credits granted"
+    );
 }
 
 #[test]
@@ -1657,7 +1741,11 @@ fn interrupt_waiters_busy_poll_before_they_sleep() {
             assert_eq!(hits, 0);
         }
         let st = c.stats();
-        assert_eq!(st.credit_violations, 0, "{st:?}");
+        assert_eq!(
+            s.rdma.stats().credit_overruns,
+            0,
+            "requests beyond the credits granted"
+        );
         assert_eq!(st.timed_out, 0, "{st:?}");
     }
 }

@@ -560,7 +560,7 @@ impl LwioFs {
         o.0.create = create_mode.is_some();
         o.0.exclusive = create_mode.is_some() && flags & libc::O_EXCL != 0;
         o.0.no_buffering = flags & libc::O_DIRECT != 0;
-        o.0.write_through = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+        o.0.set_sync_flags(flags);
         Stats::add(&self.stats.opens, 1);
         Stats::add(&self.stats.side_calls, 1);
         // `Client::open` takes EXPORT/PATH, or PATH when the client's URL

@@ -328,7 +328,7 @@ fn classify(fd: c_int) -> Option<Arc<Open>> {
     o.0.read = acc != libc::O_WRONLY;
     o.0.write = acc != libc::O_RDONLY;
     o.0.no_buffering = flags & libc::O_DIRECT != 0;
-    o.0.write_through = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+    o.0.set_sync_flags(flags);
     let file = match client.open(&h.path, &o) {
         Ok(f) => f,
         Err(e) => {

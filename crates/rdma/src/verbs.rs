@@ -650,7 +650,9 @@ pub mod ops {
     pub trait MrOps: AsAny {
         fn lkey(&self) -> u32;
         fn rkey(&self) -> u32;
-        /// Invalidate both keys now; later accesses fail. Idempotent.
+        /// Invalidate both keys now; later accesses fail. Idempotent. Returns
+        /// once no write into the region by the provider is running (a
+        /// placement half done is not finished later).
         fn deregister(&self);
     }
 

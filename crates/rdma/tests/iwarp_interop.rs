@@ -374,3 +374,114 @@ fn soft_initiator_to_reference_responder_accept() {
 fn soft_initiator_to_reference_responder_reject() {
     reference_responder(true);
 }
+
+/// A raw peer sends half of one RDMA Write segment and stalls; the program
+/// deregisters the region meanwhile (the engine thread is in the middle of
+/// placing the segment) and takes the memory back. Deregistration returns
+/// without waiting for the peer, and once it has returned no byte of the
+/// memory changes: the rest of the segment is refused (a Terminate, then the
+/// connection closes). Before the fix the engine went on placing the rest
+/// into the deregistered memory (issue 31).
+#[test]
+fn deregistration_while_the_peer_stalls_mid_segment() {
+    for crc in [false, true] {
+        stalled_segment_then_deregistration(crc);
+    }
+}
+
+fn stalled_segment_then_deregistration(crc: bool) {
+    let c = ctx(crc);
+    let l = c.listen("127.0.0.1:0".parse().unwrap(), 4).unwrap();
+    let addr = l.local_addr();
+    let r = res(&c);
+    let server = std::thread::spawn(move || {
+        let req = l
+            .get_request(Some(Duration::from_secs(10)))
+            .unwrap()
+            .unwrap();
+        (req.accept(&r.init, &ConnParams::default()).unwrap(), r)
+    });
+    let mut s = TcpStream::connect(addr).unwrap();
+    let mut cfg = MpaConfig::initiator_default();
+    cfg.crc = if crc { IwCrc::On } else { IwCrc::Off };
+    let mut h = MpaHandshake::initiator(cfg, b"", Instant::now()).unwrap();
+    let (ev, _carry) = handshake(&mut h, &mut s);
+    assert!(matches!(ev, MpaEvent::Established { .. }), "{ev:?}");
+    let (qp, r) = server.join().unwrap();
+
+    let len = 48 * 1024;
+    let mut mem = vec![0u8; len];
+    let base = mem.as_mut_ptr();
+    // SAFETY: `mem` outlives the region and the QP (dropped last); the test
+    // reads it only with volatile byte loads.
+    let mr = unsafe {
+        r.pd.register_raw(base, len, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+    }
+    .unwrap();
+    let data = vec![0xABu8; len];
+    let mut tx = TxState::new();
+    let segs: Vec<_> = tx
+        .segment(
+            &TxConfig::from_emss(65_000, crc),
+            &OutboundMessage::Write {
+                stag: mr.rkey(),
+                to: mr.addr(),
+            },
+            len as u32,
+        )
+        .unwrap()
+        .collect();
+    assert_eq!(segs.len(), 1, "one segment");
+    let bytes = segs[0].to_vec(&data, crc);
+    let half = bytes.len() / 2;
+    s.write_all(&bytes[..half]).unwrap();
+    let peek = |i: usize| -> u8 {
+        // SAFETY: inside `mem`, which is live; a byte load.
+        unsafe { base.add(i).read_volatile() }
+    };
+    let t = Instant::now();
+    while peek(len / 4) != 0xAB {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "crc={crc}: first half not placed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let t = Instant::now();
+    drop(mr);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "crc={crc}: deregistration waited {:?} for a stalled peer",
+        t.elapsed()
+    );
+    let snapshot: Vec<u8> = (0..len).map(peek).collect();
+    assert!(snapshot[len - 64..].iter().all(|&b| b == 0), "crc={crc}");
+    // The peer goes on with the rest of the segment; the soft side answers
+    // with a Terminate and closes (or, before the fix, placed it silently).
+    let _ = s.write_all(&bytes[half..]);
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let closed = loop {
+        match s.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break true,
+            Err(_) => break false,
+        }
+    };
+    let after: Vec<u8> = (0..len).map(peek).collect();
+    let changed = after.iter().zip(&snapshot).filter(|(a, b)| a != b).count();
+    assert!(
+        changed == 0,
+        "crc={crc}: {changed} bytes of the deregistered memory changed after deregistration returned"
+    );
+    assert!(
+        closed && !got.is_empty(),
+        "crc={crc}: a Terminate, then the close ({} bytes)",
+        got.len()
+    );
+    drop(qp);
+    drop(r);
+    drop(mem);
+}

@@ -212,6 +212,12 @@ impl Collector for Figures {
             "RDMA connections the server closed for a protocol violation",
             s.closed_by_protocol,
         )?;
+        counter(
+            &mut e,
+            "lwio_rdma_credit_overruns",
+            "Requests received beyond the credits granted (each closes its connection)",
+            s.credit_overruns,
+        )?;
         gauge(
             &mut e,
             "lwio_rdma_credits_granted",

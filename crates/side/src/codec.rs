@@ -58,9 +58,11 @@ pub const OPEN_EXCLUSIVE: u32 = 0x2;
 pub const OPEN_TRUNCATE: u32 = 0x4;
 /// = LWIO FILE_NO_INTERMEDIATE_BUFFERING (0x8) → O_DIRECT.
 pub const OPEN_NO_BUFFERING: u32 = 0x8;
-/// Write-through → O_DSYNC.
+/// Write-through → O_DSYNC (data integrity).
 pub const OPEN_WRITE_THROUGH: u32 = 0x10;
-const OPEN_KNOWN: u32 = 0x1f;
+/// Full sync → O_SYNC (file integrity: data and all metadata).
+pub const OPEN_SYNC: u32 = 0x20;
+const OPEN_KNOWN: u32 = 0x3f;
 /// `SetAttr` mask bits.
 pub const SET_MODE: u32 = 0x01;
 pub const SET_UID: u32 = 0x02;

@@ -242,9 +242,21 @@ pub struct OpenOptions {
     pub no_buffering: bool,
     /// Write-through → `O_DSYNC`.
     pub write_through: bool,
+    /// Full sync → `O_SYNC` (what `O_DSYNC` gives, and every metadata
+    /// change of a write reaches storage too).
+    pub sync: bool,
 }
 
 impl OpenOptions {
+    /// The synchronisation an open(2) `flags` asks for: `O_SYNC` as
+    /// [`OpenOptions::sync`], `O_DSYNC` as [`OpenOptions::write_through`].
+    /// (On Linux `O_SYNC` is `__O_SYNC | O_DSYNC`: both bits must be set
+    /// for `O_SYNC`, and its `O_DSYNC` bit alone is `O_DSYNC`.)
+    pub fn set_sync_flags(&mut self, open_flags: i32) {
+        self.sync = open_flags & libc::O_SYNC == libc::O_SYNC;
+        self.write_through = open_flags & libc::O_DSYNC != 0;
+    }
+
     /// Read only.
     pub const READ: OpenOptions = OpenOptions {
         read: true,
@@ -254,6 +266,7 @@ impl OpenOptions {
         truncate: false,
         no_buffering: false,
         write_through: false,
+        sync: false,
     };
     /// Read and write.
     pub const READ_WRITE: OpenOptions = OpenOptions {

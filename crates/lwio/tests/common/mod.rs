@@ -6,6 +6,13 @@ pub mod hostile;
 pub mod malicious;
 pub mod reconnect;
 
+/// A skip: fails under CI, else prints `SKIPPED: reason` (the caller
+/// returns). lwio-server's, shared with its own unit tests.
+#[track_caller]
+pub fn skip(reason: impl std::fmt::Display) {
+    lwio_server::io_phase::testkit::skip(reason)
+}
+
 /// Log to the test's output at `RUST_LOG` (default `warn`); once per test
 /// binary, later calls do nothing.
 pub fn init_logging() {

@@ -4,9 +4,22 @@
 //! the low 8 bits (the key byte) must match the entry's current key. Every
 //! time an index is reused, or a window is re-bound, the key byte advances,
 //! so a stale key never matches again (until 256 reuses wrap it).
+//!
+//! # Revocation and placement in progress
+//! A segment's payload may arrive over many reads (a slow or stalling peer),
+//! so checking a key once at the segment's header is not enough: the
+//! receive path writes registered memory only inside [`PlaceKeep::enter`],
+//! which holds the region's (and the window's) placement fence for reading
+//! and checks the key is still live. Deregistration, window invalidation,
+//! deallocation and re-binding first make the key dead, then take the fence
+//! for writing: they return only once no write into the memory is running,
+//! and no later write starts (the rest of such a segment is refused with a
+//! Terminate, as an RNIC refuses the later packets of a write whose key was
+//! invalidated). They wait for one `read(2)` or copy at most, never for the
+//! peer, so a stalling peer cannot hold them up (issue 31).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use crate::verbs::*;
 use lwio_iwarp::wire::term::TermKind;
@@ -21,6 +34,9 @@ pub struct MrState {
     pub access: Access,
     pub pd: u32,
     pub valid: AtomicBool,
+    /// Held (read) by every write of the receive path into this region;
+    /// taken (write) by deregistration after `valid` is cleared.
+    pub fence: RwLock<()>,
     /// Keeps library-owned memory alive while any reference to this state lives.
     _owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
@@ -41,6 +57,62 @@ pub struct MwState {
     /// The STag most recently issued (index + key byte).
     pub stag: AtomicU32,
     pub binding: Mutex<Option<Binding>>,
+    /// Advanced (under `binding`) whenever the window's access is revoked:
+    /// invalidation, deallocation, re-binding. A placement through the
+    /// window is live while the epoch it resolved under is current.
+    pub epoch: AtomicU64,
+    /// As [`MrState::fence`], for placements through this window.
+    pub fence: RwLock<()>,
+}
+
+impl MwState {
+    /// Revoke the current binding's access (the caller holds `binding` and
+    /// changes it), then wait for placements through the window already
+    /// writing.
+    fn revoke(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn wait_placements(&self) {
+        drop(self.fence.write().unwrap_or_else(|e| e.into_inner()));
+    }
+}
+
+/// What a placement writes through: the region, and the window (with the
+/// epoch it resolved under) when the key was a window's.
+#[derive(Clone)]
+pub struct PlaceKeep {
+    pub mr: Arc<MrState>,
+    pub mw: Option<(Arc<MwState>, u64)>,
+}
+
+/// Fences held while one write of a placement runs.
+pub struct PlaceGuard<'a> {
+    _mw: Option<RwLockReadGuard<'a, ()>>,
+    _mr: RwLockReadGuard<'a, ()>,
+}
+
+impl PlaceKeep {
+    /// Whether the key the placement resolved is still live.
+    pub fn live(&self) -> bool {
+        self.mr.valid.load(Ordering::Acquire)
+            && self
+                .mw
+                .as_ref()
+                .is_none_or(|(w, e)| w.epoch.load(Ordering::Acquire) == *e)
+    }
+
+    /// Enter one write: `None` when the key was revoked (write nothing);
+    /// otherwise revocation waits for the guard to drop.
+    pub fn enter(&self) -> Option<PlaceGuard<'_>> {
+        let mw = self
+            .mw
+            .as_ref()
+            .map(|(w, _)| w.fence.read().unwrap_or_else(|e| e.into_inner()));
+        let mr = self.mr.fence.read().unwrap_or_else(|e| e.into_inner());
+        let g = PlaceGuard { _mw: mw, _mr: mr };
+        self.live().then_some(g)
+    }
 }
 
 enum Entry {
@@ -74,6 +146,8 @@ pub struct Resolved {
     /// End (exclusive) of the validated range: the window's or region's end.
     pub end: u64,
     pub mr: Arc<MrState>,
+    /// The window resolved through and its epoch (window keys only).
+    pub mw: Option<(Arc<MwState>, u64)>,
 }
 
 impl MemTable {
@@ -198,6 +272,7 @@ impl MemTable {
                     ptr: to,
                     end: mr.addr + mr.len,
                     mr,
+                    mw: None,
                 })
             }
             Some(Lookup::Mw(mw)) => {
@@ -228,7 +303,14 @@ impl MemTable {
                 if bind.one_shot {
                     *b = None;
                 }
-                Ok(Resolved { ptr: to, end, mr })
+                let epoch = mw.epoch.load(Ordering::Acquire);
+                drop(b);
+                Ok(Resolved {
+                    ptr: to,
+                    end,
+                    mr,
+                    mw: Some((mw, epoch)),
+                })
             }
         }
     }
@@ -236,7 +318,8 @@ impl MemTable {
     /// Invalidate a window key (local invalidate or a peer's Send with
     /// Invalidate). Regions registered with `reg_mr` cannot be invalidated.
     /// `qpn`: for a peer's Send with Invalidate, the window must be bound to
-    /// this QP (its RDMAP stream).
+    /// this QP (its RDMAP stream). Returns once no placement through the
+    /// window is writing.
     pub fn invalidate(&self, stag_v: u32, pd: u32, qpn: Option<u32>) -> Result<(), TermKind> {
         match self.lookup(stag_v) {
             Some(Lookup::Mw(mw)) if mw.stag.load(Ordering::Acquire) == stag_v && mw.pd == pd => {
@@ -247,6 +330,9 @@ impl MemTable {
                     }
                     _ => {
                         *b = None;
+                        mw.revoke();
+                        drop(b);
+                        mw.wait_placements();
                         Ok(())
                     }
                 }
@@ -314,6 +400,7 @@ impl PdOps for SoftPd {
                 access,
                 pd: self.id,
                 valid: AtomicBool::new(true),
+                fence: RwLock::new(()),
                 _owner: mem.owner.clone(),
             });
             state = Some(s.clone());
@@ -337,6 +424,8 @@ impl PdOps for SoftPd {
                 pd: self.id,
                 stag: AtomicU32::new(stag),
                 binding: Mutex::new(None),
+                epoch: AtomicU64::new(0),
+                fence: RwLock::new(()),
             });
             state = Some(s.clone());
             Entry::Mw(s)
@@ -373,9 +462,11 @@ impl MrOps for SoftMr {
     fn rkey(&self) -> u32 {
         self.state.stag
     }
+    /// Returns once no placement into the region is writing (module docs).
     fn deregister(&self) {
         if self.state.valid.swap(false, Ordering::AcqRel) {
             self.table.remove(self.state.stag);
+            drop(self.state.fence.write().unwrap_or_else(|e| e.into_inner()));
         }
     }
 }
@@ -395,7 +486,12 @@ impl MwOps for SoftMw {
     }
     fn deallocate(&self) {
         if !self.deallocated.swap(true, Ordering::AcqRel) {
-            *self.state.binding.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            {
+                let mut b = self.state.binding.lock().unwrap_or_else(|e| e.into_inner());
+                *b = None;
+                self.state.revoke();
+            }
+            self.state.wait_placements();
             // Remove by the index's slot key (the table key byte of the slot is
             // the allocation key, the window's current key may differ).
             let mut t = self.table.inner.write().unwrap_or_else(|e| e.into_inner());
@@ -466,6 +562,9 @@ impl SoftMw {
         let mut g = self.state.binding.lock().unwrap_or_else(|e| e.into_inner());
         let new = stag::next_key(self.state.stag.load(Ordering::Acquire));
         self.state.stag.store(new, Ordering::Release);
+        // The old key's access ends here, a placement still running through
+        // it included.
+        self.state.revoke();
         *g = Some(Binding {
             mr: mrs.clone(),
             addr: mrs.addr + b.offset,
@@ -474,6 +573,8 @@ impl SoftMw {
             one_shot: b.one_shot,
             qpn,
         });
+        drop(g);
+        self.state.wait_placements();
         Ok(new)
     }
 }

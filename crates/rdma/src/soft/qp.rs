@@ -22,7 +22,7 @@ use std::io;
 use std::sync::Arc;
 
 use super::cq::CqShared;
-use super::mem::{MemTable, MrState, SoftMw};
+use super::mem::{MemTable, MrState, PlaceKeep, SoftMw};
 use super::srq::SrqBinding;
 use crate::verbs::*;
 use lwio_iwarp::fpdu_rx::{FpduConfig, FpduEvent, FpduReceiver, RxError};
@@ -221,7 +221,7 @@ struct TaggedCtx {
     stag: u32,
     next_to: u64,
     end: u64,
-    mr: Arc<MrState>,
+    keep: PlaceKeep,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -417,6 +417,9 @@ pub struct QpEngine {
     dest: Vec<Piece>,
     dest_idx: usize,
     dest_off: u64,
+    /// The registration (and window) `dest` lies in, for a tagged segment:
+    /// every write into it is fenced against revocation (`mem` docs).
+    dest_keep: Option<PlaceKeep>,
     ctl: Box<[u8; TERM_MAX]>,
     cur_send: Option<CurSend>,
     tagged: Option<TaggedCtx>,
@@ -509,6 +512,7 @@ impl QpEngine {
             seg: Seg::default(),
             dest: Vec::with_capacity(8),
             dest_idx: 0,
+            dest_keep: None,
             dest_off: 0,
             ctl: Box::new([0; TERM_MAX]),
             cur_send: None,

@@ -290,13 +290,29 @@ impl QpEngine {
         if p.addr == 0 || left < min {
             return Ok(false);
         }
-        // SAFETY: `p` lies inside a registration validated for this segment
-        // (tagged: STag/PD/rights/bounds checked; receive: lkey with
-        // LOCAL_WRITE; anonymous: our own heap buffer, kept in place while
-        // `anon_seg_open`) and kept alive by the WR/validation context. The
-        // kernel writes it; no Rust reference to it is formed, and the
-        // bytes are not read back (no CRC).
-        let n = unsafe { io.read((p.addr + self.dest_off) as *mut u8, left)? };
+        // A tagged segment writes only while its key is live, fenced
+        // against revocation for the length of the read.
+        let keep = self.dest_keep.take();
+        let r = match keep.as_ref().map(|k| k.enter()) {
+            Some(None) => None,
+            g => {
+                let _g = g.flatten();
+                // SAFETY: `p` lies inside a registration validated for this
+                // segment (tagged: STag/PD/rights/bounds checked, and still
+                // live under the fence held; receive: lkey with LOCAL_WRITE;
+                // anonymous: our own heap buffer, kept in place while
+                // `anon_seg_open`) and kept alive by the WR/validation
+                // context. The kernel writes it; no Rust reference to it is
+                // formed, and the bytes are not read back (no CRC).
+                Some(unsafe { io.read((p.addr + self.dest_off) as *mut u8, left) })
+            }
+        };
+        self.dest_keep = keep;
+        let Some(r) = r else {
+            self.placement_revoked();
+            return Ok(true);
+        };
+        let n = r?;
         if n == 0 {
             return Err(Self::eof());
         }
@@ -340,7 +356,12 @@ impl QpEngine {
             }
             Some(FpduEvent::Payload { data, .. }) => {
                 let mut data = data;
-                while !data.is_empty() {
+                // As in `direct_read`: the copies run under the fence of a
+                // tagged segment's key, and only while it is live.
+                let keep = self.dest_keep.take();
+                let guard = keep.as_ref().map(|k| k.enter());
+                let revoked = matches!(guard, Some(None));
+                while !revoked && !data.is_empty() {
                     let Some(p) = self.dest.get(self.dest_idx).copied() else {
                         break;
                     };
@@ -358,6 +379,12 @@ impl QpEngine {
                         self.dest_idx += 1;
                         self.dest_off = 0;
                     }
+                }
+                drop(guard);
+                self.dest_keep = keep;
+                if revoked {
+                    self.placement_revoked();
+                    return Ok(false);
                 }
                 self.stage.start += used;
                 Ok(false)
@@ -383,6 +410,15 @@ impl QpEngine {
                 Ok(true)
             }
         }
+    }
+
+    /// The key of the segment being placed was revoked (deregistered,
+    /// invalidated, re-bound) while its payload was arriving: nothing more
+    /// is written, and the stream ends as for a segment that named a dead
+    /// key from the start.
+    fn placement_revoked(&mut self) {
+        self.dest_keep = None;
+        self.fatal(TermKind::DdpTaggedInvalidStag, true);
     }
 
     /// A segment header: validate it against the stream (lwio-iwarp's
@@ -431,6 +467,7 @@ impl QpEngine {
         self.dest.clear();
         self.dest_idx = 0;
         self.dest_off = 0;
+        self.dest_keep = None;
         self.anon_seg_open = false;
         let s = self.seg;
         let n = s.paylen as u64;
@@ -449,10 +486,11 @@ impl QpEngine {
                             .filter(|c| c.stag == s.stag && c.next_to == s.to);
                         let addr = match cont {
                             Some(c) => {
-                                if s.to.checked_add(n).is_none_or(|e| e > c.end)
-                                    || !c.mr.valid.load(std::sync::atomic::Ordering::Acquire)
-                                {
+                                if s.to.checked_add(n).is_none_or(|e| e > c.end) {
                                     return self.fatal(TermKind::DdpTaggedBaseBounds, true);
+                                }
+                                if !c.keep.live() {
+                                    return self.fatal(TermKind::DdpTaggedInvalidStag, true);
                                 }
                                 s.to
                             }
@@ -473,7 +511,7 @@ impl QpEngine {
                                         stag: s.stag,
                                         next_to: s.to,
                                         end: r.end,
-                                        mr: r.mr,
+                                        keep: PlaceKeep { mr: r.mr, mw: r.mw },
                                     });
                                     r.ptr
                                 }
@@ -482,6 +520,7 @@ impl QpEngine {
                         };
                         if let Some(c) = self.tagged.as_mut() {
                             c.next_to = s.to + n;
+                            self.dest_keep = Some(c.keep.clone());
                         }
                         self.dest.push(Piece { addr, len: n });
                     }
@@ -496,6 +535,16 @@ impl QpEngine {
                         }
                         if s.to != o.sink_to + o.got || o.got + n > o.len {
                             return self.fatal(TermKind::DdpTaggedBaseBounds, true);
+                        }
+                        // The sink's registration (the Read WR's one SGE):
+                        // deregistered since the post, nothing is placed.
+                        let keep = self
+                            .sq_index(o.seq)
+                            .and_then(|i| self.sq[i].keep.first().cloned())
+                            .map(|mr| PlaceKeep { mr, mw: None });
+                        match keep {
+                            Some(k) if k.live() => self.dest_keep = Some(k),
+                            _ => return self.fatal(TermKind::DdpTaggedInvalidStag, true),
                         }
                         self.dest.push(Piece { addr: s.to, len: n });
                     }

@@ -1297,3 +1297,145 @@ fn manual_progress_keeps_the_channel_readable_while_budgeted_work_is_left() {
     smr.read_at(0, &mut placed).expect("read");
     assert!(placed == data, "the Writes and the Send, byte for byte");
 }
+
+// ---------------------------------------------------------------------------
+// Revocation while a segment's payload is arriving (issue 31).
+
+/// What revoking a key does to a placement half done.
+#[derive(Clone, Copy, Debug)]
+enum Revoke {
+    /// `Mr::drop` (deregistration) of the region written directly.
+    Dereg,
+    /// Local invalidation of the window the Write goes through.
+    Invalidate,
+    /// Deregistration of the region under the window.
+    DeregUnderWindow,
+}
+
+/// A single-segment RDMA Write of `len` bytes arrives in two halves; between
+/// them the program revokes the key and takes its memory back. No byte of the
+/// memory changes after the revocation returned, and the stream ends with a
+/// Terminate (invalid STag). Before the fix the second half was placed into
+/// the deregistered memory (direct `read(2)` with CRC off, a staged copy with
+/// CRC on).
+fn revoke_mid_segment(crc: bool, how: Revoke) {
+    let what = format!("crc={crc} {how:?}");
+    let ctx = ctx();
+    let len = 16 * 1024usize;
+    let mut rx = side(&ctx, 2, crc, 32 * 1024);
+    // Memory the test owns: after the revocation it is the program's again.
+    let mut mem = vec![0u8; len + 64];
+    let base = mem.as_mut_ptr();
+    // SAFETY: `mem` outlives the region (dropped at the revocation or at the
+    // end of this function); it is read below only through the raw pointer
+    // while the engine is not running (single-threaded test).
+    let mr = unsafe {
+        rx.pd.register_raw(
+            base,
+            mem.len(),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND,
+        )
+    }
+    .expect("register");
+    let mw = rx.pd.alloc_mw().expect("mw");
+    let (to, key) = match how {
+        Revoke::Dereg => (mr.addr() + 32, mr.rkey()),
+        Revoke::Invalidate | Revoke::DeregUnderWindow => {
+            let soft_mw = (*mw.0).as_any().downcast_ref::<SoftMw>().expect("soft mw");
+            let k = rx
+                .core
+                .bind(
+                    soft_mw,
+                    &MwBind {
+                        mr: &mr,
+                        offset: 0,
+                        length: mem.len() as u64,
+                        access: Access::REMOTE_WRITE,
+                        one_shot: true,
+                    },
+                    1,
+                    false,
+                )
+                .expect("bind");
+            (mr.addr() + 32, k)
+        }
+    };
+    let mut s = side(&ctx, 1, crc, 32 * 1024);
+    let smr = s.pd.alloc_mr(len, Access::LOCAL_WRITE).expect("mr");
+    smr.write_at(0, &vec![0xAB; len]).expect("fill");
+    let sg = [smr.sge(0, len as u32)];
+    s.core
+        .post_send(&[SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: to,
+                rkey: key,
+            },
+            &sg,
+        )])
+        .expect("post");
+    let stream = tx_bytes(&mut s);
+    assert!(
+        stream.len() > len,
+        "{what}: one segment of {}",
+        stream.len()
+    );
+    // Header and the first half of the payload.
+    let half = 2 + 18 + len / 2;
+    let mut p = Pipe {
+        input: stream[..half].to_vec(),
+        chunk: usize::MAX,
+        ..Pipe::default()
+    };
+    rx_all(&mut rx.core, &mut p);
+    let snap = |b: *const u8| -> Vec<u8> {
+        // SAFETY: `mem` is live; nothing writes it during the copy.
+        unsafe { std::slice::from_raw_parts(b, len + 64) }.to_vec()
+    };
+    let before = snap(base);
+    assert!(
+        before[32..32 + len / 2 - 64].iter().all(|&b| b == 0xAB),
+        "{what}: the first half was placed"
+    );
+    assert!(!rx.core.rx_idle(), "{what}: mid-segment");
+    match how {
+        Revoke::Dereg | Revoke::DeregUnderWindow => drop(mr),
+        Revoke::Invalidate => {
+            rx.core.invalidate(key, 2, false).expect("invalidate");
+        }
+    }
+    // The peer goes on: the rest of the segment.
+    p.input.extend_from_slice(&stream[half..]);
+    rx_all(&mut rx.core, &mut p);
+    assert!(
+        snap(base) == before,
+        "{what}: bytes of the revoked memory changed after the revocation returned"
+    );
+    assert_eq!(rx.core.state, QpState::Error, "{what}");
+    assert_eq!(rx.core.stats.term_sent, 1, "{what}");
+    assert_eq!(
+        rx.core.stats.last_term,
+        lwio_iwarp::wire::term::TermError::from(
+            lwio_iwarp::wire::term::TermKind::DdpTaggedInvalidStag
+        )
+        .vendor_err(),
+        "{what}"
+    );
+    drop(mw);
+    drop(mem);
+}
+
+#[test]
+fn deregistration_mid_segment_places_nothing_more() {
+    for crc in [false, true] {
+        revoke_mid_segment(crc, Revoke::Dereg);
+    }
+}
+
+#[test]
+fn window_invalidation_mid_segment_places_nothing_more() {
+    for crc in [false, true] {
+        revoke_mid_segment(crc, Revoke::Invalidate);
+        revoke_mid_segment(crc, Revoke::DeregUnderWindow);
+    }
+}

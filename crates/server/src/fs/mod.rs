@@ -1353,6 +1353,9 @@ impl Export {
         if o.write_through {
             flags |= libc::O_DSYNC;
         }
+        if o.sync {
+            flags |= libc::O_SYNC;
+        }
         // O_NONBLOCK: never hang on a FIFO planted in the export.
         let fd = match self.resolve(&comps, flags | libc::O_NONBLOCK, mode) {
             Err(e) if o.no_buffering && e.code == ErrorCode::InvalidArgument => {

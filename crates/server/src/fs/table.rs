@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -77,9 +77,19 @@ pub struct OpenFile {
     /// publisher's memory, and `file` is only a sealed, empty-content
     /// stand-in of the object's size.
     pub mem: Option<Arc<crate::memobj::MemObj>>,
+    /// Set when the handle leaves the table (side-channel Close, the end of
+    /// its session or of the session's durable grace): every RDMA
+    /// connection that registered the file refuses its Fid from then on
+    /// (issue 31). Shared by all clones.
+    closed: Arc<AtomicBool>,
 }
 
 impl OpenFile {
+    /// Whether the handle was closed (the file's Fids are dead).
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// The file's descriptor, held open for as long as the [`FdRef`] lives
     /// (reopened if the cache had closed it; ESTALE if the file was removed
     /// or replaced meanwhile).
@@ -399,6 +409,7 @@ impl OpenFileTable {
                 per_session: self.max_lock_owners_per_session,
             })),
             mem: opened.mem,
+            closed: Arc::new(AtomicBool::new(false)),
         };
         g.by_key.insert(rk, handle);
         g.by_handle.insert(
@@ -457,6 +468,7 @@ impl OpenFileTable {
             }
         }
         if let Some(e) = g.by_handle.remove(&handle) {
+            e.file.closed.store(true, Ordering::Release);
             g.by_key.remove(&e.file.key.resume_key);
             if let Some(n) = g.per_session.get_mut(&session) {
                 *n = n.saturating_sub(1);
@@ -476,6 +488,7 @@ impl OpenFileTable {
             .collect();
         for h in &handles {
             if let Some(e) = g.by_handle.remove(h) {
+                e.file.closed.store(true, Ordering::Release);
                 g.by_key.remove(&e.file.key.resume_key);
             }
         }

@@ -202,6 +202,9 @@ pub struct ServerStats {
     pub auth_ok: u64,
     pub auth_failed: u64,
     pub closed_by_protocol: u64,
+    /// Requests (or fragments) a client sent beyond the credits it was
+    /// granted; each closes its connection (`CreditOverflow`).
+    pub credit_overruns: u64,
     /// File I/Os done by reactors themselves (page-cache fast
     /// path, `inline_io`) rather than by storage threads.
     pub inline_ios: u64,
@@ -268,6 +271,7 @@ pub(super) struct Shared {
     auth_ok: AtomicU64,
     auth_failed: AtomicU64,
     closed_by_protocol: AtomicU64,
+    credit_overruns: AtomicU64,
     inline_ios: AtomicU64,
     slow_credit_replies: AtomicU64,
     ios_cancelled: AtomicU64,
@@ -325,6 +329,7 @@ impl Shared {
             auth_ok: AtomicU64::new(0),
             auth_failed: AtomicU64::new(0),
             closed_by_protocol: AtomicU64::new(0),
+            credit_overruns: AtomicU64::new(0),
             inline_ios: AtomicU64::new(0),
             slow_credit_replies: AtomicU64::new(0),
             ios_cancelled: AtomicU64::new(0),
@@ -504,6 +509,7 @@ impl ServerHandle {
             auth_ok: s.auth_ok.load(Ordering::Relaxed),
             auth_failed: s.auth_failed.load(Ordering::Relaxed),
             closed_by_protocol: s.closed_by_protocol.load(Ordering::Relaxed),
+            credit_overruns: s.credit_overruns.load(Ordering::Relaxed),
             inline_ios: s.inline_ios.load(Ordering::Relaxed),
             slow_credit_replies: s.slow_credit_replies.load(Ordering::Relaxed),
             ios_cancelled: s.ios_cancelled.load(Ordering::Relaxed),
@@ -1867,6 +1873,9 @@ impl Conn {
         }
         if now.duration_since(self.last_tick) >= STATS_FLUSH {
             self.last_tick = now;
+            // Files whose handles were closed: let their descriptors go
+            // (their Fids answer STATUS_FILE_CLOSED, `file_for`).
+            self.files.retain(|_, f| !f.is_closed());
             self.balance(now);
             self.flush_request_stats();
         }
@@ -2417,7 +2426,12 @@ impl Conn {
         parts: Vec<(RecvId, std::ops::Range<usize>)>,
     ) {
         let bufs: Vec<RecvId> = parts.iter().map(|(b, _)| *b).collect();
-        let Some(f) = self.files.get(&file).filter(|f| f.rights.write).cloned() else {
+        let Some(f) = self
+            .files
+            .get(&file)
+            .filter(|f| f.rights.write && !f.is_closed())
+            .cloned()
+        else {
             // (`file_for` answers the refusal: nothing copied.)
             self.repost_recvs(bufs);
             self.file_for(op, file, true);
@@ -2803,6 +2817,12 @@ impl Conn {
                     CloseReason::AuthFailed => {
                         self.shared.auth_failed.fetch_add(1, Ordering::Relaxed);
                     }
+                    CloseReason::CreditOverflow => {
+                        self.shared.credit_overruns.fetch_add(1, Ordering::Relaxed);
+                        self.shared
+                            .closed_by_protocol
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
                     _ => {
                         self.shared
                             .closed_by_protocol
@@ -2825,6 +2845,14 @@ impl Conn {
         self.last_io = Instant::now();
         let st = match self.files.get(&file) {
             None => STATUS_INVALID_HANDLE,
+            // Its handle was closed on the side channel, or its session
+            // ended: the Fid is dead on every connection (issue 31).
+            Some(f) if f.is_closed() => {
+                if let Some(f) = self.files.remove(&file) {
+                    debug!(conn = self.id, path = %f.path, file, "Fid of a closed handle");
+                }
+                STATUS_FILE_CLOSED
+            }
             Some(f) if (write && f.rights.write) || (!write && f.rights.read) => {
                 return Some(f.clone())
             }

@@ -186,3 +186,60 @@ impl Drop for LocalServer {
         self.stop();
     }
 }
+
+/// A test that cannot run here for want of `reason` (a capability, a
+/// kernel feature, an address): under CI (the `CI` environment variable
+/// set) the test fails with the reason, so a skip is never counted as a
+/// pass there; elsewhere it prints `SKIPPED: reason` and the caller returns.
+#[track_caller]
+pub fn skip(reason: impl std::fmt::Display) {
+    if std::env::var_os("CI").is_some() {
+        panic!("skipped under CI (CI is set): {reason}");
+    }
+    eprintln!("SKIPPED: {reason}");
+}
+
+#[cfg(test)]
+mod tests {
+    /// Run this test binary again for `skip_child` with `CI` set or not;
+    /// (exit success, stderr).
+    fn child(ci: bool) -> (bool, String) {
+        let mut c = std::process::Command::new(std::env::current_exe().expect("test binary"));
+        c.args([
+            "--exact",
+            "io_phase::testkit::tests::skip_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LWIO_SKIP_CHILD", "1")
+        .env_remove("CI");
+        if ci {
+            c.env("CI", "true");
+        }
+        let out = c.output().expect("run the test binary");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    #[test]
+    fn skip_child() {
+        if std::env::var_os("LWIO_SKIP_CHILD").is_none() {
+            return; // Only as the child of `a_skip_fails_under_ci_only`.
+        }
+        super::skip("the reason");
+    }
+
+    /// A skip is a failure under CI and a printed SKIPPED elsewhere.
+    #[test]
+    fn a_skip_fails_under_ci_only() {
+        let (ok, err) = child(true);
+        assert!(
+            !ok && err.contains("skipped under CI (CI is set): the reason"),
+            "{err}"
+        );
+        let (ok, err) = child(false);
+        assert!(ok && err.contains("SKIPPED: the reason"), "{err}");
+    }
+}

@@ -1093,6 +1093,7 @@ async fn handle(
                 truncate: flags & OPEN_TRUNCATE != 0,
                 no_buffering: flags & OPEN_NO_BUFFERING != 0,
                 write_through: flags & OPEN_WRITE_THROUGH != 0,
+                sync: flags & OPEN_SYNC != 0,
             };
             let need = Rights {
                 read: o.read,

@@ -531,6 +531,37 @@ fn golden_open() {
     ];
     want.extend_from_slice(&0o644u32.to_le_bytes());
     assert_eq!(b, want);
+    // SYNC (0x20, O_SYNC) and WRITE_THROUGH (0x10, O_DSYNC) are two bits.
+    let b = Request::Open {
+        export: "e".into(),
+        path: "p".into(),
+        access: ACCESS_READ | ACCESS_WRITE,
+        flags: OPEN_SYNC | OPEN_WRITE_THROUGH,
+        mode: 0,
+    }
+    .encode(5);
+    assert_eq!(&b[14..22], &[3, 0, 0, 0, 0x30, 0, 0, 0]);
+    assert_eq!((OPEN_WRITE_THROUGH, OPEN_SYNC), (0x10, 0x20));
+    match Request::decode(&b).unwrap().1 {
+        Request::Open { flags, .. } => assert_eq!(flags, OPEN_SYNC | OPEN_WRITE_THROUGH),
+        r => panic!("{r:?}"),
+    }
+}
+
+/// open(2) flags to the side channel's: `O_SYNC` is SYNC, `O_DSYNC` alone
+/// WRITE_THROUGH (`O_SYNC` contains the `O_DSYNC` bit).
+#[test]
+fn open_sync_flags() {
+    use crate::types::OpenOptions;
+    let of = |fl: i32| {
+        let mut o = OpenOptions::READ_WRITE;
+        o.set_sync_flags(fl);
+        (o.sync, o.write_through)
+    };
+    assert_eq!(of(0), (false, false));
+    assert_eq!(of(libc::O_DSYNC), (false, true));
+    assert_eq!(of(libc::O_SYNC), (true, true));
+    assert_eq!(of(libc::O_SYNC | libc::O_CREAT), (true, true));
 }
 
 #[test]
@@ -577,6 +608,23 @@ fn strictness() {
     }
     .encode(1);
     assert!(Request::decode(&b).is_err());
+    let open_flags = |flags| {
+        Request::decode(
+            &Request::Open {
+                export: "e".into(),
+                path: "p".into(),
+                access: ACCESS_READ,
+                flags,
+                mode: 0,
+            }
+            .encode(1),
+        )
+    };
+    assert!(open_flags(0x3f).is_ok(), "every known bit, SYNC included");
+    assert_eq!(
+        open_flags(0x40).unwrap_err(),
+        DecodeError("unknown open access or flag bits")
+    );
     // Invalid UTF-8.
     let b = [0x05, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0xff, 0, 0];
     assert_eq!(
