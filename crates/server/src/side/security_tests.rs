@@ -75,6 +75,16 @@ fn security(tls: Option<ServerIdentity>, allow_plain_pw: bool) -> Security {
 }
 
 async fn start(limits: Limits, anonymous: bool, security: Security) -> Running {
+    start_ro(limits, anonymous, security, false).await
+}
+
+/// [`start`]; `pub_read_only`: export `pub` is read-only.
+async fn start_ro(
+    limits: Limits,
+    anonymous: bool,
+    security: Security,
+    pub_read_only: bool,
+) -> Running {
     let dir = tempfile::tempdir().unwrap();
     for e in ["data", "pub"] {
         std::fs::create_dir(dir.path().join(e)).unwrap();
@@ -91,7 +101,13 @@ async fn start(limits: Limits, anonymous: bool, security: Security) -> Running {
     let opts = ServerOptions {
         listen: "127.0.0.1:0".into(),
         server_name: "stor1".into(),
-        exports: vec![export("data"), export("pub")],
+        exports: vec![
+            export("data"),
+            ExportSpec {
+                read_only: pub_read_only,
+                ..export("pub")
+            },
+        ],
         auth: AuthPolicy {
             token: Some(Token::new(TOKEN).unwrap()),
             allow_anonymous: anonymous,
@@ -752,5 +768,68 @@ async fn memory_objects_follow_the_access_list() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    s.stop().await;
+}
+
+// ------------------------------------------------------------ issue 31 (sec2)
+
+/// Silent connections from `ip` to `server`, one every 55 ms (under the
+/// per-host rate), `n` attempts; returns those the kernel connected.
+async fn silent_connections(ip: IpAddr, server: SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(SocketAddr::new(ip, 0)).unwrap();
+        if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(3), sock.connect(server)).await
+        {
+            held.push(c);
+        }
+        tokio::time::sleep(Duration::from_millis(55)).await;
+    }
+    held
+}
+
+/// Issue 31, item 5: two source addresses that hold every unauthenticated
+/// connection they are allowed still leave room for a third to log in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hosts_cannot_block_new_logins() {
+    let limits = Limits {
+        login_timeout: Duration::from_secs(60),
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, false)).await;
+    let server: SocketAddr = s.addr.parse().unwrap();
+    let hosts: [IpAddr; 2] = ["127.0.0.2".parse().unwrap(), "127.0.0.3".parse().unwrap()];
+    let attempts = 80;
+    let tasks: Vec<_> = hosts
+        .iter()
+        .map(|ip| tokio::spawn(silent_connections(*ip, server, attempts)))
+        .collect();
+    let mut held = Vec::new();
+    for t in tasks {
+        held.push(t.await.unwrap());
+    }
+    let adm = &s.state.admission;
+    let total: usize = held.iter().map(Vec::len).sum();
+    let t0 = Instant::now();
+    while adm.refused() as usize + hosts.iter().map(|h| adm.host_connections(*h)).sum::<usize>()
+        < total
+    {
+        assert!(t0.elapsed() < Duration::from_secs(5), "accept backlog drains");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for h in hosts {
+        assert!(adm.host_connections(h) >= 4, "{h} holds its share");
+    }
+    // A third address logs in at once.
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let t0 = Instant::now();
+    let mut c = tokio::time::timeout(Duration::from_secs(5), AsyncClient::connect(&s.addr, &t))
+        .await
+        .expect("login within 5 s")
+        .expect("a third host logs in");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    c.ping().await.unwrap();
+    drop(held);
     s.stop().await;
 }
