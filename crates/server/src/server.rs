@@ -14,7 +14,7 @@
 //! [`ServerState::lookup_resume_key`]; file I/O goes through
 //! [`ServerState::backend`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
@@ -70,6 +70,69 @@ pub struct NegotiatedClient {
     /// The server instances offered to this client (both sides share them).
     pub offered: Vec<Instance>,
     pub expires: Instant,
+}
+
+/// Negotiate Keys one side-channel session may have outstanding; a further
+/// Negotiate drops its oldest (a client negotiates once per RDMA channel
+/// it is about to connect, and AUTHs at once).
+pub const MAX_NEGOTIATIONS_PER_SESSION: usize = 16;
+
+/// The negotiate table: Keys by value, in expiry order, and per session in
+/// the order made, so that adding, expiring and ending a session touch only
+/// the entries concerned (never a scan of the whole table).
+#[derive(Default)]
+struct Negotiations {
+    by_key: HashMap<Guid, (NegotiatedClient, u64)>,
+    /// (expiry, sequence number) → Key.
+    by_expiry: BTreeMap<(Instant, u64), Guid>,
+    /// Each session's Keys, oldest first.
+    by_session: HashMap<SessionId, VecDeque<Guid>>,
+    seq: u64,
+}
+
+impl Negotiations {
+    fn remove(&mut self, key: &Guid) -> Option<NegotiatedClient> {
+        let (n, seq) = self.by_key.remove(key)?;
+        self.by_expiry.remove(&(n.expires, seq));
+        if let Some(q) = self.by_session.get_mut(&n.session) {
+            if let Some(i) = q.iter().position(|k| k == key) {
+                q.remove(i);
+            }
+            if q.is_empty() {
+                self.by_session.remove(&n.session);
+            }
+        }
+        Some(n)
+    }
+
+    fn expire(&mut self, now: Instant) {
+        while let Some((&(t, _), &key)) = self.by_expiry.first_key_value() {
+            if t > now {
+                break;
+            }
+            self.remove(&key);
+        }
+    }
+
+    fn add(&mut self, n: NegotiatedClient) {
+        self.expire(Instant::now());
+        self.remove(&n.key);
+        let q = self.by_session.entry(n.session).or_default();
+        let oldest = (q.len() >= MAX_NEGOTIATIONS_PER_SESSION).then(|| q.front().copied());
+        q.push_back(n.key);
+        if let Some(Some(old)) = oldest {
+            self.remove(&old);
+        }
+        self.seq += 1;
+        self.by_expiry.insert((n.expires, self.seq), n.key);
+        self.by_key.insert(n.key, (n, self.seq));
+    }
+
+    fn end_session(&mut self, id: SessionId) {
+        for key in self.by_session.remove(&id).unwrap_or_default() {
+            self.remove(&key);
+        }
+    }
 }
 
 /// Who may log in.
@@ -212,7 +275,7 @@ pub struct ServerState {
     /// for `limits.durable_grace` (docs/reconnect.md): who may take them
     /// back, and until when.
     durable: Mutex<HashMap<SessionId, (SessionInfo, Instant)>>,
-    negotiations: Mutex<HashMap<Guid, NegotiatedClient>>,
+    negotiations: Mutex<Negotiations>,
     rdma_endpoints: RwLock<Vec<Instance>>,
     next_session: AtomicU64,
     /// The RDMA phase, for its metrics.
@@ -247,7 +310,7 @@ impl ServerState {
     /// For AUTH: who negotiated `key`, while the key is fresh and that
     /// side-channel session is still logged in.
     pub fn lookup_negotiate_key(&self, key: &Guid) -> Option<NegotiatedClient> {
-        let n = lock(&self.negotiations).get(key).cloned()?;
+        let n = lock(&self.negotiations).by_key.get(key)?.0.clone();
         if Instant::now() >= n.expires || !lock(&self.sessions).contains_key(&n.session) {
             return None;
         }
@@ -313,7 +376,7 @@ impl ServerState {
         let info = lock(&self.sessions).remove(&id);
         self.leases.end_session(id);
         self.mem_objects.end_session(id);
-        lock(&self.negotiations).retain(|_, n| n.session != id);
+        lock(&self.negotiations).end_session(id);
         let grace = self.limits.durable_grace;
         let kept = self.open_files.session_len(id);
         if let (Some(info), false, true) = (info, grace.is_zero(), kept > 0) {
@@ -410,11 +473,16 @@ impl ServerState {
         lock(&self.durable).len()
     }
 
+    /// Negotiate Keys outstanding (not yet expired or dropped).
+    pub fn negotiation_count(&self) -> usize {
+        lock(&self.negotiations).by_key.len()
+    }
+
+    /// Remember a negotiate Key for the RDMA AUTH: until it expires, its
+    /// session ends, or the session has made
+    /// [`MAX_NEGOTIATIONS_PER_SESSION`] newer ones.
     pub(crate) fn add_negotiation(&self, n: NegotiatedClient) {
-        let mut g = lock(&self.negotiations);
-        let now = Instant::now();
-        g.retain(|_, v| v.expires > now);
-        g.insert(n.key, n);
+        lock(&self.negotiations).add(n);
     }
 }
 
@@ -523,7 +591,7 @@ impl Server {
             security,
             sessions: Mutex::new(HashMap::new()),
             durable: Mutex::new(HashMap::new()),
-            negotiations: Mutex::new(HashMap::new()),
+            negotiations: Mutex::new(Negotiations::default()),
             rdma_endpoints: RwLock::new(Vec::new()),
             next_session: AtomicU64::new(1),
             rdma_phase: std::sync::OnceLock::new(),
