@@ -334,6 +334,63 @@ impl ServerState {
             .count()
     }
 
+    /// Lost sessions of `who` whose open files are kept.
+    pub fn durable_sessions_of(&self, who: &Principal) -> usize {
+        lock(&self.durable)
+            .values()
+            .filter(|(s, _)| &s.principal == who)
+            .count()
+    }
+
+    /// Before a login of `who`: refuse it if `who` already has
+    /// `max_sessions_per_user` live sessions; else, if its live and kept
+    /// (lost, durable) sessions together reach the limit, close the files
+    /// of its oldest kept sessions to make room. Kept sessions count
+    /// against the limit like live ones, so a user cannot hold more than
+    /// `max_sessions_per_user` sessions' worth of open files by dropping
+    /// connections; dropping the oldest rather than refusing keeps a
+    /// client that crashes and restarts from locking itself out for the
+    /// grace period (as the Linux NFS server's "courteous" clients: state
+    /// kept past a lost lease is given up when it is needed).
+    pub(crate) fn make_room_for(&self, who: &Principal) -> Result<()> {
+        let max = self.limits.max_sessions_per_user;
+        let live = self.sessions_of(who);
+        if live >= max {
+            return Err(Error::new(
+                ErrorCode::Busy,
+                format!(
+                    "{} already has {live} sessions (limit {max})",
+                    who.describe()
+                ),
+            ));
+        }
+        let dropped: Vec<SessionId> = {
+            let mut d = lock(&self.durable);
+            let mut kept: Vec<(Instant, SessionId)> = d
+                .iter()
+                .filter(|(_, (s, _))| &s.principal == who)
+                .map(|(id, (_, until))| (*until, *id))
+                .collect();
+            kept.sort_unstable();
+            let over = (live + kept.len() + 1).saturating_sub(max);
+            kept.truncate(over);
+            for (_, id) in &kept {
+                d.remove(id);
+            }
+            kept.into_iter().map(|(_, id)| id).collect()
+        };
+        for id in dropped {
+            let n = self.open_files.close_session(id);
+            tracing::info!(
+                session = id,
+                files = n,
+                who = %who,
+                "a new login of the user needs the room: closed a lost session's kept files"
+            );
+        }
+        Ok(())
+    }
+
     /// A logged-in session.
     pub fn session(&self, id: SessionId) -> Option<SessionInfo> {
         lock(&self.sessions).get(&id).cloned()
@@ -415,11 +472,15 @@ impl ServerState {
         if old == new {
             return Err(refused());
         }
-        {
+        // The adopting session stays within `max_open_files_per_session`
+        // (`adopt` refuses otherwise, and a lost session then stays kept).
+        let n = {
             let mut d = lock(&self.durable);
             match d.get(&old) {
                 Some((info, _)) if ok(info) => {
+                    let n = self.open_files.adopt(old, new)?;
                     d.remove(&old);
+                    n
                 }
                 Some(_) => return Err(refused()),
                 None => {
@@ -428,10 +489,10 @@ impl ServerState {
                     if !ok(&live) {
                         return Err(refused());
                     }
+                    self.open_files.adopt(old, new)?
                 }
             }
-        }
-        let n = self.open_files.adopt(old, new);
+        };
         tracing::info!(
             session = new,
             from = old,

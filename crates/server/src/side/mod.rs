@@ -463,20 +463,10 @@ async fn step(
                 Ok(x) => x,
                 Err(e) => return (Response::Error(e), true),
             };
-            let have = state.sessions_of(&principal);
-            if have >= state.limits.max_sessions_per_user {
-                warn!(%peer, who = %principal, have, "per-user session limit reached");
-                return (
-                    err(
-                        ErrorCode::Busy,
-                        format!(
-                            "{} already has {have} sessions (limit {})",
-                            principal.describe(),
-                            state.limits.max_sessions_per_user
-                        ),
-                    ),
-                    true,
-                );
+            // Lost sessions kept for Resume count too (the oldest give way).
+            if let Err(e) = state.make_room_for(&principal) {
+                warn!(%peer, who = %principal, "per-user session limit reached");
+                return (Response::Error(e), true);
             }
             let anonymous = principal == Principal::Anonymous;
             let session = state.register_session(SessionInfo {

@@ -833,3 +833,105 @@ async fn two_hosts_cannot_block_new_logins() {
     drop(held);
     s.stop().await;
 }
+
+/// Issue 31, item 7: lost sessions kept for `durable_grace` count against
+/// their user's `max_sessions_per_user` (the oldest kept one makes room
+/// for a new login); another user is unaffected.
+#[tokio::test]
+async fn lost_sessions_count_against_the_user() {
+    let limits = Limits {
+        max_sessions_per_user: 3,
+        durable_grace: Duration::from_secs(120),
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, false)).await;
+    let bob = || {
+        opts(
+            Login::UserToken {
+                user: "bob".into(),
+                token: Token::new(BOB_TOKEN).unwrap(),
+            },
+            ClientTls::Off,
+        )
+    };
+    let mut lost = Vec::new();
+    for i in 0..6 {
+        let mut c = AsyncClient::connect(&s.addr, &bob()).await.unwrap();
+        for j in 0..2 {
+            c.open("pub", &format!("f{i}-{j}"), &RW, 0o644).await.unwrap();
+        }
+        lost.push(c.session().clone());
+        drop(c);
+        let t0 = Instant::now();
+        while s.state.session_count() > 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            s.state.durable_sessions() <= 3,
+            "bob keeps {} lost sessions (limit 3)",
+            s.state.durable_sessions()
+        );
+        assert!(s.state.open_files.len() <= 6, "{}", s.state.open_files.len());
+    }
+    // A new login makes room by dropping the oldest kept sessions: the
+    // latest is still there to take back, the oldest not.
+    let mut live = vec![AsyncClient::connect(&s.addr, &bob()).await.unwrap()];
+    assert_eq!(s.state.durable_sessions(), 2, "one live and two kept");
+    assert_eq!(live[0].resume(lost.last().unwrap()).await.unwrap(), 2);
+    assert_eq!(
+        live[0].resume(&lost[0]).await.unwrap_err().code,
+        ErrorCode::PermissionDenied
+    );
+    assert_eq!(s.state.open_files.len(), 4);
+    // bob at his limit: three live sessions (the last kept one made room),
+    // and the fourth is refused.
+    for _ in 0..2 {
+        live.push(AsyncClient::connect(&s.addr, &bob()).await.unwrap());
+    }
+    assert_eq!(s.state.durable_sessions(), 0);
+    assert_eq!(s.state.open_files.len(), 2);
+    let e = AsyncClient::connect(&s.addr, &bob()).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::Busy, "{e}");
+    assert_eq!(e.to_string(), "user bob already has 3 sessions (limit 3)");
+    // Another user logs in.
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    AsyncClient::connect(&s.addr, &t).await.unwrap();
+    s.stop().await;
+}
+
+/// Issue 31, item 7: Resume does not take a session past
+/// `max_open_files_per_session`.
+#[tokio::test]
+async fn resume_respects_the_per_session_file_limit() {
+    let limits = Limits {
+        max_open_files_per_session: 4,
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, false)).await;
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut a = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    for i in 0..3 {
+        a.open("pub", &format!("a{i}"), &RW, 0o644).await.unwrap();
+    }
+    let old = a.session().clone();
+    drop(a);
+    let t0 = Instant::now();
+    while s.state.durable_sessions() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut b = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let f1 = b.open("pub", "b1", &RW, 0o644).await.unwrap();
+    let f2 = b.open("pub", "b2", &RW, 0o644).await.unwrap();
+    let e = b.resume(&old).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::TooManyOpenFiles, "{e}");
+    assert_eq!(s.state.open_files.session_len(b.session().id), 2);
+    // Kept, and taken back once there is room.
+    assert_eq!(s.state.durable_sessions(), 1);
+    b.close(f1.handle).await.unwrap();
+    b.close(f2.handle).await.unwrap();
+    assert_eq!(b.resume(&old).await.unwrap(), 3);
+    assert_eq!(s.state.open_files.session_len(b.session().id), 3);
+    s.stop().await;
+}
