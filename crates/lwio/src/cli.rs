@@ -267,7 +267,8 @@ pub struct ServeArgs {
     /// File I/O backend: auto, io-uring, threads.
     #[arg(long, value_name = "BACKEND")]
     pub io_backend: Option<BackendChoice>,
-    /// Also accept logins without a token.
+    /// Also accept logins without a token (read-only, except on exports
+    /// whose `writers` list "anonymous").
     #[arg(long)]
     pub anonymous: bool,
     /// TLS certificate chain (PEM). Without --tls-cert/--tls-key, a
