@@ -294,7 +294,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     pub rdma_listen: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics (plain HTTP: bind it
-    /// to a management address). Same as `metrics_listen = "ADDR"`.
+    /// to a management address; a port alone means 127.0.0.1). Same as
+    /// `metrics_listen = "ADDR"`.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
     /// Also accept the seed's unkeyed MD5 RDMA AUTH signature (insecure:

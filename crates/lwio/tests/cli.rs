@@ -847,3 +847,13 @@ fn anonymous_is_read_only_unless_listed() {
         .success();
 }
 
+/// Issue 31: `--metrics PORT` (no host) listens on localhost only.
+#[test]
+fn metrics_port_alone_listens_on_localhost() {
+    let s = serve_with(&["--metrics", "0"], None);
+    assert!(
+        s.stdout.contains("lwio: metrics on http://127.0.0.1:"),
+        "{}",
+        s.stdout
+    );
+}

@@ -935,3 +935,59 @@ async fn resume_respects_the_per_session_file_limit() {
     assert_eq!(s.state.open_files.session_len(b.session().id), 3);
     s.stop().await;
 }
+
+/// Issue 31: `Stats` is refused to anonymous sessions.
+#[tokio::test]
+async fn stats_refused_for_anonymous() {
+    let s = start(Limits::default(), true, security(None, false)).await;
+    let mut anon = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+        .await
+        .unwrap();
+    let e = anon.stats().await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::PermissionDenied, "{e}");
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    assert!(c.stats().await.unwrap().contains("lwio_sessions"));
+    s.stop().await;
+}
+
+/// Issue 31: the metrics endpoint answers a scrape while idle sockets are
+/// open, and closes those within its socket timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_scrape_answers_despite_idle_sockets() {
+    use tokio::io::AsyncReadExt;
+    let s = start(Limits::default(), false, security(None, false)).await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(crate::metrics::serve(l, s.state.clone(), s.stop.clone()));
+    let mut idle = Vec::new();
+    for _ in 0..9 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    let scrape = async {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let out = tokio::time::timeout(Duration::from_secs(3), scrape)
+        .await
+        .expect("a scrape is answered while 9 idle sockets are open");
+    assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // The idle sockets are closed within the 5 s socket timeout.
+    for mut c in idle {
+        let mut b = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(7), c.read(&mut b))
+            .await
+            .expect("idle socket closed by the server")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
+    }
+    s.stop().await;
+}
