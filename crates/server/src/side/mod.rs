@@ -1388,7 +1388,12 @@ async fn handle(
             let (ex, ids) = export_as(&export)?;
             blocking_as(ids, move || Ok(Response::Target(ex.readlink(&path)?))).await
         }
-        // Any logged-in session: aggregate counters, no names or paths.
+        // Any logged-in session but an anonymous one: aggregate counters,
+        // no names or paths (docs/metrics.md).
+        Request::Stats if *who == Principal::Anonymous => Err(Error::new(
+            ErrorCode::PermissionDenied,
+            "anonymous sessions may not read the server's statistics: log in",
+        )),
         Request::Stats => Ok(Response::Metrics(crate::metrics::render(state))),
         Request::Statfs { export } => {
             check(state, who, &export, READ)?;
