@@ -951,6 +951,58 @@ async fn stats_refused_for_anonymous() {
     s.stop().await;
 }
 
+/// Issue 31: a read-only export refuses Publish and opening a memory
+/// object for writing, whatever its access lists say.
+#[tokio::test]
+async fn read_only_export_refuses_publish_and_memory_writes() {
+    let s = start_ro(Limits::default(), false, security(None, false), true).await;
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let (tx, _rx) = std::sync::mpsc::channel();
+    let key = lwio_proto::wire::Guid::from_bytes(&[6; 16]).unwrap();
+    s.state.mem_objects.attach(
+        key,
+        c.session().id,
+        crate::memobj::MemLink {
+            tx,
+            waker: Arc::new(crate::io_phase::Waker::new().unwrap()),
+        },
+    );
+    let spec = |name: &str| crate::memobj::PublishReq {
+        export: "pub".into(),
+        name: name.into(),
+        size: 4096,
+        addr: 0x10000,
+        rkey: 5,
+        writable: true,
+        channel: key,
+    };
+    let e = c
+        .call(Request::Publish {
+            export: "pub".into(),
+            name: "m".into(),
+            size: 4096,
+            addr: 0x10000,
+            rkey: 5,
+            rights: codec::MEM_READ | codec::MEM_WRITE,
+            channel_key: key.to_bytes(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::ReadOnly, "{e}");
+    assert_eq!(s.state.mem_objects.len(), 0);
+    // An object there (published before the export became read-only, say)
+    // opens for reading only.
+    s.state
+        .mem_objects
+        .publish(c.session().id, spec("old"))
+        .unwrap();
+    let e = c.open("pub", ".lwio-mem/old", &RW, 0).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::ReadOnly, "{e}");
+    c.open("pub", ".lwio-mem/old", &RO, 0).await.unwrap();
+    s.stop().await;
+}
+
 /// Issue 31: the metrics endpoint answers a scrape while idle sockets are
 /// open, and closes those within its socket timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
