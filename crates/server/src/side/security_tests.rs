@@ -1003,6 +1003,147 @@ async fn read_only_export_refuses_publish_and_memory_writes() {
     s.stop().await;
 }
 
+/// Hello and an anonymous login over a raw plain-TCP stream.
+async fn raw_anonymous(addr: &str) -> tokio::net::TcpStream {
+    let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let hello = Request::Hello {
+        version: codec::PROTOCOL_VERSION,
+        client_name: "raw".into(),
+    };
+    codec::write_frame(&mut raw, &hello.encode(1)).await.unwrap();
+    codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    let login = Request::Login(LoginRequest::Anonymous);
+    codec::write_frame(&mut raw, &login.encode(2)).await.unwrap();
+    let b = codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    assert!(matches!(
+        Response::decode(&b).unwrap().1,
+        Response::LoginOk { .. }
+    ));
+    raw
+}
+
+/// Issue 31: a peer that sends requests but never reads its answers is
+/// disconnected within the idle timeout (a write timeout), not held forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_reads_is_disconnected() {
+    let limits = Limits {
+        idle_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let s = start(limits, true, security(None, false)).await;
+    // Big answers: a listing of 2 000 long names (about 250 KiB).
+    let d = s._dir.path().join("pub");
+    for i in 0..2000 {
+        std::fs::write(d.join(format!("{i:0>100}")), b"").unwrap();
+    }
+    let raw = raw_anonymous(&s.addr).await;
+    assert_eq!(s.state.session_count(), 1);
+    let (_rd, mut wr) = raw.into_split();
+    let writer = tokio::spawn(async move {
+        for id in 10.. {
+            let req = Request::ListDir {
+                export: "pub".into(),
+                path: String::new(),
+                cookie: 0,
+            };
+            if codec::write_frame(&mut wr, &req.encode(id)).await.is_err() {
+                break;
+            }
+        }
+        wr
+    });
+    // The server's send buffer fills, then its write times out.
+    let t0 = Instant::now();
+    while s.state.session_count() > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "a peer that never reads still holds its session after {:?}",
+            t0.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    writer.abort();
+    s.stop().await;
+}
+
+/// Issue 31: the password check runs inside the login deadline; a login
+/// stuck behind busy argon2 slots is answered "login timeout" at the
+/// deadline.
+#[tokio::test]
+async fn password_check_runs_inside_the_login_deadline() {
+    let limits = Limits {
+        login_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, true)).await;
+    // Both argon2 slots busy (as under a flood of password logins).
+    let busy = s
+        .state
+        .password_checks
+        .clone()
+        .acquire_many_owned(2)
+        .await
+        .unwrap();
+    let mut o = opts(pw("alice", "alice-pw"), ClientTls::Off);
+    o.allow_plain_password = true;
+    let t0 = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(5), AsyncClient::connect(&s.addr, &o)).await;
+    let e = r
+        .expect("answered within the login timeout, not held")
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::TimedOut, "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    assert_eq!(s.state.session_count(), 0);
+    drop(busy);
+    AsyncClient::connect(&s.addr, &o).await.unwrap();
+    s.stop().await;
+}
+
+/// Issue 31: before login a frame may be a few KiB at most; a larger
+/// length is refused at once (nothing is allocated for it).
+#[tokio::test]
+async fn pre_login_frames_are_small() {
+    let s = start(Limits::default(), true, security(None, false)).await;
+    for hello_first in [false, true] {
+        let mut raw = tokio::net::TcpStream::connect(&s.addr).await.unwrap();
+        if hello_first {
+            let hello = Request::Hello {
+                version: codec::PROTOCOL_VERSION,
+                client_name: "raw".into(),
+            };
+            codec::write_frame(&mut raw, &hello.encode(1)).await.unwrap();
+            codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+        }
+        // A 64 KiB frame announced, its body never sent.
+        raw.write_all(&(64u32 << 10).to_le_bytes()).await.unwrap();
+        let b = tokio::time::timeout(Duration::from_secs(2), codec::read_frame(&mut raw, 1 << 20))
+            .await
+            .expect("refused at once")
+            .unwrap()
+            .unwrap();
+        match Response::decode(&b).unwrap().1 {
+            Response::Error(e) => {
+                assert_eq!(e.code, ErrorCode::FrameTooLarge, "{e}");
+                assert_eq!(
+                    e.message,
+                    "frame of 65536 bytes exceeds the limit of 4096 before login"
+                );
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    // After login the configured limit applies.
+    let mut raw = raw_anonymous(&s.addr).await;
+    let big = Request::Stat {
+        export: "pub".into(),
+        path: "x".repeat(8000),
+    };
+    codec::write_frame(&mut raw, &big.encode(3)).await.unwrap();
+    let b = codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    assert!(matches!(Response::decode(&b).unwrap().1, Response::Error(e) if e.code != ErrorCode::FrameTooLarge));
+    s.stop().await;
+}
+
 /// Issue 31: the metrics endpoint answers a scrape while idle sockets are
 /// open, and closes those within its socket timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
