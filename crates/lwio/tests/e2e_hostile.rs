@@ -388,3 +388,25 @@ fn negotiate_flood_is_bounded_and_the_latest_key_authenticates() {
     e.check_good();
 }
 
+/// Issue 31: a forged AUTH naming a valid negotiate Key (a wrong signature)
+/// is refused without using the Key up: the real AUTH with it still works.
+#[test]
+fn forged_auth_does_not_burn_the_negotiate_key() {
+    let e = env();
+    let mut h = hostile(&e);
+    let key = h.key;
+    let real = std::mem::replace(&mut h.secret, vec![0x5a; 32]);
+    assert_eq!(h.auth_with(key, 2).ios.status, STATUS_ACCESS_DENIED);
+    assert!(h.terminated(T));
+    // The same side-channel session (h.side, still logged in) on a new
+    // RDMA connection, with the real signature.
+    let mut h2 = hostile(&e);
+    h2.secret = real;
+    assert_eq!(h2.auth_with(key, 2).ios.status, STATUS_SUCCESS);
+    // Used now: once only.
+    let mut h3 = hostile(&e);
+    h3.secret = h2.secret.clone();
+    assert_eq!(h3.auth_with(key, 2).ios.status, STATUS_ACCESS_DENIED);
+    drop(h);
+    e.check_good();
+}
