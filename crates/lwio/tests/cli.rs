@@ -830,7 +830,9 @@ fn anonymous_is_read_only_unless_listed() {
         .stdout(predicate::str::contains("hello.txt"));
     anon(&["cp", local.to_str().unwrap(), &s.url("data/new.txt")])
         .failure()
-        .stderr(one_line_error().and(predicate::str::contains("anonymous sessions may not write to export data")));
+        .stderr(one_line_error().and(predicate::str::contains(
+            "anonymous sessions may not write to export data",
+        )));
     anon(&["mkdir", &s.url("data/d")]).failure();
     anon(&["rm", &s.url("data/hello.txt")]).failure();
     assert!(!s.dir.path().join("data/new.txt").exists());

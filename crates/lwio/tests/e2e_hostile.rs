@@ -372,13 +372,21 @@ fn negotiate_flood_is_bounded_and_the_latest_key_authenticates() {
         last = h.side.negotiate(&req).unwrap().key;
         if i % 1000 == 999 {
             let n = e.s.state.negotiation_count();
-            assert!(n <= 64, "{n} negotiate Keys outstanding after {} Negotiates", i + 1);
+            assert!(
+                n <= 64,
+                "{n} negotiate Keys outstanding after {} Negotiates",
+                i + 1
+            );
         }
     }
     eprintln!("100 000 negotiates in {:?}", t0.elapsed());
     // This session's newest 16, and the good client's.
     let bound = lwio_server::server::MAX_NEGOTIATIONS_PER_SESSION;
-    assert!(e.s.state.negotiation_count() <= bound + 1, "{}", e.s.state.negotiation_count());
+    assert!(
+        e.s.state.negotiation_count() <= bound + 1,
+        "{}",
+        e.s.state.negotiation_count()
+    );
     // A new RDMA connection (the first one's AUTH timeout is long past)
     // authenticates with the flooding session's latest Key.
     let mut h2 = hostile(&e);

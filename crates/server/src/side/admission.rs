@@ -335,7 +335,10 @@ mod tests {
         let a = Arc::new(Admission::new(&limits()));
         let mut held = Vec::new();
         for i in 1..=3u16 {
-            held.push(a.admit(IpAddr::from([0x2001, 0xdb8, 0, 0, 0, 0, 0, i])).unwrap());
+            held.push(
+                a.admit(IpAddr::from([0x2001, 0xdb8, 0, 0, 0, 0, 0, i]))
+                    .unwrap(),
+            );
         }
         assert_eq!(
             a.admit("2001:db8::ffff:1".parse().unwrap()).unwrap_err(),

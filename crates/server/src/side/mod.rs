@@ -337,8 +337,8 @@ async fn serve_session<S>(
             Err(e) => {
                 warn!(%peer, error = %e, "bad request; closing session");
                 let id = split_body(&body).map(|(_, id, _)| id).unwrap_or(0);
-                let _ = write_within(&mut stream, &Response::Error(e.into()).encode(id), wlimit)
-                    .await;
+                let _ =
+                    write_within(&mut stream, &Response::Error(e.into()).encode(id), wlimit).await;
                 break;
             }
         };

@@ -775,7 +775,11 @@ async fn memory_objects_follow_the_access_list() {
 
 /// Silent connections from `ip` to `server`, one every 55 ms (under the
 /// per-host rate), `n` attempts; returns those the kernel connected.
-async fn silent_connections(ip: IpAddr, server: SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
+async fn silent_connections(
+    ip: IpAddr,
+    server: SocketAddr,
+    n: usize,
+) -> Vec<tokio::net::TcpStream> {
     let mut held = Vec::new();
     for _ in 0..n {
         let sock = tokio::net::TcpSocket::new_v4().unwrap();
@@ -812,10 +816,17 @@ async fn two_hosts_cannot_block_new_logins() {
     let adm = &s.state.admission;
     let total: usize = held.iter().map(Vec::len).sum();
     let t0 = Instant::now();
-    while adm.refused() as usize + hosts.iter().map(|h| adm.host_connections(*h)).sum::<usize>()
+    while adm.refused() as usize
+        + hosts
+            .iter()
+            .map(|h| adm.host_connections(*h))
+            .sum::<usize>()
         < total
     {
-        assert!(t0.elapsed() < Duration::from_secs(5), "accept backlog drains");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "accept backlog drains"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     for h in hosts {
@@ -858,7 +869,9 @@ async fn lost_sessions_count_against_the_user() {
     for i in 0..6 {
         let mut c = AsyncClient::connect(&s.addr, &bob()).await.unwrap();
         for j in 0..2 {
-            c.open("pub", &format!("f{i}-{j}"), &RW, 0o644).await.unwrap();
+            c.open("pub", &format!("f{i}-{j}"), &RW, 0o644)
+                .await
+                .unwrap();
         }
         lost.push(c.session().clone());
         drop(c);
@@ -872,7 +885,11 @@ async fn lost_sessions_count_against_the_user() {
             "bob keeps {} lost sessions (limit 3)",
             s.state.durable_sessions()
         );
-        assert!(s.state.open_files.len() <= 6, "{}", s.state.open_files.len());
+        assert!(
+            s.state.open_files.len() <= 6,
+            "{}",
+            s.state.open_files.len()
+        );
     }
     // A new login makes room by dropping the oldest kept sessions: the
     // latest is still there to take back, the oldest not.
@@ -1010,10 +1027,14 @@ async fn raw_anonymous(addr: &str) -> tokio::net::TcpStream {
         version: codec::PROTOCOL_VERSION,
         client_name: "raw".into(),
     };
-    codec::write_frame(&mut raw, &hello.encode(1)).await.unwrap();
+    codec::write_frame(&mut raw, &hello.encode(1))
+        .await
+        .unwrap();
     codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
     let login = Request::Login(LoginRequest::Anonymous);
-    codec::write_frame(&mut raw, &login.encode(2)).await.unwrap();
+    codec::write_frame(&mut raw, &login.encode(2))
+        .await
+        .unwrap();
     let b = codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
     assert!(matches!(
         Response::decode(&b).unwrap().1,
@@ -1111,7 +1132,9 @@ async fn pre_login_frames_are_small() {
                 version: codec::PROTOCOL_VERSION,
                 client_name: "raw".into(),
             };
-            codec::write_frame(&mut raw, &hello.encode(1)).await.unwrap();
+            codec::write_frame(&mut raw, &hello.encode(1))
+                .await
+                .unwrap();
             codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
         }
         // A 64 KiB frame announced, its body never sent.
@@ -1140,7 +1163,9 @@ async fn pre_login_frames_are_small() {
     };
     codec::write_frame(&mut raw, &big.encode(3)).await.unwrap();
     let b = codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
-    assert!(matches!(Response::decode(&b).unwrap().1, Response::Error(e) if e.code != ErrorCode::FrameTooLarge));
+    assert!(
+        matches!(Response::decode(&b).unwrap().1, Response::Error(e) if e.code != ErrorCode::FrameTooLarge)
+    );
     s.stop().await;
 }
 
