@@ -710,6 +710,7 @@ shutdown_grace = "10s"
 max_connections_per_host = 64
 max_sessions_per_user = 64
 max_unauthenticated = 128
+max_unauthenticated_per_host = 0
 unauth_rate_per_host = 20
 unauth_burst_per_host = 40
 unauth_rate = 200
