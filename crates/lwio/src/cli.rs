@@ -297,7 +297,8 @@ pub struct ServeArgs {
     /// File I/O backend: auto, io-uring, threads.
     #[arg(long, value_name = "BACKEND")]
     pub io_backend: Option<BackendChoice>,
-    /// Also accept logins without a token.
+    /// Also accept logins without a token (read-only, except on exports
+    /// whose `writers` list "anonymous").
     #[arg(long)]
     pub anonymous: bool,
     /// TLS certificate chain (PEM). Without --tls-cert/--tls-key, a
@@ -323,7 +324,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     pub rdma_listen: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics (plain HTTP: bind it
-    /// to a management address). Same as `metrics_listen = "ADDR"`.
+    /// to a management address; a port alone means 127.0.0.1). Same as
+    /// `metrics_listen = "ADDR"`.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
     /// Also accept the seed's unkeyed MD5 RDMA AUTH signature (insecure:

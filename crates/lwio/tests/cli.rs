@@ -803,3 +803,59 @@ fn config_errors_for_users_and_rights() {
             .stderr(one_line_error().and(predicate::str::contains(want)));
     }
 }
+
+/// Issue 31, item 11: with `--anonymous`, anonymous sessions may read the
+/// exports without lists but not write them; an export that names
+/// "anonymous" in `writers` is writable.
+#[test]
+fn anonymous_is_read_only_unless_listed() {
+    let s = serve_with(
+        &[
+            "--anonymous",
+            "--provider",
+            "soft",
+            "--rdma-listen",
+            "127.0.0.1:0",
+        ],
+        Some(
+            "[exports]\ndata = \"@DATA@\"\nopen = { path = \"@DATA@/sub\", writers = [\"anonymous\"] }\n",
+        ),
+    );
+    let local = s.dir.path().join("local.txt");
+    std::fs::write(&local, b"anonymous bytes").unwrap();
+    // No token: an anonymous login.
+    let anon = |args: &[&str]| s.cmd().args(args).assert();
+    anon(&["ls", &s.url("data")])
+        .success()
+        .stdout(predicate::str::contains("hello.txt"));
+    anon(&["cp", local.to_str().unwrap(), &s.url("data/new.txt")])
+        .failure()
+        .stderr(one_line_error().and(predicate::str::contains(
+            "anonymous sessions may not write to export data",
+        )));
+    anon(&["mkdir", &s.url("data/d")]).failure();
+    anon(&["rm", &s.url("data/hello.txt")]).failure();
+    assert!(!s.dir.path().join("data/new.txt").exists());
+    assert!(!s.dir.path().join("data/d").exists());
+    assert!(s.dir.path().join("data/hello.txt").exists());
+    // Listed explicitly: writable.
+    anon(&["cp", local.to_str().unwrap(), &s.url("open/new.txt")]).success();
+    assert_eq!(
+        std::fs::read(s.dir.path().join("data/sub/new.txt")).unwrap(),
+        b"anonymous bytes"
+    );
+    // The shared token still writes everywhere.
+    s.client(&["cp", local.to_str().unwrap(), &s.url("data/new.txt")])
+        .success();
+}
+
+/// Issue 31: `--metrics PORT` (no host) listens on localhost only.
+#[test]
+fn metrics_port_alone_listens_on_localhost() {
+    let s = serve_with(&["--metrics", "0"], None);
+    assert!(
+        s.stdout.contains("lwio: metrics on http://127.0.0.1:"),
+        "{}",
+        s.stdout
+    );
+}

@@ -423,3 +423,73 @@ fn closed_handle_and_ended_session_revoke_the_fid() {
     );
     assert_eq!(s.state.open_files.len(), 0);
 }
+
+/// Issue 31: a flood of Negotiates from one session leaves a bounded
+/// negotiate table, and the latest Key still authenticates.
+#[test]
+fn negotiate_flood_is_bounded_and_the_latest_key_authenticates() {
+    use lwio_proto::wire::auth::derive_session_secret;
+    use lwio_proto::wire::{AddressBlockRepr, NegotiateRequestRepr};
+    let e = env();
+    let mut h = hostile(&e);
+    let req = NegotiateRequestRepr {
+        client_name: "flood".into(),
+        key: Guid::from_u128(8),
+        response_length: 4096,
+        providers: vec![AddressBlockRepr {
+            name: "soft".into(),
+            instances: vec![],
+        }],
+    };
+    let t0 = Instant::now();
+    let mut last = h.key;
+    for i in 0..100_000 {
+        last = h.side.negotiate(&req).unwrap().key;
+        if i % 1000 == 999 {
+            let n = e.s.state.negotiation_count();
+            assert!(
+                n <= 64,
+                "{n} negotiate Keys outstanding after {} Negotiates",
+                i + 1
+            );
+        }
+    }
+    eprintln!("100 000 negotiates in {:?}", t0.elapsed());
+    // This session's newest 16, and the good client's.
+    let bound = lwio_server::server::MAX_NEGOTIATIONS_PER_SESSION;
+    assert!(
+        e.s.state.negotiation_count() <= bound + 1,
+        "{}",
+        e.s.state.negotiation_count()
+    );
+    // A new RDMA connection (the first one's AUTH timeout is long past)
+    // authenticates with the flooding session's latest Key.
+    let mut h2 = hostile(&e);
+    h2.secret = derive_session_secret(&h.side.session().secret.0, &last).to_vec();
+    assert_eq!(h2.auth_with(last, 2).ios.status, STATUS_SUCCESS);
+    drop(h);
+    e.check_good();
+}
+
+/// Issue 31: a forged AUTH naming a valid negotiate Key (a wrong signature)
+/// is refused without using the Key up: the real AUTH with it still works.
+#[test]
+fn forged_auth_does_not_burn_the_negotiate_key() {
+    let e = env();
+    let mut h = hostile(&e);
+    let key = h.key;
+    let real = std::mem::replace(&mut h.secret, vec![0x5a; 32]);
+    assert_eq!(h.auth_with(key, 2).ios.status, STATUS_ACCESS_DENIED);
+    assert!(h.terminated(T));
+    // The same side-channel session (h.side, still logged in) on a new
+    // RDMA connection, with the real signature.
+    let mut h2 = hostile(&e);
+    h2.secret = real;
+    assert_eq!(h2.auth_with(key, 2).ios.status, STATUS_SUCCESS);
+    // Used now: once only.
+    let mut h3 = hostile(&e);
+    h3.secret = h2.secret.clone();
+    assert_eq!(h3.auth_with(key, 2).ios.status, STATUS_ACCESS_DENIED);
+    drop(h);
+    e.check_good();
+}

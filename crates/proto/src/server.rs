@@ -85,7 +85,16 @@ impl Default for ServerConfig {
 /// Callbacks into the embedding server.
 pub trait ServerHooks {
     /// Per-session secret bound to the negotiate Key, `None` if unknown.
+    /// Only a lookup: an AUTH whose signature then fails must not use the
+    /// Key up (see [`ServerHooks::auth_verified`]).
     fn session_secret(&mut self, key: &Guid) -> Option<Vec<u8>>;
+    /// The AUTH naming `key` carried a valid signature: use the Key up now
+    /// (one AUTH per Key). `false` refuses the AUTH (the Key was used in
+    /// the meantime, or is gone).
+    fn auth_verified(&mut self, key: &Guid) -> bool {
+        let _ = key;
+        true
+    }
     /// Validate a resume key and open the file; returns an opaque file
     /// handle passed back in storage actions, or the failure status.
     fn open_file(
@@ -1137,6 +1146,9 @@ impl ServerConn {
         let secret = hooks.session_secret(&key).ok_or(())?;
         let (_, alg) = AuthParamsRepr::verify(params, &secret).map_err(|_| ())?;
         if alg == SignatureAlg::Md5 && !self.cfg.allow_md5 {
+            return Err(());
+        }
+        if !hooks.auth_verified(&key) {
             return Err(());
         }
         Ok((client, alg, secret))

@@ -71,6 +71,10 @@ pub struct Limits {
     pub max_sessions_per_user: usize,
     /// Connections not logged in yet, server-wide.
     pub max_unauthenticated: usize,
+    /// Connections not logged in yet from one host (an IPv4 address or an
+    /// IPv6 /64); 0 = a sixteenth of `max_unauthenticated`, at least 4
+    /// ([`Limits::unauthenticated_per_host`]).
+    pub max_unauthenticated_per_host: usize,
     /// New connections per second from one IP address (token bucket rate).
     pub unauth_rate_per_host: u32,
     /// Burst of new connections from one IP address.
@@ -118,6 +122,7 @@ impl Default for Limits {
             max_connections_per_host: 64,
             max_sessions_per_user: 64,
             max_unauthenticated: 128,
+            max_unauthenticated_per_host: 0,
             unauth_rate_per_host: 20,
             unauth_burst_per_host: 40,
             unauth_rate: 200,
@@ -128,6 +133,18 @@ impl Default for Limits {
             max_leases: 65_536,
             lease_break_timeout: Duration::from_secs(2),
             durable_grace: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Limits {
+    /// Connections not logged in yet one host may hold: the configured
+    /// `max_unauthenticated_per_host`, or by default
+    /// max(4, `max_unauthenticated` / 16).
+    pub fn unauthenticated_per_host(&self) -> usize {
+        match self.max_unauthenticated_per_host {
+            0 => (self.max_unauthenticated / 16).max(4),
+            n => n,
         }
     }
 }
@@ -693,6 +710,7 @@ shutdown_grace = "10s"
 max_connections_per_host = 64
 max_sessions_per_user = 64
 max_unauthenticated = 128
+max_unauthenticated_per_host = 0
 unauth_rate_per_host = 20
 unauth_burst_per_host = 40
 unauth_rate = 200

@@ -454,13 +454,19 @@ pub fn render(state: &ServerState) -> String {
     out
 }
 
-/// Most scrapes served at once; more wait for their turn.
-const MAX_SCRAPES: usize = 8;
+/// Most metrics connections served at once; further ones are closed at
+/// once (a scraper retries at its next interval).
+const MAX_SCRAPES: usize = 64;
+/// A connection has this long to send its request and take the answer.
+pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest request head read.
 const MAX_HEAD: usize = 8192;
 
 /// Serve `GET /metrics` on `listener` until `shutdown` (plain HTTP/1.1,
-/// one request per connection; anything else gets 404 or 405).
+/// one request per connection; anything else gets 404 or 405). Each
+/// connection is served on its own task within [`SCRAPE_TIMEOUT`], so slow
+/// or idle sockets never hold up another scrape; past [`MAX_SCRAPES`] at
+/// once, new connections are closed unanswered.
 pub async fn serve(listener: TcpListener, state: Arc<ServerState>, shutdown: Shutdown) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
     loop {
@@ -475,13 +481,14 @@ pub async fn serve(listener: TcpListener, state: Arc<ServerState>, shutdown: Shu
             },
             _ = shutdown.wait() => return,
         };
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "metrics: too many connections; closing");
+            continue;
         };
         let state = state.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            let r = tokio::time::timeout(Duration::from_secs(10), scrape(sock, &state)).await;
+            let r = tokio::time::timeout(SCRAPE_TIMEOUT, scrape(sock, &state)).await;
             if !matches!(r, Ok(Ok(()))) {
                 tracing::debug!(%peer, "metrics request failed or timed out");
             }

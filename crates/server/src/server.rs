@@ -14,7 +14,7 @@
 //! [`ServerState::lookup_resume_key`]; file I/O goes through
 //! [`ServerState::backend`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
@@ -70,6 +70,69 @@ pub struct NegotiatedClient {
     /// The server instances offered to this client (both sides share them).
     pub offered: Vec<Instance>,
     pub expires: Instant,
+}
+
+/// Negotiate Keys one side-channel session may have outstanding; a further
+/// Negotiate drops its oldest (a client negotiates once per RDMA channel
+/// it is about to connect, and AUTHs at once).
+pub const MAX_NEGOTIATIONS_PER_SESSION: usize = 16;
+
+/// The negotiate table: Keys by value, in expiry order, and per session in
+/// the order made, so that adding, expiring and ending a session touch only
+/// the entries concerned (never a scan of the whole table).
+#[derive(Default)]
+struct Negotiations {
+    by_key: HashMap<Guid, (NegotiatedClient, u64)>,
+    /// (expiry, sequence number) → Key.
+    by_expiry: BTreeMap<(Instant, u64), Guid>,
+    /// Each session's Keys, oldest first.
+    by_session: HashMap<SessionId, VecDeque<Guid>>,
+    seq: u64,
+}
+
+impl Negotiations {
+    fn remove(&mut self, key: &Guid) -> Option<NegotiatedClient> {
+        let (n, seq) = self.by_key.remove(key)?;
+        self.by_expiry.remove(&(n.expires, seq));
+        if let Some(q) = self.by_session.get_mut(&n.session) {
+            if let Some(i) = q.iter().position(|k| k == key) {
+                q.remove(i);
+            }
+            if q.is_empty() {
+                self.by_session.remove(&n.session);
+            }
+        }
+        Some(n)
+    }
+
+    fn expire(&mut self, now: Instant) {
+        while let Some((&(t, _), &key)) = self.by_expiry.first_key_value() {
+            if t > now {
+                break;
+            }
+            self.remove(&key);
+        }
+    }
+
+    fn add(&mut self, n: NegotiatedClient) {
+        self.expire(Instant::now());
+        self.remove(&n.key);
+        let q = self.by_session.entry(n.session).or_default();
+        let oldest = (q.len() >= MAX_NEGOTIATIONS_PER_SESSION).then(|| q.front().copied());
+        q.push_back(n.key);
+        if let Some(Some(old)) = oldest {
+            self.remove(&old);
+        }
+        self.seq += 1;
+        self.by_expiry.insert((n.expires, self.seq), n.key);
+        self.by_key.insert(n.key, (n, self.seq));
+    }
+
+    fn end_session(&mut self, id: SessionId) {
+        for key in self.by_session.remove(&id).unwrap_or_default() {
+            self.remove(&key);
+        }
+    }
 }
 
 /// Who may log in.
@@ -215,7 +278,7 @@ pub struct ServerState {
     /// for `limits.durable_grace` (docs/reconnect.md): who may take them
     /// back, and until when.
     durable: Mutex<HashMap<SessionId, (SessionInfo, Instant)>>,
-    negotiations: Mutex<HashMap<Guid, NegotiatedClient>>,
+    negotiations: Mutex<Negotiations>,
     rdma_endpoints: RwLock<Vec<Instance>>,
     next_session: AtomicU64,
     /// The RDMA phase, for its metrics.
@@ -250,7 +313,7 @@ impl ServerState {
     /// For AUTH: who negotiated `key`, while the key is fresh and that
     /// side-channel session is still logged in.
     pub fn lookup_negotiate_key(&self, key: &Guid) -> Option<NegotiatedClient> {
-        let n = lock(&self.negotiations).get(key).cloned()?;
+        let n = lock(&self.negotiations).by_key.get(key)?.0.clone();
         if Instant::now() >= n.expires || !lock(&self.sessions).contains_key(&n.session) {
             return None;
         }
@@ -272,6 +335,63 @@ impl ServerState {
             .values()
             .filter(|s| &s.principal == who)
             .count()
+    }
+
+    /// Lost sessions of `who` whose open files are kept.
+    pub fn durable_sessions_of(&self, who: &Principal) -> usize {
+        lock(&self.durable)
+            .values()
+            .filter(|(s, _)| &s.principal == who)
+            .count()
+    }
+
+    /// Before a login of `who`: refuse it if `who` already has
+    /// `max_sessions_per_user` live sessions; else, if its live and kept
+    /// (lost, durable) sessions together reach the limit, close the files
+    /// of its oldest kept sessions to make room. Kept sessions count
+    /// against the limit like live ones, so a user cannot hold more than
+    /// `max_sessions_per_user` sessions' worth of open files by dropping
+    /// connections; dropping the oldest rather than refusing keeps a
+    /// client that crashes and restarts from locking itself out for the
+    /// grace period (as the Linux NFS server's "courteous" clients: state
+    /// kept past a lost lease is given up when it is needed).
+    pub(crate) fn make_room_for(&self, who: &Principal) -> Result<()> {
+        let max = self.limits.max_sessions_per_user;
+        let live = self.sessions_of(who);
+        if live >= max {
+            return Err(Error::new(
+                ErrorCode::Busy,
+                format!(
+                    "{} already has {live} sessions (limit {max})",
+                    who.describe()
+                ),
+            ));
+        }
+        let dropped: Vec<SessionId> = {
+            let mut d = lock(&self.durable);
+            let mut kept: Vec<(Instant, SessionId)> = d
+                .iter()
+                .filter(|(_, (s, _))| &s.principal == who)
+                .map(|(id, (_, until))| (*until, *id))
+                .collect();
+            kept.sort_unstable();
+            let over = (live + kept.len() + 1).saturating_sub(max);
+            kept.truncate(over);
+            for (_, id) in &kept {
+                d.remove(id);
+            }
+            kept.into_iter().map(|(_, id)| id).collect()
+        };
+        for id in dropped {
+            let n = self.open_files.close_session(id);
+            tracing::info!(
+                session = id,
+                files = n,
+                who = %who,
+                "a new login of the user needs the room: closed a lost session's kept files"
+            );
+        }
+        Ok(())
     }
 
     /// A logged-in session.
@@ -316,7 +436,7 @@ impl ServerState {
         let info = lock(&self.sessions).remove(&id);
         self.leases.end_session(id);
         self.mem_objects.end_session(id);
-        lock(&self.negotiations).retain(|_, n| n.session != id);
+        lock(&self.negotiations).end_session(id);
         let grace = self.limits.durable_grace;
         let kept = self.open_files.session_len(id);
         if let (Some(info), false, true) = (info, grace.is_zero(), kept > 0) {
@@ -355,11 +475,15 @@ impl ServerState {
         if old == new {
             return Err(refused());
         }
-        {
+        // The adopting session stays within `max_open_files_per_session`
+        // (`adopt` refuses otherwise, and a lost session then stays kept).
+        let n = {
             let mut d = lock(&self.durable);
             match d.get(&old) {
                 Some((info, _)) if ok(info) => {
+                    let n = self.open_files.adopt(old, new)?;
                     d.remove(&old);
+                    n
                 }
                 Some(_) => return Err(refused()),
                 None => {
@@ -368,10 +492,10 @@ impl ServerState {
                     if !ok(&live) {
                         return Err(refused());
                     }
+                    self.open_files.adopt(old, new)?
                 }
             }
-        }
-        let n = self.open_files.adopt(old, new);
+        };
         tracing::info!(
             session = new,
             from = old,
@@ -413,11 +537,16 @@ impl ServerState {
         lock(&self.durable).len()
     }
 
+    /// Negotiate Keys outstanding (not yet expired or dropped).
+    pub fn negotiation_count(&self) -> usize {
+        lock(&self.negotiations).by_key.len()
+    }
+
+    /// Remember a negotiate Key for the RDMA AUTH: until it expires, its
+    /// session ends, or the session has made
+    /// [`MAX_NEGOTIATIONS_PER_SESSION`] newer ones.
     pub(crate) fn add_negotiation(&self, n: NegotiatedClient) {
-        let mut g = lock(&self.negotiations);
-        let now = Instant::now();
-        g.retain(|_, v| v.expires > now);
-        g.insert(n.key, n);
+        lock(&self.negotiations).add(n);
     }
 }
 
@@ -528,7 +657,7 @@ impl Server {
             security,
             sessions: Mutex::new(HashMap::new()),
             durable: Mutex::new(HashMap::new()),
-            negotiations: Mutex::new(HashMap::new()),
+            negotiations: Mutex::new(Negotiations::default()),
             rdma_endpoints: RwLock::new(Vec::new()),
             next_session: AtomicU64::new(1),
             rdma_phase: std::sync::OnceLock::new(),

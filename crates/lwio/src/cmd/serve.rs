@@ -50,9 +50,23 @@ pub fn rdma_listen_addr(
     Ok(SocketAddr::new(side_bound.ip(), port))
 }
 
+/// The metrics listen address: a port alone (`9100` or `:9100`) means
+/// localhost (the endpoint is plain HTTP without a login); anything else as
+/// given.
+pub fn metrics_addr(addr: &str) -> String {
+    let port = addr.strip_prefix(':').unwrap_or(addr);
+    if port.parse::<u16>().is_ok() {
+        format!("127.0.0.1:{port}")
+    } else {
+        addr.to_string()
+    }
+}
+
 /// Serve Prometheus metrics on `addr` beside `server` (until its shutdown);
-/// prints `lwio: metrics on http://ADDR/metrics`.
+/// prints `lwio: metrics on http://ADDR/metrics`. A port alone listens on
+/// localhost ([`metrics_addr`]).
 pub async fn start_metrics(server: &Server, addr: &str) -> anyhow::Result<()> {
+    let addr = &metrics_addr(addr);
     let l = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {addr}: {e}"))?;
@@ -266,6 +280,14 @@ pub fn config_changes(old: &Config, new: &Config) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metrics_port_alone_is_localhost() {
+        assert_eq!(metrics_addr("9100"), "127.0.0.1:9100");
+        assert_eq!(metrics_addr(":9100"), "127.0.0.1:9100");
+        assert_eq!(metrics_addr("0.0.0.0:9100"), "0.0.0.0:9100");
+        assert_eq!(metrics_addr("[::1]:9100"), "[::1]:9100");
+    }
 
     #[test]
     fn default_rdma_port() {

@@ -499,8 +499,21 @@ impl OpenFileTable {
 
     /// Move every open file of session `old` to session `new` (a durable
     /// resume, docs/reconnect.md); returns how many moved. Handles stay.
-    pub fn adopt(&self, old: SessionId, new: SessionId) -> usize {
+    /// Refused (`TooManyOpenFiles`, nothing moved) if `new` would then hold
+    /// more than `max_open_files_per_session`.
+    pub fn adopt(&self, old: SessionId, new: SessionId) -> Result<usize> {
         let mut g = self.lock();
+        let moving = g.per_session.get(&old).copied().unwrap_or(0);
+        let have = g.per_session.get(&new).copied().unwrap_or(0);
+        if moving > 0 && have + moving > self.max_per_session {
+            return Err(Error::new(
+                ErrorCode::TooManyOpenFiles,
+                format!(
+                    "this session has {have} open files and the one resumed {moving}: more than the limit of {} (close some first)",
+                    self.max_per_session
+                ),
+            ));
+        }
         let mut n = 0;
         let counter = g.lock_owners.entry(new).or_default().clone();
         for e in g.by_handle.values_mut() {
@@ -520,7 +533,7 @@ impl OpenFileTable {
         if n > 0 {
             *g.per_session.entry(new).or_insert(0) += n;
         }
-        n
+        Ok(n)
     }
 
     /// Whether anything besides the table still holds handle `handle`'s
@@ -768,7 +781,7 @@ mod tests {
         assert_eq!(stats().locks, 6);
         lock_file(&b, 3, 1, 0, 0, false).unwrap();
         // Adopted files bring their count: session 2 has 7 now.
-        assert_eq!(t.adopt(1, 2), 2);
+        assert_eq!(t.adopt(1, 2).unwrap(), 2);
         let e = lock_file(&c, 2, 1, 0, 0, false).unwrap_err();
         assert!(e.message.contains("already has 7 lock owners"), "{e}");
         // Closing (and the last clone going) releases them all.
@@ -889,7 +902,7 @@ mod tests {
         let (id, h) = (f.fid.ident(), f.handle);
         drop(f);
         assert_eq!(t.in_use(h, 1), Some(false));
-        assert_eq!(t.adopt(1, 2), 1);
+        assert_eq!(t.adopt(1, 2).unwrap(), 1);
         assert_eq!(t.session_len(1), 0);
         assert_eq!(t.session_len(2), 1);
         assert_eq!(

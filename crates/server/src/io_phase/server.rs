@@ -456,6 +456,12 @@ impl Shared {
         drop(mr);
     }
 
+    /// Whether a negotiate Key was used by an AUTH already.
+    fn key_used(&self, key: &Guid) -> bool {
+        let g = lock(&self.consumed_keys);
+        g.get(key).is_some_and(|exp| *exp > Instant::now())
+    }
+
     /// One-time use of a negotiate Key.
     fn consume_key(&self, key: &Guid, ttl: Duration) -> bool {
         let mut g = lock(&self.consumed_keys);
@@ -1403,19 +1409,34 @@ struct Hooks<'a> {
 }
 
 impl ServerHooks for Hooks<'_> {
+    // The Key is looked up here and used up only once the AUTH's signature
+    // verified (`auth_verified`): a forged AUTH naming a Key it saw (or
+    // guessed) must not burn it for the client that negotiated it.
     fn session_secret(&mut self, key: &Guid) -> Option<Vec<u8>> {
         let Some(n) = self.state.lookup_negotiate_key(key) else {
             info!(peer = %self.peer, %key, "AUTH with an unknown or expired negotiate key");
             return None;
         };
-        let ttl = n.expires.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
-        if !self.shared.consume_key(key, ttl) {
+        if self.shared.key_used(key) {
             warn!(peer = %self.peer, %key, "AUTH with an already used negotiate key");
             return None;
         }
+        Some(derive_session_secret(&n.session_secret.0, key).to_vec())
+    }
+
+    fn auth_verified(&mut self, key: &Guid) -> bool {
+        let Some(n) = self.state.lookup_negotiate_key(key) else {
+            info!(peer = %self.peer, %key, "negotiate key gone during its AUTH");
+            return false;
+        };
+        let ttl = n.expires.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
+        if !self.shared.consume_key(key, ttl) {
+            warn!(peer = %self.peer, %key, "AUTH with an already used negotiate key");
+            return false;
+        }
         *self.session = Some(n.session);
         self.mem.presented(*key, n.session);
-        Some(derive_session_secret(&n.session_secret.0, key).to_vec())
+        true
     }
 
     fn open_file(&mut self, rk: &SrvResumeKey, _flags: u32) -> Result<u64, NtStatus> {

@@ -73,13 +73,15 @@ pub struct Acl {
 }
 
 impl Default for Acl {
-    /// No lists configured: everyone who may log in (anonymous sessions
-    /// only when `allow_anonymous` lets them log in at all).
+    /// No lists configured: everyone who may log in reads (anonymous
+    /// sessions only when `allow_anonymous` lets them log in at all), and
+    /// every authenticated login writes. Anonymous sessions write only
+    /// where an export lists "anonymous" in `writers` (as an NFS export is
+    /// read-only and squashes unknown users unless it says otherwise).
     fn default() -> Acl {
-        let all = vec![ANY_USER.to_string(), ANONYMOUS.to_string()];
         Acl {
-            readers: all.clone(),
-            writers: all,
+            readers: vec![ANY_USER.to_string(), ANONYMOUS.to_string()],
+            writers: vec![ANY_USER.to_string()],
         }
     }
 }
@@ -203,7 +205,7 @@ mod tests {
         let alice = Principal::User("alice".into());
         let bob = Principal::User("bob".into());
         let d = Acl::default();
-        for p in [&alice, &Principal::SharedToken, &Principal::Anonymous] {
+        for p in [&alice, &Principal::SharedToken] {
             assert_eq!(
                 d.rights(p),
                 Rights {
@@ -212,6 +214,16 @@ mod tests {
                 }
             );
         }
+        // Anonymous sessions read by default, and write only where listed.
+        assert_eq!(
+            d.rights(&Principal::Anonymous),
+            Rights {
+                read: true,
+                write: false
+            }
+        );
+        let open = Acl::from_lists(None, Some(&["anonymous".into()]));
+        assert!(open.rights(&Principal::Anonymous).write);
         let ro = Acl::from_lists(Some(&["*".into()]), Some(&["alice".into()]));
         assert!(ro.rights(&alice).write);
         assert_eq!(

@@ -2,14 +2,20 @@
 //! `accept` and before any byte is read or a task is spawned:
 //!
 //! * at most `limits.max_connections_per_host` concurrent connections from
-//!   one IP address (authenticated or not);
+//!   one host (authenticated or not);
 //! * at most `limits.max_unauthenticated` connections that have not logged
-//!   in yet, server-wide;
+//!   in yet, server-wide, and at most a small share of them from one host
+//!   (`limits.max_unauthenticated_per_host`, by default a sixteenth, at
+//!   least 4), so a few addresses cannot hold every login slot;
 //! * new connections are rate-limited by two token buckets: one per host
 //!   (`unauth_rate_per_host`/s, burst `unauth_burst_per_host`) and one
 //!   global (`unauth_rate`/s, burst `unauth_burst`). A host over its own
 //!   limits does not consume global tokens, so one flooding host cannot
 //!   starve the others.
+//!
+//! A host is an IPv4 address, or an IPv6 /64 (one machine is commonly
+//! given a whole /64, so counting IPv6 addresses alone would not bound it);
+//! an IPv4-mapped IPv6 address counts as its IPv4 address.
 //!
 //! A refused connection is closed at once (after a best-effort, non-blocking
 //! "busy" frame). See docs/security.md.
@@ -26,6 +32,7 @@ use crate::config::Limits;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     HostConnections,
+    HostUnauthenticated,
     HostRate,
     Unauthenticated,
     GlobalRate,
@@ -35,6 +42,9 @@ impl Refusal {
     pub fn message(self) -> &'static str {
         match self {
             Refusal::HostConnections => "server busy: too many connections from your address",
+            Refusal::HostUnauthenticated => {
+                "server busy: too many connections from your address waiting to log in; retry later"
+            }
             Refusal::HostRate => {
                 "server busy: too many new connections from your address; retry later"
             }
@@ -72,6 +82,8 @@ impl Bucket {
 #[derive(Debug)]
 struct Host {
     conns: usize,
+    /// Of them, not logged in yet.
+    unauth: usize,
     bucket: Bucket,
 }
 
@@ -87,6 +99,7 @@ struct Inner {
 pub struct Admission {
     inner: Mutex<Inner>,
     per_host: usize,
+    per_host_unauth: usize,
     max_unauth: usize,
     host_rate: u32,
     host_burst: u32,
@@ -108,6 +121,7 @@ impl Admission {
                 unauthenticated: 0,
             }),
             per_host: l.max_connections_per_host,
+            per_host_unauth: l.unauthenticated_per_host(),
             max_unauth: l.max_unauthenticated,
             host_rate: l.unauth_rate_per_host,
             host_burst: l.unauth_burst_per_host,
@@ -123,6 +137,7 @@ impl Admission {
 
     /// Admit a new connection from `ip`, or say why not.
     pub fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<ConnGuard, Refusal> {
+        let ip = host_key(ip);
         let now = Instant::now();
         let mut g = self.lock();
         let r = self.decide(&mut g, ip, now);
@@ -147,10 +162,14 @@ impl Admission {
         }
         let host = g.hosts.entry(ip).or_insert_with(|| Host {
             conns: 0,
+            unauth: 0,
             bucket: Bucket::full(self.host_burst, now),
         });
         if host.conns >= self.per_host {
             return Err(Refusal::HostConnections);
+        }
+        if host.unauth >= self.per_host_unauth {
+            return Err(Refusal::HostUnauthenticated);
         }
         host.bucket.refill(self.host_rate, self.host_burst, now);
         if host.bucket.tokens < 1.0 {
@@ -168,12 +187,18 @@ impl Admission {
         let host = g.hosts.get_mut(&ip).expect("inserted above");
         host.bucket.tokens -= 1.0;
         host.conns += 1;
+        host.unauth += 1;
         Ok(())
     }
 
-    /// Concurrent connections from `ip`.
+    /// Concurrent connections from `ip`'s host (its /64 for IPv6).
     pub fn host_connections(&self, ip: IpAddr) -> usize {
-        self.lock().hosts.get(&ip).map_or(0, |h| h.conns)
+        self.lock().hosts.get(&host_key(ip)).map_or(0, |h| h.conns)
+    }
+
+    /// Of them, not logged in yet.
+    pub fn host_unauthenticated(&self, ip: IpAddr) -> usize {
+        self.lock().hosts.get(&host_key(ip)).map_or(0, |h| h.unauth)
     }
 
     /// Connections that have not logged in.
@@ -184,6 +209,18 @@ impl Admission {
     /// Connections refused since start.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+}
+
+/// The host an address counts as: IPv4 as is, IPv6 by its /64, an
+/// IPv4-mapped IPv6 address as its IPv4 address.
+pub fn host_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
+        },
     }
 }
 
@@ -201,6 +238,9 @@ impl ConnGuard {
         if std::mem::take(&mut self.unauthenticated) {
             let mut g = self.adm.lock();
             g.unauthenticated = g.unauthenticated.saturating_sub(1);
+            if let Some(h) = g.hosts.get_mut(&self.ip) {
+                h.unauth = h.unauth.saturating_sub(1);
+            }
         }
     }
 }
@@ -213,6 +253,9 @@ impl Drop for ConnGuard {
         }
         if let Some(h) = g.hosts.get_mut(&self.ip) {
             h.conns = h.conns.saturating_sub(1);
+            if self.unauthenticated {
+                h.unauth = h.unauth.saturating_sub(1);
+            }
         }
     }
 }
@@ -282,6 +325,34 @@ mod tests {
         assert_eq!(
             a.admit("10.0.2.3".parse().unwrap()).unwrap_err(),
             Refusal::GlobalRate
+        );
+    }
+
+    /// IPv6 clients are one host per /64 (a host is usually given a whole
+    /// /64); IPv4 per address, an IPv4-mapped IPv6 address as its IPv4.
+    #[test]
+    fn ipv6_hosts_grouped_by_64() {
+        let a = Arc::new(Admission::new(&limits()));
+        let mut held = Vec::new();
+        for i in 1..=3u16 {
+            held.push(
+                a.admit(IpAddr::from([0x2001, 0xdb8, 0, 0, 0, 0, 0, i]))
+                    .unwrap(),
+            );
+        }
+        assert_eq!(
+            a.admit("2001:db8::ffff:1".parse().unwrap()).unwrap_err(),
+            Refusal::HostConnections,
+            "another address of the same /64"
+        );
+        assert_eq!(a.host_connections("2001:db8::9".parse().unwrap()), 3);
+        let _other = a.admit("2001:db8:0:1::1".parse().unwrap()).unwrap();
+        let v4: IpAddr = "10.9.9.9".parse().unwrap();
+        let _g = a.admit(v4).unwrap();
+        assert_eq!(
+            a.host_connections("::ffff:10.9.9.9".parse().unwrap()),
+            1,
+            "IPv4-mapped"
         );
     }
 }

@@ -19,6 +19,18 @@ fn reserved(export: &str) -> Error {
     )
 }
 
+/// A read-only export takes no Publish and opens no object for writing,
+/// whatever its access lists say (as its files).
+fn writable(state: &ServerState, export: &str) -> Result<(), Error> {
+    if state.exports.get(export)?.read_only {
+        return Err(Error::new(
+            ErrorCode::ReadOnly,
+            format!("export {export} is read-only"),
+        ));
+    }
+    Ok(())
+}
+
 fn no_such(export: &str, path: &str) -> Error {
     Error::new(
         ErrorCode::NotFound,
@@ -46,6 +58,7 @@ pub(super) fn intercept(
         } => Some((|| {
             // Publishing makes a name in the export: write access.
             check(state, who, export, WRITE)?;
+            writable(state, export)?;
             let channel = lwio_proto::wire::Guid::from_bytes(channel_key)
                 .ok_or_else(|| Error::new(ErrorCode::BadRequest, "channel key"))?;
             let o = objs.publish(
@@ -257,6 +270,9 @@ fn open(
         ));
     }
     check(state, who, export, Rights { read, write })?;
+    if write {
+        writable(state, export)?;
+    }
     let name = match r {
         Reserved::Object(n) => *n,
         Reserved::Dir => {

@@ -38,6 +38,24 @@ use lwio_side::error::{Error, ErrorCode};
 use lwio_side::negotiate;
 use lwio_side::SessionSecret;
 
+/// The largest frame read before login: Hello and Login are small, so a
+/// peer that has not logged in cannot make the server allocate `max_frame`
+/// (up to 16 MiB) for a body it never sends.
+pub const PRE_LOGIN_MAX_FRAME: u32 = 4096;
+
+/// Write one frame within `limit`: a peer that stops reading cannot hold
+/// its session (and its admission slot) forever. Err on timeout.
+async fn write_within<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    body: &[u8],
+    limit: Duration,
+) -> std::io::Result<()> {
+    match tokio::time::timeout(limit, write_frame(stream, body)).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
+}
+
 /// Message a TLS client gets from a plain server.
 pub const NOT_TLS_MSG: &str =
     "this server does not use TLS (tls = false): connect with --no-tls, or enable TLS on the server";
@@ -260,14 +278,24 @@ async fn serve_session<S>(
     let max = state.limits.max_frame;
     debug!(%peer, tls, "connection");
     loop {
+        let ready = matches!(phase, Phase::Ready { .. });
         let limit = match phase {
             Phase::Ready { .. } => state.limits.idle_timeout,
             _ => state.limits.login_timeout.saturating_sub(started.elapsed()),
         };
+        // Writes get as long as reads: the idle timeout once logged in,
+        // what is left of the login timeout before (at least a second to
+        // say why the session ends).
+        let wlimit = limit.max(Duration::from_secs(1));
+        let read_max = if ready {
+            max
+        } else {
+            max.min(PRE_LOGIN_MAX_FRAME)
+        };
         let frame = tokio::select! {
             biased;
             _ = shutdown.wait() => break,
-            r = tokio::time::timeout(limit, read_frame(&mut stream, max)) => r,
+            r = tokio::time::timeout(limit, read_frame(&mut stream, read_max)) => r,
         };
         let body = match frame {
             Err(_) => {
@@ -285,18 +313,19 @@ async fn serve_session<S>(
                 };
                 info!(%peer, "{what}; closing session");
                 let e = Error::new(ErrorCode::TimedOut, format!("{what}: closing session"));
-                let _ = write_frame(&mut stream, &Response::Error(e).encode(0)).await;
+                let _ = write_within(&mut stream, &Response::Error(e).encode(0), wlimit).await;
                 break;
             }
             Ok(Ok(Some(b))) => b,
             Ok(Ok(None)) => break,
             Ok(Err(FrameError::TooLarge(n, m))) => {
                 warn!(%peer, size = n, limit = m, "frame too large; closing session");
+                let when = if ready { "" } else { " before login" };
                 let e = Error::new(
                     ErrorCode::FrameTooLarge,
-                    format!("frame of {n} bytes exceeds the limit of {m}"),
+                    format!("frame of {n} bytes exceeds the limit of {m}{when}"),
                 );
-                let _ = write_frame(&mut stream, &Response::Error(e).encode(0)).await;
+                let _ = write_within(&mut stream, &Response::Error(e).encode(0), wlimit).await;
                 break;
             }
             Ok(Err(FrameError::Io(e))) => {
@@ -309,7 +338,8 @@ async fn serve_session<S>(
             Err(e) => {
                 warn!(%peer, error = %e, "bad request; closing session");
                 let id = split_body(&body).map(|(_, id, _)| id).unwrap_or(0);
-                let _ = write_frame(&mut stream, &Response::Error(e.into()).encode(id)).await;
+                let _ =
+                    write_within(&mut stream, &Response::Error(e.into()).encode(id), wlimit).await;
                 break;
             }
         };
@@ -319,7 +349,7 @@ async fn serve_session<S>(
             let target = *session_id;
             match watch_check(&state, principal, target, mac) {
                 Ok(()) => {
-                    if write_frame(&mut stream, &Response::Ok.encode(id))
+                    if write_within(&mut stream, &Response::Ok.encode(id), wlimit)
                         .await
                         .is_ok()
                     {
@@ -329,7 +359,7 @@ async fn serve_session<S>(
                 }
                 Err(e) => {
                     warn!(%peer, session = target, "watch refused");
-                    if write_frame(&mut stream, &Response::Error(e).encode(id))
+                    if write_within(&mut stream, &Response::Error(e).encode(id), wlimit)
                         .await
                         .is_err()
                     {
@@ -339,7 +369,24 @@ async fn serve_session<S>(
                 }
             }
         }
-        let (resp, close) = step(&state, &mut phase, peer, tls, creds, req).await;
+        // Hello and Login (the password check included) run inside the
+        // login deadline.
+        let (resp, close) = if ready {
+            step(&state, &mut phase, peer, tls, creds, req).await
+        } else {
+            let left = state.limits.login_timeout.saturating_sub(started.elapsed());
+            match tokio::time::timeout(left, step(&state, &mut phase, peer, tls, creds, req)).await
+            {
+                Ok(r) => r,
+                Err(_) => {
+                    info!(%peer, "login timeout during the login; closing session");
+                    (
+                        err(ErrorCode::TimedOut, "login timeout: closing session"),
+                        true,
+                    )
+                }
+            }
+        };
         if let Response::Hello { version: v, .. } = &resp {
             version = *v;
         }
@@ -354,7 +401,13 @@ async fn serve_session<S>(
             out = Response::Error(Error::new(ErrorCode::FrameTooLarge, "response too large"))
                 .encode(id);
         }
-        if write_frame(&mut stream, &out).await.is_err() || close {
+        if let Err(e) = write_within(&mut stream, &out, wlimit).await {
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                info!(%peer, "peer does not read its answers (write timeout); closing session");
+            }
+            break;
+        }
+        if close {
             break;
         }
     }
@@ -376,15 +429,20 @@ async fn check_password(state: &Arc<ServerState>, user: &str, password: String) 
         .users
         .get(user)
         .and_then(|u| u.password.clone());
-    let Ok(_permit) = state.password_checks.clone().acquire_owned().await else {
+    let Ok(permit) = state.password_checks.clone().acquire_owned().await else {
         return false;
     };
-    tokio::task::spawn_blocking(move || match phc {
-        Some(h) => access::verify_password(&h, &password),
-        None => {
-            // Same work for unknown users: no user enumeration by timing.
-            let _ = access::verify_password(access::dummy_password_hash(), &password);
-            false
+    // The permit goes with the check: a login that times out meanwhile
+    // does not free its slot before the argon2 work is done.
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        match phc {
+            Some(h) => access::verify_password(&h, &password),
+            None => {
+                // Same work for unknown users: no user enumeration by timing.
+                let _ = access::verify_password(access::dummy_password_hash(), &password);
+                false
+            }
         }
     })
     .await
@@ -464,20 +522,10 @@ async fn step(
                 Ok(x) => x,
                 Err(e) => return (Response::Error(e), true),
             };
-            let have = state.sessions_of(&principal);
-            if have >= state.limits.max_sessions_per_user {
-                warn!(%peer, who = %principal, have, "per-user session limit reached");
-                return (
-                    err(
-                        ErrorCode::Busy,
-                        format!(
-                            "{} already has {have} sessions (limit {})",
-                            principal.describe(),
-                            state.limits.max_sessions_per_user
-                        ),
-                    ),
-                    true,
-                );
+            // Lost sessions kept for Resume count too (the oldest give way).
+            if let Err(e) = state.make_room_for(&principal) {
+                warn!(%peer, who = %principal, "per-user session limit reached");
+                return (Response::Error(e), true);
             }
             let anonymous = principal == Principal::Anonymous;
             let session = state.register_session(SessionInfo {
@@ -1400,7 +1448,12 @@ async fn handle(
             let (ex, ids) = export_as(&export)?;
             blocking_as(ids, move || Ok(Response::Target(ex.readlink(&path)?))).await
         }
-        // Any logged-in session: aggregate counters, no names or paths.
+        // Any logged-in session but an anonymous one: aggregate counters,
+        // no names or paths (docs/metrics.md).
+        Request::Stats if *who == Principal::Anonymous => Err(Error::new(
+            ErrorCode::PermissionDenied,
+            "anonymous sessions may not read the server's statistics: log in",
+        )),
         Request::Stats => Ok(Response::Metrics(crate::metrics::render(state))),
         Request::Statfs { export } => {
             check(state, who, &export, READ)?;

@@ -75,6 +75,16 @@ fn security(tls: Option<ServerIdentity>, allow_plain_pw: bool) -> Security {
 }
 
 async fn start(limits: Limits, anonymous: bool, security: Security) -> Running {
+    start_ro(limits, anonymous, security, false).await
+}
+
+/// [`start`]; `pub_read_only`: export `pub` is read-only.
+async fn start_ro(
+    limits: Limits,
+    anonymous: bool,
+    security: Security,
+    pub_read_only: bool,
+) -> Running {
     let dir = tempfile::tempdir().unwrap();
     for e in ["data", "pub"] {
         std::fs::create_dir(dir.path().join(e)).unwrap();
@@ -91,7 +101,13 @@ async fn start(limits: Limits, anonymous: bool, security: Security) -> Running {
     let opts = ServerOptions {
         listen: "127.0.0.1:0".into(),
         server_name: "stor1".into(),
-        exports: vec![export("data"), export("pub")],
+        exports: vec![
+            export("data"),
+            ExportSpec {
+                read_only: pub_read_only,
+                ..export("pub")
+            },
+        ],
         auth: AuthPolicy {
             token: Some(Token::new(TOKEN).unwrap()),
             allow_anonymous: anonymous,
@@ -751,6 +767,445 @@ async fn memory_objects_follow_the_access_list() {
     while !s.state.mem_objects.is_empty() {
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    s.stop().await;
+}
+
+// ------------------------------------------------------------ issue 31 (sec2)
+
+/// Silent connections from `ip` to `server`, one every 55 ms (under the
+/// per-host rate), `n` attempts; returns those the kernel connected.
+async fn silent_connections(
+    ip: IpAddr,
+    server: SocketAddr,
+    n: usize,
+) -> Vec<tokio::net::TcpStream> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(SocketAddr::new(ip, 0)).unwrap();
+        if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(3), sock.connect(server)).await
+        {
+            held.push(c);
+        }
+        tokio::time::sleep(Duration::from_millis(55)).await;
+    }
+    held
+}
+
+/// Issue 31, item 5: two source addresses that hold every unauthenticated
+/// connection they are allowed still leave room for a third to log in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hosts_cannot_block_new_logins() {
+    let limits = Limits {
+        login_timeout: Duration::from_secs(60),
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, false)).await;
+    let server: SocketAddr = s.addr.parse().unwrap();
+    let hosts: [IpAddr; 2] = ["127.0.0.2".parse().unwrap(), "127.0.0.3".parse().unwrap()];
+    let attempts = 80;
+    let tasks: Vec<_> = hosts
+        .iter()
+        .map(|ip| tokio::spawn(silent_connections(*ip, server, attempts)))
+        .collect();
+    let mut held = Vec::new();
+    for t in tasks {
+        held.push(t.await.unwrap());
+    }
+    let adm = &s.state.admission;
+    let total: usize = held.iter().map(Vec::len).sum();
+    let t0 = Instant::now();
+    while adm.refused() as usize
+        + hosts
+            .iter()
+            .map(|h| adm.host_connections(*h))
+            .sum::<usize>()
+        < total
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "accept backlog drains"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for h in hosts {
+        assert!(adm.host_connections(h) >= 4, "{h} holds its share");
+    }
+    // A third address logs in at once.
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let t0 = Instant::now();
+    let mut c = tokio::time::timeout(Duration::from_secs(5), AsyncClient::connect(&s.addr, &t))
+        .await
+        .expect("login within 5 s")
+        .expect("a third host logs in");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    c.ping().await.unwrap();
+    drop(held);
+    s.stop().await;
+}
+
+/// Issue 31, item 7: lost sessions kept for `durable_grace` count against
+/// their user's `max_sessions_per_user` (the oldest kept one makes room
+/// for a new login); another user is unaffected.
+#[tokio::test]
+async fn lost_sessions_count_against_the_user() {
+    let limits = Limits {
+        max_sessions_per_user: 3,
+        durable_grace: Duration::from_secs(120),
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, false)).await;
+    let bob = || {
+        opts(
+            Login::UserToken {
+                user: "bob".into(),
+                token: Token::new(BOB_TOKEN).unwrap(),
+            },
+            ClientTls::Off,
+        )
+    };
+    let mut lost = Vec::new();
+    for i in 0..6 {
+        let mut c = AsyncClient::connect(&s.addr, &bob()).await.unwrap();
+        for j in 0..2 {
+            c.open("pub", &format!("f{i}-{j}"), &RW, 0o644)
+                .await
+                .unwrap();
+        }
+        lost.push(c.session().clone());
+        drop(c);
+        let t0 = Instant::now();
+        while s.state.session_count() > 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            s.state.durable_sessions() <= 3,
+            "bob keeps {} lost sessions (limit 3)",
+            s.state.durable_sessions()
+        );
+        assert!(
+            s.state.open_files.len() <= 6,
+            "{}",
+            s.state.open_files.len()
+        );
+    }
+    // A new login makes room by dropping the oldest kept sessions: the
+    // latest is still there to take back, the oldest not.
+    let mut live = vec![AsyncClient::connect(&s.addr, &bob()).await.unwrap()];
+    assert_eq!(s.state.durable_sessions(), 2, "one live and two kept");
+    assert_eq!(live[0].resume(lost.last().unwrap()).await.unwrap(), 2);
+    assert_eq!(
+        live[0].resume(&lost[0]).await.unwrap_err().code,
+        ErrorCode::PermissionDenied
+    );
+    assert_eq!(s.state.open_files.len(), 4);
+    // bob at his limit: three live sessions (the last kept one made room),
+    // and the fourth is refused.
+    for _ in 0..2 {
+        live.push(AsyncClient::connect(&s.addr, &bob()).await.unwrap());
+    }
+    assert_eq!(s.state.durable_sessions(), 0);
+    assert_eq!(s.state.open_files.len(), 2);
+    let e = AsyncClient::connect(&s.addr, &bob()).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::Busy, "{e}");
+    assert_eq!(e.to_string(), "user bob already has 3 sessions (limit 3)");
+    // Another user logs in.
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    AsyncClient::connect(&s.addr, &t).await.unwrap();
+    s.stop().await;
+}
+
+/// Issue 31, item 7: Resume does not take a session past
+/// `max_open_files_per_session`.
+#[tokio::test]
+async fn resume_respects_the_per_session_file_limit() {
+    let limits = Limits {
+        max_open_files_per_session: 4,
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, false)).await;
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut a = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    for i in 0..3 {
+        a.open("pub", &format!("a{i}"), &RW, 0o644).await.unwrap();
+    }
+    let old = a.session().clone();
+    drop(a);
+    let t0 = Instant::now();
+    while s.state.durable_sessions() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut b = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let f1 = b.open("pub", "b1", &RW, 0o644).await.unwrap();
+    let f2 = b.open("pub", "b2", &RW, 0o644).await.unwrap();
+    let e = b.resume(&old).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::TooManyOpenFiles, "{e}");
+    assert_eq!(s.state.open_files.session_len(b.session().id), 2);
+    // Kept, and taken back once there is room.
+    assert_eq!(s.state.durable_sessions(), 1);
+    b.close(f1.handle).await.unwrap();
+    b.close(f2.handle).await.unwrap();
+    assert_eq!(b.resume(&old).await.unwrap(), 3);
+    assert_eq!(s.state.open_files.session_len(b.session().id), 3);
+    s.stop().await;
+}
+
+/// Issue 31: `Stats` is refused to anonymous sessions.
+#[tokio::test]
+async fn stats_refused_for_anonymous() {
+    let s = start(Limits::default(), true, security(None, false)).await;
+    let mut anon = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+        .await
+        .unwrap();
+    let e = anon.stats().await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::PermissionDenied, "{e}");
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    assert!(c.stats().await.unwrap().contains("lwio_sessions"));
+    s.stop().await;
+}
+
+/// Issue 31: a read-only export refuses Publish and opening a memory
+/// object for writing, whatever its access lists say.
+#[tokio::test]
+async fn read_only_export_refuses_publish_and_memory_writes() {
+    let s = start_ro(Limits::default(), false, security(None, false), true).await;
+    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let (tx, _rx) = std::sync::mpsc::channel();
+    let key = lwio_proto::wire::Guid::from_bytes(&[6; 16]).unwrap();
+    s.state.mem_objects.attach(
+        key,
+        c.session().id,
+        crate::memobj::MemLink {
+            tx,
+            waker: Arc::new(crate::io_phase::Waker::new().unwrap()),
+        },
+    );
+    let spec = |name: &str| crate::memobj::PublishReq {
+        export: "pub".into(),
+        name: name.into(),
+        size: 4096,
+        addr: 0x10000,
+        rkey: 5,
+        writable: true,
+        channel: key,
+    };
+    let e = c
+        .call(Request::Publish {
+            export: "pub".into(),
+            name: "m".into(),
+            size: 4096,
+            addr: 0x10000,
+            rkey: 5,
+            rights: codec::MEM_READ | codec::MEM_WRITE,
+            channel_key: key.to_bytes(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::ReadOnly, "{e}");
+    assert_eq!(s.state.mem_objects.len(), 0);
+    // An object there (published before the export became read-only, say)
+    // opens for reading only.
+    s.state
+        .mem_objects
+        .publish(c.session().id, spec("old"))
+        .unwrap();
+    let e = c.open("pub", ".lwio-mem/old", &RW, 0).await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::ReadOnly, "{e}");
+    c.open("pub", ".lwio-mem/old", &RO, 0).await.unwrap();
+    s.stop().await;
+}
+
+/// Hello and an anonymous login over a raw plain-TCP stream.
+async fn raw_anonymous(addr: &str) -> tokio::net::TcpStream {
+    let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let hello = Request::Hello {
+        version: codec::PROTOCOL_VERSION,
+        client_name: "raw".into(),
+    };
+    codec::write_frame(&mut raw, &hello.encode(1))
+        .await
+        .unwrap();
+    codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    let login = Request::Login(LoginRequest::Anonymous);
+    codec::write_frame(&mut raw, &login.encode(2))
+        .await
+        .unwrap();
+    let b = codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    assert!(matches!(
+        Response::decode(&b).unwrap().1,
+        Response::LoginOk { .. }
+    ));
+    raw
+}
+
+/// Issue 31: a peer that sends requests but never reads its answers is
+/// disconnected within the idle timeout (a write timeout), not held forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_reads_is_disconnected() {
+    let limits = Limits {
+        idle_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let s = start(limits, true, security(None, false)).await;
+    // Big answers: a listing of 2 000 long names (about 250 KiB).
+    let d = s._dir.path().join("pub");
+    for i in 0..2000 {
+        std::fs::write(d.join(format!("{i:0>100}")), b"").unwrap();
+    }
+    let raw = raw_anonymous(&s.addr).await;
+    assert_eq!(s.state.session_count(), 1);
+    let (_rd, mut wr) = raw.into_split();
+    let writer = tokio::spawn(async move {
+        for id in 10.. {
+            let req = Request::ListDir {
+                export: "pub".into(),
+                path: String::new(),
+                cookie: 0,
+            };
+            if codec::write_frame(&mut wr, &req.encode(id)).await.is_err() {
+                break;
+            }
+        }
+        wr
+    });
+    // The server's send buffer fills, then its write times out.
+    let t0 = Instant::now();
+    while s.state.session_count() > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "a peer that never reads still holds its session after {:?}",
+            t0.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    writer.abort();
+    s.stop().await;
+}
+
+/// Issue 31: the password check runs inside the login deadline; a login
+/// stuck behind busy argon2 slots is answered "login timeout" at the
+/// deadline.
+#[tokio::test]
+async fn password_check_runs_inside_the_login_deadline() {
+    let limits = Limits {
+        login_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let s = start(limits, false, security(None, true)).await;
+    // Both argon2 slots busy (as under a flood of password logins).
+    let busy = s
+        .state
+        .password_checks
+        .clone()
+        .acquire_many_owned(2)
+        .await
+        .unwrap();
+    let mut o = opts(pw("alice", "alice-pw"), ClientTls::Off);
+    o.allow_plain_password = true;
+    let t0 = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(5), AsyncClient::connect(&s.addr, &o)).await;
+    let e = r
+        .expect("answered within the login timeout, not held")
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::TimedOut, "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    assert_eq!(s.state.session_count(), 0);
+    drop(busy);
+    AsyncClient::connect(&s.addr, &o).await.unwrap();
+    s.stop().await;
+}
+
+/// Issue 31: before login a frame may be a few KiB at most; a larger
+/// length is refused at once (nothing is allocated for it).
+#[tokio::test]
+async fn pre_login_frames_are_small() {
+    let s = start(Limits::default(), true, security(None, false)).await;
+    for hello_first in [false, true] {
+        let mut raw = tokio::net::TcpStream::connect(&s.addr).await.unwrap();
+        if hello_first {
+            let hello = Request::Hello {
+                version: codec::PROTOCOL_VERSION,
+                client_name: "raw".into(),
+            };
+            codec::write_frame(&mut raw, &hello.encode(1))
+                .await
+                .unwrap();
+            codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+        }
+        // A 64 KiB frame announced, its body never sent.
+        raw.write_all(&(64u32 << 10).to_le_bytes()).await.unwrap();
+        let b = tokio::time::timeout(Duration::from_secs(2), codec::read_frame(&mut raw, 1 << 20))
+            .await
+            .expect("refused at once")
+            .unwrap()
+            .unwrap();
+        match Response::decode(&b).unwrap().1 {
+            Response::Error(e) => {
+                assert_eq!(e.code, ErrorCode::FrameTooLarge, "{e}");
+                assert_eq!(
+                    e.message,
+                    "frame of 65536 bytes exceeds the limit of 4096 before login"
+                );
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    // After login the configured limit applies.
+    let mut raw = raw_anonymous(&s.addr).await;
+    let big = Request::Stat {
+        export: "pub".into(),
+        path: "x".repeat(8000),
+    };
+    codec::write_frame(&mut raw, &big.encode(3)).await.unwrap();
+    let b = codec::read_frame(&mut raw, 1 << 20).await.unwrap().unwrap();
+    assert!(
+        matches!(Response::decode(&b).unwrap().1, Response::Error(e) if e.code != ErrorCode::FrameTooLarge)
+    );
+    s.stop().await;
+}
+
+/// Issue 31: the metrics endpoint answers a scrape while idle sockets are
+/// open, and closes those within its socket timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_scrape_answers_despite_idle_sockets() {
+    use tokio::io::AsyncReadExt;
+    let s = start(Limits::default(), false, security(None, false)).await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(crate::metrics::serve(l, s.state.clone(), s.stop.clone()));
+    let mut idle = Vec::new();
+    for _ in 0..9 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    let scrape = async {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let out = tokio::time::timeout(Duration::from_secs(3), scrape)
+        .await
+        .expect("a scrape is answered while 9 idle sockets are open");
+    assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // The idle sockets are closed within the 5 s socket timeout.
+    for mut c in idle {
+        let mut b = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(7), c.read(&mut b))
+            .await
+            .expect("idle socket closed by the server")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
     }
     s.stop().await;
 }
