@@ -21,7 +21,7 @@ use tracing::{debug, warn};
 use crate::errno;
 use crate::inodes::{join, Inodes};
 use crate::leases::{split, Hit, LeaseCache, Listing};
-use crate::{MountConfig, Stats};
+use crate::{MountConfig, Op, Stats};
 
 type Res<T> = Result<T, i32>;
 
@@ -773,6 +773,7 @@ impl Filesystem for LwioFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _t = self.stats.ops.time(Op::Lookup);
         Stats::add(&self.stats.lookups, 1);
         let path = match self.child(parent, name) {
             Ok(p) => p,
@@ -814,6 +815,7 @@ impl Filesystem for LwioFs {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _t = self.stats.ops.time(Op::Getattr);
         // fstat of an open file asks by handle: right even after the name
         // was unlinked or renamed by someone else.
         if let (None, true, Ok(p)) = (fh, self.leasing(), self.path(ino)) {
@@ -852,6 +854,7 @@ impl Filesystem for LwioFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let _t = self.stats.ops.time(Op::Setattr);
         let r = (|| -> Res<AttrX> {
             if self.cfg.read_only {
                 return Err(libc::EROFS);
@@ -900,6 +903,7 @@ impl Filesystem for LwioFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.ops.time(Op::Mkdir);
         let r = (|| -> Res<(String, AttrX)> {
             let path = self.child(parent, name)?;
             let export = &self.export;
@@ -915,10 +919,12 @@ impl Filesystem for LwioFs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.stats.ops.time(Op::Remove);
         self.remove(parent, name, RemoveKind::NotDir, reply)
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.stats.ops.time(Op::Remove);
         self.remove(parent, name, RemoveKind::Dir, reply)
     }
 
@@ -930,6 +936,7 @@ impl Filesystem for LwioFs {
         target: &std::path::Path,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.ops.time(Op::Mkdir);
         let r = (|| -> Res<(String, AttrX)> {
             let path = self.child(parent, link_name)?;
             let target = target.to_str().ok_or(libc::EILSEQ)?;
@@ -952,6 +959,7 @@ impl Filesystem for LwioFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.ops.time(Op::Other);
         let r = (|| -> Res<(String, AttrX)> {
             let from = self.path(ino)?;
             let to = self.child(newparent, newname)?;
@@ -986,6 +994,7 @@ impl Filesystem for LwioFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Fallocate);
         let r = self.file(fh).and_then(|f| {
             if mode as u32 & !lwio_side::codec::FALLOC_KNOWN != 0 {
                 return Err(libc::EOPNOTSUPP);
@@ -1011,6 +1020,7 @@ impl Filesystem for LwioFs {
         whence: i32,
         reply: fuser::ReplyLseek,
     ) {
+        let _t = self.stats.ops.time(Op::Lseek);
         // The kernel handles SEEK_SET/CUR/END itself; DATA and HOLE ask the
         // server's file system.
         let r = self.file(fh).and_then(|f| {
@@ -1042,6 +1052,7 @@ impl Filesystem for LwioFs {
         _flags: fuser::CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
+        let _t = self.stats.ops.time(Op::Other);
         // Copied on the server: no byte crosses to this client.
         let r = self.file(fh_in).and_then(|a| {
             let b = self.file(fh_out)?;
@@ -1070,6 +1081,7 @@ impl Filesystem for LwioFs {
         _pid: u32,
         reply: fuser::ReplyLock,
     ) {
+        let _t = self.stats.ops.time(Op::Lock);
         let r = self.file(fh).and_then(|f| {
             let h = f.handle();
             let (kind, len) = lock_args(typ, start, end)?;
@@ -1108,6 +1120,7 @@ impl Filesystem for LwioFs {
         sleep: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Lock);
         let r = self.file(fh).and_then(|f| {
             let h = f.handle();
             let (kind, len) = lock_args(typ, start, end)?;
@@ -1137,6 +1150,7 @@ impl Filesystem for LwioFs {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let _t = self.stats.ops.time(Op::Other);
         let r = self.path(ino).and_then(|p| {
             let export = &self.export;
             self.side(|s| s.readlink(export, &p))
@@ -1157,6 +1171,7 @@ impl Filesystem for LwioFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Rename);
         let r = (|| -> Res<()> {
             let from = self.child(parent, name)?;
             let to = self.child(newparent, newname)?;
@@ -1207,6 +1222,7 @@ impl Filesystem for LwioFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let _t = self.stats.ops.time(Op::Open);
         let r = self.path(ino).and_then(|p| {
             let f = self.open_path(&p, flags.0, None)?;
             if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
@@ -1233,6 +1249,7 @@ impl Filesystem for LwioFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        let _t = self.stats.ops.time(Op::Create);
         let r = (|| -> Res<(String, File, AttrX)> {
             let path = self.child(parent, name)?;
             let f = self.open_path(&path, flags, Some(mode & !umask & 0o7777))?;
@@ -1269,6 +1286,7 @@ impl Filesystem for LwioFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        let _t = self.stats.ops.time(Op::Read);
         match self.with_file(fh, |f| self.read_into(f, offset, size)) {
             Ok(buf) => reply.data(&buf),
             Err(e) => reply.error(err(e)),
@@ -1287,6 +1305,7 @@ impl Filesystem for LwioFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        let _t = self.stats.ops.time(Op::Write);
         let r = self.with_file(fh, |f| self.write_all(f, offset, data));
         if let (true, Ok(p)) = (self.leasing(), self.path(ino)) {
             self.own_change(&p, Own::Stale);
@@ -1305,6 +1324,7 @@ impl Filesystem for LwioFs {
         lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Flush);
         // Writes are synchronous (no write-back cache): nothing to push.
         // A close drops the closing owner's locks on the file (POSIX).
         let r = self.file(fh).and_then(|f| {
@@ -1375,6 +1395,7 @@ impl Filesystem for LwioFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Release);
         let f = lock(&self.files).remove(&fh.0).map(|o| o.current());
         // The server drops the handle's locks with it.
         lock(&self.lockers).remove(&fh.0);
@@ -1396,6 +1417,7 @@ impl Filesystem for LwioFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Fsync);
         Stats::add(&self.stats.side_calls, 1);
         let r = self.with_file(fh, |f| {
             if datasync {
@@ -1411,6 +1433,7 @@ impl Filesystem for LwioFs {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _t = self.stats.ops.time(Op::Opendir);
         let r = self.path(ino).and_then(|p| self.dir_listing(&p));
         match r {
             Ok((list, leased)) => {
@@ -1437,6 +1460,7 @@ impl Filesystem for LwioFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        let _t = self.stats.ops.time(Op::Readdir);
         let r = self
             .readdir_entries(fh)
             .and_then(|l| Ok((l.0, self.path(ino)?)));
@@ -1472,6 +1496,7 @@ impl Filesystem for LwioFs {
         offset: u64,
         mut reply: fuser::ReplyDirectoryPlus,
     ) {
+        let _t = self.stats.ops.time(Op::Readdir);
         let r = self
             .readdir_entries(fh)
             .and_then(|l| Ok((l, self.path(ino)?)));
@@ -1556,6 +1581,7 @@ impl Filesystem for LwioFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let _t = self.stats.ops.time(Op::Statfs);
         let export = &self.export;
         match self.side(|s| s.statfs(export)) {
             Ok(f) => reply.statfs(
