@@ -21,7 +21,8 @@
 #   -c CLIENTS       pgbench clients (and -j threads: min(CLIENTS, nproc)) (default 4)
 #   --systems LIST   which systems, in order (default "local bindfs lwio" plus the variants)
 #   --lwio-opts OPTS more -o options for the `lwio` mount (allow_other is always given)
-#   --variant N=OPTS one more lwio mount, named N, with -o allow_other,OPTS (repeatable)
+#   --variant N=OPTS[@BIN]  one more lwio mount, named N, with -o allow_other,OPTS (repeatable);
+#                    @BIN mounts it with another lwio binary (e.g. an older build, for before/after)
 #   --kill-at SECS   on every lwio system, kill -9 `lwio serve` SECS into the pgbench run and
 #                    start it again 1 s later (same port, same export): the mount reconnects;
 #                    postgres is started again if it stopped, then the checks run as usual
@@ -109,14 +110,18 @@ setup() {
       mkdir "$ROOT/m-bindfs/pgdata" && chown postgres: "$ROOT/m-bindfs/pgdata" || return 1
       echo "$ROOT/m-bindfs" ;;
     *)
-      local opts=allow_other
+      local opts=allow_other bin=$LWIO v
       if [ "$s" = lwio ]; then [ -n "$LWIO_OPTS" ] && opts+=",$LWIO_OPTS"
-      else opts+=",${VARIANT[$s]}"; fi
+      else
+        v=${VARIANT[$s]}
+        [[ $v == *@* ]] && { bin=${v#*@}; v=${v%@*}; }
+        opts+=",$v"
+      fi
       opts=${opts%,}
       d=$ROOT/m-$s
       mkdir -p "$d"
-      cmd "lwio mount --daemon --log $ROOT/mount-$s.log lwio://127.0.0.1:$SPORT/data $d --provider soft -o $opts"
-      "$LWIO" mount --daemon --log "$ROOT/mount-$s.log" "lwio://127.0.0.1:$SPORT/data" "$d" --provider soft -o "$opts" >&2 || return 1
+      cmd "$bin mount --daemon --log $ROOT/mount-$s.log lwio://127.0.0.1:$SPORT/data $d --provider soft -o $opts"
+      "$bin" mount --daemon --log "$ROOT/mount-$s.log" "lwio://127.0.0.1:$SPORT/data" "$d" --provider soft -o "$opts" >&2 || return 1
       # Made through the mount (by root on the server), then given to postgres: the files
       # postgres creates in it are the server's user's (root), which postgres does not check.
       mkdir -p "$d/$s/pgdata" && chown postgres: "$d/$s/pgdata" || return 1

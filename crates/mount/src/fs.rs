@@ -164,6 +164,10 @@ pub struct LwioFs {
     /// Lock owners that took a lock through each open file (their locks go
     /// when one of their descriptors of it closes, as POSIX says).
     lockers: Mutex<HashMap<u64, std::collections::HashSet<u64>>>,
+    /// Files whose kernel page cache was last dropped under a lease of
+    /// their directory: node -> (client generation, that lease, when).
+    /// See `keep_cache`.
+    cached: Mutex<HashMap<u64, (u64, u64, std::time::Instant)>>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -248,6 +252,7 @@ impl LwioFs {
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             lockers: Mutex::new(HashMap::new()),
+            cached: Mutex::new(HashMap::new()),
         };
         // The server's own message ("data/x: No such file or directory",
         // "no such export: nosuch") is the one line the user sees.
@@ -546,11 +551,48 @@ impl LwioFs {
             })
     }
 
-    fn fopen_flags(&self, flags: i32) -> FopenFlags {
+    fn fopen_flags(&self, flags: i32, keep: bool) -> FopenFlags {
         if flags & libc::O_DIRECT != 0 || self.cfg.direct_io {
             FopenFlags::FOPEN_DIRECT_IO
+        } else if keep {
+            FopenFlags::FOPEN_KEEP_CACHE
         } else {
             FopenFlags::empty()
+        }
+    }
+
+    /// Whether the kernel may keep node `ino`'s page cache at this open of
+    /// `path`. Close-to-open asks that an open see what another client
+    /// wrote before it: another client's open for writing (or create,
+    /// truncate, setattr) in the directory breaks this mount's lease of it
+    /// first, and no lease is granted while it holds the file open for
+    /// writing. So the cache may stay if the lease under which it was last
+    /// dropped is still the directory's lease, and for at most
+    /// `lease_timeout` (changes made on the server by other programs than
+    /// lwio send no break; a reconnection, whose server may number leases
+    /// anew, starts over). Otherwise the cache is dropped, and the current
+    /// lease (if any) recorded for the next open.
+    fn keep_cache(&self, ino: u64, path: &str) -> bool {
+        if !self.cfg.keep_cache || !self.leasing() {
+            return false;
+        }
+        let gen = self.shared.client_gen.load(Ordering::Acquire);
+        let lease = split(path).and_then(|(dir, _)| lock(&self.shared.leases).lease_of(&dir));
+        let mut k = lock(&self.cached);
+        match (lease, k.get(&ino)) {
+            (Some(l), Some(&(g, was, at)))
+                if g == gen && l == was && at.elapsed() < self.cfg.lease_ttl =>
+            {
+                true
+            }
+            (Some(l), _) => {
+                k.insert(ino, (gen, l, std::time::Instant::now()));
+                false
+            }
+            (None, _) => {
+                k.remove(&ino);
+                false
+            }
         }
     }
 
@@ -1228,12 +1270,12 @@ impl Filesystem for LwioFs {
             if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
                 self.own_change(&p, Own::Stale);
             }
-            Ok(f)
+            Ok((f, self.keep_cache(ino.0, &p)))
         });
         match r {
-            Ok(f) => reply.opened(
+            Ok((f, keep)) => reply.opened(
                 FileHandle(self.add_file(ino.0, flags.0, f)),
-                self.fopen_flags(flags.0),
+                self.fopen_flags(flags.0, keep),
             ),
             Err(e) => reply.error(err(e)),
         }
@@ -1263,12 +1305,15 @@ impl Filesystem for LwioFs {
                 let ino = lock(&self.shared.inodes).lookup(&path);
                 lock(&self.shared.inodes).set_server_ino(ino, a.ino);
                 let fh = self.add_file(ino, flags, f);
+                // A new (or truncated) file: nothing of it to keep, but the
+                // lease is recorded for its next open.
+                let keep = self.keep_cache(ino, &path);
                 reply.created(
                     &self.cfg.attr_ttl,
                     &self.attr(ino, &a),
                     Generation(0),
                     FileHandle(fh),
-                    self.fopen_flags(flags),
+                    self.fopen_flags(flags, keep),
                 );
             }
             Err(e) => reply.error(err(e)),
@@ -1307,6 +1352,14 @@ impl Filesystem for LwioFs {
     ) {
         let _t = self.stats.ops.time(Op::Write);
         let r = self.with_file(fh, |f| self.write_all(f, offset, data));
+        if self.cfg.direct_io
+            || self
+                .entry_of(fh)
+                .is_ok_and(|o| o.flags & libc::O_DIRECT != 0)
+        {
+            // Written past the kernel's page cache: the next open drops it.
+            lock(&self.cached).remove(&ino.0);
+        }
         if let (true, Ok(p)) = (self.leasing(), self.path(ino)) {
             self.own_change(&p, Own::Stale);
         }
