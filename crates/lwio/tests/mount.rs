@@ -525,6 +525,52 @@ fn two_mounts_of_one_export_see_each_other() {
     assert!(!f.srv("dir/moved").exists());
 }
 
+#[test]
+fn kept_page_cache_still_follows_close_to_open() {
+    // B keeps a file's page cache across its opens under the lease of the
+    // file's directory; A's open for writing breaks that lease first, so
+    // B's next open after A's close reads A's bytes (same length: only the
+    // contents differ, not the size).
+    let f = Fixture::new();
+    fs::create_dir(f.srv("d")).unwrap();
+    fs::write(f.srv("d/file"), b"version 1").unwrap();
+    let a = f.mount(&MountConfig::default());
+    let mnt_b = tempfile::tempdir().unwrap();
+    let b = f.mount_at(mnt_b.path(), "", &MountConfig::default());
+    let pa = |r: &str| a.mountpoint().join(r);
+    let pb = |r: &str| b.mountpoint().join(r);
+    assert_eq!(names(&pb("d")), ["file"]);
+    for _ in 0..3 {
+        assert_eq!(fs::read(pb("d/file")).unwrap(), b"version 1");
+    }
+    let reads = b.stats().reads.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(fs::read(pb("d/file")).unwrap(), b"version 1");
+    assert_eq!(
+        b.stats().reads.load(std::sync::atomic::Ordering::Relaxed),
+        reads,
+        "a reopen under the lease reads from the kept page cache"
+    );
+    fs::write(pa("d/file"), b"version 2").unwrap();
+    assert_eq!(fs::read(pb("d/file")).unwrap(), b"version 2");
+    // Without a lease (noleases), every open drops the cache.
+    let mnt_c = tempfile::tempdir().unwrap();
+    let c_cfg = MountConfig {
+        leases: false,
+        ..MountConfig::default()
+    };
+    let c = f.mount_at(mnt_c.path(), "", &c_cfg);
+    assert_eq!(
+        fs::read(c.mountpoint().join("d/file")).unwrap(),
+        b"version 2"
+    );
+    fs::write(pa("d/file"), b"version 3").unwrap();
+    assert_eq!(
+        fs::read(c.mountpoint().join("d/file")).unwrap(),
+        b"version 3"
+    );
+    assert_eq!(fs::read(pb("d/file")).unwrap(), b"version 3");
+}
+
 /// Make the kernel forget cached dentries and inodes (root only), so that
 /// the next lookups reach the mount.
 fn drop_kernel_caches() {

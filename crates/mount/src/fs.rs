@@ -22,7 +22,7 @@ use crate::caller::{self, Acting};
 use crate::errno;
 use crate::inodes::{join, Inodes};
 use crate::leases::{split, Hit, LeaseCache, Listing};
-use crate::{MountConfig, Stats};
+use crate::{MountConfig, Op, Stats};
 
 type Res<T> = Result<T, i32>;
 
@@ -165,6 +165,10 @@ pub struct LwioFs {
     /// Lock owners that took a lock through each open file (their locks go
     /// when one of their descriptors of it closes, as POSIX says).
     lockers: Mutex<HashMap<u64, std::collections::HashSet<u64>>>,
+    /// Files whose kernel page cache was last dropped under a lease of
+    /// their directory: node -> (client generation, that lease, when).
+    /// See `keep_cache`.
+    cached: Mutex<HashMap<u64, (u64, u64, std::time::Instant)>>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -253,6 +257,7 @@ impl LwioFs {
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             lockers: Mutex::new(HashMap::new()),
+            cached: Mutex::new(HashMap::new()),
         };
         // The server's own message ("data/x: No such file or directory",
         // "no such export: nosuch") is the one line the user sees.
@@ -578,11 +583,48 @@ impl LwioFs {
             })
     }
 
-    fn fopen_flags(&self, flags: i32) -> FopenFlags {
+    fn fopen_flags(&self, flags: i32, keep: bool) -> FopenFlags {
         if flags & libc::O_DIRECT != 0 || self.cfg.direct_io {
             FopenFlags::FOPEN_DIRECT_IO
+        } else if keep {
+            FopenFlags::FOPEN_KEEP_CACHE
         } else {
             FopenFlags::empty()
+        }
+    }
+
+    /// Whether the kernel may keep node `ino`'s page cache at this open of
+    /// `path`. Close-to-open asks that an open see what another client
+    /// wrote before it: another client's open for writing (or create,
+    /// truncate, setattr) in the directory breaks this mount's lease of it
+    /// first, and no lease is granted while it holds the file open for
+    /// writing. So the cache may stay if the lease under which it was last
+    /// dropped is still the directory's lease, and for at most
+    /// `lease_timeout` (changes made on the server by other programs than
+    /// lwio send no break; a reconnection, whose server may number leases
+    /// anew, starts over). Otherwise the cache is dropped, and the current
+    /// lease (if any) recorded for the next open.
+    fn keep_cache(&self, ino: u64, path: &str) -> bool {
+        if !self.cfg.keep_cache || !self.leasing() {
+            return false;
+        }
+        let gen = self.shared.client_gen.load(Ordering::Acquire);
+        let lease = split(path).and_then(|(dir, _)| lock(&self.shared.leases).lease_of(&dir));
+        let mut k = lock(&self.cached);
+        match (lease, k.get(&ino)) {
+            (Some(l), Some(&(g, was, at)))
+                if g == gen && l == was && at.elapsed() < self.cfg.lease_ttl =>
+            {
+                true
+            }
+            (Some(l), _) => {
+                k.insert(ino, (gen, l, std::time::Instant::now()));
+                false
+            }
+            (None, _) => {
+                k.remove(&ino);
+                false
+            }
         }
     }
 
@@ -805,6 +847,7 @@ impl Filesystem for LwioFs {
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _t = self.stats.ops.time(Op::Lookup);
         let _as = Acting::of(req);
         Stats::add(&self.stats.lookups, 1);
         let path = match self.child(parent, name) {
@@ -847,6 +890,7 @@ impl Filesystem for LwioFs {
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _t = self.stats.ops.time(Op::Getattr);
         let _as = Acting::of(req);
         // fstat of an open file asks by handle: right even after the name
         // was unlinked or renamed by someone else.
@@ -886,6 +930,7 @@ impl Filesystem for LwioFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let _t = self.stats.ops.time(Op::Setattr);
         let _as = Acting::of(req);
         let r = (|| -> Res<AttrX> {
             if self.cfg.read_only {
@@ -935,6 +980,7 @@ impl Filesystem for LwioFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.ops.time(Op::Mkdir);
         let _as = Acting::of(req);
         let r = (|| -> Res<(String, AttrX)> {
             let path = self.child(parent, name)?;
@@ -951,11 +997,13 @@ impl Filesystem for LwioFs {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.stats.ops.time(Op::Remove);
         let _as = Acting::of(req);
         self.remove(parent, name, RemoveKind::NotDir, reply)
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.stats.ops.time(Op::Remove);
         let _as = Acting::of(req);
         self.remove(parent, name, RemoveKind::Dir, reply)
     }
@@ -968,6 +1016,7 @@ impl Filesystem for LwioFs {
         target: &std::path::Path,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.ops.time(Op::Mkdir);
         let _as = Acting::of(req);
         let r = (|| -> Res<(String, AttrX)> {
             let path = self.child(parent, link_name)?;
@@ -991,6 +1040,7 @@ impl Filesystem for LwioFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.ops.time(Op::Other);
         let _as = Acting::of(req);
         let r = (|| -> Res<(String, AttrX)> {
             let from = self.path(ino)?;
@@ -1026,6 +1076,7 @@ impl Filesystem for LwioFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Fallocate);
         let r = self.file(fh).and_then(|f| {
             if mode as u32 & !lwio_side::codec::FALLOC_KNOWN != 0 {
                 return Err(libc::EOPNOTSUPP);
@@ -1050,6 +1101,7 @@ impl Filesystem for LwioFs {
         whence: i32,
         reply: fuser::ReplyLseek,
     ) {
+        let _t = self.stats.ops.time(Op::Lseek);
         // The kernel handles SEEK_SET/CUR/END itself; DATA and HOLE ask the
         // server's file system.
         let r = self.file(fh).and_then(|f| {
@@ -1080,6 +1132,7 @@ impl Filesystem for LwioFs {
         _flags: fuser::CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
+        let _t = self.stats.ops.time(Op::Other);
         // Copied on the server: no byte crosses to this client.
         let r = self.file(fh_in).and_then(|a| {
             let b = self.file(fh_out)?;
@@ -1108,6 +1161,7 @@ impl Filesystem for LwioFs {
         _pid: u32,
         reply: fuser::ReplyLock,
     ) {
+        let _t = self.stats.ops.time(Op::Lock);
         let r = self.file(fh).and_then(|f| {
             let (kind, len) = lock_args(typ, start, end)?;
             self.on_file(&f, |s, h| s.test_lock(h, lock_owner.0, kind, start, len))
@@ -1145,6 +1199,7 @@ impl Filesystem for LwioFs {
         sleep: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Lock);
         let r = self.file(fh).and_then(|f| {
             let (kind, len) = lock_args(typ, start, end)?;
             if kind != 0 {
@@ -1173,6 +1228,7 @@ impl Filesystem for LwioFs {
     }
 
     fn readlink(&self, req: &Request, ino: INodeNo, reply: ReplyData) {
+        let _t = self.stats.ops.time(Op::Other);
         let _as = Acting::of(req);
         let r = self.path(ino).and_then(|p| {
             let export = &self.export;
@@ -1194,6 +1250,7 @@ impl Filesystem for LwioFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Rename);
         let _as = Acting::of(req);
         let r = (|| -> Res<()> {
             let from = self.child(parent, name)?;
@@ -1245,18 +1302,19 @@ impl Filesystem for LwioFs {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let _t = self.stats.ops.time(Op::Open);
         let _as = Acting::of(req);
         let r = self.path(ino).and_then(|p| {
             let f = self.open_path(&p, flags.0, None)?;
             if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
                 self.own_change(&p, Own::Stale);
             }
-            Ok(f)
+            Ok((f, self.keep_cache(ino.0, &p)))
         });
         match r {
-            Ok(f) => reply.opened(
+            Ok((f, keep)) => reply.opened(
                 FileHandle(self.add_file(ino.0, flags.0, f)),
-                self.fopen_flags(flags.0),
+                self.fopen_flags(flags.0, keep),
             ),
             Err(e) => reply.error(err(e)),
         }
@@ -1272,6 +1330,7 @@ impl Filesystem for LwioFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        let _t = self.stats.ops.time(Op::Create);
         let _as = Acting::of(req);
         let r = (|| -> Res<(String, File, AttrX)> {
             let path = self.child(parent, name)?;
@@ -1286,12 +1345,15 @@ impl Filesystem for LwioFs {
                 let ino = lock(&self.shared.inodes).lookup(&path);
                 lock(&self.shared.inodes).set_server_ino(ino, a.ino);
                 let fh = self.add_file(ino, flags, f);
+                // A new (or truncated) file: nothing of it to keep, but the
+                // lease is recorded for its next open.
+                let keep = self.keep_cache(ino, &path);
                 reply.created(
                     &self.cfg.attr_ttl,
                     &self.attr(ino, &a),
                     Generation(0),
                     FileHandle(fh),
-                    self.fopen_flags(flags),
+                    self.fopen_flags(flags, keep),
                 );
             }
             Err(e) => reply.error(err(e)),
@@ -1309,6 +1371,7 @@ impl Filesystem for LwioFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        let _t = self.stats.ops.time(Op::Read);
         match self.with_file(fh, |f| self.read_into(f, offset, size)) {
             Ok(buf) => reply.data(&buf),
             Err(e) => reply.error(err(e)),
@@ -1327,7 +1390,16 @@ impl Filesystem for LwioFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        let _t = self.stats.ops.time(Op::Write);
         let r = self.with_file(fh, |f| self.write_all(f, offset, data));
+        if self.cfg.direct_io
+            || self
+                .entry_of(fh)
+                .is_ok_and(|o| o.flags & libc::O_DIRECT != 0)
+        {
+            // Written past the kernel's page cache: the next open drops it.
+            lock(&self.cached).remove(&ino.0);
+        }
         if let (true, Ok(p)) = (self.leasing(), self.path(ino)) {
             self.own_change(&p, Own::Stale);
         }
@@ -1345,6 +1417,7 @@ impl Filesystem for LwioFs {
         lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Flush);
         // Writes are synchronous (no write-back cache): nothing to push.
         // A close drops the closing owner's locks on the file (POSIX).
         let r = self.file(fh).and_then(|f| {
@@ -1414,6 +1487,7 @@ impl Filesystem for LwioFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Release);
         let f = lock(&self.files).remove(&fh.0).map(|o| o.current());
         // The server drops the handle's locks with it.
         lock(&self.lockers).remove(&fh.0);
@@ -1435,6 +1509,7 @@ impl Filesystem for LwioFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.ops.time(Op::Fsync);
         Stats::add(&self.stats.side_calls, 1);
         let r = self.with_file(fh, |f| {
             if datasync {
@@ -1450,6 +1525,7 @@ impl Filesystem for LwioFs {
     }
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _t = self.stats.ops.time(Op::Opendir);
         let _as = Acting::of(req);
         let r = self.path(ino).and_then(|p| self.dir_listing(&p));
         match r {
@@ -1477,6 +1553,7 @@ impl Filesystem for LwioFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        let _t = self.stats.ops.time(Op::Readdir);
         let r = self
             .readdir_entries(fh)
             .and_then(|l| Ok((l.0, self.path(ino)?)));
@@ -1512,6 +1589,7 @@ impl Filesystem for LwioFs {
         offset: u64,
         mut reply: fuser::ReplyDirectoryPlus,
     ) {
+        let _t = self.stats.ops.time(Op::Readdir);
         let r = self
             .readdir_entries(fh)
             .and_then(|l| Ok((l, self.path(ino)?)));
@@ -1632,6 +1710,7 @@ impl Filesystem for LwioFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let _t = self.stats.ops.time(Op::Statfs);
         let export = &self.export;
         match self.side(|s| s.statfs(export)) {
             Ok(f) => reply.statfs(

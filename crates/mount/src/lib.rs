@@ -49,6 +49,101 @@ pub struct Stats {
     pub leases_granted: AtomicU64,
     /// Lease breaks received (another client changed a leased directory).
     pub lease_breaks: AtomicU64,
+    /// FUSE requests by kind: how many, and the time spent serving them.
+    pub ops: OpStats,
+}
+
+/// Kinds of FUSE request counted in [`OpStats`].
+#[derive(Debug, Clone, Copy)]
+pub enum Op {
+    Lookup,
+    Getattr,
+    Setattr,
+    Open,
+    Create,
+    Read,
+    Write,
+    Flush,
+    Release,
+    Fsync,
+    Opendir,
+    Readdir,
+    Remove,
+    Rename,
+    Mkdir,
+    Lock,
+    Lseek,
+    Fallocate,
+    Statfs,
+    Other,
+}
+
+const OP_NAMES: [&str; 20] = [
+    "lookup",
+    "getattr",
+    "setattr",
+    "open",
+    "create",
+    "read",
+    "write",
+    "flush",
+    "release",
+    "fsync",
+    "opendir",
+    "readdir",
+    "remove",
+    "rename",
+    "mkdir",
+    "lock",
+    "lseek",
+    "fallocate",
+    "statfs",
+    "other",
+];
+
+/// Counts and total service time of FUSE requests, by [`Op`].
+#[derive(Debug, Default)]
+pub struct OpStats {
+    count: [AtomicU64; 20],
+    nanos: [AtomicU64; 20],
+}
+
+/// Times one request; counted when dropped.
+pub(crate) struct OpTimer<'a>(&'a OpStats, Op, std::time::Instant);
+
+impl Drop for OpTimer<'_> {
+    fn drop(&mut self) {
+        let i = self.1 as usize;
+        Stats::add(&self.0.count[i], 1);
+        Stats::add(&self.0.nanos[i], self.2.elapsed().as_nanos() as u64);
+    }
+}
+
+impl OpStats {
+    pub(crate) fn time(&self, op: Op) -> OpTimer<'_> {
+        OpTimer(self, op, std::time::Instant::now())
+    }
+
+    /// (requests, total time) of one kind.
+    pub fn get(&self, op: Op) -> (u64, std::time::Duration) {
+        let i = op as usize;
+        (
+            self.count[i].load(Ordering::Relaxed),
+            std::time::Duration::from_nanos(self.nanos[i].load(Ordering::Relaxed)),
+        )
+    }
+
+    /// "getattr 120 (35 µs avg), …" for the kinds served at least once.
+    pub fn summary(&self) -> String {
+        let mut v = Vec::new();
+        for (i, name) in OP_NAMES.iter().enumerate() {
+            let n = self.count[i].load(Ordering::Relaxed);
+            if let Some(us) = (self.nanos[i].load(Ordering::Relaxed) / 1000).checked_div(n) {
+                v.push(format!("{name} {n} ({us} µs avg)"));
+            }
+        }
+        v.join(", ")
+    }
 }
 
 impl Stats {
@@ -60,7 +155,7 @@ impl Stats {
     pub fn summary(&self) -> String {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         format!(
-            "{} lookups, {} side-channel calls, {} opens, {} reads ({} bytes), {} writes ({} bytes), {} answers from leases, {} leases, {} breaks",
+            "{} lookups, {} side-channel calls, {} opens, {} reads ({} bytes), {} writes ({} bytes), {} answers from leases, {} leases, {} breaks; requests: {}",
             g(&self.lookups),
             g(&self.side_calls),
             g(&self.opens),
@@ -70,7 +165,8 @@ impl Stats {
             g(&self.write_bytes),
             g(&self.lease_hits),
             g(&self.leases_granted),
-            g(&self.lease_breaks)
+            g(&self.lease_breaks),
+            self.ops.summary()
         )
     }
 }

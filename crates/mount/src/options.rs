@@ -53,6 +53,11 @@ pub struct MountConfig {
     /// (trying again every second) instead of failing with EIO (`soft`, the
     /// default), as NFS's `hard` does; an unmount ends the wait (EIO).
     pub hard: bool,
+    /// `keep_cache` (default) / `nokeep_cache`: at an open, let the kernel
+    /// keep the file's page cache when this mount has held the lease of its
+    /// directory, unbroken, since the cache was last dropped (for at most
+    /// `lease_timeout`); else the cache is dropped (close-to-open).
+    pub keep_cache: bool,
 }
 
 impl Default for MountConfig {
@@ -74,6 +79,7 @@ impl Default for MountConfig {
             keepalive: Duration::from_secs(60),
             preload: true,
             hard: false,
+            keep_cache: true,
         }
     }
 }
@@ -171,6 +177,8 @@ impl MountConfig {
                 ("nopreload", None) => self.preload = false,
                 ("hard", None) => self.hard = true,
                 ("soft", None) => self.hard = false,
+                ("keep_cache", None) => self.keep_cache = true,
+                ("nokeep_cache", None) => self.keep_cache = false,
                 (k, None) if IGNORED.contains(&k) || k.starts_with("x-") => {}
                 (k, v) if k.starts_with("x-") => {
                     let _ = v;
@@ -242,6 +250,9 @@ mod tests {
         c.apply("leases").unwrap();
         assert!(c.leases);
         assert!(c.apply("lease_timeout=-1").is_err());
+        assert!(c.keep_cache);
+        c.apply("nokeep_cache").unwrap();
+        assert!(!c.keep_cache);
         // soft (default) and hard, as NFS spells them; the last one wins.
         assert!(!c.hard);
         assert!(c.apply("hard").unwrap().is_empty());
