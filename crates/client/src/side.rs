@@ -124,7 +124,29 @@ fn lost(e: impl std::fmt::Display) -> Error {
 
 impl AsyncClient<SideStream> {
     /// Connect to `addr` (`host:port`), run TLS as `opts.tls` says, log in.
+    /// A refusal the server marks as passing ("… retry later": its
+    /// admission control, while too many connections from this host are
+    /// logging in at once) is tried again, backing off from 10 to 200 ms,
+    /// within `connect_timeout`.
     pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AsyncClient<SideStream>> {
+        let deadline = tokio::time::Instant::now() + opts.connect_timeout;
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            match Self::connect_once(addr, opts).await {
+                Err(e)
+                    if e.code == ErrorCode::Busy
+                        && e.message.ends_with("retry later")
+                        && tokio::time::Instant::now() + backoff < deadline =>
+                {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn connect_once(addr: &str, opts: &ClientOptions) -> Result<AsyncClient<SideStream>> {
         let stream =
             match tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr)).await {
                 Err(_) => {
