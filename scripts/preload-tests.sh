@@ -224,6 +224,13 @@ PY
     [ -z "$st" ] || [ "$st" = Z ] && break
     sleep 0.05
   done
+  # A zombie leader's listening sockets can outlive it for a moment while
+  # the rest of the process is torn down (seen: a LISTEN socket of no
+  # process on the port): wait until nothing listens there any more.
+  for _ in $(seq 1 200); do
+    ss -Hltn "( sport = :$PORT or sport = :$((PORT + 1)) )" 2>/dev/null | grep -q . || break
+    sleep 0.05
+  done
   "$LWIO" serve --export "data=$W/export" --listen "127.0.0.1:$PORT" --provider soft \
     >"$W/serve2.log" 2>&1 3>&- &
   for _ in $(seq 1 100); do grep -q "RDMA listening" "$W/serve2.log" && break; sleep 0.1; done
