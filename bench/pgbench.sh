@@ -5,8 +5,9 @@
 # Each system gets a fresh data directory; the systems run one after another (never at once):
 #   local    a directory on the local disk ($PG_ROOT/local)
 #   bindfs   bindfs (a FUSE passthrough) of a local directory
-#   lwio     `lwio serve --provider soft` (as root, bench/one-host.toml) exporting $PG_ROOT/export,
-#            and `lwio mount -o allow_other` of it (no default_permissions), data over soft iWARP
+#   lwio     `lwio serve --provider soft` (as root, bench/one-host.toml) exporting $PG_ROOT/export
+#            with identity = "client", and `lwio mount -o allow_other,default_permissions` of it,
+#            data over soft iWARP
 #   NAME     more lwio mounts of the same export with other options (--variant NAME=OPTS)
 # The data directory is made by root (through the mount) and given to postgres; then, as the
 # `postgres` user: initdb -k (data checksums), postgres on its own port with its
@@ -20,8 +21,8 @@
 #   -s SCALE         pgbench -i scale (default 10)
 #   -c CLIENTS       pgbench clients (and -j threads: min(CLIENTS, nproc)) (default 4)
 #   --systems LIST   which systems, in order (default "local bindfs lwio" plus the variants)
-#   --lwio-opts OPTS more -o options for the `lwio` mount (allow_other is always given)
-#   --variant N=OPTS[@BIN]  one more lwio mount, named N, with -o allow_other,OPTS (repeatable);
+#   --lwio-opts OPTS more -o options for the `lwio` mount (allow_other,default_permissions always given)
+#   --variant N=OPTS[@BIN]  one more lwio mount, named N, with -o allow_other,default_permissions,OPTS;
 #                    @BIN mounts it with another lwio binary (e.g. an older build, for before/after)
 #   --kill-at SECS   on every lwio system, kill -9 `lwio serve` SECS into the pgbench run and
 #                    start it again 1 s later (same port, same export): the mount reconnects;
@@ -87,8 +88,20 @@ export HOME=$ROOT/home LWIO_KNOWN_HOSTS=$ROOT/home/known_hosts
 cmd() { echo "$*" >>"$ROOT/commands.txt"; }
 
 SPORT=$((BASEPORT + 90))
+# The export as a database's is set up (docs/config.md, "Identities"): files
+# belong to whoever made them through the mount, and root stays root so that
+# the script can make the data directory and give it to postgres.
+write_config() {
+  cat "$HERE/one-host.toml" >"$ROOT/lwio.toml"
+  cat >>"$ROOT/lwio.toml" <<EOF
+
+[exports]
+data = { path = "$ROOT/export", identity = "client", trust_client_ids = ["*"], root_squash = false }
+EOF
+}
 start_server() {
-  "$LWIO" serve --config "$HERE/one-host.toml" --export "data=$ROOT/export" \
+  write_config
+  "$LWIO" serve --config "$ROOT/lwio.toml" \
     --listen "127.0.0.1:$SPORT" --provider soft >>"$ROOT/serve.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 100); do grep -q "RDMA listening" "$ROOT/serve.log" && break; sleep 0.1; done
@@ -96,7 +109,7 @@ start_server() {
   [ -n "$FP" ] || { echo "pgbench.sh: lwio serve did not start" >&2; cat "$ROOT/serve.log" >&2; exit 1; }
   export LWIO_FINGERPRINT=$FP
 }
-cmd "$LWIO serve --config bench/one-host.toml --export data=$ROOT/export --listen 127.0.0.1:$SPORT --provider soft"
+cmd "$LWIO serve --config $ROOT/lwio.toml --listen 127.0.0.1:$SPORT --provider soft   # bench/one-host.toml + [exports] data = { path = \"$ROOT/export\", identity = \"client\", trust_client_ids = [\"*\"], root_squash = false }"
 
 # setup NAME -> the data directory's parent, made ready for postgres
 setup() {
@@ -110,7 +123,7 @@ setup() {
       mkdir "$ROOT/m-bindfs/pgdata" && chown postgres: "$ROOT/m-bindfs/pgdata" || return 1
       echo "$ROOT/m-bindfs" ;;
     *)
-      local opts=allow_other bin=$LWIO v
+      local opts=allow_other,default_permissions bin=$LWIO v
       if [ "$s" = lwio ]; then [ -n "$LWIO_OPTS" ] && opts+=",$LWIO_OPTS"
       else
         v=${VARIANT[$s]}
@@ -122,8 +135,8 @@ setup() {
       mkdir -p "$d"
       cmd "$bin mount --daemon --log $ROOT/mount-$s.log lwio://127.0.0.1:$SPORT/data $d --provider soft -o $opts"
       "$bin" mount --daemon --log "$ROOT/mount-$s.log" "lwio://127.0.0.1:$SPORT/data" "$d" --provider soft -o "$opts" >&2 || return 1
-      # Made through the mount (by root on the server), then given to postgres: the files
-      # postgres creates in it are the server's user's (root), which postgres does not check.
+      # Made through the mount by root, then given to postgres, as on a local disk; what
+      # postgres creates in it is postgres's own (identity = "client").
       mkdir -p "$d/$s/pgdata" && chown postgres: "$d/$s/pgdata" || return 1
       echo "$d/$s" ;;
   esac
@@ -157,7 +170,7 @@ for s in $SYSTEMS; do
   killer=""
   if [ -n "$KILL_AT" ] && [ -n "$SERVER" ] && [[ $base == "$ROOT"/m-* ]] && [ "$s" != bindfs ]; then
     ( sleep "$KILL_AT"; kill -9 "$SERVER"; echo "killed lwio serve at ${KILL_AT}s" >&2; sleep 1
-      "$LWIO" serve --config "$HERE/one-host.toml" --export "data=$ROOT/export" \
+      "$LWIO" serve --config "$ROOT/lwio.toml" \
         --listen "127.0.0.1:$SPORT" --provider soft >>"$ROOT/serve.log" 2>&1 &
       echo $! >"$ROOT/server.pid"; wait ) &
     killer=$!

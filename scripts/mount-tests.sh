@@ -32,7 +32,7 @@ FAILS=0
 RUN=0
 
 cleanup() {
-  for m in "$W/mnt" "$W/mnt2" "$W/mnt-hard"; do
+  for m in "$W/mnt" "$W/mnt2" "$W/mnt-hard" "$W/mnt-wb" "$W/mnt-ac"; do
     mountpoint -q "$m" && { fusermount3 -u "$m" 2>/dev/null || fusermount3 -uz "$m"; }
   done
   [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
@@ -286,7 +286,88 @@ case_local_change() {
   fi
 }
 
-CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death hard local_change})
+case_attr_cache() {
+  # A file appended to with an fstat and an lseek to its end between the
+  # writes (as PostgreSQL sizes its relations): under the directory's lease
+  # the mount answers from its own writes, right every time, instead of
+  # asking the server after each write (before: one getattr per write).
+  local m=$W/mnt-ac out n
+  mkdir -p "$m" "$W/export/ac"
+  do_mount "$m" || { fail attr_cache "mount"; return; }
+  ls "$m/ac" >/dev/null; ls "$m/ac" >/dev/null   # listed: leased
+  out=$(/usr/bin/python3 - "$m/ac/appended" <<'EOF' 2>&1
+import os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, 0o644)
+block = bytes(range(256)) * 32
+for i in range(200):
+    end = os.lseek(fd, 0, os.SEEK_END)
+    assert end == i * 8192, f"lseek(SEEK_END) {end} after {i} writes"
+    assert os.fstat(fd).st_size == end, f"fstat {os.fstat(fd).st_size}"
+    os.pwrite(fd, block, end)
+os.close(fd)
+assert os.stat(sys.argv[1]).st_size == 200 * 8192
+EOF
+  )
+  fusermount3 -u "$m"
+  sleep 0.2
+  n=$(grep -o '[0-9]* side-channel calls' "$W/mount-mnt-ac.log" | awk '{print $1}')
+  if [ -n "$out" ]; then
+    fail attr_cache "$out"
+  elif ! cmp -s <(cat "$W/export/ac/appended") <(for _ in $(seq 200); do /usr/bin/python3 -c 'import sys; sys.stdout.buffer.write(bytes(range(256))*32)'; done); then
+    fail attr_cache "the file on the server differs from what was written"
+  elif [ -z "$n" ] || [ "$n" -gt 20 ]; then
+    fail attr_cache "${n:-?} side-channel calls for 200 appends (want <= 20; one per write means the cache did not answer)"
+  else
+    pass "attr cache: 200 appends with fstat and lseek(SEEK_END), sizes right, $n side-channel calls in all"
+  fi
+}
+
+case_writeback() {
+  # -o writeback_cache: the kernel keeps written pages and sends them in
+  # batches. Its referees: fio --verify and sqlite's integrity check on
+  # it, writes of odd sizes at odd offsets (the kernel reads the rest of
+  # each page) equal byte for byte on the server after fsync and before
+  # close, and another mount seeing them after close (close-to-open).
+  local m=$W/mnt-wb out
+  mkdir -p "$m" "$W/export/wb"
+  do_mount "$m" -o writeback_cache || { fail writeback "mount"; return; }
+  out=$(fio --name=wb --directory="$m/wb" --filename=fio.dat --size=16M --bs=4k --rw=randwrite \
+    --ioengine=psync --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 2>&1)
+  if [ $? -ne 0 ] || ! grep -q "err= 0" <<<"$out"; then
+    fail writeback "fio: $(grep -i "err=\|verify\|error" <<<"$out" | head -3)"; fusermount3 -u "$m"; return
+  fi
+  out=$(sqlite3 "$m/wb/t.db" "PRAGMA journal_mode=WAL; CREATE TABLE t(a, b); WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x < 20000) INSERT INTO t SELECT x, randomblob(100) FROM c; PRAGMA integrity_check;" 2>&1 | tail -1)
+  [ "$out" = ok ] || { fail writeback "sqlite integrity_check: $out"; fusermount3 -u "$m"; return; }
+  out=$(/usr/bin/python3 - "$m/wb/odd" "$W/export/wb/odd" "$M/wb/odd" <<'EOF' 2>&1
+import os, random, sys
+mnt, server, other = sys.argv[1:]
+rnd = random.Random(7)
+ref = bytearray()
+fd = os.open(mnt, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+for _ in range(300):
+    off = rnd.randrange(0, 600_000)
+    data = rnd.randbytes(rnd.randrange(1, 9000))
+    os.pwrite(fd, data, off)
+    if len(ref) < off + len(data):
+        ref.extend(bytes(off + len(data) - len(ref)))
+    ref[off:off + len(data)] = data
+os.fsync(fd)
+with open(server, "rb") as f:
+    assert f.read() == ref, "after fsync, the server's file differs"
+os.close(fd)
+with open(other, "rb") as f:
+    assert f.read() == ref, "after close, another mount reads something else"
+EOF
+  )
+  fusermount3 -u "$m"
+  if [ -n "$out" ]; then
+    fail writeback "$out"
+  else
+    pass "writeback_cache: fio --verify, sqlite integrity_check, 300 odd writes equal on the server after fsync and on another mount after close"
+  fi
+}
+
+CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death hard local_change attr_cache writeback})
 for c in "${CASES[@]}"; do
   T0=$(date +%s); RUN=$((RUN + 1))
   "case_$c"

@@ -559,7 +559,11 @@ impl LwioFs {
             create_mode = None;
         }
         let mut o = OpenOptions::read_only();
-        o.0.read = acc != libc::O_WRONLY;
+        // Under the write-back cache the kernel reads the rest of a page it
+        // writes in part, through any open handle of the file: a write-only
+        // open is made read-write where the caller may read (as libfuse's
+        // passthrough does), and stays write-only where it may not.
+        o.0.read = acc != libc::O_WRONLY || self.cfg.writeback_cache;
         o.0.write = acc != libc::O_RDONLY;
         o.0.truncate = flags & libc::O_TRUNC != 0 && o.0.write;
         o.0.create = create_mode.is_some();
@@ -575,12 +579,23 @@ impl LwioFs {
             Some(_) => path.to_string(),
             None => format!("{}/{path}", self.export),
         };
-        client
-            .open_as(&full, &o, create_mode.unwrap_or(0o644), caller::current())
-            .map_err(|e| {
-                debug!(path, error = %e, "open");
-                errno::client(&e)
-            })
+        let open = |o: &OpenOptions| {
+            client
+                .open_as(&full, o, create_mode.unwrap_or(0o644), caller::current())
+                .map_err(|e| {
+                    debug!(path, error = %e, "open");
+                    errno::client(&e)
+                })
+        };
+        match open(&o) {
+            Err(libc::EACCES) if acc == libc::O_WRONLY && o.0.read => {
+                // Not readable by the caller: write-only, as asked (a write
+                // of part of a page the kernel does not hold then fails).
+                o.0.read = false;
+                open(&o)
+            }
+            r => r,
+        }
     }
 
     fn fopen_flags(&self, flags: i32, keep: bool) -> FopenFlags {
@@ -716,8 +731,19 @@ enum Own<'a> {
     /// Created or changed, with the attributes the server answered.
     Is(&'a AttrX),
     Removed,
-    /// Changed in a way only the server knows (a write, a rename target).
+    /// Changed in a way only the server knows (a rename target, a write
+    /// past the kernel's cache).
     Stale,
+    /// Written by this mount up to this byte.
+    Wrote(u64),
+}
+
+/// Now, in nanoseconds since the Unix epoch (the times of a file this mount
+/// writes under a lease).
+fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
 }
 
 impl LwioFs {
@@ -747,6 +773,7 @@ impl LwioFs {
             Own::Is(a) => c.put(&dir, &name, a),
             Own::Removed => c.del(&dir, &name),
             Own::Stale => c.stale(&dir, &name),
+            Own::Wrote(end) => c.wrote(&dir, &name, end, now_ns()),
         }
     }
 
@@ -829,6 +856,13 @@ impl Filesystem for LwioFs {
         if let Err(missing) = config.add_capabilities(want) {
             debug!(?missing, "kernel lacks FUSE capabilities");
         }
+        if self.cfg.writeback_cache
+            && config
+                .add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE)
+                .is_err()
+        {
+            warn!("writeback_cache: the kernel does not offer FUSE's write-back cache; writes stay synchronous");
+        }
         Ok(())
     }
 
@@ -892,16 +926,27 @@ impl Filesystem for LwioFs {
     fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let _t = self.stats.ops.time(Op::Getattr);
         let _as = Acting::of(req);
-        // fstat of an open file asks by handle: right even after the name
-        // was unlinked or renamed by someone else.
-        if let (None, true, Ok(p)) = (fh, self.leasing(), self.path(ino)) {
-            if let Some((dir, leaf)) = split(&p) {
-                let mut c = lock(&self.shared.leases);
-                if let Some(Hit::Found(a)) = c.lookup(&dir, &leaf) {
+        // Under the directory's lease the name still means this node (any
+        // other client's rename or unlink breaks the lease first, and ours
+        // update the cache), so the cache answers, also for an fstat or an
+        // lseek to the end (asked by handle) while the server's inode is
+        // the node's. Else an fstat asks by handle: right even after the
+        // name was unlinked or renamed by someone else.
+        let leased = match (self.leasing(), self.path(ino)) {
+            (true, Ok(p)) => split(&p),
+            _ => None,
+        };
+        let mut gen = None;
+        if let Some((dir, leaf)) = &leased {
+            let server_ino = lock(&self.shared.inodes).server_ino(ino.0);
+            let mut c = lock(&self.shared.leases);
+            match c.lookup(dir, leaf) {
+                Some(Hit::Found(a)) if fh.is_none() || server_ino == Some(a.ino) => {
                     Stats::add(&self.stats.lease_hits, 1);
                     let (_, ttl) = self.ttls(true);
                     return reply.attr(&ttl, &self.attr(ino.0, &a));
                 }
+                _ => gen = Some(c.gen()),
             }
         }
         let r = match self.file_for(ino, fh) {
@@ -909,6 +954,14 @@ impl Filesystem for LwioFs {
             Ok(None) => self.path(ino).and_then(|p| self.stat(&p)),
             Err(e) => Err(e),
         };
+        // Kept for the next question if nothing changed meanwhile (and,
+        // asked by handle, if the name is still this file).
+        if let (Ok(a), Some((dir, leaf)), Some(gen)) = (&r, &leased, gen) {
+            let server_ino = lock(&self.shared.inodes).server_ino(ino.0);
+            if fh.is_none() || server_ino == Some(a.ino) {
+                lock(&self.shared.leases).fill(dir, leaf, a, gen);
+            }
+        }
         self.reply_attr(ino, r, reply)
     }
 
@@ -1401,7 +1454,10 @@ impl Filesystem for LwioFs {
             lock(&self.cached).remove(&ino.0);
         }
         if let (true, Ok(p)) = (self.leasing(), self.path(ino)) {
-            self.own_change(&p, Own::Stale);
+            match &r {
+                Ok(n) => self.own_change(&p, Own::Wrote(offset + u64::from(*n))),
+                Err(_) => self.own_change(&p, Own::Stale),
+            }
         }
         match r {
             Ok(n) => reply.written(n),

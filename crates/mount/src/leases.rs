@@ -70,6 +70,11 @@ pub(crate) struct LeaseCache {
     /// How long a listing is trusted even under a lease (bounds what changes
     /// made on the server by other programs than lwio stay unseen).
     ttl: Duration,
+    /// Bumped by every change of the cache but [`LeaseCache::fill`]: an
+    /// answer fetched from the server is kept only if nothing changed while
+    /// it travelled (a write of ours may have landed after the server
+    /// answered).
+    gen: u64,
 }
 
 impl LeaseCache {
@@ -79,6 +84,7 @@ impl LeaseCache {
             by_id: HashMap::new(),
             early_breaks: HashSet::new(),
             ttl,
+            gen: 0,
         }
     }
 
@@ -93,6 +99,7 @@ impl LeaseCache {
 
     /// Record a granted lease; false if it was broken already.
     pub(crate) fn granted(&mut self, dir: &str, lease: u64) -> bool {
+        self.gen += 1;
         if self.early_breaks.remove(&lease) {
             return false;
         }
@@ -117,6 +124,7 @@ impl LeaseCache {
     /// Install the listing taken after lease `lease` was granted on `dir`
     /// (ignored if that lease was broken meanwhile).
     pub(crate) fn install(&mut self, dir: &str, lease: u64, listing: &Listing) {
+        self.gen += 1;
         if let Some(d) = self.dirs.get_mut(&canonical(dir)) {
             if d.lease == lease {
                 d.entries = Some(listing.iter().cloned().collect());
@@ -155,6 +163,7 @@ impl LeaseCache {
 
     /// This client created or changed `dir`/`name` and knows its attributes.
     pub(crate) fn put(&mut self, dir: &str, name: &str, a: &AttrX) {
+        self.gen += 1;
         if let Some(d) = self.dirs.get_mut(&canonical(dir)) {
             if let Some(e) = d.entries.as_mut() {
                 e.insert(name.to_string(), *a);
@@ -165,6 +174,7 @@ impl LeaseCache {
 
     /// This client removed `dir`/`name`.
     pub(crate) fn del(&mut self, dir: &str, name: &str) {
+        self.gen += 1;
         if let Some(d) = self.dirs.get_mut(&canonical(dir)) {
             if let Some(e) = d.entries.as_mut() {
                 e.remove(name);
@@ -173,9 +183,58 @@ impl LeaseCache {
         }
     }
 
+    /// The cache's generation, read before asking the server for what
+    /// [`LeaseCache::fill`] then keeps.
+    pub(crate) fn gen(&self) -> u64 {
+        self.gen
+    }
+
+    /// The server's attributes of `dir`/`name`, asked at generation `gen`:
+    /// kept (and the name no longer stale) if the cache did not change
+    /// since, so that the next question is answered here.
+    pub(crate) fn fill(&mut self, dir: &str, name: &str, a: &AttrX, gen: u64) {
+        if gen != self.gen {
+            return;
+        }
+        if let Some(d) = self.dirs.get_mut(&canonical(dir)) {
+            if let Some(e) = d.entries.as_mut() {
+                e.insert(name.to_string(), *a);
+                d.stale.remove(name);
+            }
+        }
+    }
+
+    /// This client wrote `dir`/`name` up to byte `end` at `now_ns`: under
+    /// the lease no other client has it open for writing, so its size is
+    /// the larger of the two and its times are the write's (as the
+    /// kernel's write-back cache keeps them). A name not known fresh here
+    /// becomes stale instead.
+    pub(crate) fn wrote(&mut self, dir: &str, name: &str, end: u64, now_ns: i64) {
+        self.gen += 1;
+        let Some(d) = self.dirs.get_mut(&canonical(dir)) else {
+            return;
+        };
+        let fresh = !d.stale.contains(name);
+        match d.entries.as_mut().and_then(|e| e.get_mut(name)) {
+            Some(a) if fresh => {
+                a.size = a.size.max(end);
+                a.blocks = a.blocks.max(end.div_ceil(512));
+                a.mtime_ns = now_ns;
+                a.ctime_ns = now_ns;
+            }
+            Some(_) => {}
+            None => {
+                if d.entries.is_some() {
+                    d.stale.insert(name.to_string());
+                }
+            }
+        }
+    }
+
     /// `dir`/`name` changed in a way this client cannot see (written through
     /// the data path): ask the server next time.
     pub(crate) fn stale(&mut self, dir: &str, name: &str) {
+        self.gen += 1;
         if let Some(d) = self.dirs.get_mut(&canonical(dir)) {
             if d.entries.is_some() && !d.stale.contains(name) {
                 d.stale.insert(name.to_string());
@@ -187,6 +246,7 @@ impl LeaseCache {
     /// renamed or removed it; the server dropped those leases of ours with
     /// the change, or will on release). Returns the leases forgotten.
     pub(crate) fn drop_tree(&mut self, tree: &str) -> Vec<u64> {
+        self.gen += 1;
         let tree = canonical(tree);
         let gone: Vec<String> = self
             .dirs
@@ -206,6 +266,7 @@ impl LeaseCache {
     /// The server broke lease `id`: drop its cache. Returns the directory and
     /// the names the kernel may hold from it.
     pub(crate) fn broken(&mut self, id: u64) -> Option<(String, Vec<String>)> {
+        self.gen += 1;
         let Some(dir) = self.by_id.remove(&id) else {
             // Not recorded yet: refuse it when its grant arrives.
             if self.early_breaks.len() >= 4096 {
@@ -225,6 +286,7 @@ impl LeaseCache {
     /// Drop everything (the watching connection is gone): every directory
     /// and the names the kernel may hold from it.
     pub(crate) fn clear(&mut self) -> Vec<(String, Vec<String>)> {
+        self.gen += 1;
         self.by_id.clear();
         self.dirs
             .drain()
@@ -248,6 +310,7 @@ impl LeaseCache {
 
     /// Forget `dir` (its lease was given back).
     pub(crate) fn forget(&mut self, dir: &str) {
+        self.gen += 1;
         if let Some(d) = self.dirs.remove(&canonical(dir)) {
             self.by_id.remove(&d.lease);
         }
@@ -284,6 +347,48 @@ mod tests {
         assert_eq!(split(""), None);
         assert!(within("a/b", "a") && within("a", "a") && !within("ab", "a"));
         assert!(within("x", ""));
+    }
+
+    #[test]
+    fn own_writes_grow_the_cached_size_and_a_fetched_answer_is_kept_only_if_nothing_changed() {
+        let mut c = LeaseCache::new(Duration::from_secs(60));
+        assert!(c.granted("d", 7));
+        c.install("d", 7, &vec![("f".into(), attr(100))]);
+        // A write past the end grows the size and sets the times; one
+        // inside it keeps the size.
+        c.wrote("d", "f", 8192, 5);
+        let Some(Hit::Found(a)) = c.lookup("d", "f") else {
+            panic!("entry lost")
+        };
+        assert_eq!((a.size, a.blocks, a.mtime_ns, a.ctime_ns), (8192, 16, 5, 5));
+        c.wrote("d", "f", 10, 6);
+        assert!(
+            matches!(c.lookup("d", "f"), Some(Hit::Found(a)) if a.size == 8192 && a.mtime_ns == 6)
+        );
+        // Stale (a rename onto it): a write leaves it stale, and an answer
+        // fetched before a later change is not kept.
+        c.stale("d", "f");
+        c.wrote("d", "f", 9000, 7);
+        assert_eq!(c.lookup("d", "f"), None);
+        let g = c.gen();
+        c.wrote("d", "f", 9500, 8);
+        c.fill("d", "f", &attr(9000), g);
+        assert_eq!(
+            c.lookup("d", "f"),
+            None,
+            "a write landed while the answer travelled"
+        );
+        let g = c.gen();
+        c.fill("d", "f", &attr(9500), g);
+        assert_eq!(c.lookup("d", "f"), Some(Hit::Found(attr(9500))));
+        // A name the listing lacks is not answered as absent after a write.
+        c.wrote("d", "new", 1, 9);
+        assert_eq!(c.lookup("d", "new"), None);
+        // Broken: nothing is kept.
+        let g = c.gen();
+        c.broken(7);
+        c.fill("d", "f", &attr(1), g);
+        assert_eq!(c.lookup("d", "f"), None);
     }
 
     #[test]

@@ -58,6 +58,14 @@ pub struct MountConfig {
     /// directory, unbroken, since the cache was last dropped (for at most
     /// `lease_timeout`); else the cache is dropped (close-to-open).
     pub keep_cache: bool,
+    /// `writeback_cache` / `nowriteback_cache` (default): let the kernel
+    /// keep written pages and send them in batches (at the latest at
+    /// fsync, close or memory pressure), and own the file's size and mtime
+    /// while it caches them, as libfuse's option of that name. For a mount
+    /// that is the only writer of its files (a database's data directory):
+    /// another client's change to a file this mount caches may not be seen
+    /// until the file's cache is dropped (docs/mount.md, "Write-back").
+    pub writeback_cache: bool,
 }
 
 impl Default for MountConfig {
@@ -80,6 +88,7 @@ impl Default for MountConfig {
             preload: true,
             hard: false,
             keep_cache: true,
+            writeback_cache: false,
         }
     }
 }
@@ -179,6 +188,8 @@ impl MountConfig {
                 ("soft", None) => self.hard = false,
                 ("keep_cache", None) => self.keep_cache = true,
                 ("nokeep_cache", None) => self.keep_cache = false,
+                ("writeback_cache", None) => self.writeback_cache = true,
+                ("nowriteback_cache", None) => self.writeback_cache = false,
                 (k, None) if IGNORED.contains(&k) || k.starts_with("x-") => {}
                 (k, v) if k.starts_with("x-") => {
                     let _ = v;
@@ -253,6 +264,11 @@ mod tests {
         assert!(c.keep_cache);
         c.apply("nokeep_cache").unwrap();
         assert!(!c.keep_cache);
+        assert!(!c.writeback_cache);
+        c.apply("writeback_cache").unwrap();
+        assert!(c.writeback_cache);
+        c.apply("nowriteback_cache").unwrap();
+        assert!(!c.writeback_cache);
         // soft (default) and hard, as NFS spells them; the last one wins.
         assert!(!c.hard);
         assert!(c.apply("hard").unwrap().is_empty());
