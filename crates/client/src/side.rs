@@ -87,6 +87,10 @@ pub struct Session {
     pub tls: bool,
     pub server_name: String,
     pub version: u16,
+    /// The server nonce of this connection's login, bound to its TLS
+    /// connection (`auth::bind_nonce`): `Resume` and `WatchBreaks` proofs
+    /// sent on this connection carry it.
+    pub nonce: [u8; NONCE_LEN],
 }
 
 /// A file opened over the side channel.
@@ -174,7 +178,14 @@ impl AsyncClient<SideStream> {
         let _ = stream.set_nodelay(true);
         let stream = tls::connect(stream, addr, &opts.tls, opts.connect_timeout).await?;
         let secure = stream.is_tls();
-        AsyncClient::handshake_over(stream, opts, secure).await
+        let binding = stream.channel_binding();
+        if secure && binding.is_none() {
+            return Err(Error::new(
+                ErrorCode::ConnectFailed,
+                format!("{addr}: the TLS connection exports no channel binding"),
+            ));
+        }
+        AsyncClient::handshake_bound(stream, opts, secure, binding).await
     }
 }
 
@@ -191,6 +202,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         opts: &ClientOptions,
         secure: bool,
     ) -> Result<AsyncClient<S>> {
+        AsyncClient::handshake_bound(stream, opts, secure, None).await
+    }
+
+    /// Hello + login, the login bound to the transport by `binding` (a TLS
+    /// connection's exporter value, `SideStream::channel_binding`).
+    pub async fn handshake_bound(
+        stream: S,
+        opts: &ClientOptions,
+        secure: bool,
+        binding: Option<[u8; lwio_side::auth::BINDING_LEN]>,
+    ) -> Result<AsyncClient<S>> {
         let mut c = AsyncClient {
             stream,
             caller: opts.caller.clone(),
@@ -203,6 +225,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
                 tls: secure,
                 server_name: String::new(),
                 version: 0,
+                nonce: [0; NONCE_LEN],
             },
             max_frame: opts.max_frame,
             timeout: opts.request_timeout,
@@ -231,7 +254,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         }
         c.max_frame = c.max_frame.min(max_frame.max(MIN_MAX_FRAME));
         let cn = auth::nonce();
-        let sn = server_nonce;
+        let sn = auth::bind_nonce(&server_nonce, binding.as_ref());
         let no = |m: &str| Error::new(ErrorCode::AuthFailed, m);
         // (request, session secret, expected server proof check, user)
         let (req, secret, user): (LoginRequest, [u8; MAC_LEN], Option<String>) = match &opts.login {
@@ -328,6 +351,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
             tls: secure,
             server_name,
             version,
+            nonce: sn,
         };
         Ok(c)
     }
@@ -532,7 +556,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
     /// Take over the open files of lost session `old` of the same login
     /// (durable handles, docs/reconnect.md); returns how many.
     pub async fn resume(&mut self, old: &Session) -> Result<u64> {
-        let mac = auth::resume_mac(&old.secret, old.id);
+        let mac = auth::resume_mac(&old.secret, old.id, &self.session.nonce);
         let r = self
             .call(Request::Resume {
                 session_id: old.id,
@@ -731,7 +755,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
     /// [`AsyncClient::next_break`] and answer each with
     /// [`AsyncClient::ack_break`].
     pub async fn watch(&mut self, main: &Session) -> Result<()> {
-        let mac = auth::breaks_mac(&main.secret, main.id);
+        let mac = auth::breaks_mac(&main.secret, main.id, &self.session.nonce);
         self.ok(Request::WatchBreaks {
             session_id: main.id,
             mac,

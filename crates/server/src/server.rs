@@ -49,6 +49,10 @@ pub struct SessionInfo {
     pub tls: bool,
     /// Derived from the token and both nonces; keys the RDMA AUTH signature.
     pub secret: SessionSecret,
+    /// The server nonce of the session's login, bound to its TLS connection
+    /// (`auth::bind_nonce`): `Resume` and `WatchBreaks` proofs sent by this
+    /// session name it.
+    pub nonce: [u8; lwio_side::codec::NONCE_LEN],
 }
 
 /// Why a `Resume` was refused (whatever the reason: an unknown, expired or
@@ -469,12 +473,15 @@ impl ServerState {
                 RESUME_REFUSED,
             )
         };
-        let ok = |info: &SessionInfo| {
-            &info.principal == who && lwio_side::auth::verify_resume_mac(&info.secret, old, mac)
-        };
         if old == new {
             return Err(refused());
         }
+        // The proof names the adopting session's own login nonce.
+        let nonce = self.session(new).ok_or_else(refused)?.nonce;
+        let ok = |info: &SessionInfo| {
+            &info.principal == who
+                && lwio_side::auth::verify_resume_mac(&info.secret, old, &nonce, mac)
+        };
         // The adopting session stays within `max_open_files_per_session`
         // (`adopt` refuses otherwise, and a lost session then stays kept).
         let n = {

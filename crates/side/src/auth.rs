@@ -14,6 +14,23 @@
 //! server proof (mutual authentication). The session secret keys the RDMA
 //! phase's AUTH signature. Anonymous sessions use an empty `K`: their secret
 //! is derivable by anyone who saw the nonces and authenticates nothing.
+//!
+//! **Channel binding.** Over TLS, `Ns` above (and in every other proof of
+//! the login: per-user tokens, the session secret of a password login) is
+//! the *bound* server nonce [`bind_nonce`]:
+//!
+//! ```text
+//! Ns' = SHA-256("lwio side-channel v1 tls-exporter binding" || 0x00 || Ns || E)
+//! E   = TLS-Exporter("EXPORTER-Channel-Binding", no context, 32)   (RFC 9266)
+//! ```
+//!
+//! Both ends of one TLS connection derive the same `E`; a man in the middle
+//! who terminates TLS toward each side (a client that trusted its
+//! certificate on first use, or `--insecure`) holds two connections with two
+//! different `E`, so a proof it relays from one to the other is wrong there.
+//! Plain TCP has no binding (`Ns' = Ns`). `Resume` and `WatchBreaks` proofs
+//! carry the bound nonce of the connection that sends them, so a captured
+//! one is good on no other connection.
 
 use std::io::Write;
 use std::path::Path;
@@ -197,46 +214,95 @@ pub fn session_secret(
         .into()
 }
 
+/// The TLS exporter label of RFC 9266 (`tls-exporter` channel binding).
+pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-Channel-Binding";
+/// Length of the exporter value mixed into the login.
+pub const BINDING_LEN: usize = 32;
+const BINDING_LABEL: &[u8] = b"lwio side-channel v1 tls-exporter binding";
+
+/// The server nonce the login's proofs use: `sn` itself over plain TCP,
+/// bound to the TLS connection's exporter value `binding` over TLS (module
+/// docs).
+pub fn bind_nonce(sn: &[u8; NONCE_LEN], binding: Option<&[u8; BINDING_LEN]>) -> [u8; NONCE_LEN] {
+    use sha2::Digest;
+    let Some(b) = binding else {
+        return *sn;
+    };
+    let mut h = Sha256::new();
+    h.update(BINDING_LABEL);
+    h.update([0]);
+    h.update(sn);
+    h.update(b);
+    h.finalize().into()
+}
+
 const BREAKS_LABEL: &[u8] = b"lwio-breaks";
 
 /// The proof that binds a lease-break watching connection to session
 /// `session_id`: HMAC-SHA256(that session's secret, "lwio-breaks" ||
-/// session_id LE) (docs/leases.md). The secret itself never travels.
-pub fn breaks_mac(secret: &SessionSecret, session_id: u64) -> [u8; MAC_LEN] {
-    labelled_mac(BREAKS_LABEL, secret, session_id)
+/// session_id LE || N), where N is the bound server nonce of the login of
+/// the connection that asks (docs/leases.md): fresh for each connection, so
+/// a captured proof is good on no other. The secret itself never travels.
+pub fn breaks_mac(
+    secret: &SessionSecret,
+    session_id: u64,
+    nonce: &[u8; NONCE_LEN],
+) -> [u8; MAC_LEN] {
+    labelled_mac(BREAKS_LABEL, secret, session_id, nonce)
         .finalize()
         .into_bytes()
         .into()
 }
 
-/// HMAC-SHA256(secret, label || session_id LE), not finalized yet.
-fn labelled_mac(label: &[u8], secret: &SessionSecret, session_id: u64) -> HmacSha256 {
+/// HMAC-SHA256(secret, label || session_id LE || nonce), not finalized yet.
+fn labelled_mac(
+    label: &[u8],
+    secret: &SessionSecret,
+    session_id: u64,
+    nonce: &[u8; NONCE_LEN],
+) -> HmacSha256 {
     let mut m = <HmacSha256 as Mac>::new_from_slice(&secret.0).expect("HMAC takes any key");
     m.update(label);
     m.update(&session_id.to_le_bytes());
+    m.update(nonce);
     m
 }
 
 /// Constant-time check of [`breaks_mac`].
-pub fn verify_breaks_mac(secret: &SessionSecret, session_id: u64, mac: &[u8]) -> bool {
-    labelled_mac(BREAKS_LABEL, secret, session_id)
+pub fn verify_breaks_mac(
+    secret: &SessionSecret,
+    session_id: u64,
+    nonce: &[u8; NONCE_LEN],
+    mac: &[u8],
+) -> bool {
+    labelled_mac(BREAKS_LABEL, secret, session_id, nonce)
         .verify_slice(mac)
         .is_ok()
 }
 
 const RESUME_LABEL: &[u8] = b"lwio-resume";
 
-/// Proof of a session's secret for `Resume` (docs/reconnect.md).
-pub fn resume_mac(secret: &SessionSecret, session_id: u64) -> [u8; MAC_LEN] {
-    labelled_mac(RESUME_LABEL, secret, session_id)
+/// Proof of a session's secret for `Resume` (docs/reconnect.md), bound to
+/// the asking connection's login nonce as [`breaks_mac`] is.
+pub fn resume_mac(
+    secret: &SessionSecret,
+    session_id: u64,
+    nonce: &[u8; NONCE_LEN],
+) -> [u8; MAC_LEN] {
+    labelled_mac(RESUME_LABEL, secret, session_id, nonce)
         .finalize()
         .into_bytes()
         .into()
 }
 
 /// Constant-time check of [`resume_mac`].
-pub fn verify_resume_mac(secret: &SessionSecret, session_id: u64, mac: &[u8]) -> bool {
-    labelled_mac(RESUME_LABEL, secret, session_id)
+pub fn verify_resume_mac(
+    secret: &SessionSecret,
+    session_id: u64,
+    nonce: &[u8; NONCE_LEN],
+    mac: &[u8],
+) -> bool {
+    labelled_mac(RESUME_LABEL, secret, session_id, nonce)
         .verify_slice(mac)
         .is_ok()
 }

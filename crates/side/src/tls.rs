@@ -377,6 +377,27 @@ impl SideStream {
     pub fn is_tls(&self) -> bool {
         matches!(self, SideStream::Tls(_))
     }
+
+    /// The connection's `tls-exporter` value (RFC 9266) that binds the
+    /// login to it (`crate::auth::bind_nonce`); `None` over plain TCP.
+    pub fn channel_binding(&self) -> Option<[u8; crate::auth::BINDING_LEN]> {
+        match self {
+            SideStream::Plain(_) => None,
+            SideStream::Tls(s) => exporter(s.get_ref().1),
+        }
+    }
+}
+
+/// The RFC 9266 exporter value of a TLS connection whose handshake is done
+/// (`None` only if rustls refuses to export, which it does before the
+/// handshake completes).
+pub fn exporter<D>(conn: &rustls::ConnectionCommon<D>) -> Option<[u8; crate::auth::BINDING_LEN]> {
+    conn.export_keying_material(
+        [0u8; crate::auth::BINDING_LEN],
+        crate::auth::EXPORTER_LABEL,
+        None,
+    )
+    .ok()
 }
 
 impl AsyncRead for SideStream {

@@ -214,7 +214,22 @@ async fn connection(
             let left = login_timeout.saturating_sub(started.elapsed());
             match tokio::time::timeout(left, acceptor.accept(stream)).await {
                 Ok(Ok(s)) => {
-                    serve_session(state, s, peer, true, Some(guard), started, shutdown).await
+                    // The login is bound to this TLS connection (RFC 9266
+                    // tls-exporter; docs/security.md, "Channel binding").
+                    let Some(binding) = lwio_side::tls::exporter(s.get_ref().1) else {
+                        info!(%peer, "TLS connection exports no channel binding; closing");
+                        return;
+                    };
+                    serve_session(
+                        state,
+                        s,
+                        peer,
+                        Some(binding),
+                        Some(guard),
+                        started,
+                        shutdown,
+                    )
+                    .await
                 }
                 Ok(Err(e)) => info!(%peer, error = %e, "TLS handshake failed"),
                 Err(_) => info!(%peer, "login timeout during the TLS handshake"),
@@ -229,7 +244,7 @@ async fn connection(
             wrong_transport(stream, NOT_TLS_MSG).await;
         }
         (None, false) => {
-            serve_session(state, stream, peer, false, Some(guard), started, shutdown).await
+            serve_session(state, stream, peer, None, Some(guard), started, shutdown).await
         }
     }
     drop(permit);
@@ -257,20 +272,22 @@ pub async fn serve_connection<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    serve_session(state, stream, peer, false, None, Instant::now(), shutdown).await
+    serve_session(state, stream, peer, None, None, Instant::now(), shutdown).await
 }
 
 async fn serve_session<S>(
     state: Arc<ServerState>,
     mut stream: S,
     peer: SocketAddr,
-    tls: bool,
+    binding: Option<[u8; auth::BINDING_LEN]>,
     mut guard: Option<ConnGuard>,
     started: Instant,
     shutdown: Shutdown,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    // TLS (with the connection's exporter value), or plain TCP.
+    let tls = binding.is_some();
     let mut phase = Phase::Hello;
     // The protocol version the Hello settled (1 until then): what the
     // responses may carry (`Response::for_version`).
@@ -347,7 +364,11 @@ async fn serve_session<S>(
             (&phase, &req)
         {
             let target = *session_id;
-            match watch_check(&state, principal, target, mac) {
+            let current = match &phase {
+                Phase::Ready { session, .. } => *session,
+                _ => 0,
+            };
+            match watch_check(&state, principal, current, target, mac) {
                 Ok(()) => {
                     if write_within(&mut stream, &Response::Ok.encode(id), wlimit)
                         .await
@@ -372,10 +393,11 @@ async fn serve_session<S>(
         // Hello and Login (the password check included) run inside the
         // login deadline.
         let (resp, close) = if ready {
-            step(&state, &mut phase, peer, tls, creds, req).await
+            step(&state, &mut phase, peer, binding, creds, req).await
         } else {
             let left = state.limits.login_timeout.saturating_sub(started.elapsed());
-            match tokio::time::timeout(left, step(&state, &mut phase, peer, tls, creds, req)).await
+            match tokio::time::timeout(left, step(&state, &mut phase, peer, binding, creds, req))
+                .await
             {
                 Ok(r) => r,
                 Err(_) => {
@@ -454,10 +476,11 @@ async fn step(
     state: &Arc<ServerState>,
     phase: &mut Phase,
     peer: SocketAddr,
-    tls: bool,
+    binding: Option<[u8; auth::BINDING_LEN]>,
     creds: Option<Creds>,
     req: Request,
 ) -> (Response, bool) {
+    let tls = binding.is_some();
     match (&*phase, req) {
         (_, Request::Bye) => (Response::Ok, true),
         (_, Request::Ping) => (Response::Ok, false),
@@ -494,8 +517,9 @@ async fn step(
             if sec.users.values().any(|u| u.token.is_some()) {
                 methods |= AUTH_USER_TOKEN;
             }
+            // The login's proofs use the nonce bound to this connection.
             *phase = Phase::Login {
-                server_nonce,
+                server_nonce: auth::bind_nonce(&server_nonce, binding.as_ref()),
                 client_name,
             };
             (
@@ -536,6 +560,7 @@ async fn step(
                 principal: principal.clone(),
                 tls,
                 secret: SessionSecret(secret),
+                nonce: sn,
             });
             info!(%peer, session, client = %client_name, who = %principal, tls, "login");
             *phase = Phase::Ready { session, principal };
@@ -934,7 +959,13 @@ fn opened_response(
 
 /// Check a `WatchBreaks`: session `target` is logged in as the same
 /// principal, and `mac` proves its secret.
-fn watch_check(state: &ServerState, who: &Principal, target: u64, mac: &[u8]) -> Result<(), Error> {
+fn watch_check(
+    state: &ServerState,
+    who: &Principal,
+    current: u64,
+    target: u64,
+    mac: &[u8],
+) -> Result<(), Error> {
     let refused = || {
         Error::new(
             ErrorCode::PermissionDenied,
@@ -942,7 +973,9 @@ fn watch_check(state: &ServerState, who: &Principal, target: u64, mac: &[u8]) ->
         )
     };
     let info = state.session(target).ok_or_else(refused)?;
-    if &info.principal != who || !auth::verify_breaks_mac(&info.secret, target, mac) {
+    // The proof names the asking connection's own login nonce.
+    let nonce = state.session(current).ok_or_else(refused)?.nonce;
+    if &info.principal != who || !auth::verify_breaks_mac(&info.secret, target, &nonce, mac) {
         return Err(refused());
     }
     Ok(())

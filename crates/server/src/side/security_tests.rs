@@ -1209,3 +1209,112 @@ async fn metrics_scrape_answers_despite_idle_sockets() {
     }
     s.stop().await;
 }
+
+/// A man in the middle that terminates TLS toward the client with its own
+/// certificate (which the client trusted: first use, `--insecure`) and
+/// toward the server as a client, relaying the bytes between.
+async fn tls_relay(proxy: ServerIdentity, server: String, server_tls: ClientTls) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((c, _)) = l.accept().await {
+            let acceptor = tokio_rustls::TlsAcceptor::from(proxy.config.clone());
+            let (server, server_tls) = (server.clone(), server_tls.clone());
+            tokio::spawn(async move {
+                let Ok(mut c) = acceptor.accept(c).await else {
+                    return;
+                };
+                let tcp = tokio::net::TcpStream::connect(&server).await.unwrap();
+                let Ok(mut s) =
+                    lwio_side::tls::connect(tcp, &server, &server_tls, Duration::from_secs(5))
+                        .await
+                else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut c, &mut s).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_login_relayed_across_two_tls_connections_fails() {
+    let (_d, id) = self_signed();
+    let (_pd, proxy_id) = self_signed();
+    let s = start(Limits::default(), false, security(Some(id.clone()), false)).await;
+    let relay = tls_relay(proxy_id.clone(), s.addr.clone(), pin(&id)).await;
+    let tok = || Login::Token(Token::new(TOKEN).unwrap());
+    let bob = || Login::UserToken {
+        user: "bob".into(),
+        token: Token::new(BOB_TOKEN).unwrap(),
+    };
+    // Straight to the server, both logins work.
+    for l in [tok(), bob()] {
+        let c = AsyncClient::connect(&s.addr, &opts(l, pin(&id)))
+            .await
+            .unwrap();
+        assert!(c.session().tls);
+    }
+    // Through the relay, which the client trusts, neither does: the
+    // proofs name the client's TLS connection, not the relay's.
+    // (Their sessions end as the connections close.)
+    for _ in 0..200 {
+        if s.state.session_count() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(s.state.session_count(), 0);
+    let e = AsyncClient::connect(&relay, &opts(tok(), pin(&proxy_id)))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::AuthFailed, "{e}");
+    assert_eq!(e.to_string(), "authentication failed: wrong token");
+    let e = AsyncClient::connect(&relay, &opts(bob(), ClientTls::Insecure))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "authentication failed: wrong user name or token"
+    );
+    assert_eq!(s.state.session_count(), 0, "no session was made");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn resume_and_watch_proofs_are_good_on_their_own_connection_only() {
+    let s = start(Limits::default(), false, security(None, false)).await;
+    let tok = || opts(Login::Token(Token::new(TOKEN).unwrap()), ClientTls::Off);
+    let old = AsyncClient::connect(&s.addr, &tok()).await.unwrap();
+    let old_session = old.session().clone();
+    // A proof made for connection `a` (as a peer who saw it would replay
+    // it) is refused on connection `b`, for WatchBreaks and for Resume.
+    let a = AsyncClient::connect(&s.addr, &tok()).await.unwrap();
+    let mut b = AsyncClient::connect(&s.addr, &tok()).await.unwrap();
+    let watch_mac =
+        lwio_side::auth::breaks_mac(&old_session.secret, old_session.id, &a.session().nonce);
+    let r = b
+        .call(Request::WatchBreaks {
+            session_id: old_session.id,
+            mac: watch_mac,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(r.code, ErrorCode::PermissionDenied, "{r}");
+    let resume_mac =
+        lwio_side::auth::resume_mac(&old_session.secret, old_session.id, &a.session().nonce);
+    let r = b
+        .call(Request::Resume {
+            session_id: old_session.id,
+            mac: resume_mac,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(r.code, ErrorCode::PermissionDenied, "{r}");
+    // Made for `b` itself, the same proofs are good.
+    assert_eq!(b.resume(&old_session).await.unwrap(), 0);
+    let mut w = AsyncClient::connect(&s.addr, &tok()).await.unwrap();
+    w.watch(b.session()).await.unwrap();
+    s.stop().await;
+}
