@@ -312,6 +312,10 @@ fn hostile(e: &Env) -> (Hostile, u16) {
     let mut h = connect(&e.s, TOKEN, Guid::from_u128(0xF7A6));
     let sp = h.auth_ok(32);
     assert_eq!(sp.max_message, 1 << 20, "the server announces MAX_MESSAGE");
+    // It reads publishers' memory by RDMA Read (memory objects), so it says
+    // it supports RDMA Read (seed 000); this client, as a seed-only one,
+    // says 0 and is served all the same.
+    assert_eq!(sp.rdma_read_supported, 1, "RdmaReadSupported");
     let rk = open_victim(&mut h);
     h.send_req(RequestOp::Register {
         cookie: 2,

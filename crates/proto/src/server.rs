@@ -1093,10 +1093,11 @@ impl ServerConn {
                     max_recv_buffer_size: self.cfg.max_recv_buffer_size,
                     header_size: COMMON_HEADER_LEN as u16,
                     credits: granted,
-                    // This server never reads client memory by RDMA Read
-                    // (WRITE data comes in the request message): the
-                    // seed's RdmaReadSupported is always 0.
-                    rdma_read_supported: 0,
+                    // Seed 000: 1 if the server supports RDMA Read. It
+                    // issues RDMA Reads to publishers of memory objects
+                    // (a WRITE's data still comes in its request message,
+                    // so a client that does not support them is served).
+                    rdma_read_supported: 1,
                     key: client.key,
                     session_id: Some(self.cfg.session_id),
                     signature: None,
