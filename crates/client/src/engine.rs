@@ -157,6 +157,9 @@ pub struct ClientStats {
     pub fragments_sent: u64,
     pub polled_completions: u64,
     pub interrupt_completions: u64,
+    /// INTERRUPTs the server answered (after an I/O completion): a polled
+    /// waiter woken by one of these was not woken by its re-poll timer.
+    pub interrupts_answered: u64,
     /// Times the progress thread woke up (each turn of its loop: from its
     /// sleep on the completion channel, or from a short nap while a caller
     /// drives). An idle connection stays near zero.
@@ -1164,6 +1167,7 @@ impl Engine {
             return;
         }
         if opcode == Opcode::Interrupt {
+            st.stats.interrupts_answered += 1;
             st.conn.take_done(req);
         }
         if let Some(fd) = &st.notify {
@@ -1339,8 +1343,15 @@ impl Engine {
 
     /// Wait until a request can be issued and the resources exist, then run
     /// `issue` under the lock.
-    fn issue<T>(
+    fn issue<T>(&self, issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>) -> Result<T> {
+        self.issue_when(ClientConn::can_issue, issue)
+    }
+
+    /// [`Engine::issue`] once `free` says a credit is free for this kind of
+    /// request (INTERRUPT and CANCEL may take the reserved one).
+    fn issue_when<T>(
         &self,
+        free: fn(&ClientConn<ReqData>) -> bool,
         mut issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
     ) -> Result<T> {
         let _waiting = Waiting::new(self);
@@ -1356,7 +1367,7 @@ impl Engine {
             // letting go of it (polling once spun here holding it while 32
             // AIO threads waited to give their buffers back).
             let mut short = false;
-            if st.conn.can_issue() {
+            if free(&st.conn) {
                 if let Some(r) = issue(self, &mut st) {
                     self.issued(&mut st);
                     return r;
@@ -1366,7 +1377,7 @@ impl Engine {
             if self.cfg.completion == Completion::Poll {
                 self.scan_slots(&mut st);
                 self.run_actions(&mut st);
-                if !short && st.conn.can_issue() {
+                if !short && free(&st.conn) {
                     continue;
                 }
             }
@@ -1403,6 +1414,16 @@ impl Engine {
     /// is posted at once.
     fn issue_now<T>(
         &self,
+        issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
+    ) -> Result<Option<T>> {
+        self.issue_now_when(ClientConn::can_issue, issue)
+    }
+
+    /// [`Engine::issue_now`] for a kind of request whose credit `free`
+    /// tells (see [`Engine::issue_when`]).
+    fn issue_now_when<T>(
+        &self,
+        free: fn(&ClientConn<ReqData>) -> bool,
         mut issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
     ) -> Result<Option<T>> {
         let mut st = lock(&self.st);
@@ -1410,7 +1431,7 @@ impl Engine {
             if let Some(l) = &st.lost {
                 return Err(Error::ConnectionLost(l.clone()));
             }
-            if st.conn.can_issue() {
+            if free(&st.conn) {
                 if let Some(r) = issue(self, &mut st) {
                     self.issued(&mut st);
                     self.flush_sends(&mut st);
@@ -2011,12 +2032,16 @@ impl Engine {
     }
 
     pub fn issue_cancel(&self, fid: u16) -> Result<ReqId> {
-        self.issue(|_, st| Some(st.conn.cancel(Instant::now(), fid).map_err(client_err)))
+        self.issue_when(ClientConn::can_interrupt, |_, st| {
+            Some(st.conn.cancel(Instant::now(), fid).map_err(client_err))
+        })
     }
 
     /// [`Engine::issue_cancel`] without waiting (`Ok(None)`: no credit now).
     pub fn try_issue_cancel(&self, fid: u16) -> Result<Option<ReqId>> {
-        self.issue_now(|_, st| Some(st.conn.cancel(Instant::now(), fid).map_err(client_err)))
+        self.issue_now_when(ClientConn::can_interrupt, |_, st| {
+            Some(st.conn.cancel(Instant::now(), fid).map_err(client_err))
+        })
     }
 
     /// CANCEL just the I/O `req` of `fid`; `None` (nothing sent) when it
@@ -2025,14 +2050,14 @@ impl Engine {
         if !lock(&self.st).conn.is_outstanding(req) {
             return Ok(None);
         }
-        self.issue(Self::cancel_issuer(fid, req))
+        self.issue_when(ClientConn::can_interrupt, Self::cancel_issuer(fid, req))
     }
 
     /// [`Engine::issue_cancel_request`] without waiting: `Ok(None)` when no
     /// credit is free now, `Ok(Some(None))` when `req` is no longer
     /// outstanding.
     pub fn try_issue_cancel_request(&self, fid: u16, req: ReqId) -> Result<Option<Option<ReqId>>> {
-        self.issue_now(Self::cancel_issuer(fid, req))
+        self.issue_now_when(ClientConn::can_interrupt, Self::cancel_issuer(fid, req))
     }
 
     fn cancel_issuer(
@@ -2065,7 +2090,7 @@ impl Engine {
     fn arm_interrupt_locked(&self, st: &mut Locked) {
         if st.lost.is_none()
             && st.conn.interrupt_outstanding().is_none()
-            && st.conn.can_issue()
+            && st.conn.can_interrupt()
             && st.conn.interrupt(Instant::now()).is_ok()
         {
             st.stats.interrupts_sent += 1;
@@ -2080,7 +2105,7 @@ impl Engine {
         let req = match existing {
             Some(r) => r,
             None => {
-                let r = self.issue(|_, st| {
+                let r = self.issue_when(ClientConn::can_interrupt, |_, st| {
                     if st.conn.interrupt_outstanding().is_some() {
                         return Some(Err(Error::Busy("INTERRUPT already outstanding".into())));
                     }

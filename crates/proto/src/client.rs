@@ -376,11 +376,39 @@ impl<U: Default> ClientConn<U> {
     pub fn server_params(&self) -> Option<&AuthParamsRepr> {
         self.server.as_ref()
     }
-    /// True if an I/O request can be issued now.
+    /// True if an I/O request (or REGISTER, CLOSE) can be issued now. With
+    /// two credits or more, one is kept back for INTERRUPT and CANCEL
+    /// ([`ClientConn::can_interrupt`]): a polled waiter at full queue depth
+    /// can still ask to be woken, and a stuck request still be cancelled
+    /// (seed 000; docs/protocol.md, "The reserved credit").
     pub fn can_issue(&self) -> bool {
+        if !self.can_interrupt() {
+            return false;
+        }
+        let reserve = self.reserved_credits();
+        self.credits_held() < usize::from(self.credits) - reserve || self.control_held() >= reserve
+    }
+
+    /// True if an INTERRUPT or a CANCEL can be issued now: they may take the
+    /// credit [`ClientConn::can_issue`] keeps back.
+    pub fn can_interrupt(&self) -> bool {
         self.state == State::Ready
             && self.pending_credit_msgs.is_empty()
             && self.credits_held() < usize::from(self.credits)
+    }
+
+    /// Credits kept back for INTERRUPT and CANCEL: one when there are two
+    /// or more.
+    fn reserved_credits(&self) -> usize {
+        usize::from(self.credits >= 2)
+    }
+
+    /// Outstanding INTERRUPTs and CANCELs (asked only at saturation).
+    fn control_held(&self) -> usize {
+        self.reqs
+            .values()
+            .filter(|r| matches!(r.opcode, Opcode::Interrupt | Opcode::Cancel))
+            .count()
     }
     /// Slots of outstanding polled requests (the caller polls these).
     pub fn polled_slots(&self) -> Vec<u32> {
@@ -635,10 +663,20 @@ impl<U: Default> ClientConn<U> {
     }
 
     fn check_issue(&self) -> Result<(), ClientError> {
+        self.check_issue_for(Opcode::Read)
+    }
+
+    /// [`ClientConn::check_issue`] for a request of `opcode`: INTERRUPT and
+    /// CANCEL may take the reserved credit.
+    fn check_issue_for(&self, opcode: Opcode) -> Result<(), ClientError> {
+        let free = match opcode {
+            Opcode::Interrupt | Opcode::Cancel => self.can_interrupt(),
+            _ => self.can_issue(),
+        };
         match self.state {
             State::Closed => Err(ClientError::Closed),
             State::Idle | State::AuthSent => Err(ClientError::NotAuthenticated),
-            State::Ready if !self.can_issue() => Err(ClientError::NoCredits),
+            State::Ready if !free => Err(ClientError::NoCredits),
             State::Ready => Ok(()),
         }
     }
@@ -690,7 +728,7 @@ impl<U: Default> ClientConn<U> {
         opcode: Opcode,
         make: impl FnOnce(u64) -> RequestOp<'static>,
     ) -> Result<ReqId, ClientError> {
-        self.check_issue()?;
+        self.check_issue_for(opcode)?;
         let cookie = self.alloc_cookie();
         self.emit_request(now, make(cookie), cookie, opcode, None, None)?;
         Ok(cookie)
