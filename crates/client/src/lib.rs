@@ -52,7 +52,8 @@ pub use engine::{ClientStats, Engine};
 pub use publish::{MemRights, PublishError, Published};
 
 use crate::url::{LwioUrl, DEFAULT_PORT};
-use lwio_rdma::ProviderChoice;
+/// Which RDMA providers a client offers ([`ClientOptions::provider`]).
+pub use lwio_rdma::ProviderChoice;
 use lwio_side::error::ErrorCode;
 use lwio_side::{Login, Token};
 

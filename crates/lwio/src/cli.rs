@@ -9,15 +9,17 @@ use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
 use lwio_client::side::{Client, ClientOptions};
 use lwio_client::url::LwioUrl;
-use lwio_server::config::{default_token_file, Config, ProviderChoice};
+use lwio_client::ProviderChoice;
+use lwio_server::config::Config;
 use lwio_server::fs::backend::BackendChoice;
-use lwio_server::fs::{Attr, ExportSpec, FileKind};
+use lwio_server::fs::ExportSpec;
 use lwio_server::server::{Security, Server, ServerOptions};
 use lwio_server::side::tls::ServerIdentity;
+use lwio_side::defaults::{default_token_file, validate_user_name};
 use lwio_side::error::{Error, ErrorCode};
 use lwio_side::tls::parse_fingerprint;
 use lwio_side::units::{parse_duration, parse_size};
-use lwio_side::{ClientTls, Login, Token};
+use lwio_side::{Attr, ClientTls, FileKind, Login, Token};
 
 const MAIN_EXAMPLES: &str = "\
 Examples:
@@ -627,8 +629,7 @@ fn first_line(text: &str) -> &str {
 /// default token file if it exists, else anonymously.
 pub fn client_login(args: &ClientArgs) -> anyhow::Result<Login> {
     if let Some(user) = &args.user {
-        lwio_server::side::access::validate_user_name(user)
-            .map_err(|e| anyhow::anyhow!("--user: {e}"))?;
+        validate_user_name(user).map_err(|e| anyhow::anyhow!("--user: {e}"))?;
         let token = match &args.token_file {
             Some(p) => Some(Token::load(p)?),
             None => match std::env::var("LWIO_TOKEN") {

@@ -10,9 +10,10 @@ use std::fmt::Write as _;
 use std::net::ToSocketAddrs;
 use std::path::Path;
 
-use lwio_server::config::{default_token_file, Config, ExportEntry, IdentityKey};
+use lwio_server::config::{Config, ExportEntry, IdentityKey};
 use lwio_server::fs::{Exports, ResolveMode};
 use lwio_server::side::tls::ServerIdentity;
+use lwio_side::defaults::default_token_file;
 
 use crate::cli::{apply_serve_flags, Reported, ServeArgs, NOTHING_TO_SERVE};
 
