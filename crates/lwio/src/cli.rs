@@ -13,8 +13,7 @@ use lwio_client::ProviderChoice;
 use lwio_server::config::Config;
 use lwio_server::fs::backend::BackendChoice;
 use lwio_server::fs::ExportSpec;
-use lwio_server::server::{Security, Server, ServerOptions};
-use lwio_server::side::tls::ServerIdentity;
+use lwio_server::Service;
 use lwio_side::defaults::{default_token_file, validate_user_name};
 use lwio_side::error::{Error, ErrorCode};
 use lwio_side::tls::parse_fingerprint;
@@ -1072,80 +1071,23 @@ fn serve(a: ServeArgs) -> CliResult {
     }
     init_tracing_format("info", a.log_format);
     let c = serve_config(&a)?;
-    let token_path = c.token_file.clone().or_else(default_token_file);
-    let token = match &token_path {
-        Some(p) => {
-            let (t, created) = Token::load_or_create(p)?;
-            if created {
-                tracing::info!(path = %p.display(), "created a new token file (mode 0600); copy it to clients");
-            } else {
-                tracing::info!(path = %p.display(), "using token file");
-            }
-            Some(t)
-        }
-        None if c.allow_anonymous => None,
-        None => anyhow::bail!("no token file: give --token-file FILE (HOME is not set)"),
-    };
-    if c.allow_anonymous {
-        tracing::warn!("anonymous access enabled: anyone who can connect has the rights the exports grant to \"anonymous\"");
+    // `--rdma-listen` and `--metrics` over the file's values; `c` stays
+    // what SIGHUP compares a re-read file with.
+    let mut start = c.clone();
+    if let Some(r) = &a.rdma_listen {
+        start.rdma_listen = Some(r.clone());
     }
-    let tls = if !c.tls {
-        tracing::warn!(
-            "TLS disabled (tls = false): the side channel is plain TCP; clients need --no-tls"
-        );
-        None
-    } else if let (Some(cert), Some(key)) = (&c.tls_cert, &c.tls_key) {
-        Some(ServerIdentity::load(cert, key)?)
-    } else {
-        let Some(dir) = token_path.as_ref().and_then(|p| p.parent()) else {
-            anyhow::bail!("no place for a self-signed TLS certificate: give --tls-cert FILE --tls-key FILE (or --token-file FILE)");
-        };
-        let name = c.server_name.clone().unwrap_or_else(lwio_side::host_name);
-        let mut names = vec![
-            name,
-            "localhost".to_string(),
-            "127.0.0.1".into(),
-            "::1".into(),
-        ];
-        names.dedup();
-        let (id, created) = ServerIdentity::self_signed(dir, &names)?;
-        let cert = dir.join(lwio_side::tls::SELF_SIGNED_CERT);
-        if created {
-            tracing::info!(path = %cert.display(), "created a self-signed TLS certificate (key mode 0600)");
-        } else {
-            tracing::info!(path = %cert.display(), "using the self-signed TLS certificate");
-        }
-        Some(id)
-    };
-    let fingerprint = tls.as_ref().map(|t| t.fingerprint.clone());
-    let security = Security::from_config(&c, tls)?;
-    let opts = ServerOptions::from_config(&c, token);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| anyhow::anyhow!("tokio runtime: {e}"))?;
-    rt.block_on(async move {
-        let mut server = Server::bind_secure(opts, security).await?;
-        let addr = server.local_addr()?.to_string();
-        {
-            let mut out = std::io::stdout().lock();
-            if let Some(fp) = &fingerprint {
-                writeln!(out, "lwio: TLS fingerprint {fp}")?;
-            }
-            writeln!(out, "lwio: listening on {addr}")?;
-            out.flush()?;
-        }
-        crate::cmd::serve::attach_rdma(&mut server, &c, a.rdma_listen.as_deref())?;
-        if let Some(m) = a.metrics.as_deref().or(c.metrics_listen.as_deref()) {
-            crate::cmd::serve::start_metrics(&server, m).await?;
-        }
-        if let Some(p) = &a.ready_file {
-            write_ready_file(p, &addr)?;
-        }
-        crate::cmd::serve::start_service(&server, a.clone(), c.clone())?;
-        server.run().await?;
-        Ok::<(), anyhow::Error>(())
-    })
+    if let Some(m) = &a.metrics {
+        start.metrics_listen = Some(m.clone());
+    }
+    let service = Service::start(start)?;
+    crate::cmd::serve::print_listening(&service)?;
+    if let Some(p) = &a.ready_file {
+        write_ready_file(p, &service.side_addr().to_string())?;
+    }
+    crate::cmd::serve::start_service(&service, a.clone(), c)?;
+    service.wait()?;
+    Ok(())
 }
 
 /// Map an error to the one line printed by the binary.

@@ -174,7 +174,8 @@ pub fn check(a: &ServeArgs, file: &Path) -> Check {
             .ok()
             .and_then(|mut a| a.next())
             .and_then(|side| {
-                crate::cmd::serve::rdma_listen_addr(c.rdma_listen.as_deref(), &c.listen, side).ok()
+                lwio_server::service::rdma_listen_addr(c.rdma_listen.as_deref(), &c.listen, side)
+                    .ok()
             })
             .map_or_else(
                 || c.rdma_listen.clone().unwrap_or_default(),
