@@ -464,4 +464,100 @@ mod tests {
         s.stop();
         assert!(std::net::TcpStream::connect(s.side_addr()).is_err());
     }
+
+    /// The library's default client (`Client::connect` with
+    /// `ClientOptions::default()`, the example at the top of lwio-client's
+    /// docs) connects to a default server: TLS with a self-signed
+    /// certificate, trusted on first use and recorded in known_hosts; the
+    /// login from the default token file when no token is given. Runs in a
+    /// child with its own HOME (the defaults live there).
+    #[test]
+    fn a_default_client_connects_to_a_default_server() {
+        let home = tempfile::tempdir().unwrap();
+        let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+        c.args([
+            "--exact",
+            "service::tests::default_client_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LWIO_DEFAULT_CHILD", "1")
+        .env("HOME", home.path());
+        for v in [
+            "XDG_CONFIG_HOME",
+            "LWIO_TOKEN",
+            "LWIO_TOKEN_FILE",
+            "LWIO_FINGERPRINT",
+            "LWIO_KNOWN_HOSTS",
+            "LWIO_STRICT_HOST_KEY_CHECKING",
+        ] {
+            c.env_remove(v);
+        }
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{err}");
+        assert!(stdout.contains("1 passed"), "the child ran: {stdout}");
+        let known = std::fs::read_to_string(home.path().join(".config/lwio/known_hosts")).unwrap();
+        assert!(known.contains(" sha256:"), "recorded on first use: {known}");
+    }
+
+    #[test]
+    fn default_client_child() {
+        use lwio_client::{Client, ClientOptions, Completion, OpenOptions};
+        if std::env::var_os("LWIO_DEFAULT_CHILD").is_none() {
+            return; // Only as the child of the test above.
+        }
+        let home = std::path::PathBuf::from(std::env::var_os("HOME").unwrap());
+        let data = home.join("data");
+        std::fs::create_dir(&data).unwrap();
+        let mut c = Config {
+            listen: "127.0.0.1:0".into(),
+            provider: ProviderChoice::Soft,
+            ..Config::default()
+        };
+        c.set_export(&crate::fs::ExportSpec {
+            name: "data".into(),
+            path: data.clone(),
+            ..Default::default()
+        });
+        let s = Service::start(c).unwrap();
+        let fp = s.fingerprint().expect("TLS by default").to_string();
+        let token = std::fs::read_to_string(home.join(".config/lwio/token")).unwrap();
+        let url = format!("lwio://{}/data", s.side_addr());
+        // The documented example, against the default server.
+        let opts = ClientOptions {
+            completion: Completion::Poll,
+            ..ClientOptions::default()
+        };
+        let client = Client::connect(&url, Some(token.trim()), opts).unwrap();
+        let f = client
+            .open("app.log", &OpenOptions::read_write().create(true))
+            .unwrap();
+        f.write_at(b"hello", 4096).unwrap();
+        let mut buf = [0u8; 5];
+        assert_eq!(f.read_at(&mut buf, 4096).unwrap(), 5);
+        assert_eq!(&buf, b"hello");
+        f.close().unwrap();
+        drop(client);
+        let known = std::fs::read_to_string(home.join(".config/lwio/known_hosts")).unwrap();
+        let hex = fp
+            .trim_start_matches("sha256:")
+            .replace(':', "")
+            .to_ascii_lowercase();
+        assert!(
+            known.to_ascii_lowercase().replace(':', "").contains(&hex),
+            "{known} records {fp}"
+        );
+        // No token: the default token file; the pinned certificate again.
+        let client = Client::connect(&url, None, ClientOptions::default()).unwrap();
+        assert_eq!(
+            client
+                .open("app.log", &OpenOptions::read_only())
+                .unwrap()
+                .len()
+                .unwrap(),
+            4101
+        );
+    }
 }
