@@ -15,6 +15,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! The side channel is secured and logged into as the `lwio` CLI does it
+//! ([`connect`]: TLS trusted on first use in known_hosts; `LWIO_TOKEN` or
+//! the default token file when no token is given), so this works against a
+//! default `lwio serve`; `opts.no_tls()` for a server with `tls = false`.
+//!
 //! `connect` logs in over the side channel (token), negotiates a common
 //! RDMA provider, connects the RDMA channel and authenticates it (AUTH,
 //! signed with a secret bound to this side-channel session and the

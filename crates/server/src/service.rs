@@ -10,6 +10,9 @@
 //! that assemble [`ServerOptions`] and [`Security`] themselves (plain TCP,
 //! a token in memory, an RDMA listener of their choosing).
 //!
+//! Both build their own tokio runtime: call them from plain threads, not
+//! from inside a runtime.
+//!
 //! Nothing is printed: the caller reads the bound addresses
 //! ([`Service::side_addr`], [`Service::rdma_listeners`],
 //! [`Service::metrics_addr`]) and the TLS fingerprint and says what it
