@@ -36,7 +36,9 @@ struct lwio_client;
  */
 struct lwio_options {
   /**
-   * The export's shared token, or NULL.
+   * The export's shared token, or NULL (with no token_file either:
+   * LWIO_TOKEN, else the default token file, else anonymous, as the
+   * lwio CLI).
    */
   const char *token;
   /**
@@ -44,12 +46,13 @@ struct lwio_options {
    */
   const char *token_file;
   /**
-   * Pin the server's TLS certificate: "sha256:AB:CD:…", or NULL.
+   * Pin the server's TLS certificate: "sha256:AB:CD:…", or NULL
+   * (LWIO_FINGERPRINT if set).
    */
   const char *fingerprint;
   /**
-   * Trust on first use in this known_hosts file (NULL: the default
-   * ~/.config/lwio/known_hosts), unless `fingerprint` is given.
+   * Trust on first use in this known_hosts file (NULL: LWIO_KNOWN_HOSTS,
+   * else ~/.config/lwio/known_hosts), unless `fingerprint` is given.
    */
   const char *known_hosts;
   /**

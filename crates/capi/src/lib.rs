@@ -22,8 +22,10 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use lwio_client::engine::{Engine, Stage, UserDst, BOUNCE_THRESHOLD};
-use lwio_client::side::{ClientOptions as SideOptions, ClientTls, Login, Token};
-use lwio_client::{errno, Client, ClientOptions, Completion, File, OpenOptions, RegisteredBuf};
+use lwio_client::side::ClientOptions as SideOptions;
+use lwio_client::{
+    errno, Client, ClientOptions, Completion, ConnectArgs, File, OpenOptions, RegisteredBuf,
+};
 use lwio_proto::status::{NtStatus, STATUS_END_OF_FILE, STATUS_SUCCESS};
 
 /// STATUS_CONNECTION_DISCONNECTED: a part whose completion never came
@@ -41,14 +43,17 @@ pub const LWIO_OP_WRITE: c_uint = 1;
 /// NULL strings mean "not given".
 #[repr(C)]
 pub struct lwio_options {
-    /// The export's shared token, or NULL.
+    /// The export's shared token, or NULL (with no token_file either:
+    /// LWIO_TOKEN, else the default token file, else anonymous, as the
+    /// lwio CLI).
     pub token: *const c_char,
     /// A file holding the token (read once), or NULL.
     pub token_file: *const c_char,
-    /// Pin the server's TLS certificate: "sha256:AB:CD:…", or NULL.
+    /// Pin the server's TLS certificate: "sha256:AB:CD:…", or NULL
+    /// (LWIO_FINGERPRINT if set).
     pub fingerprint: *const c_char,
-    /// Trust on first use in this known_hosts file (NULL: the default
-    /// ~/.config/lwio/known_hosts), unless `fingerprint` is given.
+    /// Trust on first use in this known_hosts file (NULL: LWIO_KNOWN_HOSTS,
+    /// else ~/.config/lwio/known_hosts), unless `fingerprint` is given.
     pub known_hosts: *const c_char,
     /// Non-zero: plain TCP side channel (a server with `tls = false`).
     pub no_tls: c_int,
@@ -271,51 +276,32 @@ unsafe fn connect_inner(url: *const c_char, o: *const lwio_options) -> Result<Lw
         // SAFETY: non-null, the caller's initialised options.
         unsafe { &*o }
     };
-    let token = match unsafe { opt_str(o.token, "token") }? {
-        Some(t) => Some(t.trim().to_string()),
-        None => match unsafe { opt_str(o.token_file, "token_file") }? {
-            Some(p) => Some(
-                std::fs::read_to_string(p)
-                    .map_err(|e| fail(libc::EACCES, format!("token file {p}: {e}")))?
-                    .trim()
-                    .to_string(),
-            ),
-            None => None,
-        },
-    };
-    let login = match token {
-        Some(t) => {
-            Login::Token(Token::new(&t).map_err(|e| fail(libc::EINVAL, format!("token: {e}")))?)
-        }
-        None => Login::Anonymous,
-    };
-    let mut so = SideOptions::new(login);
-    so.client_name = "liblwio".into();
-    if o.connect_timeout_ms > 0 {
-        so.connect_timeout = Duration::from_millis(o.connect_timeout_ms.into());
+    // The one client default (lwio_client::connect): what the options
+    // leave out comes from LWIO_TOKEN, the default token file, known_hosts
+    // (trust on first use), as for the `lwio` CLI.
+    let fingerprint = unsafe { opt_str(o.fingerprint, "fingerprint") }?;
+    if let Some(fp) = fingerprint {
+        lwio_side::tls::parse_fingerprint(fp)
+            .map_err(|e| fail(libc::EINVAL, format!("fingerprint: {e}")))?;
     }
-    so.tls = if o.no_tls != 0 {
-        ClientTls::Off
-    } else if let Some(fp) = unsafe { opt_str(o.fingerprint, "fingerprint") }? {
-        ClientTls::Fingerprint(
-            lwio_side::tls::parse_fingerprint(fp)
-                .map_err(|e| fail(libc::EINVAL, format!("fingerprint: {e}")))?,
-        )
-    } else {
-        let file = match unsafe { opt_str(o.known_hosts, "known_hosts") }? {
-            Some(p) => p.into(),
-            None => lwio_side::known_hosts::default_path().ok_or_else(|| {
-                fail(
-                    libc::EINVAL,
-                    "no known_hosts file: give one, or a fingerprint",
-                )
-            })?,
-        };
-        ClientTls::KnownHosts {
-            file,
-            strict: false,
-        }
+    let args = ConnectArgs {
+        token: unsafe { opt_str(o.token, "token") }?.map(|t| t.trim().to_string()),
+        token_file: unsafe { opt_str(o.token_file, "token_file") }?.map(Into::into),
+        no_tls: o.no_tls != 0,
+        fingerprint: fingerprint.map(Into::into),
+        known_hosts: unsafe { opt_str(o.known_hosts, "known_hosts") }?.map(Into::into),
+        connect_timeout: (o.connect_timeout_ms > 0)
+            .then(|| Duration::from_millis(o.connect_timeout_ms.into())),
+        ..ConnectArgs::default()
     };
+    let mut so = SideOptions::resolve(&args).map_err(|e| {
+        let errno = match e.code {
+            lwio_side::ErrorCode::NotFound | lwio_side::ErrorCode::PermissionDenied => libc::EACCES,
+            _ => libc::EINVAL,
+        };
+        fail(errno, e.to_string())
+    })?;
+    so.client_name = "liblwio".into();
     let mut opts = ClientOptions {
         completion: if o.completion == LWIO_COMPLETION_POLL {
             Completion::Poll

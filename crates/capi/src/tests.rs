@@ -112,31 +112,43 @@ fn a_panic_inside_becomes_eio_with_its_message() {
 }
 
 /// `O_SYNC` through the C API reaches the server as `O_SYNC` (issue 31):
-/// it used to be sent as write-through and opened `O_DSYNC`.
+/// it used to be sent as write-through and opened `O_DSYNC`. The server is
+/// a default one (`Service::start`: TLS with a self-signed certificate)
+/// and the options are the defaults but for the token file and the
+/// known_hosts file (trusted on first use), both in a temporary directory.
 #[test]
 fn o_sync_is_o_sync_at_the_server() {
     let dir = tempfile::tempdir().unwrap();
-    let token = "capi-sync-token-0123456789abcdef";
-    let s = lwio_server::io_phase::testkit::LocalServer::start(
-        dir.path(),
-        "ex",
-        token,
-        lwio_server::config::Limits::default(),
-        lwio_server::io_phase::server::RdmaServerOptions::default(),
-    )
-    .unwrap();
-    let url = std::ffi::CString::new(format!("lwio://{}/ex", s.side_addr)).unwrap();
-    let tok = std::ffi::CString::new(token).unwrap();
+    let data = dir.path().join("ex");
+    std::fs::create_dir(&data).unwrap();
+    let mut config = lwio_server::config::Config {
+        listen: "127.0.0.1:0".into(),
+        token_file: Some(dir.path().join("token")),
+        provider: lwio_client::ProviderChoice::Soft,
+        ..Default::default()
+    };
+    config.set_export(&lwio_server::fs::ExportSpec {
+        name: "ex".into(),
+        path: data.clone(),
+        ..Default::default()
+    });
+    let s = lwio_server::Service::start(config).unwrap();
+    let url = std::ffi::CString::new(format!("lwio://{}/ex", s.side_addr())).unwrap();
+    let token_file = std::ffi::CString::new(dir.path().join("token").to_str().unwrap()).unwrap();
+    let known_hosts =
+        std::ffi::CString::new(dir.path().join("known_hosts").to_str().unwrap()).unwrap();
     let mut o = std::mem::MaybeUninit::<lwio_options>::uninit();
     // SAFETY: init writes every field; the strings outlive the calls; the
     // client is disconnected once, after its descriptor is closed.
     unsafe {
         lwio_options_init(o.as_mut_ptr());
         let mut o = o.assume_init();
-        o.no_tls = 1;
-        o.token = tok.as_ptr();
+        o.token_file = token_file.as_ptr();
+        o.known_hosts = known_hosts.as_ptr();
         let c = lwio_connect(url.as_ptr(), &o);
         assert!(!c.is_null(), "{}", msg());
+        let known = std::fs::read_to_string(dir.path().join("known_hosts")).unwrap();
+        assert!(known.contains(" sha256:"), "trusted on first use: {known}");
         let fd = lwio_open(
             c,
             c"s.bin".as_ptr(),
@@ -144,7 +156,7 @@ fn o_sync_is_o_sync_at_the_server() {
             0o600,
         );
         assert!(fd >= 0, "{}", msg());
-        let flags = server_fd_flags(&dir.path().join("s.bin"));
+        let flags = server_fd_flags(&data.join("s.bin"));
         assert!(
             !flags.is_empty() && flags.iter().all(|f| f & libc::O_SYNC == libc::O_SYNC),
             "the server's descriptors are O_SYNC (0o4010000): {:?}",

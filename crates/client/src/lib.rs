@@ -15,6 +15,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! The side channel is secured and logged into as the `lwio` CLI does it
+//! ([`connect`]: TLS trusted on first use in known_hosts; `LWIO_TOKEN` or
+//! the default token file when no token is given), so this works against a
+//! default `lwio serve`; `opts.no_tls()` for a server with `tls = false`.
+//!
 //! `connect` logs in over the side channel (token), negotiates a common
 //! RDMA provider, connects the RDMA channel and authenticates it (AUTH,
 //! signed with a secret bound to this side-channel session and the
@@ -26,6 +31,7 @@
 //! modes).
 
 pub mod async_client;
+pub mod connect;
 pub mod discovery;
 pub mod engine;
 pub mod errno;
@@ -47,14 +53,17 @@ use lwio_proto::NtStatus;
 use tracing::{debug, info};
 
 pub use async_client::{AsyncClient, AsyncFile};
+pub use connect::ConnectArgs;
 use engine::{status_text, EngineConfig};
 pub use engine::{ClientStats, Engine};
+/// How the side channel is secured ([`ClientOptions::tls`]).
+pub use lwio_side::ClientTls;
 pub use publish::{MemRights, PublishError, Published};
 
 use crate::url::{LwioUrl, DEFAULT_PORT};
-use lwio_rdma::ProviderChoice;
+/// Which RDMA providers a client offers ([`ClientOptions::provider`]).
+pub use lwio_rdma::ProviderChoice;
 use lwio_side::error::ErrorCode;
-use lwio_side::{Login, Token};
 
 /// How completions reach the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -275,6 +284,23 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     pub client_name: String,
     pub rdma: lwio_rdma::Config,
+    /// How [`Client::connect`] secures the side channel. `None` (the
+    /// default): as the `lwio` CLI does — TLS, trusted on first use in
+    /// known_hosts or verified by the system roots ([`connect`]), which is
+    /// what a default `lwio serve` speaks. `Some(ClientTls::Off)` for a
+    /// server with `tls = false` (the test kit's `LocalServer`).
+    pub tls: Option<lwio_side::ClientTls>,
+}
+
+impl ClientOptions {
+    /// These options over plain TCP, for a server with `tls = false` (the
+    /// test kit's `LocalServer`): [`ClientOptions::tls`] `Some(ClientTls::Off)`.
+    pub fn no_tls(self) -> ClientOptions {
+        ClientOptions {
+            tls: Some(ClientTls::Off),
+            ..self
+        }
+    }
 }
 
 impl Default for ClientOptions {
@@ -306,6 +332,7 @@ impl Default for ClientOptions {
                 progress: lwio_rdma::Progress::Manual,
                 ..lwio_rdma::Config::default()
             },
+            tls: None,
         }
     }
 }
@@ -506,15 +533,22 @@ impl Client {
     }
 
     /// Connect to `target` (`lwio://HOST[:PORT][/EXPORT]` or `HOST[:PORT]`)
-    /// with a token (None = anonymous).
+    /// with a token; `None`: the default login (`LWIO_TOKEN`, else the
+    /// default token file if it exists, else anonymous). The side channel
+    /// is secured as [`ClientOptions::tls`] says: by default as the `lwio`
+    /// CLI does ([`connect`] module), so a default `lwio serve` (TLS with a
+    /// self-signed certificate) is trusted on first use.
     pub fn connect(target: &str, token: Option<&str>, opts: ClientOptions) -> Result<Client> {
-        let login = match token {
-            Some(t) => Login::Token(
-                Token::new(t).map_err(|e| Error::InvalidArgument(format!("token: {e}")))?,
-            ),
-            None => Login::Anonymous,
+        let args = connect::ConnectArgs {
+            token: token.map(str::to_string),
+            connect_timeout: Some(opts.connect_timeout),
+            ..connect::ConnectArgs::default()
         };
-        let mut so = crate::side::ClientOptions::new(login);
+        let mut so = crate::side::ClientOptions::new(connect::resolve_login(&args)?);
+        so.tls = match &opts.tls {
+            Some(t) => t.clone(),
+            None => connect::resolve_tls(&args)?,
+        };
         so.client_name = opts.client_name.clone();
         so.connect_timeout = opts.connect_timeout;
         Client::connect_with(target, &so, opts)

@@ -29,9 +29,10 @@ pub struct ClientOptions {
     pub request_timeout: Duration,
     /// Largest response accepted.
     pub max_frame: u32,
-    /// Transport security. The library default is [`ClientTls::Off`] (plain
-    /// TCP, for embedded and test servers); the `lwio` CLI defaults to
-    /// verified TLS.
+    /// Transport security. [`ClientOptions::new`] leaves it
+    /// [`ClientTls::Off`] (plain TCP, for embedded and test servers);
+    /// [`ClientOptions::resolve`] gives the one default of the CLI, the C
+    /// API and `Client::connect`: TLS (crate::connect).
     pub tls: ClientTls,
     /// Send a password even over plain TCP (the server must allow it too).
     pub allow_plain_password: bool,

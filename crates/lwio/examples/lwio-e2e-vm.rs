@@ -217,7 +217,7 @@ fn main() {
         let r = Client::connect(
             &format!("lwio://{}/ex", server.side_addr),
             Some(TOKEN),
-            opts,
+            opts.no_tls(),
         )
         .map_err(e2s)
         .and_then(|c| {

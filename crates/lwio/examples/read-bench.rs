@@ -58,7 +58,7 @@ fn main() {
                 let c = Client::connect(
                     &format!("lwio://{}/ex", server.side_addr),
                     Some(TOKEN),
-                    opts,
+                    opts.no_tls(),
                 )
                 .expect("connect");
                 let f = c

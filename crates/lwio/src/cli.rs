@@ -9,15 +9,14 @@ use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
 use lwio_client::side::{Client, ClientOptions};
 use lwio_client::url::LwioUrl;
-use lwio_server::config::{default_token_file, Config, ProviderChoice};
+use lwio_client::{ConnectArgs, ProviderChoice};
+use lwio_server::config::Config;
 use lwio_server::fs::backend::BackendChoice;
-use lwio_server::fs::{Attr, ExportSpec, FileKind};
-use lwio_server::server::{Security, Server, ServerOptions};
-use lwio_server::side::tls::ServerIdentity;
+use lwio_server::fs::ExportSpec;
+use lwio_server::Service;
 use lwio_side::error::{Error, ErrorCode};
-use lwio_side::tls::parse_fingerprint;
 use lwio_side::units::{parse_duration, parse_size};
-use lwio_side::{ClientTls, Login, Token};
+use lwio_side::{Attr, FileKind, Token};
 
 const MAIN_EXAMPLES: &str = "\
 Examples:
@@ -621,112 +620,32 @@ fn first_line(text: &str) -> &str {
     text.lines().next().unwrap_or("").trim_end_matches('\r')
 }
 
-/// How a client logs in: with `--user`, that user's token (`--token-file` or
-/// `LWIO_TOKEN`) or password (`--password-file`, `LWIO_PASSWORD`, asked on
-/// the terminal); without: `--token-file`, else `LWIO_TOKEN`, else the
-/// default token file if it exists, else anonymously.
-pub fn client_login(args: &ClientArgs) -> anyhow::Result<Login> {
-    if let Some(user) = &args.user {
-        lwio_server::side::access::validate_user_name(user)
-            .map_err(|e| anyhow::anyhow!("--user: {e}"))?;
-        let token = match &args.token_file {
-            Some(p) => Some(Token::load(p)?),
-            None => match std::env::var("LWIO_TOKEN") {
-                Ok(t) if !t.trim().is_empty() => {
-                    Some(Token::new(&t).map_err(|e| anyhow::anyhow!("LWIO_TOKEN: {}", e.message))?)
-                }
-                _ => None,
-            },
-        };
-        if let Some(token) = token {
-            return Ok(Login::UserToken {
-                user: user.clone(),
-                token,
-            });
-        }
-        let password = if let Some(p) = &args.password_file {
-            let t = std::fs::read_to_string(p)
-                .map_err(|e| anyhow::anyhow!("password file {}: {e}", p.display()))?;
-            first_line(&t).to_string()
-        } else if let Ok(p) = std::env::var("LWIO_PASSWORD") {
-            p
-        } else {
-            rpassword::prompt_password(format!("Password for {user}: ")).map_err(|e| {
-                anyhow::anyhow!(
-                    "no password for {user}: give --password-file FILE or set LWIO_PASSWORD ({e})"
-                )
-            })?
-        };
-        return Ok(Login::Password {
-            user: user.clone(),
-            password,
-        });
+/// What the shared client flags say about login and TLS; the rest is
+/// the one client default ([`ClientOptions::resolve`], `lwio_client::connect`:
+/// `LWIO_TOKEN`, the default token file, known_hosts, …).
+pub fn connect_args(args: &ClientArgs) -> ConnectArgs {
+    ConnectArgs {
+        user: args.user.clone(),
+        token_file: args.token_file.clone(),
+        password_file: args.password_file.clone(),
+        ask_password: Some(|prompt| rpassword::prompt_password(prompt)),
+        no_tls: args.no_tls,
+        insecure: args.insecure,
+        fingerprint: args.fingerprint.clone(),
+        ca: args.ca.clone(),
+        known_hosts: args.known_hosts.clone(),
+        strict_host_key_checking: args.strict_host_key_checking,
+        connect_timeout: Some(args.connect_timeout),
+        ..ConnectArgs::default()
     }
-    if let Some(p) = &args.token_file {
-        return Ok(Login::Token(Token::load(p)?));
-    }
-    if let Ok(t) = std::env::var("LWIO_TOKEN") {
-        if !t.trim().is_empty() {
-            return Ok(Login::Token(
-                Token::new(&t).map_err(|e| anyhow::anyhow!("LWIO_TOKEN: {}", e.message))?,
-            ));
-        }
-    }
-    if let Some(p) = default_token_file().filter(|p| p.exists()) {
-        return Ok(Login::Token(Token::load(&p)?));
-    }
-    Ok(Login::Anonymous)
-}
-
-/// Transport security from `--no-tls`, `--insecure`, `--fingerprint` (or
-/// `LWIO_FINGERPRINT`), `--ca`; default: TLS verified by the system roots.
-pub fn client_tls(args: &ClientArgs) -> anyhow::Result<ClientTls> {
-    if args.no_tls {
-        return Ok(ClientTls::Off);
-    }
-    if args.insecure {
-        eprintln!("lwio: warning: --insecure: the server's TLS certificate is not verified");
-        return Ok(ClientTls::Insecure);
-    }
-    let fp = match &args.fingerprint {
-        Some(f) => Some(f.clone()),
-        None if args.ca.is_none() => std::env::var("LWIO_FINGERPRINT")
-            .ok()
-            .filter(|f| !f.trim().is_empty()),
-        None => None,
-    };
-    if let Some(f) = fp {
-        return Ok(ClientTls::Fingerprint(parse_fingerprint(&f)?));
-    }
-    if let Some(p) = &args.ca {
-        return Ok(ClientTls::CaFile(p.clone()));
-    }
-    // Trust on first use, as ssh does (docs/security.md).
-    let file = args
-        .known_hosts
-        .clone()
-        .or_else(|| {
-            std::env::var_os("LWIO_KNOWN_HOSTS")
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from)
-        })
-        .or_else(lwio_side::known_hosts::default_path);
-    let strict = args.strict_host_key_checking
-        || std::env::var("LWIO_STRICT_HOST_KEY_CHECKING")
-            .is_ok_and(|v| matches!(v.as_str(), "yes" | "1" | "true"));
-    Ok(match file {
-        Some(file) => ClientTls::KnownHosts { file, strict },
-        // No HOME and no file given: only a CA-signed certificate will do.
-        None => ClientTls::SystemRoots,
-    })
 }
 
 /// Client options from the shared client flags.
 pub fn client_options(args: &ClientArgs) -> anyhow::Result<ClientOptions> {
-    let mut opts = ClientOptions::new(client_login(args)?);
-    opts.connect_timeout = args.connect_timeout;
-    opts.tls = client_tls(args)?;
-    Ok(opts)
+    if args.insecure && !args.no_tls {
+        eprintln!("lwio: warning: --insecure: the server's TLS certificate is not verified");
+    }
+    Ok(ClientOptions::resolve(&connect_args(args))?)
 }
 
 fn connect(url: &LwioUrl, args: &ClientArgs) -> anyhow::Result<Client> {
@@ -1071,80 +990,23 @@ fn serve(a: ServeArgs) -> CliResult {
     }
     init_tracing_format("info", a.log_format);
     let c = serve_config(&a)?;
-    let token_path = c.token_file.clone().or_else(default_token_file);
-    let token = match &token_path {
-        Some(p) => {
-            let (t, created) = Token::load_or_create(p)?;
-            if created {
-                tracing::info!(path = %p.display(), "created a new token file (mode 0600); copy it to clients");
-            } else {
-                tracing::info!(path = %p.display(), "using token file");
-            }
-            Some(t)
-        }
-        None if c.allow_anonymous => None,
-        None => anyhow::bail!("no token file: give --token-file FILE (HOME is not set)"),
-    };
-    if c.allow_anonymous {
-        tracing::warn!("anonymous access enabled: anyone who can connect has the rights the exports grant to \"anonymous\"");
+    // `--rdma-listen` and `--metrics` over the file's values; `c` stays
+    // what SIGHUP compares a re-read file with.
+    let mut start = c.clone();
+    if let Some(r) = &a.rdma_listen {
+        start.rdma_listen = Some(r.clone());
     }
-    let tls = if !c.tls {
-        tracing::warn!(
-            "TLS disabled (tls = false): the side channel is plain TCP; clients need --no-tls"
-        );
-        None
-    } else if let (Some(cert), Some(key)) = (&c.tls_cert, &c.tls_key) {
-        Some(ServerIdentity::load(cert, key)?)
-    } else {
-        let Some(dir) = token_path.as_ref().and_then(|p| p.parent()) else {
-            anyhow::bail!("no place for a self-signed TLS certificate: give --tls-cert FILE --tls-key FILE (or --token-file FILE)");
-        };
-        let name = c.server_name.clone().unwrap_or_else(lwio_side::host_name);
-        let mut names = vec![
-            name,
-            "localhost".to_string(),
-            "127.0.0.1".into(),
-            "::1".into(),
-        ];
-        names.dedup();
-        let (id, created) = ServerIdentity::self_signed(dir, &names)?;
-        let cert = dir.join(lwio_side::tls::SELF_SIGNED_CERT);
-        if created {
-            tracing::info!(path = %cert.display(), "created a self-signed TLS certificate (key mode 0600)");
-        } else {
-            tracing::info!(path = %cert.display(), "using the self-signed TLS certificate");
-        }
-        Some(id)
-    };
-    let fingerprint = tls.as_ref().map(|t| t.fingerprint.clone());
-    let security = Security::from_config(&c, tls)?;
-    let opts = ServerOptions::from_config(&c, token);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| anyhow::anyhow!("tokio runtime: {e}"))?;
-    rt.block_on(async move {
-        let mut server = Server::bind_secure(opts, security).await?;
-        let addr = server.local_addr()?.to_string();
-        {
-            let mut out = std::io::stdout().lock();
-            if let Some(fp) = &fingerprint {
-                writeln!(out, "lwio: TLS fingerprint {fp}")?;
-            }
-            writeln!(out, "lwio: listening on {addr}")?;
-            out.flush()?;
-        }
-        crate::cmd::serve::attach_rdma(&mut server, &c, a.rdma_listen.as_deref())?;
-        if let Some(m) = a.metrics.as_deref().or(c.metrics_listen.as_deref()) {
-            crate::cmd::serve::start_metrics(&server, m).await?;
-        }
-        if let Some(p) = &a.ready_file {
-            write_ready_file(p, &addr)?;
-        }
-        crate::cmd::serve::start_service(&server, a.clone(), c.clone())?;
-        server.run().await?;
-        Ok::<(), anyhow::Error>(())
-    })
+    if let Some(m) = &a.metrics {
+        start.metrics_listen = Some(m.clone());
+    }
+    let service = Service::start(start)?;
+    crate::cmd::serve::print_listening(&service)?;
+    if let Some(p) = &a.ready_file {
+        write_ready_file(p, &service.side_addr().to_string())?;
+    }
+    crate::cmd::serve::start_service(&service, a.clone(), c)?;
+    service.wait()?;
+    Ok(())
 }
 
 /// Map an error to the one line printed by the binary.

@@ -16,7 +16,11 @@ fn connect(s: &LocalServer) -> Result<Client, Error> {
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
-    Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
+    Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
 }
 
 /// With a cap of 50 (issue 13), the 51st client gets "server busy: 50

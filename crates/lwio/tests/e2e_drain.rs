@@ -55,7 +55,8 @@ fn stale_write_of_a_lost_connection_never_lands_after_a_newer_one() {
             op_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             ..ClientOptions::default()
-        },
+        }
+        .no_tls(),
     )
     .expect("client connects");
     let f = c

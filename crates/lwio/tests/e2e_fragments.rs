@@ -61,7 +61,8 @@ fn client(s: &LocalServer, completion: Completion) -> Client {
             // for a polling waiter's INTERRUPT.
             credits: 32,
             ..ClientOptions::default()
-        },
+        }
+        .no_tls(),
     )
     .unwrap()
 }
@@ -548,7 +549,8 @@ fn a_busy_fragmented_writer_is_granted_credits_for_its_messages() {
             completion: Completion::Interrupt,
             credits: 128,
             ..ClientOptions::default()
-        },
+        }
+        .no_tls(),
     )
     .unwrap();
     let f = c

@@ -51,7 +51,8 @@ fn env_with(rdma: RdmaServerOptions) -> Env {
         ClientOptions {
             completion: Completion::Interrupt,
             ..ClientOptions::default()
-        },
+        }
+        .no_tls(),
     )
     .unwrap();
     let good = c.open("f.bin", &OpenOptions::read_only()).unwrap();

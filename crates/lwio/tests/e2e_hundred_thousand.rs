@@ -158,7 +158,7 @@ fn a_hundred_thousand_open_files_on_one_server() {
 
     // One client first, for what the server sets up once.
     {
-        let c = Client::connect(&url, Some(TOKEN), opts()).expect("connect");
+        let c = Client::connect(&url, Some(TOKEN), opts().no_tls()).expect("connect");
         let f = c.open(&name(0), &OpenOptions::read_only()).expect("open");
         f.close().unwrap();
     }
@@ -173,7 +173,7 @@ fn a_hundred_thousand_open_files_on_one_server() {
             .map(|k| {
                 let url = &url;
                 sc.spawn(move || {
-                    let c = Client::connect(url, Some(TOKEN), opts())
+                    let c = Client::connect(url, Some(TOKEN), opts().no_tls())
                         .unwrap_or_else(|e| panic!("client {k}: connect: {e}"));
                     let files: Vec<File> = (k * PER_CLIENT..(k + 1) * PER_CLIENT)
                         .map(|i| {

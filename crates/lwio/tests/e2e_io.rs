@@ -43,8 +43,12 @@ fn client(s: &LocalServer, completion: Completion) -> Client {
 }
 
 fn connect_with(s: &LocalServer, opts: ClientOptions) -> Client {
-    Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
-        .expect("client connects")
+    Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
+    .expect("client connects")
 }
 
 fn local_read(path: &Path, off: u64, len: usize) -> Vec<u8> {
@@ -373,7 +377,8 @@ fn cancel_running_suite(completion: Completion) {
             stage_slots: 40,
             op_timeout: Duration::from_secs(30),
             ..ClientOptions::default()
-        },
+        }
+        .no_tls(),
     )
     .expect("client connects");
     assert!(
@@ -450,9 +455,13 @@ fn async_api_and_dropped_future() {
             completion: Completion::Poll,
             ..ClientOptions::default()
         };
-        let c = AsyncClient::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
-            .await
-            .unwrap();
+        let c = AsyncClient::connect(
+            &format!("lwio://{}/ex", s.side_addr),
+            Some(TOKEN),
+            opts.no_tls(),
+        )
+        .await
+        .unwrap();
         let f = c
             .open("async.bin", &OpenOptions::read_write().create(true))
             .await
@@ -671,7 +680,12 @@ fn registered_suite(completion: Completion) {
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
-    let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts).unwrap();
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
+    .unwrap();
     let data = pattern(77, 3 << 20);
     std::fs::write(dir.path().join("r.bin"), &data).unwrap();
     let f = c.open("r.bin", &OpenOptions::read_only()).unwrap();
@@ -776,7 +790,7 @@ fn soft_default_stages_plain_reads() {
     let c = Client::connect(
         &format!("lwio://{}/ex", s.side_addr),
         Some(TOKEN),
-        ClientOptions::default(),
+        ClientOptions::default().no_tls(),
     )
     .unwrap();
     assert_eq!(c.provider(), "soft");
@@ -1280,7 +1294,11 @@ fn transport_mismatch_is_one_line_naming_both_sides() {
         provider: lwio_rdma::ProviderChoice::Soft,
         ..ClientOptions::default()
     };
-    let Err(e) = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts) else {
+    let Err(e) = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    ) else {
         panic!("connected without a common transport");
     };
     assert_eq!(
@@ -1309,8 +1327,12 @@ fn several_channels_spread_files_byte_for_byte() {
         channels: 3,
         ..ClientOptions::default()
     };
-    let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
-        .expect("client connects");
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
+    .expect("client connects");
     assert_eq!(c.channels(), 3);
     assert_eq!(s.rdma.stats().accepted, 3, "three RDMA connections");
     let mut files = Vec::new();
@@ -1370,8 +1392,12 @@ fn more_readers_than_staging_buffers_poll_mode() {
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
-    let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
-        .expect("client connects");
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
+    .expect("client connects");
     let f = std::sync::Arc::new(c.open("r.bin", &OpenOptions::read_only()).unwrap());
     let (tx, rx) = std::sync::mpsc::channel();
     for t in 0..12u64 {
@@ -1459,8 +1485,12 @@ fn unused_credits_are_reported_and_taken_back() {
             max_credits: max,
             ..ClientOptions::default()
         };
-        let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
-            .expect("client connects");
+        let c = Client::connect(
+            &format!("lwio://{}/ex", s.side_addr),
+            Some(TOKEN),
+            opts.no_tls(),
+        )
+        .expect("client connects");
         let f = c.open("u.bin", &OpenOptions::read_only()).unwrap();
         assert_eq!(c.credits(), 8);
         assert_eq!(s.rdma.credit_delta_all(4), 1);
@@ -1505,8 +1535,12 @@ fn polled_waits_sleep_on_interrupt() {
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
-    let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
-        .expect("client connects");
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
+    .expect("client connects");
     let f = c.open("i.bin", &OpenOptions::read_only()).unwrap();
     let mut b = vec![0u8; 1 << 20];
     for i in 0..24u64 {

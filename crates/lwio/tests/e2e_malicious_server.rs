@@ -99,7 +99,8 @@ fn case(mode: Completion, script: impl FnMut(&mut Evil, &Io) + Send + 'static) -
             op_timeout: OP_TIMEOUT,
             connect_timeout: Duration::from_secs(5),
             ..ClientOptions::default()
-        },
+        }
+        .no_tls(),
     )
     .unwrap();
     assert_eq!(client.completion(), mode);

@@ -36,8 +36,12 @@ fn client(s: &LocalServer, completion: Completion) -> Client {
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
-    Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
-        .expect("client connects")
+    Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
+    .expect("client connects")
 }
 
 /// Read all of `f` from 0 (chunked as the library splits it).

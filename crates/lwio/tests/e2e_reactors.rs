@@ -20,7 +20,12 @@ fn connect(s: &LocalServer) -> Client {
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
-    Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts).unwrap()
+    Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
+    .unwrap()
 }
 
 /// Names of this process's threads that start with `prefix`.

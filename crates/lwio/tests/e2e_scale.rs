@@ -124,7 +124,7 @@ fn open_files_up_to_100k_and_nothing_leaks() {
     // One client first, for what the process sets up once (the soft
     // provider's shared state): the baseline is taken after it left.
     {
-        let c = Client::connect(&url, Some(TOKEN), opts()).expect("connects");
+        let c = Client::connect(&url, Some(TOKEN), opts().no_tls()).expect("connects");
         c.open("f000000", &OpenOptions::read_only())
             .unwrap()
             .close()
@@ -145,7 +145,7 @@ fn open_files_up_to_100k_and_nothing_leaks() {
                     op_timeout: Duration::from_secs(60),
                     ..ClientOptions::default()
                 };
-                let client = Client::connect(&url, Some(TOKEN), opts).expect("connects");
+                let client = Client::connect(&url, Some(TOKEN), opts.no_tls()).expect("connects");
                 let files: Vec<_> = (c * per_client..(c + 1) * per_client)
                     .map(|i| {
                         let f = client

@@ -168,7 +168,7 @@ fn slow_peer_child() {
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
-    let c = Client::connect(&url, Some(&token), opts).unwrap();
+    let c = Client::connect(&url, Some(&token), opts.no_tls()).unwrap();
     let f = c
         .open("slow.bin", &OpenOptions::read_write().create(true))
         .unwrap();

@@ -159,7 +159,7 @@ fn opts() -> ClientOptions {
 }
 
 fn connect(url: &str, i: usize) -> (Client, File) {
-    let c = Client::connect(url, Some(TOKEN), opts())
+    let c = Client::connect(url, Some(TOKEN), opts().no_tls())
         .unwrap_or_else(|e| panic!("client {i} of {CLIENTS}: connect: {e}"));
     let f = c
         .open(&format!("c{i:04}"), &OpenOptions::read_write())

@@ -63,7 +63,12 @@ fn without_io_uring_the_storage_threads_do_the_file_io() {
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
-    let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts).unwrap();
+    let c = Client::connect(
+        &format!("lwio://{}/ex", s.side_addr),
+        Some(TOKEN),
+        opts.no_tls(),
+    )
+    .unwrap();
     let f = c
         .open("t", &OpenOptions::read_write().create(true))
         .unwrap();

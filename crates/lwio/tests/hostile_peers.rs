@@ -88,7 +88,8 @@ fn env_with(adjust: impl FnOnce(&mut RdmaServerOptions)) -> Env {
         ClientOptions {
             completion: Completion::Interrupt,
             ..ClientOptions::default()
-        },
+        }
+        .no_tls(),
     )
     .unwrap();
     let good = c.open("good.bin", &OpenOptions::read_write()).unwrap();

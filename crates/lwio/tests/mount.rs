@@ -65,8 +65,12 @@ impl Fixture {
             op_timeout: Duration::from_secs(20),
             ..ClientOptions::default()
         };
-        Client::connect(&self.server.side_addr.to_string(), Some(TOKEN), opts)
-            .expect("client connects")
+        Client::connect(
+            &self.server.side_addr.to_string(),
+            Some(TOKEN),
+            opts.no_tls(),
+        )
+        .expect("client connects")
     }
 
     fn mount(&self, cfg: &MountConfig) -> Mounted {
@@ -1050,7 +1054,7 @@ fn read_only_export_and_rename_across_file_systems() {
         Client::connect(
             &server.side_addr.to_string(),
             Some(TOKEN),
-            ClientOptions::default(),
+            ClientOptions::default().no_tls(),
         )
         .expect("client connects")
     };

@@ -659,19 +659,8 @@ impl Config {
     }
 }
 
-/// The default token file: `$LWIO_TOKEN_FILE`, else
-/// `$XDG_CONFIG_HOME/lwio/token`, else `$HOME/.config/lwio/token`.
-pub fn default_token_file() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("LWIO_TOKEN_FILE").filter(|p| !p.is_empty()) {
-        return Some(PathBuf::from(p));
-    }
-    if let Some(x) = std::env::var_os("XDG_CONFIG_HOME").filter(|p| !p.is_empty()) {
-        return Some(PathBuf::from(x).join("lwio/token"));
-    }
-    std::env::var_os("HOME")
-        .filter(|p| !p.is_empty())
-        .map(|h| PathBuf::from(h).join(".config/lwio/token"))
-}
+/// The default token file (shared with clients).
+pub use lwio_side::defaults::default_token_file;
 
 /// The example from docs/config.md (kept in sync by a test).
 pub const EXAMPLE: &str = r#"# /etc/lwio/lwio.toml

@@ -1,8 +1,9 @@
 //! The lwio storage server: exports and their file backends ([`fs`]), the
 //! side channel's server ([`side`]: login, users and rights, admission, TLS
 //! identity), the LWIO I/O phase over RDMA ([`io_phase`]), the
-//! configuration ([`config`]) and the process that ties them together
-//! ([`server`]). Clients link `lwio-client`, not this crate.
+//! configuration ([`config`]), the process that ties them together
+//! ([`server`]) and the whole server started with one call ([`service`]).
+//! Clients link `lwio-client`, not this crate.
 
 pub mod config;
 pub mod fs;
@@ -10,6 +11,8 @@ pub mod io_phase;
 pub mod memobj;
 pub mod metrics;
 pub mod server;
+pub mod service;
 pub mod side;
 
 pub use server::{Server, ServerOptions, ServerState, Shutdown};
+pub use service::{Service, ServiceParts};

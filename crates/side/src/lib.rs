@@ -2,8 +2,9 @@
 //! side channel (`docs/side-channel.md`), login proofs ([`auth`],
 //! [`user_token`]), the negotiate pipe ([`negotiate`]), the client's TLS and
 //! certificate pinning ([`tls`]), the error codes ([`error`]), the file
-//! attribute types ([`types`]), and the size/duration units of options
-//! ([`units`]).
+//! attribute types ([`types`]), the size/duration units of options
+//! ([`units`]), and the defaults both ends share ([`defaults`]: the token
+//! file, user names).
 //!
 //! The side channel is an authenticated TCP session (default port 7420) that
 //! carries the discovery phase — hello/version, login, the file namespace
@@ -14,6 +15,7 @@
 
 pub mod auth;
 pub mod codec;
+pub mod defaults;
 pub mod error;
 pub mod known_hosts;
 pub mod negotiate;

@@ -36,7 +36,7 @@ use hdrhistogram::Histogram;
 use lwio::cli::{Completion as CliCompletion, RwPattern};
 use lwio::cmd::bench::{job, job_options, JobResult, Plan, Rng};
 use lwio::scale::{cpu_time, metric, qd1_reads, raise_nofile, scrape, ProcStatus};
-use lwio_client::{Client, ClientOptions, Completion, File, OpenOptions};
+use lwio_client::{Client, ClientOptions, ClientTls, Completion, File, OpenOptions};
 
 #[derive(Parser, Debug)]
 #[command(about = "lwio: one server, many clients (issue 13); see bench/scale.sh")]
@@ -125,6 +125,8 @@ impl Ctx<'_> {
     fn connect(&self, opts: ClientOptions) -> Result<Client, lwio_client::Error> {
         let opts = ClientOptions {
             busy_poll: self.a.busy_poll.unwrap_or(opts.busy_poll),
+            // bench/scale.sh serves with --no-tls.
+            tls: Some(ClientTls::Off),
             ..opts
         };
         Client::connect(&self.a.url, Some(&self.token), opts)

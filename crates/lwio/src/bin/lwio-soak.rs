@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use lwio::cmd::bench::Rng;
-use lwio_client::{Client, ClientOptions, Completion, Error, File, OpenOptions};
+use lwio_client::{Client, ClientOptions, ClientTls, Completion, Error, File, OpenOptions};
 use lwio_proto::status::STATUS_DISK_FULL;
 
 #[derive(Parser, Debug)]
@@ -337,6 +337,8 @@ impl Worker {
             credits: 16,
             op_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
+            // Its server runs with --no-tls.
+            tls: Some(ClientTls::Off),
             ..ClientOptions::default()
         };
         let client = Client::connect(&self.url, Some(&self.token), opts)?;

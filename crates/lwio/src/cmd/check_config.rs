@@ -10,9 +10,10 @@ use std::fmt::Write as _;
 use std::net::ToSocketAddrs;
 use std::path::Path;
 
-use lwio_server::config::{default_token_file, Config, ExportEntry, IdentityKey};
+use lwio_server::config::{Config, ExportEntry, IdentityKey};
 use lwio_server::fs::{Exports, ResolveMode};
 use lwio_server::side::tls::ServerIdentity;
+use lwio_side::defaults::default_token_file;
 
 use crate::cli::{apply_serve_flags, Reported, ServeArgs, NOTHING_TO_SERVE};
 
@@ -173,7 +174,8 @@ pub fn check(a: &ServeArgs, file: &Path) -> Check {
             .ok()
             .and_then(|mut a| a.next())
             .and_then(|side| {
-                crate::cmd::serve::rdma_listen_addr(c.rdma_listen.as_deref(), &c.listen, side).ok()
+                lwio_server::service::rdma_listen_addr(c.rdma_listen.as_deref(), &c.listen, side)
+                    .ok()
             })
             .map_or_else(
                 || c.rdma_listen.clone().unwrap_or_default(),

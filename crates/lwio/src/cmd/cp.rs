@@ -19,7 +19,7 @@ use super::{connect_data, ctx, pump, random_suffix, LocalReader, ReadAt, RemoteR
 use crate::cli::{ClientArgs, CpArgs};
 use lwio_client::url::LwioUrl;
 use lwio_client::{Client, OpenOptions};
-use lwio_server::fs::FileKind;
+use lwio_side::FileKind;
 
 /// One end of a copy.
 #[derive(Debug, Clone)]

@@ -26,8 +26,7 @@ use lwio_proto::status::{STATUS_CANCELLED, STATUS_DISK_FULL, STATUS_END_OF_FILE}
 
 use crate::cli::ClientArgs;
 use lwio_client::url::LwioUrl;
-use lwio_client::{ClientOptions, Completion};
-use lwio_server::config::ProviderChoice;
+use lwio_client::{ClientOptions, Completion, ProviderChoice};
 
 /// Bytes per I/O call of `cat` and `cp` (the client splits each into
 /// pipelined requests of the negotiated size).

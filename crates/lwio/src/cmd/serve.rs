@@ -1,4 +1,6 @@
-//! `lwio serve`: the RDMA phase next to the side channel.
+//! `lwio serve`: what the command adds to [`Service::start`] (which binds
+//! the side channel, the RDMA phase and metrics): the lines it prints and
+//! the service glue (signals, sd_notify, SIGHUP).
 //!
 //! The RDMA listener binds to `--rdma-listen ADDR` (or the config file's
 //! `rdma_listen`) when given, otherwise to
@@ -10,125 +12,36 @@
 //! `limits.shutdown_grace`) and closes the connections.
 
 use std::io::Write;
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::Arc;
 
-use lwio_server::config::{Config, ProviderChoice};
-use lwio_server::io_phase::server::{RdmaServer, RdmaServerOptions};
-use lwio_server::server::Server;
+use lwio_server::config::Config;
+use lwio_server::Service;
 
 use crate::cli::ServeArgs;
 use crate::cmd::notify::Notifier;
 
-/// The RDMA listen address: `explicit` if given, else the side channel's
-/// bound IP with the configured side-channel port + 1 (0 stays 0).
-pub fn rdma_listen_addr(
-    explicit: Option<&str>,
-    side_config: &str,
-    side_bound: SocketAddr,
-) -> anyhow::Result<SocketAddr> {
-    if let Some(s) = explicit {
-        return s
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| {
-                anyhow::anyhow!("invalid RDMA listen address {s:?} (expected HOST:PORT)")
-            });
-    }
-    let port: u16 = side_config
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.parse().ok())
-        .unwrap_or(side_bound.port());
-    let port = match port {
-        0 => 0,
-        65535 => anyhow::bail!(
-            "side-channel port 65535 leaves no port for RDMA: give --rdma-listen HOST:PORT"
-        ),
-        p => p + 1,
-    };
-    Ok(SocketAddr::new(side_bound.ip(), port))
-}
-
-/// The metrics listen address: a port alone (`9100` or `:9100`) means
-/// localhost (the endpoint is plain HTTP without a login); anything else as
-/// given.
-pub fn metrics_addr(addr: &str) -> String {
-    let port = addr.strip_prefix(':').unwrap_or(addr);
-    if port.parse::<u16>().is_ok() {
-        format!("127.0.0.1:{port}")
-    } else {
-        addr.to_string()
-    }
-}
-
-/// Serve Prometheus metrics on `addr` beside `server` (until its shutdown);
-/// prints `lwio: metrics on http://ADDR/metrics`. A port alone listens on
-/// localhost ([`metrics_addr`]).
-pub async fn start_metrics(server: &Server, addr: &str) -> anyhow::Result<()> {
-    let addr = &metrics_addr(addr);
-    let l = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {addr}: {e}"))?;
-    let bound = l.local_addr()?;
-    tokio::spawn(lwio_server::metrics::serve(
-        l,
-        server.state().clone(),
-        server.shutdown_handle(),
-    ));
+/// What `lwio serve` prints on stdout once `service` runs (scripts and
+/// tests read these lines): `lwio: TLS fingerprint sha256:…` (with TLS),
+/// `lwio: listening on ADDR`, one `lwio: RDMA listening on ADDR (provider
+/// P, DEVICE, TRANSPORT)` per RDMA listener, and `lwio: metrics on
+/// http://ADDR/metrics` when metrics are served.
+pub fn print_listening(service: &Service) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
-    writeln!(out, "lwio: metrics on http://{bound}/metrics")?;
+    if let Some(fp) = service.fingerprint() {
+        writeln!(out, "lwio: TLS fingerprint {fp}")?;
+    }
+    writeln!(out, "lwio: listening on {}", service.side_addr())?;
+    for (addr, provider, device, inst) in service.rdma_listeners() {
+        writeln!(
+            out,
+            "lwio: RDMA listening on {addr} (provider {provider}, {device}, {})",
+            inst.transport
+        )?;
+    }
+    if let Some(m) = service.metrics_addr() {
+        writeln!(out, "lwio: metrics on http://{m}/metrics")?;
+    }
     out.flush()?;
     Ok(())
-}
-
-/// Bind the RDMA listener for `c` and attach it to `server`; prints
-/// `lwio: RDMA listening on ADDR (provider P, DEVICE, TRANSPORT)` on stdout,
-/// one line per listener.
-pub fn attach_rdma(
-    server: &mut Server,
-    c: &Config,
-    rdma_listen: Option<&str>,
-) -> anyhow::Result<()> {
-    let side = server.local_addr()?;
-    let explicit = rdma_listen.or(c.rdma_listen.as_deref());
-    let listen = rdma_listen_addr(explicit, &c.listen, side)?;
-    let opts = RdmaServerOptions::from_config(c, listen);
-    if opts.proto.allow_md5 {
-        tracing::warn!(
-            "compat_md5_auth is on: the RDMA listener also accepts the seed's unkeyed MD5 AUTH signature, which authenticates nothing (anyone who learns a negotiate Key can connect); use only on a trusted fabric for interoperability tests"
-        );
-    }
-    let phase = RdmaServer::bind(opts).map_err(|e| bind_error(c.provider, listen, e))?;
-    tracing::info!(addr = %phase.local_addr(), "RDMA phase ready");
-    {
-        let mut out = std::io::stdout().lock();
-        for (addr, provider, device, inst) in phase.listeners() {
-            writeln!(
-                out,
-                "lwio: RDMA listening on {addr} (provider {provider}, {device}, {})",
-                inst.transport
-            )?;
-        }
-        out.flush()?;
-    }
-    server.set_rdma_phase(Arc::new(phase));
-    Ok(())
-}
-
-fn bind_error(choice: ProviderChoice, listen: SocketAddr, e: lwio_rdma::Error) -> anyhow::Error {
-    use lwio_rdma::Error as E;
-    match e {
-        E::ProviderUnavailable(m) | E::NoSuchDevice(m) => anyhow::anyhow!(
-            "no usable RDMA provider for --provider {}: {m} (try --provider soft; `lwio devices` lists what this host has)",
-            choice.as_str()
-        ),
-        E::Io(io) => anyhow::anyhow!("cannot listen for RDMA on {listen}: {io}"),
-        other => anyhow::anyhow!(
-            "RDMA listener ({}, {listen}): {other}",
-            choice.as_str()
-        ),
-    }
 }
 
 /// `STATUS=` text: what the server holds now.
@@ -148,14 +61,17 @@ pub fn status_line(state: &lwio_server::server::ServerState) -> String {
 /// How often `STATUS=` is refreshed under systemd.
 pub const STATUS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The service side of `lwio serve`, called once every listener is bound
-/// and just before `server.run()`: SIGINT/SIGTERM stop the server
+/// The service side of `lwio serve`, called once [`Service::start`]
+/// returned (every listener bound, the server running): SIGINT/SIGTERM
+/// stop the server
 /// (`STOPPING=1`), SIGHUP re-reads the configuration ([`reload`]); with
 /// `$NOTIFY_SOCKET`, `READY=1` and then `STATUS=` every
 /// [`STATUS_INTERVAL`]. The signal handlers are installed before this
 /// returns, so a SIGHUP right after `READY=1` cannot kill the process.
-pub fn start_service(server: &Server, args: ServeArgs, running: Config) -> anyhow::Result<()> {
+pub fn start_service(server: &Service, args: ServeArgs, running: Config) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
+    // Signal streams and tasks belong to the service's runtime.
+    let _rt = server.runtime().enter();
     let notifier = Notifier::from_env();
     let stop = server.shutdown_handle();
     let mut term = signal(SignalKind::terminate())?;
@@ -178,8 +94,8 @@ pub fn start_service(server: &Server, args: ServeArgs, running: Config) -> anyho
         let stop = server.shutdown_handle();
         tokio::spawn(async move {
             // The listening sockets accept (the kernel completes handshakes
-            // into their backlogs) since they were bound; this task runs
-            // once `run()` is being polled, which accepts them.
+            // into their backlogs) since they were bound, and
+            // `Service::start` returned once `run()` was being polled.
             tokio::task::yield_now().await;
             notifier.send(&format!("READY=1\nSTATUS={}", status_line(&state)));
             tracing::info!("told systemd READY=1");
@@ -280,52 +196,6 @@ pub fn config_changes(old: &Config, new: &Config) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn metrics_port_alone_is_localhost() {
-        assert_eq!(metrics_addr("9100"), "127.0.0.1:9100");
-        assert_eq!(metrics_addr(":9100"), "127.0.0.1:9100");
-        assert_eq!(metrics_addr("0.0.0.0:9100"), "0.0.0.0:9100");
-        assert_eq!(metrics_addr("[::1]:9100"), "[::1]:9100");
-    }
-
-    #[test]
-    fn default_rdma_port() {
-        let bound: SocketAddr = "0.0.0.0:7420".parse().unwrap();
-        assert_eq!(
-            rdma_listen_addr(None, "0.0.0.0:7420", bound).unwrap(),
-            "0.0.0.0:7421".parse().unwrap()
-        );
-        let bound: SocketAddr = "127.0.0.1:40000".parse().unwrap();
-        assert_eq!(
-            rdma_listen_addr(None, "127.0.0.1:0", bound).unwrap(),
-            "127.0.0.1:0".parse().unwrap()
-        );
-        assert_eq!(
-            rdma_listen_addr(Some("127.0.0.1:9000"), "127.0.0.1:0", bound).unwrap(),
-            "127.0.0.1:9000".parse().unwrap()
-        );
-        assert!(rdma_listen_addr(Some("nonsense"), "x", bound).is_err());
-        assert!(rdma_listen_addr(None, "[::]:65535", bound).is_err());
-        let c = Config::from_toml("rdma_listen = \"127.0.0.1:9000\"\n").unwrap();
-        assert_eq!(c.rdma_listen.as_deref(), Some("127.0.0.1:9000"));
-        assert!(
-            !RdmaServerOptions::from_config(&c, bound).proto.allow_md5,
-            "MD5 off by default"
-        );
-        assert_eq!(
-            RdmaServerOptions::from_config(&c, bound).max_connections_per_host,
-            32
-        );
-        let c = Config::from_toml("compat_md5_auth = true\n").unwrap();
-        assert!(RdmaServerOptions::from_config(&c, bound).proto.allow_md5);
-        let c = Config::from_toml("[limits]\nmax_rdma_connections_per_host = 3\n").unwrap();
-        assert_eq!(
-            RdmaServerOptions::from_config(&c, bound).max_connections_per_host,
-            3
-        );
-        assert!(Config::from_toml("[limits]\nmax_rdma_connections_per_host = 0\n").is_err());
-    }
 
     #[test]
     fn config_changes_name_what_a_restart_would_change() {

@@ -4,13 +4,12 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::Duration;
 
-use super::server::{RdmaServer, RdmaServerOptions, ServerHandle};
+use super::server::{RdmaServerOptions, ServerHandle};
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, ResolveMode};
-use crate::server::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
+use crate::server::{AuthPolicy, Security, ServerOptions, ServerState};
+use crate::service::{Service, ServiceParts};
 use lwio_side::Token;
 
 /// The one read-write export `export` of `root`.
@@ -32,8 +31,7 @@ pub struct LocalServer {
     pub rdma: ServerHandle,
     pub state: Arc<ServerState>,
     pub token: String,
-    shutdown: Shutdown,
-    thread: Option<JoinHandle<()>>,
+    service: Service,
 }
 
 impl std::fmt::Debug for LocalServer {
@@ -109,6 +107,8 @@ impl LocalServer {
         LocalServer::start_exports(exports, token, limits, rdma, IoConfig::default())
     }
 
+    /// Plain TCP, the shared token only, one runtime worker, on loopback:
+    /// [`Service::start_with`].
     fn start_exports(
         exports: Vec<ExportSpec>,
         token: &str,
@@ -117,7 +117,7 @@ impl LocalServer {
         io: IoConfig,
     ) -> lwio_side::Result<LocalServer> {
         let provider = rdma.provider;
-        let opts = ServerOptions {
+        let options = ServerOptions {
             listen: "127.0.0.1:0".into(),
             server_name: "lwio-test".into(),
             exports,
@@ -130,60 +130,29 @@ impl LocalServer {
             provider,
             resolve: ResolveMode::Auto,
         };
-        let phase = RdmaServer::bind(rdma).map_err(|e| {
-            lwio_side::Error::new(lwio_side::ErrorCode::Io, format!("RDMA listener: {e}"))
+        let service = Service::start_with(ServiceParts {
+            options,
+            security: Security::default(),
+            rdma: Some(rdma),
+            metrics_listen: None,
+            worker_threads: Some(1),
         })?;
-        let rdma_addr = phase.local_addr();
-        let handle = phase.handle();
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .map_err(|e| lwio_side::Error::from_io(&e, "tokio runtime"))?;
-        let mut server = rt.block_on(Server::bind(opts))?;
-        server.set_rdma_phase(Arc::new(phase));
-        let side_addr = server
-            .local_addr()
-            .map_err(|e| lwio_side::Error::from_io(&e, "side channel address"))?;
-        let state = server.state().clone();
-        let shutdown = server.shutdown_handle();
-        let thread = std::thread::Builder::new()
-            .name("lwio-local-server".into())
-            .spawn(move || {
-                if let Err(e) = rt.block_on(server.run()) {
-                    tracing::warn!(error = %e, "local server stopped with an error");
-                }
-            })
-            .map_err(|e| lwio_side::Error::from_io(&e, "server thread"))?;
+        let (Some(rdma_addr), Some(handle)) = (service.rdma_addr(), service.rdma_handle()) else {
+            unreachable!("an RDMA listener was asked for");
+        };
         Ok(LocalServer {
-            side_addr,
+            side_addr: service.side_addr(),
             rdma_addr,
-            rdma: handle,
-            state,
+            rdma: handle.clone(),
+            state: service.state().clone(),
             token: token.into(),
-            shutdown,
-            thread: Some(thread),
+            service,
         })
     }
 
     /// Stop gracefully and wait (bounded).
     pub fn stop(&mut self) {
-        self.shutdown.trigger();
-        if let Some(t) = self.thread.take() {
-            let deadline = std::time::Instant::now() + Duration::from_secs(20);
-            while !t.is_finished() && std::time::Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            }
-        }
-    }
-}
-
-impl Drop for LocalServer {
-    fn drop(&mut self) {
-        self.stop();
+        self.service.stop();
     }
 }
 

@@ -23,10 +23,9 @@ use crate::fs::table::Rights;
 
 /// ACL entry matching every authenticated principal (users and the shared token).
 pub const ANY_USER: &str = "*";
-/// ACL entry matching anonymous sessions.
-pub const ANONYMOUS: &str = "anonymous";
-/// The name the shared server token logs in as.
-pub const SHARED_TOKEN_NAME: &str = "token";
+/// ACL entry matching anonymous sessions; the name the shared server token
+/// logs in as; the check of user names (shared with clients).
+pub use lwio_side::defaults::{validate_user_name, ANONYMOUS, SHARED_TOKEN_NAME};
 
 /// Who a logged-in session is.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -112,24 +111,6 @@ impl Acl {
             write,
         }
     }
-}
-
-/// User names: 1-64 characters of `[A-Za-z0-9._@-]`, not a reserved name.
-pub fn validate_user_name(name: &str) -> Result<(), String> {
-    if name.is_empty()
-        || name.len() > 64
-        || !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._@-".contains(&b))
-    {
-        return Err(format!(
-            "invalid user name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ @ -"
-        ));
-    }
-    if name == ANONYMOUS || name == SHARED_TOKEN_NAME {
-        return Err(format!("user name {name:?} is reserved"));
-    }
-    Ok(())
 }
 
 // ------------------------------------------------------------ passwords
@@ -238,14 +219,6 @@ mod tests {
         let only = Acl::from_lists(Some(&[]), Some(&["bob".into()]));
         assert!(only.rights(&bob).read, "writers may read");
         assert_eq!(only.rights(&alice), Rights::default());
-    }
-
-    #[test]
-    fn user_names() {
-        assert!(validate_user_name("alice.b-2@x").is_ok());
-        for bad in ["", "anonymous", "token", "a b", "a/b", &"x".repeat(65)] {
-            assert!(validate_user_name(bad).is_err(), "{bad:?}");
-        }
     }
 
     #[test]
