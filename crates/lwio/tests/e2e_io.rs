@@ -1612,7 +1612,8 @@ fn a_polled_read_at_full_queue_depth_is_woken_by_its_interrupt() {
         poll_spin: Duration::ZERO,
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
-    };
+    }
+    .no_tls();
     let c = Client::connect(&format!("lwio://{}/ex", s.side_addr), Some(TOKEN), opts)
         .expect("client connects");
     assert_eq!(c.credits(), 2);
