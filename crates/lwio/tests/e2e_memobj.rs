@@ -698,3 +698,56 @@ fn what_the_publisher_is_told_is_in_its_memory() {
         }
     }
 }
+
+/// A write through the server is in the publisher's memory when the
+/// writer's call returns, even while the publisher's own threads are not
+/// reading its socket: the server follows its RDMA Write with a one-byte
+/// RDMA Read of the same key and answers the writer on the Read's
+/// completion (on iWARP a Write's completion means only that it was sent;
+/// the publisher's soft provider places it when one of its threads next
+/// reads the socket). Before each write the publisher does I/O of its own,
+/// so that its progress thread naps (callers drive) rather than waiting
+/// on the socket; without the Read the publisher's memory lacked the write
+/// (capi-tests' `publish (poll)` failed so in CI once).
+#[test]
+fn a_write_is_in_the_publishers_memory_when_the_writer_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    for completion in [Completion::Poll, Completion::Interrupt] {
+        let a = client(&s, completion);
+        const LEN: usize = 1 << 20;
+        let mut want = pattern(23, LEN);
+        let mut buf = a.register_buffer(LEN).unwrap();
+        buf.copy_from_slice(&want);
+        let p = a.publish("visible", buf, MemRights::ReadWrite).unwrap();
+        std::fs::write(dir.path().join("own.bin"), vec![7u8; 4096]).unwrap();
+        let own = a.open("own.bin", &OpenOptions::read_only()).unwrap();
+        let b = client(&s, Completion::Interrupt);
+        let w = b
+            .open(".lwio-mem/visible", &OpenOptions::read_write())
+            .unwrap();
+        for round in 0..20u32 {
+            let mut x = [0u8; 4096];
+            for _ in 0..20 {
+                assert_eq!(own.read_at(&mut x, 0).unwrap(), 4096);
+            }
+            let at = (round as usize * 40_961) % (LEN - 8192);
+            let patch = pattern(100 + u64::from(round), 8192);
+            assert_eq!(w.write_at(&patch, at as u64).unwrap(), 8192);
+            want[at..at + 8192].copy_from_slice(&patch);
+            let mut got = vec![0u8; 8192];
+            p.read_at(at, &mut got).unwrap();
+            assert!(
+                got == patch,
+                "{completion:?} round {round}: the publisher's memory at {at} lacks the write \
+                 that returned"
+            );
+        }
+        assert!(
+            p.to_vec().unwrap() == want,
+            "{completion:?}: the whole object"
+        );
+        drop(w);
+        p.unpublish().unwrap();
+    }
+}

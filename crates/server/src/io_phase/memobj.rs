@@ -84,6 +84,9 @@ struct Posted {
     bounce: Mr,
     len: usize,
     at: std::time::Instant,
+    /// A write whose RDMA Write failed (its flushing Read, which this
+    /// entry is keyed by, completes it).
+    write_failed: bool,
 }
 
 /// The publisher's half, kept by every connection (any authenticated
@@ -95,6 +98,9 @@ pub struct PubSide {
     pending: Option<(Guid, SessionId)>,
     key: Option<Guid>,
     posted: HashMap<u64, Posted>,
+    /// A write's RDMA Write → the one-byte RDMA Read posted after it, whose
+    /// completion answers the job (see [`PubSide::pump`]).
+    writes: HashMap<u64, u64>,
     next: u64,
     /// Bounce buffers of jobs that failed before posting.
     freed: Vec<Mr>,
@@ -109,6 +115,7 @@ impl Default for PubSide {
             pending: None,
             key: None,
             posted: HashMap::new(),
+            writes: HashMap::new(),
             next: 0,
             freed: Vec::new(),
         }
@@ -139,8 +146,18 @@ impl PubSide {
     }
 
     /// Post the queued jobs, as far as `room` send-queue entries and
-    /// [`MAX_INFLIGHT`] allow: work requests are appended to `wrs`.
-    /// `register` allocates a local-access bounce buffer.
+    /// [`MAX_INFLIGHT`] allow: work requests are appended to `wrs`, and
+    /// their number returned. `register` allocates a local-access bounce
+    /// buffer.
+    ///
+    /// A write is an RDMA Write followed by a one-byte RDMA Read of the
+    /// same key, and the job is answered on the Read's completion. A Read
+    /// is answered only after the responder has placed the Writes before
+    /// it on the connection (RFC 5040 §5.5 ordering; the same on
+    /// InfiniBand), whereas on iWARP a Write's own completion means only
+    /// that it was sent: the publisher's soft provider places it when one
+    /// of its threads next reads the socket. So the writer's call returns
+    /// once the bytes are in the publisher's memory.
     pub fn pump(
         &mut self,
         mut room: usize,
@@ -148,7 +165,7 @@ impl PubSide {
         mut register: impl FnMut(usize) -> Result<Mr, NtStatus>,
     ) -> usize {
         let mut n = 0;
-        while room > 0 && self.posted.len() < MAX_INFLIGHT {
+        while room >= 2 && self.posted.len() < MAX_INFLIGHT {
             let Ok(job) = self.rx.try_recv() else {
                 break;
             };
@@ -173,7 +190,9 @@ impl PubSide {
                 job.finish(Err(STATUS_FILE_DELETED));
                 continue;
             }
-            let bounce = match register(len) {
+            // A write's bounce has one byte more, for its flushing Read.
+            let extra = usize::from(matches!(job.kind, MemOp::Write { .. }));
+            let bounce = match register(len + extra) {
                 Ok(m) => m,
                 Err(st) => {
                     job.obj.end_io();
@@ -194,9 +213,19 @@ impl PubSide {
                     SendOp::Write { remote_addr, rkey }
                 }
             };
-            let id = self.next;
-            self.next = (self.next + 1) & !lwio_proto::wrid::MASK;
+            let mut id = self.take_id();
             wrs.push((WRID_MEMOBJ | id, op, Some(bounce.sge(0, len as u32))));
+            room -= 1;
+            n += 1;
+            if extra == 1 {
+                let flush = self.take_id();
+                self.writes.insert(id, flush);
+                let read = SendOp::Read { remote_addr, rkey };
+                wrs.push((WRID_MEMOBJ | flush, read, Some(bounce.sge(len, 1))));
+                room -= 1;
+                n += 1;
+                id = flush;
+            }
             self.posted.insert(
                 id,
                 Posted {
@@ -204,20 +233,39 @@ impl PubSide {
                     bounce,
                     len,
                     at: std::time::Instant::now(),
+                    write_failed: false,
                 },
             );
-            room -= 1;
-            n += 1;
         }
         n
+    }
+
+    fn take_id(&mut self) -> u64 {
+        let id = self.next;
+        self.next = (self.next + 1) & !lwio_proto::wrid::MASK;
+        id
     }
 
     /// The work request `id` completed (`ok` = successfully). Returns its
     /// bounce buffer for deregistration.
     pub fn complete(&mut self, id: u64, ok: bool) -> Option<Mr> {
+        if let Some(flush) = self.writes.remove(&id) {
+            // A write's RDMA Write: its Read answers the job.
+            if !ok {
+                if let Some(p) = self.posted.get_mut(&flush) {
+                    p.write_failed = true;
+                }
+            }
+            return None;
+        }
         let Posted {
-            job, bounce, len, ..
+            job,
+            bounce,
+            len,
+            write_failed,
+            ..
         } = self.posted.remove(&id)?;
+        let ok = ok && !write_failed;
         job.obj.end_io();
         if !ok {
             debug!(object = %job.obj.spec.name, "RDMA access to the publisher's memory failed");
@@ -263,7 +311,7 @@ impl PubSide {
 
     /// Posted work requests (their completions are still due).
     pub fn posted(&self) -> usize {
-        self.posted.len()
+        self.posted.len() + self.writes.len()
     }
 
     /// The connection is going: its publications go, and every job still
@@ -276,6 +324,7 @@ impl PubSide {
         while let Ok(j) = self.rx.try_recv() {
             drop(j);
         }
+        self.writes.clear();
         self.posted
             .drain()
             .map(|(_, p)| {
