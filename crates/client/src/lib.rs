@@ -36,7 +36,7 @@ pub mod side;
 pub mod url;
 
 use std::io::{IoSlice, IoSliceMut};
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -1653,15 +1653,5 @@ fn close_once(client: &Client, r: &reconnect::Route) {
     }
     if let Err(e) = client.0.side_once(|s| s.close(r.handle)) {
         debug!(error = %e, "closing a dropped file (side channel)");
-    }
-}
-
-/// Resolve helper used by tests and tools: the RDMA address a client would
-/// use for an advertised wildcard address.
-pub fn resolve_advertised(addr: SocketAddr, side_host: IpAddr) -> SocketAddr {
-    if addr.ip().is_unspecified() {
-        SocketAddr::new(side_host, addr.port())
-    } else {
-        addr
     }
 }

@@ -403,9 +403,4 @@ impl QpEngine {
         self.check_closing();
         Ok(frames)
     }
-
-    /// Nothing left to transmit.
-    pub fn tx_idle(&self) -> bool {
-        self.txq.is_empty() && self.term_out.is_none()
-    }
 }
