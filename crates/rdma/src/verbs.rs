@@ -901,6 +901,13 @@ impl Pd {
     /// that uses it has completed or been invalidated. While a key covering it
     /// is valid the peer may write to it at any time: the caller must not hold
     /// Rust references to that memory across such windows.
+    ///
+    /// The peer's RDMA Reads through a key covering the memory need nothing
+    /// more: once the `Mr`'s drop has returned, the provider no longer reads
+    /// the memory for them (a hardware provider stops at deregistration; the
+    /// soft provider copies a Read Response's payload while the region is
+    /// still registered and terminates the connection for a Read it can no
+    /// longer answer).
     pub unsafe fn register_raw(&self, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
         let ops = self.0.reg_mr(
             MemRegion {
