@@ -876,12 +876,14 @@ enum ReadInto<'a> {
 }
 
 /// A buffer whose registration the client caches (see
-/// [`Client::register_buffer`]). It dereferences to `[u8]`; reads into it
-/// (or into any sub-slice of it) of at least 1 KiB (`BOUNCE_THRESHOLD`) land
-/// in it directly, with no per-call registration and no copy. Dropping it releases the
-/// registration. [`File::read_registered`] reads into a range of it without
-/// a `&mut [u8]` over the bytes the peer writes (see its SAFETY note; a
-/// `read_at` into a slice of it works too but keeps such a reference).
+/// [`Client::register_buffer`]). It dereferences to `[u8]`.
+/// [`File::read_registered`] reads into a range of it of at least 1 KiB
+/// (`BOUNCE_THRESHOLD`) directly, with no per-call registration and no copy,
+/// and without a `&mut [u8]` over the bytes the peer writes. A `read_at`
+/// into a slice of it is read as into any slice (staged, or registered for
+/// the call from `ClientOptions::register_threshold` up): the cached
+/// registration is never used behind a Rust reference. Dropping it releases
+/// the registration.
 pub struct RegisteredBuf {
     mem: Arc<lwio_rdma::RegBuf>,
     len: usize,
@@ -1040,11 +1042,12 @@ impl File {
         self.retry(|r| self.read_impl(r, buf, offset, false))
     }
 
-    /// Read `range` of a registered buffer at `offset`, as
-    /// `read_at(&mut buf[range], offset)` does (directly into the buffer
-    /// from 1 KiB up, through its cached registration), but without a
-    /// `&mut [u8]` over the bytes while the peer writes them: the pointer
-    /// comes from the buffer's own memory, as its registration's does.
+    /// Read `range` of a registered buffer at `offset`, directly into the
+    /// buffer from 1 KiB up through its cached registration (no copy, no
+    /// per-call registration), without a `&mut [u8]` over the bytes while
+    /// the peer writes them: the pointer comes from the buffer's own
+    /// memory, as its registration's does. (`read_at(&mut buf[range], ..)`
+    /// reads the same bytes but never through the cached registration.)
     /// Returns the bytes read (short only at end of file; 0 at or past it).
     pub fn read_registered(
         &self,
@@ -1118,32 +1121,21 @@ impl File {
         if buf.len() >= engine::BOUNCE_THRESHOLD {
             let (ptr, len) = (buf.as_mut_ptr(), buf.len());
             let per_call = len >= e.cfg.register_threshold;
-            // SAFETY: `buf` is exclusively borrowed for this whole call and
-            // is not touched through the reference until we return. Every
-            // window over it is bound one-shot for exactly one request's
-            // range inside it, and `fence_group` below returns only when all
-            // of them are invalidated and the invalidations completed (or
-            // the queue pair is in the error state, where no remote access
-            // is executed). The per-call registration is dropped
-            // (deregistered) before we return, and a cached one belongs to a
-            // `RegisteredBuf` whose memory the cache entry keeps alive. So
-            // the memory outlives every registration of it, and no remote
-            // write reaches the buffer after the borrow ends.
-            //
-            // What this does not make sound by the Rust aliasing model:
-            // *during* the call the peer (the NIC, or the soft provider's
-            // engine thread) writes memory behind the caller's live
-            // `&mut [u8]`. With a per-call registration it writes through
-            // `ptr`, derived from `buf`, which Stacked and Tree Borrows allow
-            // while `buf` itself is not used. A cached `RegisteredBuf` was
-            // registered from the `RegBuf`'s own pointer, not from `buf`, so
-            // there the writes are foreign writes under `buf`'s function-
-            // argument protector: undefined behaviour in both models, even
-            // though no code reads or writes through `buf` meanwhile and the
-            // compiler cannot see the writer. `File::read_registered` takes
-            // the `RegisteredBuf` and a range instead and has no such
-            // reference; this path keeps working for slices of one.
-            let dst = unsafe { e.user_dst(ptr, len, per_call) };
+            // SAFETY: `ptr` is derived from `buf`, exclusively borrowed for
+            // this whole call and not used until we return. `slice_dst`
+            // registers it for this call (or gives `None`, and we stage),
+            // never through the registration cache, so every write the peer
+            // makes goes through a pointer derived from `buf`, as Stacked and
+            // Tree Borrows allow while `buf` itself is not used. Every window
+            // over it is bound one-shot for exactly one request's range
+            // inside it, and `read_direct` fences the group before it
+            // returns (or the queue pair is in the error state, where no
+            // remote access is executed); the per-call registration is
+            // dropped there too, so no remote write reaches the buffer after
+            // the borrow ends. A slice of a `RegisteredBuf` is read the same
+            // way; `File::read_registered` is its zero-copy path through the
+            // cached registration.
+            let dst = unsafe { e.slice_dst(ptr, len, per_call) };
             if let Some(x) = self.read_direct(r, dst, len, offset, vectored) {
                 return x;
             }
