@@ -1286,7 +1286,9 @@ impl<'a> MrSlice<'a> {
         // engine thread that is a data race in the Rust memory model; bytes
         // have no invalid values, and callers read data only after the
         // completion (CQ poll, or a status block observed by `load_u64`) that
-        // says it is placed.
+        // says it is placed. That this function is safe all the same is an
+        // open defect, with the two callers that copy memory a peer may be
+        // writing by design: docs/architecture.md, "Unsafe code".
         unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
