@@ -248,9 +248,10 @@ pub struct ClientOptions {
     /// Blocking reads of at least this many bytes into plain memory land
     /// directly in the caller's buffer, registered for the call, instead of
     /// a staging slot and a copy (`Some(usize::MAX)` = always stage). `None`
-    /// = [`default_register_threshold`] of the provider in use. Reads into a
-    /// [`Client::register_buffer`] buffer always land directly (cached
-    /// registration).
+    /// = [`default_register_threshold`] of the provider in use. A slice of a
+    /// [`Client::register_buffer`] buffer counts as plain memory here;
+    /// [`File::read_registered`] into such a buffer always lands directly
+    /// (cached registration).
     pub register_threshold: Option<usize>,
     /// Bounds of the registration cache of [`Client::register_buffer`]
     /// buffers: bytes and entries registered at once (least recently used
@@ -945,8 +946,10 @@ impl Drop for RegisteredBuf {
 
 impl Client {
     /// Allocate a zeroed buffer of `len` bytes and register it in the
-    /// client's registration cache: large reads into it skip both the
-    /// per-call registration and the staging copy. The registration lives
+    /// client's registration cache: large reads into it with
+    /// [`File::read_registered`] skip both the per-call registration and the
+    /// staging copy, and large writes from it skip the copy into send
+    /// slots. The registration lives
     /// until the buffer is dropped (or, past the cache bounds, is evicted
     /// and redone on the next use).
     pub fn register_buffer(&self, len: usize) -> Result<RegisteredBuf> {
