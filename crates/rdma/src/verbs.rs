@@ -1440,7 +1440,9 @@ impl<'a> MrSliceMut<'a> {
         // destination. Writing a range that a posted send or the peer's RDMA
         // Read is reading, or that is being written, garbles that transfer
         // (a protocol bug, and a data race for the soft provider's engine
-        // thread); the callers write only ranges they own at the time.
+        // thread); the callers write only ranges they own at the time. That
+        // this function is safe all the same is the open defect of
+        // `MrSlice::read_at` (docs/architecture.md, "Unsafe code").
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len()) };
         Ok(())
     }
