@@ -199,6 +199,12 @@ fn guard<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// A C string argument as `&str` (`None` for NULL; EINVAL if not UTF-8).
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that stays valid and
+/// unchanged for `'a` (every `const char *` of the API is such a string for
+/// the duration of the call it is passed to).
 unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, c_int> {
     if p.is_null() {
         return Ok(None);
@@ -262,8 +268,15 @@ pub unsafe extern "C" fn lwio_options_init(opts: *mut lwio_options) {
     };
 }
 
+/// `lwio_connect`'s work.
+///
+/// # Safety
+/// `url` is NULL or a NUL-terminated string; `o` is NULL or points to an
+/// initialised `lwio_options` whose string fields are each NULL or a
+/// NUL-terminated string; all valid for the call (`lwio_connect`'s
+/// contract).
 unsafe fn connect_inner(url: *const c_char, o: *const lwio_options) -> Result<LwioClient, c_int> {
-    // SAFETY (all opt_str calls): pointers from the caller's options.
+    // SAFETY: `url` is NULL or a C string valid for this call (contract).
     let url = unsafe { opt_str(url, "url") }?.ok_or_else(|| fail(libc::EINVAL, "url is NULL"))?;
     let mut d = std::mem::MaybeUninit::<lwio_options>::uninit();
     let o: &lwio_options = if o.is_null() {
@@ -279,16 +292,23 @@ unsafe fn connect_inner(url: *const c_char, o: *const lwio_options) -> Result<Lw
     // The one client default (lwio_client::connect): what the options
     // leave out comes from LWIO_TOKEN, the default token file, known_hosts
     // (trust on first use), as for the `lwio` CLI.
+    // SAFETY (this and the other `opt_str` calls on `o`'s fields): each
+    // string field of the options is NULL or a C string valid for this call
+    // (contract), and `lwio_options_init` sets them all to NULL; the `&str`
+    // is used only within the call.
     let fingerprint = unsafe { opt_str(o.fingerprint, "fingerprint") }?;
     if let Some(fp) = fingerprint {
         lwio_side::tls::parse_fingerprint(fp)
             .map_err(|e| fail(libc::EINVAL, format!("fingerprint: {e}")))?;
     }
     let args = ConnectArgs {
+        // SAFETY: as for `o.fingerprint`.
         token: unsafe { opt_str(o.token, "token") }?.map(|t| t.trim().to_string()),
+        // SAFETY: as for `o.fingerprint`.
         token_file: unsafe { opt_str(o.token_file, "token_file") }?.map(Into::into),
         no_tls: o.no_tls != 0,
         fingerprint: fingerprint.map(Into::into),
+        // SAFETY: as for `o.fingerprint`.
         known_hosts: unsafe { opt_str(o.known_hosts, "known_hosts") }?.map(Into::into),
         connect_timeout: (o.connect_timeout_ms > 0)
             .then(|| Duration::from_millis(o.connect_timeout_ms.into())),
@@ -319,6 +339,7 @@ unsafe fn connect_inner(url: *const c_char, o: *const lwio_options) -> Result<Lw
     if o.op_timeout_ms > 0 {
         opts.op_timeout = Duration::from_millis(o.op_timeout_ms.into());
     }
+    // SAFETY: as for `o.token`.
     if let Some(p) = unsafe { opt_str(o.provider, "provider") }? {
         opts.provider = p
             .parse()
@@ -525,10 +546,10 @@ pub unsafe extern "C" fn lwio_pread(fd: c_int, buf: *mut c_void, len: usize, off
         };
         // Into an `lwio_buf_alloc` buffer: `File::read_registered`, which
         // forms no Rust reference over the bytes the peer writes (through
-        // the buffer's own pointer, as its cached registration does), where
-        // `read_at` would hold a `&mut [u8]` over them that those writes
-        // alias (undefined behaviour under the aliasing model, see
-        // `File::read_impl` in lwio-client). The buffer is out of the table
+        // the buffer's own pointer, as its cached registration does), and
+        // lands in them directly; `read_at` into a slice of them would stage
+        // or register for the call instead (it never uses the cached
+        // registration behind a reference). The buffer is out of the table
         // meanwhile, so the `&mut` it needs is exclusive; a concurrent
         // `lwio_pread` into the same buffer takes the `read_at` path below,
         // and `lwio_buf_free` of a buffer being read fails with EINVAL.
@@ -541,13 +562,13 @@ pub unsafe extern "C" fn lwio_pread(fd: c_int, buf: *mut c_void, len: usize, off
             };
         }
         // SAFETY: the caller lends `len` writable bytes at `buf` for the
-        // call (pread's contract) and does not touch them meanwhile;
-        // `read_at` keeps every remote window over them inside the call.
-        // The peer writes them during the call behind this `&mut`: through a
-        // pointer derived from it for a per-call registration, but through
-        // the buffer's own pointer when `buf` lies in an `lwio_buf_alloc`
-        // buffer, which the aliasing model does not excuse (see
-        // `File::read_impl` in lwio-client).
+        // call (pread's contract: nothing else reads or writes them until it
+        // returns, docs/capi.md), so this is the only reference over them.
+        // `read_at` keeps every remote window over them inside the call, and
+        // the peer writes them only through a per-call registration of a
+        // pointer derived from this slice (never an `lwio_buf_alloc`
+        // buffer's cached registration: `File::read_impl` in lwio-client),
+        // which Stacked and Tree Borrows allow while `b` is not used.
         let b = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len) };
         match f.file.read_at(b, offset) {
             Ok(n) => n as i64,
@@ -583,6 +604,11 @@ pub unsafe extern "C" fn lwio_pwrite(
     })
 }
 
+/// The caller's iovec array as a slice (validated: count, NULL bases).
+///
+/// # Safety
+/// When `n > 0`, `iov` is NULL or points to `n` initialised `lwio_iovec`s
+/// that stay valid and unchanged for `'a`.
 unsafe fn iovecs<'a>(iov: *const lwio_iovec, n: c_int) -> Result<&'a [lwio_iovec], c_int> {
     let n = usize::try_from(n).map_err(|_| fail(libc::EINVAL, "iovcnt < 0"))?;
     if n > 1024 {
@@ -594,7 +620,9 @@ unsafe fn iovecs<'a>(iov: *const lwio_iovec, n: c_int) -> Result<&'a [lwio_iovec
     if iov.is_null() {
         return Err(fail(libc::EFAULT, "iov is NULL"));
     }
-    // SAFETY: the caller passes `n` iovecs.
+    // SAFETY: non-null (checked), `n` (> 0, at most 1024) initialised
+    // iovecs valid for `'a` (the contract above); `lwio_iovec` has no
+    // invalid bit patterns to rule out.
     let v = unsafe { std::slice::from_raw_parts(iov, n) };
     if v.iter().any(|i| i.iov_base.is_null() && i.iov_len > 0) {
         return Err(fail(libc::EFAULT, "an iov_base is NULL"));
@@ -604,6 +632,11 @@ unsafe fn iovecs<'a>(iov: *const lwio_iovec, n: c_int) -> Result<&'a [lwio_iovec
 
 /// Run `each` over the iovecs at consecutive offsets: the total, or the
 /// first error if nothing was done; a read stops at a short piece.
+///
+/// # Safety
+/// `iov` and `iovcnt` as `lwio_preadv`/`lwio_pwritev` take them: `iovcnt`
+/// iovecs, each lending `iov_len` bytes at `iov_base` (writable for a
+/// read) for the call, not touched by the caller meanwhile.
 unsafe fn vectored(
     fd: c_int,
     iov: *const lwio_iovec,
@@ -611,7 +644,8 @@ unsafe fn vectored(
     offset: u64,
     read: bool,
 ) -> i64 {
-    // SAFETY: the caller's iovec array.
+    // SAFETY: `iovcnt` iovecs valid for this call (the contract above);
+    // the slice does not outlive it.
     let v = match unsafe { iovecs(iov, iovcnt) } {
         Ok(v) => v,
         Err(e) => return e.into(),
@@ -619,7 +653,9 @@ unsafe fn vectored(
     let mut total: i64 = 0;
     for i in v {
         let off = offset + total as u64;
-        // SAFETY: each iovec lends its bytes for the call.
+        // SAFETY: each iovec lends `iov_len` bytes at `iov_base` for this
+        // call (the contract above), which is what `lwio_pread` and
+        // `lwio_pwrite` ask for `buf` and `len`.
         let n = unsafe {
             if read {
                 lwio_pread(fd, i.iov_base, i.iov_len, off)

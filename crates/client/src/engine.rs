@@ -2469,15 +2469,59 @@ impl Engine {
     /// [`Engine::fence_group`].
     ///
     /// # Safety
-    /// `ptr..ptr + len` must be memory the caller holds exclusively (a
-    /// `&mut [u8]` it does not use while the read runs), and it must stay
+    /// `ptr..ptr + len` must be memory the caller holds exclusively, with no
+    /// Rust reference over it while the read runs: a raw pointer (C
+    /// memory, or a [`crate::RegisteredBuf`]'s own pointer under its
+    /// `&mut`), since a cached registration's writes do not go through a
+    /// pointer derived from any reference the caller holds. It must stay
     /// allocated until `fence_group(dst.group)` has returned and the
-    /// returned value is dropped.
+    /// returned value is dropped. Use [`Engine::slice_dst`] for a `&mut
+    /// [u8]`.
     pub unsafe fn user_dst(
         &self,
         ptr: *mut u8,
         len: usize,
         per_call: bool,
+    ) -> Result<Option<UserDst>> {
+        // SAFETY: the caller's contract, which is this one's with the cache.
+        unsafe { self.caller_dst(ptr, len, per_call, true) }
+    }
+
+    /// As [`Engine::user_dst`] for memory behind a `&mut [u8]` that the
+    /// caller holds (and does not use) while the read runs: never the
+    /// registration cache, only (with `per_call`) a registration of `ptr`
+    /// made now, so every write the peer makes goes through a pointer
+    /// derived from the caller's reference, which the aliasing model allows
+    /// while that reference is not used. `None` otherwise (the caller
+    /// stages), also for a slice of a [`crate::RegisteredBuf`].
+    ///
+    /// # Safety
+    /// `ptr` must be derived from a `&mut [u8]` of `len` bytes that the
+    /// caller holds exclusively and does not use until
+    /// `fence_group(dst.group)` has returned and the returned value is
+    /// dropped.
+    pub unsafe fn slice_dst(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        per_call: bool,
+    ) -> Result<Option<UserDst>> {
+        // SAFETY: the caller's contract; without the cache the only
+        // registration is of `ptr` itself, which the caller's reference
+        // keeps allocated until the group is fenced.
+        unsafe { self.caller_dst(ptr, len, per_call, false) }
+    }
+
+    /// [`Engine::user_dst`] (`cached`) or [`Engine::slice_dst`].
+    ///
+    /// # Safety
+    /// That of the public function called.
+    unsafe fn caller_dst(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        per_call: bool,
+        cached: bool,
     ) -> Result<Option<UserDst>> {
         // Caller memory, like the engine's: no remote right of its own, only
         // the windows bound per read.
@@ -2485,7 +2529,11 @@ impl Engine {
         let mut st = lock(&self.st);
         let group = st.next_group;
         st.next_group += 1;
-        let hit = st.cache.find(ptr as usize, len).map(|(k, _)| k);
+        let hit = if cached {
+            st.cache.find(ptr as usize, len).map(|(k, _)| k)
+        } else {
+            None
+        };
         if let Some(start) = hit {
             st.cache.tick += 1;
             let tick = st.cache.tick;
@@ -2512,12 +2560,11 @@ impl Engine {
                     // so it stays allocated for as long as the region exists.
                     // The region's own keys are never sent; the peer reaches
                     // it only through one-shot windows bound by a read into
-                    // the buffer, which the read fences before it returns.
-                    // While such a read runs the caller's `&mut` over the
-                    // `RegisteredBuf` is live, which `register_raw` forbids
-                    // and the aliasing model does not excuse (the writes go
-                    // through this pointer, not one derived from the
-                    // caller's reference): see `File::read_impl`.
+                    // the buffer, which the read fences before it returns,
+                    // and such a read comes only through `user_dst`, whose
+                    // contract excludes any Rust reference over the range
+                    // meanwhile (a `&mut` slice of the buffer takes
+                    // `slice_dst`, which never uses this registration).
                     let mr = unsafe { self.pd.register_raw(e.mem.as_ptr(), e.len, access)? };
                     let r = Arc::new(UserReg {
                         mr,

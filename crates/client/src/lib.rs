@@ -42,7 +42,7 @@ pub mod side;
 pub mod url;
 
 use std::io::{IoSlice, IoSliceMut};
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -257,9 +257,10 @@ pub struct ClientOptions {
     /// Blocking reads of at least this many bytes into plain memory land
     /// directly in the caller's buffer, registered for the call, instead of
     /// a staging slot and a copy (`Some(usize::MAX)` = always stage). `None`
-    /// = [`default_register_threshold`] of the provider in use. Reads into a
-    /// [`Client::register_buffer`] buffer always land directly (cached
-    /// registration).
+    /// = [`default_register_threshold`] of the provider in use. A slice of a
+    /// [`Client::register_buffer`] buffer counts as plain memory here;
+    /// [`File::read_registered`] into such a buffer always lands directly
+    /// (cached registration).
     pub register_threshold: Option<usize>,
     /// Bounds of the registration cache of [`Client::register_buffer`]
     /// buffers: bytes and entries registered at once (least recently used
@@ -910,12 +911,14 @@ enum ReadInto<'a> {
 }
 
 /// A buffer whose registration the client caches (see
-/// [`Client::register_buffer`]). It dereferences to `[u8]`; reads into it
-/// (or into any sub-slice of it) of at least 1 KiB (`BOUNCE_THRESHOLD`) land
-/// in it directly, with no per-call registration and no copy. Dropping it releases the
-/// registration. [`File::read_registered`] reads into a range of it without
-/// a `&mut [u8]` over the bytes the peer writes (see its SAFETY note; a
-/// `read_at` into a slice of it works too but keeps such a reference).
+/// [`Client::register_buffer`]). It dereferences to `[u8]`.
+/// [`File::read_registered`] reads into a range of it of at least 1 KiB
+/// (`BOUNCE_THRESHOLD`) directly, with no per-call registration and no copy,
+/// and without a `&mut [u8]` over the bytes the peer writes. A `read_at`
+/// into a slice of it is read as into any slice (staged, or registered for
+/// the call from `ClientOptions::register_threshold` up): the cached
+/// registration is never used behind a Rust reference. Dropping it releases
+/// the registration.
 pub struct RegisteredBuf {
     mem: Arc<lwio_rdma::RegBuf>,
     len: usize,
@@ -977,8 +980,10 @@ impl Drop for RegisteredBuf {
 
 impl Client {
     /// Allocate a zeroed buffer of `len` bytes and register it in the
-    /// client's registration cache: large reads into it skip both the
-    /// per-call registration and the staging copy. The registration lives
+    /// client's registration cache: large reads into it with
+    /// [`File::read_registered`] skip both the per-call registration and the
+    /// staging copy, and large writes from it skip the copy into send
+    /// slots. The registration lives
     /// until the buffer is dropped (or, past the cache bounds, is evicted
     /// and redone on the next use).
     pub fn register_buffer(&self, len: usize) -> Result<RegisteredBuf> {
@@ -1074,11 +1079,12 @@ impl File {
         self.retry(|r| self.read_impl(r, buf, offset, false))
     }
 
-    /// Read `range` of a registered buffer at `offset`, as
-    /// `read_at(&mut buf[range], offset)` does (directly into the buffer
-    /// from 1 KiB up, through its cached registration), but without a
-    /// `&mut [u8]` over the bytes while the peer writes them: the pointer
-    /// comes from the buffer's own memory, as its registration's does.
+    /// Read `range` of a registered buffer at `offset`, directly into the
+    /// buffer from 1 KiB up through its cached registration (no copy, no
+    /// per-call registration), without a `&mut [u8]` over the bytes while
+    /// the peer writes them: the pointer comes from the buffer's own
+    /// memory, as its registration's does. (`read_at(&mut buf[range], ..)`
+    /// reads the same bytes but never through the cached registration.)
     /// Returns the bytes read (short only at end of file; 0 at or past it).
     pub fn read_registered(
         &self,
@@ -1152,32 +1158,21 @@ impl File {
         if buf.len() >= engine::BOUNCE_THRESHOLD {
             let (ptr, len) = (buf.as_mut_ptr(), buf.len());
             let per_call = len >= e.cfg.register_threshold;
-            // SAFETY: `buf` is exclusively borrowed for this whole call and
-            // is not touched through the reference until we return. Every
-            // window over it is bound one-shot for exactly one request's
-            // range inside it, and `fence_group` below returns only when all
-            // of them are invalidated and the invalidations completed (or
-            // the queue pair is in the error state, where no remote access
-            // is executed). The per-call registration is dropped
-            // (deregistered) before we return, and a cached one belongs to a
-            // `RegisteredBuf` whose memory the cache entry keeps alive. So
-            // the memory outlives every registration of it, and no remote
-            // write reaches the buffer after the borrow ends.
-            //
-            // What this does not make sound by the Rust aliasing model:
-            // *during* the call the peer (the NIC, or the soft provider's
-            // engine thread) writes memory behind the caller's live
-            // `&mut [u8]`. With a per-call registration it writes through
-            // `ptr`, derived from `buf`, which Stacked and Tree Borrows allow
-            // while `buf` itself is not used. A cached `RegisteredBuf` was
-            // registered from the `RegBuf`'s own pointer, not from `buf`, so
-            // there the writes are foreign writes under `buf`'s function-
-            // argument protector: undefined behaviour in both models, even
-            // though no code reads or writes through `buf` meanwhile and the
-            // compiler cannot see the writer. `File::read_registered` takes
-            // the `RegisteredBuf` and a range instead and has no such
-            // reference; this path keeps working for slices of one.
-            let dst = unsafe { e.user_dst(ptr, len, per_call) };
+            // SAFETY: `ptr` is derived from `buf`, exclusively borrowed for
+            // this whole call and not used until we return. `slice_dst`
+            // registers it for this call (or gives `None`, and we stage),
+            // never through the registration cache, so every write the peer
+            // makes goes through a pointer derived from `buf`, as Stacked and
+            // Tree Borrows allow while `buf` itself is not used. Every window
+            // over it is bound one-shot for exactly one request's range
+            // inside it, and `read_direct` fences the group before it
+            // returns (or the queue pair is in the error state, where no
+            // remote access is executed); the per-call registration is
+            // dropped there too, so no remote write reaches the buffer after
+            // the borrow ends. A slice of a `RegisteredBuf` is read the same
+            // way; `File::read_registered` is its zero-copy path through the
+            // cached registration.
+            let dst = unsafe { e.slice_dst(ptr, len, per_call) };
             if let Some(x) = self.read_direct(r, dst, len, offset, vectored) {
                 return x;
             }
@@ -1687,15 +1682,5 @@ fn close_once(client: &Client, r: &reconnect::Route) {
     }
     if let Err(e) = client.0.side_once(|s| s.close(r.handle)) {
         debug!(error = %e, "closing a dropped file (side channel)");
-    }
-}
-
-/// Resolve helper used by tests and tools: the RDMA address a client would
-/// use for an advertised wildcard address.
-pub fn resolve_advertised(addr: SocketAddr, side_host: IpAddr) -> SocketAddr {
-    if addr.ip().is_unspecified() {
-        SocketAddr::new(side_host, addr.port())
-    } else {
-        addr
     }
 }

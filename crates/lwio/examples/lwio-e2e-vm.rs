@@ -97,7 +97,7 @@ fn io_case(c: &Client, root: &Path, name: &str) -> R {
     }
     // A cached registered buffer.
     let mut rb = c.register_buffer(1 << 20).map_err(e2s)?;
-    let n = f.read_at(&mut rb[..500_000], 77).map_err(e2s)?;
+    let n = f.read_registered(&mut rb, 0..500_000, 77).map_err(e2s)?;
     check(n == 500_000 && rb[..n] == data[74..74 + n], || {
         "read into a registered buffer differs".into()
     })?;

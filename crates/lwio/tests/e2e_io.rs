@@ -702,16 +702,19 @@ fn registered_suite(completion: Completion) {
     assert_eq!(&plain[..], &data[4097..4097 + (1 << 20)]);
     assert_eq!(c.stats().call_registrations, 1);
 
-    // Cached buffers: registered once, reads (also into sub-slices) hit.
+    // Cached buffers: registered once, reads (also into ranges) hit.
     let mut a = c.register_buffer(1 << 20).unwrap();
     let mut b = c.register_buffer(300_000).unwrap();
     let st0 = c.stats();
     assert_eq!(st0.reg_cache_misses, 2, "{st0:?}");
     for k in 0..3u64 {
         let off = k * 777_777;
-        assert_eq!(f.read_at(&mut a, off).unwrap(), 1 << 20);
+        assert_eq!(f.read_registered(&mut a, 0..1 << 20, off).unwrap(), 1 << 20);
         assert_eq!(&a[..], &data[off as usize..off as usize + (1 << 20)]);
-        assert_eq!(f.read_at(&mut b[1000..201_000], off + 3).unwrap(), 200_000);
+        assert_eq!(
+            f.read_registered(&mut b, 1000..201_000, off + 3).unwrap(),
+            200_000
+        );
         assert_eq!(
             &b[1000..201_000],
             &data[off as usize + 3..off as usize + 200_003]
@@ -732,6 +735,17 @@ fn registered_suite(completion: Completion) {
     assert_eq!(&b[1000..201_000], &data[17..200_017]);
     assert_eq!((b[999], b[201_000]), (0x5A, 0x5A));
     assert_eq!(c.stats().reg_cache_hits, st1.reg_cache_hits + 1);
+    // A `&mut` slice of a registered buffer never goes through the cached
+    // registration (the peer would write behind the reference): below the
+    // threshold it is staged, above it registered for the call.
+    let st1 = c.stats();
+    assert_eq!(f.read_at(&mut b[1000..51_000], 5).unwrap(), 50_000);
+    assert_eq!(&b[1000..51_000], &data[5..50_005]);
+    assert_eq!(f.read_at(&mut b[..], 6).unwrap(), 300_000);
+    assert_eq!(&b[..], &data[6..300_006]);
+    let st = c.stats();
+    assert_eq!(st.reg_cache_hits, st1.reg_cache_hits, "{st:?}");
+    assert_eq!(st.call_registrations, st1.call_registrations + 1, "{st:?}");
     assert!(f.read_registered(&mut b, 0..300_001, 0).is_err());
     #[allow(clippy::reversed_empty_ranges)]
     let backwards = 10..5;
@@ -745,9 +759,9 @@ fn registered_suite(completion: Completion) {
     // registration (a); a's next read registers it again.
     let mut x = c.register_buffer(70_000).unwrap();
     assert_eq!(c.stats().reg_cache_evictions, 1);
-    assert_eq!(f.read_at(&mut x, 9).unwrap(), 70_000);
+    assert_eq!(f.read_registered(&mut x, 0..70_000, 9).unwrap(), 70_000);
     assert_eq!(&x[..], &data[9..70_009]);
-    assert_eq!(f.read_at(&mut a, 11).unwrap(), 1 << 20);
+    assert_eq!(f.read_registered(&mut a, 0..1 << 20, 11).unwrap(), 1 << 20);
     assert_eq!(&a[..], &data[11..11 + (1 << 20)]);
     let st2 = c.stats();
     assert_eq!(st2.reg_cache_misses, 4, "{st2:?}");
@@ -801,7 +815,7 @@ fn soft_default_stages_plain_reads() {
     assert_eq!(f.read_at(&mut plain, 0).unwrap(), 1 << 20);
     assert_eq!(plain, data);
     let mut rb = c.register_buffer(1 << 20).unwrap();
-    assert_eq!(f.read_at(&mut rb[..4096], 4096).unwrap(), 4096);
+    assert_eq!(f.read_registered(&mut rb, 0..4096, 4096).unwrap(), 4096);
     assert_eq!(&rb[..4096], &data[4096..8192]);
     let st = c.stats();
     assert_eq!(st.call_registrations, 0, "{st:?}");
@@ -1368,7 +1382,10 @@ fn several_channels_spread_files_byte_for_byte() {
     // channel 2 lands without a per-call registration.
     let mut rb = c.register_buffer(200_005).unwrap();
     let before = c.channel_stats(2).unwrap().reg_cache_hits;
-    assert_eq!(files[2].0.read_at(&mut rb[..200_005], 7).unwrap(), 200_005);
+    assert_eq!(
+        files[2].0.read_registered(&mut rb, 0..200_005, 7).unwrap(),
+        200_005
+    );
     assert_eq!(&rb[..], &files[2].1[..]);
     assert!(c.channel_stats(2).unwrap().reg_cache_hits > before);
 }

@@ -117,14 +117,15 @@ fn case(mode: Completion, script: impl FnMut(&mut Evil, &Io) + Send + 'static) -
 }
 
 impl Case {
-    /// `file.read_at(&mut buf[r], off)` on a thread, waited for at most
-    /// `BOUND`: (result, time taken).
+    /// `file.read_registered(&mut buf, r, off)` on a thread (the windows
+    /// over the buffer's cached registration), waited for at most `BOUND`:
+    /// (result, time taken).
     fn read(&mut self, r: Range<usize>, off: u64) -> (lwio_client::Result<usize>, Duration) {
         let (file, mut buf) = (self.file.take().unwrap(), self.buf.take().unwrap());
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             let t = Instant::now();
-            let res = file.read_at(&mut buf[r], off);
+            let res = file.read_registered(&mut buf, r, off);
             let _ = tx.send((file, buf, res, t.elapsed()));
         });
         let (file, buf, res, took) = rx.recv_timeout(BOUND).expect("the client call hung");

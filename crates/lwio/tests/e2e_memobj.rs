@@ -89,7 +89,7 @@ fn publish_read_write(completion: Completion) {
     assert!(got == want, "bytes differ");
     // Into registered memory too (the reader's direct path).
     let mut rb = b.register_buffer(1 << 20).unwrap();
-    let n = f.read_at(&mut rb[..], 5 << 20).unwrap();
+    let n = f.read_registered(&mut rb, 0..1 << 20, 5 << 20).unwrap();
     assert_eq!(n, 1 << 20);
     assert!(rb[..] == want[5 << 20..6 << 20]);
     // At and past the end: end of file.

@@ -901,6 +901,13 @@ impl Pd {
     /// that uses it has completed or been invalidated. While a key covering it
     /// is valid the peer may write to it at any time: the caller must not hold
     /// Rust references to that memory across such windows.
+    ///
+    /// The peer's RDMA Reads through a key covering the memory need nothing
+    /// more: once the `Mr`'s drop has returned, the provider no longer reads
+    /// the memory for them (a hardware provider stops at deregistration; the
+    /// soft provider copies a Read Response's payload while the region is
+    /// still registered and terminates the connection for a Read it can no
+    /// longer answer).
     pub unsafe fn register_raw(&self, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
         let ops = self.0.reg_mr(
             MemRegion {
@@ -1156,8 +1163,12 @@ impl Mr {
 
     /// Load a little-endian u32 for a polled status word (see
     /// [`MrSlice::load_u32`] for what this does and does not guarantee).
-    pub fn load_u32(&self, off: usize) -> Result<u32> {
-        self.slice(off, 4)?.load_u32(0)
+    ///
+    /// # Safety
+    /// As for [`MrSlice::load_u32`].
+    pub unsafe fn load_u32(&self, off: usize) -> Result<u32> {
+        // SAFETY: the caller's contract, which is the view's.
+        unsafe { self.slice(off, 4)?.load_u32(0) }
     }
     /// Store a little-endian u32 (see [`MrSliceMut::store_u32`]).
     pub fn store_u32(&self, off: usize, v: u32) -> Result<()> {
@@ -1275,7 +1286,9 @@ impl<'a> MrSlice<'a> {
         // engine thread that is a data race in the Rust memory model; bytes
         // have no invalid values, and callers read data only after the
         // completion (CQ poll, or a status block observed by `load_u64`) that
-        // says it is placed.
+        // says it is placed. That this function is safe all the same is an
+        // open defect, with the two callers that copy memory a peer may be
+        // writing by design: docs/architecture.md, "Unsafe code".
         unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
@@ -1307,24 +1320,29 @@ impl<'a> MrSlice<'a> {
     /// word is the transport's ordering (one connection places in order),
     /// not something Rust can check.
     ///
-    /// With the soft provider under `Progress::Auto`, the writer is the
-    /// engine thread of this process, storing with plain copies
+    /// With the soft provider under `Progress::Auto` the writer is instead
+    /// the engine thread of this process, storing with plain copies
     /// (`copy_nonoverlapping`, or `read(2)` into the region) except for the
     /// last whole aligned 8-byte word of each piece, an `AtomicU64` store
-    /// that pairs with [`MrSlice::load_u64`] only. A 4-byte load racing
-    /// with either is a data race in the Rust memory model however the
-    /// reader reads (a plain copy, or an atomic store of another size), and
-    /// the fence has no release to pair with; what makes the observed
-    /// behaviour right is the hardware (an aligned word load is one
-    /// instruction on every supported target) and the protocol (a
-    /// half-placed block is recognised and ignored:
-    /// `lwio_proto::wire::small::poll_block_written`). Poll 8-byte status
-    /// blocks with [`MrSlice::load_u64`]. Under `Progress::Manual` the
-    /// placing thread is the polling thread and there is no race.
-    pub fn load_u32(&self, off: usize) -> Result<u32> {
+    /// that pairs with [`MrSlice::load_u64`] only: a 4-byte load of a word
+    /// it may be placing is a data race whatever the load is made of, hence
+    /// the contract below. Poll such words with [`MrSlice::load_u64`].
+    ///
+    /// # Safety
+    /// Nothing inside this process may write the word during the call: its
+    /// writer is a hardware provider's DMA (outside the Rust abstract
+    /// machine: a stale value is possible, a data race is not), or the soft
+    /// provider under `Progress::Manual` (it places only inside this
+    /// thread's `progress` calls), or the write that places it has
+    /// completed and nothing else writes it (its completion was polled, or
+    /// no receive, Read or remote-write key covers it).
+    pub unsafe fn load_u32(&self, off: usize) -> Result<u32> {
         let p = self.at(off, 4, 4)?;
-        // SAFETY: in bounds of the mapped region and 4-byte aligned; any bit
-        // pattern is a valid u32. See above for the concurrent writer.
+        // SAFETY: in bounds of the mapped region (which the borrowed `Mr`
+        // keeps mapped) and 4-byte aligned (checked by `at`); any bit
+        // pattern is a valid u32; no writer in this process runs
+        // concurrently (the contract above), so the load races with nothing
+        // the Rust memory model governs.
         let v = unsafe { std::ptr::read_volatile(p as *const u32) };
         fence(Ordering::Acquire);
         Ok(u32::from_le(v))
@@ -1402,8 +1420,12 @@ impl<'a> MrSliceMut<'a> {
         self.as_view().copy_to_slice(dst)
     }
     /// See [`MrSlice::load_u32`].
-    pub fn load_u32(&self, off: usize) -> Result<u32> {
-        self.as_view().load_u32(off)
+    ///
+    /// # Safety
+    /// As for [`MrSlice::load_u32`].
+    pub unsafe fn load_u32(&self, off: usize) -> Result<u32> {
+        // SAFETY: the caller's contract, which is the view's.
+        unsafe { self.as_view().load_u32(off) }
     }
     /// See [`MrSlice::load_u64`].
     pub fn load_u64(&self, off: usize) -> Result<u64> {
@@ -1418,7 +1440,9 @@ impl<'a> MrSliceMut<'a> {
         // destination. Writing a range that a posted send or the peer's RDMA
         // Read is reading, or that is being written, garbles that transfer
         // (a protocol bug, and a data race for the soft provider's engine
-        // thread); the callers write only ranges they own at the time.
+        // thread); the callers write only ranges they own at the time. That
+        // this function is safe all the same is the open defect of
+        // `MrSlice::read_at` (docs/architecture.md, "Unsafe code").
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len()) };
         Ok(())
     }
@@ -1746,7 +1770,9 @@ mod view_tests {
         assert!(v.read_at(0, &mut b).is_err());
         assert!(v.copy_to_slice(&mut b).is_err(), "length mismatch");
         assert!(v.load_u64(12).is_err(), "word past the view's end");
-        assert!(v.load_u32(2).is_err(), "misaligned");
+        // SAFETY: the region is local to this test: no provider, no keys,
+        // nothing writes it concurrently.
+        assert!(unsafe { v.load_u32(2) }.is_err(), "misaligned");
         let w = m.slice_mut(16, 16).expect("view");
         assert!(w.write_at(15, &[1, 2]).is_err());
         assert!(w.fill(usize::MAX, 2, 0).is_err());
@@ -1770,7 +1796,9 @@ mod view_tests {
         assert_eq!(&all[8..16], &[0xAA, 0xAA, 1, 2, 3, 0xAA, 0xAA, 0xAA]);
         assert_eq!(&all[16..24], &0x0102_0304_0506_0708u64.to_le_bytes());
         assert_eq!(m.load_u64(16).expect("load"), 0x0102_0304_0506_0708);
-        assert_eq!(w.load_u32(8).expect("load"), 0x0506_0708);
+        // SAFETY: the region is local to this test: nothing writes it
+        // concurrently.
+        assert_eq!(unsafe { w.load_u32(8) }.expect("load"), 0x0506_0708);
         let v = w.as_view().slice(2, 3).expect("sub-view");
         let mut three = [0u8; 3];
         v.copy_to_slice(&mut three).expect("copy");
@@ -1781,6 +1809,7 @@ mod view_tests {
         let mut w2 = m.slice_mut(0, 4).expect("view");
         // SAFETY: as above; no other view of [0, 4) exists.
         unsafe { w2.as_mut_slice() }.copy_from_slice(&[9, 9, 9, 9]);
-        assert_eq!(m.load_u32(0).expect("load"), 0x0909_0909);
+        // SAFETY: as above; the slice `w2` is no longer used.
+        assert_eq!(unsafe { m.load_u32(0) }.expect("load"), 0x0909_0909);
     }
 }

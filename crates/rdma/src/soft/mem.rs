@@ -34,11 +34,21 @@ pub struct MrState {
     pub access: Access,
     pub pd: u32,
     pub valid: AtomicBool,
-    /// Held (read) by every write of the receive path into this region;
-    /// taken (write) by deregistration after `valid` is cleared.
+    /// Held (read) by every write of the receive path into this region,
+    /// and by the copy of a Read Response's payload out of caller-owned
+    /// memory; taken (write) by deregistration after `valid` is cleared.
     pub fence: RwLock<()>,
     /// Keeps library-owned memory alive while any reference to this state lives.
     _owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl MrState {
+    /// Whether this state keeps the region's memory alive (a `RegBuf`
+    /// registered with `Pd::register`); caller-owned memory
+    /// (`Pd::register_raw`) may be freed as soon as the `Mr` is dropped.
+    pub fn owns_memory(&self) -> bool {
+        self._owner.is_some()
+    }
 }
 
 /// A window's current binding.

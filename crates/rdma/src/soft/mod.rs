@@ -132,7 +132,7 @@ mod tests;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -454,7 +454,7 @@ impl QpShared {
     }
 
     fn drive_locked(&self, c: &mut QpEngine, rx: bool) -> usize {
-        let mut io = SockIo(self.fd.as_raw_fd());
+        let mut io = SockIo(self.fd.as_fd());
         let mut n = 0;
         if rx {
             n += c.rx_process(&mut io).unwrap_or(0);
@@ -468,7 +468,7 @@ impl QpShared {
             }
         }
         if c.shut == Shut::Now {
-            sys::shutdown(self.fd.as_raw_fd(), libc::SHUT_WR);
+            sys::shutdown(self.fd.as_fd(), rustix::net::Shutdown::Write);
             c.shut = Shut::Done;
         }
         n
@@ -665,7 +665,7 @@ pub(crate) fn create_qp(
     let max_payload = if ctx.config.mulpdu > 0 {
         ctx.config.mulpdu.saturating_sub(ddp::UNTAGGED_HDR_LEN)
     } else {
-        sys::mss(fd.as_raw_fd())
+        sys::mss(fd.as_fd())
             .unwrap_or(1460)
             .saturating_sub(MPA_HDR_LEN + CRC_LEN + ddp::UNTAGGED_HDR_LEN)
     }

@@ -58,12 +58,13 @@ pub trait Io {
     unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize>;
 }
 
-/// A socket as an [`Io`].
-pub struct SockIo(pub std::os::fd::RawFd);
+/// A socket as an [`Io`], borrowed for as long as the engine uses it.
+pub struct SockIo<'a>(pub std::os::fd::BorrowedFd<'a>);
 
 // SAFETY: both methods forward the caller's guarantees (the trait's
-// `# Safety` contract) unchanged to the system call wrappers.
-impl Io for SockIo {
+// `# Safety` contract) unchanged to the system call wrappers, whose contracts
+// are the same; the descriptor is borrowed, so it is open for the call.
+impl Io for SockIo<'_> {
     unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
         super::sys::read_raw(self.0, dst, len)
     }

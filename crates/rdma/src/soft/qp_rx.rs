@@ -82,7 +82,9 @@ impl Stage {
 /// a data race in the Rust memory model; the reader's protocol recognises a
 /// half-placed block (`lwio_proto::wire::small::poll_block_written`) and
 /// the hardware makes an aligned word load a single access, which is what
-/// that case relies on. Bytes after the word (fewer than 8) follow it.
+/// that case relies on: an open defect (docs/architecture.md, "Unsafe
+/// code"), to be fixed by holding back a partial aligned word until it is
+/// complete. Bytes after the word (fewer than 8) follow it.
 ///
 /// # Safety
 /// `dst..dst + src.len()` must be valid for writes, not overlap `src`, and

@@ -100,10 +100,12 @@ impl QpEngine {
             // and the bytes checksummed are exactly the bytes sent even if
             // the consumer (or another QP placing into the same region)
             // writes the source meanwhile.
-            let own = f.payload_copy();
-            let t = Trailer::with_crc(ulpdu, &[&f.hdr[..f.hdr_len], &own]);
-            f.send_from(own);
-            t
+            if f._staged.is_none() {
+                let own = f.payload_copy();
+                f.send_from(own);
+            }
+            let own = f._staged.as_deref().unwrap_or_default();
+            Trailer::with_crc(ulpdu, &[&f.hdr[..f.hdr_len], own])
         } else {
             Trailer::without_crc(ulpdu)
         };
@@ -146,7 +148,15 @@ impl QpEngine {
                     .get(self.tx_idx)
                     .is_some_and(|w| w.started && !w.built));
         if use_irq && irq_ready {
-            return Some(self.irq_frame());
+            return match self.irq_frame() {
+                Some(f) => Some(f),
+                None => {
+                    // The region was deregistered while the peer's Read was
+                    // queued: answer as for a Read of an invalid STag.
+                    self.fatal(TermKind::RdmapProtInvalidStag, false);
+                    self.next_frame()
+                }
+            };
         }
         // Skip WRs already framed (local WRs are framed at post time).
         while self.sq.get(self.tx_idx).is_some_and(|w| w.built) {
@@ -164,7 +174,9 @@ impl QpEngine {
         Some(self.sq_frame())
     }
 
-    fn irq_frame(&mut self) -> TxFrame {
+    /// The next Read Response frame; `None` if its source is caller-owned
+    /// memory (`register_raw`) whose `Mr` was dropped since the request.
+    fn irq_frame(&mut self) -> Option<TxFrame> {
         let maxp = self.p.max_payload as u64;
         let e = &mut self.irq[self.irq_built];
         let n = (e.len - e.sent).min(maxp);
@@ -184,6 +196,19 @@ impl QpEngine {
             f.npieces = 1;
         }
         f._keep = e.mr.clone();
+        if let Some(mr) = e.mr.as_ref().filter(|m| n > 0 && !m.owns_memory()) {
+            // Caller-owned memory stays allocated only while its `Mr` lives
+            // (`Pd::register_raw`), and the frame may wait in the send queue
+            // longer than that: copy the payload now, under the region's
+            // fence, which deregistration takes (after clearing `valid`)
+            // before the `Mr`'s drop returns.
+            let _fence = mr.fence.read().unwrap_or_else(|e| e.into_inner());
+            if !mr.valid.load(std::sync::atomic::Ordering::Acquire) {
+                return None;
+            }
+            let own = f.payload_copy();
+            f.send_from(own);
+        }
         e.sent += n;
         e.started = true;
         self.tx_cur_irq = !last;
@@ -191,7 +216,7 @@ impl QpEngine {
             self.irq_built += 1;
         }
         self.seal_frame(&mut f, &h, None);
-        f
+        Some(f)
     }
 
     fn sq_frame(&mut self) -> TxFrame {
@@ -361,13 +386,11 @@ impl QpEngine {
             //   WRs completed.
             // - an inbound Read's source: validated against a live
             //   registration when the request came; the frame's `_keep`
-            //   keeps a `RegBuf` mapped. `register_raw` memory is covered
-            //   only while its `Mr` lives: the contract lets the caller free
-            //   it once the `Mr` is dropped, and a Read Response still queued
-            //   then would read freed memory. The caller's side of that is
-            //   not to drop an `Mr` the peer is reading (lwio's client drops
-            //   its per-call registrations after the server answered, i.e.
-            //   after the server received every byte it read).
+            //   keeps a `RegBuf` mapped. A frame from `register_raw` memory
+            //   sends from its own copy, taken when the frame was built
+            //   under the region's fence while it was still registered
+            //   (`irq_frame`), so it does not depend on the caller keeping
+            //   that memory after dropping the `Mr`.
             // The kernel only reads them.
             match unsafe { io.writev(&iov) } {
                 Ok(mut w) => {
@@ -402,10 +425,5 @@ impl QpEngine {
         }
         self.check_closing();
         Ok(frames)
-    }
-
-    /// Nothing left to transmit.
-    pub fn tx_idle(&self) -> bool {
-        self.txq.is_empty() && self.term_out.is_none()
     }
 }

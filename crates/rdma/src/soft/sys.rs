@@ -1,7 +1,7 @@
 //! Thin wrappers over the few system calls the soft provider uses.
 
 use std::io;
-use std::os::fd::{AsFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use rustix::event::epoll::{self, Event, EventData, EventFlags};
 use rustix::event::{EventfdFlags, PollFd, PollFlags, Timespec};
@@ -78,9 +78,10 @@ pub fn poll_in(fd: impl AsFd, ms: i32) -> io::Result<bool> {
 ///
 /// # Safety
 /// `dst..dst+len` must be valid for writes for the duration of the call and
-/// no Rust reference may cover it.
-pub unsafe fn read_raw(fd: RawFd, dst: *mut u8, len: usize) -> io::Result<usize> {
-    let r = libc::read(fd, dst.cast(), len);
+/// no Rust reference may cover it. (`fd` is open for the call: it is
+/// borrowed.)
+pub unsafe fn read_raw(fd: BorrowedFd<'_>, dst: *mut u8, len: usize) -> io::Result<usize> {
+    let r = libc::read(fd.as_raw_fd(), dst.cast(), len);
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -91,12 +92,17 @@ pub unsafe fn read_raw(fd: RawFd, dst: *mut u8, len: usize) -> io::Result<usize>
 /// writev(2) (MSG_NOSIGNAL semantics via sendmsg).
 ///
 /// # Safety
-/// Every iovec must describe memory valid for reads for the duration of the call.
-pub unsafe fn writev_raw(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
+/// Every iovec must describe memory valid for reads for the duration of the
+/// call. (`fd` is open for the call: it is borrowed.)
+pub unsafe fn writev_raw(fd: BorrowedFd<'_>, iov: &[libc::iovec]) -> io::Result<usize> {
     let mut msg: libc::msghdr = std::mem::zeroed();
     msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
     msg.msg_iovlen = iov.len() as _;
-    let r = libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT);
+    let r = libc::sendmsg(
+        fd.as_raw_fd(),
+        &msg,
+        libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+    );
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -104,19 +110,23 @@ pub unsafe fn writev_raw(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
     }
 }
 
-pub fn shutdown(fd: RawFd, how: libc::c_int) {
-    // SAFETY: plain system call.
-    unsafe { libc::shutdown(fd, how) };
+/// shutdown(2) of a socket, best effort (an error means it is already shut
+/// or not connected, which the caller handles as a closed peer anyway).
+pub fn shutdown(fd: BorrowedFd<'_>, how: rustix::net::Shutdown) {
+    let _ = rustix::net::shutdown(fd, how);
 }
 
 /// TCP_MAXSEG of a connected socket.
-pub fn mss(fd: RawFd) -> Option<usize> {
+pub fn mss(fd: BorrowedFd<'_>) -> Option<usize> {
     let mut v: libc::c_int = 0;
     let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: the kernel writes an int into the live local `v`.
+    // SAFETY: `fd` is a borrowed, open descriptor for the whole call (the
+    // `BorrowedFd` lifetime), so the call cannot act on a closed or reused
+    // number; the kernel writes at most `l` bytes (one int) into the live
+    // local `v` and its length into the live local `l`.
     let r = unsafe {
         libc::getsockopt(
-            fd,
+            fd.as_raw_fd(),
             libc::IPPROTO_TCP,
             libc::TCP_MAXSEG,
             (&mut v as *mut libc::c_int).cast(),

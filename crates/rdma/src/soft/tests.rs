@@ -1439,3 +1439,76 @@ fn window_invalidation_mid_segment_places_nothing_more() {
         revoke_mid_segment(crc, Revoke::DeregUnderWindow);
     }
 }
+
+/// A Read Response from caller-owned memory (`register_raw`) does not
+/// depend on the memory outliving the `Mr`: a Read answered while the
+/// region is registered carries the bytes; a Read still queued when the
+/// `Mr` is dropped is refused with a Terminate and never sends what the
+/// memory holds afterwards.
+#[test]
+fn read_of_raw_memory_deregistered_while_queued_sends_nothing_of_it() {
+    for crc in [false, true] {
+        for dereg in [false, true] {
+            let what = format!("crc={crc} dereg={dereg}");
+            let ctx = ctx();
+            let mut rx = side(&ctx, 2, crc, 32 * 1024);
+            let len = 4096usize;
+            let mut mem = vec![0x5Au8; len];
+            let base = mem.as_mut_ptr();
+            // SAFETY: `mem` outlives the region (dropped below, or at the
+            // end of this iteration, before `mem`); nothing reads or writes
+            // it through a reference while the region exists (manual
+            // progress, single thread).
+            let mr = unsafe {
+                rx.pd
+                    .register_raw(base, len, Access::LOCAL_WRITE | Access::REMOTE_READ)
+            }
+            .expect("register");
+            let mut s = side(&ctx, 1, crc, 32 * 1024);
+            let smr = s.pd.alloc_mr(len, Access::LOCAL_WRITE).expect("mr");
+            let sg = [smr.sge(0, len as u32)];
+            s.core
+                .post_send(&[SendWr::new(
+                    1,
+                    SendOp::Read {
+                        remote_addr: mr.addr(),
+                        rkey: mr.rkey(),
+                    },
+                    &sg,
+                )])
+                .expect("post");
+            let mut p = Pipe {
+                input: tx_bytes(&mut s),
+                chunk: usize::MAX,
+                ..Pipe::default()
+            };
+            rx_all(&mut rx.core, &mut p);
+            if dereg {
+                drop(mr);
+                // The memory is the program's again.
+                mem.fill(0xEE);
+            }
+            let resp = tx_bytes(&mut rx);
+            let mut q = Pipe {
+                input: resp,
+                chunk: usize::MAX,
+                ..Pipe::default()
+            };
+            rx_all(&mut s.core, &mut q);
+            let w = drain(&s.cq);
+            let got = mr_bytes(&smr);
+            if dereg {
+                assert_eq!(rx.core.stats.term_sent, 1, "{what}");
+                assert!(
+                    !w.is_empty() && w.iter().all(|w| !w.is_ok()),
+                    "{what}: {w:?}"
+                );
+                assert!(!got.contains(&0xEE), "{what}: freed memory sent");
+            } else {
+                assert_eq!(rx.core.stats.term_sent, 0, "{what}");
+                assert!(w.len() == 1 && w[0].is_ok(), "{what}: {w:?}");
+                assert!(got.iter().all(|&b| b == 0x5A), "{what}");
+            }
+        }
+    }
+}

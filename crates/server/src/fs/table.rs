@@ -39,11 +39,6 @@ pub fn encode_request_resume_key(k: &SrvRequestResumeKey) -> Vec<u8> {
     k.to_bytes().unwrap_or_default()
 }
 
-/// Parse the wire form; `None` if truncated, odd-length or not UTF-16.
-pub fn decode_request_resume_key(b: &[u8]) -> Option<SrvRequestResumeKey> {
-    lwio_proto::sidechannel::parse_request_resume_key(b).ok()
-}
-
 /// Access granted on an open file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Rights {
@@ -733,11 +728,14 @@ mod tests {
         assert_eq!(&b[..8], &[8, 7, 6, 5, 4, 3, 2, 1]);
         assert_eq!(&b[24..26], &[14, 0]);
         assert_eq!(&b[26..30], &[b'\\', 0, b'\\', 0]);
-        assert_eq!(decode_request_resume_key(&b), Some(k));
-        assert_eq!(decode_request_resume_key(&b[..30]), None);
+        // Parsed back by the proto crate; `None` if truncated, odd-length or
+        // not UTF-16.
+        let decode = |b: &[u8]| lwio_proto::sidechannel::parse_request_resume_key(b).ok();
+        assert_eq!(decode(&b), Some(k));
+        assert_eq!(decode(&b[..30]), None);
         let mut odd = b.clone();
         odd[24] = 13;
-        assert_eq!(decode_request_resume_key(&odd), None);
+        assert_eq!(decode(&odd), None);
     }
 
     /// Lock owners: per file, per session (following `adopt`), within the
