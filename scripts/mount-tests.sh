@@ -32,7 +32,7 @@ FAILS=0
 RUN=0
 
 cleanup() {
-  for m in "$W/mnt" "$W/mnt2" "$W/mnt-hard" "$W/mnt-wb" "$W/mnt-ac"; do
+  for m in "$W/mnt" "$W/mnt2" "$W/mnt-hard" "$W/mnt-wb" "$W/mnt-ac" "$W/mnt-wf"; do
     mountpoint -q "$m" && { fusermount3 -u "$m" 2>/dev/null || fusermount3 -uz "$m"; }
   done
   [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
@@ -367,7 +367,43 @@ EOF
   fi
 }
 
-CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death hard local_change attr_cache writeback})
+case_writeback_fsync() {
+  # -o writeback_cache, a database's commit loop: write, fdatasync, 50
+  # times, in a leased directory. Each fdatasync costs the server one call
+  # (the sync; the pages go over RDMA), not two: the times the kernel
+  # writes back before it are kept by the mount (the server's writes set
+  # its mtime). The data is the server's byte for byte after each sync.
+  local m=$W/mnt-wf out n
+  mkdir -p "$m" "$W/export/wf"
+  do_mount "$m" -o writeback_cache || { fail writeback_fsync "mount"; return; }
+  ls "$m/wf" >/dev/null; ls "$m/wf" >/dev/null   # listed: leased
+  out=$(/usr/bin/python3 - "$m/wf/wal" "$W/export/wf/wal" <<'EOF' 2>&1
+import os, sys
+mnt, server = sys.argv[1:]
+fd = os.open(mnt, os.O_CREAT | os.O_WRONLY, 0o600)
+for i in range(50):
+    block = bytes([i]) * 8192
+    os.pwrite(fd, block, i * 8192)
+    os.fdatasync(fd)
+    with open(server, "rb") as f:
+        f.seek(i * 8192)
+        assert f.read(8192) == block, f"write {i} not on the server after fdatasync"
+os.close(fd)
+EOF
+  )
+  fusermount3 -u "$m"
+  sleep 0.2
+  n=$(grep -o '[0-9]* side-channel calls' "$W/mount-mnt-wf.log" | awk '{print $1}')
+  if [ -n "$out" ]; then
+    fail writeback_fsync "$out"
+  elif [ -z "$n" ] || [ "$n" -gt 70 ]; then
+    fail writeback_fsync "${n:-?} side-channel calls for 50 write+fdatasync (want <= 70: one per sync)"
+  else
+    pass "writeback_cache: 50 write+fdatasync, each on the server after its sync, $n side-channel calls in all"
+  fi
+}
+
+CASES=(${@:-sqlite fio stress_ng sysbench tar_git fstab bad_input server_death hard local_change attr_cache writeback writeback_fsync})
 for c in "${CASES[@]}"; do
   T0=$(date +%s); RUN=$((RUN + 1))
   "case_$c"

@@ -738,6 +738,14 @@ enum Own<'a> {
     Wrote(u64),
 }
 
+/// `t` in nanoseconds since the Unix epoch.
+fn epoch_ns(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
+        Err(e) => -i64::try_from(e.duration().as_nanos()).unwrap_or(i64::MAX),
+    }
+}
+
 /// Now, in nanoseconds since the Unix epoch (the times of a file this mount
 /// writes under a lease).
 fn now_ns() -> i64 {
@@ -747,6 +755,33 @@ fn now_ns() -> i64 {
 }
 
 impl LwioFs {
+    /// The kernel wrote node `ino`'s times back (write-back cache): kept in
+    /// the lease cache when the directory is leased and the name is still
+    /// this file; the attributes to answer with, or `None` to ask the
+    /// server as usual.
+    fn times_written_back(
+        &self,
+        ino: INodeNo,
+        mtime: SystemTime,
+        ctime: Option<SystemTime>,
+    ) -> Option<AttrX> {
+        if !self.leasing() {
+            return None;
+        }
+        let (dir, leaf) = split(&self.path(ino).ok()?)?;
+        let server_ino = lock(&self.shared.inodes).server_ino(ino.0);
+        let mut c = lock(&self.shared.leases);
+        match c.lookup(&dir, &leaf) {
+            Some(Hit::Found(mut a)) if server_ino == Some(a.ino) => {
+                a.mtime_ns = epoch_ns(mtime);
+                a.ctime_ns = ctime.map_or(a.ctime_ns, epoch_ns);
+                c.put(&dir, &leaf, &a);
+                Some(a)
+            }
+            _ => None,
+        }
+    }
+
     /// The kernel's entry and attribute lifetimes for an entry of `dir`:
     /// long under a lease (a break invalidates them), else the options'.
     fn ttls(&self, leased: bool) -> (Duration, Duration) {
@@ -975,7 +1010,7 @@ impl Filesystem for LwioFs {
         size: Option<u64>,
         atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
-        _ctime: Option<SystemTime>,
+        ctime: Option<SystemTime>,
         fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
@@ -985,6 +1020,28 @@ impl Filesystem for LwioFs {
     ) {
         let _t = self.stats.ops.time(Op::Setattr);
         let _as = Acting::of(req);
+        // Under the write-back cache the kernel writes a file's times back
+        // (mtime and ctime, by handle, nothing else) whenever it writes its
+        // pages back: at every fsync. The server's own writes of those pages
+        // set its mtime already, so under the directory's lease the mount
+        // keeps the kernel's times in its cache and answers without a round
+        // trip (docs/mount.md, "Write-back").
+        if let (true, Some(_), Some(TimeOrNow::SpecificTime(m)), None, None, None, None, None) = (
+            self.cfg.writeback_cache,
+            fh,
+            mtime,
+            mode,
+            uid,
+            gid,
+            size,
+            atime,
+        ) {
+            if let Some(a) = self.times_written_back(ino, m, ctime) {
+                Stats::add(&self.stats.lease_hits, 1);
+                let (_, ttl) = self.ttls(true);
+                return reply.attr(&ttl, &self.attr(ino.0, &a));
+            }
+        }
         let r = (|| -> Res<AttrX> {
             if self.cfg.read_only {
                 return Err(libc::EROFS);
