@@ -17,4 +17,11 @@ if bad=$(grep -E "^($FORBIDDEN) " <<<"$tree" | sort -u) && [ -n "$bad" ]; then
   done
   exit 1
 fi
-echo "lwio-client: $(sort -u <<<"$tree" | wc -l) crates, none of io-uring, argon2, rcgen"
+# Nor the RDMA crate's tool parts (the conformance suite, the benchmarks).
+feats=$(cargo tree -p lwio-client -e normal,build,features --target all --prefix none --format '{p} {f}' |
+  grep -E '^lwio-rdma ' | sort -u)
+if grep -qE 'conformance|perf' <<<"$feats"; then
+  echo "lwio-client's lwio-rdma has its tool features on: $feats" >&2
+  exit 1
+fi
+echo "lwio-client: $(sort -u <<<"$tree" | wc -l) crates, none of io-uring, argon2, rcgen; lwio-rdma without conformance or perf"

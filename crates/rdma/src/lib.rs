@@ -9,8 +9,14 @@
 //! used on this host is still listed, with the reason, by `devices()`.
 
 pub mod choice;
+/// The verbs conformance suite (`lwio-conformance`, the `conformance`
+/// feature, on by default; off in lwio-client's and lwio-server's trees).
+#[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod ibv;
+/// Micro-benchmarks (`lwio rdma-bench`, the `perf` feature, on by
+/// default; off in lwio-client's and lwio-server's trees).
+#[cfg(feature = "perf")]
 pub mod perf;
 pub mod soft;
 pub mod verbs;

@@ -56,8 +56,19 @@ pub const MAX_PATH: usize = 4096;
 /// Longest file-name component (bytes).
 pub const MAX_NAME: usize = 255;
 
-/// Test hook, off unless a test turns it on with [`serve_fifos_for_tests`].
+/// Test hook, off unless a test turns it on with [`serve_fifos_for_tests`]
+/// (built only with the `testkit` feature).
+#[cfg(any(test, feature = "testkit"))]
 static SERVE_FIFOS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether FIFOs are served ([`serve_fifos_for_tests`]); never in a server
+/// built without the `testkit` feature.
+fn serve_fifos() -> bool {
+    #[cfg(any(test, feature = "testkit"))]
+    return SERVE_FIFOS.load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(any(test, feature = "testkit")))]
+    false
+}
 
 /// **Tests only.** Let [`Export::open_file`] open FIFOs (named pipes), which
 /// it otherwise refuses as not regular files. A FIFO is a file whose I/O
@@ -66,6 +77,7 @@ static SERVE_FIFOS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 /// the storage (in io_uring, not merely queued) when they CANCEL it. Nothing
 /// outside tests calls it; there is no configuration for it.
 #[doc(hidden)]
+#[cfg(any(test, feature = "testkit"))]
 pub fn serve_fifos_for_tests(on: bool) {
     SERVE_FIFOS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
@@ -1372,7 +1384,7 @@ impl Export {
         let st = fstat(fd.as_raw_fd()).map_err(|e| Error::from_errno(e, self.describe(&comps)))?;
         match st.st_mode & libc::S_IFMT {
             libc::S_IFREG => {}
-            libc::S_IFIFO if SERVE_FIFOS.load(std::sync::atomic::Ordering::Relaxed) => {}
+            libc::S_IFIFO if serve_fifos() => {}
             libc::S_IFDIR => return Err(Error::from_errno(libc::EISDIR, self.describe(&comps))),
             _ => {
                 return Err(Error::new(

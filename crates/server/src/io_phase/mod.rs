@@ -12,6 +12,8 @@ pub mod reactor;
 pub mod readbuf;
 pub mod ring;
 pub mod server;
+/// In-process servers for tests and examples (the `testkit` feature).
+#[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 
 use std::io;

@@ -1023,8 +1023,26 @@ impl StoragePool {
     }
 }
 
-/// Test hook, 0 unless a test sets it with [`slow_next_storage_write_for_tests`].
+/// Test hook, 0 unless a test sets it with [`slow_next_storage_write_for_tests`]
+/// (built only with the `testkit` feature).
+#[cfg(any(test, feature = "testkit"))]
 static SLOW_NEXT_WRITE_MS: AtomicU64 = AtomicU64::new(0);
+
+/// The slowing the test hook asks of the next write, in ms (taken, when
+/// `take`); always 0 in a server built without the `testkit` feature.
+fn slow_next_write_ms(take: bool) -> u64 {
+    #[cfg(any(test, feature = "testkit"))]
+    return if take {
+        SLOW_NEXT_WRITE_MS.swap(0, Ordering::Relaxed)
+    } else {
+        SLOW_NEXT_WRITE_MS.load(Ordering::Relaxed)
+    };
+    #[cfg(not(any(test, feature = "testkit")))]
+    {
+        let _ = take;
+        0
+    }
+}
 
 /// **Tests only.** Make the next write a storage thread of this process
 /// starts take `d` longer and ignore a cancel raised meanwhile: a device
@@ -1034,6 +1052,7 @@ static SLOW_NEXT_WRITE_MS: AtomicU64 = AtomicU64::new(0);
 /// comes back. Nothing outside tests calls it; there is no configuration
 /// for it.
 #[doc(hidden)]
+#[cfg(any(test, feature = "testkit"))]
 pub fn slow_next_storage_write_for_tests(d: Duration) {
     SLOW_NEXT_WRITE_MS.store(
         u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1),
@@ -1044,6 +1063,7 @@ pub fn slow_next_storage_write_for_tests(d: Duration) {
 /// **Tests only.** Whether the write [`slow_next_storage_write_for_tests`]
 /// slows has started.
 #[doc(hidden)]
+#[cfg(any(test, feature = "testkit"))]
 pub fn slow_storage_write_started_for_tests() -> bool {
     SLOW_NEXT_WRITE_MS.load(Ordering::Relaxed) == 0
 }
@@ -1130,7 +1150,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
     let slow = if matches!(job.kind, JobKind::Read { .. }) {
         0
     } else {
-        SLOW_NEXT_WRITE_MS.swap(0, Ordering::Relaxed)
+        slow_next_write_ms(true)
     };
     let cancel = if slow > 0 {
         // Started: from here on the write runs to its end (test hook).
@@ -2919,8 +2939,7 @@ impl Conn {
             self.storage_done(op, Ok(r));
             return;
         }
-        let slow_hook =
-            !matches!(kind, JobKind::Read { .. }) && SLOW_NEXT_WRITE_MS.load(Ordering::Relaxed) > 0;
+        let slow_hook = !matches!(kind, JobKind::Read { .. }) && slow_next_write_ms(false) > 0;
         if let (Some(rio), false) = (self.rio.clone(), slow_hook) {
             let align = if f.direct { f.align } else { 1 };
             let r = ring_job(offset, align, kind).and_then(|(iov, write, keep)| {
