@@ -232,8 +232,7 @@ enum Control {
 }
 
 struct ConnEntry {
-    /// Its state for metrics: [`CONN_AUTHENTICATING`], [`CONN_SERVING`]
-    /// or [`CONN_CLOSING`].
+    /// Its state for metrics: a [`ConnState`].
     state: Arc<std::sync::atomic::AtomicU8>,
     ctl: mpsc::Sender<Control>,
     waker: Arc<Waker>,
@@ -294,10 +293,24 @@ const READ_BUFFER_WAIT: Duration = Duration::from_secs(2);
 /// one read, and the smallest region worth keeping as a spare.
 const MIN_READ_REGION: usize = 64 << 10;
 
-/// Connection states, for metrics.
-const CONN_AUTHENTICATING: u8 = 0;
-const CONN_SERVING: u8 = 1;
-const CONN_CLOSING: u8 = 2;
+/// A connection's state, for metrics (published through an `AtomicU8`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum ConnState {
+    Authenticating = 0,
+    Serving = 1,
+    Closing = 2,
+}
+
+impl ConnState {
+    fn from_u8(v: u8) -> ConnState {
+        match v {
+            0 => ConnState::Authenticating,
+            1 => ConnState::Serving,
+            _ => ConnState::Closing,
+        }
+    }
+}
 
 /// How often a connection adds its request counters into the server's.
 pub(super) const STATS_FLUSH: Duration = Duration::from_millis(50);
@@ -585,10 +598,10 @@ impl ServerHandle {
     pub fn connection_states(&self) -> (usize, usize, usize) {
         let mut n = (0, 0, 0);
         for c in lock(&self.0.conns).values() {
-            match c.state.load(Ordering::Relaxed) {
-                CONN_AUTHENTICATING => n.0 += 1,
-                CONN_SERVING => n.1 += 1,
-                _ => n.2 += 1,
+            match ConnState::from_u8(c.state.load(Ordering::Relaxed)) {
+                ConnState::Authenticating => n.0 += 1,
+                ConnState::Serving => n.1 += 1,
+                ConnState::Closing => n.2 += 1,
             }
         }
         n
@@ -1755,7 +1768,9 @@ impl Conn {
         let (ctl_tx, ctl_rx) = mpsc::channel();
         let waker = Arc::new(Waker::new()?);
         let credits_pub = Arc::new(AtomicUsize::new(1));
-        let state_pub = Arc::new(std::sync::atomic::AtomicU8::new(CONN_AUTHENTICATING));
+        let state_pub = Arc::new(std::sync::atomic::AtomicU8::new(
+            ConnState::Authenticating as u8,
+        ));
         let now = Instant::now();
         let base_credits = cfg.max_credits;
         info!(conn = id, %peer, qpn = qp.qp_num(), listener = %listening.describe(), "RDMA connection accepted");
@@ -1888,13 +1903,13 @@ impl Conn {
     /// [`STATS_FLUSH`], memory-object work, pending actions.
     pub(super) fn tick(&mut self, now: Instant) {
         let st = if self.closing.is_some() || self.draining.is_some() {
-            CONN_CLOSING
+            ConnState::Closing
         } else if self.sconn.is_authenticated() {
-            CONN_SERVING
+            ConnState::Serving
         } else {
-            CONN_AUTHENTICATING
+            ConnState::Authenticating
         };
-        self.state_pub.store(st, Ordering::Relaxed);
+        self.state_pub.store(st as u8, Ordering::Relaxed);
         if let Some(t) = self.sconn.poll_timeout() {
             if now >= t {
                 let slow = self.sconn.slow_credit_replies();
