@@ -239,49 +239,11 @@ pub enum Response {
 
 /// Message type codes.
 pub mod ty {
+    pub use super::requests::codes::*;
+
     pub const HELLO: u16 = 0x0001;
     pub const LOGIN: u16 = 0x0002;
-    pub const LIST_EXPORTS: u16 = 0x0003;
-    pub const LIST_DIR: u16 = 0x0004;
-    pub const STAT: u16 = 0x0005;
-    pub const OPEN: u16 = 0x0006;
-    pub const CLOSE: u16 = 0x0007;
-    pub const REMOVE: u16 = 0x0008;
-    pub const RENAME: u16 = 0x0009;
-    pub const MKDIR: u16 = 0x000a;
-    pub const SET_SIZE: u16 = 0x000b;
-    pub const FSYNC: u16 = 0x000c;
-    pub const NEGOTIATE: u16 = 0x000d;
-    pub const PING: u16 = 0x000e;
-    pub const BYE: u16 = 0x000f;
-    pub const STATX: u16 = 0x0010;
-    pub const STAT_HANDLE: u16 = 0x0011;
-    pub const SET_ATTR: u16 = 0x0012;
-    pub const SET_ATTR_HANDLE: u16 = 0x0013;
-    pub const SYMLINK: u16 = 0x0014;
-    pub const READLINK: u16 = 0x0015;
-    pub const STATFS: u16 = 0x0016;
-    pub const REMOVE2: u16 = 0x0017;
-    pub const RENAME2: u16 = 0x0018;
-    pub const LIST_DIR_X: u16 = 0x0019;
-    pub const LINK: u16 = 0x001a;
-    pub const FALLOCATE: u16 = 0x001b;
-    pub const SEEK: u16 = 0x001c;
-    pub const COPY_RANGE: u16 = 0x001d;
-    pub const LOCK: u16 = 0x001e;
-    pub const LEASE_DIR: u16 = 0x001f;
-    pub const RELEASE_LEASE: u16 = 0x0020;
-    pub const WATCH_BREAKS: u16 = 0x0021;
-    pub const LEASE_BREAK_ACK: u16 = 0x0022;
-    pub const STATS: u16 = 0x0030;
     pub const METRICS: u16 = 0x8030;
-    pub const PUBLISH: u16 = 0x0023;
-    pub const UNPUBLISH: u16 = 0x0024;
-    pub const WAIT_WRITES: u16 = 0x0025;
-    pub const RESUME: u16 = 0x0026;
-    pub const REKEY: u16 = 0x0027;
-    pub const MKNOD: u16 = 0x0028;
-    pub const FSYNC_DIR: u16 = 0x0029;
 
     pub const OK: u16 = 0x8000;
     pub const HELLO_OK: u16 = 0x8001;
