@@ -13,8 +13,10 @@ use lwio_side::codec::*;
 use lwio_side::error::{Error, ErrorCode, Result};
 use lwio_side::negotiate::{self, NegotiateRequestRepr, NegotiateResponseRepr};
 use lwio_side::tls::SideStream;
-use lwio_side::types::{Attr, AttrX, Creds, DirEntry, OpenOptions, RemoveKind, SetAttr, StatFs};
+use lwio_side::types::{AttrX, Creds, DirEntry, OpenOptions};
 use lwio_side::SessionSecret;
+
+mod ops;
 /// What an application needs to log in and secure the side channel.
 pub use lwio_side::{tls, ClientTls, Login, Token};
 
@@ -422,20 +424,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         }
     }
 
-    pub async fn ping(&mut self) -> Result<()> {
-        self.ok(Request::Ping).await
-    }
-
     /// Say goodbye and drop the connection.
     pub async fn bye(mut self) -> Result<()> {
         self.ok(Request::Bye).await
-    }
-
-    pub async fn list_exports(&mut self) -> Result<Vec<ExportInfo>> {
-        match self.call(Request::ListExports).await? {
-            Response::Exports(v) => Ok(v),
-            r => Err(unexpected(&r)),
-        }
     }
 
     /// All entries of a directory (follows pages).
@@ -498,19 +489,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
                 return Ok(out);
             }
             cookie = next_cookie;
-        }
-    }
-
-    pub async fn stat(&mut self, export: &str, path: &str) -> Result<Attr> {
-        match self
-            .call(Request::Stat {
-                export: export.into(),
-                path: path.into(),
-            })
-            .await?
-        {
-            Response::Attr(a) => Ok(a),
-            r => Err(unexpected(&r)),
         }
     }
 
@@ -577,179 +555,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
         opened(r)
     }
 
-    pub async fn close(&mut self, handle: u64) -> Result<()> {
-        self.ok(Request::Close { handle }).await
-    }
-
-    /// Remove a file, symlink or empty directory.
-    pub async fn remove(&mut self, export: &str, path: &str) -> Result<()> {
-        self.ok(Request::Remove {
-            export: export.into(),
-            path: path.into(),
-        })
-        .await
-    }
-
-    pub async fn rename(
-        &mut self,
-        export: &str,
-        from: &str,
-        to: &str,
-        replace: bool,
-    ) -> Result<()> {
-        self.ok(Request::Rename {
-            export: export.into(),
-            from: from.into(),
-            to: to.into(),
-            replace,
-        })
-        .await
-    }
-
-    pub async fn mkdir(
-        &mut self,
-        export: &str,
-        path: &str,
-        mode: u32,
-        parents: bool,
-    ) -> Result<()> {
-        self.ok(Request::Mkdir {
-            export: export.into(),
-            path: path.into(),
-            mode,
-            parents,
-        })
-        .await
-    }
-
-    /// Truncate or extend an open file.
-    pub async fn set_size(&mut self, handle: u64, size: u64) -> Result<()> {
-        self.ok(Request::SetSize { handle, size }).await
-    }
-
-    pub async fn fsync(&mut self, handle: u64, data_only: bool) -> Result<()> {
-        self.ok(Request::Fsync { handle, data_only }).await
-    }
-
-    async fn attrx(&mut self, req: Request) -> Result<AttrX> {
-        match self.call(req).await? {
-            Response::AttrX(a) => Ok(a),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Full attributes of a path (`follow` = false: lstat).
-    pub async fn statx(&mut self, export: &str, path: &str, follow: bool) -> Result<AttrX> {
-        self.attrx(Request::StatX {
-            export: export.into(),
-            path: path.into(),
-            follow,
-        })
-        .await
-    }
-
-    /// Full attributes of an open file (fstat).
-    pub async fn stat_handle(&mut self, handle: u64) -> Result<AttrX> {
-        self.attrx(Request::StatHandle { handle }).await
-    }
-
-    /// chmod, chown, truncate, utimens of a path (never through a final
-    /// symlink); the attributes after the change.
-    pub async fn set_attr(&mut self, export: &str, path: &str, set: &SetAttr) -> Result<AttrX> {
-        self.attrx(Request::SetAttr {
-            export: export.into(),
-            path: path.into(),
-            set: *set,
-        })
-        .await
-    }
-
-    /// The same on an open file.
-    pub async fn set_attr_handle(&mut self, handle: u64, set: &SetAttr) -> Result<AttrX> {
-        self.attrx(Request::SetAttrHandle { handle, set: *set })
-            .await
-    }
-
-    /// A hard link `to` of `from` (where the export allows hard links).
-    pub async fn link(&mut self, export: &str, from: &str, to: &str) -> Result<AttrX> {
-        self.attrx(Request::Link {
-            export: export.into(),
-            from: from.into(),
-            to: to.into(),
-        })
-        .await
-    }
-
-    /// fallocate(2) on an open file (`codec::FALLOC_KNOWN` mode bits).
-    pub async fn fallocate(&mut self, handle: u64, mode: u32, offset: u64, len: u64) -> Result<()> {
-        self.ok(Request::Fallocate {
-            handle,
-            mode,
-            offset,
-            len,
-        })
-        .await
-    }
-
-    /// lseek(2) SEEK_DATA / SEEK_HOLE (`codec::SEEK_DATA`, `codec::SEEK_HOLE`).
-    pub async fn seek(&mut self, handle: u64, offset: u64, whence: u8) -> Result<u64> {
-        match self
-            .call(Request::Seek {
-                handle,
-                offset,
-                whence,
-            })
-            .await?
-        {
-            Response::Offset(o) => Ok(o),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Take or release a POSIX byte-range lock for `owner` (`kind` 0 unlock,
-    /// 1 read, 2 write; `len` 0 = to the end); a conflict is `Locked`.
-    pub async fn lock(
-        &mut self,
-        handle: u64,
-        owner: u64,
-        kind: u8,
-        start: u64,
-        len: u64,
-    ) -> Result<()> {
-        self.ok(Request::Lock {
-            handle,
-            owner,
-            kind,
-            start,
-            len,
-            test: false,
-        })
-        .await
-    }
-
-    /// Ask for a lease on directory `path` (`want`: [`LEASE_READ`] |
-    /// [`LEASE_HANDLE`]): (lease id, granted kinds); (0, 0) when refused.
-    /// Only a session with a watching connection ([`AsyncClient::watch`])
-    /// is granted leases (docs/leases.md).
-    pub async fn lease_dir(&mut self, export: &str, path: &str, want: u8) -> Result<(u64, u8)> {
-        match self
-            .call(Request::LeaseDir {
-                export: export.into(),
-                path: path.into(),
-                want,
-            })
-            .await?
-        {
-            Response::LeaseGranted { lease_id, granted } => Ok((lease_id, granted)),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Give a lease back.
-    pub async fn release_lease(&mut self, lease_id: u64) -> Result<()> {
-        self.ok(Request::ReleaseLease { lease_id }).await
-    }
-
     /// Turn this connection into the carrier of the lease breaks of session
     /// `main` (another logged-in session of the same user, whose secret
     /// proves the binding). From then on, read breaks with
@@ -804,148 +609,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
             .await
             .map_err(|_| Error::new(ErrorCode::TimedOut, "acknowledging a lease break"))?
             .map_err(lost)
-    }
-
-    /// The lock that would conflict with this one: (kind, start, len), or
-    /// None.
-    pub async fn test_lock(
-        &mut self,
-        handle: u64,
-        owner: u64,
-        kind: u8,
-        start: u64,
-        len: u64,
-    ) -> Result<Option<(u8, u64, u64)>> {
-        match self
-            .call(Request::Lock {
-                handle,
-                owner,
-                kind,
-                start,
-                len,
-                test: true,
-            })
-            .await?
-        {
-            Response::LockInfo { kind: 0, .. } => Ok(None),
-            Response::LockInfo { kind, start, len } => Ok(Some((kind, start, len))),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Copy up to 64 MiB between two open files on the server; the bytes
-    /// copied (0 at the source's end).
-    pub async fn copy_range(
-        &mut self,
-        src: u64,
-        src_offset: u64,
-        dst: u64,
-        dst_offset: u64,
-        len: u64,
-    ) -> Result<u64> {
-        match self
-            .call(Request::CopyRange {
-                src,
-                src_offset,
-                dst,
-                dst_offset,
-                len,
-            })
-            .await?
-        {
-            Response::Copied(n) => Ok(n),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Create a symbolic link `path` → `target`.
-    pub async fn symlink(&mut self, export: &str, path: &str, target: &str) -> Result<AttrX> {
-        self.attrx(Request::Symlink {
-            export: export.into(),
-            path: path.into(),
-            target: target.into(),
-        })
-        .await
-    }
-
-    /// mknod(2): a FIFO, socket or (where the export allows) device node.
-    pub async fn mknod(&mut self, export: &str, path: &str, mode: u32, rdev: u64) -> Result<AttrX> {
-        self.attrx(Request::Mknod {
-            export: export.into(),
-            path: path.into(),
-            mode,
-            rdev,
-        })
-        .await
-    }
-
-    /// fsync(2) of a directory on the server.
-    pub async fn fsync_dir(&mut self, export: &str, path: &str) -> Result<()> {
-        self.ok(Request::FsyncDir {
-            export: export.into(),
-            path: path.into(),
-        })
-        .await
-    }
-
-    pub async fn readlink(&mut self, export: &str, path: &str) -> Result<String> {
-        match self
-            .call(Request::Readlink {
-                export: export.into(),
-                path: path.into(),
-            })
-            .await?
-        {
-            Response::Target(t) => Ok(t),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// The server's metrics, OpenMetrics text (docs/metrics.md).
-    pub async fn stats(&mut self) -> Result<String> {
-        match self.call(Request::Stats).await? {
-            Response::Metrics(t) => Ok(t),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    pub async fn statfs(&mut self, export: &str) -> Result<StatFs> {
-        match self
-            .call(Request::Statfs {
-                export: export.into(),
-            })
-            .await?
-        {
-            Response::StatFs(f) => Ok(f),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// unlink(2) or rmdir(2) semantics ([`RemoveKind`]).
-    pub async fn remove_kind(&mut self, export: &str, path: &str, kind: RemoveKind) -> Result<()> {
-        self.ok(Request::Remove2 {
-            export: export.into(),
-            path: path.into(),
-            kind,
-        })
-        .await
-    }
-
-    /// renameat2(2) flags: `types::RENAME_NOREPLACE`, `types::RENAME_EXCHANGE`.
-    pub async fn rename_flags(
-        &mut self,
-        export: &str,
-        from: &str,
-        to: &str,
-        flags: u32,
-    ) -> Result<()> {
-        self.ok(Request::Rename2 {
-            export: export.into(),
-            from: from.into(),
-            to: to.into(),
-            flags,
-        })
-        .await
     }
 
     /// The pipe: send our providers, get the common ones, a server Key and
@@ -1018,26 +681,11 @@ impl Client {
         self.inner.caller = own;
         r
     }
-    pub fn mknod(&mut self, export: &str, path: &str, mode: u32, rdev: u64) -> Result<AttrX> {
-        self.rt.block_on(self.inner.mknod(export, path, mode, rdev))
-    }
-    pub fn fsync_dir(&mut self, export: &str, path: &str) -> Result<()> {
-        self.rt.block_on(self.inner.fsync_dir(export, path))
-    }
-    pub fn ping(&mut self) -> Result<()> {
-        self.rt.block_on(self.inner.ping())
-    }
     pub fn bye(self) -> Result<()> {
         self.rt.block_on(self.inner.bye())
     }
-    pub fn list_exports(&mut self) -> Result<Vec<ExportInfo>> {
-        self.rt.block_on(self.inner.list_exports())
-    }
     pub fn list_dir(&mut self, export: &str, path: &str) -> Result<Vec<DirEntry>> {
         self.rt.block_on(self.inner.list_dir(export, path))
-    }
-    pub fn stat(&mut self, export: &str, path: &str) -> Result<Attr> {
-        self.rt.block_on(self.inner.stat(export, path))
     }
     pub fn open(
         &mut self,
@@ -1048,9 +696,6 @@ impl Client {
     ) -> Result<RemoteFile> {
         self.rt.block_on(self.inner.open(export, path, o, mode))
     }
-    pub fn close(&mut self, handle: u64) -> Result<()> {
-        self.rt.block_on(self.inner.close(handle))
-    }
     /// See [`AsyncClient::resume`].
     pub fn resume(&mut self, old: &Session) -> Result<u64> {
         self.rt.block_on(self.inner.resume(old))
@@ -1059,88 +704,11 @@ impl Client {
     pub fn rekey(&mut self, handle: u64) -> Result<RemoteFile> {
         self.rt.block_on(self.inner.rekey(handle))
     }
-    pub fn remove(&mut self, export: &str, path: &str) -> Result<()> {
-        self.rt.block_on(self.inner.remove(export, path))
-    }
-    pub fn rename(&mut self, export: &str, from: &str, to: &str, replace: bool) -> Result<()> {
-        self.rt
-            .block_on(self.inner.rename(export, from, to, replace))
-    }
-    pub fn mkdir(&mut self, export: &str, path: &str, mode: u32, parents: bool) -> Result<()> {
-        self.rt
-            .block_on(self.inner.mkdir(export, path, mode, parents))
-    }
-    pub fn set_size(&mut self, handle: u64, size: u64) -> Result<()> {
-        self.rt.block_on(self.inner.set_size(handle, size))
-    }
-    pub fn fsync(&mut self, handle: u64, data_only: bool) -> Result<()> {
-        self.rt.block_on(self.inner.fsync(handle, data_only))
-    }
     pub fn negotiate(&mut self, req: &NegotiateRequestRepr) -> Result<NegotiateResponseRepr> {
         self.rt.block_on(self.inner.negotiate(req))
     }
     pub fn list_dir_x(&mut self, export: &str, path: &str) -> Result<Vec<(String, AttrX)>> {
         self.rt.block_on(self.inner.list_dir_x(export, path))
-    }
-    pub fn statx(&mut self, export: &str, path: &str, follow: bool) -> Result<AttrX> {
-        self.rt.block_on(self.inner.statx(export, path, follow))
-    }
-    pub fn stat_handle(&mut self, handle: u64) -> Result<AttrX> {
-        self.rt.block_on(self.inner.stat_handle(handle))
-    }
-    pub fn set_attr(&mut self, export: &str, path: &str, set: &SetAttr) -> Result<AttrX> {
-        self.rt.block_on(self.inner.set_attr(export, path, set))
-    }
-    pub fn set_attr_handle(&mut self, handle: u64, set: &SetAttr) -> Result<AttrX> {
-        self.rt.block_on(self.inner.set_attr_handle(handle, set))
-    }
-    pub fn lock(&mut self, handle: u64, owner: u64, kind: u8, start: u64, len: u64) -> Result<()> {
-        self.rt
-            .block_on(self.inner.lock(handle, owner, kind, start, len))
-    }
-    pub fn test_lock(
-        &mut self,
-        handle: u64,
-        owner: u64,
-        kind: u8,
-        start: u64,
-        len: u64,
-    ) -> Result<Option<(u8, u64, u64)>> {
-        self.rt
-            .block_on(self.inner.test_lock(handle, owner, kind, start, len))
-    }
-    pub fn copy_range(
-        &mut self,
-        src: u64,
-        src_offset: u64,
-        dst: u64,
-        dst_offset: u64,
-        len: u64,
-    ) -> Result<u64> {
-        self.rt
-            .block_on(self.inner.copy_range(src, src_offset, dst, dst_offset, len))
-    }
-    pub fn link(&mut self, export: &str, from: &str, to: &str) -> Result<AttrX> {
-        self.rt.block_on(self.inner.link(export, from, to))
-    }
-    pub fn fallocate(&mut self, handle: u64, mode: u32, offset: u64, len: u64) -> Result<()> {
-        self.rt
-            .block_on(self.inner.fallocate(handle, mode, offset, len))
-    }
-    pub fn seek(&mut self, handle: u64, offset: u64, whence: u8) -> Result<u64> {
-        self.rt.block_on(self.inner.seek(handle, offset, whence))
-    }
-    pub fn symlink(&mut self, export: &str, path: &str, target: &str) -> Result<AttrX> {
-        self.rt.block_on(self.inner.symlink(export, path, target))
-    }
-    pub fn readlink(&mut self, export: &str, path: &str) -> Result<String> {
-        self.rt.block_on(self.inner.readlink(export, path))
-    }
-    pub fn lease_dir(&mut self, export: &str, path: &str, want: u8) -> Result<(u64, u8)> {
-        self.rt.block_on(self.inner.lease_dir(export, path, want))
-    }
-    pub fn release_lease(&mut self, lease_id: u64) -> Result<()> {
-        self.rt.block_on(self.inner.release_lease(lease_id))
     }
     /// See [`AsyncClient::watch`].
     pub fn watch(&mut self, main: &Session) -> Result<()> {
@@ -1153,20 +721,6 @@ impl Client {
     /// See [`AsyncClient::ack_break`].
     pub fn ack_break(&mut self, lease_id: u64) -> Result<()> {
         self.rt.block_on(self.inner.ack_break(lease_id))
-    }
-    /// See [`AsyncClient::stats`].
-    pub fn stats(&mut self) -> Result<String> {
-        self.rt.block_on(self.inner.stats())
-    }
-    pub fn statfs(&mut self, export: &str) -> Result<StatFs> {
-        self.rt.block_on(self.inner.statfs(export))
-    }
-    pub fn remove_kind(&mut self, export: &str, path: &str, kind: RemoveKind) -> Result<()> {
-        self.rt.block_on(self.inner.remove_kind(export, path, kind))
-    }
-    pub fn rename_flags(&mut self, export: &str, from: &str, to: &str, flags: u32) -> Result<()> {
-        self.rt
-            .block_on(self.inner.rename_flags(export, from, to, flags))
     }
 }
 
