@@ -99,10 +99,14 @@ write_config() {
 data = { path = "$ROOT/export", identity = "client", trust_client_ids = ["*"], root_squash = false }
 EOF
 }
-start_server() {
-  write_config
+# serve: `lwio serve` of the export, in the background (also the restart of --kill-at).
+serve() {
   "$LWIO" serve --config "$ROOT/lwio.toml" \
     --listen "127.0.0.1:$SPORT" --provider soft >>"$ROOT/serve.log" 2>&1 &
+}
+start_server() {
+  write_config
+  serve
   SERVER=$!
   for _ in $(seq 100); do grep -q "RDMA listening" "$ROOT/serve.log" && break; sleep 0.1; done
   FP=$(grep -o 'sha256:[0-9A-F:]*' "$ROOT/serve.log" | head -1)
@@ -170,8 +174,7 @@ for s in $SYSTEMS; do
   killer=""
   if [ -n "$KILL_AT" ] && [ -n "$SERVER" ] && [[ $base == "$ROOT"/m-* ]] && [ "$s" != bindfs ]; then
     ( sleep "$KILL_AT"; kill -9 "$SERVER"; echo "killed lwio serve at ${KILL_AT}s" >&2; sleep 1
-      "$LWIO" serve --config "$ROOT/lwio.toml" \
-        --listen "127.0.0.1:$SPORT" --provider soft >>"$ROOT/serve.log" 2>&1 &
+      serve
       echo $! >"$ROOT/server.pid"; wait ) &
     killer=$!
   fi

@@ -58,6 +58,14 @@ start_server() { # [port: the same one again]
   URL=lwio://127.0.0.1:$PORT/data
 }
 
+# unmount_side_calls MOUNTPOINT: unmount it, and print how many side-channel
+# calls the mount made in its life (from the line its log ends with).
+unmount_side_calls() {
+  fusermount3 -u "$1"
+  sleep 0.2
+  grep -o '[0-9]* side-channel calls' "$W/mount-$(basename "$1").log" | awk '{print $1}'
+}
+
 do_mount() { # mountpoint [extra args]
   local m=$1; shift
   "$LWIO" mount --daemon --log "$W/mount-$(basename "$m").log" "$URL" "$m" --provider soft "$@"
@@ -308,12 +316,10 @@ os.close(fd)
 assert os.stat(sys.argv[1]).st_size == 200 * 8192
 EOF
   )
-  fusermount3 -u "$m"
-  sleep 0.2
-  n=$(grep -o '[0-9]* side-channel calls' "$W/mount-mnt-ac.log" | awk '{print $1}')
+  n=$(unmount_side_calls "$m")
   if [ -n "$out" ]; then
     fail attr_cache "$out"
-  elif ! cmp -s <(cat "$W/export/ac/appended") <(for _ in $(seq 200); do /usr/bin/python3 -c 'import sys; sys.stdout.buffer.write(bytes(range(256))*32)'; done); then
+  elif ! cmp -s "$W/export/ac/appended" <(/usr/bin/python3 -c 'import sys; sys.stdout.buffer.write(bytes(range(256)) * 32 * 200)'); then
     fail attr_cache "the file on the server differs from what was written"
   elif [ -z "$n" ] || [ "$n" -gt 20 ]; then
     fail attr_cache "${n:-?} side-channel calls for 200 appends (want <= 20; one per write means the cache did not answer)"
@@ -391,9 +397,7 @@ for i in range(50):
 os.close(fd)
 EOF
   )
-  fusermount3 -u "$m"
-  sleep 0.2
-  n=$(grep -o '[0-9]* side-channel calls' "$W/mount-mnt-wf.log" | awk '{print $1}')
+  n=$(unmount_side_calls "$m")
   if [ -n "$out" ]; then
     fail writeback_fsync "$out"
   elif [ -z "$n" ] || [ "$n" -gt 70 ]; then

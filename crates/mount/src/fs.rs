@@ -746,15 +746,22 @@ fn epoch_ns(t: SystemTime) -> i64 {
     }
 }
 
-/// Now, in nanoseconds since the Unix epoch (the times of a file this mount
-/// writes under a lease).
-fn now_ns() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
-}
-
 impl LwioFs {
+    /// Node `ino`'s directory and name, where leases are on (its
+    /// attributes may then be in the lease cache).
+    fn leased_name(&self, ino: INodeNo) -> Option<(String, String)> {
+        if !self.leasing() {
+            return None;
+        }
+        split(&self.path(ino).ok()?)
+    }
+
+    /// Whether attributes `a` are of node `ino`'s file on the server (a
+    /// name's entry in the lease cache, or an answer by handle).
+    fn is_node(&self, ino: INodeNo, a: &AttrX) -> bool {
+        lock(&self.shared.inodes).server_ino(ino.0) == Some(a.ino)
+    }
+
     /// The kernel wrote node `ino`'s times back (write-back cache): kept in
     /// the lease cache when the directory is leased and the name is still
     /// this file; the attributes to answer with, or `None` to ask the
@@ -765,14 +772,10 @@ impl LwioFs {
         mtime: SystemTime,
         ctime: Option<SystemTime>,
     ) -> Option<AttrX> {
-        if !self.leasing() {
-            return None;
-        }
-        let (dir, leaf) = split(&self.path(ino).ok()?)?;
-        let server_ino = lock(&self.shared.inodes).server_ino(ino.0);
+        let (dir, leaf) = self.leased_name(ino)?;
         let mut c = lock(&self.shared.leases);
         match c.lookup(&dir, &leaf) {
-            Some(Hit::Found(mut a)) if server_ino == Some(a.ino) => {
+            Some(Hit::Found(mut a)) if self.is_node(ino, &a) => {
                 a.mtime_ns = epoch_ns(mtime);
                 a.ctime_ns = ctime.map_or(a.ctime_ns, epoch_ns);
                 c.put(&dir, &leaf, &a);
@@ -808,7 +811,7 @@ impl LwioFs {
             Own::Is(a) => c.put(&dir, &name, a),
             Own::Removed => c.del(&dir, &name),
             Own::Stale => c.stale(&dir, &name),
-            Own::Wrote(end) => c.wrote(&dir, &name, end, now_ns()),
+            Own::Wrote(end) => c.wrote(&dir, &name, end, epoch_ns(SystemTime::now())),
         }
     }
 
@@ -967,16 +970,12 @@ impl Filesystem for LwioFs {
         // lseek to the end (asked by handle) while the server's inode is
         // the node's. Else an fstat asks by handle: right even after the
         // name was unlinked or renamed by someone else.
-        let leased = match (self.leasing(), self.path(ino)) {
-            (true, Ok(p)) => split(&p),
-            _ => None,
-        };
+        let leased = self.leased_name(ino);
         let mut gen = None;
         if let Some((dir, leaf)) = &leased {
-            let server_ino = lock(&self.shared.inodes).server_ino(ino.0);
             let mut c = lock(&self.shared.leases);
             match c.lookup(dir, leaf) {
-                Some(Hit::Found(a)) if fh.is_none() || server_ino == Some(a.ino) => {
+                Some(Hit::Found(a)) if fh.is_none() || self.is_node(ino, &a) => {
                     Stats::add(&self.stats.lease_hits, 1);
                     let (_, ttl) = self.ttls(true);
                     return reply.attr(&ttl, &self.attr(ino.0, &a));
@@ -992,8 +991,7 @@ impl Filesystem for LwioFs {
         // Kept for the next question if nothing changed meanwhile (and,
         // asked by handle, if the name is still this file).
         if let (Ok(a), Some((dir, leaf)), Some(gen)) = (&r, &leased, gen) {
-            let server_ino = lock(&self.shared.inodes).server_ino(ino.0);
-            if fh.is_none() || server_ino == Some(a.ino) {
+            if fh.is_none() || self.is_node(ino, a) {
                 lock(&self.shared.leases).fill(dir, leaf, a, gen);
             }
         }
@@ -1049,12 +1047,7 @@ impl Filesystem for LwioFs {
             let t = |t: Option<TimeOrNow>| {
                 t.map(|t| match t {
                     TimeOrNow::Now => SetTime::Now,
-                    TimeOrNow::SpecificTime(st) => {
-                        SetTime::At(match st.duration_since(UNIX_EPOCH) {
-                            Ok(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
-                            Err(e) => -i64::try_from(e.duration().as_nanos()).unwrap_or(i64::MAX),
-                        })
-                    }
+                    TimeOrNow::SpecificTime(st) => SetTime::At(epoch_ns(st)),
                 })
             };
             let set = SetAttr {

@@ -164,6 +164,12 @@ impl LeaseCache {
     /// This client created or changed `dir`/`name` and knows its attributes.
     pub(crate) fn put(&mut self, dir: &str, name: &str, a: &AttrX) {
         self.gen += 1;
+        self.insert(dir, name, a);
+    }
+
+    /// `dir`/`name` has attributes `a` (and is no longer stale), in a
+    /// leased directory whose listing is here.
+    fn insert(&mut self, dir: &str, name: &str, a: &AttrX) {
         if let Some(d) = self.dirs.get_mut(&canonical(dir)) {
             if let Some(e) = d.entries.as_mut() {
                 e.insert(name.to_string(), *a);
@@ -193,14 +199,8 @@ impl LeaseCache {
     /// kept (and the name no longer stale) if the cache did not change
     /// since, so that the next question is answered here.
     pub(crate) fn fill(&mut self, dir: &str, name: &str, a: &AttrX, gen: u64) {
-        if gen != self.gen {
-            return;
-        }
-        if let Some(d) = self.dirs.get_mut(&canonical(dir)) {
-            if let Some(e) = d.entries.as_mut() {
-                e.insert(name.to_string(), *a);
-                d.stale.remove(name);
-            }
+        if gen == self.gen {
+            self.insert(dir, name, a);
         }
     }
 
