@@ -61,6 +61,7 @@ fuzz_target!(|data: &[u8]| {
         session_id: 5,
         // Fragments (§5.12) on: messages up to 4 KiB reassembled.
         max_message: 4096,
+        features: 0,
         ..ServerConfig::default()
     };
     let mut s = ServerConn::new(cfg, t0);
@@ -126,7 +127,9 @@ fuzz_target!(|data: &[u8]| {
         while let Some(a) = s.poll_action() {
             assert!(!closed, "action after CloseConnection: {a:?}");
             match a {
-                ServerAction::FileRead { op, .. } | ServerAction::FileWrite { op, .. } => {
+                ServerAction::FileRead { op, .. }
+                | ServerAction::FileWrite { op, .. }
+                | ServerAction::FileSync { op, .. } => {
                     ops.push(op)
                 }
                 ServerAction::FileWriteParts { op, parts, .. } => {

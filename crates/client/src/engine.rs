@@ -795,6 +795,11 @@ impl Engine {
         st.stats.max_outstanding = st.conn.outstanding();
     }
 
+    /// Whether the server serves FLUSH on this connection.
+    pub fn server_flushes(&self) -> bool {
+        lock(&self.st).conn.server_flushes()
+    }
+
     pub fn credits(&self) -> u16 {
         lock(&self.st).conn.credits()
     }
@@ -1999,6 +2004,17 @@ impl Engine {
             Some(
                 st.conn
                     .register(Instant::now(), key, flags)
+                    .map_err(client_err),
+            )
+        })
+    }
+
+    /// FLUSH `fid`: fsync (fdatasync with `data_only`) on the server.
+    pub fn issue_flush(&self, fid: u16, data_only: bool) -> Result<ReqId> {
+        self.issue(|_, st| {
+            Some(
+                st.conn
+                    .flush(Instant::now(), fid, data_only)
                     .map_err(client_err),
             )
         })

@@ -1581,12 +1581,41 @@ impl File {
 
     /// fsync(2) on the server: data and metadata reach stable storage.
     pub fn sync_all(&self) -> Result<()> {
-        self.retry(|r| self.client.0.side_once(|s| s.fsync(r.handle, false)))
+        self.sync(false)
     }
 
     /// fdatasync(2) on the server.
     pub fn sync_data(&self) -> Result<()> {
-        self.retry(|r| self.client.0.side_once(|s| s.fsync(r.handle, true)))
+        self.sync(true)
+    }
+
+    /// Whether [`File::sync_data`] and [`File::sync_all`] go over the RDMA
+    /// connection (a FLUSH) rather than the side channel.
+    pub fn syncs_on_rdma(&self) -> bool {
+        self.route().is_ok_and(|r| r.engine.server_flushes())
+    }
+
+    /// A FLUSH on the file's RDMA connection where the server serves it
+    /// (docs/protocol.md §5.13): one request beside the file's I/O, no
+    /// side-channel round trip; else the side channel's `Fsync`.
+    fn sync(&self, data_only: bool) -> Result<()> {
+        self.retry(|r| {
+            if !r.engine.server_flushes() {
+                return self.client.0.side_once(|s| s.fsync(r.handle, data_only));
+            }
+            let req = r.engine.issue_flush(r.fid, data_only)?;
+            match r.engine.wait(req, None)? {
+                (_, STATUS_SUCCESS) => Ok(()),
+                (_, st) => Err(status_error(
+                    if data_only {
+                        "FLUSH (fdatasync)"
+                    } else {
+                        "FLUSH (fsync)"
+                    },
+                    st,
+                )),
+            }
+        })
     }
 
     /// A side-channel call on this open file's handle (fstat, fchmod,

@@ -291,7 +291,7 @@ impl File {
     /// happened since, or moved to another channel if its own was lost
     /// ([`File::fail_over`]). Holding the route lock meanwhile, other calls
     /// on this file wait: they re-issue in the order they reach it.
-    fn route(&self) -> Result<Route> {
+    pub(crate) fn route(&self) -> Result<Route> {
         let inner = &self.client.0;
         let mut g = self.route.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = &g.stale {

@@ -1917,3 +1917,44 @@ fn progress_threads_live_as_long_as_their_engines() {
         );
     }
 }
+
+/// fsync and fdatasync of an open file are a FLUSH on its RDMA connection
+/// (docs/protocol.md §5.13), counted by the server as such, on files open
+/// for writing and for reading alike; the data written before is in the
+/// file. Against a server that does not offer FLUSH, the same calls go
+/// over the side channel.
+#[test]
+fn sync_is_a_flush_on_the_rdma_connection() {
+    use lwio_proto::wire::common::Opcode;
+    for offered in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rdma = no_auto();
+        rdma.proto.flush = offered;
+        let s = server(dir.path(), rdma);
+        let c = client(&s, Completion::Interrupt);
+        let f = c
+            .open("wal", &OpenOptions::read_write().create(true))
+            .expect("open");
+        let data = pattern(5, 8192);
+        assert_eq!(f.write_at(&data, 8192).unwrap(), data.len());
+        assert_eq!(f.syncs_on_rdma(), offered);
+        f.sync_data().expect("fdatasync");
+        f.sync_all().expect("fsync");
+        assert_eq!(local_read(&dir.path().join("wal"), 8192, 8192), data);
+        let r = c.open("wal", &OpenOptions::read_only()).expect("open ro");
+        r.sync_all().expect("fsync of a read-only open");
+        let want = if offered { 3 } else { 0 };
+        let t0 = Instant::now();
+        while s.rdma.request_stats().op(Opcode::Flush).requests < want
+            && t0.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let st = s.rdma.request_stats();
+        assert_eq!(st.op(Opcode::Flush).requests, want, "offered: {offered}");
+        assert_eq!(st.op(Opcode::Flush).completed, want);
+        assert!(st.errors.is_empty() || !offered, "{:?}", st.errors);
+        f.close().unwrap();
+        r.close().unwrap();
+    }
+}

@@ -1616,8 +1616,10 @@ impl Filesystem for LwioFs {
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.ops.time(Op::Fsync);
-        Stats::add(&self.stats.side_calls, 1);
         let r = self.with_file(fh, |f| {
+            if !f.syncs_on_rdma() {
+                Stats::add(&self.stats.side_calls, 1);
+            }
             if datasync {
                 f.sync_data()
             } else {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::server::CloseReason;
 use crate::status::*;
-use crate::wire::auth::ENDIAN_64;
+use crate::wire::auth::{ENDIAN_64, FEATURE_FLUSH};
 use crate::wire::common::{CancelTarget, CompletionMode, HeaderPacket, Opcode, RequestOp};
 use crate::wire::fragment::{FragmentRepr, FRAGMENT_HEADER_LEN};
 use crate::wire::{
@@ -516,6 +516,7 @@ impl<U: Default> ClientConn<U> {
             signature: None,
             // Servers send this client only 16-byte status responses.
             max_message: 0,
+            features: 0,
         };
         let bytes = params
             .to_signed_bytes(self.cfg.signature, &self.cfg.secret)
@@ -757,6 +758,28 @@ impl<U: Default> ClientConn<U> {
             fid,
             cookie,
         })
+    }
+
+    /// FLUSH `fid` (an lwio extension, docs/protocol.md §5.13): fsync, or
+    /// fdatasync with `data_only`, of the file on the server; answered when
+    /// it is done. `InvalidArgument` when the server did not offer it
+    /// ([`ClientConn::server_flushes`]).
+    pub fn flush(&mut self, now: Instant, fid: u16, data_only: bool) -> Result<ReqId, ClientError> {
+        if !self.server_flushes() {
+            return Err(ClientError::InvalidArgument);
+        }
+        self.control(now, Opcode::Flush, |cookie| RequestOp::Flush {
+            fid,
+            cookie,
+            data_only,
+        })
+    }
+
+    /// Whether the server serves FLUSH (its AUTH answer offered it).
+    pub fn server_flushes(&self) -> bool {
+        self.server
+            .as_ref()
+            .is_some_and(|s| s.features & FEATURE_FLUSH != 0)
     }
 
     /// CANCEL every outstanding I/O of `fid`.

@@ -16,7 +16,7 @@ use crate::wire::fragment::{FragmentPacket, FragmentRepr, FRAGMENT_HEADER_LEN, O
 
 use crate::stats::RequestStats;
 use crate::status::*;
-use crate::wire::auth::{AuthParamsPacket, ENDIAN_64};
+use crate::wire::auth::{AuthParamsPacket, ENDIAN_64, FEATURE_FLUSH};
 use crate::wire::common::{CancelTarget, CompletionMode, Opcode, RequestOp};
 use crate::wire::{
     AuthParamsRepr, FidParamsRepr, Guid, IoStatusBlock, RdmaRegion, RequestRepr, SignatureAlg,
@@ -59,6 +59,9 @@ pub struct ServerConfig {
     /// Receive memory that partial messages may hold across the server
     /// (shared by its connections); `None`: one message per connection.
     pub fragment_budget: Option<Arc<Budget>>,
+    /// Serve FLUSH (offered in the AUTH answer's FEATURES, §5.13): the
+    /// embedder performs [`ServerAction::FileSync`].
+    pub flush: bool,
 }
 
 impl Default for ServerConfig {
@@ -78,6 +81,7 @@ impl Default for ServerConfig {
             session_id: 1,
             max_message: 0,
             fragment_budget: None,
+            flush: true,
         }
     }
 }
@@ -212,6 +216,14 @@ pub enum ServerAction {
         offset: u64,
         parts: Vec<(RecvId, Range<usize>)>,
     },
+    /// fsync (`data_only`: fdatasync) `file`; answer with
+    /// `handle_storage_complete(op, Ok(0))` or the failure status (a FLUSH).
+    FileSync {
+        op: OpId,
+        fid: u16,
+        file: u64,
+        data_only: bool,
+    },
     /// Receive buffers kept for fragments, now to be posted again (a
     /// message refused before its write).
     RepostRecvs(Vec<RecvId>),
@@ -262,6 +274,8 @@ enum IoKind {
         regions: Vec<RdmaRegion>,
     },
     Write,
+    /// A FLUSH: no data, answered with its status alone.
+    Sync,
     /// A reassembled message's write; it holds `extra` credits beyond its
     /// own (one per fragment after the first).
     WriteParts {
@@ -1011,7 +1025,37 @@ impl ServerConn {
                     self.interrupt = Some((cookie, now));
                 }
             }
+            RequestOp::Flush { fid, data_only, .. } => self.handle_flush(fid, data_only, mode),
         }
+    }
+
+    /// FLUSH (§5.13): the Fid's file synced on the server, answered when
+    /// storage is done (`FileSync`). It is in flight like an I/O: a CLOSE
+    /// waits for it, a CANCEL may withdraw it before it starts.
+    fn handle_flush(&mut self, fid: u16, data_only: bool, mode: CompletionMode) {
+        let file = match self.fids.get(&fid) {
+            // Not offered: refused as an unknown request would be.
+            _ if !self.cfg.flush => {
+                return self.complete(mode, 0, STATUS_INVALID_DEVICE_REQUEST, false)
+            }
+            Some(f) if !f.closing => f.file,
+            _ => return self.complete(mode, 0, STATUS_INVALID_HANDLE, false),
+        };
+        let (opcode, started) = self.cur.unwrap_or((Opcode::Flush, self.now));
+        let op = self.new_op(PendingIo {
+            opcode,
+            started,
+            fid,
+            kind: IoKind::Sync,
+            mode,
+            requested: 0,
+        });
+        self.actions.push_back(ServerAction::FileSync {
+            op,
+            fid,
+            file,
+            data_only,
+        });
     }
 
     /// CANCEL (§5.9): ask for the cancellation of every outstanding I/O of
@@ -1044,6 +1088,7 @@ impl ServerConn {
             let queued = self.actions.iter().position(|a| match a {
                 ServerAction::FileRead { op: o, .. }
                 | ServerAction::FileWrite { op: o, .. }
+                | ServerAction::FileSync { op: o, .. }
                 | ServerAction::FileWriteParts { op: o, .. } => *o == op,
                 _ => false,
             });
@@ -1098,6 +1143,8 @@ impl ServerConn {
                     // (a WRITE's data still comes in its request message,
                     // so a client that does not support them is served).
                     rdma_read_supported: 1,
+                    // lwio extensions it serves (§5.13).
+                    features: if self.cfg.flush { FEATURE_FLUSH } else { 0 },
                     key: client.key,
                     session_id: Some(self.cfg.session_id),
                     signature: None,
@@ -1660,6 +1707,10 @@ impl ServerConn {
                     }
                     self.outstanding = self.outstanding.saturating_sub(extra);
                 }
+                IoKind::Sync => match result {
+                    Ok(_) => self.complete(p.mode, 0, STATUS_SUCCESS, false),
+                    Err(st) => self.complete(p.mode, 0, normalize(st), false),
+                },
                 IoKind::Write => match result {
                     Ok(n) => self.complete_io(p.mode, n.min(p.requested), STATUS_SUCCESS, false),
                     Err(st) => self.complete_io(p.mode, 0, normalize(st), false),

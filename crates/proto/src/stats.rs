@@ -12,8 +12,9 @@ use std::time::Duration;
 use crate::status::{NtStatus, STATUS_SUCCESS};
 use crate::wire::common::Opcode;
 
-/// Every opcode, in wire order (index = opcode value).
-pub const OPCODES: [Opcode; 10] = [
+/// Every opcode, in wire order (the index of each is [`op_index`]; 10 is
+/// LWIO_FRAGMENT, which is not a request).
+pub const OPCODES: [Opcode; 11] = [
     Opcode::Read,
     Opcode::Write,
     Opcode::VecRead,
@@ -24,7 +25,16 @@ pub const OPCODES: [Opcode; 10] = [
     Opcode::Register,
     Opcode::Credit,
     Opcode::Interrupt,
+    Opcode::Flush,
 ];
+
+/// Where `op` is in [`OPCODES`] and [`RequestStats::ops`].
+pub fn op_index(op: Opcode) -> usize {
+    match op {
+        Opcode::Flush => 10,
+        o => o as usize,
+    }
+}
 
 /// The name of an opcode as metrics label it.
 pub fn opcode_name(op: Opcode) -> &'static str {
@@ -39,6 +49,7 @@ pub fn opcode_name(op: Opcode) -> &'static str {
         Opcode::Register => "register",
         Opcode::Credit => "credit",
         Opcode::Interrupt => "interrupt",
+        Opcode::Flush => "flush",
     }
 }
 
@@ -115,7 +126,7 @@ impl OpStats {
 /// A connection's (or, merged, a server's) request counters.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RequestStats {
-    /// By opcode value.
+    /// By opcode, in the order of [`OPCODES`] ([`op_index`]).
     pub ops: [OpStats; OPCODES.len()],
     /// Answers with a status other than STATUS_SUCCESS, by status.
     pub errors: BTreeMap<NtStatus, u64>,
@@ -128,11 +139,11 @@ pub struct RequestStats {
 
 impl RequestStats {
     pub fn op(&self, op: Opcode) -> &OpStats {
-        &self.ops[op as usize]
+        &self.ops[op_index(op)]
     }
 
     pub(crate) fn received(&mut self, op: Opcode) {
-        self.ops[op as usize].requests += 1;
+        self.ops[op_index(op)].requests += 1;
     }
 
     /// A request of `op` answered with `status` after `latency`, having
@@ -145,7 +156,7 @@ impl RequestStats {
         bytes: u32,
     ) {
         let bytes = if status == STATUS_SUCCESS { bytes } else { 0 };
-        self.ops[op as usize].observe(latency, bytes);
+        self.ops[op_index(op)].observe(latency, bytes);
         if status != STATUS_SUCCESS {
             *self.errors.entry(status).or_default() += 1;
         }
@@ -204,5 +215,17 @@ mod tests {
                 .latency_quantile_us(0.5),
             None
         );
+    }
+}
+
+#[cfg(test)]
+mod index_tests {
+    use super::*;
+
+    #[test]
+    fn every_opcode_has_its_own_slot() {
+        for (i, op) in OPCODES.iter().enumerate() {
+            assert_eq!(op_index(*op), i, "{op:?}");
+        }
     }
 }

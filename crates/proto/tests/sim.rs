@@ -112,6 +112,10 @@ struct Storage {
     defer: bool,
     held: Vec<ServerAction>,
     closed_files: Vec<(u16, u64)>,
+    /// FLUSHes performed: (file, data_only).
+    synced: Vec<(u64, bool)>,
+    /// What a FLUSH answers (None: success).
+    sync_fails: Option<NtStatus>,
 }
 
 impl Storage {
@@ -148,6 +152,15 @@ impl Storage {
                 }
                 f[*offset as usize..end].copy_from_slice(data);
                 (*op, Ok(data.len() as u32))
+            }
+            ServerAction::FileSync {
+                op,
+                file,
+                data_only,
+                ..
+            } => {
+                self.synced.push((*file, *data_only));
+                (*op, self.sync_fails.map_or(Ok(0), Err))
             }
             _ => unreachable!(),
         }
@@ -340,7 +353,9 @@ impl Sim {
                     self.deliver(ToClient::Imm(i));
                 }
             }
-            a @ (ServerAction::FileRead { .. } | ServerAction::FileWrite { .. }) => {
+            a @ (ServerAction::FileRead { .. }
+            | ServerAction::FileWrite { .. }
+            | ServerAction::FileSync { .. }) => {
                 if self.storage.defer {
                     self.storage.held.push(a);
                 } else {
@@ -351,7 +366,8 @@ impl Sim {
             ServerAction::CancelIo { op } => {
                 let pos = self.storage.held.iter().position(|h| match h {
                     ServerAction::FileRead { op: o, .. }
-                    | ServerAction::FileWrite { op: o, .. } => *o == op,
+                    | ServerAction::FileWrite { op: o, .. }
+                    | ServerAction::FileSync { op: o, .. } => *o == op,
                     _ => false,
                 });
                 if let Some(p) = pos {
@@ -1502,6 +1518,70 @@ fn close_with_io_in_flight_defers_close_file() {
     assert_eq!(s.storage.closed_files, vec![(fid, 1)]);
     // Fids are not reused right away.
     assert_eq!(s.register(RK_PLAIN, 0), fid + 1);
+}
+
+/// FLUSH (§5.13): offered in the server's AUTH answer; storage syncs the
+/// Fid's file, and the status comes back when it is done; a CLOSE waits
+/// for it like for an I/O; a storage failure is the answer; an unknown
+/// Fid is INVALID_HANDLE without touching storage.
+#[test]
+fn flush_syncs_the_file_and_a_close_waits_for_it() {
+    let mut s = Sim::new();
+    assert!(!s.client.server_flushes(), "nothing known before AUTH");
+    s.connect();
+    assert!(s.client.server_flushes());
+    let fid = s.register(RK_PLAIN, 0);
+    let f = s.client.flush(s.now, fid, true).unwrap();
+    s.pump();
+    assert_eq!(s.completion(f), Some((0, STATUS_SUCCESS)));
+    assert_eq!(s.storage.synced, vec![(1, true)]);
+    // Held at storage: not answered, and the CLOSE does not close the file.
+    s.storage.defer = true;
+    let f = s.client.flush(s.now, fid, false).unwrap();
+    s.pump();
+    assert_eq!(s.completion(f), None);
+    let c = s.client.close_file(s.now, fid).unwrap();
+    s.pump();
+    assert_eq!(s.completion(c), Some((0, STATUS_SUCCESS)));
+    assert!(s.storage.closed_files.is_empty(), "closed under a FLUSH");
+    s.storage.sync_fails = Some(STATUS_DISK_FULL);
+    s.release_held();
+    assert_eq!(s.completion(f), Some((0, STATUS_DISK_FULL)));
+    assert_eq!(s.storage.synced, vec![(1, true), (1, false)]);
+    assert_eq!(s.storage.closed_files, vec![(fid, 1)]);
+    // The Fid is gone: refused at once, storage untouched.
+    let f = s.client.flush(s.now, fid, true).unwrap();
+    s.pump();
+    assert_eq!(s.completion(f), Some((0, STATUS_INVALID_HANDLE)));
+    assert_eq!(s.storage.synced.len(), 2);
+    let st = s.server.request_stats();
+    assert_eq!(st.op(Opcode::Flush).requests, 3);
+}
+
+/// A server that does not offer FLUSH (a seed-only or older peer) is
+/// never sent one.
+#[test]
+fn flush_is_not_sent_to_a_server_that_did_not_offer_it() {
+    let cfg = ServerConfig {
+        flush: false,
+        ..server_cfg()
+    };
+    let mut s = Sim::with(cfg, client_cfg());
+    s.connect();
+    assert!(!s.client.server_flushes());
+    let fid = s.register(RK_PLAIN, 0);
+    assert_eq!(
+        s.client.flush(s.now, fid, true),
+        Err(ClientError::InvalidArgument)
+    );
+    // One sent anyway (a broken client) is refused, storage untouched.
+    s.inject(raw(RequestOp::Flush {
+        fid,
+        cookie: 9,
+        data_only: true,
+    }));
+    assert!(s.storage.synced.is_empty());
+    assert!(s.server_closed.is_none());
 }
 
 #[test]

@@ -115,6 +115,7 @@ pub fn client_params(key: Guid, credits: u16) -> AuthParamsRepr {
         session_id: None,
         signature: None,
         max_message: 0,
+        features: 0,
     }
 }
 

@@ -245,6 +245,9 @@ impl Evil {
                     self.conn
                         .handle_storage_complete(Instant::now(), op, Ok(n as u32));
                 }
+                ServerAction::FileSync { op, .. } => {
+                    self.conn.handle_storage_complete(Instant::now(), op, Ok(0));
+                }
                 ServerAction::RepostRecvs(_) => {}
                 ServerAction::CancelIo { op } => {
                     self.conn

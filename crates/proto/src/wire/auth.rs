@@ -17,6 +17,12 @@ pub const OPTION_SIGNATURE: u8 = 3;
 /// fragmented message the sender accepts (u32 LE).
 pub const OPTION_MAX_MESSAGE: u8 = 4;
 pub const OPTION_MAX_MESSAGE_LENGTH: u8 = 4;
+/// lwio extension (docs/protocol.md §5.13): the requests beyond the
+/// seed's that the sender serves, a bit mask (u32 LE, [`FEATURE_FLUSH`]).
+pub const OPTION_FEATURES: u8 = 5;
+pub const OPTION_FEATURES_LENGTH: u8 = 4;
+/// The sender serves FLUSH (opcode 11).
+pub const FEATURE_FLUSH: u32 = 1;
 pub const OPTION_KEY_LENGTH: u8 = 16;
 pub const OPTION_SESSION_ID_LENGTH: u8 = 8;
 /// MD5 signature length (seed compatibility).
@@ -288,6 +294,9 @@ pub struct AuthParamsRepr {
     /// MAX_MESSAGE (lwio extension): the largest fragmented message this
     /// side reassembles; 0 or absent = it receives no fragments.
     pub max_message: u32,
+    /// FEATURES (lwio extension): bits of the requests beyond the seed's
+    /// that this side serves; 0 or absent = none.
+    pub features: u32,
 }
 
 impl AuthParamsRepr {
@@ -312,6 +321,7 @@ impl AuthParamsRepr {
             ..Default::default()
         };
         let mut seen_max_message = false;
+        let mut seen_features = false;
         for o in p.options() {
             match o.code {
                 OPTION_KEY => {
@@ -339,6 +349,15 @@ impl AuthParamsRepr {
                     a.copy_from_slice(o.data);
                     r.max_message = u32::from_le_bytes(a);
                 }
+                OPTION_FEATURES => {
+                    if seen_features || o.data.len() != usize::from(OPTION_FEATURES_LENGTH) {
+                        return Err(Error::Malformed);
+                    }
+                    seen_features = true;
+                    let mut a = [0u8; 4];
+                    a.copy_from_slice(o.data);
+                    r.features = u32::from_le_bytes(a);
+                }
                 OPTION_SIGNATURE => {
                     if r.signature.is_some() || SignatureAlg::from_len(o.data.len()).is_none() {
                         return Err(Error::Malformed);
@@ -361,12 +380,14 @@ impl AuthParamsRepr {
             + self.key.map_or(0, |_| 18)
             + self.session_id.map_or(0, |_| 10)
             + if self.max_message > 0 { 6 } else { 0 }
+            + if self.features > 0 { 6 } else { 0 }
             + self.signature.as_ref().map_or(0, |s| 2 + s.len())
             + 1
     }
 
-    /// Emit: fixed part, then KEY, SESSION_ID, MAX_MESSAGE, SIGNATURE (those
-    /// present; MAX_MESSAGE only when not 0), END.
+    /// Emit: fixed part, then KEY, SESSION_ID, MAX_MESSAGE, FEATURES,
+    /// SIGNATURE (those present; MAX_MESSAGE and FEATURES only when not 0),
+    /// END.
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize> {
         let len = self.buffer_len();
         if buf.len() < len {
@@ -407,6 +428,12 @@ impl AuthParamsRepr {
             buf[off] = OPTION_MAX_MESSAGE;
             buf[off + 1] = OPTION_MAX_MESSAGE_LENGTH;
             buf[off + 2..off + 6].copy_from_slice(&self.max_message.to_le_bytes());
+            off += 6;
+        }
+        if self.features > 0 {
+            buf[off] = OPTION_FEATURES;
+            buf[off + 1] = OPTION_FEATURES_LENGTH;
+            buf[off + 2..off + 6].copy_from_slice(&self.features.to_le_bytes());
             off += 6;
         }
         if let (Some(s), Some(n)) = (&self.signature, sig_len) {

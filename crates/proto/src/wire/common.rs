@@ -44,6 +44,9 @@ pub enum Opcode {
     Register = 7,
     Credit = 8,
     Interrupt = 9,
+    /// lwio extension (docs/protocol.md §5.13): fsync/fdatasync of the
+    /// Fid's file on the server, offered by the FEATURES option.
+    Flush = 11,
 }
 
 impl Opcode {
@@ -59,6 +62,8 @@ impl Opcode {
             7 => Opcode::Register,
             8 => Opcode::Credit,
             9 => Opcode::Interrupt,
+            // 10 is LWIO_FRAGMENT (wire::fragment), not a request.
+            11 => Opcode::Flush,
             _ => return None,
         })
     }
@@ -69,6 +74,16 @@ impl Opcode {
             Opcode::Read | Opcode::Write | Opcode::VecRead | Opcode::VecWrite
         )
     }
+}
+
+/// The DataVa values of a FLUSH request (§5.13).
+pub struct Flush;
+
+impl Flush {
+    /// fsync(2): data and metadata.
+    pub const ALL: u64 = 0;
+    /// fdatasync(2): data, and the metadata needed to read it back.
+    pub const DATA_ONLY: u64 = 1;
 }
 
 /// Header flag bits.
@@ -462,6 +477,12 @@ pub enum RequestOp<'a> {
     Interrupt {
         cookie: u64,
     },
+    /// FLUSH (lwio extension, §5.13): DataVa 0 = fsync, 1 = fdatasync.
+    Flush {
+        fid: u16,
+        cookie: u64,
+        data_only: bool,
+    },
 }
 
 /// A parsed client → server message.
@@ -622,6 +643,19 @@ impl<'a> RequestRepr<'a> {
                 exact(buf.len(), COMMON_HEADER_LEN)?;
                 RequestOp::Interrupt { cookie }
             }
+            Opcode::Flush => {
+                exact(buf.len(), COMMON_HEADER_LEN)?;
+                let data_only = match h.data_va {
+                    Flush::ALL => false,
+                    Flush::DATA_ONLY => true,
+                    _ => return Err(Error::Malformed),
+                };
+                RequestOp::Flush {
+                    fid: h.fid,
+                    cookie,
+                    data_only,
+                }
+            }
         };
         Ok(RequestRepr {
             credits: h.credits,
@@ -644,6 +678,7 @@ impl<'a> RequestRepr<'a> {
             RequestOp::Register { .. } => Opcode::Register,
             RequestOp::Credit { .. } => Opcode::Credit,
             RequestOp::Interrupt { .. } => Opcode::Interrupt,
+            RequestOp::Flush { .. } => Opcode::Flush,
         }
     }
 
@@ -660,7 +695,8 @@ impl<'a> RequestRepr<'a> {
             | RequestOp::Auth { cookie, .. }
             | RequestOp::Register { cookie, .. }
             | RequestOp::Credit { cookie, .. }
-            | RequestOp::Interrupt { cookie } => CompletionMode::Interrupt {
+            | RequestOp::Interrupt { cookie }
+            | RequestOp::Flush { cookie, .. } => CompletionMode::Interrupt {
                 cookie: *cookie,
                 immediate_cookie: 0,
             },
@@ -803,6 +839,20 @@ impl<'a> RequestRepr<'a> {
                 h.length = total;
                 h.ios_va = *cookie;
                 h.flags.0 |= Flags::CONTROL;
+            }
+            RequestOp::Flush {
+                fid,
+                cookie,
+                data_only,
+            } => {
+                h.fid = *fid;
+                h.length = total;
+                h.ios_va = *cookie;
+                h.data_va = if *data_only {
+                    Flush::DATA_ONLY
+                } else {
+                    Flush::ALL
+                };
             }
         }
         Ok(h)

@@ -1,7 +1,7 @@
 //! Golden byte tests (hand-written from docs/protocol.md), round trips and
 //! bounded property tests.
 
-use super::auth::{AuthParamsPacket, SignatureAlg};
+use super::auth::{AuthParamsPacket, SignatureAlg, FEATURE_FLUSH};
 use super::common::{CancelTarget, CompletionMode, RequestOp};
 use super::control::NEGOTIATE_FIXED_LEN;
 use super::*;
@@ -216,6 +216,7 @@ fn auth_params_repr() -> AuthParamsRepr {
         session_id: None,
         signature: Some(vec![0xaa; 32]),
         max_message: 0,
+        features: 0,
     }
 }
 
@@ -225,6 +226,7 @@ fn golden_auth_max_message_option() {
         key: None,
         signature: None,
         max_message: 16 << 20,
+        features: 0,
         ..auth_params_repr()
     };
     let b = r.to_bytes().unwrap();
@@ -241,6 +243,7 @@ fn golden_auth_max_message_option() {
     // Absent (a seed-only peer): 0, and 0 is not emitted.
     let none = AuthParamsRepr {
         max_message: 0,
+        features: 0,
         ..r
     };
     assert_eq!(none.to_bytes().unwrap().len(), b.len() - 6);
@@ -768,7 +771,7 @@ mod props {
             va in any::<u64>(), mh in any::<u32>(), m in mode(),
             data in proptest::collection::vec(any::<u8>(), 0..64),
             regions in proptest::collection::vec((any::<u64>(), any::<u32>(), any::<u32>()), 0..8),
-            cookie in any::<u64>(), value in any::<i32>(), which in 0u8..9,
+            cookie in any::<u64>(), value in any::<i32>(), which in 0u8..10, data_only in any::<bool>(),
             credits in any::<u8>(), sequence in any::<u16>(), tid in any::<u32>(),
         ) {
             let op = match which {
@@ -783,6 +786,7 @@ mod props {
                 5 => RequestOp::Cancel { fid, cookie },
                 8 => RequestOp::CancelIo { fid, cookie, target: CancelTarget::of(&m) },
                 6 => RequestOp::Credit { cookie, value },
+                9 => RequestOp::Flush { fid, cookie, data_only },
                 _ => RequestOp::Interrupt { cookie },
             };
             let r = RequestRepr { credits, sequence, tid, op };
@@ -810,12 +814,12 @@ mod props {
 
         #[test]
         fn auth_params_round_trip(ps in any::<u16>(), bs in any::<u16>(), w in any::<u32>(),
-            cr in any::<u16>(), k in proptest::option::of(any::<u128>()), mm in any::<u32>(),
+            cr in any::<u16>(), k in proptest::option::of(any::<u128>()), mm in any::<u32>(), feat in any::<u32>(),
             sid in proptest::option::of(any::<u64>()), sig in proptest::option::of(prop_oneof![Just(16usize), Just(32usize)])) {
             let r = AuthParamsRepr { rev_id: LWIO_REV_ID, endian: 8, page_size: ps, base_sequence: bs,
                 max_rdma_window_size: w, max_send_buffer_size: w, max_recv_buffer_size: w,
                 header_size: 56, credits: cr, rdma_read_supported: 1,
-                key: k.map(Guid::from_u128), session_id: sid, signature: sig.map(|n| vec![0x5a; n]), max_message: mm };
+                key: k.map(Guid::from_u128), session_id: sid, signature: sig.map(|n| vec![0x5a; n]), max_message: mm, features: feat };
             let b = r.to_bytes().unwrap();
             prop_assert_eq!(b.len(), r.buffer_len());
             prop_assert_eq!(AuthParamsRepr::from_bytes(&b).unwrap(), r);
@@ -833,4 +837,76 @@ mod props {
             prop_assert_eq!(NegotiateRequestRepr::parse(&b).unwrap(), r);
         }
     }
+}
+
+#[test]
+fn golden_auth_features_option() {
+    let r = AuthParamsRepr {
+        key: None,
+        signature: None,
+        features: FEATURE_FLUSH,
+        ..auth_params_repr()
+    };
+    let b = r.to_bytes().unwrap();
+    // Option 5, length 4, the bit mask little-endian, then END.
+    assert_eq!(&b[b.len() - 7..], &[5, 4, 1, 0, 0, 0, 0]);
+    assert_eq!(AuthParamsRepr::from_bytes(&b).unwrap(), r);
+    // Wrong length, or twice: malformed.
+    let mut bad = b.clone();
+    bad[b.len() - 6] = 2;
+    assert!(AuthParamsRepr::from_bytes(&bad).is_err());
+    let mut twice = b[..b.len() - 1].to_vec();
+    twice.extend_from_slice(&b[b.len() - 7..]);
+    assert_eq!(AuthParamsRepr::from_bytes(&twice), Err(Error::Malformed));
+    // Absent (a seed-only or older peer): 0, and 0 is not emitted.
+    let none = AuthParamsRepr { features: 0, ..r };
+    assert_eq!(none.to_bytes().unwrap().len(), b.len() - 6);
+}
+
+#[test]
+fn golden_flush() {
+    let r = RequestRepr {
+        credits: 3,
+        sequence: 0,
+        tid: 0,
+        op: RequestOp::Flush {
+            fid: 0x0102,
+            cookie: 0x1122_3344_5566_7788,
+            data_only: true,
+        },
+    };
+    let b = r.to_bytes().unwrap();
+    assert_eq!(b.len(), 56);
+    let mut want = vec![0u8; 56];
+    want[0] = 56; // Length: the message
+    want[4] = 11; // FLUSH
+    want[5] = Flags::INTERRUPT;
+    want[6] = 3;
+    want[7] = 0xFF;
+    want[8..10].copy_from_slice(&0x0102u16.to_le_bytes());
+    want[24] = 1; // DataVa 1: fdatasync
+    want[48..56].copy_from_slice(&0x1122_3344_5566_7788u64.to_le_bytes());
+    assert_eq!(b, want);
+    assert_eq!(RequestRepr::parse(&b).unwrap(), r);
+    // DataVa 0 is fsync; anything else is malformed.
+    let mut all = want.clone();
+    all[24] = 0;
+    assert!(matches!(
+        RequestRepr::parse(&all).unwrap().op,
+        RequestOp::Flush {
+            data_only: false,
+            ..
+        }
+    ));
+    let mut bad = want.clone();
+    bad[24] = 2;
+    assert_eq!(RequestRepr::parse(&bad), Err(Error::Malformed));
+    // Without the INTERRUPT flag (it is not an I/O), or longer: malformed.
+    let mut polled = want.clone();
+    polled[5] = 0;
+    assert_eq!(RequestRepr::parse(&polled), Err(Error::Malformed));
+    let mut long = want.clone();
+    long.push(0);
+    long[0] = 57;
+    assert_eq!(RequestRepr::parse(&long), Err(Error::Malformed));
 }

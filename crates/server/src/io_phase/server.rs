@@ -976,6 +976,10 @@ enum JobKind {
     WriteParts {
         iov: Vec<(Arc<Mr>, usize, usize)>,
     },
+    /// A FLUSH: fsync, or fdatasync with `data_only`, of the file.
+    Sync {
+        data_only: bool,
+    },
 }
 
 struct Job {
@@ -1104,6 +1108,8 @@ fn ring_job(
         (at, b)
     };
     match kind {
+        // `dispatch` gives syncs to the pool.
+        JobKind::Sync { .. } => Err(STATUS_INVALID_DEVICE_REQUEST),
         JobKind::Read { buf, len } => {
             let len = len.min(buf.len());
             crate::fs::backend::check_alignment(align, offset, buf.addr() as usize, len)
@@ -1160,7 +1166,7 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
         return Err(STATUS_CANCELLED);
     }
     let never = AtomicBool::new(false);
-    let slow = if matches!(job.kind, JobKind::Read { .. }) {
+    let slow = if matches!(job.kind, JobKind::Read { .. } | JobKind::Sync { .. }) {
         0
     } else {
         slow_next_write_ms(true)
@@ -1174,6 +1180,14 @@ fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus> {
     };
     let fd = job.file.as_fd();
     let r = match &job.kind {
+        JobKind::Sync { data_only } => {
+            let r = if *data_only {
+                rustix::fs::fdatasync(fd)
+            } else {
+                rustix::fs::fsync(fd)
+            };
+            Some(r.map(|()| 0).map_err(std::io::Error::from))
+        }
         JobKind::Read { buf, len } => {
             let len = (*len).min(buf.len());
             let Ok(mut view) = buf.slice_mut(0, len) else {
@@ -2832,6 +2846,20 @@ impl Conn {
                 self.dispatch(op, f, offset, JobKind::Write { data });
                 Ok(())
             }
+            ServerAction::FileSync {
+                op,
+                fid: _,
+                file,
+                data_only,
+            } => {
+                // fsync(2) needs an open file, of either direction.
+                let write = self.files.get(&file).is_some_and(|f| f.rights.write);
+                let Some(f) = self.file_for(op, file, write) else {
+                    return Ok(());
+                };
+                self.dispatch(op, f, 0, JobKind::Sync { data_only });
+                Ok(())
+            }
             ServerAction::FileWriteParts {
                 op,
                 fid: _,
@@ -2925,6 +2953,12 @@ impl Conn {
             let kind = match kind {
                 JobKind::Read { buf, len } => MemOp::Read { buf, len },
                 JobKind::Write { data } => MemOp::Write { data },
+                // A memory object is the publisher's memory: no storage
+                // to sync.
+                JobKind::Sync { .. } => {
+                    self.storage_done(op, Ok(0));
+                    return;
+                }
                 // `write_parts` sends memory objects the FileWrite way.
                 JobKind::WriteParts { .. } => {
                     self.storage_done(op, Err(STATUS_INVALID_DEVICE_REQUEST));
@@ -2954,8 +2988,15 @@ impl Conn {
             self.storage_done(op, Ok(r));
             return;
         }
-        let slow_hook = !matches!(kind, JobKind::Read { .. }) && slow_next_write_ms(false) > 0;
-        if let (Some(rio), false) = (self.rio.clone(), slow_hook) {
+        let slow_hook = matches!(kind, JobKind::Write { .. } | JobKind::WriteParts { .. })
+            && slow_next_write_ms(false) > 0;
+        // A sync is one blocking call on the pool (no buffers to hand the
+        // ring, and it must not wait behind a ring's batch).
+        let ring = self
+            .rio
+            .clone()
+            .filter(|_| !matches!(kind, JobKind::Sync { .. }));
+        if let (Some(rio), false) = (ring, slow_hook) {
             let align = if f.direct { f.align } else { 1 };
             let r = ring_job(offset, align, kind).and_then(|(iov, write, keep)| {
                 let job = RingJob {
@@ -3033,8 +3074,9 @@ impl Conn {
         let (ptr, len, write) = match kind {
             JobKind::Read { buf, len } => (buf.addr() as *mut u8, (*len).min(buf.len()), false),
             JobKind::Write { data } => (data.as_ptr() as *mut u8, data.len(), true),
-            // Tried inline before it became a job (`write_parts`).
-            JobKind::WriteParts { .. } => return None,
+            // Tried inline before it became a job (`write_parts`); a sync
+            // blocks on the device.
+            JobKind::WriteParts { .. } | JobKind::Sync { .. } => return None,
         };
         // SAFETY: a read lands in a server read buffer registered with
         // LOCAL_WRITE only (no remote key reaches it) from which no RDMA
