@@ -61,7 +61,6 @@ fuzz_target!(|data: &[u8]| {
         session_id: 5,
         // Fragments (§5.12) on: messages up to 4 KiB reassembled.
         max_message: 4096,
-        features: 0,
         ..ServerConfig::default()
     };
     let mut s = ServerConn::new(cfg, t0);
