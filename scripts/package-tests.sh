@@ -44,7 +44,7 @@ cleanup() {
     if [ "$WAS_INSTALLED" = 0 ] && dpkg-query -W lwio >/dev/null 2>&1; then
         DEBIAN_FRONTEND=noninteractive apt-get purge -y -q lwio >/dev/null 2>&1
     fi
-    rm -rf "$W" /srv/lwio-pkgtest
+    rm -rf "$W" /srv/lwio-pkgtest /etc/lwio/pkgtest.toml
 }
 trap cleanup EXIT
 
@@ -126,7 +126,8 @@ ss = [socket.socket() for _ in range(3)]
 for s in ss: s.bind(("127.0.0.1", 0))
 print(*[s.getsockname()[1] for s in ss])')
 install -d -o lwio -g lwio "$EXPORT"
-CONF=$W/lwio.toml
+# In /etc/lwio, where a unit's sandbox sees it (PrivateTmp= hides /tmp).
+CONF=/etc/lwio/pkgtest.toml
 cat >"$CONF" <<EOF
 listen = "127.0.0.1:$SIDE"
 rdma_listen = "127.0.0.1:$RDMA"
@@ -276,6 +277,7 @@ SERVER_PID=
 [ "$MODE" = systemd ] && rm -rf /etc/systemd/system/lwio.service.d/pkgtest.conf && systemctl daemon-reload
 
 # 8. Remove: nothing of lwio left running.
+rm -f "$CONF"
 DEBIAN_FRONTEND=noninteractive apt-get purge -y -q lwio >"$W/apt-remove.log" 2>&1 && pass "apt purge lwio" || fail "apt purge: $(tail -5 "$W/apt-remove.log")"
 [ ! -e /usr/bin/lwio ] && [ ! -e /etc/lwio/lwio.toml ] && [ ! -e /var/lib/lwio ] && pass "files removed" || fail "files left: $(ls -d /usr/bin/lwio /etc/lwio /var/lib/lwio 2>/dev/null)"
 left=$(pgrep -f '^/usr/bin/lwio ' || true)
