@@ -168,6 +168,9 @@ EOF
         python3 -c "import socket; socket.create_connection(('127.0.0.1', $p), 2).close()" && pass "port $p accepts after start" || fail "port $p"
     done
     systemctl show -p StatusText --value lwio.service | grep -q '^serving: ' && pass "STATUS= in systemctl status" || fail "no STATUS="
+    # Under the unit's SystemCallFilter= the server still has io_uring.
+    journalctl -u lwio --no-pager | grep -q 'file I/O backend: io_uring' && pass "io_uring backend under the unit's system-call filter" ||
+        fail "file I/O backend under the unit: $(journalctl -u lwio --no-pager | grep -o 'file I/O backend.*' | tail -1)"
 else
     MODE=direct
     # NOTIFY_SOCKET on a socket we listen on; at READY=1 the listener
