@@ -111,5 +111,56 @@ rc=${PIPESTATUS[0]}
 set -e
 grep -q '^ok: systemctl start lwio (Type=notify: READY=1 arrived)$' "$W/package-tests.log" ||
     { rc=1; echo "systemd-tests: package-tests did not run in systemd mode" >&2; }
+
+# 5. A database's set-up: lwio-root.service with an identity = "client"
+#    export, mounted from fstab with allow_other,default_permissions; a user
+#    who is not root creates a 0700 directory tree through the mount, enters
+#    it and owns it on the server, is refused root's 0700 directory, and
+#    root is squashed.
+cat >"$W/root/root/root-unit.sh" <<'INNER'
+set -u
+fails=0
+ok() { echo "ok: $*"; }
+bad() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+DEBIAN_FRONTEND=noninteractive apt-get install -y -q /root/lwio.deb >/root/apt.log 2>&1 || { tail -5 /root/apt.log; exit 1; }
+useradd -m -u 2001 dbuser
+install -d -m 755 /srv/db
+printf '%s\n' 'listen = "127.0.0.1:7420"' 'provider = "soft"' 'token_file = "/var/lib/lwio/token"' \
+    '[exports]' 'db = { path = "/srv/db", identity = "client", trust_client_ids = ["*"] }' \
+    '[limits]' 'shutdown_grace = "5s"' >/etc/lwio/lwio.toml
+if systemctl start lwio-root.service; then ok "systemctl start lwio-root (READY=1)"; else
+    bad "start: $(journalctl -u lwio-root -n 20 --no-pager)"; exit 1
+fi
+journalctl -u lwio-root --no-pager | grep -q 'file I/O backend: io_uring' && ok "io_uring backend under lwio-root's filter" ||
+    bad "backend: $(journalctl -u lwio-root --no-pager | grep -o 'file I/O backend.*')"
+FP=$(journalctl -u lwio-root --no-pager | sed -n 's/.*lwio: TLS fingerprint \(sha256:[0-9A-F:]*\).*/\1/p' | tail -1)
+mkdir -p /mnt/db
+echo "lwio://127.0.0.1/db /mnt/db fuse.lwio _netdev,allow_other,default_permissions,token_file=/var/lib/lwio/token,fingerprint=$FP 0 0" >>/etc/fstab
+if mount /mnt/db; then ok "mount /mnt/db from fstab"; else bad "mount /mnt/db"; exit 1; fi
+# As on NFS: the administrator makes the database's directory on the
+# server and gives it to the database's user (client root is squashed).
+install -d -o dbuser -g dbuser -m 700 /srv/db/pg
+install -d -m 1777 /srv/db/shared
+install -d -m 700 /srv/db/rootonly
+runuser -u dbuser -- sh -c 'umask 077; mkdir /mnt/db/pg/pg_wal && mkdir /mnt/db/pg/pg_wal/archive_status && echo wal >/mnt/db/pg/pg_wal/000001' &&
+    ok "dbuser made a 0700 directory tree through the mount and entered it" || bad "dbuser could not create and enter its own directories"
+got=$(stat -c '%u %a' /srv/db/pg/pg_wal /srv/db/pg/pg_wal/archive_status /srv/db/pg/pg_wal/000001 | tr '\n' ' ')
+[ "$got" = "2001 700 2001 700 2001 600 " ] && ok "owned by dbuser (uid 2001) on the server" || bad "on the server: $got"
+if runuser -u dbuser -- ls /mnt/db/rootonly >/dev/null 2>&1; then bad "dbuser listed root's 0700 directory"; else ok "dbuser refused root's 0700 directory"; fi
+if touch /mnt/db/byroot 2>/dev/null; then bad "squashed root created a file in root's 0755 directory"; else ok "squashed root refused in root's 0755 directory"; fi
+touch /mnt/db/shared/byroot
+[ "$(stat -c %u /srv/db/shared/byroot 2>&1)" = 65534 ] && ok "root's file in a 1777 directory is 65534's (root_squash)" ||
+    bad "root's file: $(stat -c %u /srv/db/shared/byroot 2>&1)"
+umount /mnt/db && ok "unmounted" || bad "umount"
+t=$(date +%s%N)
+systemctl stop lwio-root.service
+ms=$(( ($(date +%s%N) - t) / 1000000 ))
+[ "$ms" -lt 7000 ] && ok "lwio-root stopped in ${ms} ms" || bad "stop took ${ms} ms"
+echo "root-unit: $fails failure(s)"
+exit "$fails"
+INNER
+if inside bash /root/root-unit.sh 2>&1 | tee "$W/root-unit.log"; [ "${PIPESTATUS[0]}" != 0 ]; then
+    rc=1
+fi
 say "$(( $(date +%s) - T0 )) s"
 exit "$rc"
