@@ -274,6 +274,16 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> AuthParamsPacket<T> {
     }
 }
 
+/// The value of a u32 LE option (MAX_MESSAGE, FEATURES) seen for the first
+/// time: a wrong length or a second one is malformed.
+fn u32_option(data: &[u8], seen: &mut bool) -> Result<u32> {
+    let a: [u8; 4] = data.try_into().map_err(|_| Error::Malformed)?;
+    if std::mem::replace(seen, true) {
+        return Err(Error::Malformed);
+    }
+    Ok(u32::from_le_bytes(a))
+}
+
 /// Parsed LWIO_AUTH_PARAMS. Unknown options are skipped on parse.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct AuthParamsRepr {
@@ -340,24 +350,8 @@ impl AuthParamsRepr {
                     a.copy_from_slice(o.data);
                     r.session_id = Some(u64::from_le_bytes(a));
                 }
-                OPTION_MAX_MESSAGE => {
-                    if seen_max_message || o.data.len() != usize::from(OPTION_MAX_MESSAGE_LENGTH) {
-                        return Err(Error::Malformed);
-                    }
-                    seen_max_message = true;
-                    let mut a = [0u8; 4];
-                    a.copy_from_slice(o.data);
-                    r.max_message = u32::from_le_bytes(a);
-                }
-                OPTION_FEATURES => {
-                    if seen_features || o.data.len() != usize::from(OPTION_FEATURES_LENGTH) {
-                        return Err(Error::Malformed);
-                    }
-                    seen_features = true;
-                    let mut a = [0u8; 4];
-                    a.copy_from_slice(o.data);
-                    r.features = u32::from_le_bytes(a);
-                }
+                OPTION_MAX_MESSAGE => r.max_message = u32_option(o.data, &mut seen_max_message)?,
+                OPTION_FEATURES => r.features = u32_option(o.data, &mut seen_features)?,
                 OPTION_SIGNATURE => {
                     if r.signature.is_some() || SignatureAlg::from_len(o.data.len()).is_none() {
                         return Err(Error::Malformed);
