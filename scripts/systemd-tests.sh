@@ -136,7 +136,7 @@ journalctl -u lwio-root --no-pager | grep -q 'file I/O backend: io_uring' && ok 
 FP=$(journalctl -u lwio-root --no-pager | sed -n 's/.*lwio: TLS fingerprint \(sha256:[0-9A-F:]*\).*/\1/p' | tail -1)
 mkdir -p /mnt/db
 echo "lwio://127.0.0.1/db /mnt/db fuse.lwio _netdev,allow_other,default_permissions,token_file=/var/lib/lwio/token,fingerprint=$FP 0 0" >>/etc/fstab
-if mount /mnt/db; then ok "mount /mnt/db from fstab"; else bad "mount /mnt/db"; exit 1; fi
+if mount -a -t fuse.lwio && mountpoint -q /mnt/db; then ok "mount -a: /mnt/db from its fstab line"; else bad "mount -a"; exit 1; fi
 # As on NFS: the administrator makes the database's directory on the
 # server and gives it to the database's user (client root is squashed).
 install -d -o dbuser -g dbuser -m 700 /srv/db/pg
