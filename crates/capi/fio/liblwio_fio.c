@@ -484,6 +484,8 @@ static enum fio_q_status fio_lwio_queue(struct thread_data *td, struct io_u *io_
 		/* In order with the writes before it: after they are reaped. */
 		if (d->npend + d->nsub)
 			return FIO_Q_BUSY;
+		if (fio_fill_issue_time(td))
+			fio_gettime(&io_u->issue_time, NULL);
 		r = lwio_fsync(fd, io_u->ddir != DDIR_SYNC);
 		if (r < 0) {
 			io_u->error = -r;
