@@ -13,9 +13,10 @@
 # against the same job run locally. Last, a wrong export name must fail
 # with the engine's one-line error.
 #
-# usage: scripts/fio-engine-tests.sh      env: LWIO (lwio binary; default: built)
+# usage: scripts/fio-engine-tests.sh
+# env:   LWIO (lwio binary; default: built), KEEP=1 (keep the scratch dir)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 for p in fio cc python3; do
   command -v $p >/dev/null || { echo "FAIL: $p is not installed (apt-get install fio gcc python3)"; exit 1; }
@@ -28,7 +29,7 @@ W=$(mktemp -d /tmp/lwio-fio-engine-tests.XXXXXX)
 SERVER_PID=
 cleanup() {
   [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
-  [ -n "${KEEP:-}" ] && echo "kept $W" || rm -rf "$W"
+  if [ -n "${KEEP:-}" ]; then echo "kept $W"; else rm -rf "$W"; fi
 }
 trap cleanup EXIT
 PASSES=0 FAILS=0

@@ -43,7 +43,7 @@ fetch_fio_source() { # DEBVER DIR: the configured source tree in DIR/fio
   [ -n "$codename" ] || die "no VERSION_CODENAME in /etc/os-release"
   for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
     [ -f "$f" ] || continue
-    sed -n "s/^[[:space:]]*deb[[:space:]]\(.*[[:space:]]$codename[-[:space:]]\)/deb-src \1/p" "$f" >>"$apt/sources.list.d/src.list"
+    sed -n "s/^[[:space:]]*deb[[:space:]]\(.*[[:space:]]${codename}[-[:space:]]\)/deb-src \1/p" "$f" >>"$apt/sources.list.d/src.list"
   done
   for f in /etc/apt/sources.list.d/*.sources; do
     [ -f "$f" ] && grep -Eq "^Suites:[[:space:]]*$codename([-[:space:]]|\$)" "$f" || continue
