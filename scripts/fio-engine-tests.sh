@@ -6,7 +6,8 @@
 # jobs through the engine: random 4 KiB writes with crc32c verify and a
 # read-back verify_only pass, sequential 1 MiB writes, a QD32 job file as
 # one writes for libaio (batched submit and reap, O_DIRECT) in both
-# completion modes and with unregistered buffers, fsync/fdatasync, and
+# completion modes, with unregistered buffers, without the engine's
+# batching and with fio reaping by zero timeouts, fsync/fdatasync, and
 # numjobs=4 (processes and threads). Each run must exit 0 with no error in
 # its JSON; the bytes on the export are then checked outside lwio: fio
 # --verify_only with ioengine=psync on the export's local files, and cmp
@@ -122,11 +123,19 @@ fi
 
 # 3. A QD32 job file as written for libaio (engine options in the file,
 # O_DIRECT, batched submit and reap), random reads of the file of 1 then
-# a mixed random read/write with verify; in both completion modes, and
-# with fio's own (unregistered) buffers.
-for variant in interrupt poll unregistered; do
-  mode=$variant reg=1
-  [ "$variant" = unregistered ] && mode=interrupt reg=0
+# a mixed random read/write with verify; in both completion modes, with
+# fio's own (unregistered) buffers, without the engine's batching, and
+# with fio reaping by zero timeouts.
+# "unbatched": the engine submits at each commit; "reap0": fio reaps with
+# a zero timeout (iodepth_batch_complete_min=0, its polling loop).
+for variant in interrupt poll unregistered unbatched reap0; do
+  mode=interrupt reg=1 batch=1 cmin=1
+  case $variant in
+    poll) mode=poll ;;
+    unregistered) reg=0 ;;
+    unbatched) batch=0 ;;
+    reap0) cmin=0 ;;
+  esac
   cat >"$W/qd32-$variant.fio" <<EOF
 [global]
 ioengine=external:$ENG
@@ -136,11 +145,12 @@ lwio_fingerprint=$FP
 lwio_provider=soft
 lwio_completion=$mode
 lwio_registered=$reg
+lwio_batch=$batch
 direct=1
 bs=4k
 iodepth=32
 iodepth_batch_submit=8
-iodepth_batch_complete_min=1
+iodepth_batch_complete_min=$cmin
 iodepth_batch_complete_max=32
 
 [randread]

@@ -5,9 +5,10 @@
  *       --filename=PATH/ON/THE/EXPORT --rw=randread --bs=4k --iodepth=32 --size=64M ...
  *
  * Each fio job (process or thread) connects once (init) and keeps its own
- * lwio connection. queue() stages an lwio_op, commit() hands the staged
- * ones to lwio_submit, getevents() reaps with lwio_reap and event() hands
- * back the io_u. fio's I/O buffers are allocated with lwio_buf_alloc
+ * lwio connection. queue() stages an lwio_op, lwio_submit sends the staged
+ * ones (at commit(), or with lwio_batch at the next reap, in one call),
+ * getevents() reaps with lwio_reap (with lwio_batch, all that completed,
+ * handed to fio as it asks) and event() hands back the io_u. fio's I/O buffers are allocated with lwio_buf_alloc
  * (iomem_alloc), registered once, so reads land in them with no copy.
  * fsync/fdatasync run synchronously once the job's I/Os in flight are
  * reaped (liblwio has no batch fsync); trim is not supported.
@@ -52,6 +53,7 @@ struct lwio_fio_options {
 	unsigned int credits;
 	unsigned int registered;
 	unsigned int op_timeout_ms;
+	unsigned int batch;
 };
 
 static struct fio_option options[] = {
@@ -157,6 +159,16 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "lwio_batch",
+		.lname = "lwio batching",
+		.type = FIO_OPT_BOOL,
+		.off1 = offsetof(struct lwio_fio_options, batch),
+		.help = "Submit what fio queued in one lwio_submit when the engine next reaps, and reap all that completed (0: submit at each commit, reap what fio asks for)",
+		.def = "1",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = NULL,
 	},
 };
@@ -165,6 +177,8 @@ static struct fio_option options[] = {
 struct lwio_fio_data {
 	struct lwio_client *c;
 	int poll;
+	/* commit() leaves the staged operations to getevents(). */
+	int batch;
 	/* Queued by queue(), not yet submitted: ops[0..npend). */
 	struct lwio_op *ops;
 	struct io_u **pend;
@@ -177,7 +191,9 @@ struct lwio_fio_data {
 	/* Failed at submit: handed back by the next getevents(). */
 	struct io_u **failed;
 	unsigned int nfailed;
+	/* Reaped, not yet handed to fio: cqes[chead..ctail). */
 	struct lwio_cqe *cqes;
+	unsigned int chead, ctail;
 	unsigned int depth;
 	/* The completion fd, asked for at the first getevents() with a
 	 * timeout (it costs an eventfd write per completion). */
@@ -369,6 +385,7 @@ static int fio_lwio_init(struct thread_data *td)
 		return 1;
 	}
 	d->poll = o->completion == COMP_POLL;
+	d->batch = o->batch;
 	return 0;
 }
 
@@ -519,7 +536,8 @@ static void lwio_fio_unstage(struct lwio_fio_data *d, unsigned int n)
 	memmove(d->pend, d->pend + n, d->npend * sizeof(*d->pend));
 }
 
-static int fio_lwio_commit(struct thread_data *td)
+/* Submit the staged operations, in one lwio_submit when there is room. */
+static void lwio_fio_submit(struct thread_data *td)
 {
 	struct lwio_fio_data *d = td->io_ops_data;
 
@@ -557,27 +575,40 @@ static int fio_lwio_commit(struct thread_data *td)
 			lwio_fio_unstage(d, 1);
 		}
 	}
+}
+
+/*
+ * With lwio_batch (the default) the operations stay staged until the
+ * engine next reaps (a getevents() that finds no completion left from
+ * the last reap): what fio queues meanwhile goes in one lwio_submit, one
+ * doorbell, instead of one per I/O. fio always waits for its I/Os
+ * (io_u_quiesce) before it sleeps for thinktime or a rate, and at the end
+ * of a job, so nothing stays staged across a sleep.
+ */
+static int fio_lwio_commit(struct thread_data *td)
+{
+	struct lwio_fio_data *d = td->io_ops_data;
+
+	if (!d->batch)
+		lwio_fio_submit(td);
 	return 0;
 }
 
-/* Hand the reaped completions to fio. */
-static void lwio_fio_complete(struct lwio_fio_data *d, int n)
+/* Hand completions reaped earlier to fio, up to `max` events. */
+static void lwio_fio_take(struct lwio_fio_data *d, unsigned int max)
 {
-	int i;
+	while (d->chead < d->ctail && d->nevents < max) {
+		struct lwio_cqe *cqe = &d->cqes[d->chead++];
+		struct io_u *io_u = (struct io_u *) (uintptr_t) cqe->user_data;
 
-	for (i = 0; i < n; i++) {
-		struct io_u *io_u = (struct io_u *) (uintptr_t) d->cqes[i].user_data;
-		int64_t res = d->cqes[i].res;
-
-		if (res < 0) {
-			io_u->error = (int) -res;
+		if (cqe->res < 0) {
+			io_u->error = (int) -cqe->res;
 		} else {
 			io_u->error = 0;
-			io_u->resid = io_u->xfer_buflen - (unsigned long long) res;
+			io_u->resid = io_u->xfer_buflen - (unsigned long long) cqe->res;
 		}
 		d->events[d->nevents++] = io_u;
 	}
-	d->nsub -= n;
 }
 
 static int64_t lwio_fio_ns_until(const struct timespec *end)
@@ -588,6 +619,16 @@ static int64_t lwio_fio_ns_until(const struct timespec *end)
 	return (int64_t) (end->tv_sec - now.tv_sec) * 1000000000LL + (end->tv_nsec - now.tv_nsec);
 }
 
+/*
+ * At least `min` events, at most `max`; without a timeout (t NULL) it
+ * waits for `min`, with one it waits at most that long. With lwio_batch,
+ * every completion lwio_reap has is taken (into cqes) and handed to fio
+ * as it asks: fio asks for one event at a time by default
+ * (iodepth_batch_complete_max = iodepth_batch_complete_min = 1), and the
+ * next calls then need no liblwio call, while the I/Os fio queues
+ * meanwhile wait staged and go in one lwio_submit when the engine next
+ * reaps.
+ */
 static int fio_lwio_getevents(struct thread_data *td, unsigned int min, unsigned int max,
 			      const struct timespec *t)
 {
@@ -610,53 +651,60 @@ static int fio_lwio_getevents(struct thread_data *td, unsigned int min, unsigned
 		}
 	}
 	for (;;) {
-		unsigned int want;
+		unsigned int want, room;
 
-		/* Failed submissions first. */
+		/* Failed submissions, then completions reaped before. */
 		while (d->nfailed && d->nevents < max)
 			d->events[d->nevents++] = d->failed[--d->nfailed];
-		/* Submit what waited for room. */
-		if (d->npend)
-			fio_lwio_commit(td);
-		if (d->nevents >= max || (!d->nsub && !d->npend && !d->nfailed))
+		lwio_fio_take(d, max);
+		if (d->nevents >= max || (d->nevents && d->nevents >= min && d->batch))
 			break;
-		/* Wait only while something is in flight and short of min
-		 * (and without a timeout; with one, below). */
+		/* The cache is empty: submit what is staged, and reap. */
+		if (d->npend)
+			lwio_fio_submit(td);
+		if (d->nfailed)
+			continue;
+		if (!d->nsub)
+			break;
+		/* Wait (without a timeout; with one, below) for min. */
 		want = 0;
 		if (!timed && d->nevents < min)
 			want = min - d->nevents < d->nsub ? min - d->nevents : d->nsub;
-		r = lwio_reap(d->c, d->cqes, want, max - d->nevents);
+		room = d->batch ? d->depth : max - d->nevents;
+		r = lwio_reap(d->c, d->cqes, want, room);
 		if (r < 0) {
 			log_err(ENGINE ": lwio_reap: %s\n", lwio_errmsg());
 			return r;
 		}
-		lwio_fio_complete(d, r);
-		if (d->nevents >= min && (r == 0 || d->nevents >= max))
+		d->chead = 0;
+		d->ctail = r;
+		d->nsub -= r;
+		lwio_fio_take(d, max);
+		if (d->nevents >= min && (r == 0 || d->nevents >= max || d->batch))
 			break;
-		if (d->nevents >= min)
+		if (d->nevents >= min || r > 0)
 			continue;
-		if (timed) {
+		if (!timed)
+			continue;
+		/* With a timeout and nothing complete: wait for one, at most
+		 * until the deadline. */
+		if (lwio_fio_ns_until(&end) <= 0)
+			break;
+		if (!d->poll) {
+			/* Sleep on the completion fd until one completes or
+			 * the time is up. */
 			int64_t left = lwio_fio_ns_until(&end);
+			struct pollfd p;
+			uint64_t v;
 
-			if (left <= 0)
-				break;
-			if (r > 0 || d->nfailed)
-				continue;
-			if (!d->poll) {
-				/* Sleep on the completion fd until one
-				 * completes or the time is up. */
-				struct pollfd p;
-				uint64_t v;
-
-				if (d->cfd < 0)
-					d->cfd = lwio_completion_fd(d->c);
-				if (d->cfd >= 0) {
-					p.fd = d->cfd;
-					p.events = POLLIN;
-					if (poll(&p, 1, (int) ((left + 999999) / 1000000)) > 0 &&
-					    read(d->cfd, &v, sizeof(v)) < 0 && errno != EAGAIN)
-						return -errno;
-				}
+			if (d->cfd < 0)
+				d->cfd = lwio_completion_fd(d->c);
+			if (d->cfd >= 0) {
+				p.fd = d->cfd;
+				p.events = POLLIN;
+				if (poll(&p, 1, (int) ((left + 999999) / 1000000)) > 0 &&
+				    read(d->cfd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+					return -errno;
 			}
 		}
 	}
