@@ -161,10 +161,10 @@ static struct fio_option options[] = {
 	{
 		.name = "lwio_batch",
 		.lname = "lwio batching",
-		.type = FIO_OPT_BOOL,
+		.type = FIO_OPT_INT,
 		.off1 = offsetof(struct lwio_fio_options, batch),
-		.help = "Submit what fio queued in one lwio_submit when the engine next reaps, and reap all that completed (0: submit at each commit, reap what fio asks for)",
-		.def = "1",
+		.help = "Submit what fio queued in one lwio_submit when N are staged or the engine next reaps, and reap all that completed (0: submit at each commit, reap what fio asks for)",
+		.def = "32",
 		.category = FIO_OPT_C_ENGINE,
 		.group = FIO_OPT_G_INVALID,
 	},
@@ -578,8 +578,8 @@ static void lwio_fio_submit(struct thread_data *td)
 }
 
 /*
- * With lwio_batch (the default) the operations stay staged until the
- * engine next reaps (a getevents() that finds no completion left from
+ * With lwio_batch=N (default 32) the operations stay staged until N are
+ * or the engine next reaps (a getevents() that finds no completion left from
  * the last reap): what fio queues meanwhile goes in one lwio_submit, one
  * doorbell, instead of one per I/O. fio always waits for its I/Os
  * (io_u_quiesce) before it sleeps for thinktime or a rate, and at the end
@@ -589,7 +589,7 @@ static int fio_lwio_commit(struct thread_data *td)
 {
 	struct lwio_fio_data *d = td->io_ops_data;
 
-	if (!d->batch)
+	if (!d->batch || d->npend >= d->batch)
 		lwio_fio_submit(td);
 	return 0;
 }
