@@ -13,9 +13,9 @@
 //! (`reactor::Domain`, the CQ tagged with the connection's id); elsewhere
 //! it gets its own protection domain, completion channel and receive
 //! region (with the soft provider also its own context under manual
-//! progress, so its reactor reads its socket). A fixed set of **reactor** threads
-//! ([`super::reactor`], one per core by default) drives the connections:
-//! each polls its connections for `busy_poll` after activity
+//! progress, so its reactor reads its socket). A fixed set of **reactor**
+//! threads ([`super::reactor`], one per core by default) drives the
+//! connections: each polls its connections for `busy_poll` after activity
 //! (`busy_poll_polled` after a polled completion), then sleeps in
 //! `epoll_wait` on their completion channels and on the eventfds that
 //! storage workers and the control plane (credit balancing, shutdown) use
@@ -43,8 +43,9 @@
 //! the provider terminates the connection.
 //!
 //! Auth: the AUTH Key is resolved through the side channel's negotiate table
-//! ([`ServerState::lookup_negotiate_key`](crate::server::ServerState::lookup_negotiate_key)); each Key is accepted **once**
-//! (consumed on first use) and only while fresh. The secret is
+//! ([`ServerState::lookup_negotiate_key`](crate::server::ServerState::lookup_negotiate_key));
+//! each Key is accepted **once** (consumed on first use) and only while
+//! fresh. The secret is
 //! `derive_session_secret(session secret, Key)`. The side-channel session
 //! found this way is the only session whose resume keys REGISTER accepts.
 //!
