@@ -952,6 +952,17 @@ mod tests {
     }
 
     #[test]
+    fn restart_changes_name_every_setting_but_exports_and_users() {
+        let a = Config::from_toml("[exports]\nd = \"/d\"\n").unwrap();
+        assert!(a.restart_changes(&a).is_empty());
+        let b = Config::from_toml(
+            "listen = \"127.0.0.1:1\"\ntls = false\n[limits]\nmax_sessions = 2\n[exports]\ne = \"/e\"\n[users.u]\ntoken = \"lwio-token1$0000000000000000000000000000000000000000000000000000000000000000$0000000000000000000000000000000000000000000000000000000000000000\"\n",
+        )
+        .unwrap();
+        assert_eq!(a.restart_changes(&b), ["listen", "tls", "limits"]);
+    }
+
+    #[test]
     fn flags_override() {
         let mut c = Config::from_toml(EXAMPLE).unwrap();
         c.set_export(&"data=/elsewhere".parse().unwrap());
