@@ -569,6 +569,9 @@ async fn step(
         ) => {
             let sn = *server_nonce;
             let client_name = client_name.clone();
+            // The users a login is checked against (a reload may swap them
+            // while it runs: see below).
+            let users_before = state.security();
             let (secret, proof, principal) = match login(state, peer, tls, &sn, l).await {
                 Ok(x) => x,
                 Err(e) => return (Response::Error(e), true),
@@ -589,6 +592,25 @@ async fn step(
                 secret: SessionSecret(secret),
                 nonce: sn,
             });
+            // A reload that removed this user, or changed its password or
+            // token, while the login was checked ended the user's sessions
+            // before this one was registered: refuse it too.
+            if let Principal::User(u) = &principal {
+                let now = state.security();
+                if !Arc::ptr_eq(&users_before, &now)
+                    && users_before.users.get(u) != now.users.get(u)
+                {
+                    state.end_session(session);
+                    warn!(%peer, user = %u, "login refused: the user's credentials changed during the login (server reload)");
+                    return (
+                        err(
+                            ErrorCode::AuthFailed,
+                            "authentication failed: the server's users changed during the login; log in again",
+                        ),
+                        true,
+                    );
+                }
+            }
             info!(%peer, session, client = %client_name, who = %principal, tls, "login");
             *phase = Phase::Ready { session, principal };
             (
