@@ -819,5 +819,58 @@ fn sighup_applies_exports_and_users_without_dropping_sessions() {
     let e = bob_side.list_dir("c", "").unwrap_err();
     assert_eq!(e.to_string(), "no export named \"c\" on this server");
     assert!(Side::connect(&side, &login("bob", BOB)).is_ok());
+
+    // A changed export option applies to new requests; a file open on it
+    // goes on.
+    std::fs::write(
+        &cfg,
+        format!(
+            "tls = false\n[exports]\na = {{ path = \"{data}\", read_only = true }}\n{}",
+            users(&[("bob", BOB)])
+        ),
+    )
+    .unwrap();
+    s.signal(libc::SIGHUP);
+    s.reloaded();
+    s.wait_stderr(&format!("SIGHUP: export changed: a path={data}"));
+    let e = bob_side
+        .open(
+            "a",
+            "new.txt",
+            &OpenOptions::read_write().create(true).0,
+            0o644,
+        )
+        .unwrap_err();
+    assert_eq!(e.to_string(), "export a is read-only");
+    let mut got = vec![0u8; 4096];
+    assert_eq!(h.read_at(&mut got, 4096).unwrap(), 4096);
+    assert!(got[..] == one[4096..8192]);
+
+    // Bob's token changes: his sessions end, the old token is refused,
+    // the new one logs in.
+    const BOB2: &str = "bob-token-two-0123456789abcdef";
+    std::fs::write(
+        &cfg,
+        format!(
+            "tls = false\n[exports]\na = {{ path = \"{data}\", read_only = true }}\n{}",
+            users(&[("bob", BOB2)])
+        ),
+    )
+    .unwrap();
+    s.signal(libc::SIGHUP);
+    s.reloaded();
+    s.wait_stderr("SIGHUP: user changed: bob (");
+    let e = bob_side.list_dir("a", "").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "session ended: user bob has a new password or token (server reload)"
+    );
+    let e = Side::connect(&side, &login("bob", BOB)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "authentication failed: wrong user name or token"
+    );
+    let mut bob2 = Side::connect(&side, &login("bob", BOB2)).unwrap();
+    assert_eq!(bob2.list_dir("a", "").unwrap().len(), 1);
     assert!(s.child.try_wait().unwrap().is_none());
 }
