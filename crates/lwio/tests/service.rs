@@ -462,13 +462,19 @@ impl Notified {
     fn stderr(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("stderr")).unwrap()
     }
-    /// The next notification that is not a periodic `STATUS=serving…`.
+    /// The next notification that is not a periodic `STATUS=serving…`,
+    /// within 30 s.
     fn recv_skipping_status(&self) -> String {
+        let t0 = Instant::now();
         loop {
             let got = self.recv();
             if !got.starts_with("STATUS=serving") {
                 return got;
             }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "only STATUS= for 30 s"
+            );
         }
     }
     /// After a SIGHUP: `RELOADING=1` with `MONOTONIC_USEC=`, then
