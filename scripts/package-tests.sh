@@ -260,6 +260,15 @@ if [ "$MODE" = direct ]; then
     grep -q 'SIGHUP: configuration re-read and checked: unchanged' "$W/server.err" && pass "SIGHUP logged the re-check" || fail "SIGHUP log: $(tail -3 "$W/server.err")"
 fi
 ls "$MNT" | grep -qx pkgtest.txt && pass "mount still served after SIGHUP" || fail "listing after SIGHUP"
+# An export added to the file is applied by the reload; the mount stays.
+install -d -o lwio -g lwio /srv/lwio-pkgtest/more
+sed -i "s|^data = \"$EXPORT\"\$|&\nmore = \"/srv/lwio-pkgtest/more\"|" "$CONF"
+grep -q '^more = ' "$CONF" || fail "could not add an export to $CONF"
+if [ "$MODE" = systemd ]; then systemctl reload lwio.service; else kill -HUP "$SERVER_PID"; fi
+sleep 1
+if [ "$MODE" = systemd ]; then RLOG=$(journalctl -u lwio --no-pager); else RLOG=$(cat "$W/server.err"); fi
+echo "$RLOG" | grep -q 'SIGHUP: export added: more path=/srv/lwio-pkgtest/more' && pass "SIGHUP applied the added export" || fail "reload log: $(echo "$RLOG" | tail -3)"
+ls "$MNT" | grep -qx pkgtest.txt && pass "mount still served after the reload" || fail "listing after the reload"
 
 fusermount3 -u "$MNT" && pass "unmounted" || fail "unmount"
 

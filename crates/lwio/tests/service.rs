@@ -462,6 +462,46 @@ impl Notified {
     fn stderr(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("stderr")).unwrap()
     }
+    /// The next notification that is not a periodic `STATUS=serving…`,
+    /// within 30 s.
+    fn recv_skipping_status(&self) -> String {
+        let t0 = Instant::now();
+        loop {
+            let got = self.recv();
+            if !got.starts_with("STATUS=serving") {
+                return got;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "only STATUS= for 30 s"
+            );
+        }
+    }
+    /// After a SIGHUP: `RELOADING=1` with `MONOTONIC_USEC=`, then
+    /// `READY=1` (sd_notify(3), the reload protocol of `Type=notify`).
+    fn reloaded(&self) {
+        let r = self.recv_skipping_status();
+        let mut lines = r.lines();
+        assert_eq!(lines.next(), Some("RELOADING=1"), "{r:?}");
+        let usec = lines.next().and_then(|l| l.strip_prefix("MONOTONIC_USEC="));
+        assert!(
+            usec.is_some_and(|u| u.parse::<u64>().is_ok_and(|u| u > 0)),
+            "{r:?}"
+        );
+        let ready = self.recv_skipping_status();
+        assert!(ready.starts_with("READY=1\nSTATUS=serving: "), "{ready:?}");
+    }
+    /// The side-channel address from stdout (after `READY=1`).
+    fn side_addr(&mut self) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(self.stdout.read_line(&mut line).unwrap() > 0, "no address");
+            if let Some(a) = line.trim_end().strip_prefix("lwio: listening on ") {
+                return a.to_string();
+            }
+        }
+    }
     fn signal(&self, sig: i32) {
         assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
     }
@@ -521,35 +561,42 @@ fn sd_notify_ready_status_reload_and_stopping() {
     let status = s.recv();
     assert!(status.starts_with("STATUS=serving: "), "{status:?}");
 
-    // SIGHUP with the file unchanged: re-read, still serving.
+    // SIGHUP with the file unchanged: re-read, still serving; the reload
+    // protocol of sd_notify(3) around it.
     s.signal(libc::SIGHUP);
+    s.reloaded();
     s.wait_stderr("SIGHUP: configuration re-read and checked: unchanged");
     assert!(
         s.child.try_wait().unwrap().is_none(),
         "SIGHUP must not stop the server"
     );
-    // Changed: says what a restart would change.
+    // Changed: the new export is applied; a setting that cannot change
+    // live is named, one line.
     let cfg = s.dir.path().join("lwio.toml");
     let d = s.dir.path().join("data").display().to_string();
-    std::fs::write(&cfg, format!("[exports]\ndata = \"{d}\"\nmore = \"{d}\"\n")).unwrap();
+    std::fs::write(
+        &cfg,
+        format!("[limits]\nmax_sessions = 7\n[exports]\ndata = \"{d}\"\nmore = \"{d}\"\n"),
+    )
+    .unwrap();
     s.signal(libc::SIGHUP);
-    let e = s.wait_stderr("exports added more");
-    assert!(
-        e.contains("SIGHUP: configuration changed; a running lwio serve cannot take new exports, users or settings: restart it to apply"),
+    s.reloaded();
+    let e = s.wait_stderr(&format!("SIGHUP: export added: more path={d}"));
+    assert_eq!(
+        e.matches("SIGHUP: needs a restart: limits").count(),
+        1,
         "{e}"
     );
+    assert!(!e.contains("needs a restart: exports"), "{e}");
     // Broken: one line per problem, still serving.
     std::fs::write(&cfg, "[exports]\ndata = \"/nonexistent\"\n").unwrap();
     s.signal(libc::SIGHUP);
+    s.reloaded();
     s.wait_stderr("export data: /nonexistent: No such file or directory");
     assert!(s.child.try_wait().unwrap().is_none());
 
     s.signal(libc::SIGTERM);
-    let mut got = s.recv();
-    while got.starts_with("STATUS=serving") {
-        got = s.recv();
-    }
-    assert_eq!(got, "STOPPING=1\nSTATUS=shutting down");
+    assert_eq!(s.recv_skipping_status(), "STOPPING=1\nSTATUS=shutting down");
     let t0 = Instant::now();
     let status = loop {
         if let Some(st) = s.child.try_wait().unwrap() {
@@ -583,4 +630,253 @@ fn log_format_json_is_one_object_per_line() {
         messages.iter().any(|m| m == "SIGTERM: shutting down"),
         "{messages:?}"
     );
+}
+
+/// SIGHUP applies the exports and users of the file to a running server
+/// (docs/operations.md, "Reload"): sessions stay, a new export is reached
+/// by new sessions, a new user logs in; a removed user's session ends and
+/// its login is refused, a removed export refuses new requests as an
+/// unknown one; a broken file changes nothing.
+#[test]
+fn sighup_applies_exports_and_users_without_dropping_sessions() {
+    use lwio_client::side::{Client as Side, ClientOptions as SideOptions, Login, Token};
+    use lwio_client::{Client, ClientOptions, ClientTls, OpenOptions, ProviderChoice};
+    use lwio_side::user_token::TokenVerifier;
+
+    const ALICE: &str = "alice-token-0123456789abcdef";
+    const BOB: &str = "bob-token-0123456789abcdef01";
+    let verifier = |t: &str| TokenVerifier::from_token(t.as_bytes()).to_string();
+    let users = |names: &[(&str, &str)]| -> String {
+        names
+            .iter()
+            .map(|(u, t)| format!("[users.{u}]\ntoken = \"{}\"\n", verifier(t)))
+            .collect()
+    };
+    let mut s = Notified::start(
+        &[],
+        Some(&format!(
+            "tls = false\n[exports]\na = \"@DATA@\"\n{}",
+            users(&[("alice", ALICE)])
+        )),
+    );
+    assert!(s.recv().starts_with("READY=1"));
+    let side = s.side_addr();
+    let d = s.dir.path().to_path_buf();
+    let cfg = d.join("lwio.toml");
+    let login = |user: &str, token: &str| {
+        SideOptions::new(Login::UserToken {
+            user: user.into(),
+            token: Token::new(token).unwrap(),
+        })
+    };
+    let client = |export: &str, user: &str, token: &str| {
+        let opts = ClientOptions {
+            provider: ProviderChoice::Soft,
+            tls: Some(ClientTls::Off),
+            ..ClientOptions::default()
+        };
+        Client::connect_with(
+            &format!("lwio://{side}/{export}"),
+            &login(user, token),
+            opts,
+        )
+    };
+    let pattern = |n: usize, seed: u8| -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    };
+    // A session of alice on export a writes and reads a file.
+    let a1 = client("a", "alice", ALICE).unwrap();
+    let f = a1
+        .open("one.bin", &OpenOptions::read_write().create(true))
+        .unwrap();
+    let one = pattern(300_000, 1);
+    f.write_at(&one, 0).unwrap();
+    let mut back = vec![0u8; one.len()];
+    assert_eq!(f.read_at(&mut back, 0).unwrap(), one.len());
+    assert!(back == one);
+    assert_eq!(std::fs::read(d.join("data/one.bin")).unwrap(), one);
+    // Her side channel, to check the namespace as her later on.
+    let mut alice_side = Side::connect(&side, &login("alice", ALICE)).unwrap();
+    // Bob is not a user yet; export b is not served.
+    let e = Side::connect(&side, &login("bob", BOB)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "authentication failed: wrong user name or token"
+    );
+    let e = alice_side.list_dir("b", "").unwrap_err();
+    assert_eq!(e.to_string(), "no export named \"b\" on this server");
+
+    // Add export b (with a file in it) and user bob; remove nothing.
+    std::fs::create_dir(d.join("b")).unwrap();
+    let two = pattern(200_000, 7);
+    std::fs::write(d.join("b/two.bin"), &two).unwrap();
+    let data = d.join("data").display().to_string();
+    let b = d.join("b").display().to_string();
+    std::fs::write(
+        &cfg,
+        format!(
+            "tls = false\n[exports]\na = \"{data}\"\nb = \"{b}\"\n{}",
+            users(&[("alice", ALICE), ("bob", BOB)])
+        ),
+    )
+    .unwrap();
+    s.signal(libc::SIGHUP);
+    s.reloaded();
+    let log = s.wait_stderr("SIGHUP: configuration reloaded");
+    assert!(
+        log.contains(&format!("SIGHUP: export added: b path={b}")),
+        "{log}"
+    );
+    assert!(log.contains("SIGHUP: user added: bob"), "{log}");
+    assert!(!log.contains("needs a restart"), "{log}");
+    // A new session reaches b: the data byte for byte.
+    let b1 = client("b", "alice", ALICE).unwrap();
+    let g = b1.open("two.bin", &OpenOptions::read_only()).unwrap();
+    let mut got = vec![0u8; two.len()];
+    assert_eq!(g.read_at(&mut got, 0).unwrap(), two.len());
+    assert!(got == two, "export b's file, byte for byte");
+    // The first session on a still works, on the file it had open.
+    let more = pattern(65_536, 3);
+    f.write_at(&more, one.len() as u64).unwrap();
+    let mut back = vec![0u8; more.len()];
+    assert_eq!(f.read_at(&mut back, one.len() as u64).unwrap(), more.len());
+    assert!(back == more);
+    assert_eq!(alice_side.list_dir("b", "").unwrap().len(), 1);
+    // Bob logs in, and reaches a.
+    let bob = client("a", "bob", BOB).unwrap();
+    let h = bob.open("one.bin", &OpenOptions::read_only()).unwrap();
+    let mut got = vec![0u8; one.len()];
+    assert_eq!(h.read_at(&mut got, 0).unwrap(), one.len());
+    assert!(got == one);
+
+    // Remove alice and export b.
+    std::fs::write(
+        &cfg,
+        format!(
+            "tls = false\n[exports]\na = \"{data}\"\n{}",
+            users(&[("bob", BOB)])
+        ),
+    )
+    .unwrap();
+    s.signal(libc::SIGHUP);
+    s.reloaded();
+    let log = s.wait_stderr("SIGHUP: export removed: b");
+    // Her three sessions (two clients, one side channel) and the two files
+    // they had open.
+    assert!(
+        log.contains("SIGHUP: user removed: alice (3 sessions ended, 2 open files closed)"),
+        "{log}"
+    );
+    // Alice's login is refused; her sessions were ended, with the reason.
+    let e = Side::connect(&side, &login("alice", ALICE)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "authentication failed: wrong user name or token"
+    );
+    let e = alice_side.list_dir("a", "").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "session ended: user alice was removed from the configuration (server reload)"
+    );
+    // Her open file is closed: the data path refuses it.
+    // The server answers STATUS_FILE_CLOSED (the registered file was
+    // closed under the connection) or STATUS_INVALID_HANDLE (its handle is
+    // gone already), depending on which the data path looks at first.
+    // Either way no data moves.
+    let e = f.read_at(&mut back, 0).unwrap_err();
+    assert!(
+        matches!(&e, lwio_client::Error::Status { what, status }
+            if what == "READ of a/one.bin" && [0xC000_0128, 0xC000_0008].contains(status)),
+        "STATUS_FILE_CLOSED or STATUS_INVALID_HANDLE: {e:?}"
+    );
+    // Export b refuses a new open, as an unknown export.
+    let mut bob_side = Side::connect(&side, &login("bob", BOB)).unwrap();
+    let e = bob_side
+        .open("b", "two.bin", &OpenOptions::read_only().0, 0)
+        .unwrap_err();
+    assert_eq!(e.to_string(), "no export named \"b\" on this server");
+    // Bob's session on a goes on.
+    assert!(bob_side.list_dir("a", "").unwrap().len() == 1);
+    let mut got = vec![0u8; 4096];
+    assert_eq!(h.read_at(&mut got, 0).unwrap(), 4096);
+    assert!(got[..] == one[..4096]);
+
+    // A broken file changes nothing: a still works, the log says why.
+    std::fs::write(
+        &cfg,
+        format!(
+            "tls = false\n[exports]\na = \"{data}\"\nc = \"{}/missing\"\n",
+            d.display()
+        ),
+    )
+    .unwrap();
+    s.signal(libc::SIGHUP);
+    s.reloaded();
+    let log = s.wait_stderr("missing: No such file or directory");
+    assert!(
+        log.contains(
+            "SIGHUP: configuration has a problem; still serving the configuration in force"
+        ),
+        "{log}"
+    );
+    assert_eq!(bob_side.list_dir("a", "").unwrap().len(), 1);
+    let e = bob_side.list_dir("c", "").unwrap_err();
+    assert_eq!(e.to_string(), "no export named \"c\" on this server");
+    assert!(Side::connect(&side, &login("bob", BOB)).is_ok());
+
+    // A changed export option applies to new requests; a file open on it
+    // goes on.
+    std::fs::write(
+        &cfg,
+        format!(
+            "tls = false\n[exports]\na = {{ path = \"{data}\", read_only = true }}\n{}",
+            users(&[("bob", BOB)])
+        ),
+    )
+    .unwrap();
+    s.signal(libc::SIGHUP);
+    s.reloaded();
+    s.wait_stderr(&format!("SIGHUP: export changed: a path={data}"));
+    let e = bob_side
+        .open(
+            "a",
+            "new.txt",
+            &OpenOptions::read_write().create(true).0,
+            0o644,
+        )
+        .unwrap_err();
+    assert_eq!(e.to_string(), "export a is read-only");
+    let mut got = vec![0u8; 4096];
+    assert_eq!(h.read_at(&mut got, 4096).unwrap(), 4096);
+    assert!(got[..] == one[4096..8192]);
+
+    // Bob's token changes: his sessions end, the old token is refused,
+    // the new one logs in.
+    const BOB2: &str = "bob-token-two-0123456789abcdef";
+    std::fs::write(
+        &cfg,
+        format!(
+            "tls = false\n[exports]\na = {{ path = \"{data}\", read_only = true }}\n{}",
+            users(&[("bob", BOB2)])
+        ),
+    )
+    .unwrap();
+    s.signal(libc::SIGHUP);
+    s.reloaded();
+    s.wait_stderr("SIGHUP: user changed: bob (");
+    let e = bob_side.list_dir("a", "").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "session ended: user bob has a new password or token (server reload)"
+    );
+    let e = Side::connect(&side, &login("bob", BOB)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "authentication failed: wrong user name or token"
+    );
+    let mut bob2 = Side::connect(&side, &login("bob", BOB2)).unwrap();
+    assert_eq!(bob2.list_dir("a", "").unwrap().len(), 1);
+    assert!(s.child.try_wait().unwrap().is_none());
 }

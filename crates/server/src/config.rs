@@ -565,6 +565,62 @@ impl Config {
         Ok(())
     }
 
+    /// The settings of `new` that differ from `self` and that a running
+    /// server cannot take (everything but `exports` and `users`): what a
+    /// reload reports as "needs a restart", one key (or table) each.
+    pub fn restart_changes(&self, new: &Config) -> Vec<&'static str> {
+        let (a, b) = (self, new);
+        // Every field is named here or below: a new setting must be sorted
+        // into live or restart-only before this compiles.
+        let Config {
+            listen: _,
+            server_name: _,
+            token_file: _,
+            allow_anonymous: _,
+            tls: _,
+            tls_cert: _,
+            tls_key: _,
+            allow_password_without_tls: _,
+            users: _,
+            provider: _,
+            device: _,
+            rdma_listen: _,
+            metrics_listen: _,
+            compat_md5_auth: _,
+            exports: _,
+            limits: _,
+            io: _,
+            rdma: _,
+        } = a;
+        let mut out = Vec::new();
+        macro_rules! keys {
+            ($($k:ident),*) => {$(
+                if a.$k != b.$k {
+                    out.push(stringify!($k));
+                }
+            )*};
+        }
+        keys!(
+            listen,
+            server_name,
+            token_file,
+            allow_anonymous,
+            tls,
+            tls_cert,
+            tls_key,
+            allow_password_without_tls,
+            provider,
+            device,
+            rdma_listen,
+            metrics_listen,
+            compat_md5_auth,
+            limits,
+            io,
+            rdma
+        );
+        out
+    }
+
     /// Add or replace an export (command-line `--export` overrides the file;
     /// an export replaced this way keeps the file's access lists).
     pub fn set_export(&mut self, spec: &ExportSpec) {
@@ -893,6 +949,17 @@ mod tests {
         assert!(e.0.contains("provider"), "{e}");
         let e = Config::from_toml("[io]\nbackend = \"io_uring\"").unwrap();
         assert_eq!(e.io.backend, BackendChoice::IoUring);
+    }
+
+    #[test]
+    fn restart_changes_name_every_setting_but_exports_and_users() {
+        let a = Config::from_toml("[exports]\nd = \"/d\"\n").unwrap();
+        assert!(a.restart_changes(&a).is_empty());
+        let b = Config::from_toml(
+            "listen = \"127.0.0.1:1\"\ntls = false\n[limits]\nmax_sessions = 2\n[exports]\ne = \"/e\"\n[users.u]\ntoken = \"lwio-token1$0000000000000000000000000000000000000000000000000000000000000000$0000000000000000000000000000000000000000000000000000000000000000\"\n",
+        )
+        .unwrap();
+        assert_eq!(a.restart_changes(&b), ["listen", "tls", "limits"]);
     }
 
     #[test]

@@ -178,6 +178,61 @@ impl Security {
     }
 }
 
+/// Refuse a configuration nobody could log in to, or one with an access
+/// list for an export it does not have.
+fn check_security(auth: &AuthPolicy, exports: &[ExportSpec], security: &Security) -> Result<()> {
+    if auth.token.is_none() && !auth.allow_anonymous && security.users.is_empty() {
+        return Err(Error::new(
+            ErrorCode::InvalidArgument,
+            "no token, no users and anonymous access disabled: nobody could log in",
+        ));
+    }
+    for name in security.acls.keys() {
+        if !exports.iter().any(|e| &e.name == name) {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                format!("access list for unknown export {name:?}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What a reload replaces as one: the exports with their access lists, and
+/// the users. A request checks its export and its rights on one snapshot
+/// ([`ServerState::live`]).
+#[derive(Debug)]
+pub struct Live {
+    pub exports: Arc<Exports>,
+    /// Users, access lists, TLS (the TLS identity is the one read at
+    /// start: a reload keeps it).
+    pub security: Arc<Security>,
+}
+
+impl Live {
+    /// Rights of `who` on `export`: none on an export this snapshot does
+    /// not serve; else by its access list (a read-only export additionally
+    /// refuses writes).
+    pub fn rights(&self, export: &str, who: &Principal) -> Rights {
+        if self.exports.get(export).is_err() {
+            return Rights::default();
+        }
+        match self.security.acls.get(export) {
+            Some(a) => a.rights(who),
+            None => Acl::default().rights(who),
+        }
+    }
+}
+
+/// What [`ServerState::reload`] did: one line per change applied, one per
+/// setting that needs a restart, and the sessions it ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reloaded {
+    pub applied: Vec<String>,
+    pub needs_restart: Vec<String>,
+    pub sessions_ended: usize,
+}
+
 /// Cooperative shutdown, usable from async code and from threads.
 #[derive(Clone, Default)]
 pub struct Shutdown(Arc<ShutdownInner>);
@@ -257,7 +312,16 @@ pub trait RdmaPhase: Send + Sync + 'static {
 pub struct ServerState {
     /// Server name sent in Hello and as the resume key Context.
     pub server_name: String,
-    pub exports: Exports,
+    /// Exports, access lists and users: what a reload replaces
+    /// ([`ServerState::reload`]); read one snapshot per check.
+    live: RwLock<Arc<Live>>,
+    /// How export roots are resolved (for exports a reload opens).
+    resolve: ResolveMode,
+    /// Sessions a reload ended (their user was removed, or its password
+    /// or token changed): why, for the session's task to say.
+    revoked: Mutex<HashMap<SessionId, String>>,
+    /// Woken by a reload that ended sessions.
+    pub(crate) revocations: Notify,
     pub open_files: OpenFileTable,
     /// Directory leases (docs/leases.md).
     pub leases: Arc<crate::side::leases::Leases>,
@@ -271,8 +335,6 @@ pub struct ServerState {
     /// Configured provider choice for the RDMA phase.
     pub provider: ProviderChoice,
     pub(crate) auth: AuthPolicy,
-    /// Users, access lists, TLS.
-    pub security: Security,
     /// Connection admission (per-host caps, rate limits).
     pub admission: Arc<Admission>,
     /// Bounds concurrent argon2 verifications (CPU and memory).
@@ -293,7 +355,7 @@ impl std::fmt::Debug for ServerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServerState")
             .field("server_name", &self.server_name)
-            .field("exports", &self.exports.len())
+            .field("exports", &self.exports().len())
             .field("backend", &self.backend.kind())
             .finish()
     }
@@ -327,10 +389,28 @@ impl ServerState {
     /// Rights of `who` on export `export` (by its access list only; a
     /// read-only export additionally refuses writes).
     pub fn rights(&self, export: &str, who: &Principal) -> Rights {
-        match self.security.acls.get(export) {
-            Some(a) => a.rights(who),
-            None => Acl::default().rights(who),
-        }
+        self.live().rights(export, who)
+    }
+
+    /// The exports, access lists and users now in force (one consistent
+    /// snapshot; a reload swaps in a new one).
+    pub fn live(&self) -> Arc<Live> {
+        self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The exports now served.
+    pub fn exports(&self) -> Arc<Exports> {
+        self.live().exports.clone()
+    }
+
+    /// Users, access lists and TLS now in force.
+    pub fn security(&self) -> Arc<Security> {
+        self.live().security.clone()
+    }
+
+    /// Why session `id` was ended by a reload, if it was.
+    pub fn revoked(&self, id: SessionId) -> Option<String> {
+        lock(&self.revoked).get(&id).cloned()
     }
 
     /// Logged-in sessions of `who`.
@@ -539,6 +619,133 @@ impl ServerState {
         gone.len()
     }
 
+    /// SIGHUP: serve `new`'s exports, access lists and users from now on,
+    /// in place of `old`'s (both flag-merged and validated; `old` is what
+    /// runs). Nothing changes on an error (an export root that cannot be
+    /// opened, a configuration nobody could log in to).
+    ///
+    /// Added exports are reachable by new requests; a removed export
+    /// answers new requests as an unknown one, while the files already
+    /// open on it keep working until closed (as `exportfs -r`); changed
+    /// export options and access lists apply to new requests. Users added
+    /// may log in; the sessions of a user removed, or whose password or
+    /// token changed, are ended (their open files closed, nothing kept
+    /// for a resume) and their next login is checked against the new
+    /// list. Every other setting needs a restart and is only reported.
+    pub fn reload(&self, old: &Config, new: &Config) -> Result<Reloaded> {
+        let mut out = Reloaded {
+            needs_restart: old
+                .restart_changes(new)
+                .into_iter()
+                .map(|k| format!("needs a restart: {k}"))
+                .collect(),
+            ..Reloaded::default()
+        };
+        let users = new
+            .user_db()
+            .map_err(|e| Error::new(ErrorCode::InvalidArgument, e.0))?;
+        let specs = new.export_specs();
+        let cur = self.live();
+        let security = Security {
+            tls: cur.security.tls.clone(),
+            users,
+            acls: new.acls(),
+            allow_password_without_tls: cur.security.allow_password_without_tls,
+        };
+        check_security(&self.auth, &specs, &security)?;
+        let exports = Arc::new(Exports::open(&specs, self.resolve)?);
+        for (name, e) in &new.exports {
+            let path = specs
+                .iter()
+                .find(|s| &s.name == name)
+                .map(|s| s.path.display().to_string())
+                .unwrap_or_default();
+            match old.exports.get(name) {
+                None => out
+                    .applied
+                    .push(format!("export added: {name} path={path}")),
+                Some(o) if o != e => out
+                    .applied
+                    .push(format!("export changed: {name} path={path}")),
+                Some(_) => {}
+            }
+        }
+        for name in old.exports.keys().filter(|n| !new.exports.contains_key(*n)) {
+            out.applied.push(format!("export removed: {name}"));
+        }
+        // Users whose sessions end: removed, or another password or token.
+        let mut ended_users = Vec::new();
+        for (name, u) in &old.users {
+            match new.users.get(name) {
+                None => ended_users.push((name.clone(), "was removed from the configuration")),
+                Some(n) if n.password != u.password || n.token != u.token => {
+                    ended_users.push((name.clone(), "has a new password or token"))
+                }
+                Some(n) if n != u => out.applied.push(format!("user changed: {name} (ids)")),
+                Some(_) => {}
+            }
+        }
+        for name in new.users.keys().filter(|n| !old.users.contains_key(*n)) {
+            out.applied.push(format!("user added: {name}"));
+        }
+        // Swap first: from here on a login and a request see the new lists.
+        *self.live.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(Live {
+            exports,
+            security: Arc::new(security),
+        });
+        for (name, why) in ended_users {
+            let who = Principal::User(name.clone());
+            let reason = format!("session ended: user {name} {why} (server reload)");
+            let live: Vec<SessionId> = lock(&self.sessions)
+                .iter()
+                .filter(|(_, s)| s.principal == who)
+                .map(|(id, _)| *id)
+                .collect();
+            let kept: Vec<SessionId> = {
+                let mut d = lock(&self.durable);
+                let ids: Vec<SessionId> = d
+                    .iter()
+                    .filter(|(_, (s, _))| s.principal == who)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in &ids {
+                    d.remove(id);
+                }
+                ids
+            };
+            for id in &live {
+                lock(&self.revoked).insert(*id, reason.clone());
+                lock(&self.sessions).remove(id);
+                lock(&self.negotiations).end_session(*id);
+                self.leases.end_session(*id);
+                self.mem_objects.end_session(*id);
+            }
+            let mut files = 0;
+            for id in live.iter().chain(&kept) {
+                files += self.open_files.close_session(*id);
+            }
+            let verb = if why.starts_with("was") {
+                "removed"
+            } else {
+                "changed"
+            };
+            out.applied.push(format!(
+                "user {verb}: {name} ({} sessions ended, {files} open files closed)",
+                live.len() + kept.len()
+            ));
+            out.sessions_ended += live.len() + kept.len();
+        }
+        if out.sessions_ended > 0 {
+            self.revocations.notify_waiters();
+        }
+        Ok(out)
+    }
+
+    /// The session's task is done with a session a reload ended.
+    pub(crate) fn forget_revoked(&self, id: SessionId) {
+        lock(&self.revoked).remove(&id);
+    }
+
     /// Lost sessions whose open files are still kept.
     pub fn durable_sessions(&self) -> usize {
         lock(&self.durable).len()
@@ -606,20 +813,7 @@ impl Server {
 
     /// [`Server::bind`] with users, access lists and TLS.
     pub async fn bind_secure(opts: ServerOptions, security: Security) -> Result<Server> {
-        if opts.auth.token.is_none() && !opts.auth.allow_anonymous && security.users.is_empty() {
-            return Err(Error::new(
-                ErrorCode::InvalidArgument,
-                "no token, no users and anonymous access disabled: nobody could log in",
-            ));
-        }
-        for name in security.acls.keys() {
-            if !opts.exports.iter().any(|e| &e.name == name) {
-                return Err(Error::new(
-                    ErrorCode::InvalidArgument,
-                    format!("access list for unknown export {name:?}"),
-                ));
-            }
-        }
+        check_security(&opts.auth, &opts.exports, &security)?;
         if opts.server_name.is_empty()
             || opts.server_name.encode_utf16().count() > crate::fs::table::MAX_SERVER_NAME
         {
@@ -633,6 +827,10 @@ impl Server {
             ));
         }
         let exports = Exports::open(&opts.exports, opts.resolve)?;
+        let live = RwLock::new(Arc::new(Live {
+            exports: Arc::new(exports),
+            security: Arc::new(security),
+        }));
         let backend = open_backend(opts.io.backend, opts.io.workers)
             .map_err(|e| Error::from_io(&e, "file I/O backend"))?;
         let listener = TcpListener::bind(&opts.listen)
@@ -641,7 +839,10 @@ impl Server {
         let leases = Arc::new(crate::side::leases::Leases::new(&opts.limits));
         let state = Arc::new(ServerState {
             server_name: opts.server_name.clone(),
-            exports,
+            live,
+            resolve: opts.resolve,
+            revoked: Mutex::new(HashMap::new()),
+            revocations: Notify::new(),
             open_files: OpenFileTable::new(
                 opts.limits.resume_key_ttl,
                 opts.limits.max_open_files_per_session,
@@ -661,7 +862,6 @@ impl Server {
             auth: opts.auth.clone(),
             admission: Arc::new(Admission::new(&opts.limits)),
             password_checks: Arc::new(tokio::sync::Semaphore::new(2)),
-            security,
             sessions: Mutex::new(HashMap::new()),
             durable: Mutex::new(HashMap::new()),
             negotiations: Mutex::new(Negotiations::default()),
@@ -669,7 +869,7 @@ impl Server {
             next_session: AtomicU64::new(1),
             rdma_phase: std::sync::OnceLock::new(),
         });
-        for e in state.exports.iter() {
+        for e in state.exports().iter() {
             tracing::info!(
                 export = %e.name,
                 path = %e.root.display(),

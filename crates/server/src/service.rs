@@ -390,6 +390,7 @@ fn bind_error(choice: ProviderChoice, listen: SocketAddr, e: lwio_rdma::Error) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fs::table::Rights;
 
     #[test]
     fn metrics_port_alone_is_localhost() {
@@ -466,6 +467,65 @@ mod tests {
         std::net::TcpStream::connect(s.side_addr()).unwrap();
         s.stop();
         assert!(std::net::TcpStream::connect(s.side_addr()).is_err());
+    }
+
+    /// `ServerState::reload`: exports added and removed as one snapshot
+    /// with their access lists, a root that cannot be opened changes
+    /// nothing, other settings are only named.
+    #[test]
+    fn reload_swaps_exports_and_names_what_needs_a_restart() {
+        use crate::side::access::Principal;
+        let dir = tempfile::tempdir().unwrap();
+        let (d, e) = (dir.path().join("d"), dir.path().join("e"));
+        std::fs::create_dir(&d).unwrap();
+        std::fs::create_dir(&e).unwrap();
+        let conf = |extra: &str| {
+            let mut c = Config::from_toml(&format!(
+                "listen = \"127.0.0.1:0\"\ntls = false\nprovider = \"soft\"\n[exports]\nd = \"{}\"\n{extra}",
+                d.display()
+            ))
+            .unwrap();
+            c.token_file = Some(dir.path().join("token"));
+            c
+        };
+        let c0 = conf("");
+        let s = Service::start(c0.clone()).unwrap();
+        let st = s.state();
+        let anon = Principal::Anonymous;
+        assert!(st.exports().get("e").is_err());
+        let c1 = conf(&format!(
+            "e = {{ path = \"{}\", readers = [\"anonymous\"], writers = [] }}",
+            e.display()
+        ));
+        let r = st.reload(&c0, &c1).unwrap();
+        assert_eq!(r.applied, [format!("export added: e path={}", e.display())]);
+        assert!(r.needs_restart.is_empty() && r.sessions_ended == 0);
+        assert!(st.exports().get("e").is_ok());
+        let rights = st.rights("e", &anon);
+        assert!(rights.read && !rights.write, "its access list came with it");
+        // A root that is gone: refused, nothing changes.
+        let mut bad = c1.clone();
+        bad.set_export(&crate::fs::ExportSpec {
+            name: "f".into(),
+            path: dir.path().join("gone"),
+            ..Default::default()
+        });
+        bad.listen = "127.0.0.1:1".into();
+        assert!(st.reload(&c1, &bad).is_err());
+        assert!(st.exports().get("f").is_err() && st.exports().get("e").is_ok());
+        // Removed: unknown to new requests, no rights; a changed listen
+        // address is only named.
+        let mut c2 = c0.clone();
+        c2.listen = "127.0.0.1:1".into();
+        let r = st.reload(&c1, &c2).unwrap();
+        assert_eq!(r.applied, ["export removed: e"]);
+        assert_eq!(r.needs_restart, ["needs a restart: listen"]);
+        assert_eq!(
+            st.exports().get("e").unwrap_err().message,
+            "no export named \"e\" on this server"
+        );
+        assert_eq!(st.rights("e", &anon), Rights::default());
+        assert!(st.rights("d", &Principal::SharedToken).write);
     }
 
     /// The library's default client (`Client::connect` with

@@ -64,8 +64,9 @@ pub const STATUS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(
 /// The service side of `lwio serve`, called once [`Service::start`]
 /// returned (every listener bound, the server running): SIGINT/SIGTERM
 /// stop the server
-/// (`STOPPING=1`), SIGHUP re-reads the configuration ([`reload`]); with
-/// `$NOTIFY_SOCKET`, `READY=1` and then `STATUS=` every
+/// (`STOPPING=1`), SIGHUP re-reads the configuration and applies its
+/// exports and users ([`reload`]; `RELOADING=1` … `READY=1` around it);
+/// with `$NOTIFY_SOCKET`, `READY=1` and then `STATUS=` every
 /// [`STATUS_INTERVAL`]. The signal handlers are installed before this
 /// returns, so a SIGHUP right after `READY=1` cannot kill the process.
 pub fn start_service(server: &Service, args: ServeArgs, running: Config) -> anyhow::Result<()> {
@@ -78,12 +79,26 @@ pub fn start_service(server: &Service, args: ServeArgs, running: Config) -> anyh
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
     let n = notifier.clone();
+    let state = server.state().clone();
     tokio::spawn(async move {
+        let mut running = running;
         loop {
             tokio::select! {
                 _ = int.recv() => { tracing::info!("SIGINT: shutting down"); break }
                 _ = term.recv() => { tracing::info!("SIGTERM: shutting down"); break }
-                _ = hup.recv() => reload(&args, &running),
+                _ = hup.recv() => {
+                    // systemd's reload protocol (sd_notify(3)): RELOADING=1
+                    // with the monotonic clock, READY=1 once done.
+                    n.send(&format!("RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=reloading the configuration", monotonic_usec()));
+                    let st = state.clone();
+                    let (a, r) = (args.clone(), running.clone());
+                    // Reading the file and opening export roots block.
+                    let next = tokio::task::spawn_blocking(move || reload(&a, &r, &st)).await;
+                    if let Ok(Some(c)) = next {
+                        running = c;
+                    }
+                    n.send(&format!("READY=1\nSTATUS={}", status_line(&state)));
+                }
             }
         }
         n.send("STOPPING=1\nSTATUS=shutting down");
@@ -113,99 +128,80 @@ pub fn start_service(server: &Service, args: ServeArgs, running: Config) -> anyh
     Ok(())
 }
 
-/// SIGHUP: re-read and check the configuration, and say what a restart
-/// would change. Exports and users are not swapped in a running server
-/// (docs/operations.md, "Reload"): they are plain fields of the shared
-/// `ServerState`, read without a lock on every request.
-pub fn reload(args: &ServeArgs, running: &Config) {
+/// CLOCK_MONOTONIC in microseconds (`MONOTONIC_USEC=` of `RELOADING=1`).
+fn monotonic_usec() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `ts`.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
+}
+
+/// Why a reload changed nothing (one warning per problem).
+const RELOAD_REFUSED: &str =
+    "SIGHUP: configuration has a problem; still serving the configuration in force";
+
+/// SIGHUP: re-read and check the configuration file (and the flags of the
+/// command line, which still override it); if it is sound, serve its
+/// exports, access lists and users from now on
+/// ([`lwio_server::server::ServerState::reload`]: one info line per change
+/// applied, one warning per setting that needs a restart) and return it as
+/// the configuration in force. With a problem, nothing changes: one
+/// warning per problem, `None`.
+pub fn reload(
+    args: &ServeArgs,
+    running: &Config,
+    state: &lwio_server::server::ServerState,
+) -> Option<Config> {
     let Some(path) = &args.config else {
         tracing::info!("SIGHUP: no --config file; nothing to re-read");
-        return;
+        return None;
     };
     let check = crate::cmd::check_config::check(args, path);
     if !check.problems.is_empty() {
         for p in &check.problems {
-            tracing::warn!(problem = %p, "SIGHUP: configuration has a problem; still serving the configuration read at start");
+            tracing::warn!(problem = %p, "{RELOAD_REFUSED}");
         }
-        return;
+        return None;
     }
     let new = match crate::cli::serve_config(args) {
         Ok(c) => c,
         Err(e) => {
-            tracing::warn!(problem = %e, "SIGHUP: configuration has a problem; still serving the configuration read at start");
-            return;
+            tracing::warn!(problem = %e, "{RELOAD_REFUSED}");
+            return None;
         }
     };
-    let changes = config_changes(running, &new);
-    if changes.is_empty() {
+    if &new == running {
         tracing::info!(config = %path.display(), "SIGHUP: configuration re-read and checked: unchanged");
-    } else {
-        tracing::warn!(
-            config = %path.display(),
-            changes = %changes.join("; "),
-            "SIGHUP: configuration changed; a running lwio serve cannot take new exports, users or settings: restart it to apply (systemctl restart lwio; durable sessions reconnect, docs/operations.md)"
-        );
+        return None;
     }
-}
-
-/// What differs between two configurations, one phrase per kind.
-pub fn config_changes(old: &Config, new: &Config) -> Vec<String> {
-    fn diff<V: PartialEq>(
-        what: &str,
-        a: &std::collections::BTreeMap<String, V>,
-        b: &std::collections::BTreeMap<String, V>,
-    ) -> Option<String> {
-        let added: Vec<&str> = b
-            .keys()
-            .filter(|k| !a.contains_key(*k))
-            .map(String::as_str)
-            .collect();
-        let removed: Vec<&str> = a
-            .keys()
-            .filter(|k| !b.contains_key(*k))
-            .map(String::as_str)
-            .collect();
-        let changed: Vec<&str> = a
-            .iter()
-            .filter(|(k, v)| b.get(*k).is_some_and(|w| w != *v))
-            .map(|(k, _)| k.as_str())
-            .collect();
-        let mut parts = Vec::new();
-        for (verb, v) in [("added", added), ("removed", removed), ("changed", changed)] {
-            if !v.is_empty() {
-                parts.push(format!("{verb} {}", v.join(" ")));
-            }
+    let done = match state.reload(running, &new) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(problem = %e, "{RELOAD_REFUSED}");
+            return None;
         }
-        (!parts.is_empty()).then(|| format!("{what} {}", parts.join(", ")))
-    }
-    let mut out = Vec::new();
-    out.extend(diff("exports", &old.exports, &new.exports));
-    out.extend(diff("users", &old.users, &new.users));
-    let strip = |c: &Config| {
-        let mut c = c.clone();
-        c.exports.clear();
-        c.users.clear();
-        c
     };
-    if strip(old) != strip(new) {
-        out.push("other settings".into());
+    for line in &done.applied {
+        tracing::info!("SIGHUP: {line}");
     }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn config_changes_name_what_a_restart_would_change() {
-        let a = Config::from_toml("[exports]\nd = \"/d\"\ne = \"/e\"\n").unwrap();
-        assert!(config_changes(&a, &a).is_empty());
-        let b = Config::from_toml("listen = \"127.0.0.1:1\"\n[exports]\nd = \"/d2\"\nf = \"/f\"\n")
-            .unwrap();
-        assert_eq!(
-            config_changes(&a, &b),
-            ["exports added f, removed e, changed d", "other settings"]
-        );
+    for line in &done.needs_restart {
+        tracing::warn!("SIGHUP: {line} (the running server keeps the value it started with; systemctl restart lwio applies it, durable sessions reconnect: docs/operations.md)");
     }
+    tracing::info!(
+        config = %path.display(),
+        changes = done.applied.len(),
+        needs_restart = done.needs_restart.len(),
+        sessions_ended = done.sessions_ended,
+        "SIGHUP: configuration reloaded"
+    );
+    // What runs now: the new exports and users, the old everything else
+    // (so a setting that needs a restart is reported at every reload
+    // until then).
+    let mut now = running.clone();
+    now.exports = new.exports;
+    now.users = new.users;
+    Some(now)
 }

@@ -22,7 +22,7 @@ fn reserved(export: &str) -> Error {
 /// A read-only export takes no Publish and opens no object for writing,
 /// whatever its access lists say (as its files).
 fn writable(state: &ServerState, export: &str) -> Result<(), Error> {
-    if state.exports.get(export)?.read_only {
+    if state.exports().get(export)?.read_only {
         return Err(Error::new(
             ErrorCode::ReadOnly,
             format!("export {export} is read-only"),

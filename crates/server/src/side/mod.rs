@@ -78,7 +78,7 @@ pub async fn accept_loop(listener: TcpListener, state: Arc<ServerState>, shutdow
     let slots = Arc::new(Semaphore::new(state.limits.max_sessions));
     let mut tasks = JoinSet::new();
     if let Ok(a) = listener.local_addr() {
-        info!(addr = %a, tls = state.security.tls.is_some(), "side channel listening");
+        info!(addr = %a, tls = state.security().tls.is_some(), "side channel listening");
     }
     // Refusals are logged at most once a second, with a count.
     let mut refused_since_log = 0u64;
@@ -208,7 +208,7 @@ async fn connection(
             }
         },
     };
-    match (&state.security.tls, tls) {
+    match (&state.security().tls, tls) {
         (Some(id), true) => {
             let acceptor = tokio_rustls::TlsAcceptor::from(id.config.clone());
             let left = login_timeout.saturating_sub(started.elapsed());
@@ -309,9 +309,22 @@ async fn serve_session<S>(
         } else {
             max.min(PRE_LOGIN_MAX_FRAME)
         };
+        // A reload may end the session (its user removed, or another
+        // password or token): say why and close. (Completes only then: a
+        // frame half read is never dropped for a session that goes on.)
+        let current = match &phase {
+            Phase::Ready { session, .. } => Some(*session),
+            _ => None,
+        };
         let frame = tokio::select! {
             biased;
             _ = shutdown.wait() => break,
+            why = revoked_wait(&state, current.unwrap_or(0)), if current.is_some() => {
+                info!(%peer, "{why}; closing session");
+                let e = Error::new(ErrorCode::AuthFailed, why);
+                let _ = write_within(&mut stream, &Response::Error(e).encode(0), wlimit).await;
+                break;
+            }
             r = tokio::time::timeout(limit, read_frame(&mut stream, read_max)) => r,
         };
         let body = match frame {
@@ -435,9 +448,23 @@ async fn serve_session<S>(
     }
     if let Phase::Ready { session, .. } = phase {
         state.end_session(session);
+        state.forget_revoked(session);
         info!(%peer, session, "session closed");
     }
     drop(guard);
+}
+
+/// Wait until a reload ends `session`; why.
+async fn revoked_wait(state: &ServerState, session: u64) -> String {
+    loop {
+        let n = state.revocations.notified();
+        tokio::pin!(n);
+        n.as_mut().enable();
+        if let Some(why) = state.revoked(session) {
+            return why;
+        }
+        n.await;
+    }
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> Response {
@@ -447,7 +474,7 @@ fn err(code: ErrorCode, msg: impl Into<String>) -> Response {
 /// Verify a password off the async threads, at most two at a time.
 async fn check_password(state: &Arc<ServerState>, user: &str, password: String) -> bool {
     let phc = state
-        .security
+        .security()
         .users
         .get(user)
         .and_then(|u| u.password.clone());
@@ -501,7 +528,7 @@ async fn step(
                 );
             }
             let server_nonce = auth::nonce();
-            let sec = &state.security;
+            let sec = state.security();
             let mut methods = 0;
             if state.auth.token.is_some() {
                 methods |= AUTH_TOKEN;
@@ -542,6 +569,9 @@ async fn step(
         ) => {
             let sn = *server_nonce;
             let client_name = client_name.clone();
+            // The users a login is checked against (a reload may swap them
+            // while it runs: see below).
+            let users_before = state.security();
             let (secret, proof, principal) = match login(state, peer, tls, &sn, l).await {
                 Ok(x) => x,
                 Err(e) => return (Response::Error(e), true),
@@ -562,6 +592,25 @@ async fn step(
                 secret: SessionSecret(secret),
                 nonce: sn,
             });
+            // A reload that removed this user, or changed its password or
+            // token, while the login was checked ended the user's sessions
+            // before this one was registered: refuse it too.
+            if let Principal::User(u) = &principal {
+                let now = state.security();
+                if !Arc::ptr_eq(&users_before, &now)
+                    && users_before.users.get(u) != now.users.get(u)
+                {
+                    state.end_session(session);
+                    warn!(%peer, user = %u, "login refused: the user's credentials changed during the login (server reload)");
+                    return (
+                        err(
+                            ErrorCode::AuthFailed,
+                            "authentication failed: the server's users changed during the login; log in again",
+                        ),
+                        true,
+                    );
+                }
+            }
             info!(%peer, session, client = %client_name, who = %principal, tls, "login");
             *phase = Phase::Ready { session, principal };
             (
@@ -575,6 +624,10 @@ async fn step(
         (Phase::Ready { session, principal }, req) => {
             let session = *session;
             let principal = principal.clone();
+            if let Some(why) = state.revoked(session) {
+                info!(%peer, session, "{why}; closing session");
+                return (err(ErrorCode::AuthFailed, why), true);
+            }
             // A change first breaks the other sessions' leases on what it
             // touches, and makes no grants there until it is done.
             let change = touches(state, session, &principal, &req);
@@ -639,7 +692,7 @@ async fn login(
             password,
             client_nonce,
         } => {
-            if !tls && !state.security.allow_password_without_tls {
+            if !tls && !state.security().allow_password_without_tls {
                 warn!(%peer, %user, "password login over plain TCP refused");
                 return Err(fail(
                     "password login over plain TCP is refused: use TLS (or set allow_password_without_tls = true on the server)",
@@ -658,7 +711,7 @@ async fn login(
             proof,
         } => {
             let v = state
-                .security
+                .security()
                 .users
                 .get(&user)
                 .and_then(|u| u.token.clone());
@@ -707,9 +760,11 @@ fn page<T>(all: &[T], cookie: u64, budget: usize, len: impl Fn(&T) -> usize) -> 
 }
 
 fn check(state: &ServerState, who: &Principal, export: &str, need: Rights) -> Result<(), Error> {
-    // Unknown exports answer NoSuchExport first.
-    state.exports.get(export)?;
-    let have = state.rights(export, who);
+    // Unknown exports answer NoSuchExport first; both on one snapshot of
+    // the configuration (a reload swaps it).
+    let live = state.live();
+    live.exports.get(export)?;
+    let have = live.rights(export, who);
     if need.write && !have.write {
         return Err(denied(who, "write to", export));
     }
@@ -755,7 +810,7 @@ fn server_bounds(state: &ServerState, session: u64, mut req: Request) -> Result<
     use crate::fs::ids::{strip_setid, IdentityMode};
     let by_server = |export: &str| {
         state
-            .exports
+            .exports()
             .get(export)
             .is_ok_and(|e| e.identity.mode == IdentityMode::Server)
     };
@@ -791,7 +846,7 @@ fn ids_for(
     ex: &Export,
 ) -> Result<Option<Creds>, Error> {
     let configured = match who {
-        Principal::User(u) => state.security.users.get(u).and_then(|c| c.ids),
+        Principal::User(u) => state.security().users.get(u).and_then(|c| c.ids),
         _ => None,
     };
     ex.identity.resolve(
@@ -1078,7 +1133,7 @@ async fn handle(
 ) -> Result<Response, Error> {
     // The export a request names, and the ids its call runs as.
     let export_as = |export: &str| -> Result<(Arc<Export>, Option<Creds>), Error> {
-        let ex = state.exports.get(export)?.clone();
+        let ex = state.exports().get(export)?.clone();
         let ids = ids_for(state, who, creds, &ex)?;
         Ok((ex, ids))
     };
@@ -1118,7 +1173,7 @@ async fn handle(
         Request::Ping | Request::Bye => Ok(Response::Ok),
         Request::ListExports => Ok(Response::Exports(
             state
-                .exports
+                .exports()
                 .iter()
                 .filter_map(|e| {
                     let r = state.rights(&e.name, who);
@@ -1339,7 +1394,7 @@ async fn handle(
             let f = state.open_files.get(handle, session)?;
             if !set.is_empty() {
                 check(state, who, &f.export, WRITE)?;
-                if state.exports.get(&f.export)?.read_only {
+                if state.exports().get(&f.export)?.read_only {
                     return Err(Error::new(
                         ErrorCode::ReadOnly,
                         format!("export {} is read-only", f.export),
@@ -1490,7 +1545,7 @@ async fn handle(
         Request::Stats => Ok(Response::Metrics(crate::metrics::render(state))),
         Request::Statfs { export } => {
             check(state, who, &export, READ)?;
-            let ex = state.exports.get(&export)?.clone();
+            let ex = state.exports().get(&export)?.clone();
             blocking(move || Ok(Response::StatFs(ex.statfs()?))).await
         }
         Request::Remove2 { export, path, kind } => {
@@ -1530,7 +1585,7 @@ async fn handle(
         Request::FsyncDir { export, path } => {
             // As the server: a sync reveals and changes nothing.
             check(state, who, &export, READ)?;
-            let ex = state.exports.get(&export)?.clone();
+            let ex = state.exports().get(&export)?.clone();
             blocking(move || ex.fsync_dir(&path).map(|_| Response::Ok)).await
         }
         Request::LeaseDir { export, path, want } => {
@@ -1539,7 +1594,7 @@ async fn handle(
             // Watched before it is granted: a change made on the server's
             // own file system after the grant breaks it (dirwatch.rs).
             if let Some(w) = &state.dir_watch {
-                if let Ok(fd) = state.exports.get(&export)?.open_dir(&key.1) {
+                if let Ok(fd) = state.exports().get(&export)?.open_dir(&key.1) {
                     w.watch(std::os::fd::AsFd::as_fd(&fd), &key, &state.leases);
                 }
             }

@@ -326,7 +326,7 @@ async fn rights_are_enforced_on_every_operation() {
     );
     assert!(s
         .state
-        .exports
+        .exports()
         .get("data")
         .unwrap()
         .stat("hello.txt")
