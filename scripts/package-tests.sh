@@ -38,7 +38,9 @@ WAS_INSTALLED=$(dpkg-query -W -f='${Status}' lwio 2>/dev/null | grep -c 'install
 
 cleanup() {
     set +e
-    mountpoint -q "$MNT" 2>/dev/null && { fusermount3 -u "$MNT" 2>/dev/null || umount -l "$MNT"; }
+    for m in "$MNT" "$W/mnt2"; do
+        mountpoint -q "$m" 2>/dev/null && { fusermount3 -u "$m" 2>/dev/null || umount -l "$m"; }
+    done
     [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
     [ -n "$NOTIFY_PID" ] && kill "$NOTIFY_PID" 2>/dev/null
     if [ "$WAS_INSTALLED" = 0 ] && dpkg-query -W lwio >/dev/null 2>&1; then
@@ -269,6 +271,18 @@ sleep 1
 if [ "$MODE" = systemd ]; then RLOG=$(journalctl -u lwio --no-pager); else RLOG=$(cat "$W/server.err"); fi
 echo "$RLOG" | grep -q 'SIGHUP: export added: more path=/srv/lwio-pkgtest/more' && pass "SIGHUP applied the added export" || fail "reload log: $(echo "$RLOG" | tail -3)"
 ls "$MNT" | grep -qx pkgtest.txt && pass "mount still served after the reload" || fail "listing after the reload"
+# A new mount of the added export, from its own fstab line, while the first stays mounted.
+MNT2=$W/mnt2
+mkdir -p "$MNT2"
+echo "lwio://127.0.0.1:$SIDE/more  $MNT2  fuse.lwio  defaults,_netdev,token_file=/var/lib/lwio/token,fingerprint=$FP  0 0" >"$W/fstab2"
+if env PATH=/usr/sbin:/usr/bin:/sbin:/bin mount -T "$W/fstab2" "$MNT2" 2>"$W/mount2.err"; then
+    echo "in the added export $$" >"$MNT2/more.txt" && sync -f "$MNT2/more.txt"
+    [ "$(cat /srv/lwio-pkgtest/more/more.txt 2>&1)" = "in the added export $$" ] && pass "a new mount of the reloaded export writes into it" || fail "added export has: $(cat /srv/lwio-pkgtest/more/more.txt 2>&1)"
+    fusermount3 -u "$MNT2" || fail "unmount $MNT2"
+else
+    fail "mount of the added export: $(cat "$W/mount2.err")"
+fi
+mountpoint -q "$MNT" && ls "$MNT" | grep -qx pkgtest.txt && pass "the first mount stayed mounted" || fail "the first mount is gone"
 
 fusermount3 -u "$MNT" && pass "unmounted" || fail "unmount"
 
