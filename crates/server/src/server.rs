@@ -516,11 +516,33 @@ impl ServerState {
         id
     }
 
-    pub(crate) fn end_session(&self, id: SessionId) {
+    /// Session `id` is no longer logged in: its entry, leases, published
+    /// memory objects and pending negotiations go (its open files are the
+    /// caller's to keep or close).
+    fn release_session(&self, id: SessionId) -> Option<SessionInfo> {
         let info = lock(&self.sessions).remove(&id);
         self.leases.end_session(id);
         self.mem_objects.end_session(id);
         lock(&self.negotiations).end_session(id);
+        info
+    }
+
+    /// Take out of the durable sessions those `pick` chooses.
+    fn take_durable(&self, pick: impl Fn(&SessionInfo, Instant) -> bool) -> Vec<SessionId> {
+        let mut d = lock(&self.durable);
+        let ids: Vec<SessionId> = d
+            .iter()
+            .filter(|(_, (s, t))| pick(s, *t))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &ids {
+            d.remove(id);
+        }
+        ids
+    }
+
+    pub(crate) fn end_session(&self, id: SessionId) {
+        let info = self.release_session(id);
         let grace = self.limits.durable_grace;
         let kept = self.open_files.session_len(id);
         if let (Some(info), false, true) = (info, grace.is_zero(), kept > 0) {
@@ -596,18 +618,7 @@ impl ServerState {
     /// how many sessions expired.
     pub fn expire_durable(&self) -> usize {
         let now = Instant::now();
-        let gone: Vec<SessionId> = {
-            let mut d = lock(&self.durable);
-            let gone: Vec<_> = d
-                .iter()
-                .filter(|(_, (_, t))| *t <= now)
-                .map(|(id, _)| *id)
-                .collect();
-            for id in &gone {
-                d.remove(id);
-            }
-            gone
-        };
+        let gone = self.take_durable(|_, deadline| deadline <= now);
         for id in &gone {
             let n = self.open_files.close_session(*id);
             tracing::info!(
@@ -677,9 +688,13 @@ impl ServerState {
         let mut ended_users = Vec::new();
         for (name, u) in &old.users {
             match new.users.get(name) {
-                None => ended_users.push((name.clone(), "was removed from the configuration")),
+                None => ended_users.push((
+                    name.clone(),
+                    "removed",
+                    "was removed from the configuration",
+                )),
                 Some(n) if n.password != u.password || n.token != u.token => {
-                    ended_users.push((name.clone(), "has a new password or token"))
+                    ended_users.push((name.clone(), "changed", "has a new password or token"))
                 }
                 Some(n) if n != u => out.applied.push(format!("user changed: {name} (ids)")),
                 Some(_) => {}
@@ -693,7 +708,7 @@ impl ServerState {
             exports,
             security: Arc::new(security),
         });
-        for (name, why) in ended_users {
+        for (name, verb, why) in ended_users {
             let who = Principal::User(name.clone());
             let reason = format!("session ended: user {name} {why} (server reload)");
             let live: Vec<SessionId> = lock(&self.sessions)
@@ -701,34 +716,15 @@ impl ServerState {
                 .filter(|(_, s)| s.principal == who)
                 .map(|(id, _)| *id)
                 .collect();
-            let kept: Vec<SessionId> = {
-                let mut d = lock(&self.durable);
-                let ids: Vec<SessionId> = d
-                    .iter()
-                    .filter(|(_, (s, _))| s.principal == who)
-                    .map(|(id, _)| *id)
-                    .collect();
-                for id in &ids {
-                    d.remove(id);
-                }
-                ids
-            };
+            let kept = self.take_durable(|s, _| s.principal == who);
             for id in &live {
                 lock(&self.revoked).insert(*id, reason.clone());
-                lock(&self.sessions).remove(id);
-                lock(&self.negotiations).end_session(*id);
-                self.leases.end_session(*id);
-                self.mem_objects.end_session(*id);
+                self.release_session(*id);
             }
             let mut files = 0;
             for id in live.iter().chain(&kept) {
                 files += self.open_files.close_session(*id);
             }
-            let verb = if why.starts_with("was") {
-                "removed"
-            } else {
-                "changed"
-            };
             out.applied.push(format!(
                 "user {verb}: {name} ({} sessions ended, {files} open files closed)",
                 live.len() + kept.len()
