@@ -7,11 +7,11 @@ impl ServerConn {
     /// storage is done (`FileSync`). It is in flight like an I/O: a CLOSE
     /// waits for it, a CANCEL may withdraw it before it starts.
     pub(super) fn handle_flush(&mut self, fid: u16, data_only: bool, mode: CompletionMode) {
-        let file = match self.fids.get(&fid) {
+        if !self.cfg.flush {
             // Not offered: refused as an unknown request would be.
-            _ if !self.cfg.flush => {
-                return self.complete(mode, 0, STATUS_INVALID_DEVICE_REQUEST, false)
-            }
+            return self.complete(mode, 0, STATUS_INVALID_DEVICE_REQUEST, false);
+        }
+        let file = match self.fids.get(&fid) {
             Some(f) if !f.closing => f.file,
             _ => return self.complete(mode, 0, STATUS_INVALID_HANDLE, false),
         };

@@ -15,6 +15,7 @@ use tracing::{debug, info, warn};
 use crate::io_phase::readbuf::{ReadBuffer, SLOTS as READ_SLOTS};
 
 use super::conn::{Conn, ReadBuf, MIN_READ_REGION, SEND_CHUNK, SEND_SLOT};
+use super::fileio::Need;
 use super::shared::lock;
 use super::storage::JobKind;
 
@@ -134,7 +135,7 @@ impl Conn {
                 offset,
                 len,
             } => {
-                let Some(f) = self.file_for(op, file, false) else {
+                let Some(f) = self.file_for(op, file, Need::Read) else {
                     return Ok(());
                 };
                 // Sized by the read (a power of two from 64 KiB up to the
@@ -219,7 +220,7 @@ impl Conn {
                 offset,
                 data,
             } => {
-                let Some(f) = self.file_for(op, file, true) else {
+                let Some(f) = self.file_for(op, file, Need::Write) else {
                     return Ok(());
                 };
                 self.dispatch(op, f, offset, JobKind::Write { data });
@@ -232,8 +233,7 @@ impl Conn {
                 data_only,
             } => {
                 // fsync(2) needs an open file, of either direction.
-                let write = self.files.get(&file).is_some_and(|f| f.rights.write);
-                let Some(f) = self.file_for(op, file, write) else {
+                let Some(f) = self.file_for(op, file, Need::Either) else {
                     return Ok(());
                 };
                 self.dispatch(op, f, 0, JobKind::Sync { data_only });

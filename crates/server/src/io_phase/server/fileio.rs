@@ -13,7 +13,7 @@ use lwio_proto::status::*;
 use lwio_rdma::Mr;
 use tracing::debug;
 
-use crate::fs::table::OpenFile;
+use crate::fs::table::{OpenFile, Rights};
 use crate::io_phase::reactor::RingJob;
 use crate::memobj::MemOp;
 
@@ -21,6 +21,25 @@ use super::conn::Conn;
 use super::inline::{inline_io, inline_io_vec};
 use super::shared::lock;
 use super::storage::{reopen_status, ring_job, slow_next_write_ms, Job, JobKind};
+
+/// The right an operation needs on its file ([`Conn::file_for`]).
+#[derive(Debug, Clone, Copy)]
+pub(in crate::io_phase) enum Need {
+    Read,
+    Write,
+    /// Either one (a sync: fsync(2) needs only an open file).
+    Either,
+}
+
+impl Need {
+    fn met_by(self, r: &Rights) -> bool {
+        match self {
+            Need::Read => r.read,
+            Need::Write => r.write,
+            Need::Either => r.read || r.write,
+        }
+    }
+}
 
 impl Conn {
     /// A write whose data is `parts` of receive buffers (kept, not posted,
@@ -46,7 +65,7 @@ impl Conn {
         else {
             // (`file_for` answers the refusal: nothing copied.)
             self.repost_recvs(bufs);
-            self.file_for(op, file, true);
+            self.file_for(op, file, Need::Write);
             return;
         };
         // Pieces of the receive buffers: (region, start, len), in message
@@ -81,7 +100,7 @@ impl Conn {
                 data.extend_from_slice(&piece);
             }
             self.repost_recvs(bufs);
-            let Some(f) = self.file_for(op, file, true) else {
+            let Some(f) = self.file_for(op, file, Need::Write) else {
                 return;
             };
             self.shared
@@ -146,7 +165,7 @@ impl Conn {
 
     /// The open file behind a storage action, if the connection may do
     /// that kind of I/O on it; otherwise the op is completed with the error.
-    pub(super) fn file_for(&mut self, op: OpId, file: u64, write: bool) -> Option<OpenFile> {
+    pub(super) fn file_for(&mut self, op: OpId, file: u64, need: Need) -> Option<OpenFile> {
         self.last_io = Instant::now();
         let st = match self.files.get(&file) {
             None => STATUS_INVALID_HANDLE,
@@ -158,9 +177,7 @@ impl Conn {
                 }
                 STATUS_FILE_CLOSED
             }
-            Some(f) if (write && f.rights.write) || (!write && f.rights.read) => {
-                return Some(f.clone())
-            }
+            Some(f) if need.met_by(&f.rights) => return Some(f.clone()),
             Some(_) => STATUS_ACCESS_DENIED,
         };
         self.sconn
