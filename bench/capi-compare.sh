@@ -27,13 +27,9 @@ mkdir -p "$W/data" "$W/home"
 mount -t tmpfs -o size=1200M tmpfs "$W/data" 2>/dev/null || true
 head -c 1G /dev/urandom >"$W/data/file.bin"
 export HOME=$W/home
-PORT=$(( 20000 + RANDOM % 20000 ))
-"$LWIO" serve --export "data=$W/data" --listen "127.0.0.1:$PORT" --provider soft --token-file "$W/token" >"$W/serve.log" 2>&1 &
-SERVER_PID=$!
-for _ in $(seq 1 100); do grep -q "RDMA listening" "$W/serve.log" && break; sleep 0.1; done
-FP=$(grep -o 'sha256:[0-9A-F:]*' "$W/serve.log" | head -1)
+. scripts/lib/serve.sh
+serve_data "$W/data" "$W/serve.log" --token-file "$W/token" || { echo "the server did not start" >&2; exit 1; }
 export LWIO_FINGERPRINT=$FP
-URL=lwio://127.0.0.1:$PORT/data
 CMDS=()
 row() { # qd mode
   local qd=$1 mode=$2 c b

@@ -42,14 +42,8 @@ echo "engine: $ENG ($(fio --version))"
 
 mkdir -p "$W/export" "$W/home" "$W/local"
 export HOME=$W/home
-PORT=$(( 20000 + RANDOM % 20000 ))
-"$LWIO" serve --export "data=$W/export" --listen "127.0.0.1:$PORT" --provider soft \
-  --token-file "$W/token" >"$W/serve.log" 2>&1 &
-SERVER_PID=$!
-for _ in $(seq 1 100); do grep -q "RDMA listening" "$W/serve.log" && break; sleep 0.1; done
-FP=$(grep -o 'sha256:[0-9A-F:]*' "$W/serve.log" | head -1)
-[ -n "$FP" ] || { echo "FAIL: server did not start"; cat "$W/serve.log"; exit 1; }
-URL=lwio://127.0.0.1:$PORT/data
+. scripts/lib/serve.sh
+serve_data "$W/export" "$W/serve.log" --token-file "$W/token" || { echo "FAIL: server did not start"; exit 1; }
 E=(--ioengine="external:$ENG" --lwio_url="$URL" --lwio_token_file="$W/token"
   --lwio_fingerprint="$FP" --lwio_provider=soft)
 

@@ -38,15 +38,9 @@ trap cleanup EXIT
 pass() { echo "PASS $1"; }
 fail() { echo "FAIL $1: $2"; FAILS=$((FAILS + 1)); }
 
-PORT=$(( 20000 + RANDOM % 20000 ))
-"$LWIO" serve --export "data=$W/export" --listen "127.0.0.1:$PORT" --provider soft \
-  >"$W/serve.log" 2>&1 3>&- &
-SERVER_PID=$!
-for _ in $(seq 1 100); do grep -q "RDMA listening" "$W/serve.log" && break; sleep 0.1; done
-FP=$(grep -o 'sha256:[0-9A-F:]*' "$W/serve.log" | head -1)
-[ -n "$FP" ] || { echo "FAIL: server did not start"; cat "$W/serve.log"; exit 1; }
+. scripts/lib/serve.sh
+serve_data "$W/export" "$W/serve.log" 3>&- || { echo "FAIL: server did not start"; exit 1; }
 export LWIO_FINGERPRINT=$FP
-URL=lwio://127.0.0.1:$PORT/data
 "$LWIO" mount --daemon --log "$W/mount.log" "$URL" "$W/mnt" --provider soft ||
   { echo "FAIL: mount"; exit 1; }
 "$LWIO" mount --daemon --log "$W/mount2.log" "$URL" "$W/mnt2" --provider soft -o nopreload ||
