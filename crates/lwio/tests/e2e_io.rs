@@ -1944,12 +1944,10 @@ fn sync_is_a_flush_on_the_rdma_connection() {
         let r = c.open("wal", &OpenOptions::read_only()).expect("open ro");
         r.sync_all().expect("fsync of a read-only open");
         let want = if offered { 3 } else { 0 };
-        let t0 = Instant::now();
-        while s.rdma.request_stats().op(Opcode::Flush).requests < want
-            && t0.elapsed() < Duration::from_secs(10)
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for(
+            || s.rdma.request_stats().op(Opcode::Flush).requests >= want,
+            "the server's FLUSH count",
+        );
         let st = s.rdma.request_stats();
         assert_eq!(st.op(Opcode::Flush).requests, want, "offered: {offered}");
         assert_eq!(st.op(Opcode::Flush).completed, want);
