@@ -1558,6 +1558,79 @@ fn flush_syncs_the_file_and_a_close_waits_for_it() {
     assert_eq!(st.op(Opcode::Flush).requests, 3);
 }
 
+/// A FLUSH sent behind writes that are still at storage (a client that did
+/// not wait for their answers: the mount's unstable writes) syncs only
+/// after every one of them, of any Fid, has reached storage; a CANCEL
+/// withdraws a FLUSH still waiting.
+#[test]
+fn flush_waits_for_the_writes_received_before_it() {
+    let mut s = Sim::new();
+    s.connect();
+    let a = s.register(RK_PLAIN, 0);
+    let b = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    let w1 = s
+        .client
+        .write(s.now, a, 0, b"first", Mode::Interrupt)
+        .unwrap()
+        .req;
+    let w2 = s
+        .client
+        .write(s.now, b, 8, b"second", Mode::Interrupt)
+        .unwrap()
+        .req;
+    let f = s.client.flush(s.now, a, true).unwrap();
+    s.pump();
+    // Both writes are at storage; the sync has not been asked for.
+    assert_eq!(s.storage.held.len(), 2, "{:?}", s.storage.held);
+    assert!(s
+        .storage
+        .held
+        .iter()
+        .all(|x| matches!(x, ServerAction::FileWrite { .. })));
+    // The first write lands: the sync still waits for the second.
+    let first = s.storage.held.remove(0);
+    let (op, r) = s.storage.perform(&first);
+    s.server.handle_storage_complete(s.now, op, r);
+    s.pump();
+    assert_eq!(s.completion(w1), Some((5, STATUS_SUCCESS)));
+    assert!(s
+        .storage
+        .held
+        .iter()
+        .all(|x| !matches!(x, ServerAction::FileSync { .. })));
+    assert_eq!(s.completion(f), None);
+    // The second lands: now the sync goes to storage, and is answered.
+    s.release_held();
+    assert_eq!(s.completion(w2), Some((6, STATUS_SUCCESS)));
+    assert!(s.storage.synced.is_empty(), "synced with the writes");
+    s.release_held();
+    assert_eq!(s.completion(f), Some((0, STATUS_SUCCESS)));
+    assert_eq!(s.storage.synced, vec![(1, true)]);
+    assert_eq!(&s.storage.files[&1][..5], b"first");
+
+    // A FLUSH held behind a write is withdrawn by a CANCEL of its Fid: it
+    // never syncs, and the write is unaffected.
+    let w = s
+        .client
+        .write(s.now, b, 0, b"third", Mode::Interrupt)
+        .unwrap()
+        .req;
+    let f = s.client.flush(s.now, a, false).unwrap();
+    s.pump();
+    s.client.cancel(s.now, a).unwrap();
+    s.pump();
+    assert_eq!(s.completion(f), Some((0, STATUS_CANCELLED)));
+    s.release_held();
+    assert_eq!(s.completion(w), Some((5, STATUS_SUCCESS)));
+    s.release_held();
+    assert_eq!(
+        s.storage.synced,
+        vec![(1, true)],
+        "a withdrawn FLUSH synced"
+    );
+}
+
 /// A server that does not offer FLUSH (a seed-only or older peer) is
 /// never sent one.
 #[test]

@@ -24,12 +24,47 @@ impl ServerConn {
             mode,
             requested: 0,
         });
-        self.actions.push_back(ServerAction::FileSync {
+        let action = ServerAction::FileSync {
             op,
             fid,
             file,
             data_only,
-        });
+        };
+        // Ordered after every write this connection received before it
+        // (any Fid: two opens of one file are two Fids), so a client may
+        // send its FLUSH without waiting for its writes' answers.
+        let after: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter(|(o, p)| {
+                **o != op && matches!(p.kind, IoKind::Write | IoKind::WriteParts { .. })
+            })
+            .map(|(o, _)| *o)
+            .collect();
+        if after.is_empty() {
+            self.actions.push_back(action);
+        } else {
+            self.held_syncs.push(HeldSync { op, after, action });
+        }
+    }
+
+    /// `op` has left storage (or was withdrawn): the FLUSHes held for it
+    /// that wait for nothing else go to storage now.
+    pub(super) fn release_held_syncs(&mut self, op: OpId) {
+        if self.held_syncs.is_empty() {
+            return;
+        }
+        let mut i = 0;
+        while i < self.held_syncs.len() {
+            let h = &mut self.held_syncs[i];
+            h.after.retain(|o| *o != op);
+            if h.after.is_empty() {
+                let h = self.held_syncs.remove(i);
+                self.actions.push_back(h.action);
+            } else {
+                i += 1;
+            }
+        }
     }
 
     /// CANCEL (§5.9): ask for the cancellation of every outstanding I/O of
@@ -59,6 +94,12 @@ impl ServerConn {
             .collect();
         ops.sort_unstable();
         for op in ops {
+            if let Some(i) = self.held_syncs.iter().position(|h| h.op == op) {
+                // A FLUSH still waiting for earlier writes: it never starts.
+                self.held_syncs.remove(i);
+                self.handle_storage_complete(now, op, Err(STATUS_CANCELLED));
+                continue;
+            }
             let queued = self.actions.iter().position(|a| match a {
                 ServerAction::FileRead { op: o, .. }
                 | ServerAction::FileWrite { op: o, .. }

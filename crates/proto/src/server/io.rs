@@ -381,6 +381,7 @@ impl ServerConn {
             // releases every buffer and file of the connection itself.
             return;
         }
+        self.release_held_syncs(op);
         // (Also called while a CANCEL is handled: its request comes back.)
         let outer = (self.cur.replace((p.opcode, p.started)), self.now);
         self.now = self.now.max(now);

@@ -293,6 +293,15 @@ enum IoKind {
     },
 }
 
+/// A FLUSH's `FileSync`, held until the writes received before it on the
+/// connection (`after`) have reached storage.
+#[derive(Debug)]
+struct HeldSync {
+    op: OpId,
+    after: Vec<OpId>,
+    action: ServerAction,
+}
+
 /// Pieces of one long READ read from storage at once.
 const READ_PIECES_IN_FLIGHT: u32 = 4;
 
@@ -383,6 +392,9 @@ pub struct ServerConn {
     ops: HashMap<OpId, PendingIo>,
     next_op: OpId,
     actions: VecDeque<ServerAction>,
+    /// FLUSHes waiting for the writes that arrived before them to reach
+    /// storage (§5.13): each with the writes it still waits for.
+    held_syncs: Vec<HeldSync>,
     stats: RequestStats,
     reasm: Reassembler<RecvId>,
     /// The server-wide bound the reassembler reserves from; also what a
@@ -435,6 +447,7 @@ impl ServerConn {
             ops: HashMap::new(),
             next_op: 1,
             actions: VecDeque::new(),
+            held_syncs: Vec::new(),
             stats: RequestStats::default(),
             cur: None,
             now,
