@@ -43,9 +43,11 @@ pub mod url;
 
 mod client;
 mod file;
+mod unstable;
 pub use client::Client;
 pub(crate) use client::{dial_all, Inner};
 pub use file::{File, RegisteredBuf};
+pub use unstable::PendingWrite;
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::{IpAddr, ToSocketAddrs};

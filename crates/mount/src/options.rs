@@ -66,6 +66,11 @@ pub struct MountConfig {
     /// another client's change to a file this mount caches may not be seen
     /// until the file's cache is dropped (docs/mount.md, "Write-back").
     pub writeback_cache: bool,
+    /// `unstable_writes` (default) / `nounstable_writes`: answer a write
+    /// once it is sent to the server, as an NFS client does, and report
+    /// its failure at the file's next fsync or close (docs/mount.md,
+    /// "Unstable writes"); else each write waits for the server's answer.
+    pub unstable_writes: bool,
 }
 
 impl Default for MountConfig {
@@ -89,6 +94,7 @@ impl Default for MountConfig {
             hard: false,
             keep_cache: true,
             writeback_cache: false,
+            unstable_writes: true,
         }
     }
 }
@@ -190,6 +196,8 @@ impl MountConfig {
                 ("nokeep_cache", None) => self.keep_cache = false,
                 ("writeback_cache", None) => self.writeback_cache = true,
                 ("nowriteback_cache", None) => self.writeback_cache = false,
+                ("unstable_writes", None) => self.unstable_writes = true,
+                ("nounstable_writes", None) => self.unstable_writes = false,
                 (k, None) if IGNORED.contains(&k) || k.starts_with("x-") => {}
                 (k, v) if k.starts_with("x-") => {
                     let _ = v;
@@ -269,6 +277,11 @@ mod tests {
         assert!(c.writeback_cache);
         c.apply("nowriteback_cache").unwrap();
         assert!(!c.writeback_cache);
+        assert!(c.unstable_writes);
+        c.apply("nounstable_writes").unwrap();
+        assert!(!c.unstable_writes);
+        c.apply("unstable_writes").unwrap();
+        assert!(c.unstable_writes);
         // soft (default) and hard, as NFS spells them; the last one wins.
         assert!(!c.hard);
         assert!(c.apply("hard").unwrap().is_empty());

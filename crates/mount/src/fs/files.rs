@@ -30,6 +30,7 @@ impl LwioFs {
             next_fh: AtomicU64::new(1),
             lockers: Mutex::new(HashMap::new()),
             cached: Mutex::new(HashMap::new()),
+            unstable: Default::default(),
         };
         // The server's own message ("data/x: No such file or directory",
         // "no such export: nosuch") is the one line the user sees.
@@ -439,6 +440,84 @@ impl LwioFs {
         Stats::add(&self.stats.reads, 1);
         Stats::add(&self.stats.read_bytes, done as u64);
         Ok(buf)
+    }
+
+    /// A write(2) of node `ino` through `fh`: sent and answered at once when
+    /// the mount's writes are unstable and the file is not O_SYNC/O_DSYNC
+    /// (its answer is collected later: `unstable`), else written and
+    /// waited for.
+    pub(super) fn write(&self, ino: u64, fh: FileHandle, offset: u64, data: &[u8]) -> Res<u32> {
+        let o = self.entry_of(fh)?;
+        let resend = |fh, off, d: &[u8]| self.resend(fh, off, d);
+        if self.unstable.has(ino) {
+            self.unstable.before_write(ino, offset, data.len(), &resend);
+        }
+        let sync = o.flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+        if self.cfg.unstable_writes && !sync {
+            self.fresh(&o)?;
+            match o.current().start_write(data, offset) {
+                Ok(Some(pw)) => {
+                    self.unstable.add(ino, fh.0, offset, data.to_vec(), pw);
+                    Stats::add(&self.stats.writes, 1);
+                    Stats::add(&self.stats.write_bytes, data.len() as u64);
+                    return Ok(data.len() as u32);
+                }
+                // Larger than one request, or the connection is going:
+                // the waited-for way (which reconnects).
+                Ok(None) | Err(lwio_client::Error::ConnectionLost(_)) => {}
+                Err(e) => return Err(errno::client(&e)),
+            }
+        }
+        self.with_file(fh, |f| self.write_all(f, offset, data))
+    }
+
+    /// An unstable write whose connection was lost, written again (and
+    /// waited for) through its open file, reopened on the new connection.
+    fn resend(&self, fh: u64, offset: u64, data: &[u8]) -> Res<u32> {
+        self.with_file(FileHandle(fh), |f| self.write_all(f, offset, data))
+    }
+
+    /// Wait for node `ino`'s unstable writes (before a call that reads its
+    /// data or attributes). Their errors stay for the next fsync or close.
+    pub(super) fn settle(&self, ino: u64) {
+        self.unstable
+            .drain(ino, &|fh, off, d| self.resend(fh, off, d));
+    }
+
+    /// Wait for every unstable write of the mount (before a listing or a
+    /// lookup, whose answers carry attributes).
+    pub(super) fn settle_all(&self) {
+        self.unstable
+            .drain_all(&|fh, off, d| self.resend(fh, off, d));
+    }
+
+    /// close(2) of `ino` (FUSE's flush): its writes waited for; the first
+    /// failure of one not reported yet is the close's.
+    pub(super) fn settle_for_close(&self, ino: u64) -> Res<()> {
+        self.settle(ino);
+        match self.unstable.take_error(ino) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// fsync(2)/fdatasync(2) of `ino` through `fh` (see `Unstable::fsync`).
+    pub(super) fn fsync_file(&self, ino: u64, fh: FileHandle, datasync: bool) -> Res<()> {
+        let f = self.file(fh)?;
+        let sync = || {
+            self.with_file(fh, |f| {
+                if !f.syncs_on_rdma() {
+                    Stats::add(&self.stats.side_calls, 1);
+                }
+                if datasync {
+                    f.sync_data()
+                } else {
+                    f.sync_all()
+                }
+            })
+        };
+        self.unstable
+            .fsync(ino, &f, &sync, &|fh, off, d| self.resend(fh, off, d))
     }
 
     pub(super) fn write_all(&self, f: &File, offset: u64, data: &[u8]) -> lwio_client::Result<u32> {

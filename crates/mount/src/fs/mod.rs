@@ -27,6 +27,7 @@ use crate::{MountConfig, Op, Stats};
 mod files;
 mod leased;
 mod ops;
+mod unstable;
 
 type Res<T> = Result<T, i32>;
 
@@ -173,6 +174,8 @@ pub struct LwioFs {
     /// their directory: node -> (client generation, that lease, when).
     /// See `keep_cache`.
     cached: Mutex<HashMap<u64, (u64, u64, std::time::Instant)>>,
+    /// Writes answered before the server's answer (`unstable_writes`).
+    unstable: unstable::Unstable,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -34,6 +34,7 @@ impl Filesystem for LwioFs {
     }
 
     fn destroy(&mut self) {
+        self.settle_all();
         self.shared.closing.store(true, Ordering::Release);
         let files: Vec<_> = lock(&self.files)
             .drain()
@@ -49,6 +50,7 @@ impl Filesystem for LwioFs {
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let _t = self.stats.ops.time(Op::Lookup);
+        self.settle_all();
         let _as = Acting::of(req);
         Stats::add(&self.stats.lookups, 1);
         let path = match self.child(parent, name) {
@@ -92,6 +94,7 @@ impl Filesystem for LwioFs {
 
     fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let _t = self.stats.ops.time(Op::Getattr);
+        self.settle(ino.0);
         let _as = Acting::of(req);
         // Under the directory's lease the name still means this node (any
         // other client's rename or unlink breaks the lease first, and ours
@@ -146,6 +149,7 @@ impl Filesystem for LwioFs {
         reply: ReplyAttr,
     ) {
         let _t = self.stats.ops.time(Op::Setattr);
+        self.settle(ino.0);
         let _as = Acting::of(req);
         // Under the write-back cache the kernel writes a file's times back
         // (mtime and ctime, by handle, nothing else) whenever it writes its
@@ -273,6 +277,7 @@ impl Filesystem for LwioFs {
         reply: ReplyEntry,
     ) {
         let _t = self.stats.ops.time(Op::Other);
+        self.settle(ino.0);
         let _as = Acting::of(req);
         let r = (|| -> Res<(String, AttrX)> {
             let from = self.path(ino)?;
@@ -309,6 +314,7 @@ impl Filesystem for LwioFs {
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.ops.time(Op::Fallocate);
+        self.settle(ino.0);
         let r = self.file(fh).and_then(|f| {
             if mode as u32 & !lwio_side::codec::FALLOC_KNOWN != 0 {
                 return Err(libc::EOPNOTSUPP);
@@ -327,13 +333,14 @@ impl Filesystem for LwioFs {
     fn lseek(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: i64,
         whence: i32,
         reply: fuser::ReplyLseek,
     ) {
         let _t = self.stats.ops.time(Op::Lseek);
+        self.settle(ino.0);
         // The kernel handles SEEK_SET/CUR/END itself; DATA and HOLE ask the
         // server's file system.
         let r = self.file(fh).and_then(|f| {
@@ -354,7 +361,7 @@ impl Filesystem for LwioFs {
     fn copy_file_range(
         &self,
         _req: &Request,
-        _ino_in: INodeNo,
+        ino_in: INodeNo,
         fh_in: FileHandle,
         offset_in: u64,
         ino_out: INodeNo,
@@ -365,6 +372,8 @@ impl Filesystem for LwioFs {
         reply: ReplyWrite,
     ) {
         let _t = self.stats.ops.time(Op::Other);
+        self.settle(ino_in.0);
+        self.settle(ino_out.0);
         // Copied on the server: no byte crosses to this client.
         let r = self.file(fh_in).and_then(|a| {
             let b = self.file(fh_out)?;
@@ -384,7 +393,7 @@ impl Filesystem for LwioFs {
     fn getlk(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         lock_owner: LockOwner,
         start: u64,
@@ -394,6 +403,7 @@ impl Filesystem for LwioFs {
         reply: fuser::ReplyLock,
     ) {
         let _t = self.stats.ops.time(Op::Lock);
+        self.settle(ino.0);
         let r = self.file(fh).and_then(|f| {
             let (kind, len) = lock_args(typ, start, end)?;
             self.on_file(&f, |s, h| s.test_lock(h, lock_owner.0, kind, start, len))
@@ -421,7 +431,7 @@ impl Filesystem for LwioFs {
     fn setlk(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         lock_owner: LockOwner,
         start: u64,
@@ -432,6 +442,7 @@ impl Filesystem for LwioFs {
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.ops.time(Op::Lock);
+        self.settle(ino.0);
         let r = self.file(fh).and_then(|f| {
             let (kind, len) = lock_args(typ, start, end)?;
             if kind != 0 {
@@ -535,6 +546,7 @@ impl Filesystem for LwioFs {
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let _t = self.stats.ops.time(Op::Open);
+        self.settle(ino.0);
         let _as = Acting::of(req);
         let r = self.path(ino).and_then(|p| {
             let f = self.open_path(&p, flags.0, None)?;
@@ -595,7 +607,7 @@ impl Filesystem for LwioFs {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -604,6 +616,7 @@ impl Filesystem for LwioFs {
         reply: ReplyData,
     ) {
         let _t = self.stats.ops.time(Op::Read);
+        self.settle(ino.0);
         match self.with_file(fh, |f| self.read_into(f, offset, size)) {
             Ok(buf) => reply.data(&buf),
             Err(e) => reply.error(err(e)),
@@ -623,7 +636,7 @@ impl Filesystem for LwioFs {
         reply: ReplyWrite,
     ) {
         let _t = self.stats.ops.time(Op::Write);
-        let r = self.with_file(fh, |f| self.write_all(f, offset, data));
+        let r = self.write(ino.0, fh, offset, data);
         if self.cfg.direct_io
             || self
                 .entry_of(fh)
@@ -647,23 +660,27 @@ impl Filesystem for LwioFs {
     fn flush(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.ops.time(Op::Flush);
-        // Writes are synchronous (no write-back cache): nothing to push.
+        // The file's unstable writes are answered before the close is: a
+        // failure not reported yet is the close's (as NFS reports it).
         // A close drops the closing owner's locks on the file (POSIX).
-        let r = self.file(fh).and_then(|f| {
-            let had = lock(&self.lockers)
-                .get_mut(&fh.0)
-                .is_some_and(|o| o.remove(&lock_owner.0));
-            if had {
-                self.on_file(&f, |s, h| s.lock(h, lock_owner.0, 0, 0, 0))?;
-            }
-            Ok(())
-        });
+        let r = self
+            .settle_for_close(ino.0)
+            .and(self.file(fh))
+            .and_then(|f| {
+                let had = lock(&self.lockers)
+                    .get_mut(&fh.0)
+                    .is_some_and(|o| o.remove(&lock_owner.0));
+                if had {
+                    self.on_file(&f, |s, h| s.lock(h, lock_owner.0, 0, 0, 0))?;
+                }
+                Ok(())
+            });
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -675,7 +692,7 @@ impl Filesystem for LwioFs {
     fn ioctl(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _flags: fuser::IoctlFlags,
         cmd: u32,
@@ -693,6 +710,9 @@ impl Filesystem for LwioFs {
             debug!(uid = req.uid(), "handoff refused");
             return reply.error(Errno::EPERM);
         }
+        // The program reads and writes the file itself from now on: this
+        // mount's writes of it are on the server first.
+        self.settle(ino.0);
         let r = (|| -> Res<String> {
             let o = self.entry_of(fh)?;
             self.fresh(&o)?;
@@ -715,7 +735,7 @@ impl Filesystem for LwioFs {
     fn release(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
@@ -723,6 +743,7 @@ impl Filesystem for LwioFs {
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.ops.time(Op::Release);
+        self.settle(ino.0);
         let f = lock(&self.files).remove(&fh.0).map(|o| o.current());
         // The server drops the handle's locks with it.
         lock(&self.lockers).remove(&fh.0);
@@ -739,22 +760,13 @@ impl Filesystem for LwioFs {
     fn fsync(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.ops.time(Op::Fsync);
-        let r = self.with_file(fh, |f| {
-            if !f.syncs_on_rdma() {
-                Stats::add(&self.stats.side_calls, 1);
-            }
-            if datasync {
-                f.sync_data()
-            } else {
-                f.sync_all()
-            }
-        });
+        let r = self.fsync_file(ino.0, fh, datasync);
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -763,6 +775,7 @@ impl Filesystem for LwioFs {
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let _t = self.stats.ops.time(Op::Opendir);
+        self.settle_all();
         let _as = Acting::of(req);
         let r = self.path(ino).and_then(|p| self.dir_listing(&p));
         match r {
@@ -827,6 +840,7 @@ impl Filesystem for LwioFs {
         mut reply: fuser::ReplyDirectoryPlus,
     ) {
         let _t = self.stats.ops.time(Op::Readdir);
+        self.settle_all();
         let r = self
             .readdir_entries(fh)
             .and_then(|l| Ok((l, self.path(ino)?)));
