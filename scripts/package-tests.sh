@@ -68,7 +68,8 @@ for f in ./usr/bin/lwio ./usr/lib/liblwio.so ./usr/lib/liblwio_preload.so ./usr/
     ./usr/share/man/man1/lwio.1.gz ./usr/share/man/man1/lwio-serve.1.gz ./usr/share/man/man5/lwio.toml.5.gz \
     ./usr/share/man/man3/liblwio.3.gz ./usr/share/bash-completion/completions/lwio \
     ./etc/lwio/lwio.toml ./usr/lib/systemd/system/lwio.service ./usr/lib/systemd/system/lwio-root.service \
-    ./usr/share/lwio/grafana/lwio.json ./usr/share/lwio/prometheus/lwio-alerts.yml; do
+    ./usr/share/lwio/grafana/lwio.json ./usr/share/lwio/prometheus/lwio-alerts.yml \
+    ./usr/lib/lwio/liblwio_fio.so; do
     grep -q " $f\$" "$W/contents" && pass "package has $f" || fail "package lacks $f"
 done
 dpkg-deb -f "$DEB" Depends | grep -q fuse3 && pass "depends on fuse3" || fail "no fuse3 dependency"
@@ -253,6 +254,20 @@ echo "written through lwio $$" >"$MNT/pkgtest.txt" && sync -f "$MNT/pkgtest.txt"
 [ "$(cat "$EXPORT/pkgtest.txt" 2>&1)" = "written through lwio $$" ] && pass "file written through the mount is in the export" || fail "export has: $(cat "$EXPORT/pkgtest.txt" 2>&1)"
 [ "$(stat -c %U "$EXPORT/pkgtest.txt" 2>&1)" = lwio ] && pass "owned by lwio (identity = server)" || fail "owner $(stat -c %U "$EXPORT/pkgtest.txt" 2>&1)"
 [ "$(cat "$MNT/pkgtest.txt")" = "written through lwio $$" ] && pass "read back through the mount" || fail "read back"
+# The packaged fio engine against the packaged server: a verified job.
+# (Direct mode: the host has fio; the systemd container has no fio.)
+if [ "$MODE" = direct ]; then
+    if fio --name=pkgfio --ioengine=external:/usr/lib/lwio/liblwio_fio.so \
+        --lwio_url="lwio://127.0.0.1:$SIDE/data" --lwio_token_file=/var/lib/lwio/token \
+        --lwio_fingerprint="$FP" --filename=pkgfio.dat --rw=randwrite --bs=4k --size=4M \
+        --iodepth=16 --verify=crc32c --do_verify=1 --verify_fatal=1 >"$W/fio.log" 2>&1 &&
+        grep -q "err= 0" "$W/fio.log" && [ "$(stat -c %s "$EXPORT/pkgfio.dat")" = 4194304 ]; then
+        pass "fio --ioengine=external:/usr/lib/lwio/liblwio_fio.so: 4 MiB randwrite, crc32c verified"
+    else
+        fail "fio through the packaged engine: $(grep -iE "error|err=|verify" "$W/fio.log" | head -3)"
+    fi
+    rm -f "$EXPORT/pkgfio.dat"
+fi
 
 # 6. Reload: SIGHUP re-checks, the server keeps serving (and the mount works).
 if [ "$MODE" = systemd ]; then systemctl reload lwio.service; else kill -HUP "$SERVER_PID"; fi
