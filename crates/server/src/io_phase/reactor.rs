@@ -560,6 +560,8 @@ pub(super) enum Keep {
     Mrs(Vec<Arc<lwio_rdma::Mr>>),
     /// A copy of the data (a WRITE's bytes, or an aligned bounce buffer).
     Bytes(Vec<u8>),
+    /// Nothing: an fsync touches no memory.
+    Nothing,
 }
 
 /// A file I/O a connection hands to its reactor's ring.
@@ -575,6 +577,8 @@ pub(super) struct RingJob {
     /// The pieces still to transfer (pointers into `keep`).
     pub(super) iov: Vec<libc::iovec>,
     pub(super) write: bool,
+    /// An fsync (`Some(datasync)`) instead of a transfer: `iov` is empty.
+    pub(super) sync: Option<bool>,
     /// Held, never read: it keeps the memory `iov` points into alive.
     #[allow(dead_code)]
     pub(super) keep: Keep,
@@ -645,6 +649,9 @@ impl RingIo {
     unsafe fn submit_op(&mut self, id: u64, rop: &RingOp) -> Result<(), super::ring::PushError> {
         let j = &rop.job;
         let f = j.file.arc();
+        if let Some(datasync) = j.sync {
+            return self.ring.fsync(id, f, datasync);
+        }
         // SAFETY: the pieces lie in `j.keep` (caller), which lives in
         // `self.ops` until this id is reaped.
         unsafe {

@@ -14,7 +14,7 @@ use lwio_rdma::Mr;
 use tracing::debug;
 
 use crate::fs::table::{OpenFile, Rights};
-use crate::io_phase::reactor::RingJob;
+use crate::io_phase::reactor::{Keep, RingJob};
 use crate::memobj::MemOp;
 
 use super::conn::Conn;
@@ -228,15 +228,20 @@ impl Conn {
         }
         let slow_hook = matches!(kind, JobKind::Write { .. } | JobKind::WriteParts { .. })
             && slow_next_write_ms(false) > 0;
-        // A sync is one blocking call on the pool (no buffers to hand the
-        // ring, and it must not wait behind a ring's batch).
-        let ring = self
-            .rio
-            .clone()
-            .filter(|_| !matches!(kind, JobKind::Sync { .. }));
-        if let (Some(rio), false) = (ring, slow_hook) {
+        // A sync on the ring too: the kernel's worker runs the fsync and
+        // the reactor reaps it with its other I/O, one thread hand-off
+        // less than the pool's (a database syncs at every commit).
+        if let (Some(rio), false) = (self.rio.clone(), slow_hook) {
             let align = if f.direct { f.align } else { 1 };
-            let r = ring_job(offset, align, kind).and_then(|(iov, write, keep)| {
+            let sync = match kind {
+                JobKind::Sync { data_only } => Some(data_only),
+                _ => None,
+            };
+            let prepared = match sync {
+                Some(_) => Ok((Vec::new(), false, Keep::Nothing)),
+                None => ring_job(offset, align, kind),
+            };
+            let r = prepared.and_then(|(iov, write, keep)| {
                 let job = RingJob {
                     conn: self.id,
                     slot: self.slot,
@@ -245,6 +250,7 @@ impl Conn {
                     offset,
                     iov,
                     write,
+                    sync,
                     keep,
                 };
                 // SAFETY: `ring_job` built every iovec inside `keep`, which

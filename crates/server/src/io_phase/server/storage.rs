@@ -175,7 +175,7 @@ pub(super) fn ring_job(
         (at, b)
     };
     match kind {
-        // `dispatch` gives syncs to the pool.
+        // `dispatch` starts syncs on the ring itself.
         JobKind::Sync { .. } => Err(STATUS_INVALID_DEVICE_REQUEST),
         JobKind::Read { buf, len } => {
             let len = len.min(buf.len());
