@@ -11,12 +11,10 @@
 
 use std::time::{Duration, Instant};
 
-use lwio_client::{Client, ClientOptions, OpenOptions};
-use lwio_server::config::Limits;
+use lwio_client::{ClientOptions, OpenOptions};
 use lwio_server::io_phase::server::{
-    slow_next_storage_write_for_tests, slow_storage_write_started_for_tests, RdmaServerOptions,
+    slow_next_storage_write_for_tests, slow_storage_write_started_for_tests,
 };
-use lwio_server::io_phase::testkit::LocalServer;
 
 mod common;
 use common::reconnect::{cut, in_netns};
@@ -33,32 +31,18 @@ fn stale_write_of_a_lost_connection_never_lands_after_a_newer_one() {
     }
     common::init_logging();
     let dir = tempfile::tempdir().unwrap();
-    let s = LocalServer::start(
-        dir.path(),
-        "ex",
+    // The re-sent and the newer write must not queue behind the slow one
+    // at the storage: only the hold may order them.
+    let s = common::storage_thread_server(dir.path(), TOKEN);
+    let c = common::soft_client(
+        &s,
         TOKEN,
-        Limits::default(),
-        RdmaServerOptions {
-            inline_io: false,
-            // The re-sent and the newer write must not queue behind the
-            // slow one at the storage: only the hold may order them.
-            storage_threads: 4,
-            ..RdmaServerOptions::default()
-        },
-    )
-    .expect("server starts");
-    let c = Client::connect(
-        &format!("lwio://{}/ex", s.side_addr),
-        Some(TOKEN),
         ClientOptions {
-            provider: lwio_rdma::ProviderChoice::Soft,
             op_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             ..ClientOptions::default()
-        }
-        .no_tls(),
-    )
-    .expect("client connects");
+        },
+    );
     let f = c
         .open("f", &OpenOptions::read_write().create(true))
         .unwrap();

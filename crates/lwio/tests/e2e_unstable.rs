@@ -8,12 +8,10 @@
 
 use std::time::{Duration, Instant};
 
-use lwio_client::{Client, ClientOptions, OpenOptions};
-use lwio_server::config::Limits;
+use lwio_client::{ClientOptions, OpenOptions};
 use lwio_server::io_phase::server::{
-    slow_next_storage_write_for_tests, slow_storage_write_started_for_tests, RdmaServerOptions,
+    slow_next_storage_write_for_tests, slow_storage_write_started_for_tests,
 };
-use lwio_server::io_phase::testkit::LocalServer;
 
 mod common;
 
@@ -24,30 +22,10 @@ const SLOW: Duration = Duration::from_millis(600);
 fn a_flush_sent_behind_an_unanswered_write_syncs_after_it() {
     common::init_logging();
     let dir = tempfile::tempdir().unwrap();
-    let s = LocalServer::start(
-        dir.path(),
-        "ex",
-        TOKEN,
-        Limits::default(),
-        RdmaServerOptions {
-            inline_io: false,
-            // The FLUSH could run beside the slow write: only the ordering
-            // may hold it.
-            storage_threads: 4,
-            ..RdmaServerOptions::default()
-        },
-    )
-    .expect("server starts");
-    let c = Client::connect(
-        &format!("lwio://{}/ex", s.side_addr),
-        Some(TOKEN),
-        ClientOptions {
-            provider: lwio_rdma::ProviderChoice::Soft,
-            ..ClientOptions::default()
-        }
-        .no_tls(),
-    )
-    .expect("client connects");
+    let s = common::storage_thread_server(dir.path(), TOKEN);
+    // (The FLUSH could run beside the slow write at another storage
+    // thread: only the ordering may hold it.)
+    let c = common::soft_client(&s, TOKEN, ClientOptions::default());
     let f = c
         .open("wal", &OpenOptions::read_write().create(true))
         .unwrap();

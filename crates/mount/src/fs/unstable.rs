@@ -62,6 +62,24 @@ struct State {
     next: u64,
 }
 
+impl State {
+    /// Writes of node `ino` that left the table (their bytes, and the errno
+    /// of a failed one); a node with nothing left is forgotten.
+    fn account(&mut self, ino: u64, done: impl IntoIterator<Item = (usize, Option<i32>)>) {
+        let n = self.nodes.entry(ino).or_default();
+        for (len, err) in done {
+            self.bytes -= len;
+            self.writes -= 1;
+            if let Some(x) = err {
+                n.error.get_or_insert(x);
+            }
+        }
+        if n.pending.is_empty() && n.busy == 0 && n.error.is_none() {
+            self.nodes.remove(&ino);
+        }
+    }
+}
+
 /// The mount's unstable writes, by node.
 #[derive(Default)]
 pub(crate) struct Unstable {
@@ -145,19 +163,13 @@ impl Unstable {
     /// Take in the node's answers that have come (never blocks).
     fn reap(&self, ino: u64) {
         let mut st = lock(&self.st);
-        let State {
-            nodes,
-            bytes,
-            writes,
-            ..
-        } = &mut *st;
-        let Some(n) = nodes.get_mut(&ino) else {
+        let Some(n) = st.nodes.get_mut(&ino) else {
             return;
         };
+        let mut done = Vec::new();
         let mut i = 0;
         while i < n.pending.len() {
-            let e = &mut n.pending[i];
-            let done = match e.pw.poll() {
+            let err = match n.pending[i].pw.poll() {
                 None => None,
                 Some(Ok(_)) => Some(None),
                 // A lost connection needs the write sent again: left to a
@@ -165,21 +177,12 @@ impl Unstable {
                 Some(Err(lwio_client::Error::ConnectionLost(_))) => None,
                 Some(Err(x)) => Some(Some(errno::client(x))),
             };
-            match done {
+            match err {
                 None => i += 1,
-                Some(err) => {
-                    let e = n.pending.swap_remove(i);
-                    *bytes -= e.data.len();
-                    *writes -= 1;
-                    if let Some(x) = err {
-                        n.error.get_or_insert(x);
-                    }
-                }
+                Some(err) => done.push((n.pending.swap_remove(i).data.len(), err)),
             }
         }
-        if n.pending.is_empty() && n.busy == 0 && n.error.is_none() {
-            nodes.remove(&ino);
-        }
+        st.account(ino, done);
     }
 
     /// Wait for the node's writes that `pick` chooses (and for any other
@@ -221,30 +224,16 @@ impl Unstable {
             results.push((len, out));
         }
         let mut st = lock(&self.st);
-        let State {
-            nodes,
-            bytes,
-            writes,
-            ..
-        } = &mut *st;
-        let n = nodes.entry(ino).or_default();
-        n.busy -= results.len();
-        for (len, out) in results {
-            *bytes -= len;
-            *writes -= 1;
-            match out {
-                Outcome::Ok => {}
-                Outcome::Failed(x) => {
-                    n.error.get_or_insert(x);
-                }
-                Outcome::Resent(r) => {
-                    resent = true;
-                    if let Err(x) = r {
-                        n.error.get_or_insert(x);
-                    }
-                }
+        st.nodes.entry(ino).or_default().busy -= results.len();
+        let done = results.into_iter().map(|(len, out)| match out {
+            Outcome::Ok => (len, None),
+            Outcome::Failed(x) => (len, Some(x)),
+            Outcome::Resent(r) => {
+                resent = true;
+                (len, r.err())
             }
-        }
+        });
+        st.account(ino, done);
         self.cv.notify_all();
         // Writes another waiter took out count too: wait for them.
         loop {
