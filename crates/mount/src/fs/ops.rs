@@ -745,6 +745,17 @@ impl Filesystem for LwioFs {
         let _t = self.stats.ops.time(Op::Release);
         self.settle(ino.0);
         let f = lock(&self.files).remove(&fh.0).map(|o| o.current());
+        // A write failure nobody was told of (no fsync, no checked close)
+        // is not kept past the file's last open: logged.
+        if !lock(&self.files).values().any(|o| o.ino == ino.0) {
+            if let Some(e) = self.unstable.take_error(ino.0) {
+                warn!(
+                    node = ino.0,
+                    error = %io::Error::from_raw_os_error(e),
+                    "a write failed on the server and no fsync or close of the file reported it"
+                );
+            }
+        }
         // The server drops the handle's locks with it.
         lock(&self.lockers).remove(&fh.0);
         // A read or write still running on another thread holds the other
