@@ -367,7 +367,8 @@ fn replayed_key_of_a_completed_read() {
 /// Polling: a first read (and, separately, a first write) is served
 /// honestly; while the second is outstanding the server writes a
 /// successful status block through the first request's status-block key
-/// (the client reuses the slot, under a new key).
+/// (whose slot the client uses again only after that key's invalidation
+/// completed, under a new key).
 #[test]
 fn replayed_status_block_key_of_a_completed_request() {
     for write in [false, true] {
@@ -380,8 +381,12 @@ fn replayed_status_block_key_of_a_completed_request() {
                 ev.honest(io);
             } else {
                 let (va, key) = ev.seen[0].ios();
-                assert_eq!(io.ios().0, va, "the slot is reused");
-                assert_ne!(io.ios().1, key, "under a new key");
+                // The slot serves again only once its old window's
+                // invalidation completed, and then under a new key; the
+                // old key reaches nothing either way.
+                if io.ios().0 == va {
+                    assert_ne!(io.ios().1, key, "reused under the old key");
+                }
                 ev.write(va, key, &status_block(io.length, STATUS_SUCCESS));
             }
         });

@@ -5,7 +5,7 @@
 //! with immediate completions (`handle_immediate`) and polled status block
 //! changes (`status_block_updated`), and reads [`ClientEvent`]s.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -51,7 +51,11 @@ pub enum Mode {
     /// exactly the 8 bytes of the slot [`ClientConn::next_status_slot`]
     /// names, and invalidates when the request completes. The server can
     /// then write that status block once, for this request only (seed 002:
-    /// keys bound to byte ranges, one-shot).
+    /// keys bound to byte ranges, one-shot). The slot is not used again
+    /// until the caller says the window is gone
+    /// ([`ClientConn::release_slot`]): until then the old key could still
+    /// reach it, where the provider retires keys only by an invalidation
+    /// that completes later (verbs devices).
     PolledWindow(u32),
 }
 
@@ -295,6 +299,11 @@ pub struct ClientConn<U = ()> {
     by_imm: HashMap<u32, ReqId>,
     by_slot: HashMap<u32, ReqId>,
     free_slots: Vec<u32>,
+    /// Slots of outstanding [`Mode::PolledWindow`] requests.
+    windowed: HashSet<u32>,
+    /// Slots whose request completed but whose window the caller has not
+    /// released yet ([`ClientConn::release_slot`]).
+    fenced: HashSet<u32>,
     pending_credit_msgs: VecDeque<i32>,
     credit_tx: bool,
     auth_cookie: u64,
@@ -334,6 +343,8 @@ impl<U: Default> ClientConn<U> {
             by_imm: HashMap::new(),
             by_slot: HashMap::new(),
             free_slots,
+            windowed: HashSet::new(),
+            fenced: HashSet::new(),
             pending_credit_msgs: VecDeque::new(),
             credit_tx: false,
             auth_cookie: 0,
@@ -458,6 +469,18 @@ impl<U: Default> ClientConn<U> {
     pub fn next_status_slot(&self) -> Option<(u32, u64)> {
         let slot = *self.free_slots.last()?;
         Some((slot, self.slot_addr(slot)?))
+    }
+    /// The window of a completed [`Mode::PolledWindow`] request's slot is
+    /// gone (its invalidation completed): the slot may serve again. Other
+    /// slots are ignored.
+    pub fn release_slot(&mut self, slot: u32) {
+        if self.fenced.remove(&slot) {
+            self.free_slots.push(slot);
+        }
+    }
+    /// Slots waiting for [`ClientConn::release_slot`].
+    pub fn fenced_slots(&self) -> usize {
+        self.fenced.len()
     }
     /// Address of a status block slot.
     pub fn slot_addr(&self, slot: u32) -> Option<u64> {
@@ -710,7 +733,10 @@ impl<U: Default> ClientConn<U> {
                 let ios_va = self.slot_addr(slot).ok_or(ClientError::InvalidArgument)?;
                 self.free_slots.pop();
                 let ios_mh = match mode {
-                    Mode::PolledWindow(k) => k,
+                    Mode::PolledWindow(k) => {
+                        self.windowed.insert(slot);
+                        k
+                    }
                     _ => area.rkey,
                 };
                 Ok((
@@ -842,7 +868,7 @@ impl<U: Default> ClientConn<U> {
         }
         if r.is_err() {
             if let Some(s) = slot {
-                self.free_slots.push(s);
+                self.slot_unused(s);
             }
         }
         r.map(|_| Issued { req: cookie, slot })
@@ -919,7 +945,7 @@ impl<U: Default> ClientConn<U> {
             Ok(n) => Ok((Issued { req: cookie, slot }, n)),
             Err(e) => {
                 if let Some(s) = slot {
-                    self.free_slots.push(s);
+                    self.slot_unused(s);
                 }
                 Err(e)
             }
@@ -1095,7 +1121,7 @@ impl<U: Default> ClientConn<U> {
         });
         if header.is_err() {
             if let Some(s) = slot {
-                self.free_slots.push(s);
+                self.slot_unused(s);
             }
             return Err(ClientError::InvalidArgument);
         }
@@ -1224,6 +1250,13 @@ impl<U: Default> ClientConn<U> {
         self.reqs.get(&req).is_some_and(|o| o.timed_out)
     }
 
+    /// A slot taken for a request that was not sent: free at once (the
+    /// server never saw a key for it).
+    fn slot_unused(&mut self, s: u32) {
+        self.windowed.remove(&s);
+        self.free_slots.push(s);
+    }
+
     fn consume_recv(&mut self) {
         self.recv_posted = self.recv_posted.saturating_sub(1);
     }
@@ -1235,7 +1268,13 @@ impl<U: Default> ClientConn<U> {
         self.extra_held = self.extra_held.saturating_sub(o.extra_credits as usize);
         if let Some(s) = o.slot {
             self.by_slot.remove(&s);
-            self.free_slots.push(s);
+            if self.windowed.remove(&s) {
+                // Its window may still be valid: not reused before the
+                // caller releases it.
+                self.fenced.insert(s);
+            } else {
+                self.free_slots.push(s);
+            }
         }
         if let Some(i) = o.imm {
             self.by_imm.remove(&i);

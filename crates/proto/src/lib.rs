@@ -49,6 +49,10 @@ pub mod wrid {
     pub const READBUF: u64 = 3 << 56;
     pub const BIND: u64 = 4 << 56;
     pub const INVAL: u64 = 5 << 56;
+    /// The invalidation of a polled request's status-block window; the
+    /// value is the status slot ([`crate::client::ClientConn::release_slot`]
+    /// at its completion).
+    pub const INVAL_SLOT: u64 = 6 << 56;
     pub const MASK: u64 = 0xff << 56;
 
     pub fn kind(w: u64) -> u64 {

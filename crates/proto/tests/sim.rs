@@ -1873,6 +1873,57 @@ fn polled_window_names_its_own_status_block_key() {
     }
 }
 
+/// The slot of a completed `Mode::PolledWindow` request is not used again
+/// until the caller releases it (its window's invalidation completed): an
+/// old key that still reached it could otherwise write the next request's
+/// status. A slot of the area's own key (`Mode::Polled`) serves again at
+/// once.
+#[test]
+fn a_windowed_status_slot_waits_for_its_release() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    let (slot, addr) = s.client.next_status_slot().unwrap();
+    s.mem.regions.insert(
+        0,
+        Region {
+            addr,
+            rkey: 0x7700,
+            bytes: IoStatusBlock::SENTINEL.to_bytes().to_vec(),
+        },
+    );
+    let r = s
+        .client
+        .read(s.now, fid, 0, 64, DATA, Mode::PolledWindow(0x7700))
+        .unwrap()
+        .req;
+    s.pump();
+    assert_eq!(s.completion(r), Some((64, STATUS_SUCCESS)));
+    s.mem.regions.remove(0);
+    assert_eq!(s.client.fenced_slots(), 1);
+    let (next, _) = s.client.next_status_slot().unwrap();
+    assert_ne!(next, slot, "reused before its window was released");
+    // Another request meanwhile takes another slot.
+    let r2 = s.read(fid, 64, 64, Mode::Polled);
+    assert_eq!(s.client.slot_of(r2), Some(next));
+    s.pump();
+    assert_eq!(s.completion(r2), Some((64, STATUS_SUCCESS)));
+    // The area's key: back at once.
+    assert_eq!(s.client.next_status_slot().unwrap().0, next);
+    s.client.release_slot(slot);
+    assert_eq!(s.client.fenced_slots(), 0);
+    assert!(
+        (0..16).any(|_| {
+            let (n, _) = s.client.next_status_slot().unwrap();
+            let r = s.read(fid, 0, 8, Mode::Polled);
+            s.pump();
+            assert_eq!(s.completion(r), Some((8, STATUS_SUCCESS)));
+            n == slot
+        }),
+        "a released slot never served again"
+    );
+}
+
 /// CANCEL naming one request (§5.9) cancels that request only, whatever
 /// its completion mode; the others of the Fid go on and complete normally.
 /// A request that already completed can no longer be named.

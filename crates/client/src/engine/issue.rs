@@ -116,6 +116,15 @@ impl Engine {
         Ok(None)
     }
 
+    /// Polling mode, and every free status slot is waiting for its old
+    /// window's invalidation to complete: a request waits (as for a credit)
+    /// instead of failing.
+    pub(super) fn slots_fenced(&self, st: &Locked) -> bool {
+        self.cfg.completion == Completion::Poll
+            && st.conn.next_status_slot().is_none()
+            && st.conn.fenced_slots() > 0
+    }
+
     /// The completion mode of a request about to be issued under `st`, and
     /// in polling mode the one-shot window bound to exactly the status block
     /// it will use (the caller keeps it with the request's other windows,
@@ -135,6 +144,7 @@ impl Engine {
             8,
             false,
         )?;
+        st.status_keys.insert(rkey, slot);
         Ok((Mode::PolledWindow(rkey), Some((mw, rkey))))
     }
 
@@ -143,7 +153,20 @@ impl Engine {
     pub(super) fn drop_windows(&self, st: &mut Locked, windows: Vec<(Mw, u32)>, group: u64) -> u64 {
         let mut posted = 0;
         for (mw, rkey) in windows {
-            if self.qp.invalidate(rkey, wrid::INVAL | group, true).is_ok() {
+            if let Some(slot) = st.status_keys.remove(&rkey) {
+                // A status block's window: its slot serves again once the
+                // invalidation has completed (`release_slot` at its
+                // completion), never while the old key may still reach it.
+                if self
+                    .qp
+                    .invalidate(rkey, wrid::INVAL_SLOT | u64::from(slot), true)
+                    .is_ok()
+                {
+                    posted += 1;
+                } else {
+                    st.conn.release_slot(slot);
+                }
+            } else if self.qp.invalidate(rkey, wrid::INVAL | group, true).is_ok() {
                 posted += 1;
                 if group != 0 {
                     *st.inval_pending.entry(group).or_default() += 1;
@@ -285,6 +308,9 @@ impl Engine {
         dst: Option<(&'a UserDst, usize)>,
     ) -> impl FnMut(&Engine, &mut Locked) -> Option<Result<(ReqId, Stage)>> + 'a {
         move |e, st| {
+            if e.slots_fenced(st) {
+                return None;
+            }
             let (stage, mr, off, group) = match dst {
                 Some((d, at)) => (Stage::User, &d.reg.mr, d.off + at, d.group),
                 None => {
@@ -537,6 +563,7 @@ impl Engine {
             if st.conn.transmit_pending() > 0
                 || st.send_free.len() < n
                 || st.conn.credits_held() + n > credits
+                || e.slots_fenced(st)
             {
                 return None;
             }
@@ -627,7 +654,7 @@ impl Engine {
     ) -> impl FnMut(&Engine, &mut Locked) -> Option<Result<ReqId>> {
         move |e, st| {
             e.fill_send_slots(st);
-            if st.conn.transmit_pending() > 0 || st.send_free.is_empty() {
+            if st.conn.transmit_pending() > 0 || st.send_free.is_empty() || e.slots_fenced(st) {
                 return None;
             }
             let slot = st.send_free.pop()?;

@@ -343,6 +343,9 @@ struct Locked {
     /// Posted, not yet completed invalidations of caller-memory windows,
     /// by group.
     inval_pending: HashMap<u64, u32>,
+    /// Keys of the windows bound over one status block each, with their
+    /// slot: their invalidation gives the slot back to the state machine.
+    status_keys: HashMap<u32, u32>,
     next_group: u64,
     cache: RegCache,
     auth: Option<std::result::Result<(u64, u16), NtStatus>>,
@@ -598,6 +601,7 @@ impl Engine {
             mw_free,
             lost: None,
             inval_pending: HashMap::new(),
+            status_keys: HashMap::new(),
             next_group: 1,
             cache: RegCache::new(cfg.reg_cache_bytes, cfg.reg_cache_entries),
             auth: None,

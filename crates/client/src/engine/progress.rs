@@ -375,6 +375,18 @@ impl Engine {
                     );
                 }
             }
+            wrid::INVAL_SLOT => {
+                // Done (or flushed: the QP is dead, nothing can write).
+                st.conn.release_slot(v as u32);
+                self.notify_sleepers(st);
+                if !w.is_ok() && w.status != WcStatus::WrFlushErr {
+                    warn!(status = ?w.status, "status window invalidation failed");
+                    self.mark_lost(
+                        st,
+                        format!("window invalidation completed with {:?}", w.status),
+                    );
+                }
+            }
             _ => {
                 if wrid::kind(w.wr_id) == wrid::INVAL && v != 0 {
                     // Done (or flushed: the QP is dead, nothing can write).
