@@ -31,6 +31,7 @@
 //! modes).
 
 pub mod async_client;
+pub mod batch;
 pub mod connect;
 pub mod discovery;
 pub mod engine;
@@ -59,6 +60,7 @@ use lwio_proto::NtStatus;
 use tracing::{debug, info};
 
 pub use async_client::{AsyncClient, AsyncFile};
+pub use batch::{Batch, End, Landing, Short};
 pub use connect::ConnectArgs;
 use engine::{status_text, EngineConfig};
 pub use engine::{ClientStats, Engine};
