@@ -79,6 +79,27 @@ pub struct Batch {
     /// Bytes that count so far, and what ended the call.
     total: usize,
     end: Option<End>,
+    /// A part lost with its connection is the caller's to run again
+    /// ([`Landing::lost`]) instead of an end of the call.
+    replay: bool,
+}
+
+/// A handle on the connection of a [`Batch`]: to post the request
+/// messages of several batches once they are all issued.
+#[derive(Clone)]
+pub struct Connection(Arc<Engine>);
+
+impl Connection {
+    /// Post the request messages issued and not yet posted.
+    pub fn flush(&self) {
+        self.0.flush();
+    }
+}
+
+impl PartialEq for Connection {
+    fn eq(&self, other: &Connection) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// A reaped part: its data (if it counts) to copy where the caller wants
@@ -88,6 +109,9 @@ pub struct Landing<'a> {
     stage: Option<Stage>,
     at: usize,
     n: usize,
+    /// The part's length.
+    part_len: usize,
+    lost: bool,
 }
 
 impl Landing<'_> {
@@ -103,6 +127,35 @@ impl Landing<'_> {
 
     pub fn is_empty(&self) -> bool {
         self.n == 0
+    }
+
+    /// The part's length (what it asked for).
+    pub fn part_len(&self) -> usize {
+        self.part_len
+    }
+
+    /// The part was lost with its connection (not issued, or never
+    /// answered) while nothing had ended the call, in a batch that runs
+    /// such parts again ([`Batch::replay_lost`]): the caller runs it again
+    /// and counts it with [`Batch::replayed`].
+    pub fn lost(&self) -> bool {
+        self.lost
+    }
+
+    /// [`Landing::copy_to`] at the part's place in the call's buffer at
+    /// `call`.
+    ///
+    /// # Safety
+    /// `call` must point to the call's buffer (at least `at + len` bytes),
+    /// writable, with no Rust reference over those bytes and nothing else
+    /// writing them meanwhile.
+    pub unsafe fn copy_into_raw(self, call: *mut u8) {
+        if self.stage.is_some() {
+            // SAFETY: inside the call's buffer (the caller's contract), and
+            // the only access to those bytes meanwhile.
+            let dst = unsafe { std::slice::from_raw_parts_mut(call.add(self.at), self.n) };
+            self.copy_to(dst);
+        }
     }
 
     /// Copy the part's staged bytes to `dst` (exactly [`Landing::len`]
@@ -155,6 +208,93 @@ impl Batch {
             kept: Vec::new(),
             total: 0,
             end: None,
+            replay: false,
+        }
+    }
+
+    /// Parts lost with their connection are the caller's to run again
+    /// ([`Landing::lost`]), not an end of the call.
+    pub fn replay_lost(&mut self) {
+        self.replay = true;
+    }
+
+    /// Count a part that was run again ([`Landing::lost`]) after it gave
+    /// `n` of its `len` bytes (short: the call ends there), or failed.
+    pub fn replayed(&mut self, len: usize, r: Result<usize>) {
+        match r {
+            Ok(n) => {
+                self.total += n;
+                if n < len {
+                    self.end.get_or_insert(End::Short);
+                }
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
+    /// The rest of the call (from [`Batch::issued`]) as one part lost with
+    /// the connection before it was issued: the caller runs it again
+    /// ([`Batch::replay_lost`]).
+    pub fn lose_rest(&mut self, len: usize, why: Error) {
+        self.parts.push_back(Part {
+            req: 0,
+            stage: None,
+            at: self.issued,
+            len,
+            done: Some(Err(why)),
+        });
+        self.issued += len;
+    }
+
+    /// Post the request messages issued and not yet posted (a caller that
+    /// reaps later, on another thread, has them on the wire now).
+    pub fn flush(&self) {
+        self.engine.flush();
+    }
+
+    /// The connection the batch's requests go on.
+    pub fn connection(&self) -> Connection {
+        Connection(self.engine.clone())
+    }
+
+    /// Largest READ per request on this connection (staged).
+    pub fn max_read(&self) -> usize {
+        self.engine.max_read()
+    }
+
+    /// Largest WRITE payload per request on this connection.
+    pub fn max_write(&self) -> usize {
+        self.engine.max_write()
+    }
+
+    /// Staging buffers free now for a read part of `len` bytes. A caller
+    /// that reaps later (an asynchronous API) issues staged reads only
+    /// while this is enough: staging buffers come back only when their
+    /// reads are reaped.
+    pub fn free_stages(&self, len: usize) -> usize {
+        self.engine.free_stages(len)
+    }
+
+    /// Reads of the batch land straight in caller memory at `ptr`
+    /// (covering the whole call) when it lies in a
+    /// [`crate::RegisteredBuf`]-style cached registration or is long
+    /// enough to register for the call; false (the batch stages) when it
+    /// does not, or cannot be registered.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be memory the caller holds exclusively, with
+    /// no Rust reference over it, allocated and untouched until the batch
+    /// is finished or dropped (which fence every window over it).
+    pub unsafe fn land_in_memory(&mut self, ptr: *mut u8, len: usize) -> bool {
+        let per_call = len >= self.engine.register_threshold();
+        // SAFETY: the caller's contract is `Engine::user_dst`'s, and this
+        // batch fences the group before the memory is released.
+        match unsafe { self.engine.user_dst(ptr, len, per_call) } {
+            Ok(Some(d)) => {
+                self.land_in(d);
+                true
+            }
+            Ok(None) | Err(_) => false,
         }
     }
 
@@ -349,6 +489,13 @@ impl Batch {
         all
     }
 
+    /// Wait for the completion of every part not yet complete.
+    pub fn wait_all(&mut self) {
+        for p in self.parts.iter_mut().filter(|p| p.done.is_none()) {
+            p.done = Some(self.engine.wait(p.req, None));
+        }
+    }
+
     /// The oldest part gets `err` as its outcome: its waiter gives up (the
     /// engine frees its stage when, if ever, it completes).
     pub(crate) fn give_up_front(&mut self, err: Error) {
@@ -410,6 +557,16 @@ impl Batch {
             Err(e) => {
                 // The engine abandoned it and frees its stage.
                 p.stage = None;
+                if self.replay && self.end.is_none() && matches!(e, Error::ConnectionLost(_)) {
+                    return Some(Landing {
+                        batch: self,
+                        stage: None,
+                        at: p.at,
+                        n: 0,
+                        part_len: p.len,
+                        lost: true,
+                    });
+                }
                 self.end.get_or_insert(End::Failed(e));
             }
         }
@@ -424,6 +581,8 @@ impl Batch {
                 stage: None,
                 at: p.at,
                 n: 0,
+                part_len: p.len,
+                lost: false,
             });
         }
         Some(Landing {
@@ -431,6 +590,8 @@ impl Batch {
             stage,
             at: p.at,
             n,
+            part_len: p.len,
+            lost: false,
         })
     }
 
@@ -485,7 +646,10 @@ impl Batch {
         (self.total, self.end.take())
     }
 
-    fn fence(&mut self) {
+    /// Fence the caller memory of the batch now (every part must be
+    /// complete): no window over it, no send from it, outlives this.
+    /// Finishing or dropping the batch does it too.
+    pub fn fence(&mut self) {
         if let Some(d) = self.dst.take() {
             self.engine.fence_group(d.group());
         }

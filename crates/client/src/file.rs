@@ -135,6 +135,15 @@ impl File {
         self.now().engine
     }
 
+    /// A [`Batch`] for a call at `offset` of this file, on the channel it
+    /// is registered on now (no re-registration: after a lost connection
+    /// its requests fail with it), for callers that issue and reap the
+    /// parts of their calls themselves (the C batch API, POSIX AIO).
+    pub fn batch(&self, offset: u64, short: Short) -> Batch {
+        let r = self.now();
+        Batch::new(r.engine, r.fid, offset, short)
+    }
+
     /// The engine and Fid to issue requests on, registered on the current
     /// connection (after a reconnect, waiting for it up to `op_timeout`).
     pub fn current(&self) -> Result<(Arc<Engine>, u16)> {

@@ -60,7 +60,7 @@ use lwio_proto::NtStatus;
 use tracing::{debug, info};
 
 pub use async_client::{AsyncClient, AsyncFile};
-pub use batch::{Batch, End, Landing, Short};
+pub use batch::{Batch, Connection, End, Landing, Short};
 pub use connect::ConnectArgs;
 use engine::{status_text, EngineConfig};
 pub use engine::{ClientStats, Engine};
