@@ -72,8 +72,10 @@ pub struct Batch {
     issued: usize,
     /// Caller memory reads land in (the part at `at` in its bytes `at..`).
     dst: Option<UserDst>,
-    /// Registered caller memory writes send from (fragmented messages).
+    /// Registered caller memory writes send from (fragmented messages),
+    /// and whether its sends are fenced.
     src: Option<UserSrc>,
+    fence_src: bool,
     /// Landed parts whose data is left in their stages (stage, at, bytes).
     kept: Vec<(Stage, usize, usize)>,
     /// Bytes that count so far, and what ended the call.
@@ -205,6 +207,7 @@ impl Batch {
             issued: 0,
             dst: None,
             src: None,
+            fence_src: false,
             kept: Vec::new(),
             total: 0,
             end: None,
@@ -316,9 +319,13 @@ impl Batch {
 
     /// Fragmented writes send from `src` (registered caller memory holding
     /// the whole call's data), fenced when the batch is finished or
-    /// dropped.
-    pub(crate) fn send_from(&mut self, src: UserSrc) {
+    /// dropped if `fence` (a source registered for the call, whose memory
+    /// the caller frees after it: `Engine::write_source`'s contract). A
+    /// source from the registration cache (`per_call` false) keeps its
+    /// memory alive itself and needs no fence.
+    pub fn send_from(&mut self, src: UserSrc, fence: bool) {
         self.src = Some(src);
+        self.fence_src = fence;
     }
 
     /// Whether writes send from registered caller memory.
@@ -654,7 +661,9 @@ impl Batch {
             self.engine.fence_group(d.group());
         }
         if let Some(u) = self.src.take() {
-            self.engine.fence_sends(&u);
+            if self.fence_src {
+                self.engine.fence_sends(&u);
+            }
         }
     }
 }

@@ -447,7 +447,7 @@ impl File {
             // registration fences every send from it (`Engine::fence_sends`)
             // when it is finished or dropped, before this returns.
             if let Some(src) = unsafe { e.write_source(buf, true) }.unwrap_or(None) {
-                b.send_from(src);
+                b.send_from(src, true);
             }
         }
         let zero_copy = b.sends_from_caller();
