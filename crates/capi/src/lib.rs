@@ -21,11 +21,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use lwio_client::engine::BOUNCE_THRESHOLD;
 use lwio_client::side::ClientOptions as SideOptions;
 use lwio_client::{
     errno, Batch, Client, ClientOptions, Completion, ConnectArgs, Connection, End, File,
-    OpenOptions, RegisteredBuf, Short,
+    OpenOptions, RegisteredBuf, Short, BOUNCE_THRESHOLD,
 };
 use lwio_proto::status::{NtStatus, STATUS_END_OF_FILE};
 

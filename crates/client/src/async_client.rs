@@ -325,7 +325,7 @@ impl AsyncFile {
             let notified = self.shared.wakeup.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(r) = e.try_wait(req, None, true)? {
+            if let Some(r) = e.try_wait(req, true)? {
                 return Ok(r);
             }
             if poll && Instant::now() < spin_until {

@@ -461,7 +461,7 @@ impl Batch {
             return false;
         };
         if p.done.is_none() {
-            match self.engine.try_wait(p.req, None, drive) {
+            match self.engine.try_wait(p.req, drive) {
                 Ok(Some(r)) => p.done = Some(Ok(r)),
                 Ok(None) => {}
                 Err(e) => p.done = Some(Err(e)),
@@ -485,7 +485,7 @@ impl Batch {
     pub fn poll(&mut self, drive: &mut bool) -> bool {
         let mut all = true;
         for p in self.parts.iter_mut().filter(|p| p.done.is_none()) {
-            let r = self.engine.try_wait(p.req, None, *drive);
+            let r = self.engine.try_wait(p.req, *drive);
             *drive = false;
             match r {
                 Ok(Some(r)) => p.done = Some(Ok(r)),

@@ -533,12 +533,7 @@ impl File {
                 let w = self.retry(|r| {
                     let e = &r.engine;
                     let req = e.issue_vec_write(r.fid, at, ps as u16, len, data, true)?;
-                    let slot = if e.cfg.completion == Completion::Poll {
-                        e.slot_of(req)
-                    } else {
-                        None
-                    };
-                    e.wait(req, slot)
+                    e.wait(req, None)
                 })?;
                 match w {
                     (n, STATUS_SUCCESS) if n == len => done += u64::from(len),

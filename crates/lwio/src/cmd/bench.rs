@@ -29,9 +29,10 @@ use hdrhistogram::Histogram;
 
 use super::{connect_data, ctx, describe};
 use crate::cli::{BenchArgs, Completion as CliCompletion, RwPattern};
-use lwio_client::engine::status_text;
 use lwio_client::url::LwioUrl;
-use lwio_client::{Batch, Client, ClientOptions, Completion, End, File, OpenOptions, Short};
+use lwio_client::{
+    status_text, Batch, Client, ClientOptions, Completion, End, File, OpenOptions, Short,
+};
 use lwio_side::units::{format_duration, format_size};
 
 /// Largest block size accepted.
