@@ -417,9 +417,7 @@ pub unsafe extern "C" fn lwio_disconnect(c: *mut LwioClient) -> c_int {
         // SAFETY: from Box::into_raw in lwio_connect, freed once (the set
         // membership above was the token).
         let c = unsafe { Box::from_raw(c) };
-        for e in c.client.engines() {
-            e.set_notify(None);
-        }
+        c.client.set_completion_notify(None);
         drop(c);
         0
     })
@@ -1248,9 +1246,7 @@ pub unsafe extern "C" fn lwio_completion_fd(c: *const LwioClient) -> c_int {
         // SAFETY: a new descriptor that nothing else owns.
         let fd =
             Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) });
-        for e in c.client.engines() {
-            e.set_notify(Some(fd.clone()));
-        }
+        c.client.set_completion_notify(Some(fd.clone()));
         *n = Some(fd);
         raw
     })

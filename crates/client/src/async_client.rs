@@ -5,7 +5,7 @@
 //! if a credit and a staging buffer or send slot are free now) and then
 //! sleeps until a completion. Completions reach the futures through the
 //! engine's completion fd: an eventfd that the engine signals at every
-//! completion and when the connection is lost ([`Engine::set_notify`]),
+//! completion and when the connection is lost ([`Client::set_completion_notify`]),
 //! watched by tokio's [`AsyncFd`] in one task per client, which wakes the
 //! waiting futures. The engine's progress thread runs the completion
 //! channel (the verbs CQ channel, or the soft provider's socket) and the
@@ -68,9 +68,7 @@ struct Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         self.reaper.abort();
-        for e in self.client.engines() {
-            e.set_notify(None);
-        }
+        self.client.set_completion_notify(None);
     }
 }
 
@@ -109,7 +107,7 @@ impl AsyncClient {
     }
 
     /// The async flavour of a connected client. It takes over the engines'
-    /// completion fd ([`Engine::set_notify`]): do not also use
+    /// completion fd ([`Client::set_completion_notify`]): do not also use
     /// `lwio_completion_fd`-style notification on the same client.
     /// Must be called within a tokio runtime.
     pub fn from_client(client: Client) -> Result<AsyncClient> {
@@ -135,9 +133,7 @@ impl AsyncClient {
         let wakeup = Arc::new(Wakeup {
             notify: Notify::new(),
         });
-        for e in client.engines() {
-            e.set_notify(Some(fd.clone()));
-        }
+        client.set_completion_notify(Some(fd.clone()));
         let reaper = tokio::spawn(reap(afd, wakeup.clone())).abort_handle();
         Ok(AsyncClient(Arc::new(Shared {
             client,

@@ -148,13 +148,17 @@ impl Landing<'_> {
     /// `call`.
     ///
     /// # Safety
-    /// `call` must point to the call's buffer (at least `at + len` bytes),
-    /// writable, with no Rust reference over those bytes and nothing else
-    /// writing them meanwhile.
+    /// `call` must point to the call's buffer, valid for writes of every
+    /// byte the batch's parts cover (so of `at..at + len`), with no Rust
+    /// reference over those bytes and nothing else reading or writing them
+    /// until this returns.
     pub unsafe fn copy_into_raw(self, call: *mut u8) {
         if self.stage.is_some() {
-            // SAFETY: inside the call's buffer (the caller's contract), and
-            // the only access to those bytes meanwhile.
+            // SAFETY: `at + n` is within the part, so within the bytes the
+            // caller vouches for; nothing else accesses them meanwhile (the
+            // caller's contract), and the peer does not either: a part with
+            // a stage was placed in the engine's staging memory, never in
+            // the caller's. The slice lives only for this copy.
             let dst = unsafe { std::slice::from_raw_parts_mut(call.add(self.at), self.n) };
             self.copy_to(dst);
         }
@@ -165,7 +169,8 @@ impl Landing<'_> {
     /// that landed in caller memory, a write, or one that does not count.
     pub fn copy_to(mut self, dst: &mut [u8]) {
         if let Some(s) = self.stage.take() {
-            self.batch.engine.finish_stage(s, dst);
+            let k = dst.len().min(self.n);
+            self.batch.engine.finish_stage(s, &mut dst[..k]);
         }
     }
 
@@ -290,8 +295,11 @@ impl Batch {
     /// is finished or dropped (which fence every window over it).
     pub unsafe fn land_in_memory(&mut self, ptr: *mut u8, len: usize) -> bool {
         let per_call = len >= self.engine.register_threshold();
-        // SAFETY: the caller's contract is `Engine::user_dst`'s, and this
-        // batch fences the group before the memory is released.
+        // SAFETY: the caller's contract is `Engine::user_dst`'s (held
+        // exclusively, no reference over it, allocated until the group is
+        // fenced and the destination dropped): the batch keeps the
+        // destination and fences its group when it is fenced, finished or
+        // dropped, which the caller's contract puts before the memory goes.
         match unsafe { self.engine.user_dst(ptr, len, per_call) } {
             Ok(Some(d)) => {
                 self.land_in(d);

@@ -127,11 +127,8 @@ impl File {
         self.now().fid
     }
 
-    /// The engine of the channel this file is registered on (for callers
-    /// that issue and reap requests themselves, as the C batch API does),
-    /// with its Fid there. After a lost connection this registers the file
-    /// on the new one first (waiting for the reconnect, up to `op_timeout`).
-    pub fn channel_engine(&self) -> Arc<Engine> {
+    /// The engine of the channel this file is registered on now.
+    pub(crate) fn channel_engine(&self) -> Arc<Engine> {
         self.now().engine
     }
 
@@ -146,7 +143,7 @@ impl File {
 
     /// The engine and Fid to issue requests on, registered on the current
     /// connection (after a reconnect, waiting for it up to `op_timeout`).
-    pub fn current(&self) -> Result<(Arc<Engine>, u16)> {
+    pub(crate) fn current(&self) -> Result<(Arc<Engine>, u16)> {
         self.retry(|r| Ok((r.engine.clone(), r.fid)))
     }
 
