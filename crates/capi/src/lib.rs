@@ -21,12 +21,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use lwio_client::engine::{Engine, Stage, UserDst, BOUNCE_THRESHOLD};
 use lwio_client::side::ClientOptions as SideOptions;
 use lwio_client::{
-    errno, Client, ClientOptions, Completion, ConnectArgs, File, OpenOptions, RegisteredBuf,
+    errno, Batch, Client, ClientOptions, Completion, ConnectArgs, Connection, End, File,
+    OpenOptions, RegisteredBuf, Short, BOUNCE_THRESHOLD,
 };
-use lwio_proto::status::{NtStatus, STATUS_END_OF_FILE, STATUS_SUCCESS};
+use lwio_proto::status::{NtStatus, STATUS_END_OF_FILE};
 
 /// STATUS_CONNECTION_DISCONNECTED: a part whose completion never came
 /// (the connection was lost); reported as EIO.
@@ -417,9 +417,7 @@ pub unsafe extern "C" fn lwio_disconnect(c: *mut LwioClient) -> c_int {
         // SAFETY: from Box::into_raw in lwio_connect, freed once (the set
         // membership above was the token).
         let c = unsafe { Box::from_raw(c) };
-        for e in c.client.engines() {
-            e.set_notify(None);
-        }
+        c.client.set_completion_notify(None);
         drop(c);
         0
     })
@@ -922,110 +920,65 @@ pub extern "C" fn lwio_unpublish(id: i64) -> c_int {
 
 // ---------------------------------------------------------------- batch
 
-struct Part {
-    req: u64,
-    slot: Option<u32>,
-    stage: Option<Stage>,
-    /// Offset in the operation's buffer, and length.
-    at: usize,
-    len: usize,
-    done: Option<(u32, NtStatus)>,
-    /// Lost with its connection (not issued, or issued and never
-    /// answered): `finish` runs it again through the `File`, which waits
-    /// for the reconnect (docs/reconnect.md).
-    replay: bool,
-}
-
-impl Part {
-    /// Its request was lost with the connection when `e` is
-    /// `ConnectionLost`; abandoned otherwise (a timeout). Either way the
-    /// engine has freed its stage.
-    fn lost(&mut self, e: &lwio_client::Error) {
-        self.stage = None;
-        self.done = Some((0, LOST));
-        self.replay = matches!(e, lwio_client::Error::ConnectionLost(_));
-    }
-}
-
 struct Pending {
     user_data: u64,
     read: bool,
     buf: usize,
-    /// A read landing straight in the caller's memory (no staging).
-    dst: Option<UserDst>,
-    engine: Arc<Engine>,
+    /// The operation's requests (its parts), on its file's connection.
+    batch: Batch,
     /// Keeps the file open until the operation is reaped; runs lost parts
     /// again.
     file: Arc<OpenFile>,
     /// The operation's file offset.
     offset: u64,
-    parts: Vec<Part>,
     /// A failure at issue time (no parts after it were issued).
     issue_error: Option<i64>,
 }
 
 impl Pending {
     /// Collect the parts' results (staging copies, releases) into a CQE.
+    /// Every part is complete (`lwio_reap` waited for them).
     fn finish(mut self) -> lwio_cqe {
-        if let Some(d) = &self.dst {
-            // No window over the caller's memory outlives the operation.
-            self.engine.fence_group(d.group());
-        }
-        let mut total: i64 = 0;
-        let mut err = None;
-        let mut ended = false;
-        for p in std::mem::take(&mut self.parts) {
-            let (n, st) = p.done.unwrap_or((0, LOST));
-            if p.replay && !ended && err.is_none() {
+        // No window over the caller's memory outlives the operation.
+        self.batch.fence();
+        let mut replay_err = None;
+        loop {
+            let Some(l) = self.batch.reap() else { break };
+            if l.lost() {
                 // Lost with the connection: the blocking call runs it
                 // again after the reconnect (and re-registers the file,
                 // so later submissions use the new connection).
-                match self.replay(&p) {
-                    Ok(n) => {
-                        total += n as i64;
-                        ended = n < p.len;
-                    }
-                    Err(e) => err = Some(-i64::from(errno::client(&e))),
+                let (at, len) = (l.at(), l.part_len());
+                drop(l);
+                let r = self.replay(at, len);
+                if let Err(e) = &r {
+                    replay_err = Some(-i64::from(errno::client(e)));
                 }
+                self.batch.replayed(len, r);
                 continue;
             }
-            match (st, p.stage) {
-                // Landed in the caller's memory (fenced above).
-                (STATUS_SUCCESS, Some(Stage::User)) if !ended && err.is_none() => {
-                    let n = (n as usize).min(p.len);
-                    total += n as i64;
-                    ended = n < p.len;
-                }
-                (STATUS_SUCCESS, Some(s)) if !ended && err.is_none() => {
-                    let n = (n as usize).min(p.len);
-                    // SAFETY: the caller lent `len` bytes at `buf` until
-                    // this operation is reaped (lwio_op's contract); this
-                    // copy out of staging is the only write to them.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut((self.buf as *mut u8).add(p.at), n)
-                    };
-                    self.engine.finish_stage(s, dst);
-                    total += n as i64;
-                    ended = n < p.len;
-                }
-                (STATUS_SUCCESS, None) if !ended && err.is_none() => {
-                    total += i64::from(n.min(p.len as u32));
-                }
-                (_, s) => {
-                    if let Some(s) = s {
-                        self.engine.release_stage(s);
-                    }
-                    if st == STATUS_END_OF_FILE {
-                        ended = true;
-                    } else if st != STATUS_SUCCESS && err.is_none() && !ended {
-                        err = Some(-i64::from(errno::client(&lwio_client::Error::Status {
-                            what: if self.read { "READ" } else { "WRITE" }.into(),
-                            status: st,
-                        })));
-                    }
-                }
-            }
+            // SAFETY: the caller lent `len` bytes at `buf` until this
+            // operation is reaped (lwio_op's contract); this copy out of
+            // staging is the only write to them (a part that landed in the
+            // caller's memory, fenced above, has nothing to copy).
+            unsafe { l.copy_into_raw(self.buf as *mut u8) };
         }
+        let what = if self.read { "READ" } else { "WRITE" };
+        let status = |status| {
+            -i64::from(errno::client(&lwio_client::Error::Status {
+                what: what.into(),
+                status,
+            }))
+        };
+        let (total, end) = self.batch.take_end();
+        let err = match end {
+            None | Some(End::Short) | Some(End::Status(STATUS_END_OF_FILE)) => None,
+            Some(End::Status(st)) => Some(status(st)),
+            // A replay's own error, else a part whose completion never
+            // came (STATUS_CONNECTION_DISCONNECTED, EIO).
+            Some(End::Failed(_)) => replay_err.or_else(|| Some(status(LOST))),
+        };
+        let total = total as i64;
         let res = match (err, self.issue_error) {
             (Some(e), _) if total == 0 => e,
             (_, Some(e)) if total == 0 => e,
@@ -1037,25 +990,24 @@ impl Pending {
         }
     }
 
-    /// Run part `p` again as a blocking read or write of the `File`. The
-    /// ordering rule holds (docs/reconnect.md): the operation has not been
-    /// reaped, so it is concurrent with those submitted meanwhile, and it
-    /// completes only after its re-sent piece did.
-    fn replay(&self, p: &Part) -> lwio_client::Result<usize> {
-        let off = self.offset + p.at as u64;
+    /// Run the part at `at` of `len` bytes again as a blocking read or
+    /// write of the `File`. The ordering rule holds (docs/reconnect.md):
+    /// the operation has not been reaped, so it is concurrent with those
+    /// submitted meanwhile, and it completes only after its re-sent piece
+    /// did.
+    fn replay(&self, at: usize, len: usize) -> lwio_client::Result<usize> {
+        let off = self.offset + at as u64;
         if self.read {
             // SAFETY: the caller lent `len` bytes at `buf` until this
             // operation is reaped (lwio_op's contract). No window over
-            // them is bound any more (`finish` fenced the group), so no
+            // them is bound any more (`finish` fenced the batch), so no
             // peer writes them; the read below is the only writer.
-            let dst =
-                unsafe { std::slice::from_raw_parts_mut((self.buf as *mut u8).add(p.at), p.len) };
+            let dst = unsafe { std::slice::from_raw_parts_mut((self.buf as *mut u8).add(at), len) };
             self.file.file.read_at(dst, off)
         } else {
             // SAFETY: the caller lent `len` readable bytes at `buf` until
             // this operation is reaped; nothing writes them meanwhile.
-            let src =
-                unsafe { std::slice::from_raw_parts((self.buf as *const u8).add(p.at), p.len) };
+            let src = unsafe { std::slice::from_raw_parts((self.buf as *const u8).add(at), len) };
             self.file.file.write_at(src, off)
         }
     }
@@ -1085,86 +1037,64 @@ fn issue_inner(op: &lwio_op) -> Result<Option<Pending>, c_int> {
     }
     len_ok(len, op.offset)?;
     let read = op.opcode == LWIO_OP_READ;
-    let e = f.file.channel_engine().clone();
-    let chunk = if read { e.max_read() } else { e.max_write() };
-    let poll = e.completion_mode() == Completion::Poll;
+    let mut batch = f
+        .file
+        .batch(op.offset, if read { Short::Ends } else { Short::Counts });
+    batch.replay_lost();
+    let chunk = if read {
+        batch.max_read()
+    } else {
+        batch.max_write()
+    };
     let parts = len.div_ceil(chunk).max(1);
     // A read goes straight into the caller's memory when it lies in an
     // lwio_buf_alloc buffer or is long enough to register for the call;
     // else through staging buffers, which must all be free now.
-    let dst = if read && len >= BOUNCE_THRESHOLD {
-        // SAFETY: the caller lends `len` bytes at `buf`, untouched until
-        // this operation is reaped (lwio_op's contract), and `finish`
-        // fences the group before the completion is handed back.
-        unsafe { e.user_dst(op.buf.cast(), len, len >= e.register_threshold()) }.unwrap_or(None)
-    } else {
-        None
-    };
-    if read && dst.is_none() && e.free_stages(chunk.min(len)) < parts {
+    // SAFETY: the caller lends `len` bytes at `buf`, untouched until this
+    // operation is reaped (lwio_op's contract), and the batch fences them
+    // (`finish`, or its drop) before the completion is handed back.
+    let direct =
+        read && len >= BOUNCE_THRESHOLD && unsafe { batch.land_in_memory(op.buf.cast(), len) };
+    if read && !direct && batch.free_stages(chunk.min(len)) < parts {
         return Ok(None);
     }
     let mut p = Pending {
         user_data: op.user_data,
         read,
         buf: op.buf as usize,
-        dst,
-        engine: e.clone(),
+        batch,
         file: f.clone(),
         offset: op.offset,
-        parts: Vec::new(),
         issue_error: None,
     };
-    let mut at = 0usize;
-    while at < len {
+    while p.batch.issued() < len {
+        let at = p.batch.issued();
         let n = chunk.min(len - at);
-        let off = op.offset + at as u64;
         let r = if read {
-            let d = p.dst.as_ref().map(|d| (d, at));
-            e.issue_read_to(f.file.fid(), off, n, None, d)
-                .map(|(req, s)| (req, Some(s)))
+            p.batch.read(n, None)
         } else {
             // SAFETY: the caller lends `len` readable bytes until reaped;
             // the engine copies them into its send slot here.
             let data = unsafe { std::slice::from_raw_parts((op.buf as *const u8).add(at), n) };
-            e.issue_write(f.file.fid(), off, data)
-                .map(|req| (req, None))
+            p.batch.write(data)
         };
         match r {
-            Ok((req, stage)) => p.parts.push(Part {
-                req,
-                slot: if poll { e.slot_of(req) } else { None },
-                stage,
-                at,
-                len: n,
-                done: None,
-                replay: false,
-            }),
-            Err(lwio_client::Error::ConnectionLost(_)) => {
+            Ok(()) => {}
+            Err(e @ lwio_client::Error::ConnectionLost(_)) => {
                 // The rest runs again when reaped (after the reconnect).
-                p.parts.push(Part {
-                    req: 0,
-                    slot: None,
-                    stage: None,
-                    at,
-                    len: len - at,
-                    done: Some((0, LOST)),
-                    replay: true,
-                });
+                p.batch.lose_rest(len - at, e);
                 break;
             }
             Err(err) => {
                 let code = fail_client(&err);
-                if p.parts.is_empty() {
-                    if let Some(d) = &p.dst {
-                        e.fence_group(d.group());
-                    }
+                if p.batch.outstanding() == 0 {
+                    // Dropping the batch fences the caller's memory.
                     return Err(code);
                 }
                 p.issue_error = Some(code.into());
                 break;
             }
         }
-        at += n;
     }
     Ok(Some(p))
 }
@@ -1198,13 +1128,14 @@ pub unsafe extern "C" fn lwio_submit(
         // Issuing only queues the request messages: post them before
         // returning, so a program that waits on lwio_completion_fd (not in
         // lwio_reap, which would post them) has them on the wire.
-        let mut engines: Vec<Arc<Engine>> = Vec::new();
+        let mut conns: Vec<Connection> = Vec::new();
         let r = (|| {
             for op in ops {
                 match issue(op) {
                     Ok(p) => {
-                        if !engines.iter().any(|e| Arc::ptr_eq(e, &p.engine)) {
-                            engines.push(p.engine.clone());
+                        let conn = p.batch.connection();
+                        if !conns.contains(&conn) {
+                            conns.push(conn);
                         }
                         lock(&c.queue).push_back(p);
                         done += 1;
@@ -1221,8 +1152,8 @@ pub unsafe extern "C" fn lwio_submit(
             }
             done
         })();
-        for e in &engines {
-            e.flush();
+        for c in &conns {
+            c.flush();
         }
         r
     })
@@ -1262,16 +1193,7 @@ pub unsafe extern "C" fn lwio_reap(
                 let mut q = lock(&c.queue);
                 let Some(p) = q.front_mut() else { break };
                 // Already complete (or, past `min`, not): non-blocking look.
-                let mut all = true;
-                for part in p.parts.iter_mut().filter(|x| x.done.is_none()) {
-                    let r = p.engine.try_wait(part.req, part.slot, drive);
-                    drive = false;
-                    match r {
-                        Ok(Some(r)) => part.done = Some(r),
-                        Ok(None) => all = false,
-                        Err(e) => part.lost(&e),
-                    }
-                }
+                let all = p.batch.poll(&mut drive);
                 if all || got < min {
                     q.pop_front()
                 } else {
@@ -1279,12 +1201,7 @@ pub unsafe extern "C" fn lwio_reap(
                 }
             };
             let Some(mut p) = front else { break };
-            for part in p.parts.iter_mut().filter(|x| x.done.is_none()) {
-                match p.engine.wait(part.req, part.slot) {
-                    Ok(r) => part.done = Some(r),
-                    Err(e) => part.lost(&e),
-                }
-            }
+            p.batch.wait_all();
             let cqe = p.finish();
             // SAFETY: `got < max` and the caller passes room for `max`.
             unsafe { cqes.add(got).write(cqe) };
@@ -1329,9 +1246,7 @@ pub unsafe extern "C" fn lwio_completion_fd(c: *const LwioClient) -> c_int {
         // SAFETY: a new descriptor that nothing else owns.
         let fd =
             Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) });
-        for e in c.client.engines() {
-            e.set_notify(Some(fd.clone()));
-        }
+        c.client.set_completion_notify(Some(fd.clone()));
         *n = Some(fd);
         raw
     })

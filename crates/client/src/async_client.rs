@@ -5,7 +5,7 @@
 //! if a credit and a staging buffer or send slot are free now) and then
 //! sleeps until a completion. Completions reach the futures through the
 //! engine's completion fd: an eventfd that the engine signals at every
-//! completion and when the connection is lost ([`Engine::set_notify`]),
+//! completion and when the connection is lost ([`Client::set_completion_notify`]),
 //! watched by tokio's [`AsyncFd`] in one task per client, which wakes the
 //! waiting futures. The engine's progress thread runs the completion
 //! channel (the verbs CQ channel, or the soft provider's socket) and the
@@ -29,7 +29,6 @@
 //! side channel or wait in the blocking client, and run on tokio's blocking
 //! pool; they are not on the data path.
 
-use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -40,7 +39,8 @@ use lwio_proto::status::{NtStatus, STATUS_SUCCESS};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
-use super::engine::{Engine, Stage};
+use super::batch::{Batch, Short};
+use super::engine::Engine;
 use super::{
     status_error, Client, ClientOptions, ClientStats, Completion, Error, File, OpenOptions, Result,
 };
@@ -68,9 +68,7 @@ struct Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         self.reaper.abort();
-        for e in self.client.engines() {
-            e.set_notify(None);
-        }
+        self.client.set_completion_notify(None);
     }
 }
 
@@ -109,7 +107,7 @@ impl AsyncClient {
     }
 
     /// The async flavour of a connected client. It takes over the engines'
-    /// completion fd ([`Engine::set_notify`]): do not also use
+    /// completion fd ([`Client::set_completion_notify`]): do not also use
     /// `lwio_completion_fd`-style notification on the same client.
     /// Must be called within a tokio runtime.
     pub fn from_client(client: Client) -> Result<AsyncClient> {
@@ -135,9 +133,7 @@ impl AsyncClient {
         let wakeup = Arc::new(Wakeup {
             notify: Notify::new(),
         });
-        for e in client.engines() {
-            e.set_notify(Some(fd.clone()));
-        }
+        client.set_completion_notify(Some(fd.clone()));
         let reaper = tokio::spawn(reap(afd, wakeup.clone())).abort_handle();
         Ok(AsyncClient(Arc::new(Shared {
             client,
@@ -182,70 +178,47 @@ pub struct AsyncFile {
     resends: Arc<AtomicU64>,
 }
 
-/// The requests one future has outstanding. Dropped before they are all
-/// reaped (the future was dropped, or gave up on an error), it abandons
-/// them — the engine frees their staging buffers when they complete — and
-/// CANCELs them.
+/// The requests one future has outstanding, in the batch of its call.
+/// Dropped before they are all reaped (the future was dropped, or gave up
+/// on an error), it abandons them — the engine frees their staging buffers
+/// when they complete — and CANCELs them.
 struct Inflight<'a> {
     file: &'a AsyncFile,
-    /// The connection and Fid the requests went out on.
-    engine: Arc<Engine>,
+    /// The Fid the requests went out on (on the batch's connection).
     fid: u16,
-    /// (request, status slot, stage, offset in the call, length)
-    reqs: VecDeque<(ReqId, Option<u32>, Stage, usize, usize)>,
-    /// Completed reads' stages not yet copied out (stage, offset, length):
-    /// the caller's buffer is written only when the whole read is done.
-    kept: Vec<(Stage, usize, usize)>,
-}
-
-impl Inflight<'_> {
-    fn engine(&self) -> &Arc<Engine> {
-        &self.engine
-    }
-
-    fn push(&mut self, req: ReqId, stage: Stage, at: usize, len: usize) {
-        let e = self.engine();
-        let slot = match e.completion_mode() {
-            Completion::Poll => e.slot_of(req),
-            Completion::Interrupt => None,
-        };
-        self.reqs.push_back((req, slot, stage, at, len));
-    }
+    batch: Batch,
 }
 
 impl Drop for Inflight<'_> {
     fn drop(&mut self) {
-        for (stage, ..) in self.kept.drain(..) {
-            self.engine.release_stage(stage);
-        }
-        if self.reqs.is_empty() {
+        let left = self.batch.abandon_all();
+        if left.is_empty() {
             return;
         }
         self.file.cancels.fetch_add(1, Ordering::Relaxed);
-        let e = self.engine().clone();
+        let e = self.batch.engine().clone();
         let fid = self.fid;
         tracing::debug!(
             fid,
-            n = self.reqs.len(),
+            n = left.len(),
             "future dropped: cancelling its requests"
         );
-        let mut left = Vec::new();
-        for (req, ..) in self.reqs.drain(..) {
-            e.abandon_req(req);
+        let mut rest = Vec::new();
+        for req in left {
             match e.try_issue_cancel_request(fid, req) {
                 // Sent (its answer is not awaited), or already complete.
                 Ok(Some(Some(c))) => e.abandon_req(c),
                 Ok(Some(None)) | Err(_) => {}
-                Ok(None) => left.push(req),
+                Ok(None) => rest.push(req),
             }
         }
-        if left.is_empty() {
+        if rest.is_empty() {
             return;
         }
         // No credit now: send the rest when completions return credits.
         let wakeup = self.file.shared.wakeup.clone();
         let cancel = async move {
-            for req in left {
+            for req in rest {
                 loop {
                     let notified = wakeup.notify.notified();
                     tokio::pin!(notified);
@@ -336,22 +309,19 @@ impl AsyncFile {
             .await
     }
 
-    /// Wait for `req`'s completion: (information, status).
-    async fn complete(
-        &self,
-        e: &Arc<Engine>,
-        req: ReqId,
-        slot: Option<u32>,
-    ) -> Result<(u32, NtStatus)> {
+    /// Wait for `req`'s completion: (information, status). `polled`: the
+    /// request completes through its status block in polling mode (an
+    /// I/O; not a CANCEL).
+    async fn complete(&self, e: &Arc<Engine>, req: ReqId, polled: bool) -> Result<(u32, NtStatus)> {
         let deadline = Instant::now() + e.config().op_timeout;
-        let poll = e.completion_mode() == Completion::Poll && slot.is_some();
+        let poll = e.completion_mode() == Completion::Poll && polled;
         let spin_until = Instant::now() + e.config().poll_spin;
         let mut sleeps = 0u32;
         loop {
             let notified = self.shared.wakeup.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(r) = e.try_wait(req, slot, true)? {
+            if let Some(r) = e.try_wait(req, true)? {
                 return Ok(r);
             }
             if poll && Instant::now() < spin_until {
@@ -370,6 +340,43 @@ impl AsyncFile {
             if let Err(err) = self.sleep(notified, step, deadline, "request").await {
                 e.abandon_req(req);
                 return Err(Error::TimedOut(format!("{err}: request {req}")));
+            }
+        }
+    }
+
+    /// Wait for the completion of the oldest part of `b` (an I/O), as
+    /// [`AsyncFile::complete`] waits for one request, and leave it for
+    /// [`Batch::try_reap`]; a timeout is the part's outcome.
+    async fn complete_front(&self, b: &mut Batch) {
+        let e = b.engine().clone();
+        let deadline = Instant::now() + e.config().op_timeout;
+        let poll = e.completion_mode() == Completion::Poll;
+        let spin_until = Instant::now() + e.config().poll_spin;
+        let mut sleeps = 0u32;
+        loop {
+            let notified = self.shared.wakeup.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if b.poll_front(true) {
+                return;
+            }
+            if poll && Instant::now() < spin_until {
+                // Polling: the status block lands with no event; look again
+                // after the other tasks of this thread had their turn.
+                tokio::task::yield_now().await;
+                continue;
+            }
+            let step = if poll {
+                e.arm_interrupt();
+                sleeps += 1;
+                Duration::from_millis(1 << (sleeps - 1).min(6))
+            } else {
+                Duration::from_millis(50)
+            };
+            if let Err(err) = self.sleep(notified, step, deadline, "request").await {
+                let req = b.front_req().unwrap_or_default();
+                b.give_up_front(Error::TimedOut(format!("{err}: request {req}")));
+                return;
             }
         }
     }
@@ -415,13 +422,10 @@ impl AsyncFile {
         let depth = usize::from(e.credits()).clamp(1, e.config().stage_slots);
         let mut inflight = Inflight {
             file: self,
-            engine: e.clone(),
             fid,
-            reqs: VecDeque::new(),
-            kept: Vec::new(),
+            batch: Batch::new(e.clone(), fid, offset, Short::Ends),
         };
-        let (mut issued, mut total) = (0usize, 0usize);
-        let mut stop: Option<Result<usize>> = None;
+        let b = &mut inflight.batch;
         let deadline = Instant::now() + e.config().op_timeout;
         // The caller's buffer is written only once the read is complete (a
         // future dropped before that leaves it untouched): a read that fits
@@ -432,19 +436,16 @@ impl AsyncFile {
             let notified = self.shared.wakeup.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            while stop.is_none() && issued < buf.len() && inflight.reqs.len() < depth {
-                let len = chunk.min(buf.len() - issued);
-                match e.try_issue_read(fid, offset + issued as u64, len) {
-                    Ok(Some((req, stage))) => {
-                        inflight.push(req, stage, issued, len);
-                        issued += len;
-                    }
-                    Ok(None) => break,
-                    Err(err) => stop = Some(Err(err)),
+            while !b.ended() && b.issued() < buf.len() && b.outstanding() < depth {
+                let len = chunk.min(buf.len() - b.issued());
+                match b.try_read(len) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(err) => b.fail(err),
                 }
             }
-            let Some(&(req, slot, stage, at, len)) = inflight.reqs.front() else {
-                if stop.is_some() || issued >= buf.len() {
+            if b.outstanding() == 0 {
+                if b.ended() || b.issued() >= buf.len() {
                     break;
                 }
                 // Nothing of ours out and no credit or staging buffer free:
@@ -452,34 +453,27 @@ impl AsyncFile {
                 // Staging buffers kept by this read are given back first (their
                 // data moved aside), or reads that each hold some and wait for
                 // more would wait for one another.
-                if !inflight.kept.is_empty() {
-                    let v = collect.get_or_insert_with(|| vec![0u8; buf.len()]);
-                    for (stage, at, n) in inflight.kept.drain(..) {
-                        e.finish_stage(stage, &mut v[at..at + n]);
-                    }
+                if b.has_kept() {
+                    b.copy_kept(collect.get_or_insert_with(|| vec![0u8; buf.len()]));
                     continue;
                 }
                 self.credit_wait(notified, deadline).await?;
                 continue;
-            };
-            let r = self.complete(&e, req, slot).await;
-            inflight.reqs.pop_front();
-            let kept = &mut inflight.kept;
-            f.read_outcome(&e, r, stage, at, len, &mut total, &mut stop, |stage, n| {
+            }
+            self.complete_front(b).await;
+            if let Some(l) = b.try_reap(false) {
                 match &mut collect {
-                    Some(v) => e.finish_stage(stage, &mut v[at..at + n]),
-                    None => kept.push((stage, at, n)),
+                    Some(v) => l.copy_into(v),
+                    None => l.keep(),
                 }
-            });
+            }
         }
-        let r = stop.unwrap_or(Ok(total));
-        if r.is_ok() {
+        let r = f.read_result(b.take_end());
+        if let Ok(total) = r {
             if let Some(v) = &collect {
                 buf[..total].copy_from_slice(&v[..total]);
             }
-            for (stage, at, n) in inflight.kept.drain(..) {
-                e.finish_stage(stage, &mut buf[at..at + n]);
-            }
+            b.copy_kept(buf);
         }
         r
     }
@@ -512,45 +506,35 @@ impl AsyncFile {
         let depth = usize::from(e.credits()).max(1);
         let mut inflight = Inflight {
             file: self,
-            engine: e.clone(),
             fid,
-            reqs: VecDeque::new(),
-            kept: Vec::new(),
+            batch: Batch::new(e.clone(), fid, offset, Short::Fails),
         };
-        let (mut issued, mut done) = (0usize, 0usize);
-        let mut err: Option<Error> = None;
+        let b = &mut inflight.batch;
         let deadline = Instant::now() + e.config().op_timeout;
         loop {
             let notified = self.shared.wakeup.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            while err.is_none() && issued < data.len() && inflight.reqs.len() < depth {
+            while !b.ended() && b.issued() < data.len() && b.outstanding() < depth {
+                let issued = b.issued();
                 let len = chunk.min(data.len() - issued);
-                let at = offset + issued as u64;
-                match e.try_issue_write(fid, at, &data[issued..issued + len]) {
-                    Ok(Some(req)) => {
-                        inflight.push(req, Stage::User, issued, len);
-                        issued += len;
-                    }
-                    Ok(None) => break,
-                    Err(x) => err = Some(x),
+                match b.try_write(&data[issued..issued + len]) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(x) => b.fail(x),
                 }
             }
-            let Some(&(req, slot, _, _, len)) = inflight.reqs.front() else {
-                if err.is_some() || issued >= data.len() {
+            if b.outstanding() == 0 {
+                if b.ended() || b.issued() >= data.len() {
                     break;
                 }
                 self.credit_wait(notified, deadline).await?;
                 continue;
-            };
-            let r = self.complete(&e, req, slot).await;
-            inflight.reqs.pop_front();
-            f.write_outcome(r, len, &mut done, &mut err);
+            }
+            self.complete_front(b).await;
+            drop(b.try_reap(false));
         }
-        match err {
-            Some(e) => Err(e),
-            None => Ok(done),
-        }
+        f.write_result(b.take_end())
     }
 
     /// CANCEL this file's outstanding I/O (docs/protocol.md §5.9).
@@ -566,7 +550,7 @@ impl AsyncFile {
             }
             self.credit_wait(notified, deadline).await?;
         };
-        match self.complete(&e, req, None).await? {
+        match self.complete(&e, req, false).await? {
             (_, STATUS_SUCCESS) => Ok(()),
             (_, st) => Err(status_error("CANCEL", st)),
         }

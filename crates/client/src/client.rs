@@ -319,6 +319,16 @@ impl Client {
         self.0.channels()
     }
 
+    /// Signal `fd` (an eventfd) at every request completion on every
+    /// channel from now on (`None`: stop), so that a caller can sleep in
+    /// epoll until there is something to reap (the C API's
+    /// `lwio_completion_fd`).
+    pub fn set_completion_notify(&self, fd: Option<Arc<std::os::fd::OwnedFd>>) {
+        for e in self.0.channels() {
+            e.set_notify(fd.clone());
+        }
+    }
+
     /// Statistics of channel `n`, if it exists.
     pub fn channel_stats(&self, n: usize) -> Option<ClientStats> {
         (n < self.channels()).then(|| self.0.channel(n).stats())

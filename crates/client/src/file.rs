@@ -3,12 +3,7 @@
 
 use super::*;
 
-/// Where a read's data goes: copied out of staging into the caller's
-/// slice, or written directly into registered caller memory.
-pub(crate) enum ReadInto<'a> {
-    Staged(&'a mut [u8]),
-    User(&'a engine::UserDst),
-}
+use crate::batch::{Batch, End, Short};
 
 /// A buffer whose registration the client caches (see
 /// [`Client::register_buffer`]). It dereferences to `[u8]`.
@@ -132,17 +127,23 @@ impl File {
         self.now().fid
     }
 
-    /// The engine of the channel this file is registered on (for callers
-    /// that issue and reap requests themselves, as the C batch API does),
-    /// with its Fid there. After a lost connection this registers the file
-    /// on the new one first (waiting for the reconnect, up to `op_timeout`).
-    pub fn channel_engine(&self) -> Arc<Engine> {
+    /// The engine of the channel this file is registered on now.
+    pub(crate) fn channel_engine(&self) -> Arc<Engine> {
         self.now().engine
+    }
+
+    /// A [`Batch`] for a call at `offset` of this file, on the channel it
+    /// is registered on now (no re-registration: after a lost connection
+    /// its requests fail with it), for callers that issue and reap the
+    /// parts of their calls themselves (the C batch API, POSIX AIO).
+    pub fn batch(&self, offset: u64, short: Short) -> Batch {
+        let r = self.now();
+        Batch::new(r.engine, r.fid, offset, short)
     }
 
     /// The engine and Fid to issue requests on, registered on the current
     /// connection (after a reconnect, waiting for it up to `op_timeout`).
-    pub fn current(&self) -> Result<(Arc<Engine>, u16)> {
+    pub(crate) fn current(&self) -> Result<(Arc<Engine>, u16)> {
         self.retry(|r| Ok((r.engine.clone(), r.fid)))
     }
 
@@ -238,7 +239,8 @@ impl File {
         }
         // Staged: no window covers the buffer, so a slice of it is fine.
         let slice = &mut buf[range];
-        self.read_chunks(r, len, offset, false, ReadInto::Staged(slice))
+        let b = Batch::new(r.engine.clone(), r.fid, offset, Short::Ends);
+        self.read_chunks(b, len, false, Some(slice))
     }
 
     pub(crate) fn read_impl(
@@ -278,12 +280,14 @@ impl File {
             }
         }
         let len = buf.len();
-        self.read_chunks(r, len, offset, vectored, ReadInto::Staged(buf))
+        let b = Batch::new(r.engine.clone(), r.fid, offset, Short::Ends);
+        self.read_chunks(b, len, vectored, Some(buf))
     }
 
     /// Read `len` bytes at `offset` straight into the caller memory that
-    /// `Engine::user_dst` returned, fenced before this returns; `None` when
-    /// it returned none (or failed): the caller stages instead.
+    /// `Engine::user_dst` returned, fenced before this returns (the batch
+    /// it lands through fences it); `None` when it returned none (or
+    /// failed): the caller stages instead.
     pub(crate) fn read_direct(
         &self,
         r: &reconnect::Route,
@@ -295,10 +299,9 @@ impl File {
         match dst {
             Ok(None) => None,
             Ok(Some(dst)) => {
-                let x = self.read_chunks(r, len, offset, vectored, ReadInto::User(&dst));
-                r.engine.fence_group(dst.group());
-                drop(dst);
-                Some(x)
+                let mut b = Batch::new(r.engine.clone(), r.fid, offset, Short::Ends);
+                b.land_in(dst);
+                Some(self.read_chunks(b, len, vectored, None))
             }
             Err(err) => {
                 debug!(error = %err, len, "cannot register the caller's buffer; staging");
@@ -307,112 +310,73 @@ impl File {
         }
     }
 
+    /// Read `blen` bytes through `b`, pipelined up to the credits (and
+    /// the staging buffers): into the batch's caller memory, or staged and
+    /// copied into `staged`.
     pub(crate) fn read_chunks(
         &self,
-        r: &reconnect::Route,
+        mut b: Batch,
         blen: usize,
-        offset: u64,
         vectored: bool,
-        mut into: ReadInto,
+        mut staged: Option<&mut [u8]>,
     ) -> Result<usize> {
-        let (e, fid) = (&*r.engine, r.fid);
+        let e = b.engine().clone();
         let page = e.client_page_size();
         // Into registered caller memory a READ is one request up to the
         // server's MAX_MESSAGE (VEC_READ stays within the window).
-        let chunk = match into {
-            ReadInto::User(_) if !vectored => e.max_read_direct(),
-            _ => e.max_read(),
+        let direct = b.lands_in_caller();
+        let chunk = if direct && !vectored {
+            e.max_read_direct()
+        } else {
+            e.max_read()
         };
-        let depth = match into {
-            ReadInto::User(_) => usize::from(e.credits()).max(1),
-            ReadInto::Staged(_) => usize::from(e.credits()).clamp(1, e.cfg.stage_slots),
+        let depth = if direct {
+            usize::from(e.credits()).max(1)
+        } else {
+            usize::from(e.credits()).clamp(1, e.cfg.stage_slots)
         };
-        let mut pending = std::collections::VecDeque::new();
-        let mut issued = 0usize;
-        let mut total = 0usize;
-        let mut stop: Option<Result<usize>> = None;
         loop {
-            while stop.is_none() && issued < blen && pending.len() < depth {
-                let len = chunk.min(blen - issued);
+            while !b.ended() && b.issued() < blen && b.outstanding() < depth {
+                let len = chunk.min(blen - b.issued());
                 // VEC_READ needs a last region that is a multiple of 512.
                 let vec = (vectored && len.is_multiple_of(512)).then_some(page);
-                let dst = match &into {
-                    ReadInto::User(d) => Some((*d, issued)),
-                    ReadInto::Staged(_) => None,
-                };
-                match e.issue_read_to(fid, offset + issued as u64, len, vec, dst) {
-                    Ok((req, stage)) => {
-                        let slot = if e.cfg.completion == Completion::Poll {
-                            e.slot_of(req)
-                        } else {
-                            None
-                        };
-                        pending.push_back((req, slot, stage, issued, len));
-                        issued += len;
-                    }
-                    Err(err) => stop = Some(Err(err)),
+                if let Err(err) = b.read(len, vec) {
+                    b.fail(err);
                 }
             }
-            let Some((req, slot, stage, at, len)) = pending.pop_front() else {
+            let Some(l) = b.reap() else {
                 break;
             };
-            let w = e.wait(req, slot);
-            self.read_outcome(e, w, stage, at, len, &mut total, &mut stop, |stage, n| {
-                if let ReadInto::Staged(buf) = &mut into {
-                    e.finish_stage(stage, &mut buf[at..at + n]);
-                }
-            });
+            if let Some(buf) = staged.as_deref_mut() {
+                l.copy_into(buf);
+            }
         }
-        stop.unwrap_or(Ok(total))
+        self.read_result(b.finish())
     }
 
-    /// Account one READ request's completion, for bytes `at..at + len` of
-    /// the call: data that continues the call's `total` goes to `land`
-    /// (with the request's stage, which it takes); otherwise the stage is
-    /// given back, and the end of the call (EOF, a short read, the first
-    /// error) goes to `stop`. The engine keeps (and frees) the stage of an
-    /// abandoned request (`Err`).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn read_outcome(
-        &self,
-        e: &Engine,
-        r: Result<(u32, NtStatus)>,
-        stage: engine::Stage,
-        at: usize,
-        len: usize,
-        total: &mut usize,
-        stop: &mut Option<Result<usize>>,
-        land: impl FnOnce(engine::Stage, usize),
-    ) {
-        match r {
-            Ok((n, STATUS_SUCCESS)) => {
-                let n = (n as usize).min(len);
-                if stop.is_none() && at == *total {
-                    land(stage, n);
-                    *total += n;
-                    if n < len {
-                        *stop = Some(Ok(*total));
-                    }
-                } else {
-                    e.release_stage(stage);
-                }
-            }
-            Ok((_, STATUS_END_OF_FILE)) => {
-                e.release_stage(stage);
-                stop.get_or_insert(Ok(*total));
-            }
-            Ok((_, st)) => {
-                e.release_stage(stage);
-                stop.get_or_insert_with(|| {
-                    Err(status_error(
-                        format!("READ of {}/{}", self.export, self.path),
-                        st,
-                    ))
-                });
-            }
-            Err(err) => {
-                stop.get_or_insert(Err(err));
-            }
+    /// A read's result from its batch's end: the bytes read, short at the
+    /// end of the file; or the error.
+    pub(crate) fn read_result(&self, (total, end): (usize, Option<End>)) -> Result<usize> {
+        match end {
+            None | Some(End::Short) | Some(End::Status(STATUS_END_OF_FILE)) => Ok(total),
+            Some(End::Status(st)) => Err(status_error(
+                format!("READ of {}/{}", self.export, self.path),
+                st,
+            )),
+            Some(End::Failed(err)) => Err(err),
+        }
+    }
+
+    /// A write's result from its batch's end: every byte written, or the
+    /// first error.
+    pub(crate) fn write_result(&self, (total, end): (usize, Option<End>)) -> Result<usize> {
+        match end {
+            None | Some(End::Short) => Ok(total),
+            Some(End::Status(st)) => Err(status_error(
+                format!("WRITE to {}/{}", self.export, self.path),
+                st,
+            )),
+            Some(End::Failed(err)) => Err(err),
         }
     }
 
@@ -473,14 +437,18 @@ impl File {
         // `RegisteredBuf`'s cached registration, or one for this call):
         // nothing is copied into send slots.
         let zero_copy = buf.len() > chunk && e.max_write_message(true) > chunk;
-        // SAFETY: `buf` is borrowed for this whole call, and every send
-        // from it is fenced (`fence_sends`) before the call returns.
-        let src = if zero_copy {
-            unsafe { e.write_source(buf, true) }.unwrap_or(None)
-        } else {
-            None
-        };
-        let msg_max = e.max_write_message(src.is_some());
+        let mut b = Batch::new(r.engine.clone(), fid, offset, Short::Fails);
+        if zero_copy {
+            // SAFETY: `buf` stays borrowed (allocated and unchanged) for
+            // this whole call, and the batch that sends from the
+            // registration fences every send from it (`Engine::fence_sends`)
+            // when it is finished or dropped, before this returns.
+            if let Some(src) = unsafe { e.write_source(buf, true) }.unwrap_or(None) {
+                b.send_from(src, true);
+            }
+        }
+        let zero_copy = b.sends_from_caller();
+        let msg_max = e.max_write_message(zero_copy);
         let plain = chunk;
         let mut message = false;
         if buf.len() > chunk && msg_max > chunk {
@@ -498,7 +466,7 @@ impl File {
         // back an idle connection's, before a message or while it waited to
         // go): smaller messages, or plain requests.
         let shrink = |chunk: &mut usize, message: &mut bool| {
-            let fits = e.max_write_message(src.is_some());
+            let fits = e.max_write_message(zero_copy);
             if fits > plain {
                 *chunk = fits;
                 if self.no_buffering && *chunk >= usize::from(page) {
@@ -510,82 +478,31 @@ impl File {
             }
         };
         let depth = usize::from(e.credits()).max(1);
-        let mut pending = std::collections::VecDeque::new();
-        let mut issued = 0usize;
-        let mut done = 0usize;
-        let mut err: Option<Error> = None;
         loop {
-            while err.is_none() && issued < buf.len() && pending.len() < depth {
+            while !b.ended() && b.issued() < buf.len() && b.outstanding() < depth {
+                let issued = b.issued();
                 let len = chunk.min(buf.len() - issued);
                 let data = &buf[issued..issued + len];
                 let r = if message {
-                    let sub = src.as_ref().map(|u| u.at(issued));
-                    e.issue_write_message(
-                        fid,
-                        offset + issued as u64,
-                        data,
-                        vectored.then_some(page),
-                        sub.as_ref(),
-                    )
+                    b.write_message(data, vectored.then_some(page))
                 } else if vectored {
-                    e.issue_vec_write(fid, offset + issued as u64, page, len as u32, data, false)
+                    b.vec_write(page, data)
                 } else {
-                    e.issue_write(fid, offset + issued as u64, data)
+                    b.write(data)
                 };
                 match r {
-                    Ok(req) => {
-                        let slot = if e.cfg.completion == Completion::Poll {
-                            e.slot_of(req)
-                        } else {
-                            None
-                        };
-                        pending.push_back((req, slot, len));
-                        issued += len;
-                    }
-                    Err(_) if message && e.max_write_message(src.is_some()) < len => {
+                    Ok(()) => {}
+                    Err(_) if message && e.max_write_message(zero_copy) < len => {
                         shrink(&mut chunk, &mut message);
                     }
-                    Err(x) => err = Some(x),
+                    Err(x) => b.fail(x),
                 }
             }
-            let Some((req, slot, len)) = pending.pop_front() else {
+            if b.reap().is_none() {
                 break;
-            };
-            self.write_outcome(e.wait(req, slot), len, &mut done, &mut err);
-        }
-        if let Some(u) = &src {
-            e.fence_sends(u);
-        }
-        match err {
-            Some(e) => Err(e),
-            None => Ok(done),
-        }
-    }
-
-    /// Account one WRITE request's completion: `len` bytes more `done`, or
-    /// the first error.
-    pub(crate) fn write_outcome(
-        &self,
-        r: Result<(u32, NtStatus)>,
-        len: usize,
-        done: &mut usize,
-        err: &mut Option<Error>,
-    ) {
-        match r {
-            Ok((n, STATUS_SUCCESS)) if n as usize == len => *done += len,
-            Ok((n, STATUS_SUCCESS)) => {
-                err.get_or_insert(Error::Io(format!("short write: {n} of {len} bytes")));
-            }
-            Ok((_, st)) => {
-                err.get_or_insert(status_error(
-                    format!("WRITE to {}/{}", self.export, self.path),
-                    st,
-                ));
-            }
-            Err(x) => {
-                err.get_or_insert(x);
             }
         }
+        self.write_result(b.finish())
     }
 
     /// Write `page` repeated to fill `total` bytes at `offset` using
@@ -613,12 +530,7 @@ impl File {
                 let w = self.retry(|r| {
                     let e = &r.engine;
                     let req = e.issue_vec_write(r.fid, at, ps as u16, len, data, true)?;
-                    let slot = if e.cfg.completion == Completion::Poll {
-                        e.slot_of(req)
-                    } else {
-                        None
-                    };
-                    e.wait(req, slot)
+                    e.wait(req, None)
                 })?;
                 match w {
                     (n, STATUS_SUCCESS) if n == len => done += u64::from(len),

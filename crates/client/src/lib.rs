@@ -27,13 +27,17 @@
 //! resume key and REGISTERs it on the RDMA channel; reads and writes then go
 //! over RDMA only. [`AsyncClient`] / [`AsyncFile`] are the tokio flavour.
 //!
-//! See [`engine`] for the data path (threads, memory windows, completion
-//! modes).
+//! A call's requests are issued and reaped through a [`Batch`] (the
+//! blocking and async files, the C API's batch calls and the preload's AIO
+//! share it). The data path under it (threads, memory windows, completion
+//! modes) is the crate's private `engine` module; docs/architecture.md
+//! describes it.
 
 pub mod async_client;
+pub mod batch;
 pub mod connect;
 pub mod discovery;
-pub mod engine;
+pub(crate) mod engine;
 pub mod errno;
 pub mod handoff;
 pub mod publish;
@@ -61,9 +65,10 @@ use lwio_proto::NtStatus;
 use tracing::{debug, info};
 
 pub use async_client::{AsyncClient, AsyncFile};
+pub use batch::{Batch, Connection, End, Landing, Short};
 pub use connect::ConnectArgs;
-use engine::{status_text, EngineConfig};
-pub use engine::{ClientStats, Engine};
+pub use engine::{status_text, ClientStats, BOUNCE_THRESHOLD};
+use engine::{Engine, EngineConfig};
 /// How the side channel is secured ([`ClientOptions::tls`]).
 pub use lwio_side::ClientTls;
 pub use publish::{MemRights, PublishError, Published};

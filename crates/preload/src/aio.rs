@@ -21,9 +21,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use libc::{aiocb, ssize_t};
-use lwio_client::engine::{Engine, Stage};
-use lwio_proto::client::ReqId;
-use lwio_proto::status::{NtStatus, STATUS_END_OF_FILE, STATUS_SUCCESS};
+use lwio_client::{Batch, End, Short};
+use lwio_proto::status::STATUS_END_OF_FILE;
 
 use crate::real;
 use crate::state::{self, busy, count, lock, set_errno, Open, COUNTERS};
@@ -71,22 +70,11 @@ struct Aio {
     landed: Condvar,
 }
 
-/// One request of a job on the wire.
-struct Part {
-    req: ReqId,
-    slot: Option<u32>,
-    /// A read's staging buffer (its data is copied out when reaped).
-    stage: Option<Stage>,
-    /// Offset in the job's buffer, and length.
-    at: usize,
-    len: usize,
-}
-
 /// A job issued on a connection, waiting for its completions.
 struct Flight {
     job: Job,
-    engine: Arc<Engine>,
-    parts: Vec<Part>,
+    /// Its requests (the parts of its buffer), on its file's connection.
+    batch: Batch,
     /// The errno of a part that could not be issued (none after it were).
     issue_error: Option<c_int>,
 }
@@ -205,43 +193,38 @@ fn issue(a: &'static Aio, j: Job) -> Result<(), Job> {
     if j.len == 0 || j.buf == 0 || off.checked_add(j.len as u64).is_none() {
         return Err(j); // the worker path gives the exact result or error
     }
-    let e = j.o.file.channel_engine().clone();
-    let chunk = if write { e.max_write() } else { e.max_read() };
+    // A short part ends the job (the end of the file, for a read).
+    let mut batch = j.o.file.batch(off, Short::Ends);
+    let chunk = if write {
+        batch.max_write()
+    } else {
+        batch.max_read()
+    };
     let n_parts = j.len.div_ceil(chunk);
     // A read needs a staging buffer per part now; staging buffers come
     // back only as the reaper finishes reads, so never wait for them here.
-    if !write && e.free_stages(chunk.min(j.len)) < n_parts {
+    if !write && batch.free_stages(chunk.min(j.len)) < n_parts {
         return Err(j);
     }
-    let fid = j.o.file.fid();
-    let mut parts = Vec::with_capacity(n_parts);
     let mut issue_error = None;
-    let mut at = 0usize;
-    while at < j.len {
+    while batch.issued() < j.len {
+        let at = batch.issued();
         let n = chunk.min(j.len - at);
-        let pos = off + at as u64;
         let r = if write {
             // SAFETY: the program lent `aio_nbytes` readable bytes at
-            // `aio_buf` until aio_return; `issue_write` only reads them,
+            // `aio_buf` until aio_return; `Batch::write` only reads them,
             // copying them into a free send slot or, with none free, into
             // its queue of outgoing messages, before it returns.
             let data = unsafe { std::slice::from_raw_parts((j.buf as *const u8).add(at), n) };
-            e.issue_write(fid, pos, data).map(|req| (req, None))
+            batch.write(data)
         } else {
-            e.issue_read(fid, pos, n, None)
-                .map(|(req, s)| (req, Some(s)))
+            batch.read(n, None)
         };
         match r {
-            Ok((req, stage)) => parts.push(Part {
-                req,
-                slot: e.slot_of(req),
-                stage,
-                at,
-                len: n,
-            }),
+            Ok(()) => {}
             // Nothing on the wire yet: the worker path runs it (and goes
             // to the kernel if the connection is lost).
-            Err(_) if parts.is_empty() => return Err(j),
+            Err(_) if batch.outstanding() == 0 => return Err(j),
             Err(err) => {
                 issue_error = Some(lwio_client::errno::client(&err));
                 break;
@@ -250,15 +233,13 @@ fn issue(a: &'static Aio, j: Job) -> Result<(), Job> {
         if write {
             j.o.dirty.store(true, Ordering::Relaxed);
         }
-        at += n;
     }
     // On the wire now: the reaper may be asleep waiting for an earlier one.
-    e.flush();
+    batch.flush();
     let mut f = lock(&a.flights);
     f.0.push_back(Flight {
         job: j,
-        engine: e,
-        parts,
+        batch,
         issue_error,
     });
     if !f.1 {
@@ -301,65 +282,41 @@ fn reaper(a: &'static Aio) {
     }
 }
 
-/// A request the engine abandoned (the connection is gone); the engine
-/// frees its staging buffer itself.
-const LOST: NtStatus = 0xC000_020C;
-
 /// Wait for a flight's parts, copy read data to the program, complete it.
-fn land(a: &Aio, mut fl: Flight) {
-    let j = &fl.job;
+fn land(a: &Aio, fl: Flight) {
+    let Flight {
+        job: j,
+        mut batch,
+        issue_error,
+    } = fl;
     let write = matches!(j.op, Op::Write);
-    let mut total = 0usize;
-    let mut err = None;
-    let mut ended = false;
-    let mut lost = false;
-    for p in fl.parts.iter_mut() {
-        let (n, st) = match fl.engine.wait(p.req, p.slot) {
-            Ok(r) => r,
-            Err(_) => {
-                p.stage = None;
-                (0, LOST)
-            }
-        };
-        let n = (n as usize).min(p.len);
-        let good = st == STATUS_SUCCESS && !ended && err.is_none() && !lost;
-        match p.stage.take() {
-            Some(s) if good => {
-                // SAFETY: the program lent `aio_nbytes` writable bytes at
-                // `aio_buf` until aio_return; this copy out of the staging
-                // buffer is the only write to them.
-                let dst =
-                    unsafe { std::slice::from_raw_parts_mut((j.buf as *mut u8).add(p.at), n) };
-                fl.engine.finish_stage(s, dst);
-            }
-            Some(s) => fl.engine.release_stage(s),
-            None => {}
-        }
-        if good {
-            total += n;
-            ended = n < p.len;
-        } else if st == LOST {
-            lost = true;
-        } else if st == STATUS_END_OF_FILE {
-            ended = true;
-        } else if err.is_none() && !ended && st != STATUS_SUCCESS {
-            err = Some(lwio_client::errno::client(&lwio_client::Error::Status {
-                what: if write { "WRITE" } else { "READ" }.into(),
-                status: st,
-            }));
-        }
+    while let Some(l) = batch.reap() {
+        // SAFETY: the program lent `aio_nbytes` writable bytes at
+        // `aio_buf` until aio_return; this copy out of the staging buffer
+        // is the only write to them.
+        unsafe { l.copy_into_raw(j.buf as *mut u8) };
     }
-    if lost && !ended && err.is_none() {
-        // The server went away mid-request: the whole request again on the
-        // kernel path (a write of the same bytes to the same place is
-        // idempotent), as the synchronous calls do.
-        let (ret, e) = match transfer(j, write) {
-            Ok(n) => (n, 0),
-            Err(e) => (-1, e),
-        };
-        complete(a, j, ret, e);
-        return;
-    }
+    let (total, end) = batch.finish();
+    let err = match end {
+        None | Some(End::Short) | Some(End::Status(STATUS_END_OF_FILE)) => None,
+        Some(End::Status(st)) => Some(lwio_client::errno::client(&lwio_client::Error::Status {
+            what: if write { "WRITE" } else { "READ" }.into(),
+            status: st,
+        })),
+        // A part's completion never came (the connection is gone, or it
+        // timed out).
+        Some(End::Failed(_)) => {
+            // The server went away mid-request: the whole request again on
+            // the kernel path (a write of the same bytes to the same place
+            // is idempotent), as the synchronous calls do.
+            let (ret, e) = match transfer(&j, write) {
+                Ok(n) => (n, 0),
+                Err(e) => (-1, e),
+            };
+            complete(a, &j, ret, e);
+            return;
+        }
+    };
     if write {
         count(&COUNTERS.writes, 1);
         count(&COUNTERS.write_bytes, total as u64);
@@ -367,11 +324,11 @@ fn land(a: &Aio, mut fl: Flight) {
         count(&COUNTERS.reads, 1);
         count(&COUNTERS.read_bytes, total as u64);
     }
-    let (ret, e) = match (err.or(fl.issue_error), total) {
+    let (ret, e) = match (err.or(issue_error), total) {
         (Some(e), 0) => (-1, e),
         _ => (total as isize, 0),
     };
-    complete(a, j, ret, e);
+    complete(a, &j, ret, e);
 }
 
 /// Queue a request on our file; Err = not ours (the C library's).

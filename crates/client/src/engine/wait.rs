@@ -74,9 +74,11 @@ impl Engine {
     }
 
     /// The status block slot of an outstanding polled request (None once it
-    /// completed, or with interrupts). [`Engine::wait`] and
-    /// [`Engine::try_wait`] no longer need it: they look the slot up
-    /// themselves, under the lock that also sees the completion.
+    /// completed, or with interrupts). Nothing in the crate needs it:
+    /// [`Engine::wait`] and [`Engine::try_wait`] look the slot up
+    /// themselves, under the lock that also sees the completion. Kept with
+    /// `wait`'s ignored `_slot` while the end-to-end tests (e2e_io) call
+    /// them through `Client::engine`.
     pub fn slot_of(&self, req: ReqId) -> Option<u32> {
         if self.cfg.completion != Completion::Poll {
             return None;
@@ -87,8 +89,8 @@ impl Engine {
     /// Wait for a request's completion: (information, status). The status
     /// block to watch (polling) is the request's own, looked up here under
     /// the lock that also sees its completion; `_slot` (what
-    /// [`Engine::slot_of`] said) is ignored and kept for source
-    /// compatibility.
+    /// [`Engine::slot_of`] said) is ignored, kept only while the
+    /// end-to-end tests (e2e_io) pass one.
     pub fn wait(&self, req: ReqId, _slot: Option<u32>) -> Result<(u32, NtStatus)> {
         let _waiting = Waiting::new(self);
         let slot = {
@@ -313,15 +315,9 @@ impl Engine {
     /// `drive`, first runs the completion queue once, as a waiting caller
     /// does; without, only looks (cheap: for the requests after the first
     /// of a batch, whose completions the first one's progress brought in).
-    /// The C API's batch reaping uses it.
-    /// The status block is looked up as by [`Engine::wait`]; `_slot` is
-    /// ignored.
-    pub fn try_wait(
-        &self,
-        req: ReqId,
-        _slot: Option<u32>,
-        drive: bool,
-    ) -> Result<Option<(u32, NtStatus)>> {
+    /// [`crate::Batch`]'s non-blocking looks use it. The status block is
+    /// looked up as by [`Engine::wait`].
+    pub fn try_wait(&self, req: ReqId, drive: bool) -> Result<Option<(u32, NtStatus)>> {
         let slot = {
             let mut st = lock(&self.st);
             if let Some(r) = take_done(&mut st, req) {
