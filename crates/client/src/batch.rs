@@ -456,7 +456,7 @@ impl Batch {
     pub fn reap(&mut self) -> Option<Landing<'_>> {
         let p = self.parts.front_mut()?;
         if p.done.is_none() {
-            p.done = Some(self.engine.wait(p.req, None));
+            p.done = Some(self.engine.wait(p.req));
         }
         self.take_front()
     }
@@ -507,7 +507,7 @@ impl Batch {
     /// Wait for the completion of every part not yet complete.
     pub fn wait_all(&mut self) {
         for p in self.parts.iter_mut().filter(|p| p.done.is_none()) {
-            p.done = Some(self.engine.wait(p.req, None));
+            p.done = Some(self.engine.wait(p.req));
         }
     }
 

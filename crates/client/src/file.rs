@@ -530,7 +530,7 @@ impl File {
                 let w = self.retry(|r| {
                     let e = &r.engine;
                     let req = e.issue_vec_write(r.fid, at, ps as u16, len, data, true)?;
-                    e.wait(req, None)
+                    e.wait(req)
                 })?;
                 match w {
                     (n, STATUS_SUCCESS) if n == len => done += u64::from(len),
@@ -557,7 +557,7 @@ impl File {
     pub fn cancel(&self) -> Result<()> {
         let (e, fid) = self.current()?;
         let r = e.issue_cancel(fid)?;
-        match e.wait(r, None)? {
+        match e.wait(r)? {
             (_, STATUS_SUCCESS) => Ok(()),
             (_, st) => Err(status_error("CANCEL", st)),
         }
@@ -571,7 +571,7 @@ impl File {
         let Some(r) = e.issue_cancel_request(fid, req)? else {
             return Ok(());
         };
-        match e.wait(r, None)? {
+        match e.wait(r)? {
             (_, STATUS_SUCCESS) => Ok(()),
             (_, st) => Err(status_error("CANCEL", st)),
         }
@@ -616,7 +616,7 @@ impl File {
                 return self.client.0.side_once(|s| s.fsync(r.handle, data_only));
             }
             let req = r.engine.issue_flush(r.fid, data_only)?;
-            match r.engine.wait(req, None)? {
+            match r.engine.wait(req)? {
                 (_, STATUS_SUCCESS) => Ok(()),
                 (_, st) => Err(status_error(
                     if data_only {
@@ -673,7 +673,7 @@ impl File {
         self.closed = true;
         let r = self.retry(|r| {
             let e = &r.engine;
-            let rdma = e.issue_close(r.fid).and_then(|x| e.wait(x, None));
+            let rdma = e.issue_close(r.fid).and_then(|x| e.wait(x));
             let side = self.client.0.side_once(|s| s.close(r.handle));
             Ok((rdma?, side))
         });
@@ -718,7 +718,7 @@ impl Drop for File {
 /// the side channel, no reconnect.
 pub(crate) fn close_once(client: &Client, r: &reconnect::Route) {
     let e = &r.engine;
-    if let Err(e) = e.issue_close(r.fid).and_then(|x| e.wait(x, None)) {
+    if let Err(e) = e.issue_close(r.fid).and_then(|x| e.wait(x)) {
         debug!(error = %e, "closing a dropped file (RDMA)");
     }
     if let Err(e) = client.0.side_once(|s| s.close(r.handle)) {

@@ -95,7 +95,7 @@ pub(crate) fn register(
     };
     match e
         .issue_register(rf.resume_key.key, flags)
-        .and_then(|r| e.wait(r, None))?
+        .and_then(|r| e.wait(r))?
     {
         (fid, STATUS_SUCCESS) if fid != 0 && fid <= 0xffff => Ok(Route {
             channel,

@@ -5,19 +5,16 @@
 //! this way (docs/mount.md, "Unstable writes").
 
 use super::*;
-use lwio_proto::client::ReqId;
+use crate::batch::{Batch, End, Short};
 
-/// One WRITE request on its way (see [`File::start_write`]). Dropping it
-/// without [`PendingWrite::wait`] abandons the answer (the write still
-/// happens, or not, unobserved).
+/// One WRITE request on its way (see [`File::start_write`]): a [`Batch`] of
+/// one part, reaped later. Dropping it without [`PendingWrite::wait`]
+/// abandons the answer (the write still happens, or not, unobserved).
 pub struct PendingWrite {
-    engine: Arc<Engine>,
-    req: ReqId,
+    batch: Batch,
     len: usize,
-    /// Its answer once seen (by `poll`), until `wait` takes it.
+    /// Its outcome once seen (by `poll`), until `wait` takes it.
     result: Option<Result<usize>>,
-    /// Whether the engine no longer holds the request.
-    settled: bool,
 }
 
 impl std::fmt::Debug for PendingWrite {
@@ -29,9 +26,9 @@ impl std::fmt::Debug for PendingWrite {
 impl File {
     /// Send one WRITE of `buf` at `offset` and return without waiting for
     /// its answer. `Ok(None)` when it does not fit one request (larger than
-    /// [`Engine::max_write`], or empty): write it with [`File::write_at`].
-    /// Waits only for a credit. `Err(ConnectionLost)` if the connection is
-    /// gone (the write was not sent).
+    /// the connection's largest write, or empty): write it with
+    /// [`File::write_at`]. Waits only for a credit. `Err(ConnectionLost)`
+    /// if the connection is gone (the write was not sent).
     pub fn start_write(&self, buf: &[u8], offset: u64) -> Result<Option<PendingWrite>> {
         offset
             .checked_add(buf.len() as u64)
@@ -40,15 +37,14 @@ impl File {
         if buf.is_empty() || buf.len() > engine.max_write() {
             return Ok(None);
         }
-        let req = engine.issue_write(fid, offset, buf)?;
+        let mut batch = Batch::new(engine, fid, offset, Short::Fails);
+        batch.write(buf)?;
         // Issuing only queues the message: nobody waits for this one now.
-        engine.flush();
+        batch.flush();
         Ok(Some(PendingWrite {
-            engine,
-            req,
+            batch,
             len: buf.len(),
             result: None,
-            settled: false,
         }))
     }
 }
@@ -70,24 +66,13 @@ impl PendingWrite {
     /// this holds when `f` is on this write's connection and syncs there.
     pub fn covered_by_sync_of(&self, f: &File) -> bool {
         let r = f.now();
-        Arc::ptr_eq(&r.engine, &self.engine) && r.engine.server_flushes()
+        Arc::ptr_eq(&r.engine, self.batch.engine()) && r.engine.server_flushes()
     }
 
     /// Its answer if it has come, without blocking.
     pub fn poll(&mut self) -> Option<&Result<usize>> {
-        if self.result.is_none() && !self.settled {
-            match self.engine.try_wait(self.req, None, false) {
-                Ok(None) => return None,
-                Ok(Some(r)) => {
-                    self.settled = true;
-                    self.result = Some(self.outcome(r));
-                }
-                Err(e) => {
-                    // The engine has abandoned it (connection lost).
-                    self.settled = true;
-                    self.result = Some(Err(e));
-                }
-            }
+        if self.result.is_none() && self.batch.try_reap(false).is_some() {
+            self.result = Some(self.outcome());
         }
         self.result.as_ref()
     }
@@ -99,24 +84,18 @@ impl PendingWrite {
         if let Some(r) = self.result.take() {
             return r;
         }
-        self.settled = true;
-        let r = self.engine.wait(self.req, None)?;
-        self.outcome(r)
+        drop(self.batch.reap());
+        self.outcome()
     }
 
-    fn outcome(&self, (n, st): (u32, NtStatus)) -> Result<usize> {
-        match st {
-            STATUS_SUCCESS if n as usize == self.len => Ok(self.len),
-            STATUS_SUCCESS => Err(Error::Io(format!("short write: {n} of {} bytes", self.len))),
-            st => Err(status_error("WRITE", st)),
-        }
-    }
-}
-
-impl Drop for PendingWrite {
-    fn drop(&mut self) {
-        if !self.settled {
-            self.engine.abandon_req(self.req);
+    fn outcome(&mut self) -> Result<usize> {
+        match self.batch.take_end() {
+            (n, None) => Ok(n),
+            (_, Some(End::Status(st))) => Err(status_error("WRITE", st)),
+            (_, Some(End::Failed(e))) => Err(e),
+            (n, Some(End::Short)) => {
+                Err(Error::Io(format!("short write: {n} of {} bytes", self.len)))
+            }
         }
     }
 }

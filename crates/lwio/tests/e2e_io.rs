@@ -175,12 +175,7 @@ fn io_suite(completion: Completion) {
     f.close().unwrap();
     let e = c.engine();
     let r = e.issue_write(fid, 0, b"x").unwrap();
-    let slot = if completion == Completion::Poll {
-        e.slot_of(r)
-    } else {
-        None
-    };
-    let (_, st) = e.wait(r, slot).unwrap();
+    let (_, st) = e.wait(r).unwrap();
     assert_eq!(st, lwio_proto::status::STATUS_INVALID_HANDLE);
 
     // Windows: every one bound was invalidated after its request.
@@ -933,12 +928,7 @@ fn direct_suite(completion: Completion) {
     let r = e
         .issue_vec_write(g.fid(), 0, 4096, 8192, &page, true)
         .unwrap();
-    let slot = if completion == Completion::Poll {
-        e.slot_of(r)
-    } else {
-        None
-    };
-    assert_eq!(e.wait(r, slot).unwrap().1, STATUS_INVALID_PARAMETER);
+    assert_eq!(e.wait(r).unwrap().1, STATUS_INVALID_PARAMETER);
     assert_eq!(
         std::fs::metadata(&plain_path).unwrap().len(),
         0,
@@ -1057,7 +1047,7 @@ fn read_only_key_cannot_write() {
     ));
     let e = c.engine();
     let r = e.issue_write(f.fid(), 0, b"raw").unwrap();
-    assert_eq!(e.wait(r, None).unwrap().1, STATUS_ACCESS_DENIED);
+    assert_eq!(e.wait(r).unwrap().1, STATUS_ACCESS_DENIED);
     let g = c
         .open("ro.bin", &OpenOptions::read_only().no_buffering(true))
         .unwrap();
@@ -1775,7 +1765,7 @@ fn unwaited_deadline_suite(completion: Completion) {
         "{completion:?}: timed out {late:?} after issue (op timeout {op_timeout:?})"
     );
     // Its waiter comes late: the request timed out (and is abandoned).
-    assert!(matches!(e.wait(req, None), Err(Error::TimedOut(_))));
+    assert!(matches!(e.wait(req), Err(Error::TimedOut(_))));
     // The server answers it once the FIFO has data; the file works on.
     (&feed).write_all(&[1u8; 16]).unwrap();
     (&feed).write_all(b"fifo works").unwrap();

@@ -727,7 +727,7 @@ impl Engine {
     /// reads the connection, which waiting for the answer does.
     pub fn barrier(&self) -> Result<()> {
         let req = self.issue_close(0)?;
-        match self.wait(req, None)? {
+        match self.wait(req)? {
             (_, lwio_proto::status::STATUS_INVALID_HANDLE) => Ok(()),
             (_, status) => Err(Error::Status {
                 what: "CLOSE of FID 0 (the ordering barrier)".into(),

@@ -73,25 +73,10 @@ impl Engine {
         }
     }
 
-    /// The status block slot of an outstanding polled request (None once it
-    /// completed, or with interrupts). Nothing in the crate needs it:
-    /// [`Engine::wait`] and [`Engine::try_wait`] look the slot up
-    /// themselves, under the lock that also sees the completion. Kept with
-    /// `wait`'s ignored `_slot` while the end-to-end tests (e2e_io) call
-    /// them through `Client::engine`.
-    pub fn slot_of(&self, req: ReqId) -> Option<u32> {
-        if self.cfg.completion != Completion::Poll {
-            return None;
-        }
-        lock(&self.st).conn.slot_of(req)
-    }
-
     /// Wait for a request's completion: (information, status). The status
     /// block to watch (polling) is the request's own, looked up here under
-    /// the lock that also sees its completion; `_slot` (what
-    /// [`Engine::slot_of`] said) is ignored, kept only while the
-    /// end-to-end tests (e2e_io) pass one.
-    pub fn wait(&self, req: ReqId, _slot: Option<u32>) -> Result<(u32, NtStatus)> {
+    /// the lock that also sees its completion.
+    pub fn wait(&self, req: ReqId) -> Result<(u32, NtStatus)> {
         let _waiting = Waiting::new(self);
         let slot = {
             // Done already (its completion came in a batch)? Then the
