@@ -1,6 +1,6 @@
 //! How a client logs in and secures its side channel — one default for the
 //! `lwio` CLI, the C API and [`Client::connect`](crate::Client::connect):
-//! [`ClientOptions::resolve`] turns what the caller said ([`ConnectArgs`])
+//! [`SideOptions::resolve`] turns what the caller said ([`ConnectArgs`])
 //! into side-channel options, filling in what it did not say from the
 //! environment and the default files.
 //!
@@ -28,10 +28,10 @@ use lwio_side::error::{Error, ErrorCode, Result};
 use lwio_side::tls::parse_fingerprint;
 use lwio_side::{ClientTls, Login, Token};
 
-use crate::side::ClientOptions;
+use crate::side::SideOptions;
 
 /// What a caller says about login and TLS (the CLI's flags, the C API's
-/// options); what it leaves out is resolved by [`ClientOptions::resolve`].
+/// options); what it leaves out is resolved by [`SideOptions::resolve`].
 #[derive(Debug, Clone, Default)]
 pub struct ConnectArgs {
     /// Log in as this user (token or password).
@@ -63,11 +63,11 @@ pub struct ConnectArgs {
     pub connect_timeout: Option<Duration>,
 }
 
-impl ClientOptions {
+impl SideOptions {
     /// Side-channel options for `args` with everything it leaves out
     /// resolved (module docs): [`resolve_login`] and [`resolve_tls`].
-    pub fn resolve(args: &ConnectArgs) -> Result<ClientOptions> {
-        let mut o = ClientOptions::new(resolve_login(args)?);
+    pub fn resolve(args: &ConnectArgs) -> Result<SideOptions> {
+        let mut o = SideOptions::new(resolve_login(args)?);
         o.tls = resolve_tls(args)?;
         if let Some(t) = args.connect_timeout {
             o.connect_timeout = t;
@@ -202,7 +202,7 @@ mod tests {
             no_tls: true,
             ..Default::default()
         };
-        let o = ClientOptions::resolve(&a).unwrap();
+        let o = SideOptions::resolve(&a).unwrap();
         assert!(matches!(o.login, Login::Token(_)));
         assert_eq!(o.tls, ClientTls::Off);
         let a = ConnectArgs {
@@ -212,7 +212,7 @@ mod tests {
             strict_host_key_checking: true,
             ..Default::default()
         };
-        let o = ClientOptions::resolve(&a).unwrap();
+        let o = SideOptions::resolve(&a).unwrap();
         assert!(
             matches!(o.login, Login::Password { ref user, ref password } if user == "alice" && password == "pw")
         );

@@ -152,7 +152,7 @@ impl Inner {
     /// lost ([`Inner::retry`]).
     pub(crate) fn side<T>(
         &self,
-        mut f: impl FnMut(&mut crate::side::Client) -> lwio_side::Result<T>,
+        mut f: impl FnMut(&mut crate::side::SideClient) -> lwio_side::Result<T>,
     ) -> Result<T> {
         self.retry(|| self.side_once(&mut f))
     }
@@ -222,7 +222,7 @@ impl Inner {
                 None => return Err(Error::ConnectionLost("the client is closing".into())),
             }
         };
-        let mut side = crate::side::Client::connect(&self.authority, &self.side_opts)?;
+        let mut side = crate::side::SideClient::connect(&self.authority, &self.side_opts)?;
         let files = match side.resume(&old) {
             Ok(n) => Some(n),
             // Refused, whatever the reason (lost past its grace, a server

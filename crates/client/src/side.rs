@@ -1,5 +1,5 @@
-//! Side-channel clients: [`AsyncClient`] (tokio, generic over the transport)
-//! and [`Client`] (blocking, owns a small runtime).
+//! Side-channel clients: [`AsyncSideClient`] (tokio, generic over the transport)
+//! and [`SideClient`] (blocking, owns a small runtime).
 
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ pub use lwio_side::{tls, ClientTls, Login, Token};
 
 /// How to connect and log in.
 #[derive(Debug, Clone)]
-pub struct ClientOptions {
+pub struct SideOptions {
     pub login: Login,
     /// Name the server logs for this client.
     pub client_name: String,
@@ -31,10 +31,10 @@ pub struct ClientOptions {
     pub request_timeout: Duration,
     /// Largest response accepted.
     pub max_frame: u32,
-    /// Transport security. [`ClientOptions::new`] leaves it
+    /// Transport security. [`SideOptions::new`] leaves it
     /// [`ClientTls::Off`] (plain TCP, for embedded and test servers);
-    /// [`ClientOptions::resolve`] gives the one default of the CLI, the C
-    /// API and `Client::connect`: TLS (crate::connect).
+    /// [`SideOptions::resolve`] gives the one default of the CLI, the C
+    /// API and `SideClient::connect`: TLS (crate::connect).
     pub tls: ClientTls,
     /// Send a password even over plain TCP (the server must allow it too).
     pub allow_plain_password: bool,
@@ -62,9 +62,9 @@ pub fn process_ids() -> Creds {
     Creds { uid, gid, groups }
 }
 
-impl ClientOptions {
-    pub fn new(login: Login) -> ClientOptions {
-        ClientOptions {
+impl SideOptions {
+    pub fn new(login: Login) -> SideOptions {
+        SideOptions {
             login,
             client_name: lwio_side::host_name(),
             connect_timeout: Duration::from_secs(5),
@@ -112,13 +112,13 @@ pub struct RemoteFile {
 
 /// Async side-channel client over any byte stream.
 #[derive(Debug)]
-pub struct AsyncClient<S = SideStream> {
+pub struct AsyncSideClient<S = SideStream> {
     stream: S,
     next_id: u32,
     session: Session,
     max_frame: u32,
     timeout: Duration,
-    /// Whose ids the requests carry ([`AsyncClient::set_caller`]).
+    /// Whose ids the requests carry ([`AsyncSideClient::set_caller`]).
     caller: Option<Creds>,
 }
 
@@ -129,13 +129,13 @@ fn lost(e: impl std::fmt::Display) -> Error {
     )
 }
 
-impl AsyncClient<SideStream> {
+impl AsyncSideClient<SideStream> {
     /// Connect to `addr` (`host:port`), run TLS as `opts.tls` says, log in.
     /// A refusal the server marks as passing ("… retry later": its
     /// admission control, while too many connections from this host are
     /// logging in at once) is tried again, backing off from 10 to 200 ms,
     /// within `connect_timeout`.
-    pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AsyncClient<SideStream>> {
+    pub async fn connect(addr: &str, opts: &SideOptions) -> Result<AsyncSideClient<SideStream>> {
         let deadline = tokio::time::Instant::now() + opts.connect_timeout;
         let mut backoff = Duration::from_millis(10);
         loop {
@@ -153,7 +153,7 @@ impl AsyncClient<SideStream> {
         }
     }
 
-    async fn connect_once(addr: &str, opts: &ClientOptions) -> Result<AsyncClient<SideStream>> {
+    async fn connect_once(addr: &str, opts: &SideOptions) -> Result<AsyncSideClient<SideStream>> {
         let stream =
             match tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr)).await {
                 Err(_) => {
@@ -188,35 +188,35 @@ impl AsyncClient<SideStream> {
                 format!("{addr}: the TLS connection exports no channel binding"),
             ));
         }
-        AsyncClient::handshake_bound(stream, opts, secure, binding).await
+        AsyncSideClient::handshake_bound(stream, opts, secure, binding).await
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncSideClient<S> {
     /// Hello + login over an established stream, taken to be plain (no
     /// password over it unless `opts.allow_plain_password`).
-    pub async fn handshake(stream: S, opts: &ClientOptions) -> Result<AsyncClient<S>> {
-        AsyncClient::handshake_over(stream, opts, false).await
+    pub async fn handshake(stream: S, opts: &SideOptions) -> Result<AsyncSideClient<S>> {
+        AsyncSideClient::handshake_over(stream, opts, false).await
     }
 
     /// Hello + login; `secure`: the stream is TLS (or otherwise protected).
     pub async fn handshake_over(
         stream: S,
-        opts: &ClientOptions,
+        opts: &SideOptions,
         secure: bool,
-    ) -> Result<AsyncClient<S>> {
-        AsyncClient::handshake_bound(stream, opts, secure, None).await
+    ) -> Result<AsyncSideClient<S>> {
+        AsyncSideClient::handshake_bound(stream, opts, secure, None).await
     }
 
     /// Hello + login, the login bound to the transport by `binding` (a TLS
     /// connection's exporter value, `SideStream::channel_binding`).
     pub async fn handshake_bound(
         stream: S,
-        opts: &ClientOptions,
+        opts: &SideOptions,
         secure: bool,
         binding: Option<[u8; lwio_side::auth::BINDING_LEN]>,
-    ) -> Result<AsyncClient<S>> {
-        let mut c = AsyncClient {
+    ) -> Result<AsyncSideClient<S>> {
+        let mut c = AsyncSideClient {
             stream,
             caller: opts.caller.clone(),
             next_id: 1,
@@ -558,8 +558,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
     /// Turn this connection into the carrier of the lease breaks of session
     /// `main` (another logged-in session of the same user, whose secret
     /// proves the binding). From then on, read breaks with
-    /// [`AsyncClient::next_break`] and answer each with
-    /// [`AsyncClient::ack_break`].
+    /// [`AsyncSideClient::next_break`] and answer each with
+    /// [`AsyncSideClient::ack_break`].
     pub async fn watch(&mut self, main: &Session) -> Result<()> {
         let mac = auth::breaks_mac(&main.secret, main.id, &self.session.nonce);
         self.ok(Request::WatchBreaks {
@@ -649,32 +649,32 @@ fn unexpected(r: &Response) -> Error {
 
 /// Blocking side-channel client (owns a single-threaded tokio runtime).
 #[derive(Debug)]
-pub struct Client {
+pub struct SideClient {
     rt: tokio::runtime::Runtime,
-    inner: AsyncClient<SideStream>,
+    inner: AsyncSideClient<SideStream>,
 }
 
-impl Client {
+impl SideClient {
     /// Connect to `addr` (`host:port`) and log in.
-    pub fn connect(addr: &str, opts: &ClientOptions) -> Result<Client> {
+    pub fn connect(addr: &str, opts: &SideOptions) -> Result<SideClient> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| Error::from_io(&e, "tokio runtime"))?;
-        let inner = rt.block_on(AsyncClient::connect(addr, opts))?;
-        Ok(Client { rt, inner })
+        let inner = rt.block_on(AsyncSideClient::connect(addr, opts))?;
+        Ok(SideClient { rt, inner })
     }
 
     pub fn session(&self) -> &Session {
         self.inner.session()
     }
-    /// See [`AsyncClient::set_caller`].
+    /// See [`AsyncSideClient::set_caller`].
     pub fn set_caller(&mut self, c: Option<Creds>) {
         self.inner.set_caller(c)
     }
     /// `f` with the requests carrying `c` (`None`: the connection's own,
-    /// [`ClientOptions::caller`]), then the connection's own again.
-    pub fn as_caller<T>(&mut self, c: Option<&Creds>, f: impl FnOnce(&mut Client) -> T) -> T {
+    /// [`SideOptions::caller`]), then the connection's own again.
+    pub fn as_caller<T>(&mut self, c: Option<&Creds>, f: impl FnOnce(&mut SideClient) -> T) -> T {
         let Some(c) = c else { return f(self) };
         let own = self.inner.caller.replace(c.clone());
         let r = f(self);
@@ -696,11 +696,11 @@ impl Client {
     ) -> Result<RemoteFile> {
         self.rt.block_on(self.inner.open(export, path, o, mode))
     }
-    /// See [`AsyncClient::resume`].
+    /// See [`AsyncSideClient::resume`].
     pub fn resume(&mut self, old: &Session) -> Result<u64> {
         self.rt.block_on(self.inner.resume(old))
     }
-    /// See [`AsyncClient::rekey`].
+    /// See [`AsyncSideClient::rekey`].
     pub fn rekey(&mut self, handle: u64) -> Result<RemoteFile> {
         self.rt.block_on(self.inner.rekey(handle))
     }
@@ -710,15 +710,15 @@ impl Client {
     pub fn list_dir_x(&mut self, export: &str, path: &str) -> Result<Vec<(String, AttrX)>> {
         self.rt.block_on(self.inner.list_dir_x(export, path))
     }
-    /// See [`AsyncClient::watch`].
+    /// See [`AsyncSideClient::watch`].
     pub fn watch(&mut self, main: &Session) -> Result<()> {
         self.rt.block_on(self.inner.watch(main))
     }
-    /// See [`AsyncClient::next_break`].
+    /// See [`AsyncSideClient::next_break`].
     pub fn next_break(&mut self) -> Result<(u64, String, String)> {
         self.rt.block_on(self.inner.next_break())
     }
-    /// See [`AsyncClient::ack_break`].
+    /// See [`AsyncSideClient::ack_break`].
     pub fn ack_break(&mut self, lease_id: u64) -> Result<()> {
         self.rt.block_on(self.inner.ack_break(lease_id))
     }
@@ -726,7 +726,7 @@ impl Client {
 
 /// Memory objects (docs/memory-objects.md): the side-channel calls behind
 /// [`crate::Client::publish`].
-impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncSideClient<S> {
     /// Publish `size` bytes at `addr` behind `rkey` on the RDMA channel
     /// negotiated with `channel_key`, as `export`/.lwio-mem/`name`
     /// (`rights`: `MEM_READ`, or `MEM_READ | MEM_WRITE`). Returns the
@@ -793,8 +793,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
     }
 }
 
-impl Client {
-    /// See [`AsyncClient::publish`].
+impl SideClient {
+    /// See [`AsyncSideClient::publish`].
     #[allow(clippy::too_many_arguments)]
     pub fn publish(
         &mut self,
@@ -812,12 +812,12 @@ impl Client {
         )
     }
 
-    /// See [`AsyncClient::unpublish`].
+    /// See [`AsyncSideClient::unpublish`].
     pub fn unpublish(&mut self, export: &str, name: &str) -> Result<()> {
         self.rt.block_on(self.inner.unpublish(export, name))
     }
 
-    /// See [`AsyncClient::wait_writes`].
+    /// See [`AsyncSideClient::wait_writes`].
     pub fn wait_writes(
         &mut self,
         export: &str,

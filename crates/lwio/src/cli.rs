@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
-use lwio_client::side::{Client, ClientOptions};
+use lwio_client::side::{SideClient, SideOptions};
 use lwio_client::url::LwioUrl;
 use lwio_client::{ConnectArgs, ProviderChoice};
 use lwio_server::config::Config;
@@ -578,7 +578,7 @@ impl std::error::Error for Reported {}
 
 /// Run a parsed command.
 pub fn run(cli: Cli) -> CliResult {
-    // Client commands log only when asked (RUST_LOG): their output is
+    // SideClient commands log only when asked (RUST_LOG): their output is
     // their result and one-line errors. `serve` and `mount` set up their own.
     if std::env::var_os("RUST_LOG").is_some()
         && !matches!(cli.command, Command::Serve(_) | Command::Mount(_))
@@ -621,7 +621,7 @@ fn first_line(text: &str) -> &str {
 }
 
 /// What the shared client flags say about login and TLS; the rest is
-/// the one client default ([`ClientOptions::resolve`], `lwio_client::connect`:
+/// the one client default ([`SideOptions::resolve`], `lwio_client::connect`:
 /// `LWIO_TOKEN`, the default token file, known_hosts, …).
 pub fn connect_args(args: &ClientArgs) -> ConnectArgs {
     ConnectArgs {
@@ -640,16 +640,19 @@ pub fn connect_args(args: &ClientArgs) -> ConnectArgs {
     }
 }
 
-/// Client options from the shared client flags.
-pub fn client_options(args: &ClientArgs) -> anyhow::Result<ClientOptions> {
+/// SideClient options from the shared client flags.
+pub fn client_options(args: &ClientArgs) -> anyhow::Result<SideOptions> {
     if args.insecure && !args.no_tls {
         eprintln!("lwio: warning: --insecure: the server's TLS certificate is not verified");
     }
-    Ok(ClientOptions::resolve(&connect_args(args))?)
+    Ok(SideOptions::resolve(&connect_args(args))?)
 }
 
-fn connect(url: &LwioUrl, args: &ClientArgs) -> anyhow::Result<Client> {
-    Ok(Client::connect(&url.authority(), &client_options(args)?)?)
+fn connect(url: &LwioUrl, args: &ClientArgs) -> anyhow::Result<SideClient> {
+    Ok(SideClient::connect(
+        &url.authority(),
+        &client_options(args)?,
+    )?)
 }
 
 /// Read a secret from stdin (first line) or, on a terminal, ask for it

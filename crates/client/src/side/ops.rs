@@ -1,5 +1,5 @@
 //! The client's request table: one entry per plain operation gives both
-//! [`AsyncClient`]'s method and [`Client`]'s blocking wrapper (see "How to
+//! [`AsyncSideClient`]'s method and [`SideClient`]'s blocking wrapper (see "How to
 //! add an operation" in docs/side-channel.md).
 //!
 //! An entry is `fn name(arg: Type, ...) -> Out = REQUEST => PATTERN => VALUE;`:
@@ -8,7 +8,7 @@
 //! (paging, handles, watch connections, the pipe) are written out in
 //! `side.rs`.
 
-use super::{unexpected, AsyncClient, Client};
+use super::{unexpected, AsyncSideClient, SideClient};
 use lwio_side::codec::{Request, Response};
 use lwio_side::error::Result;
 use lwio_side::types::{Attr, AttrX, RemoveKind, SetAttr, StatFs};
@@ -19,7 +19,7 @@ macro_rules! client_ops {
         $(#[$doc:meta])*
         fn $m:ident($($a:ident : $at:ty),* $(,)?) -> $ret:ty = $req:expr => $pat:pat => $out:expr;
     )*) => {
-        impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncClient<S> {
+        impl<S: AsyncRead + AsyncWrite + Unpin + Send> AsyncSideClient<S> {
             $(
                 $(#[$doc])*
                 pub async fn $m(&mut self, $($a: $at),*) -> Result<$ret> {
@@ -31,7 +31,7 @@ macro_rules! client_ops {
             )*
         }
 
-        impl Client {
+        impl SideClient {
             $(
                 $(#[$doc])*
                 pub fn $m(&mut self, $($a: $at),*) -> Result<$ret> {
@@ -139,7 +139,7 @@ client_ops! {
     } => Response::LockInfo { kind, start, len } => (kind != 0).then_some((kind, start, len));
     /// Ask for a lease on directory `path` (`want`: [`LEASE_READ`] |
     /// [`LEASE_HANDLE`]): (lease id, granted kinds); (0, 0) when refused.
-    /// Only a session with a watching connection ([`AsyncClient::watch`])
+    /// Only a session with a watching connection ([`AsyncSideClient::watch`])
     /// is granted leases (docs/leases.md).
     ///
     /// [`LEASE_READ`]: lwio_side::codec::LEASE_READ

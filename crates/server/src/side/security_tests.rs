@@ -12,7 +12,7 @@ use super::*;
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, OpenOptions, ResolveMode};
 use crate::server::{AuthPolicy, Security, Server, ServerOptions, ServerState, Shutdown};
-use lwio_client::side::{AsyncClient, ClientOptions};
+use lwio_client::side::{AsyncSideClient, SideOptions};
 use lwio_side::codec::{self, LoginRequest, Request, Response};
 use lwio_side::error::ErrorCode;
 use lwio_side::tls::{fingerprint, parse_fingerprint};
@@ -138,8 +138,8 @@ fn pw(user: &str, password: &str) -> Login {
     }
 }
 
-fn opts(login: Login, tls: ClientTls) -> ClientOptions {
-    let mut o = ClientOptions::new(login);
+fn opts(login: Login, tls: ClientTls) -> SideOptions {
+    let mut o = SideOptions::new(login);
     o.tls = tls;
     o
 }
@@ -170,7 +170,7 @@ async fn wrong_password_is_refused_with_no_session() {
         ("nobody", "alice-pw"),
         ("bob", "alice-pw"),
     ] {
-        let e = AsyncClient::connect(&s.addr, &opts(pw(user, pass), pin(&id)))
+        let e = AsyncSideClient::connect(&s.addr, &opts(pw(user, pass), pin(&id)))
             .await
             .unwrap_err();
         assert_eq!(e.code, ErrorCode::AuthFailed, "{e}");
@@ -181,7 +181,7 @@ async fn wrong_password_is_refused_with_no_session() {
     }
     assert_eq!(s.state.session_count(), 0);
     // The right password works, over TLS, and both ends share the secret.
-    let c = AsyncClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
+    let c = AsyncSideClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
         .await
         .unwrap();
     assert!(c.session().tls);
@@ -197,7 +197,7 @@ async fn wrong_password_is_refused_with_no_session() {
 async fn password_over_plain_tcp_refused_unless_allowed() {
     let s = start(Limits::default(), false, security(None, false)).await;
     // The client refuses to send it.
-    let e = AsyncClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), ClientTls::Off))
+    let e = AsyncSideClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), ClientTls::Off))
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::AuthFailed);
@@ -208,7 +208,7 @@ async fn password_over_plain_tcp_refused_unless_allowed() {
     // A client that insists is refused by the server, which did not offer it.
     let mut o = opts(pw("alice", "alice-pw"), ClientTls::Off);
     o.allow_plain_password = true;
-    let e = AsyncClient::connect(&s.addr, &o).await.unwrap_err();
+    let e = AsyncSideClient::connect(&s.addr, &o).await.unwrap_err();
     assert_eq!(
         e.to_string(),
         "the server does not accept password logins over plain TCP"
@@ -251,7 +251,7 @@ async fn password_over_plain_tcp_refused_unless_allowed() {
 
     // Explicitly allowed on both sides: works.
     let s = start(Limits::default(), false, security(None, true)).await;
-    let c = AsyncClient::connect(&s.addr, &o).await.unwrap();
+    let c = AsyncSideClient::connect(&s.addr, &o).await.unwrap();
     assert!(!c.session().tls);
     s.stop().await;
 }
@@ -269,14 +269,14 @@ async fn user_token_login_is_challenge_response() {
         )
     };
     // Over plain TCP too: the token never crosses the wire.
-    let c = AsyncClient::connect(&s.addr, &bob(BOB_TOKEN))
+    let c = AsyncSideClient::connect(&s.addr, &bob(BOB_TOKEN))
         .await
         .unwrap();
     assert_eq!(
         s.state.session(c.session().id).unwrap().secret,
         c.session().secret
     );
-    let e = AsyncClient::connect(&s.addr, &bob(TOKEN))
+    let e = AsyncSideClient::connect(&s.addr, &bob(TOKEN))
         .await
         .unwrap_err();
     assert_eq!(
@@ -288,7 +288,7 @@ async fn user_token_login_is_challenge_response() {
         user: "alice".into(),
         token: Token::new(BOB_TOKEN).unwrap(),
     };
-    let e = AsyncClient::connect(&s.addr, &o).await.unwrap_err();
+    let e = AsyncSideClient::connect(&s.addr, &o).await.unwrap_err();
     assert_eq!(e.code, ErrorCode::AuthFailed, "alice has no token");
     s.stop().await;
 }
@@ -297,7 +297,7 @@ async fn user_token_login_is_challenge_response() {
 async fn rights_are_enforced_on_every_operation() {
     let (_d, id) = self_signed();
     let s = start(Limits::default(), false, security(Some(id.clone()), false)).await;
-    let mut bob = AsyncClient::connect(&s.addr, &opts(pw("bob", "bob-pw"), pin(&id)))
+    let mut bob = AsyncSideClient::connect(&s.addr, &opts(pw("bob", "bob-pw"), pin(&id)))
         .await
         .unwrap();
     let denied = "user bob may not write to export data";
@@ -362,7 +362,7 @@ async fn rights_are_enforced_on_every_operation() {
     bob.mkdir("pub", "mine", 0o755, false).await.unwrap();
 
     // alice may write, and her resume key says so.
-    let mut alice = AsyncClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
+    let mut alice = AsyncSideClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
         .await
         .unwrap();
     let f = alice.open("data", "new.bin", &RW, 0o600).await.unwrap();
@@ -383,14 +383,14 @@ async fn rights_are_enforced_on_every_operation() {
 #[tokio::test]
 async fn anonymous_needs_configuration_and_a_listing() {
     let s = start(Limits::default(), false, security(None, false)).await;
-    let e = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+    let e = AsyncSideClient::connect(&s.addr, &SideOptions::new(Login::Anonymous))
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::AuthFailed);
     s.stop().await;
     // Allowed: the default list (pub) admits anonymous, data's does not.
     let s = start(Limits::default(), true, security(None, false)).await;
-    let mut c = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+    let mut c = AsyncSideClient::connect(&s.addr, &SideOptions::new(Login::Anonymous))
         .await
         .unwrap();
     assert_eq!(c.list_exports().await.unwrap().len(), 1);
@@ -408,10 +408,10 @@ async fn per_user_session_limit() {
         ..Limits::default()
     };
     let s = start(limits, false, security(None, false)).await;
-    let t = || ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
-    let _a = AsyncClient::connect(&s.addr, &t()).await.unwrap();
-    let _b = AsyncClient::connect(&s.addr, &t()).await.unwrap();
-    let e = AsyncClient::connect(&s.addr, &t()).await.unwrap_err();
+    let t = || SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let _a = AsyncSideClient::connect(&s.addr, &t()).await.unwrap();
+    let _b = AsyncSideClient::connect(&s.addr, &t()).await.unwrap();
+    let e = AsyncSideClient::connect(&s.addr, &t()).await.unwrap_err();
     assert_eq!(e.code, ErrorCode::Busy);
     assert_eq!(
         e.to_string(),
@@ -426,13 +426,13 @@ async fn tls_verification_modes() {
     let s = start(Limits::default(), false, security(Some(id.clone()), false)).await;
     let tok = || Login::Token(Token::new(TOKEN).unwrap());
     // Pinned fingerprint.
-    let c = AsyncClient::connect(&s.addr, &opts(tok(), pin(&id)))
+    let c = AsyncSideClient::connect(&s.addr, &opts(tok(), pin(&id)))
         .await
         .unwrap();
     assert!(c.session().tls);
     // Wrong fingerprint: one clear line, no session.
     let wrong = fingerprint(b"some other certificate");
-    let e = AsyncClient::connect(
+    let e = AsyncSideClient::connect(
         &s.addr,
         &opts(
             tok(),
@@ -450,7 +450,7 @@ async fn tls_verification_modes() {
         )
     );
     // --insecure works.
-    AsyncClient::connect(&s.addr, &opts(tok(), ClientTls::Insecure))
+    AsyncSideClient::connect(&s.addr, &opts(tok(), ClientTls::Insecure))
         .await
         .unwrap();
     // A self-signed certificate does not pass a CA check.
@@ -458,7 +458,7 @@ async fn tls_verification_modes() {
     let ca = other.path().join("ca.pem");
     ServerIdentity::self_signed(other.path(), &["localhost".into()]).unwrap();
     std::fs::copy(other.path().join(lwio_side::tls::SELF_SIGNED_CERT), &ca).unwrap();
-    let e = AsyncClient::connect(&s.addr, &opts(tok(), ClientTls::CaFile(ca)))
+    let e = AsyncSideClient::connect(&s.addr, &opts(tok(), ClientTls::CaFile(ca)))
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::AuthFailed);
@@ -469,7 +469,7 @@ async fn tls_verification_modes() {
     );
     // Plain client to a TLS server: a clear error, not a hang.
     let t0 = Instant::now();
-    let e = AsyncClient::connect(&s.addr, &opts(tok(), ClientTls::Off))
+    let e = AsyncSideClient::connect(&s.addr, &opts(tok(), ClientTls::Off))
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::Unsupported);
@@ -480,7 +480,7 @@ async fn tls_verification_modes() {
     // TLS client to a plain server: a clear error, not a hang.
     let s = start(Limits::default(), false, security(None, false)).await;
     let t0 = Instant::now();
-    let e = AsyncClient::connect(&s.addr, &opts(tok(), pin(&id)))
+    let e = AsyncSideClient::connect(&s.addr, &opts(tok(), pin(&id)))
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::ConnectFailed);
@@ -521,7 +521,7 @@ async fn tls_with_a_ca_file() {
     let ca_file = d.path().join("ca.pem");
     std::fs::write(&ca_file, ca.pem()).unwrap();
     let s = start(Limits::default(), false, security(Some(id), false)).await;
-    let c = AsyncClient::connect(
+    let c = AsyncSideClient::connect(
         &s.addr,
         &opts(pw("bob", "bob-pw"), ClientTls::CaFile(ca_file.clone())),
     )
@@ -530,7 +530,7 @@ async fn tls_with_a_ca_file() {
     assert!(c.session().tls);
     // The name is checked: "localhost" is in the certificate, an IP not listed is not.
     let port = s.addr.rsplit_once(':').unwrap().1;
-    AsyncClient::connect(
+    AsyncSideClient::connect(
         &format!("localhost:{port}"),
         &opts(pw("bob", "bob-pw"), ClientTls::CaFile(ca_file)),
     )
@@ -591,10 +591,10 @@ async fn connection_flood_does_not_starve_good_clients() {
     });
     // Meanwhile a well-behaved client keeps working.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let t = SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
     for _ in 0..5 {
         let t0 = Instant::now();
-        let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+        let mut c = AsyncSideClient::connect(&s.addr, &t).await.unwrap();
         assert_eq!(c.stat("pub", "hello.txt").await.unwrap().size, 5);
         c.bye().await.unwrap();
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
@@ -625,7 +625,7 @@ async fn connection_flood_does_not_starve_good_clients() {
         held.len()
     );
     // Still serving with the flood open.
-    let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let mut c = AsyncSideClient::connect(&s.addr, &t).await.unwrap();
     c.ping().await.unwrap();
     drop(held);
     let t0 = Instant::now();
@@ -649,10 +649,10 @@ async fn memory_objects_follow_the_access_list() {
         Acl::from_lists(Some(&["alice".into()]), Some(&["alice".into()])),
     );
     let s = start(Limits::default(), false, sec).await;
-    let mut alice = AsyncClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
+    let mut alice = AsyncSideClient::connect(&s.addr, &opts(pw("alice", "alice-pw"), pin(&id)))
         .await
         .unwrap();
-    let mut bob = AsyncClient::connect(&s.addr, &opts(pw("bob", "bob-pw"), pin(&id)))
+    let mut bob = AsyncSideClient::connect(&s.addr, &opts(pw("bob", "bob-pw"), pin(&id)))
         .await
         .unwrap();
     // Stand in for alice's RDMA channel (the registry's view of it).
@@ -833,12 +833,15 @@ async fn two_hosts_cannot_block_new_logins() {
         assert!(adm.host_connections(h) >= 4, "{h} holds its share");
     }
     // A third address logs in at once.
-    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let t = SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
     let t0 = Instant::now();
-    let mut c = tokio::time::timeout(Duration::from_secs(5), AsyncClient::connect(&s.addr, &t))
-        .await
-        .expect("login within 5 s")
-        .expect("a third host logs in");
+    let mut c = tokio::time::timeout(
+        Duration::from_secs(5),
+        AsyncSideClient::connect(&s.addr, &t),
+    )
+    .await
+    .expect("login within 5 s")
+    .expect("a third host logs in");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     c.ping().await.unwrap();
     drop(held);
@@ -867,7 +870,7 @@ async fn lost_sessions_count_against_the_user() {
     };
     let mut lost = Vec::new();
     for i in 0..6 {
-        let mut c = AsyncClient::connect(&s.addr, &bob()).await.unwrap();
+        let mut c = AsyncSideClient::connect(&s.addr, &bob()).await.unwrap();
         for j in 0..2 {
             c.open("pub", &format!("f{i}-{j}"), &RW, 0o644)
                 .await
@@ -893,7 +896,7 @@ async fn lost_sessions_count_against_the_user() {
     }
     // A new login makes room by dropping the oldest kept sessions: the
     // latest is still there to take back, the oldest not.
-    let mut live = vec![AsyncClient::connect(&s.addr, &bob()).await.unwrap()];
+    let mut live = vec![AsyncSideClient::connect(&s.addr, &bob()).await.unwrap()];
     assert_eq!(s.state.durable_sessions(), 2, "one live and two kept");
     assert_eq!(live[0].resume(lost.last().unwrap()).await.unwrap(), 2);
     assert_eq!(
@@ -904,16 +907,16 @@ async fn lost_sessions_count_against_the_user() {
     // bob at his limit: three live sessions (the last kept one made room),
     // and the fourth is refused.
     for _ in 0..2 {
-        live.push(AsyncClient::connect(&s.addr, &bob()).await.unwrap());
+        live.push(AsyncSideClient::connect(&s.addr, &bob()).await.unwrap());
     }
     assert_eq!(s.state.durable_sessions(), 0);
     assert_eq!(s.state.open_files.len(), 2);
-    let e = AsyncClient::connect(&s.addr, &bob()).await.unwrap_err();
+    let e = AsyncSideClient::connect(&s.addr, &bob()).await.unwrap_err();
     assert_eq!(e.code, ErrorCode::Busy, "{e}");
     assert_eq!(e.to_string(), "user bob already has 3 sessions (limit 3)");
     // Another user logs in.
-    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
-    AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let t = SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    AsyncSideClient::connect(&s.addr, &t).await.unwrap();
     s.stop().await;
 }
 
@@ -926,8 +929,8 @@ async fn resume_respects_the_per_session_file_limit() {
         ..Limits::default()
     };
     let s = start(limits, false, security(None, false)).await;
-    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
-    let mut a = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let t = SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut a = AsyncSideClient::connect(&s.addr, &t).await.unwrap();
     for i in 0..3 {
         a.open("pub", &format!("a{i}"), &RW, 0o644).await.unwrap();
     }
@@ -938,7 +941,7 @@ async fn resume_respects_the_per_session_file_limit() {
         assert!(t0.elapsed() < Duration::from_secs(5));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut b = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let mut b = AsyncSideClient::connect(&s.addr, &t).await.unwrap();
     let f1 = b.open("pub", "b1", &RW, 0o644).await.unwrap();
     let f2 = b.open("pub", "b2", &RW, 0o644).await.unwrap();
     let e = b.resume(&old).await.unwrap_err();
@@ -957,13 +960,13 @@ async fn resume_respects_the_per_session_file_limit() {
 #[tokio::test]
 async fn stats_refused_for_anonymous() {
     let s = start(Limits::default(), true, security(None, false)).await;
-    let mut anon = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+    let mut anon = AsyncSideClient::connect(&s.addr, &SideOptions::new(Login::Anonymous))
         .await
         .unwrap();
     let e = anon.stats().await.unwrap_err();
     assert_eq!(e.code, ErrorCode::PermissionDenied, "{e}");
-    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
-    let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let t = SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut c = AsyncSideClient::connect(&s.addr, &t).await.unwrap();
     assert!(c.stats().await.unwrap().contains("lwio_sessions"));
     s.stop().await;
 }
@@ -973,8 +976,8 @@ async fn stats_refused_for_anonymous() {
 #[tokio::test]
 async fn read_only_export_refuses_publish_and_memory_writes() {
     let s = start_ro(Limits::default(), false, security(None, false), true).await;
-    let t = ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
-    let mut c = AsyncClient::connect(&s.addr, &t).await.unwrap();
+    let t = SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let mut c = AsyncSideClient::connect(&s.addr, &t).await.unwrap();
     let (tx, _rx) = std::sync::mpsc::channel();
     let key = lwio_proto::wire::Guid::from_bytes(&[6; 16]).unwrap();
     s.state.mem_objects.attach(
@@ -1108,7 +1111,11 @@ async fn password_check_runs_inside_the_login_deadline() {
     let mut o = opts(pw("alice", "alice-pw"), ClientTls::Off);
     o.allow_plain_password = true;
     let t0 = Instant::now();
-    let r = tokio::time::timeout(Duration::from_secs(5), AsyncClient::connect(&s.addr, &o)).await;
+    let r = tokio::time::timeout(
+        Duration::from_secs(5),
+        AsyncSideClient::connect(&s.addr, &o),
+    )
+    .await;
     let e = r
         .expect("answered within the login timeout, not held")
         .unwrap_err();
@@ -1116,7 +1123,7 @@ async fn password_check_runs_inside_the_login_deadline() {
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     assert_eq!(s.state.session_count(), 0);
     drop(busy);
-    AsyncClient::connect(&s.addr, &o).await.unwrap();
+    AsyncSideClient::connect(&s.addr, &o).await.unwrap();
     s.stop().await;
 }
 
@@ -1251,7 +1258,7 @@ async fn a_login_relayed_across_two_tls_connections_fails() {
     };
     // Straight to the server, both logins work.
     for l in [tok(), bob()] {
-        let c = AsyncClient::connect(&s.addr, &opts(l, pin(&id)))
+        let c = AsyncSideClient::connect(&s.addr, &opts(l, pin(&id)))
             .await
             .unwrap();
         assert!(c.session().tls);
@@ -1266,12 +1273,12 @@ async fn a_login_relayed_across_two_tls_connections_fails() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(s.state.session_count(), 0);
-    let e = AsyncClient::connect(&relay, &opts(tok(), pin(&proxy_id)))
+    let e = AsyncSideClient::connect(&relay, &opts(tok(), pin(&proxy_id)))
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::AuthFailed, "{e}");
     assert_eq!(e.to_string(), "authentication failed: wrong token");
-    let e = AsyncClient::connect(&relay, &opts(bob(), ClientTls::Insecure))
+    let e = AsyncSideClient::connect(&relay, &opts(bob(), ClientTls::Insecure))
         .await
         .unwrap_err();
     assert_eq!(
@@ -1286,12 +1293,12 @@ async fn a_login_relayed_across_two_tls_connections_fails() {
 async fn resume_and_watch_proofs_are_good_on_their_own_connection_only() {
     let s = start(Limits::default(), false, security(None, false)).await;
     let tok = || opts(Login::Token(Token::new(TOKEN).unwrap()), ClientTls::Off);
-    let old = AsyncClient::connect(&s.addr, &tok()).await.unwrap();
+    let old = AsyncSideClient::connect(&s.addr, &tok()).await.unwrap();
     let old_session = old.session().clone();
     // A proof made for connection `a` (as a peer who saw it would replay
     // it) is refused on connection `b`, for WatchBreaks and for Resume.
-    let a = AsyncClient::connect(&s.addr, &tok()).await.unwrap();
-    let mut b = AsyncClient::connect(&s.addr, &tok()).await.unwrap();
+    let a = AsyncSideClient::connect(&s.addr, &tok()).await.unwrap();
+    let mut b = AsyncSideClient::connect(&s.addr, &tok()).await.unwrap();
     let watch_mac =
         lwio_side::auth::breaks_mac(&old_session.secret, old_session.id, &a.session().nonce);
     let r = b
@@ -1314,7 +1321,7 @@ async fn resume_and_watch_proofs_are_good_on_their_own_connection_only() {
     assert_eq!(r.code, ErrorCode::PermissionDenied, "{r}");
     // Made for `b` itself, the same proofs are good.
     assert_eq!(b.resume(&old_session).await.unwrap(), 0);
-    let mut w = AsyncClient::connect(&s.addr, &tok()).await.unwrap();
+    let mut w = AsyncSideClient::connect(&s.addr, &tok()).await.unwrap();
     w.watch(b.session()).await.unwrap();
     s.stop().await;
 }

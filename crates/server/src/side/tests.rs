@@ -7,7 +7,7 @@ use super::*;
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, FileKind, OpenOptions, ResolveMode};
 use crate::server::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
-use lwio_client::side::{AsyncClient, Client, ClientOptions};
+use lwio_client::side::{AsyncSideClient, SideClient, SideOptions};
 use lwio_side::error::ErrorCode;
 use lwio_side::negotiate::NegotiateRequestRepr;
 use lwio_side::{codec, Login, Token};
@@ -59,8 +59,8 @@ async fn start(limits: Limits, anonymous: bool) -> Running {
     }
 }
 
-fn token_opts() -> ClientOptions {
-    ClientOptions::new(Login::Token(Token::new(TOKEN).unwrap()))
+fn token_opts() -> SideOptions {
+    SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()))
 }
 
 const RW: OpenOptions = OpenOptions {
@@ -71,7 +71,9 @@ const RW: OpenOptions = OpenOptions {
 #[tokio::test]
 async fn login_and_round_trips() {
     let s = start(Limits::default(), false).await;
-    let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut c = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     assert_eq!(c.session().server_name, "stor1");
     assert!(!c.session().anonymous);
     let server_side = s.state.session(c.session().id).unwrap();
@@ -178,13 +180,13 @@ async fn login_and_round_trips() {
 #[tokio::test]
 async fn wrong_token_and_anonymous() {
     let s = start(Limits::default(), false).await;
-    let bad = ClientOptions::new(Login::Token(
+    let bad = SideOptions::new(Login::Token(
         Token::new("ffffffffffffffffffffffffffffffff").unwrap(),
     ));
-    let e = AsyncClient::connect(&s.addr, &bad).await.unwrap_err();
+    let e = AsyncSideClient::connect(&s.addr, &bad).await.unwrap_err();
     assert_eq!(e.code, ErrorCode::AuthFailed);
     assert_eq!(e.to_string(), "authentication failed: wrong token");
-    let e = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+    let e = AsyncSideClient::connect(&s.addr, &SideOptions::new(Login::Anonymous))
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::AuthFailed);
@@ -194,7 +196,7 @@ async fn wrong_token_and_anonymous() {
     s.task.await.unwrap();
 
     let s = start(Limits::default(), true).await;
-    let c = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+    let c = AsyncSideClient::connect(&s.addr, &SideOptions::new(Login::Anonymous))
         .await
         .unwrap();
     assert!(c.session().anonymous);
@@ -207,7 +209,7 @@ async fn unreachable() {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     drop(l);
-    let e = AsyncClient::connect(&addr, &token_opts())
+    let e = AsyncSideClient::connect(&addr, &token_opts())
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::ConnectFailed);
@@ -221,7 +223,9 @@ async fn negotiate_over_the_pipe() {
     let i = |t, a: &str| Instance::new(t, a.parse().unwrap());
     let server = vec![i(RoceV2, "127.0.0.1:7472"), i(Iwarp, "127.0.0.1:7471")];
     s.state.set_rdma_endpoints(server.clone());
-    let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut c = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     let req = NegotiateRequestRepr {
         client_name: "app".into(),
         key: negotiate::random_guid(),
@@ -279,9 +283,11 @@ async fn limits_enforced() {
         ..Limits::default()
     };
     let s = start(limits, false).await;
-    let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut c = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     // Second session refused while the first is open.
-    let e = AsyncClient::connect(&s.addr, &token_opts())
+    let e = AsyncSideClient::connect(&s.addr, &token_opts())
         .await
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::Busy, "{e}");
@@ -311,7 +317,9 @@ async fn limits_enforced() {
     // Idle timeout closes sessions and their files.
     drop(c);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut c = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     c.open("data", "a", &RW, 0o600).await.unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(c.ping().await.is_err());
@@ -349,7 +357,9 @@ async fn garbage_and_graceful_shutdown() {
         r => panic!("{r:?}"),
     }
     // Shutdown closes idle sessions promptly.
-    let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut c = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     s.stop.trigger();
     tokio::time::timeout(Duration::from_secs(5), s.task)
         .await
@@ -368,7 +378,7 @@ fn blocking_client() {
     let s = rt.block_on(start(Limits::default(), false));
     let addr = s.addr.clone();
     let j = std::thread::spawn(move || {
-        let mut c = Client::connect(&addr, &token_opts()).unwrap();
+        let mut c = SideClient::connect(&addr, &token_opts()).unwrap();
         assert_eq!(c.stat("data", "hello.txt").unwrap().size, 5);
         let f = c
             .open(
@@ -399,7 +409,9 @@ async fn hard_linked_file_is_refused_over_the_side_channel() {
         crate::io_phase::testkit::skip("cannot create hard links here");
         return;
     }
-    let mut c = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut c = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     // Stat, then open: the open is refused with permission denied.
     assert_eq!(c.stat("data", "hl").await.unwrap().size, 6);
     let ro = OpenOptions {
@@ -427,19 +439,25 @@ async fn hard_linked_file_is_refused_over_the_side_channel() {
 #[tokio::test]
 async fn leases_over_the_wire_watch_grant_break_and_ack() {
     let s = start(Limits::default(), true).await;
-    let mut a = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
-    let mut b = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut a = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
+    let mut b = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     std::fs::create_dir(s.dir.path().join("data/d")).unwrap();
     // No watching connection: no lease.
     assert_eq!(a.lease_dir("data", "d", 3).await.unwrap(), (0, 0));
 
     // A watch needs the proof of the session's secret, and the same user.
-    let mut w = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut w = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     let mut forged = a.session().clone();
     forged.secret = lwio_side::SessionSecret([9; 32]);
     let e = w.watch(&forged).await.unwrap_err();
     assert_eq!(e.code, ErrorCode::PermissionDenied);
-    let mut anon = AsyncClient::connect(&s.addr, &ClientOptions::new(Login::Anonymous))
+    let mut anon = AsyncSideClient::connect(&s.addr, &SideOptions::new(Login::Anonymous))
         .await
         .unwrap();
     let e = anon.watch(a.session()).await.unwrap_err();
@@ -488,8 +506,12 @@ async fn leases_over_the_wire_watch_grant_break_and_ack() {
 #[tokio::test]
 async fn a_session_end_drops_its_leases_and_closes_its_watch() {
     let s = start(Limits::default(), false).await;
-    let mut a = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
-    let mut w = AsyncClient::connect(&s.addr, &token_opts()).await.unwrap();
+    let mut a = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
+    let mut w = AsyncSideClient::connect(&s.addr, &token_opts())
+        .await
+        .unwrap();
     w.watch(a.session()).await.unwrap();
     let (id, _) = a.lease_dir("data", "", 1).await.unwrap();
     assert_ne!(id, 0);
