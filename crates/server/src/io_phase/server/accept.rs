@@ -196,7 +196,7 @@ impl Conn {
             state: state_pub.clone(),
             pd: domain.is_none().then(|| pd.clone()),
         };
-        let sconn = ServerConn::new(cfg, now);
+        let sconn = ServerConn::with_op_data(cfg, now);
         let reads = domain.map(|d| {
             for r in &d.reads {
                 r.attach();
@@ -221,7 +221,6 @@ impl Conn {
                 sq_depth,
                 sq_inflight: 0,
                 deferred: VecDeque::new(),
-                read_bufs: HashMap::new(),
                 spare_bufs: Vec::new(),
                 reads,
                 cancels: HashMap::new(),

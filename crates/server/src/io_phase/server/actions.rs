@@ -105,7 +105,10 @@ impl Conn {
                         imm,
                     });
                 }
-                let Some(b) = self.read_bufs.get_mut(&op) else {
+                // (Its op has completed: the state machine writes from a
+                // read buffer only then, and keeps its data until
+                // `maybe_free_buf` takes it.)
+                let Some(b) = self.sconn.done_data_mut(op).and_then(|d| d.read.as_mut()) else {
                     self.close_conn("RDMA write from an unknown read buffer");
                     return Ok(());
                 };
@@ -200,15 +203,17 @@ impl Conn {
                     }
                 };
                 let buf = Arc::new(buf);
-                self.read_bufs.insert(
-                    op,
-                    ReadBuf {
-                        buf: buf.clone(),
-                        writes_inflight: 0,
-                        released: false,
-                        at_storage: true,
-                    },
-                );
+                let Some(d) = self.sconn.op_data_mut(op) else {
+                    // (Not in flight: nothing would take the buffer back.)
+                    self.recycle_read_buf(buf);
+                    return Ok(());
+                };
+                d.read = Some(ReadBuf {
+                    buf: buf.clone(),
+                    writes_inflight: 0,
+                    released: false,
+                    at_storage: true,
+                });
                 let len = (len as usize).min(buf.len());
                 self.dispatch(op, f, offset, JobKind::Read { buf, len });
                 Ok(())
@@ -263,7 +268,7 @@ impl Conn {
                 Ok(())
             }
             ServerAction::ReleaseReadBuffer { op } => {
-                if let Some(b) = self.read_bufs.get_mut(&op) {
+                if let Some(b) = self.sconn.done_data_mut(op).and_then(|d| d.read.as_mut()) {
                     b.released = true;
                 }
                 self.maybe_free_buf(op);
@@ -389,7 +394,7 @@ impl Conn {
                 match wrid::kind(p.0) {
                     wrid::SEND => self.send_free.push(v as u32),
                     wrid::READBUF => {
-                        if let Some(b) = self.read_bufs.get_mut(&v) {
+                        if let Some(b) = self.sconn.op_data_mut(v).and_then(|d| d.read.as_mut()) {
                             b.writes_inflight = b.writes_inflight.saturating_sub(1);
                         }
                     }

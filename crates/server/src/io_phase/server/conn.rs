@@ -15,7 +15,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lwio_proto::server::{OpId, RecvId, ServerAction, ServerConn};
+use lwio_proto::server::{OpData, OpId, RecvId, ServerAction, ServerConn};
 use lwio_proto::wrid;
 use lwio_proto::NtStatus;
 use lwio_rdma::{CompChannel, Context, Cq, Mr, Pd, Qp, QpState, SendOp, Wc};
@@ -42,6 +42,24 @@ pub(super) struct ReadBuf {
     pub(super) writes_inflight: u32,
     pub(super) released: bool,
     pub(super) at_storage: bool,
+}
+
+/// What a connection keeps per storage operation, held by its
+/// `ServerConn` with the op (`ServerConn<OpState>`): while the op is in
+/// flight, and a read's past its completion until the RDMA Writes from
+/// its buffer have completed (`maybe_free_buf` takes it back).
+#[derive(Default)]
+pub(super) struct OpState {
+    /// A read's buffer (FileRead).
+    pub(super) read: Option<ReadBuf>,
+}
+
+impl OpData for OpState {
+    /// A read buffer outlives its op: the completion's RDMA Writes (and
+    /// any still in flight) read from it.
+    fn outlives_op(&self) -> bool {
+        self.read.is_some()
+    }
 }
 
 pub(super) const SEND_SLOT: usize = 256;
@@ -93,7 +111,6 @@ pub(in crate::io_phase) struct Conn {
     pub(super) sq_depth: usize,
     pub(super) sq_inflight: usize,
     pub(super) deferred: VecDeque<ServerAction>,
-    pub(super) read_bufs: HashMap<OpId, ReadBuf>,
     /// Regions of its own kept for its next reads (larger than a slot).
     pub(super) spare_bufs: Vec<Mr>,
     /// Its reactor's read slots on this device, by size (None: no reactor
@@ -105,7 +122,7 @@ pub(in crate::io_phase) struct Conn {
     pub(super) files: HashMap<u64, OpenFile>,
     pub(super) next_file: u64,
     pub(super) session: Option<SessionId>,
-    pub(super) sconn: ServerConn,
+    pub(super) sconn: ServerConn<OpState>,
     pub(super) shared: Arc<Shared>,
     pub(super) state: Arc<ServerState>,
     pub(super) pool: StoragePool,
@@ -376,7 +393,12 @@ impl Conn {
         // Storage jobs still running hold their read buffer by Arc; they
         // finish into a channel nobody reads. Registered memory is released
         // here (deregistration invalidates keys before the memory goes).
-        for (_, b) in self.read_bufs.drain() {
+        let bufs: Vec<ReadBuf> = self
+            .sconn
+            .op_data_iter_mut()
+            .filter_map(|(_, d)| d.read.take())
+            .collect();
+        for b in bufs {
             if b.buf.is_slot() {
                 // Back to the slab when the last holder lets go.
                 continue;

@@ -290,7 +290,7 @@ impl Conn {
             Err(_) => {
                 self.pool.queued.fetch_sub(1, Ordering::Relaxed);
                 debug!(conn = self.id, op, "storage queue full");
-                if let Some(b) = self.read_bufs.get_mut(&op) {
+                if let Some(b) = self.sconn.op_data_mut(op).and_then(|d| d.read.as_mut()) {
                     b.at_storage = false;
                 }
                 self.sconn.handle_storage_complete(
