@@ -259,11 +259,13 @@ impl Conn {
                 Ok(())
             }
             ServerAction::CancelIo { op } => {
-                if let Some(c) = self.cancels.get(&op) {
-                    c.store(true, Ordering::Release);
-                }
-                if let (Some(id), Some(rio)) = (self.ring_ops.get(&op), &self.rio) {
-                    lock(rio).cancel(*id);
+                if let Some(d) = self.sconn.op_data_mut(op) {
+                    if let Some(c) = &d.cancel {
+                        c.store(true, Ordering::Release);
+                    }
+                    if let (Some(id), Some(rio)) = (d.ring, &self.rio) {
+                        lock(rio).cancel(id);
+                    }
                 }
                 Ok(())
             }

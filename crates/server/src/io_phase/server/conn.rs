@@ -52,6 +52,17 @@ pub(super) struct ReadBuf {
 pub(super) struct OpState {
     /// A read's buffer (FileRead).
     pub(super) read: Option<ReadBuf>,
+    /// At a storage thread: the job's cancel flag.
+    pub(super) cancel: Option<Arc<AtomicBool>>,
+    /// On the reactor's io_uring: its ring id.
+    pub(super) ring: Option<u64>,
+}
+
+impl OpState {
+    /// Its file I/O is at storage (a storage thread or the ring).
+    pub(super) fn at_storage(&self) -> bool {
+        self.cancel.is_some() || self.ring.is_some()
+    }
 }
 
 impl OpData for OpState {
@@ -116,7 +127,6 @@ pub(in crate::io_phase) struct Conn {
     /// Its reactor's read slots on this device, by size (None: no reactor
     /// domain).
     pub(super) reads: Option<[Arc<ReadSlab>; 2]>,
-    pub(super) cancels: HashMap<OpId, Arc<AtomicBool>>,
     /// Memory-object I/O this connection carries for its publisher.
     pub(super) mem: crate::io_phase::memobj::PubSide,
     pub(super) files: HashMap<u64, OpenFile>,
@@ -147,8 +157,6 @@ pub(in crate::io_phase) struct Conn {
     /// I/O that would block goes to the storage pool).
     pub(super) slot: usize,
     pub(super) rio: Option<Arc<Mutex<RingIo>>>,
-    /// File I/Os on the ring: op → ring id.
-    pub(super) ring_ops: HashMap<OpId, u64>,
     /// READs waiting for the registered-memory budget: since when.
     pub(super) read_waits: HashMap<OpId, Instant>,
     /// Reactor bookkeeping: last balancing round, last I/O work, last
@@ -323,7 +331,7 @@ impl Conn {
 
     /// A file I/O on the reactor's ring has finished.
     pub(in crate::io_phase) fn ring_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
-        self.ring_ops.remove(&op);
+        // (`storage_done` forgets its ring id.)
         self.storage_done(op, r);
     }
 
@@ -355,7 +363,7 @@ impl Conn {
         }
         if let Some(t) = self.closing {
             let sends_done = self.sq_inflight == 0 || matches!(self.qp.state(), QpState::Error);
-            if (sends_done && self.cancels.is_empty() && self.ring_ops.is_empty())
+            if (sends_done && !self.sconn.op_data_iter_mut().any(|(_, d)| d.at_storage()))
                 || now.duration_since(t) > Duration::from_secs(2)
             {
                 return true;
@@ -367,13 +375,13 @@ impl Conn {
     pub(super) fn begin_close(&mut self, now: Instant) {
         if self.closing.is_none() {
             self.closing = Some(now);
-            for c in self.cancels.values() {
-                c.store(true, Ordering::Release);
-            }
-            if let Some(rio) = &self.rio {
-                let mut rio = lock(rio);
-                for id in self.ring_ops.values() {
-                    rio.cancel(*id);
+            let mut rio = self.rio.as_ref().map(|r| lock(r));
+            for (_, d) in self.sconn.op_data_iter_mut() {
+                if let Some(c) = &d.cancel {
+                    c.store(true, Ordering::Release);
+                }
+                if let (Some(id), Some(rio)) = (d.ring, rio.as_mut()) {
+                    rio.cancel(id);
                 }
             }
         }
@@ -436,12 +444,16 @@ impl Conn {
                 // from never come back to the pool (the job keeps their
                 // region); the others go back now, and the credits stop
                 // being promised.
+                let at_storage: std::collections::HashSet<OpId> = self
+                    .sconn
+                    .op_data_iter_mut()
+                    .filter(|(_, d)| d.at_storage())
+                    .map(|(op, _)| op)
+                    .collect();
                 let busy: std::collections::HashSet<RecvId> = self
                     .frag_bufs
                     .iter()
-                    .filter(|(op, _)| {
-                        self.ring_ops.contains_key(op) || self.cancels.contains_key(op)
-                    })
+                    .filter(|(op, _)| at_storage.contains(op))
                     .flat_map(|(_, b)| b.iter().copied())
                     .collect();
                 let back: Vec<RecvId> = self.held.drain().filter(|b| !busy.contains(b)).collect();

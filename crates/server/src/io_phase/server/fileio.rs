@@ -264,7 +264,9 @@ impl Conn {
             });
             match r {
                 Ok(id) => {
-                    self.ring_ops.insert(op, id);
+                    if let Some(d) = self.sconn.op_data_mut(op) {
+                        d.ring = Some(id);
+                    }
                 }
                 Err(st) => self.storage_done(op, Err(st)),
             }
@@ -285,7 +287,9 @@ impl Conn {
         self.pool.queued.fetch_add(1, Ordering::Relaxed);
         match self.pool.tx.try_send(job) {
             Ok(()) => {
-                self.cancels.insert(op, cancel);
+                if let Some(d) = self.sconn.op_data_mut(op) {
+                    d.cancel = Some(cancel);
+                }
             }
             Err(_) => {
                 self.pool.queued.fetch_sub(1, Ordering::Relaxed);
