@@ -178,15 +178,16 @@ impl Conn {
                     }
                 };
                 let buf = match got {
-                    Ok(b) => {
-                        self.read_waits.remove(&op);
-                        b
-                    }
+                    Ok(b) => b,
                     Err(st) => {
                         // The budget is spent: wait for buffers to come
                         // back (this connection's or others'), up to
                         // READ_BUFFER_WAIT, then answer the status.
-                        let since = *self.read_waits.entry(op).or_insert_with(Instant::now);
+                        let Some(d) = self.sconn.op_data_mut(op) else {
+                            // (Not in flight: nothing to answer.)
+                            return Ok(());
+                        };
+                        let since = *d.read_wait.get_or_insert_with(Instant::now);
                         if since.elapsed() < READ_BUFFER_WAIT {
                             return Err(ServerAction::FileRead {
                                 op,
@@ -196,7 +197,7 @@ impl Conn {
                                 len,
                             });
                         }
-                        self.read_waits.remove(&op);
+                        // (Its data, the wait with it, goes with the op.)
                         self.sconn
                             .handle_storage_complete(Instant::now(), op, Err(st));
                         return Ok(());
@@ -208,6 +209,7 @@ impl Conn {
                     self.recycle_read_buf(buf);
                     return Ok(());
                 };
+                d.read_wait = None;
                 d.read = Some(ReadBuf {
                     buf: buf.clone(),
                     writes_inflight: 0,

@@ -153,19 +153,21 @@ impl Conn {
     }
 
     pub(super) fn storage_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
-        if let Some(bufs) = self.frag_bufs.remove(&op) {
-            self.repost_recvs(bufs);
-        }
-        if r == Err(STATUS_CANCELLED) {
-            self.shared.ios_cancelled.fetch_add(1, Ordering::Relaxed);
-        }
+        let mut recvs = None;
         if let Some(d) = self.sconn.op_data_mut(op) {
             // Back from storage (a storage thread, the ring, inline).
             d.cancel = None;
             d.ring = None;
+            recvs = d.recvs.take();
             if let Some(b) = d.read.as_mut() {
                 b.at_storage = false;
             }
+        }
+        if let Some(bufs) = recvs {
+            self.repost_recvs(bufs);
+        }
+        if r == Err(STATUS_CANCELLED) {
+            self.shared.ios_cancelled.fetch_add(1, Ordering::Relaxed);
         }
         self.sconn.handle_storage_complete(Instant::now(), op, r);
         self.maybe_free_buf(op);

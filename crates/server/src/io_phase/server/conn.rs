@@ -56,6 +56,11 @@ pub(super) struct OpState {
     pub(super) cancel: Option<Arc<AtomicBool>>,
     /// On the reactor's io_uring: its ring id.
     pub(super) ring: Option<u64>,
+    /// A write from kept receive buffers (a reassembled message's, a
+    /// WRITE's) at storage: those buffers, reposted when it completes.
+    pub(super) recvs: Option<Vec<RecvId>>,
+    /// A READ waiting for the registered-memory budget: since when.
+    pub(super) read_wait: Option<Instant>,
 }
 
 impl OpState {
@@ -112,9 +117,6 @@ pub(in crate::io_phase) struct Conn {
     /// holds (taken, not yet handed back).
     pub(super) backed: usize,
     pub(super) held: std::collections::HashSet<RecvId>,
-    /// Receive buffers a storage job writes from (a reassembled message's,
-    /// a WRITE's), reposted when it completes.
-    pub(super) frag_bufs: HashMap<OpId, Vec<RecvId>>,
     pub(super) recv_slot: usize,
     /// Its send slots, in chunks of [`SEND_CHUNK`].
     pub(super) send_mrs: Vec<Mr>,
@@ -157,8 +159,6 @@ pub(in crate::io_phase) struct Conn {
     /// I/O that would block goes to the storage pool).
     pub(super) slot: usize,
     pub(super) rio: Option<Arc<Mutex<RingIo>>>,
-    /// READs waiting for the registered-memory budget: since when.
-    pub(super) read_waits: HashMap<OpId, Instant>,
     /// Reactor bookkeeping: last balancing round, last I/O work, last
     /// polled completion (and the count it saw).
     pub(super) last_tick: Instant,
@@ -444,17 +444,11 @@ impl Conn {
                 // from never come back to the pool (the job keeps their
                 // region); the others go back now, and the credits stop
                 // being promised.
-                let at_storage: std::collections::HashSet<OpId> = self
+                let busy: std::collections::HashSet<RecvId> = self
                     .sconn
                     .op_data_iter_mut()
                     .filter(|(_, d)| d.at_storage())
-                    .map(|(op, _)| op)
-                    .collect();
-                let busy: std::collections::HashSet<RecvId> = self
-                    .frag_bufs
-                    .iter()
-                    .filter(|(op, _)| at_storage.contains(op))
-                    .flat_map(|(_, b)| b.iter().copied())
+                    .flat_map(|(_, d)| d.recvs.iter().flatten().copied())
                     .collect();
                 let back: Vec<RecvId> = self.held.drain().filter(|b| !busy.contains(b)).collect();
                 p.give_back(&back);

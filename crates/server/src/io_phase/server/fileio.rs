@@ -159,7 +159,12 @@ impl Conn {
             .fragment_write_calls
             .fetch_add(frag, Ordering::Relaxed);
         drop(fd);
-        self.frag_bufs.insert(op, bufs);
+        let Some(d) = self.sconn.op_data_mut(op) else {
+            // (Not in flight: nothing would repost them after the write.)
+            self.repost_recvs(bufs);
+            return;
+        };
+        d.recvs = Some(bufs);
         self.dispatch(op, f, offset, JobKind::WriteParts { iov });
     }
 
