@@ -1,7 +1,8 @@
 //! One RDMA connection ([`Conn`]): its queue pair, receive and send
-//! buffers, read buffers and storage bookkeeping around one
-//! `lwio_proto::server::ServerConn`, and what its reactor calls: a turn,
-//! the timed tick, arming, close and teardown.
+//! buffers around one `lwio_proto::server::ServerConn<OpState>` (which
+//! keeps each storage operation's [`OpState`]: read buffer, kept receive
+//! buffers, cancel flag, ring id, read wait), and what its reactor calls:
+//! a turn, the timed tick, arming, close and teardown.
 //!
 //! Its other layers are `impl Conn` blocks of their own: admission
 //! (`accept.rs`), control messages and credits (`credits.rs`), completions
