@@ -2,7 +2,7 @@
 
 use super::*;
 
-impl ServerConn {
+impl<U: OpData> ServerConn<U> {
     /// FLUSH (§5.13): the Fid's file synced on the server, answered when
     /// storage is done (`FileSync`). It is in flight like an I/O: a CLOSE
     /// waits for it, a CANCEL may withdraw it before it starts.
@@ -36,7 +36,7 @@ impl ServerConn {
         let after: Vec<OpId> = self
             .ops
             .iter()
-            .filter(|(o, p)| {
+            .filter(|(o, (p, _))| {
                 **o != op && matches!(p.kind, IoKind::Write | IoKind::WriteParts { .. })
             })
             .map(|(o, _)| *o)
@@ -89,7 +89,7 @@ impl ServerConn {
         let mut ops: Vec<OpId> = self
             .ops
             .iter()
-            .filter(|(_, p)| p.fid == fid && target.is_none_or(|t| t.matches(&p.mode)))
+            .filter(|(_, (p, _))| p.fid == fid && target.is_none_or(|t| t.matches(&p.mode)))
             .map(|(o, _)| *o)
             .collect();
         ops.sort_unstable();

@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl ServerConn {
+impl<U: OpData> ServerConn<U> {
     /// Common I/O validation: Fid and offset overflow.
     pub(super) fn check_io(&self, fid: u16, offset: u64, length: u32) -> Result<u64, NtStatus> {
         let f = match self.fids.get(&fid) {
@@ -22,7 +22,7 @@ impl ServerConn {
         if let Some(f) = self.fids.get_mut(&p.fid) {
             f.inflight += 1;
         }
-        self.ops.insert(op, p);
+        self.ops.insert(op, (p, U::default()));
         op
     }
 
@@ -365,16 +365,20 @@ impl ServerConn {
 
     /// A storage operation finished: `Ok(bytes transferred)` or the failure
     /// status (STATUS_CANCELLED for a cancelled operation). Unknown ops are
-    /// ignored.
+    /// ignored. The op's data is dropped, or kept for
+    /// [`ServerConn::take_done_data`] when [`OpData::outlives_op`] says so.
     pub fn handle_storage_complete(
         &mut self,
         now: Instant,
         op: OpId,
         result: Result<u32, NtStatus>,
     ) {
-        let Some(p) = self.ops.remove(&op) else {
+        let Some((p, data)) = self.ops.remove(&op) else {
             return;
         };
+        if data.outlives_op() {
+            self.done.insert(op, data);
+        }
         self.reservations.remove(&op);
         if self.state == State::Closed {
             // After CloseConnection nothing is produced; the embedder

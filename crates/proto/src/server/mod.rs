@@ -112,6 +112,26 @@ pub trait ServerHooks {
     ) -> Result<u64, NtStatus>;
 }
 
+/// The embedder's data for one storage operation ([`OpId`]), kept by the
+/// [`ServerConn`] with the operation: created with `U::default()` when the
+/// operation starts, reachable with [`ServerConn::op_data_mut`] while it is
+/// in flight. When it completes the data is dropped with it, unless
+/// [`OpData::outlives_op`] says the embedder still needs it (a read buffer
+/// that the completion's RDMA Writes read from): then it stays reachable
+/// ([`ServerConn::done_data_mut`]) until the embedder takes it back with
+/// [`ServerConn::take_done_data`].
+pub trait OpData: Default {
+    /// Checked when the operation completes: keep the data until
+    /// [`ServerConn::take_done_data`] (true), or drop it with the
+    /// operation (false).
+    fn outlives_op(&self) -> bool {
+        false
+    }
+}
+
+/// No data per operation.
+impl OpData for () {}
+
 /// A receive buffer the embedder names in [`ServerConn::handle_recv_in`].
 /// `RecvId::MAX` is no buffer (what [`ServerConn::handle_recv`] passes):
 /// nothing is kept under it.
@@ -367,9 +387,10 @@ struct FragHead {
     frags: u32,
 }
 
-/// Per-connection LWIO server.
+/// Per-connection LWIO server. `U` is the embedder's data per storage
+/// operation ([`OpData`]).
 #[derive(Debug)]
-pub struct ServerConn {
+pub struct ServerConn<U = ()> {
     cfg: ServerConfig,
     state: State,
     auth_deadline: Instant,
@@ -389,7 +410,11 @@ pub struct ServerConn {
     interrupt: Option<(u64, Instant)>,
     fids: BTreeMap<u16, FileEntry>,
     next_fid: u16,
-    ops: HashMap<OpId, PendingIo>,
+    /// Storage operations in flight, each with the embedder's data.
+    ops: HashMap<OpId, (PendingIo, U)>,
+    /// The embedder's data of completed operations that outlive them
+    /// ([`OpData::outlives_op`]), until [`ServerConn::take_done_data`].
+    done: HashMap<OpId, U>,
     next_op: OpId,
     actions: VecDeque<ServerAction>,
     /// FLUSHes waiting for the writes that arrived before them to reach
@@ -413,8 +438,17 @@ pub struct ServerConn {
 }
 
 impl ServerConn {
-    /// A new connection; AUTH must arrive before `now + auth_timeout`.
+    /// A new connection without data per operation; AUTH must arrive
+    /// before `now + auth_timeout`.
     pub fn new(cfg: ServerConfig, now: Instant) -> Self {
+        Self::with_op_data(cfg, now)
+    }
+}
+
+impl<U: OpData> ServerConn<U> {
+    /// A new connection keeping the embedder's `U` per storage operation;
+    /// AUTH must arrive before `now + auth_timeout`.
+    pub fn with_op_data(cfg: ServerConfig, now: Instant) -> Self {
         let auth_deadline = now + cfg.auth_timeout;
         let budget = cfg
             .fragment_budget
@@ -445,6 +479,7 @@ impl ServerConn {
             fids: BTreeMap::new(),
             next_fid: 1,
             ops: HashMap::new(),
+            done: HashMap::new(),
             next_op: 1,
             actions: VecDeque::new(),
             held_syncs: Vec::new(),
@@ -543,6 +578,32 @@ impl ServerConn {
     /// Storage operations in flight.
     pub fn pending_ops(&self) -> usize {
         self.ops.len()
+    }
+    /// The embedder's data of storage operation `op`: in flight, or
+    /// completed and kept ([`OpData::outlives_op`]) but not yet taken.
+    pub fn op_data_mut(&mut self, op: OpId) -> Option<&mut U> {
+        match self.ops.get_mut(&op) {
+            Some((_, d)) => Some(d),
+            None => self.done.get_mut(&op),
+        }
+    }
+    /// The embedder's data of completed operation `op`, kept
+    /// ([`OpData::outlives_op`]) and not yet taken.
+    pub fn done_data_mut(&mut self, op: OpId) -> Option<&mut U> {
+        self.done.get_mut(&op)
+    }
+    /// Take back the data of completed operation `op` (None while it is
+    /// in flight, or when its data was not kept or is already taken).
+    pub fn take_done_data(&mut self, op: OpId) -> Option<U> {
+        self.done.remove(&op)
+    }
+    /// The embedder's data of every operation in flight, then of every
+    /// completed one kept and not yet taken.
+    pub fn op_data_iter_mut(&mut self) -> impl Iterator<Item = (OpId, &mut U)> + '_ {
+        self.ops
+            .iter_mut()
+            .map(|(op, (_, d))| (*op, d))
+            .chain(self.done.iter_mut().map(|(op, d)| (*op, d)))
     }
     /// Every registered file (including ones closing with I/O in flight)
     /// as (Fid, file handle): what the embedder must release when the

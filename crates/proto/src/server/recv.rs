@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl ServerConn {
+impl<U: OpData> ServerConn<U> {
     /// A fragment: opcode 10 where a request's opcode is, on a connection
     /// whose server takes fragments (elsewhere opcode 10 is unknown, and the
     /// message malformed).

@@ -7,7 +7,8 @@
 //! thread.
 //!
 //! Each accepted connection has its own QP and CQ and runs one
-//! `lwio_proto::server::ServerConn`. Where the device has shared receive
+//! `lwio_proto::server::ServerConn<OpState>`, which keeps the connection's
+//! data per storage operation (`conn::OpState`) with the operation. Where the device has shared receive
 //! queues (the soft provider always does), its protection domain,
 //! completion channel and receive pool are its reactor's on that device
 //! (`reactor::Domain`, the CQ tagged with the connection's id); elsewhere

@@ -196,7 +196,7 @@ impl Conn {
             state: state_pub.clone(),
             pd: domain.is_none().then(|| pd.clone()),
         };
-        let sconn = ServerConn::new(cfg, now);
+        let sconn = ServerConn::with_op_data(cfg, now);
         let reads = domain.map(|d| {
             for r in &d.reads {
                 r.attach();
@@ -214,17 +214,14 @@ impl Conn {
                 recv,
                 backed,
                 held: Default::default(),
-                frag_bufs: HashMap::new(),
                 recv_slot,
                 send_mrs: vec![send_mr],
                 send_free: (0..SEND_CHUNK as u32).rev().collect(),
                 sq_depth,
                 sq_inflight: 0,
                 deferred: VecDeque::new(),
-                read_bufs: HashMap::new(),
                 spare_bufs: Vec::new(),
                 reads,
-                cancels: HashMap::new(),
                 mem: Default::default(),
                 files: HashMap::new(),
                 next_file: 1,
@@ -249,8 +246,6 @@ impl Conn {
                 inline_mode: HashMap::new(),
                 slot: 0,
                 rio: None,
-                ring_ops: HashMap::new(),
-                read_waits: HashMap::new(),
                 last_tick: now,
                 last_busy: now,
                 last_polled: now,

@@ -105,7 +105,10 @@ impl Conn {
                         imm,
                     });
                 }
-                let Some(b) = self.read_bufs.get_mut(&op) else {
+                // (Its op has completed: the state machine writes from a
+                // read buffer only then, and keeps its data until
+                // `maybe_free_buf` takes it.)
+                let Some(b) = self.sconn.done_data_mut(op).and_then(|d| d.read.as_mut()) else {
                     self.close_conn("RDMA write from an unknown read buffer");
                     return Ok(());
                 };
@@ -175,15 +178,16 @@ impl Conn {
                     }
                 };
                 let buf = match got {
-                    Ok(b) => {
-                        self.read_waits.remove(&op);
-                        b
-                    }
+                    Ok(b) => b,
                     Err(st) => {
                         // The budget is spent: wait for buffers to come
                         // back (this connection's or others'), up to
                         // READ_BUFFER_WAIT, then answer the status.
-                        let since = *self.read_waits.entry(op).or_insert_with(Instant::now);
+                        let Some(d) = self.sconn.op_data_mut(op) else {
+                            // (Not in flight: nothing to answer.)
+                            return Ok(());
+                        };
+                        let since = *d.read_wait.get_or_insert_with(Instant::now);
                         if since.elapsed() < READ_BUFFER_WAIT {
                             return Err(ServerAction::FileRead {
                                 op,
@@ -193,22 +197,25 @@ impl Conn {
                                 len,
                             });
                         }
-                        self.read_waits.remove(&op);
+                        // (Its data, the wait with it, goes with the op.)
                         self.sconn
                             .handle_storage_complete(Instant::now(), op, Err(st));
                         return Ok(());
                     }
                 };
                 let buf = Arc::new(buf);
-                self.read_bufs.insert(
-                    op,
-                    ReadBuf {
-                        buf: buf.clone(),
-                        writes_inflight: 0,
-                        released: false,
-                        at_storage: true,
-                    },
-                );
+                let Some(d) = self.sconn.op_data_mut(op) else {
+                    // (Not in flight: nothing would take the buffer back.)
+                    self.recycle_read_buf(buf);
+                    return Ok(());
+                };
+                d.read_wait = None;
+                d.read = Some(ReadBuf {
+                    buf: buf.clone(),
+                    writes_inflight: 0,
+                    released: false,
+                    at_storage: true,
+                });
                 let len = (len as usize).min(buf.len());
                 self.dispatch(op, f, offset, JobKind::Read { buf, len });
                 Ok(())
@@ -254,16 +261,18 @@ impl Conn {
                 Ok(())
             }
             ServerAction::CancelIo { op } => {
-                if let Some(c) = self.cancels.get(&op) {
-                    c.store(true, Ordering::Release);
-                }
-                if let (Some(id), Some(rio)) = (self.ring_ops.get(&op), &self.rio) {
-                    lock(rio).cancel(*id);
+                if let Some(d) = self.sconn.op_data_mut(op) {
+                    if let Some(c) = &d.cancel {
+                        c.store(true, Ordering::Release);
+                    }
+                    if let (Some(id), Some(rio)) = (d.ring, &self.rio) {
+                        lock(rio).cancel(id);
+                    }
                 }
                 Ok(())
             }
             ServerAction::ReleaseReadBuffer { op } => {
-                if let Some(b) = self.read_bufs.get_mut(&op) {
+                if let Some(b) = self.sconn.done_data_mut(op).and_then(|d| d.read.as_mut()) {
                     b.released = true;
                 }
                 self.maybe_free_buf(op);
@@ -389,7 +398,7 @@ impl Conn {
                 match wrid::kind(p.0) {
                     wrid::SEND => self.send_free.push(v as u32),
                     wrid::READBUF => {
-                        if let Some(b) = self.read_bufs.get_mut(&v) {
+                        if let Some(b) = self.sconn.op_data_mut(v).and_then(|d| d.read.as_mut()) {
                             b.writes_inflight = b.writes_inflight.saturating_sub(1);
                         }
                     }

@@ -98,7 +98,7 @@ impl Conn {
                 if !w.is_ok() && w.status != WcStatus::WrFlushErr {
                     warn!(conn = self.id, status = ?w.status, vendor = w.vendor_err, "RDMA write to the client failed");
                 }
-                if let Some(b) = self.read_bufs.get_mut(&v) {
+                if let Some(b) = self.sconn.done_data_mut(v).and_then(|d| d.read.as_mut()) {
                     b.writes_inflight = b.writes_inflight.saturating_sub(1);
                 }
                 self.maybe_free_buf(v);
@@ -153,43 +153,58 @@ impl Conn {
     }
 
     pub(super) fn storage_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
-        self.cancels.remove(&op);
-        if let Some(bufs) = self.frag_bufs.remove(&op) {
+        let mut recvs = None;
+        if let Some(d) = self.sconn.op_data_mut(op) {
+            // Back from storage (a storage thread, the ring, inline).
+            d.cancel = None;
+            d.ring = None;
+            recvs = d.recvs.take();
+            if let Some(b) = d.read.as_mut() {
+                b.at_storage = false;
+            }
+        }
+        if let Some(bufs) = recvs {
             self.repost_recvs(bufs);
         }
         if r == Err(STATUS_CANCELLED) {
             self.shared.ios_cancelled.fetch_add(1, Ordering::Relaxed);
         }
-        if let Some(b) = self.read_bufs.get_mut(&op) {
-            b.at_storage = false;
-        }
         self.sconn.handle_storage_complete(Instant::now(), op, r);
         self.maybe_free_buf(op);
     }
 
+    /// Take back the read buffer of completed op `op` once it is released
+    /// and no RDMA Write from it or storage job into it is left.
     pub(super) fn maybe_free_buf(&mut self, op: OpId) {
         let free = self
-            .read_bufs
-            .get(&op)
+            .sconn
+            .done_data_mut(op)
+            .and_then(|d| d.read.as_ref())
             .is_some_and(|b| b.released && b.writes_inflight == 0 && !b.at_storage);
         if free {
-            if let Some(b) = self.read_bufs.remove(&op) {
-                // A slab's slot goes back to it as the last holder drops it.
-                if let Some(mr) = Arc::try_unwrap(b.buf).ok().and_then(ReadBuffer::into_own) {
-                    // Kept for the next read while the budget has room;
-                    // given back when it is three quarters spent. (Not a
-                    // region smaller than 64 KiB, taken when a slab could
-                    // not grow: no read would take it again.)
-                    let used = self.shared.mem_used.load(Ordering::Relaxed);
-                    if mr.len() >= MIN_READ_REGION
-                        && self.spare_bufs.len() < usize::from(self.sconn.credits()).max(4)
-                        && used <= self.shared.opts.max_memory / 4 * 3
-                    {
-                        self.spare_bufs.push(mr);
-                    } else {
-                        self.shared.unregister(mr);
-                    }
-                }
+            if let Some(b) = self.sconn.take_done_data(op).and_then(|d| d.read) {
+                self.recycle_read_buf(b.buf);
+            }
+        }
+    }
+
+    /// A read buffer nothing refers to any more: a slab's slot goes back
+    /// to it as the last holder drops it; a region of its own is kept for
+    /// the next read, or unregistered.
+    pub(super) fn recycle_read_buf(&mut self, buf: Arc<ReadBuffer>) {
+        if let Some(mr) = Arc::try_unwrap(buf).ok().and_then(ReadBuffer::into_own) {
+            // Kept for the next read while the budget has room;
+            // given back when it is three quarters spent. (Not a
+            // region smaller than 64 KiB, taken when a slab could
+            // not grow: no read would take it again.)
+            let used = self.shared.mem_used.load(Ordering::Relaxed);
+            if mr.len() >= MIN_READ_REGION
+                && self.spare_bufs.len() < usize::from(self.sconn.credits()).max(4)
+                && used <= self.shared.opts.max_memory / 4 * 3
+            {
+                self.spare_bufs.push(mr);
+            } else {
+                self.shared.unregister(mr);
             }
         }
     }

@@ -1,7 +1,8 @@
 //! One RDMA connection ([`Conn`]): its queue pair, receive and send
-//! buffers, read buffers and storage bookkeeping around one
-//! `lwio_proto::server::ServerConn`, and what its reactor calls: a turn,
-//! the timed tick, arming, close and teardown.
+//! buffers around one `lwio_proto::server::ServerConn<OpState>` (which
+//! keeps each storage operation's [`OpState`]: read buffer, kept receive
+//! buffers, cancel flag, ring id, read wait), and what its reactor calls:
+//! a turn, the timed tick, arming, close and teardown.
 //!
 //! Its other layers are `impl Conn` blocks of their own: admission
 //! (`accept.rs`), control messages and credits (`credits.rs`), completions
@@ -15,7 +16,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lwio_proto::server::{OpId, RecvId, ServerAction, ServerConn};
+use lwio_proto::server::{OpData, OpId, RecvId, ServerAction, ServerConn};
 use lwio_proto::wrid;
 use lwio_proto::NtStatus;
 use lwio_rdma::{CompChannel, Context, Cq, Mr, Pd, Qp, QpState, SendOp, Wc};
@@ -42,6 +43,40 @@ pub(super) struct ReadBuf {
     pub(super) writes_inflight: u32,
     pub(super) released: bool,
     pub(super) at_storage: bool,
+}
+
+/// What a connection keeps per storage operation, held by its
+/// `ServerConn` with the op (`ServerConn<OpState>`): while the op is in
+/// flight, and a read's past its completion until the RDMA Writes from
+/// its buffer have completed (`maybe_free_buf` takes it back).
+#[derive(Default)]
+pub(super) struct OpState {
+    /// A read's buffer (FileRead).
+    pub(super) read: Option<ReadBuf>,
+    /// At a storage thread: the job's cancel flag.
+    pub(super) cancel: Option<Arc<AtomicBool>>,
+    /// On the reactor's io_uring: its ring id.
+    pub(super) ring: Option<u64>,
+    /// A write from kept receive buffers (a reassembled message's, a
+    /// WRITE's) at storage: those buffers, reposted when it completes.
+    pub(super) recvs: Option<Vec<RecvId>>,
+    /// A READ waiting for the registered-memory budget: since when.
+    pub(super) read_wait: Option<Instant>,
+}
+
+impl OpState {
+    /// Its file I/O is at storage (a storage thread or the ring).
+    pub(super) fn at_storage(&self) -> bool {
+        self.cancel.is_some() || self.ring.is_some()
+    }
+}
+
+impl OpData for OpState {
+    /// A read buffer outlives its op: the completion's RDMA Writes (and
+    /// any still in flight) read from it.
+    fn outlives_op(&self) -> bool {
+        self.read.is_some()
+    }
 }
 
 pub(super) const SEND_SLOT: usize = 256;
@@ -83,9 +118,6 @@ pub(in crate::io_phase) struct Conn {
     /// holds (taken, not yet handed back).
     pub(super) backed: usize,
     pub(super) held: std::collections::HashSet<RecvId>,
-    /// Receive buffers a storage job writes from (a reassembled message's,
-    /// a WRITE's), reposted when it completes.
-    pub(super) frag_bufs: HashMap<OpId, Vec<RecvId>>,
     pub(super) recv_slot: usize,
     /// Its send slots, in chunks of [`SEND_CHUNK`].
     pub(super) send_mrs: Vec<Mr>,
@@ -93,19 +125,17 @@ pub(in crate::io_phase) struct Conn {
     pub(super) sq_depth: usize,
     pub(super) sq_inflight: usize,
     pub(super) deferred: VecDeque<ServerAction>,
-    pub(super) read_bufs: HashMap<OpId, ReadBuf>,
     /// Regions of its own kept for its next reads (larger than a slot).
     pub(super) spare_bufs: Vec<Mr>,
     /// Its reactor's read slots on this device, by size (None: no reactor
     /// domain).
     pub(super) reads: Option<[Arc<ReadSlab>; 2]>,
-    pub(super) cancels: HashMap<OpId, Arc<AtomicBool>>,
     /// Memory-object I/O this connection carries for its publisher.
     pub(super) mem: crate::io_phase::memobj::PubSide,
     pub(super) files: HashMap<u64, OpenFile>,
     pub(super) next_file: u64,
     pub(super) session: Option<SessionId>,
-    pub(super) sconn: ServerConn,
+    pub(super) sconn: ServerConn<OpState>,
     pub(super) shared: Arc<Shared>,
     pub(super) state: Arc<ServerState>,
     pub(super) pool: StoragePool,
@@ -130,10 +160,6 @@ pub(in crate::io_phase) struct Conn {
     /// I/O that would block goes to the storage pool).
     pub(super) slot: usize,
     pub(super) rio: Option<Arc<Mutex<RingIo>>>,
-    /// File I/Os on the ring: op → ring id.
-    pub(super) ring_ops: HashMap<OpId, u64>,
-    /// READs waiting for the registered-memory budget: since when.
-    pub(super) read_waits: HashMap<OpId, Instant>,
     /// Reactor bookkeeping: last balancing round, last I/O work, last
     /// polled completion (and the count it saw).
     pub(super) last_tick: Instant,
@@ -306,7 +332,7 @@ impl Conn {
 
     /// A file I/O on the reactor's ring has finished.
     pub(in crate::io_phase) fn ring_done(&mut self, op: OpId, r: Result<u32, NtStatus>) {
-        self.ring_ops.remove(&op);
+        // (`storage_done` forgets its ring id.)
         self.storage_done(op, r);
     }
 
@@ -338,7 +364,7 @@ impl Conn {
         }
         if let Some(t) = self.closing {
             let sends_done = self.sq_inflight == 0 || matches!(self.qp.state(), QpState::Error);
-            if (sends_done && self.cancels.is_empty() && self.ring_ops.is_empty())
+            if (sends_done && !self.sconn.op_data_iter_mut().any(|(_, d)| d.at_storage()))
                 || now.duration_since(t) > Duration::from_secs(2)
             {
                 return true;
@@ -350,13 +376,13 @@ impl Conn {
     pub(super) fn begin_close(&mut self, now: Instant) {
         if self.closing.is_none() {
             self.closing = Some(now);
-            for c in self.cancels.values() {
-                c.store(true, Ordering::Release);
-            }
-            if let Some(rio) = &self.rio {
-                let mut rio = lock(rio);
-                for id in self.ring_ops.values() {
-                    rio.cancel(*id);
+            let mut rio = self.rio.as_ref().map(|r| lock(r));
+            for (_, d) in self.sconn.op_data_iter_mut() {
+                if let Some(c) = &d.cancel {
+                    c.store(true, Ordering::Release);
+                }
+                if let (Some(id), Some(rio)) = (d.ring, rio.as_mut()) {
+                    rio.cancel(id);
                 }
             }
         }
@@ -376,7 +402,12 @@ impl Conn {
         // Storage jobs still running hold their read buffer by Arc; they
         // finish into a channel nobody reads. Registered memory is released
         // here (deregistration invalidates keys before the memory goes).
-        for (_, b) in self.read_bufs.drain() {
+        let bufs: Vec<ReadBuf> = self
+            .sconn
+            .op_data_iter_mut()
+            .filter_map(|(_, d)| d.read.take())
+            .collect();
+        for b in bufs {
             if b.buf.is_slot() {
                 // Back to the slab when the last holder lets go.
                 continue;
@@ -415,12 +446,10 @@ impl Conn {
                 // region); the others go back now, and the credits stop
                 // being promised.
                 let busy: std::collections::HashSet<RecvId> = self
-                    .frag_bufs
-                    .iter()
-                    .filter(|(op, _)| {
-                        self.ring_ops.contains_key(op) || self.cancels.contains_key(op)
-                    })
-                    .flat_map(|(_, b)| b.iter().copied())
+                    .sconn
+                    .op_data_iter_mut()
+                    .filter(|(_, d)| d.at_storage())
+                    .flat_map(|(_, d)| d.recvs.iter().flatten().copied())
                     .collect();
                 let back: Vec<RecvId> = self.held.drain().filter(|b| !busy.contains(b)).collect();
                 p.give_back(&back);

@@ -159,7 +159,12 @@ impl Conn {
             .fragment_write_calls
             .fetch_add(frag, Ordering::Relaxed);
         drop(fd);
-        self.frag_bufs.insert(op, bufs);
+        let Some(d) = self.sconn.op_data_mut(op) else {
+            // (Not in flight: nothing would repost them after the write.)
+            self.repost_recvs(bufs);
+            return;
+        };
+        d.recvs = Some(bufs);
         self.dispatch(op, f, offset, JobKind::WriteParts { iov });
     }
 
@@ -264,7 +269,9 @@ impl Conn {
             });
             match r {
                 Ok(id) => {
-                    self.ring_ops.insert(op, id);
+                    if let Some(d) = self.sconn.op_data_mut(op) {
+                        d.ring = Some(id);
+                    }
                 }
                 Err(st) => self.storage_done(op, Err(st)),
             }
@@ -285,12 +292,14 @@ impl Conn {
         self.pool.queued.fetch_add(1, Ordering::Relaxed);
         match self.pool.tx.try_send(job) {
             Ok(()) => {
-                self.cancels.insert(op, cancel);
+                if let Some(d) = self.sconn.op_data_mut(op) {
+                    d.cancel = Some(cancel);
+                }
             }
             Err(_) => {
                 self.pool.queued.fetch_sub(1, Ordering::Relaxed);
                 debug!(conn = self.id, op, "storage queue full");
-                if let Some(b) = self.read_bufs.get_mut(&op) {
+                if let Some(b) = self.sconn.op_data_mut(op).and_then(|d| d.read.as_mut()) {
                     b.at_storage = false;
                 }
                 self.sconn.handle_storage_complete(
