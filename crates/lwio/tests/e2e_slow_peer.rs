@@ -26,6 +26,11 @@ fn server(dir: &Path) -> LocalServer {
         ..RdmaServerOptions::default()
     };
     rdma.proto.credit_timeout = CREDIT_TIMEOUT;
+    // Grants 8 of the child's 12 at first: the +4 of the test is within
+    // what it asked for, so its CREDIT reply reports none unused (beyond
+    // what it asked for and has pending, it would report them, and the
+    // server take them back).
+    rdma.proto.max_credits = 8;
     LocalServer::start(dir, "ex", TOKEN, Limits::default(), rdma).expect("server starts")
 }
 
@@ -164,7 +169,7 @@ fn slow_peer_child() {
     let url = std::env::var("LWIO_SLOW_PEER_URL").expect("run by the slow-peer tests");
     let token = std::env::var("LWIO_SLOW_PEER_TOKEN").unwrap();
     let opts = ClientOptions {
-        credits: 8,
+        credits: 12,
         op_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
