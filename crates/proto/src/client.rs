@@ -308,6 +308,12 @@ pub struct ClientConn<U = ()> {
     peak_pending: usize,
     /// The Credits hint of the last request stamped.
     last_hint: u8,
+    /// Outstanding INTERRUPT, CANCEL and CREDIT messages.
+    control_out: usize,
+    /// The highest hint stamped since the last credit delta, and between
+    /// the two before (requests stamped just before a delta arrived reach
+    /// the server's next look).
+    peak_hint_sent: [u8; 2],
     auth_cookie: u64,
     actions: VecDeque<ClientAction>,
     /// Request messages to send, in order ([`ClientConn::poll_transmit`]).
@@ -350,6 +356,8 @@ impl<U: Default> ClientConn<U> {
             waiting: 0,
             peak_pending: 0,
             last_hint: 0,
+            control_out: 0,
+            peak_hint_sent: [0; 2],
             auth_cookie: 0,
             actions: VecDeque::new(),
             transmit: VecDeque::new(),
@@ -396,10 +404,12 @@ impl<U: Default> ClientConn<U> {
     pub fn waiting(&self) -> usize {
         self.waiting
     }
-    /// Requests pending on the client: the credits held by outstanding
-    /// requests plus the requests waiting for one.
+    /// I/O requests pending on the client: the credits held by outstanding
+    /// requests plus the requests waiting for one. INTERRUPT, CANCEL and
+    /// CREDIT are not counted: they are not I/O, and the one credit they
+    /// need at a time is the one a server adds to the hint.
     pub fn pending(&self) -> usize {
-        self.credits_held() + self.waiting
+        self.credits_held().saturating_sub(self.control_out) + self.waiting
     }
     /// The Credits hint of the last request stamped.
     pub fn last_hint(&self) -> u8 {
@@ -408,10 +418,13 @@ impl<U: Default> ClientConn<U> {
     /// The credits this client can use now: one per pending request (the
     /// most of the last hint, the pending requests since and now) and the
     /// one kept back for INTERRUPT and CANCEL, at least what it asked for
-    /// at AUTH, at most `max_credits`. A positive delta's new credits
+    /// at AUTH, at most `max_credits`. The pending requests are the most
+    /// of the hints sent since the delta before the last one (the server
+    /// grants toward the highest it saw), those since the last hint and
+    /// now. A positive delta's new credits
     /// beyond it are reported unused.
     fn credits_needed(&self) -> i64 {
-        let pending = usize::from(self.last_hint)
+        let pending = usize::from(self.peak_hint_sent[0].max(self.peak_hint_sent[1]))
             .max(self.peak_pending)
             .max(self.pending());
         let need = (pending as i64 + 1).max(i64::from(self.cfg.credits_wanted));
@@ -588,15 +601,19 @@ impl<U: Default> ClientConn<U> {
     /// included: those holding credits and those waiting for one (the most
     /// there were since the previous request went out), at most 255.
     fn repr<'a>(&mut self, op: RequestOp<'a>) -> RequestRepr<'a> {
-        let pending = (self.pending() + 1).max(self.peak_pending);
-        self.peak_pending = 0;
-        self.last_hint = u8::try_from(pending).unwrap_or(u8::MAX);
-        RequestRepr {
-            credits: self.last_hint,
+        let mut r = RequestRepr {
+            credits: 0,
             sequence: self.sequence,
             tid: self.cfg.tid,
             op,
-        }
+        };
+        let own = usize::from(!is_control(r.opcode()));
+        let pending = (self.pending() + own).max(self.peak_pending);
+        self.peak_pending = 0;
+        self.last_hint = u8::try_from(pending).unwrap_or(u8::MAX);
+        self.peak_hint_sent[0] = self.peak_hint_sent[0].max(self.last_hint);
+        r.credits = self.last_hint;
+        r
     }
 
     /// Record an encoded (or encodable) request as outstanding.
@@ -618,6 +635,9 @@ impl<U: Default> ClientConn<U> {
         }
         if let Some(i) = imm {
             self.by_imm.insert(i, cookie);
+        }
+        if is_control(opcode) {
+            self.control_out += 1;
         }
         self.reqs.insert(
             cookie,
@@ -1287,6 +1307,9 @@ impl<U: Default> ClientConn<U> {
             return;
         };
         self.extra_held = self.extra_held.saturating_sub(o.extra_credits as usize);
+        if is_control(o.opcode) {
+            self.control_out = self.control_out.saturating_sub(1);
+        }
         if let Some(s) = o.slot {
             self.by_slot.remove(&s);
             self.free_slots.push(s);
@@ -1439,6 +1462,8 @@ impl<U: Default> ClientConn<U> {
                 self.pending_credit_msgs.push_back(v);
             }
         }
+        // The next delta's window of hints starts now.
+        self.peak_hint_sent = [self.last_hint, self.peak_hint_sent[0]];
     }
 
     fn handle_auth_done(&mut self, s: StatusResponse, mem: &dyn LocalMemory) {
@@ -1487,4 +1512,10 @@ impl<U: Default> ClientConn<U> {
         });
         self.top_up_recvs();
     }
+}
+
+/// INTERRUPT, CANCEL and CREDIT: requests that are not I/O (not counted in
+/// the Credits hint).
+fn is_control(op: Opcode) -> bool {
+    matches!(op, Opcode::Interrupt | Opcode::Cancel | Opcode::Credit)
 }

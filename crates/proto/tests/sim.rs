@@ -2658,11 +2658,13 @@ fn connection_lost_at_every_point_of_a_request() {
     assert!(cuts >= 2 * 3 * 2 * 7, "{cuts} cut points");
 }
 
-/// The Credits hint is the number of requests pending on the client (seed
-/// 000): those holding credits, this one included, and those the caller
-/// has waiting for a credit (`set_waiting`); a backlog that cleared only
-/// because a credit came back still shows in the next request's hint. The
-/// old hint (credits held + 1) could not exceed the credits granted.
+/// The Credits hint is the number of I/O requests pending on the client
+/// (seed 000): those holding credits, this one included, and those the
+/// caller has waiting for a credit (`set_waiting`); INTERRUPT, CANCEL and
+/// CREDIT are not I/O and count neither themselves nor each other. A
+/// backlog that cleared only because a credit came back still shows in the
+/// next request's hint. The old hint (credits held + 1) could not exceed
+/// the credits granted.
 #[test]
 fn credits_hint_counts_requests_waiting_for_a_credit() {
     let mut s = Sim::new();
@@ -2680,13 +2682,14 @@ fn credits_hint_counts_requests_waiting_for_a_credit() {
     }
     assert_eq!(s.server.take_peak_hint(), 3);
     // Five more wait for a credit: the INTERRUPT (the reserved credit)
-    // carries 3 held + itself + 5 waiting.
+    // carries the 3 reads + 5 waiting.
     s.client.set_waiting(5);
     assert_eq!(s.client.pending(), 8);
     s.client.interrupt(s.now).unwrap();
+    assert_eq!(s.client.pending(), 8, "an INTERRUPT is not I/O");
     s.pump();
-    assert_eq!(s.server.credit_hint(), 9);
-    assert_eq!(s.server.take_peak_hint(), 9);
+    assert_eq!(s.server.credit_hint(), 8);
+    assert_eq!(s.server.take_peak_hint(), 8);
     // The reads complete (and the INTERRUPT after them); one waiter took
     // its credit: 4 still wait and one read is issued.
     s.release_held();
@@ -2735,12 +2738,12 @@ fn credits_hint_counts_requests_waiting_for_a_credit() {
 fn unused_part_of_a_positive_grant_is_reported() {
     let cases: [(u16, usize, i32, u32); 5] = [
         // (max_credits, requests waiting, delta, unused reported)
-        // 3 reads + INTERRUPT + 4 waiting = 8 pending: 9 needed of 14.
-        (255, 4, 10, 5),
-        // Granted exactly toward the hint (8 pending, 9 credits): none.
-        (255, 4, 5, 0),
-        // No backlog: 3 reads + INTERRUPT need 5; all 3 above 5 are unused.
-        (255, 0, 4, 3),
+        // 3 reads + 4 waiting = 7 pending: 8 needed of 14.
+        (255, 4, 10, 6),
+        // Granted exactly toward the hint (7 pending, 8 credits): none.
+        (255, 4, 4, 0),
+        // No backlog: 3 reads need 4 (what it asked for); 4 above unused.
+        (255, 0, 4, 4),
         // More pending than the client can ever use: capped at 6.
         (6, 4, 10, 8),
         // A delta that leaves it short: everything is used.
