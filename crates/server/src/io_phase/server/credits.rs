@@ -238,18 +238,24 @@ impl Round {
         let max = self.max_per_conn.min(255);
         let message = self.message.max(1);
         let saturated = self.outstanding + message >= u32::from(self.credits);
-        let mut demand = (u16::from(self.hint) + 1)
+        let demand = (u16::from(self.hint) + 1)
             .min(max)
             .min(self.share.max(self.base));
-        if saturated && self.credits < self.base {
-            // Woken from idle (one credit, with the shared receive pool):
-            // back to the initial grant at once, whatever the first
-            // requests could tell of the backlog.
-            demand = demand.max(self.base.min(max));
-        }
+        let capped = max.min(self.cap.unwrap_or(255));
+        // Woken from idle (one credit, with the shared receive pool): back
+        // to the initial grant at once, whatever the first requests could
+        // tell of the backlog, but not past a cap (only a backlog lifts it).
+        let floor = if saturated && self.credits < self.base {
+            self.base.min(capped)
+        } else {
+            0
+        };
         if demand > self.credits {
             let cap = self.cap.map(|c| c.max(demand));
-            return Some((demand, cap));
+            return Some((demand.max(floor), cap));
+        }
+        if floor > self.credits {
+            return Some((floor, self.cap));
         }
         if !saturated {
             return None;
@@ -259,8 +265,7 @@ impl Round {
             .saturating_sub(self.credits)
             .max(8)
             .max(u16::try_from(message).unwrap_or(u16::MAX));
-        let max = max.min(self.cap.unwrap_or(255));
-        Some((self.credits.saturating_add(step).min(max), self.cap))
+        Some((self.credits.saturating_add(step).min(capped), self.cap))
     }
 }
 
@@ -373,5 +378,25 @@ mod tests {
             ..round(12)
         };
         assert_eq!(r.target(), Some((13, None)));
+        // Below the initial grant (32 here) because it reported the rest
+        // unused: its cap holds, and only a backlog lifts it. (Found by
+        // bench/scale.sh: a QD 8 job was granted 23 and gave them back
+        // every round.)
+        let r = Round {
+            credits: 9,
+            base: 32,
+            outstanding: 8,
+            cap: Some(9),
+            ..round(8)
+        };
+        assert_eq!(r.target(), Some((9, Some(9))));
+        let r = Round {
+            credits: 9,
+            base: 32,
+            outstanding: 8,
+            cap: Some(9),
+            ..round(12)
+        };
+        assert_eq!(r.target(), Some((13, Some(13))));
     }
 }
