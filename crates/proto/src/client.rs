@@ -415,14 +415,13 @@ impl<U: Default> ClientConn<U> {
     pub fn last_hint(&self) -> u8 {
         self.last_hint
     }
-    /// The credits this client can use now: one per pending request (the
-    /// most of the last hint, the pending requests since and now) and the
-    /// one kept back for INTERRUPT and CANCEL, at least what it asked for
-    /// at AUTH, at most `max_credits`. The pending requests are the most
-    /// of the hints sent since the delta before the last one (the server
-    /// grants toward the highest it saw), those since the last hint and
-    /// now. A positive delta's new credits
-    /// beyond it are reported unused.
+    /// The credits this client can use now: one per pending request and
+    /// the one kept back for INTERRUPT and CANCEL, at least what it asked
+    /// for at AUTH, at most `max_credits`. The pending requests are the
+    /// most of the hints sent since the delta before the last one (the
+    /// server grants toward the highest it saw), of those pending since
+    /// the last hint, and of those pending now. A positive delta's new
+    /// credits beyond it are reported unused.
     fn credits_needed(&self) -> i64 {
         let pending = usize::from(self.peak_hint_sent[0].max(self.peak_hint_sent[1]))
             .max(self.peak_pending)
@@ -597,9 +596,11 @@ impl<U: Default> ClientConn<U> {
     }
 
     /// The request message for `op`, stamped now (credits hint, sequence).
-    /// The hint is the number of requests pending on the client, this one
-    /// included: those holding credits and those waiting for one (the most
-    /// there were since the previous request went out), at most 255.
+    /// The hint is the number of I/O requests pending on the client
+    /// ([`ClientConn::pending`]), this one included unless it is an
+    /// INTERRUPT, CANCEL or CREDIT: those holding credits and those waiting
+    /// for one (the most there were since the previous request went out),
+    /// at most 255.
     fn repr<'a>(&mut self, op: RequestOp<'a>) -> RequestRepr<'a> {
         let mut r = RequestRepr {
             credits: 0,
