@@ -191,7 +191,8 @@ impl Conn {
 pub(super) struct Round {
     /// Its credits now.
     pub credits: u16,
-    /// Its initial grant.
+    /// Its initial grant: the most the server grants at AUTH (`max_credits`,
+    /// within the receive budget), what it returns to after idle.
     pub base: u16,
     /// Requests (fragments) in flight at the server.
     pub outstanding: u32,
@@ -229,8 +230,9 @@ impl Round {
     /// hint shows no more than it holds — a peer that does not count its
     /// backlog, or an lwio client at its reserved credit — gets 8 more
     /// (or one more such message), up to its cap; a client given more than
-    /// it needs reports them unused and they are taken back. A saturated connection below
-    /// its initial grant (woken from idle) gets that back at once.
+    /// it needs reports them unused and they are taken back. A saturated
+    /// connection below its initial grant (woken from idle) gets that back
+    /// at once, up to its cap.
     pub fn target(&self) -> Option<(u16, Option<u16>)> {
         if !self.active {
             return None;
