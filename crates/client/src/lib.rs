@@ -249,8 +249,10 @@ pub struct ClientOptions {
     /// Credits to ask for (the server may grant fewer, and adjusts later).
     pub credits: u16,
     /// The most requests this client ever has in flight on a connection
-    /// (its deepest queue; 255 = no limit). Credits a server grants beyond
-    /// it are reported unused, and the server takes them back.
+    /// (its deepest queue; 255 = no limit). Of a server's grant, the
+    /// credits beyond what the client needs (its pending requests and one
+    /// for INTERRUPT and CANCEL, at least `credits`, at most this) are
+    /// reported unused, and the server takes them back.
     pub max_credits: u16,
     /// Largest read per request (the server's window may be smaller).
     pub read_chunk: usize,

@@ -210,8 +210,23 @@ fn io_poll_mode() {
 
 fn control_suite(completion: Completion) {
     let dir = tempfile::tempdir().unwrap();
-    let s = server(dir.path(), no_auto());
-    let c = client(&s, completion);
+    // The server grants 8 of the 12 credits the client asks for: the +4
+    // below is within what it asked for, so it keeps them (an idle client
+    // given credits beyond its ask reports them unused:
+    // `unused_credits_are_reported_and_taken_back`).
+    let mut opts = no_auto();
+    opts.proto.max_credits = 8;
+    let s = server(dir.path(), opts);
+    let c = connect_with(
+        &s,
+        ClientOptions {
+            completion,
+            credits: 12,
+            op_timeout: Duration::from_secs(20),
+            register_threshold: Some(64 * 1024),
+            ..ClientOptions::default()
+        },
+    );
     let path = dir.path().join("ctl.bin");
     let data = pattern(5, 1 << 20);
     std::fs::write(&path, &data).unwrap();
@@ -1476,19 +1491,29 @@ fn polled_status_block_window_per_request() {
     }
 }
 
-/// A client that can use at most 10 credits (`max_credits`) and is granted
-/// 4 more than its 8 reports the 2 above 10 unused in its CREDIT reply
-/// (seed 000), and the server takes exactly those back: both sides end at
-/// 10. A client without a limit keeps all it is granted.
+/// The CREDIT reply to a positive delta reports the new credits the client
+/// does not need (seed 000), and the server takes exactly those back. What
+/// an idle client needs is what it asked for at AUTH, at most its
+/// `max_credits`: asked 8 and holding 8, all of a +4 are unused (both
+/// sides back at 8; before, the report counted only credits above
+/// `max_credits`, 255 by default, and it kept 12); asked 12 and granted
+/// 8, the +4 are its own; asked 12 but able to use at most 10, the 2
+/// above 10 are unused.
 #[test]
 fn unused_credits_are_reported_and_taken_back() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("u.bin"), pattern(3, 8192)).unwrap();
-    let s = server(dir.path(), no_auto());
-    for (max, want) in [(10u16, 10u16), (255, 12)] {
+    let mut opts = no_auto();
+    opts.proto.max_credits = 8;
+    let s = server(dir.path(), opts);
+    for (asked, max, want, hist) in [
+        (8u16, 255u16, 8u16, &[8u16, 12, 11, 10, 9, 8][..]),
+        (12, 255, 12, &[8, 12][..]),
+        (12, 10, 10, &[8, 12, 11, 10][..]),
+    ] {
         let opts = ClientOptions {
             completion: Completion::Interrupt,
-            credits: 8,
+            credits: asked,
             max_credits: max,
             ..ClientOptions::default()
         };
@@ -1504,25 +1529,110 @@ fn unused_credits_are_reported_and_taken_back() {
         wait_for(
             || {
                 let _ = f.read_at(&mut [0u8; 16], 0);
-                c.credits() == want && s.rdma.connection_credits() == vec![usize::from(want)]
+                c.stats().credit_history.len() >= hist.len()
+                    && c.credits() == want
+                    && s.rdma.connection_credits() == vec![usize::from(want)]
             },
             "both sides settle",
         );
         // Settled, not passing through: still there a moment later.
         std::thread::sleep(Duration::from_millis(100));
         let _ = f.read_at(&mut [0u8; 16], 0);
-        assert_eq!(c.credits(), want);
+        assert_eq!(c.credits(), want, "asked {asked}, max {max}");
         assert_eq!(s.rdma.connection_credits(), vec![usize::from(want)]);
-        let hist = c.stats().credit_history;
-        if max == 10 {
-            assert_eq!(hist, vec![8, 12, 11, 10]);
-        } else {
-            assert_eq!(hist, vec![8, 12]);
-        }
+        assert_eq!(c.stats().credit_history, hist, "asked {asked}, max {max}");
         drop(f);
         drop(c);
         wait_for(|| s.rdma.connection_credits().is_empty(), "client gone");
     }
+}
+
+/// A client with a backlog says so in its Credits hint (seed 000: the
+/// number of pending requests, those waiting for a credit included) and
+/// the balancer grants toward it: 32 threads reading through a connection
+/// that starts at 8 credits settle at 33 on both sides (one per pending
+/// request and the one kept back for INTERRUPT and CANCEL). Before, the
+/// hint was at most the credits held + 1, and the balancer added 8 at a
+/// time while the connection was saturated: 40, 7 of them unused. Once
+/// the threads stop, the idle connection gives its credits back.
+#[test]
+fn a_backlog_is_granted_toward_its_demand_and_given_back_when_idle() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(9, 1 << 20);
+    std::fs::write(dir.path().join("b.bin"), &data).unwrap();
+    let s = server(
+        dir.path(),
+        RdmaServerOptions {
+            idle_reclaim: Duration::from_millis(300),
+            ..RdmaServerOptions::default()
+        },
+    );
+    let c = connect_with(
+        &s,
+        ClientOptions {
+            completion: Completion::Interrupt,
+            credits: 8,
+            stage_slots: 64,
+            op_timeout: Duration::from_secs(20),
+            ..ClientOptions::default()
+        },
+    );
+    let f = Arc::new(c.open("b.bin", &OpenOptions::read_only()).unwrap());
+    assert_eq!(c.credits(), 8);
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads: Vec<_> = (0..32u64)
+        .map(|i| {
+            let (f, stop, want) = (f.clone(), stop.clone(), data.clone());
+            std::thread::spawn(move || {
+                let mut b = vec![0u8; 4096];
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let off = ((i * 37 + k * 11) % 256) * 4096;
+                    assert_eq!(f.read_at(&mut b, off).unwrap(), 4096);
+                    assert_eq!(&b[..], &want[off as usize..off as usize + 4096]);
+                    k += 1;
+                }
+            })
+        })
+        .collect();
+    let at = |n: usize| c.credits() == n as u16 && s.rdma.connection_credits() == vec![n];
+    let t = Instant::now();
+    loop {
+        // Settled: 33 on both sides for 300 ms.
+        let since = Instant::now();
+        while at(33) && since.elapsed() < Duration::from_millis(300) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if since.elapsed() >= Duration::from_millis(300) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "no settling at 33: client {}, server {:?}, history {:?}",
+            c.credits(),
+            s.rdma.connection_credits(),
+            c.stats().credit_history
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(c.stats().max_outstanding >= 32, "{:?}", c.stats());
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    // Idle: back to what an idle connection keeps (one credit with the
+    // shared receive pool, else its initial 8).
+    wait_for(
+        || {
+            let n = s.rdma.connection_credits();
+            n.len() == 1 && n[0] <= 8 && usize::from(c.credits()) == n[0]
+        },
+        "the idle connection gives its credits back",
+    );
+    assert_eq!(s.rdma.stats().credit_overruns, 0);
+    assert_eq!(s.rdma.stats().closed_by_protocol, 0);
 }
 
 /// Polling with no spin budget: every wait goes straight to the automatic

@@ -89,9 +89,11 @@ pub struct ClientConfig {
     pub page_size: u16,
     pub credits_wanted: u16,
     /// The most credits this client can use at once (its deepest queue).
-    /// Credits a server grants beyond it are reported unused in the CREDIT
-    /// reply to the positive delta (seed 000: the upper 32 bits of its
-    /// Offset), so that the server takes them back.
+    /// Of a positive delta, the new credits beyond what it needs now (its
+    /// pending requests and the reserved credit, at least
+    /// `credits_wanted`, at most this) are reported unused in the CREDIT
+    /// reply (seed 000: the upper 32 bits of its Offset), so that the
+    /// server takes them back.
     pub max_credits: u16,
     pub max_rdma_window_size: u32,
     pub max_send_buffer_size: u32,
@@ -306,6 +308,21 @@ pub struct ClientConn<U = ()> {
     fenced: HashSet<u32>,
     pending_credit_msgs: VecDeque<i32>,
     credit_tx: bool,
+    /// Requests the caller has waiting for a credit
+    /// ([`ClientConn::set_waiting`]).
+    waiting: usize,
+    /// The most requests pending (held + waiting) since the last request
+    /// was stamped: a backlog that cleared only because a credit came back
+    /// is still reported in the next hint.
+    peak_pending: usize,
+    /// The Credits hint of the last request stamped.
+    last_hint: u8,
+    /// Outstanding INTERRUPT, CANCEL and CREDIT messages.
+    control_out: usize,
+    /// The highest hint stamped since the last credit delta, and between
+    /// the two before (requests stamped just before a delta arrived reach
+    /// the server's next look).
+    peak_hint_sent: [u8; 2],
     auth_cookie: u64,
     actions: VecDeque<ClientAction>,
     /// Request messages to send, in order ([`ClientConn::poll_transmit`]).
@@ -347,6 +364,11 @@ impl<U: Default> ClientConn<U> {
             fenced: HashSet::new(),
             pending_credit_msgs: VecDeque::new(),
             credit_tx: false,
+            waiting: 0,
+            peak_pending: 0,
+            last_hint: 0,
+            control_out: 0,
+            peak_hint_sent: [0; 2],
             auth_cookie: 0,
             actions: VecDeque::new(),
             transmit: VecDeque::new(),
@@ -379,6 +401,44 @@ impl<U: Default> ClientConn<U> {
     /// fragment of each outstanding fragmented message.
     pub fn credits_held(&self) -> usize {
         self.reqs.len() + self.extra_held
+    }
+    /// Tell the connection how many requests the caller has waiting for a
+    /// credit (threads blocked in an issue, queued futures). They count in
+    /// the Credits hint of the requests that follow: seed 000, "Credits is
+    /// set to the number of pending I/O requests on the client ... a hint
+    /// to the server to allocate more credits".
+    pub fn set_waiting(&mut self, n: usize) {
+        self.waiting = n;
+        self.peak_pending = self.peak_pending.max(self.pending());
+    }
+    /// Requests waiting for a credit ([`ClientConn::set_waiting`]).
+    pub fn waiting(&self) -> usize {
+        self.waiting
+    }
+    /// I/O requests pending on the client: the credits held by outstanding
+    /// requests plus the requests waiting for one. INTERRUPT, CANCEL and
+    /// CREDIT are not counted: they are not I/O, and the one credit they
+    /// need at a time is the one a server adds to the hint.
+    pub fn pending(&self) -> usize {
+        self.credits_held().saturating_sub(self.control_out) + self.waiting
+    }
+    /// The Credits hint of the last request stamped.
+    pub fn last_hint(&self) -> u8 {
+        self.last_hint
+    }
+    /// The credits this client can use now: one per pending request and
+    /// the one kept back for INTERRUPT and CANCEL, at least what it asked
+    /// for at AUTH, at most `max_credits`. The pending requests are the
+    /// most of the hints sent since the delta before the last one (the
+    /// server grants toward the highest it saw), of those pending since
+    /// the last hint, and of those pending now. A positive delta's new
+    /// credits beyond it are reported unused.
+    fn credits_needed(&self) -> i64 {
+        let pending = usize::from(self.peak_hint_sent[0].max(self.peak_hint_sent[1]))
+            .max(self.peak_pending)
+            .max(self.pending());
+        let need = (pending as i64 + 1).max(i64::from(self.cfg.credits_wanted));
+        need.min(i64::from(self.cfg.max_credits.max(1)))
     }
     /// Receives currently posted (target: credits + 1).
     pub fn posted_recvs(&self) -> u32 {
@@ -559,13 +619,25 @@ impl<U: Default> ClientConn<U> {
     }
 
     /// The request message for `op`, stamped now (credits hint, sequence).
-    fn repr<'a>(&self, op: RequestOp<'a>) -> RequestRepr<'a> {
-        RequestRepr {
-            credits: u8::try_from(self.credits_held() + 1).unwrap_or(u8::MAX),
+    /// The hint is the number of I/O requests pending on the client
+    /// ([`ClientConn::pending`]), this one included unless it is an
+    /// INTERRUPT, CANCEL or CREDIT: those holding credits and those waiting
+    /// for one (the most there were since the previous request went out),
+    /// at most 255.
+    fn repr<'a>(&mut self, op: RequestOp<'a>) -> RequestRepr<'a> {
+        let mut r = RequestRepr {
+            credits: 0,
             sequence: self.sequence,
             tid: self.cfg.tid,
             op,
-        }
+        };
+        let own = usize::from(!is_control(r.opcode()));
+        let pending = (self.pending() + own).max(self.peak_pending);
+        self.peak_pending = 0;
+        self.last_hint = u8::try_from(pending).unwrap_or(u8::MAX);
+        self.peak_hint_sent[0] = self.peak_hint_sent[0].max(self.last_hint);
+        r.credits = self.last_hint;
+        r
     }
 
     /// Record an encoded (or encodable) request as outstanding.
@@ -587,6 +659,9 @@ impl<U: Default> ClientConn<U> {
         }
         if let Some(i) = imm {
             self.by_imm.insert(i, cookie);
+        }
+        if is_control(opcode) {
+            self.control_out += 1;
         }
         self.reqs.insert(
             cookie,
@@ -1266,6 +1341,9 @@ impl<U: Default> ClientConn<U> {
             return;
         };
         self.extra_held = self.extra_held.saturating_sub(o.extra_credits as usize);
+        if is_control(o.opcode) {
+            self.control_out = self.control_out.saturating_sub(1);
+        }
         if let Some(s) = o.slot {
             self.by_slot.remove(&s);
             if self.windowed.remove(&s) {
@@ -1414,14 +1492,18 @@ impl<U: Default> ClientConn<U> {
                 credits: self.credits,
             });
             // Of the `delta` new credits, those above what this client can
-            // ever use (typically none: the seed's "typically zero").
-            let unused = (new - i64::from(self.cfg.max_credits.max(1))).clamp(0, i64::from(delta));
+            // use (seed 000: "the number of credits allocated by the server
+            // that the client did not use"): none when the server granted
+            // toward its hint.
+            let unused = (new - self.credits_needed()).clamp(0, i64::from(delta));
             self.pending_credit_msgs.push_back(unused as i32);
         } else {
             for v in delta..0 {
                 self.pending_credit_msgs.push_back(v);
             }
         }
+        // The next delta's window of hints starts now.
+        self.peak_hint_sent = [self.last_hint, self.peak_hint_sent[0]];
     }
 
     fn handle_auth_done(&mut self, s: StatusResponse, mem: &dyn LocalMemory) {
@@ -1470,4 +1552,10 @@ impl<U: Default> ClientConn<U> {
         });
         self.top_up_recvs();
     }
+}
+
+/// INTERRUPT, CANCEL and CREDIT: requests that are not I/O (not counted in
+/// the Credits hint).
+fn is_control(op: Opcode) -> bool {
+    matches!(op, Opcode::Interrupt | Opcode::Cancel | Opcode::Credit)
 }

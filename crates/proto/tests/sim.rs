@@ -2781,3 +2781,133 @@ fn connection_lost_at_every_point_of_a_request() {
     // done, status sent, status seen (+ the uncut end).
     assert!(cuts >= 2 * 3 * 2 * 7, "{cuts} cut points");
 }
+
+/// The Credits hint is the number of I/O requests pending on the client
+/// (seed 000): those holding credits, this one included, and those the
+/// caller has waiting for a credit (`set_waiting`); INTERRUPT, CANCEL and
+/// CREDIT are not I/O and count neither themselves nor each other. A
+/// backlog that cleared only because a credit came back still shows in the
+/// next request's hint. The old hint (credits held + 1) could not exceed
+/// the credits granted.
+#[test]
+fn credits_hint_counts_requests_waiting_for_a_credit() {
+    let mut s = Sim::new();
+    s.connect();
+    let fid = s.register(RK_PLAIN, 0);
+    s.storage.defer = true;
+    // Four credits: three reads, hints 1, 2, 3.
+    for want in 1..=3u8 {
+        s.client
+            .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
+            .unwrap();
+        s.pump();
+        assert_eq!(s.server.credit_hint(), want);
+        assert_eq!(s.client.last_hint(), want);
+    }
+    assert_eq!(s.server.take_peak_hint(), 3);
+    // Five more wait for a credit: the INTERRUPT (the reserved credit)
+    // carries the 3 reads + 5 waiting.
+    s.client.set_waiting(5);
+    assert_eq!(s.client.pending(), 8);
+    s.client.interrupt(s.now).unwrap();
+    assert_eq!(s.client.pending(), 8, "an INTERRUPT is not I/O");
+    s.pump();
+    assert_eq!(s.server.credit_hint(), 8);
+    assert_eq!(s.server.take_peak_hint(), 8);
+    // The reads complete (and the INTERRUPT after them); one waiter took
+    // its credit: 4 still wait and one read is issued.
+    s.release_held();
+    assert_eq!(s.client.outstanding(), 0);
+    s.client.set_waiting(4);
+    s.client
+        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.server.credit_hint(), 5);
+    // A backlog that cleared before the next request went out: 1 held and
+    // 2 waiting (3 pending), then the read completes and both waiters are
+    // served; the first of them reports the 3.
+    s.client.set_waiting(2);
+    s.release_held();
+    s.client.set_waiting(0);
+    s.client
+        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.server.credit_hint(), 3);
+    // ...and the one after it only what is pending then.
+    s.client
+        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.server.credit_hint(), 2);
+    // At most 255 (a u8).
+    s.client.set_waiting(1000);
+    s.client
+        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.server.credit_hint(), 255);
+    s.client.set_waiting(0);
+    s.release_held();
+}
+
+/// The reply to a positive delta reports the new credits the client does
+/// not need (seed 000: "the number of credits allocated by the server that
+/// the client did not use"): what it needs is one credit per pending
+/// request and the one kept back for INTERRUPT and CANCEL, at least what
+/// it asked for at AUTH (4 here), at most `max_credits`. Before, the
+/// report was the new credits above `max_credits` (255 by default): 0.
+#[test]
+fn unused_part_of_a_positive_grant_is_reported() {
+    let cases: [(u16, usize, i32, u32); 5] = [
+        // (max_credits, requests waiting, delta, unused reported)
+        // 3 reads + 4 waiting = 7 pending: 8 needed of 14.
+        (255, 4, 10, 6),
+        // Granted exactly toward the hint (7 pending, 8 credits): none.
+        (255, 4, 4, 0),
+        // No backlog: 3 reads need 4 (what it asked for); 4 above unused.
+        (255, 0, 4, 4),
+        // More pending than the client can ever use: capped at 6.
+        (6, 4, 10, 8),
+        // A delta that leaves it short: everything is used.
+        (255, 20, 10, 0),
+    ];
+    for (max, waiting, delta, unused) in cases {
+        let mut cfg = client_cfg();
+        cfg.max_credits = max;
+        let mut s = Sim::with(server_cfg(), cfg);
+        s.connect();
+        let fid = s.register(RK_PLAIN, 0);
+        s.storage.defer = true;
+        for _ in 0..3 {
+            s.client
+                .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
+                .unwrap();
+        }
+        s.client.set_waiting(waiting);
+        s.client.interrupt(s.now).unwrap();
+        s.pump();
+        s.server.start_credit_delta(s.now, delta).unwrap();
+        s.pump();
+        let ctx = format!("max {max}, waiting {waiting}, delta {delta}");
+        assert!(!s.server.credit_transaction_active(), "{ctx}");
+        assert_eq!(s.server.take_unused_credits(), unused, "{ctx}");
+        assert_eq!(s.client.credits(), 4 + delta as u16, "{ctx}");
+        s.client.set_waiting(0);
+        s.release_held();
+    }
+    // An idle client granted more than it asked for at AUTH reports all
+    // of them; within what it asked for, none.
+    let mut s = Sim::new();
+    s.connect();
+    s.server.start_credit_delta(s.now, -2).unwrap();
+    s.pump();
+    assert_eq!(s.client.credits(), 2);
+    s.server.start_credit_delta(s.now, 2).unwrap();
+    s.pump();
+    assert_eq!(s.server.take_unused_credits(), 0, "back to its 4");
+    s.server.start_credit_delta(s.now, 3).unwrap();
+    s.pump();
+    assert_eq!(s.server.take_unused_credits(), 3, "beyond its 4");
+}

@@ -24,9 +24,13 @@ impl Engine {
         let _waiting = Waiting::new(self);
         let deadline = Instant::now() + self.cfg.op_timeout;
         let mut st = lock(&self.st);
-        loop {
+        // Counted among the requests waiting for a credit (the Credits
+        // hint: seed 000) from the first attempt that fails until this
+        // one is issued or given up.
+        let mut queued = false;
+        let r = loop {
             if let Some(l) = &st.lost {
-                return Err(Error::ConnectionLost(l.clone()));
+                break Err(Error::ConnectionLost(l.clone()));
             }
             // A credit but not the resources (staging buffer, window, send
             // slot): those come back only when other threads finish their
@@ -35,12 +39,15 @@ impl Engine {
             // AIO threads waited to give their buffers back).
             let mut short = false;
             if free(&st.conn) {
+                // Not waiting any more when its own request is stamped.
+                Self::set_queued(&mut st, &mut queued, false);
                 if let Some(r) = issue(self, &mut st) {
                     self.issued(&mut st);
-                    return r;
+                    break r;
                 }
                 short = true;
             }
+            Self::set_queued(&mut st, &mut queued, true);
             if self.cfg.completion == Completion::Poll {
                 self.scan_slots(&mut st);
                 self.run_actions(&mut st);
@@ -50,7 +57,7 @@ impl Engine {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::TimedOut("waiting for a credit".into()));
+                break Err(Error::TimedOut("waiting for a credit".into()));
             }
             let wait = (deadline - now).min(Duration::from_millis(
                 if self.cfg.completion == Completion::Poll {
@@ -61,6 +68,19 @@ impl Engine {
             ));
             self.sleep_or_drive(st, wait);
             st = lock(&self.st);
+        };
+        Self::set_queued(&mut st, &mut queued, false);
+        r
+    }
+
+    /// Count (`on`) or stop counting a caller among the requests waiting
+    /// for a credit, which the connection reports in its Credits hint.
+    pub(super) fn set_queued(st: &mut Locked, queued: &mut bool, on: bool) {
+        if *queued != on {
+            *queued = on;
+            let n = st.conn.waiting();
+            st.conn
+                .set_waiting(if on { n + 1 } else { n.saturating_sub(1) });
         }
     }
 

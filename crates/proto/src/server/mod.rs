@@ -400,6 +400,8 @@ pub struct ServerConn<U = ()> {
     polled_completions: u64,
     data_requests: u64,
     credit_hint: u8,
+    /// The highest Credits hint since the last [`ServerConn::take_peak_hint`].
+    peak_hint: u8,
     /// Credits (fragments) of the largest message reassembled since
     /// [`ServerConn::take_largest_message`] last asked.
     largest_message: u32,
@@ -471,6 +473,7 @@ impl<U: OpData> ServerConn<U> {
             polled_completions: 0,
             data_requests: 0,
             credit_hint: 0,
+            peak_hint: 0,
             largest_message: 0,
             credit_tx: None,
             slow_credit_replies: 0,
@@ -541,6 +544,12 @@ impl<U: OpData> ServerConn<U> {
     /// Last Credits hint received from the client.
     pub fn credit_hint(&self) -> u8 {
         self.credit_hint
+    }
+    /// The highest Credits hint received since the last call (seed 000:
+    /// the number of requests pending on the client), for a balancer that
+    /// looks every so often; 0 when no request arrived.
+    pub fn take_peak_hint(&mut self) -> u8 {
+        std::mem::take(&mut self.peak_hint)
     }
     /// The credits the largest message took since the last call (its
     /// fragments; 0 if no fragmented message arrived): a client whose

@@ -209,6 +209,7 @@ impl<U: OpData> ServerConn<U> {
             return;
         }
         self.credit_hint = req.credits;
+        self.peak_hint = self.peak_hint.max(req.credits);
         if self.state == State::AwaitAuth {
             return match req.op {
                 RequestOp::Auth {

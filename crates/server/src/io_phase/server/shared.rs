@@ -282,6 +282,15 @@ impl Shared {
         }
     }
 
+    /// Each live connection's even share of the credit budget: the most
+    /// a Credits hint alone can get a connection (the balancer,
+    /// `credits.rs`), so that hints, which are the client's word, cannot
+    /// take the credits other connections need.
+    pub(in crate::io_phase) fn fair_share(&self) -> u16 {
+        let live = lock(&self.conns).len().max(1);
+        u16::try_from(self.opts.credit_budget as usize / live).unwrap_or(u16::MAX)
+    }
+
     /// Receive buffers of `slot` bytes the budget holds beyond what every
     /// connection still to come (up to `max_connections`) needs to be
     /// admitted idle (one receive buffer and one chunk of send slots),
