@@ -2862,12 +2862,13 @@ fn credits_hint_counts_requests_waiting_for_a_credit() {
 fn unused_part_of_a_positive_grant_is_reported() {
     let cases: [(u16, usize, i32, u32); 5] = [
         // (max_credits, requests waiting, delta, unused reported)
-        // 3 reads + 4 waiting = 7 pending: 8 needed of 14.
-        (255, 4, 10, 6),
-        // Granted exactly toward the hint (7 pending, 8 credits): none.
+        // 3 reads + 4 waiting = 7 pending: 15 needed (twice, + the
+        // reserved one) of 24.
+        (255, 4, 20, 9),
+        // Granted short of the headroom (7 pending, 8 credits): none.
         (255, 4, 4, 0),
-        // No backlog: 3 reads need 4 (what it asked for); 4 above unused.
-        (255, 0, 4, 4),
+        // No backlog: 3 reads need 7; 1 above unused.
+        (255, 0, 4, 1),
         // More pending than the client can ever use: capped at 6.
         (6, 4, 10, 8),
         // A delta that leaves it short: everything is used.
