@@ -14,7 +14,7 @@ use lwio_rdma::Mr;
 use tracing::debug;
 
 use crate::fs::table::{OpenFile, Rights};
-use crate::io_phase::reactor::{Keep, RingJob};
+use crate::io_phase::reactor::RingJob;
 use crate::memobj::MemOp;
 
 use super::conn::Conn;
@@ -242,11 +242,7 @@ impl Conn {
                 JobKind::Sync { data_only } => Some(data_only),
                 _ => None,
             };
-            let prepared = match sync {
-                Some(_) => Ok((Vec::new(), false, Keep::Nothing)),
-                None => ring_job(offset, align, kind),
-            };
-            let r = prepared.and_then(|(iov, write, keep)| {
+            let r = ring_job(offset, align, kind).and_then(|(iov, write, keep)| {
                 let job = RingJob {
                     conn: self.id,
                     slot: self.slot,

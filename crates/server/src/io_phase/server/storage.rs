@@ -175,8 +175,8 @@ pub(super) fn ring_job(
         (at, b)
     };
     match kind {
-        // `dispatch` starts syncs on the ring itself.
-        JobKind::Sync { .. } => Err(STATUS_INVALID_DEVICE_REQUEST),
+        // An fsync: no memory, the ring op says which (`RingJob::sync`).
+        JobKind::Sync { .. } => Ok((Vec::new(), false, Keep::Nothing)),
         JobKind::Read { buf, len } => {
             let len = len.min(buf.len());
             crate::fs::backend::check_alignment(align, offset, buf.addr() as usize, len)
