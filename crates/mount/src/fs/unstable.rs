@@ -74,7 +74,17 @@ impl State {
                 n.error.get_or_insert(x);
             }
         }
-        if n.pending.is_empty() && n.busy == 0 && n.error.is_none() {
+        self.forget_if_empty(ino);
+    }
+
+    /// Forget node `ino` when nothing of it is left: no write pending or
+    /// being finished, no error to report.
+    fn forget_if_empty(&mut self, ino: u64) {
+        if self
+            .nodes
+            .get(&ino)
+            .is_some_and(|n| n.pending.is_empty() && n.busy == 0 && n.error.is_none())
+        {
             self.nodes.remove(&ino);
         }
     }
@@ -189,7 +199,7 @@ impl Unstable {
     /// waiter's still finishing), sending again those whose connection was
     /// lost. Returns whether any was sent again.
     fn settle(&self, ino: u64, pick: impl Fn(&Entry) -> bool, resend: Resend<'_>) -> bool {
-        let taken: Vec<Entry> = {
+        let mut taken: Vec<Entry> = {
             let mut st = lock(&self.st);
             let Some(n) = st.nodes.get_mut(&ino) else {
                 return false;
@@ -204,7 +214,6 @@ impl Unstable {
         let mut results = Vec::with_capacity(taken.len());
         // In the order they were sent: a write sent again lands after the
         // ones before it.
-        let mut taken = taken;
         taken.sort_by_key(|e| e.id);
         for e in taken {
             let len = e.data.len();
@@ -243,11 +252,7 @@ impl Unstable {
             }
             st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
         }
-        if let Some(n) = st.nodes.get(&ino) {
-            if n.pending.is_empty() && n.busy == 0 && n.error.is_none() {
-                st.nodes.remove(&ino);
-            }
-        }
+        st.forget_if_empty(ino);
         resent
     }
 
@@ -276,9 +281,7 @@ impl Unstable {
         let mut st = lock(&self.st);
         let n = st.nodes.get_mut(&ino)?;
         let e = n.error.take();
-        if n.pending.is_empty() && n.busy == 0 {
-            st.nodes.remove(&ino);
-        }
+        st.forget_if_empty(ino);
         e
     }
 
