@@ -448,10 +448,12 @@ impl LwioFs {
     /// waited for.
     pub(super) fn write(&self, ino: u64, fh: FileHandle, offset: u64, data: &[u8]) -> Res<u32> {
         let o = self.entry_of(fh)?;
-        let resend = |fh, off, d: &[u8]| self.resend(fh, off, d);
-        if self.unstable.has(ino) {
-            self.unstable.before_write(ino, offset, data.len(), &resend);
-        }
+        // Every write: the per-mount bounds hold across files too (a node
+        // with nothing pending costs two lookups here).
+        self.unstable
+            .before_write(ino, offset, data.len(), &|fh, off, d| {
+                self.resend(fh, off, d)
+            });
         let sync = o.flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
         if self.cfg.unstable_writes && !sync {
             self.fresh(&o)?;
