@@ -1760,12 +1760,20 @@ fn a_polled_read_at_full_queue_depth_is_woken_by_its_interrupt() {
         st.interrupts_sent > before.interrupts_sent,
         "no INTERRUPT went out at full queue depth: {before:?} -> {st:?}"
     );
+    // The INTERRUPT's answer and the read's status race: the read's waiter
+    // may see its status (it polls) a moment before the engine has taken
+    // the INTERRUPT's answer off the queue, so the answer is waited for.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut st = st;
+    while st.interrupts_answered == before.interrupts_answered && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        st = c.stats();
+    }
     assert!(
         st.interrupts_answered > before.interrupts_answered,
         "no INTERRUPT was answered: {before:?} -> {st:?}"
     );
-    // The counters above are the proof that the INTERRUPT's answer woke
-    // it; the time only catches a wait gone wrong (with the re-poll timer
+    // The time only catches a wait gone wrong (with the re-poll timer
     // alone it is up to 64 ms more, which a loaded CI machine can also
     // take, so the bound is loose).
     let late = back.saturating_duration_since(fed);
