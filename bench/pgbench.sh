@@ -17,6 +17,7 @@
 #
 # usage:  bench/pgbench.sh [-T SECS] [-s SCALE] [-c CLIENTS] [--systems "local bindfs lwio"]
 #                          [--lwio-opts OPTS] [--variant NAME=OPTS]... [--kill-at SECS]
+#                          [--server-config "SECTION.KEY = VALUE"]...
 #   -T SECS          pgbench run time (default 30)
 #   -s SCALE         pgbench -i scale (default 10)
 #   -c CLIENTS       pgbench clients (and -j threads: min(CLIENTS, nproc)) (default 4)
@@ -24,6 +25,8 @@
 #   --lwio-opts OPTS more -o options for the `lwio` mount (allow_other,default_permissions always given)
 #   --variant N=OPTS[@BIN]  one more lwio mount, named N, with -o allow_other,default_permissions,OPTS;
 #                    @BIN mounts it with another lwio binary (e.g. an older build, for before/after)
+#   --server-config L one more line of `lwio serve`'s configuration (dotted TOML key, e.g.
+#                    "rdma.inline_sync = false"), after bench/one-host.toml's
 #   --kill-at SECS   on every lwio system, kill -9 `lwio serve` SECS into the pgbench run and
 #                    start it again 1 s later (same port, same export): the mount reconnects;
 #                    postgres is started again if it stopped, then the checks run as usual
@@ -38,7 +41,7 @@ REPO=$(cd "$HERE/.." && pwd)
 ROOT=${PG_ROOT:-/tmp/pg-bench}
 BASEPORT=${PG_PORT:-7600}
 LWIO=${LWIO_BIN:-$REPO/target/release/lwio}
-T=30 SCALE=10 CLIENTS=4 SYSTEMS="" LWIO_OPTS="" KILL_AT=""
+T=30 SCALE=10 CLIENTS=4 SYSTEMS="" LWIO_OPTS="" KILL_AT="" SERVER_EXTRA=""
 declare -A VARIANT=()
 VNAMES=()
 while [ $# -gt 0 ]; do
@@ -50,7 +53,8 @@ while [ $# -gt 0 ]; do
     --lwio-opts) LWIO_OPTS=$2; shift 2 ;;
     --variant) VARIANT[${2%%=*}]=${2#*=}; VNAMES+=("${2%%=*}"); shift 2 ;;
     --kill-at) KILL_AT=$2; shift 2 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    --server-config) SERVER_EXTRA+="$2"$'\n'; shift 2 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "pgbench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -93,6 +97,7 @@ SPORT=$((BASEPORT + 90))
 # the script can make the data directory and give it to postgres.
 write_config() {
   cat "$HERE/one-host.toml" >"$ROOT/lwio.toml"
+  printf '%s' "$SERVER_EXTRA" >>"$ROOT/lwio.toml"
   cat >>"$ROOT/lwio.toml" <<EOF
 
 [exports]
@@ -113,7 +118,7 @@ start_server() {
   [ -n "$FP" ] || { echo "pgbench.sh: lwio serve did not start" >&2; cat "$ROOT/serve.log" >&2; exit 1; }
   export LWIO_FINGERPRINT=$FP
 }
-cmd "$LWIO serve --config $ROOT/lwio.toml --listen 127.0.0.1:$SPORT --provider soft   # bench/one-host.toml + [exports] data = { path = \"$ROOT/export\", identity = \"client\", trust_client_ids = [\"*\"], root_squash = false }"
+cmd "$LWIO serve --config $ROOT/lwio.toml --listen 127.0.0.1:$SPORT --provider soft   # bench/one-host.toml + ${SERVER_EXTRA//$'\n'/ + }[exports] data = { path = \"$ROOT/export\", identity = \"client\", trust_client_ids = [\"*\"], root_squash = false }"
 
 # setup NAME -> the data directory's parent, made ready for postgres
 setup() {

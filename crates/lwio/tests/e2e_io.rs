@@ -2064,3 +2064,65 @@ fn sync_is_a_flush_on_the_rdma_connection() {
         r.close().unwrap();
     }
 }
+
+/// `inline_sync`: a FLUSH on a connection that is alone on its reactor runs
+/// on the reactor thread (no hand-off to a worker and back: a database
+/// commit's latency); with a second connection on the reactor it goes to a
+/// worker, so that no client waits behind another's sync; once the second
+/// leaves, inline again. Each sync is answered and the bytes are in the
+/// file. `inline_sync = false`: never inline.
+#[test]
+fn a_sync_runs_on_the_reactor_only_while_its_connection_is_alone_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(
+        dir.path(),
+        RdmaServerOptions {
+            reactors: 1,
+            ..no_auto()
+        },
+    );
+    let c1 = client(&s, Completion::Interrupt);
+    let f = c1
+        .open("wal", &OpenOptions::read_write().create(true))
+        .unwrap();
+    let mut want = Vec::new();
+    let commit = |round: u8, want: &mut Vec<u8>| {
+        let page = vec![round; 8192];
+        assert_eq!(f.write_at(&page, want.len() as u64).unwrap(), page.len());
+        want.extend_from_slice(&page);
+        f.sync_data().expect("fdatasync");
+        assert_eq!(&std::fs::read(dir.path().join("wal")).unwrap(), want);
+        s.rdma.stats().inline_syncs
+    };
+    assert_eq!(commit(1, &mut want), 1, "alone on the reactor: inline");
+    let c2 = client(&s, Completion::Interrupt);
+    assert_eq!(s.rdma.stats().connections, 2);
+    assert_eq!(commit(2, &mut want), 1, "two on the reactor: a worker's");
+    drop(c2);
+    let t0 = Instant::now();
+    while s.rdma.stats().connections != 1 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "c2 never left");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // (The reactor's count drops right after the table's, on its thread.)
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(commit(3, &mut want), 2, "alone again: inline");
+
+    let dir2 = tempfile::tempdir().unwrap();
+    let s2 = server(
+        dir2.path(),
+        RdmaServerOptions {
+            reactors: 1,
+            inline_sync: false,
+            ..no_auto()
+        },
+    );
+    let c = client(&s2, Completion::Interrupt);
+    let g = c
+        .open("wal", &OpenOptions::read_write().create(true))
+        .unwrap();
+    assert_eq!(g.write_at(b"page", 0).unwrap(), 4);
+    g.sync_data().expect("fdatasync");
+    assert_eq!(std::fs::read(dir2.path().join("wal")).unwrap(), b"page");
+    assert_eq!(s2.rdma.stats().inline_syncs, 0, "inline_sync = false");
+}

@@ -338,6 +338,12 @@ impl Collector for Figures {
         )?;
         counter(
             &mut e,
+            "lwio_inline_syncs",
+            "FLUSHes run by the reactor itself (inline_sync: its only connection)",
+            s.inline_syncs,
+        )?;
+        counter(
+            &mut e,
             "lwio_ios_cancelled",
             "File I/Os that ended cancelled",
             s.ios_cancelled,

@@ -176,9 +176,10 @@ pub fn table(server: &str, text: &str) -> String {
     }
     let _ = writeln!(
         o,
-        "Storage queue        {} (inline I/Os {}, cancelled {})",
+        "Storage queue        {} (inline I/Os {}, inline syncs {}, cancelled {})",
         g("lwio_storage_queue_depth"),
         g("lwio_inline_ios_total"),
+        g("lwio_inline_syncs_total"),
         g("lwio_ios_cancelled_total")
     );
     let _ = writeln!(

@@ -340,7 +340,7 @@ impl Reactor {
             }
         };
         let mut c = c;
-        c.attach(slot, self.rio.clone());
+        c.attach(slot, self.rio.clone(), self.load.clone());
         let fds = c.fds();
         self.stats.connections.fetch_add(1, Ordering::Relaxed);
         self.by_id.insert(c.id(), slot);

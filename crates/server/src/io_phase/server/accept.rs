@@ -246,6 +246,7 @@ impl Conn {
                 inline_mode: HashMap::new(),
                 slot: 0,
                 rio: None,
+                reactor_conns: None,
                 last_tick: now,
                 last_busy: now,
                 last_polled: now,

@@ -160,6 +160,8 @@ pub(in crate::io_phase) struct Conn {
     /// I/O that would block goes to the storage pool).
     pub(super) slot: usize,
     pub(super) rio: Option<Arc<Mutex<RingIo>>>,
+    /// How many connections its reactor drives (None: not on a reactor).
+    pub(super) reactor_conns: Option<Arc<AtomicUsize>>,
     /// Reactor bookkeeping: last balancing round, last I/O work, last
     /// polled completion (and the count it saw).
     pub(super) last_tick: Instant,
@@ -324,10 +326,17 @@ impl Conn {
         self.id
     }
 
-    /// Joined a reactor: its slot there and the reactor's io_uring.
-    pub(in crate::io_phase) fn attach(&mut self, slot: usize, rio: Option<Arc<Mutex<RingIo>>>) {
+    /// Joined a reactor: its slot there, the reactor's io_uring and its
+    /// count of connections.
+    pub(in crate::io_phase) fn attach(
+        &mut self,
+        slot: usize,
+        rio: Option<Arc<Mutex<RingIo>>>,
+        conns: Arc<AtomicUsize>,
+    ) {
         self.slot = slot;
         self.rio = rio;
+        self.reactor_conns = Some(conns);
     }
 
     /// A file I/O on the reactor's ring has finished.

@@ -223,6 +223,21 @@ impl Conn {
                 return;
             }
         };
+        if let JobKind::Sync { data_only } = kind {
+            if self.sync_here() {
+                let r = if data_only {
+                    rustix::fs::fdatasync(&*fd)
+                } else {
+                    rustix::fs::fsync(&*fd)
+                };
+                self.shared.inline_syncs.fetch_add(1, Ordering::Relaxed);
+                let r = r
+                    .map(|()| 0)
+                    .map_err(|e| crate::io_phase::io_error_status(&std::io::Error::from(e)));
+                self.storage_done(op, r);
+                return;
+            }
+        }
         if let Some(r) = self.try_inline(&f, fd.as_raw_fd(), offset, &kind) {
             self.shared.inline_ios.fetch_add(1, Ordering::Relaxed);
             // Release the read buffer's Arc before `storage_done`, which
@@ -316,6 +331,17 @@ impl Conn {
     /// whole: reads and writes of the same bytes are idempotent). Skipped
     /// for `O_DIRECT` files and when `inline_io` is off; a file system that
     /// refuses `RWF_NOWAIT` is remembered per file and direction.
+    /// Whether a sync runs on this thread (`inline_sync`): the connection
+    /// is the only one its reactor drives, so no other client waits behind
+    /// the device (its own requests wait, as behind a busy worker).
+    fn sync_here(&self) -> bool {
+        self.shared.opts.inline_sync
+            && self
+                .reactor_conns
+                .as_ref()
+                .is_some_and(|n| n.load(Ordering::Relaxed) == 1)
+    }
+
     pub(super) fn try_inline(
         &mut self,
         f: &OpenFile,

@@ -58,6 +58,8 @@ pub struct ServerStats {
     /// File I/Os done by reactors themselves (page-cache fast
     /// path, `inline_io`) rather than by storage threads.
     pub inline_ios: u64,
+    /// FLUSHes run on the reactor thread itself (`inline_sync`).
+    pub inline_syncs: u64,
     /// Credit transactions a client left unanswered past the credit
     /// timeout (a slow client; its connection stays, docs/durability.md).
     pub slow_credit_replies: u64,
@@ -122,6 +124,7 @@ pub(in crate::io_phase) struct Shared {
     pub(super) closed_by_protocol: AtomicU64,
     pub(super) credit_overruns: AtomicU64,
     pub(super) inline_ios: AtomicU64,
+    pub(super) inline_syncs: AtomicU64,
     pub(super) slow_credit_replies: AtomicU64,
     pub(super) ios_cancelled: AtomicU64,
     pub(super) fragment_writes: AtomicU64,
@@ -185,6 +188,7 @@ impl Shared {
             closed_by_protocol: AtomicU64::new(0),
             credit_overruns: AtomicU64::new(0),
             inline_ios: AtomicU64::new(0),
+            inline_syncs: AtomicU64::new(0),
             slow_credit_replies: AtomicU64::new(0),
             ios_cancelled: AtomicU64::new(0),
             fragment_writes: AtomicU64::new(0),
@@ -386,6 +390,7 @@ impl ServerHandle {
             closed_by_protocol: s.closed_by_protocol.load(Ordering::Relaxed),
             credit_overruns: s.credit_overruns.load(Ordering::Relaxed),
             inline_ios: s.inline_ios.load(Ordering::Relaxed),
+            inline_syncs: s.inline_syncs.load(Ordering::Relaxed),
             slow_credit_replies: s.slow_credit_replies.load(Ordering::Relaxed),
             ios_cancelled: s.ios_cancelled.load(Ordering::Relaxed),
             storage_queue: s.storage_queued.load(Ordering::Relaxed),
