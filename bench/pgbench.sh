@@ -26,7 +26,7 @@
 #   --variant N=OPTS[@BIN]  one more lwio mount, named N, with -o allow_other,default_permissions,OPTS;
 #                    @BIN mounts it with another lwio binary (e.g. an older build, for before/after)
 #   --server-config L one more line of `lwio serve`'s configuration (dotted TOML key, e.g.
-#                    "rdma.inline_sync = false"), after bench/one-host.toml's
+#                    "rdma.inline_when_alone = false"), after bench/one-host.toml's
 #   --kill-at SECS   on every lwio system, kill -9 `lwio serve` SECS into the pgbench run and
 #                    start it again 1 s later (same port, same export): the mount reconnects;
 #                    postgres is started again if it stopped, then the checks run as usual

@@ -2065,12 +2065,13 @@ fn sync_is_a_flush_on_the_rdma_connection() {
     }
 }
 
-/// `inline_sync`: a FLUSH on a connection that is alone on its reactor runs
-/// on the reactor thread (no hand-off to a worker and back: a database
-/// commit's latency); with a second connection on the reactor it goes to a
-/// worker, so that no client waits behind another's sync; once the second
-/// leaves, inline again. Each sync is answered and the bytes are in the
-/// file. `inline_sync = false`: never inline.
+/// `inline_when_alone`: a FLUSH, and a small write the file system cannot
+/// make with `RWF_NOWAIT` (ext4's buffered writes), on a connection that is
+/// alone on its reactor run on the reactor thread (no hand-off to a worker
+/// and back: a database commit's latency); with a second connection on the
+/// reactor they go to a worker, so that no client waits behind another's
+/// I/O; once the second leaves, inline again. Each sync is answered and the
+/// bytes are in the file. `inline_when_alone = false`: never inline.
 #[test]
 fn a_sync_runs_on_the_reactor_only_while_its_connection_is_alone_there() {
     let dir = tempfile::tempdir().unwrap();
@@ -2085,19 +2086,41 @@ fn a_sync_runs_on_the_reactor_only_while_its_connection_is_alone_there() {
     let f = c1
         .open("wal", &OpenOptions::read_write().create(true))
         .unwrap();
+    // Whether this file system makes buffered writes with RWF_NOWAIT (then
+    // they are inline whoever else is on the reactor).
+    let nowait_writes = {
+        use std::os::fd::AsRawFd;
+        let p = std::fs::File::create(dir.path().join("probe")).unwrap();
+        let b = [0u8; 4096];
+        let iov = libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        };
+        // SAFETY: one iovec over `b`, alive across the call; `p` is open.
+        unsafe { libc::pwritev2(p.as_raw_fd(), &iov, 1, 0, libc::RWF_NOWAIT) == 4096 }
+    };
     let mut want = Vec::new();
+    // -> (inline syncs, inline I/Os) after a write and an fdatasync
     let commit = |round: u8, want: &mut Vec<u8>| {
         let page = vec![round; 8192];
         assert_eq!(f.write_at(&page, want.len() as u64).unwrap(), page.len());
         want.extend_from_slice(&page);
         f.sync_data().expect("fdatasync");
         assert_eq!(&std::fs::read(dir.path().join("wal")).unwrap(), want);
-        s.rdma.stats().inline_syncs
+        let st = s.rdma.stats();
+        (st.inline_syncs, st.inline_ios)
     };
-    assert_eq!(commit(1, &mut want), 1, "alone on the reactor: inline");
+    let (syncs, ios) = commit(1, &mut want);
+    assert_eq!((syncs, ios), (1, 1), "alone on the reactor: inline");
     let c2 = client(&s, Completion::Interrupt);
     assert_eq!(s.rdma.stats().connections, 2);
-    assert_eq!(commit(2, &mut want), 1, "two on the reactor: a worker's");
+    let (syncs, ios) = commit(2, &mut want);
+    assert_eq!(syncs, 1, "two on the reactor: a worker's sync");
+    assert_eq!(
+        ios,
+        if nowait_writes { 2 } else { 1 },
+        "two on the reactor: a blocking write at a worker"
+    );
     drop(c2);
     let t0 = Instant::now();
     while s.rdma.stats().connections != 1 {
@@ -2106,14 +2129,16 @@ fn a_sync_runs_on_the_reactor_only_while_its_connection_is_alone_there() {
     }
     // (The reactor's count drops right after the table's, on its thread.)
     std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(commit(3, &mut want), 2, "alone again: inline");
+    let (syncs, ios) = commit(3, &mut want);
+    assert_eq!(syncs, 2, "alone again: inline");
+    assert_eq!(ios, if nowait_writes { 3 } else { 2 });
 
     let dir2 = tempfile::tempdir().unwrap();
     let s2 = server(
         dir2.path(),
         RdmaServerOptions {
             reactors: 1,
-            inline_sync: false,
+            inline_when_alone: false,
             ..no_auto()
         },
     );
@@ -2124,5 +2149,5 @@ fn a_sync_runs_on_the_reactor_only_while_its_connection_is_alone_there() {
     assert_eq!(g.write_at(b"page", 0).unwrap(), 4);
     g.sync_data().expect("fdatasync");
     assert_eq!(std::fs::read(dir2.path().join("wal")).unwrap(), b"page");
-    assert_eq!(s2.rdma.stats().inline_syncs, 0, "inline_sync = false");
+    assert_eq!(s2.rdma.stats().inline_syncs, 0, "inline_when_alone = false");
 }

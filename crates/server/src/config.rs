@@ -178,11 +178,11 @@ pub struct RdmaConfig {
     /// Try file I/O on the reactor thread with `RWF_NOWAIT` before a
     /// storage thread (page-cache hits then cost no hand-off).
     pub inline_io: bool,
-    /// A FLUSH (fsync) on a connection alone on its reactor runs on the
-    /// reactor thread, as an NFS server thread runs a COMMIT (two thread
-    /// hand-offs less per database commit); with other connections on the
-    /// reactor it goes to a worker.
-    pub inline_sync: bool,
+    /// A connection alone on its reactor has its FLUSHes (fsync) and its
+    /// small writes that would block run on the reactor thread, as an NFS
+    /// server thread runs a COMMIT (two thread hand-offs less per database
+    /// commit); with other connections on the reactor they go to a worker.
+    pub inline_when_alone: bool,
     /// After a connection's last activity its reactor keeps polling this long
     /// before it sleeps (lower latency, burns a core; 0 = off).
     #[serde(deserialize_with = "de_duration")]
@@ -230,7 +230,7 @@ impl Default for RdmaConfig {
         RdmaConfig {
             reactors: 0,
             inline_io: true,
-            inline_sync: true,
+            inline_when_alone: true,
             busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
             progress: ProgressChoice::Connection,
@@ -780,7 +780,7 @@ workers = 4
 [rdma]
 reactors = 0
 inline_io = true
-inline_sync = true
+inline_when_alone = true
 busy_poll = "20us"
 busy_poll_polled = "100us"
 progress = "connection"
@@ -845,7 +845,7 @@ mod tests {
             c.rdma,
             RdmaConfig {
                 inline_io: false,
-                inline_sync: false,
+                inline_when_alone: false,
                 busy_poll: Duration::from_micros(250),
                 busy_poll_polled: Duration::from_micros(100),
                 progress: ProgressChoice::Engine,
@@ -872,7 +872,7 @@ mod tests {
             &c,
             "127.0.0.1:0".parse().unwrap(),
         );
-        assert!(!o.inline_io && !o.inline_sync && !o.conn_contexts);
+        assert!(!o.inline_io && !o.inline_when_alone && !o.conn_contexts);
         assert_eq!(o.busy_poll, Duration::from_micros(250));
         assert_eq!(o.proto.max_recv_buffer_size, 262144);
         assert_eq!(o.recv_window, Some(32768));

@@ -339,7 +339,7 @@ impl Collector for Figures {
         counter(
             &mut e,
             "lwio_inline_syncs",
-            "FLUSHes run by the reactor itself (inline_sync: its only connection)",
+            "FLUSHes run by the reactor itself (inline_when_alone)",
             s.inline_syncs,
         )?;
         counter(

@@ -122,6 +122,7 @@ impl Conn {
         let inline = if !self.shared.opts.inline_io {
             None
         } else {
+            let block = self.alone_on_reactor();
             let vecs: Vec<libc::iovec> = iov
                 .iter()
                 .map(|(mr, at, len)| libc::iovec {
@@ -143,6 +144,7 @@ impl Conn {
                     offset,
                     &vecs,
                     total,
+                    block,
                 )
             }
         };
@@ -224,7 +226,7 @@ impl Conn {
             }
         };
         if let JobKind::Sync { data_only } = kind {
-            if self.sync_here() {
+            if self.alone_on_reactor() {
                 let r = if data_only {
                     rustix::fs::fdatasync(&*fd)
                 } else {
@@ -331,11 +333,13 @@ impl Conn {
     /// whole: reads and writes of the same bytes are idempotent). Skipped
     /// for `O_DIRECT` files and when `inline_io` is off; a file system that
     /// refuses `RWF_NOWAIT` is remembered per file and direction.
-    /// Whether a sync runs on this thread (`inline_sync`): the connection
-    /// is the only one its reactor drives, so no other client waits behind
-    /// the device (its own requests wait, as behind a busy worker).
-    fn sync_here(&self) -> bool {
-        self.shared.opts.inline_sync
+    /// Whether this thread may block for this connection's sync or small
+    /// write (`inline_when_alone`): the connection is the only one its
+    /// reactor drives, so no other client waits behind the device (its own
+    /// requests wait, as behind a busy worker).
+    fn alone_on_reactor(&self) -> bool {
+        self.shared.opts.inline_io
+            && self.shared.opts.inline_when_alone
             && self
                 .reactor_conns
                 .as_ref()
@@ -352,6 +356,7 @@ impl Conn {
         if !self.shared.opts.inline_io {
             return None;
         }
+        let block = self.alone_on_reactor();
         let (ptr, len, write) = match kind {
             JobKind::Read { buf, len } => (buf.addr() as *mut u8, (*len).min(buf.len()), false),
             JobKind::Write { data } => (data.as_ptr() as *mut u8, data.len(), true),
@@ -367,6 +372,6 @@ impl Conn {
         // given to another read while the Arc in `kind` lives) and that Arc
         // keeps the mapping alive. A write's source is a live
         // Vec in `kind`, only read.
-        unsafe { inline_io(&mut self.inline_mode, f, fd, offset, ptr, len, write) }
+        unsafe { inline_io(&mut self.inline_mode, f, fd, offset, ptr, len, write, block) }
     }
 }

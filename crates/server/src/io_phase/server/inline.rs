@@ -35,11 +35,14 @@ pub(super) fn inline_mode_of(fd: std::os::fd::RawFd) -> InlineMode {
 }
 
 /// The fast path's system call (see `Conn::try_inline`): `Some(n)` when
-/// all `len` bytes moved without blocking; `None` = use the storage pool.
+/// all `len` bytes moved without blocking (with `block`, a small write
+/// also where it may block: [`inline_io_iov`]); `None` = use the storage
+/// pool.
 ///
 /// # Safety
 /// For a read, `ptr..ptr+len` must be valid for writes and not accessed by
 /// anything else during the call; for a write, valid for reads.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn inline_io(
     cache: &mut HashMap<(u64, bool), InlineMode>,
     f: &OpenFile,
@@ -48,13 +51,14 @@ pub(super) unsafe fn inline_io(
     ptr: *mut u8,
     len: usize,
     write: bool,
+    block: bool,
 ) -> Option<u32> {
     let iov = [libc::iovec {
         iov_base: ptr.cast(),
         iov_len: len,
     }];
     // SAFETY: the caller's contract, for the one piece.
-    unsafe { inline_io_iov(cache, f, fd, offset, &iov, len, write) }
+    unsafe { inline_io_iov(cache, f, fd, offset, &iov, len, write, block) }
 }
 
 /// [`inline_io`] of a write gathered from several pieces: one `pwritev2`.
@@ -69,14 +73,27 @@ pub(super) unsafe fn inline_io_vec(
     offset: u64,
     iov: &[libc::iovec],
     total: usize,
+    block: bool,
 ) -> Option<u32> {
     // SAFETY: the caller's contract.
-    unsafe { inline_io_iov(cache, f, fd, offset, iov, total, true) }
+    unsafe { inline_io_iov(cache, f, fd, offset, iov, total, true, block) }
 }
 
+/// The largest write made with a plain (blocking) call on the reactor of a
+/// connection alone there (`block`): a page-cache copy of this size takes
+/// microseconds; larger ones keep the workers' parallelism.
+pub(super) const BLOCKING_WRITE_MAX: usize = 64 << 10;
+
+/// With `block` (the connection is alone on its reactor: nothing else
+/// waits for this thread), a buffered write of up to
+/// [`BLOCKING_WRITE_MAX`] is a plain call even where `RWF_NOWAIT` is
+/// refused (ext4): it may wait for the page cache, never for another
+/// client.
+///
 /// # Safety
 /// As [`inline_io`], for every piece of `iov` (`total` bytes in all);
 /// `fd` is `f`'s descriptor, held open across the call.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn inline_io_iov(
     cache: &mut HashMap<(u64, bool), InlineMode>,
     f: &OpenFile,
@@ -85,6 +102,7 @@ pub(super) unsafe fn inline_io_iov(
     iov: &[libc::iovec],
     len: usize,
     write: bool,
+    block: bool,
 ) -> Option<u32> {
     if f.direct || len == 0 || iov.len() > 1024 {
         return None;
@@ -93,9 +111,11 @@ pub(super) unsafe fn inline_io_iov(
     let mode = *cache
         .entry((f.handle, write))
         .or_insert_with(|| inline_mode_of(fd));
+    let plain = block && write && len <= BLOCKING_WRITE_MAX;
     let flags = match mode {
-        InlineMode::Off => return None,
         InlineMode::Memory => 0,
+        _ if plain => 0,
+        InlineMode::Off => return None,
         InlineMode::NoWait => libc::RWF_NOWAIT,
     };
     let off = libc::off_t::try_from(offset).ok()?;

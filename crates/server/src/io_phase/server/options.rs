@@ -42,11 +42,12 @@ pub struct RdmaServerOptions {
     /// Do page-cache file I/O on the reactor thread (tmpfs/ramfs: plain
     /// calls; elsewhere `RWF_NOWAIT`, falling back to a storage thread).
     pub inline_io: bool,
-    /// A FLUSH on a connection that is the only one its reactor drives runs
-    /// on the reactor thread itself (no hand-off to a worker and back);
-    /// with more connections there it goes to the worker, so that none
-    /// waits behind another's sync.
-    pub inline_sync: bool,
+    /// A connection that is the only one its reactor drives has its FLUSHes,
+    /// and its writes of up to 64 KiB that `RWF_NOWAIT` cannot make (ext4
+    /// buffered writes), done on the reactor thread itself (no hand-off to
+    /// a worker and back); with more connections there they go to a
+    /// worker, so that none waits behind another's I/O.
+    pub inline_when_alone: bool,
     /// A reactor polls a connection this long after its last activity before
     /// it sleeps.
     pub busy_poll: Duration,
@@ -94,7 +95,7 @@ impl Default for RdmaServerOptions {
             storage_threads: 4,
             reactors: 0,
             inline_io: true,
-            inline_sync: true,
+            inline_when_alone: true,
             busy_poll: Duration::from_micros(20),
             busy_poll_polled: Duration::from_micros(100),
             conn_contexts: true,
@@ -138,7 +139,7 @@ impl RdmaServerOptions {
             },
             reactors: c.rdma.reactors,
             inline_io: c.rdma.inline_io,
-            inline_sync: c.rdma.inline_sync,
+            inline_when_alone: c.rdma.inline_when_alone,
             busy_poll: c.rdma.busy_poll,
             busy_poll_polled: c.rdma.busy_poll_polled,
             conn_contexts: c.rdma.progress == crate::config::ProgressChoice::Connection,

@@ -58,7 +58,7 @@ pub struct ServerStats {
     /// File I/Os done by reactors themselves (page-cache fast
     /// path, `inline_io`) rather than by storage threads.
     pub inline_ios: u64,
-    /// FLUSHes run on the reactor thread itself (`inline_sync`).
+    /// FLUSHes run on the reactor thread itself (`inline_when_alone`).
     pub inline_syncs: u64,
     /// Credit transactions a client left unanswered past the credit
     /// timeout (a slow client; its connection stays, docs/durability.md).
