@@ -1004,10 +1004,11 @@ fn serve(a: ServeArgs) -> CliResult {
     }
     let service = Service::start(start)?;
     crate::cmd::serve::print_listening(&service)?;
+    // Raced: the ready file was written before the signal handlers (and their descriptors) existed.
+    crate::cmd::serve::start_service(&service, a.clone(), c)?;
     if let Some(p) = &a.ready_file {
         write_ready_file(p, &service.side_addr().to_string())?;
     }
-    crate::cmd::serve::start_service(&service, a.clone(), c)?;
     service.wait()?;
     Ok(())
 }
