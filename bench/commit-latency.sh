@@ -4,9 +4,12 @@
 # on `lwio mount`s with various options, side by side in one run.
 #
 # usage:  bench/commit-latency.sh [-n N] [--systems "local bindfs lwio"] [--variant NAME=OPTS[@BIN]]...
+#                                [--server-config "SECTION.KEY = VALUE"]...
 #   -n N             commits per system (default 3000)
 #   --variant N=OPTS one more lwio mount, named N, with -o OPTS (after allow_other); @BIN mounts
 #                    it with another lwio binary
+#   --server-config L one more line of `lwio serve`'s configuration (dotted TOML key, e.g.
+#                    "rdma.inline_when_alone = false"), after bench/one-host.toml's
 # Prints per system: write µs and fdatasync µs (mean, p50, p99) and the ratio of a commit to the
 # local one, and the exact commands. env: CL_ROOT (default /tmp/commit-lat; removed and made again),
 # LWIO_BIN (default target/release/lwio). Needs root (the server runs as root, as in pgbench.sh).
@@ -15,7 +18,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 ROOT=${CL_ROOT:-/tmp/commit-lat}
 LWIO=${LWIO_BIN:-$REPO/target/release/lwio}
-N=3000 SYSTEMS=""
+N=3000 SYSTEMS="" SERVER_EXTRA=""
 declare -A VARIANT=()
 VNAMES=()
 while [ $# -gt 0 ]; do
@@ -23,7 +26,8 @@ while [ $# -gt 0 ]; do
     -n) N=$2; shift 2 ;;
     --systems) SYSTEMS=$2; shift 2 ;;
     --variant) VARIANT[${2%%=*}]=${2#*=}; VNAMES+=("${2%%=*}"); shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --server-config) SERVER_EXTRA+="$2"$'\n'; shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "commit-latency.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -43,11 +47,12 @@ mkdir -p "$ROOT/local" "$ROOT/bsrc" "$ROOT/export" "$ROOT/home"
 export HOME=$ROOT/home LWIO_KNOWN_HOSTS=$ROOT/home/known_hosts
 SPORT=${CL_PORT:-7790}
 cat "$HERE/one-host.toml" >"$ROOT/lwio.toml"
+printf '%s' "$SERVER_EXTRA" >>"$ROOT/lwio.toml"
 printf '\n[exports]\ndata = { path = "%s", identity = "client", trust_client_ids = ["*"], root_squash = false }\n' \
   "$ROOT/export" >>"$ROOT/lwio.toml"
 
 echo "# commands"
-echo "$LWIO serve --config $ROOT/lwio.toml --listen 127.0.0.1:$SPORT --provider soft"
+echo "$LWIO serve --config $ROOT/lwio.toml --listen 127.0.0.1:$SPORT --provider soft   # bench/one-host.toml + ${SERVER_EXTRA//$'\n'/ + }[exports] data (identity = client)"
 "$LWIO" serve --config "$ROOT/lwio.toml" --listen "127.0.0.1:$SPORT" --provider soft >"$ROOT/serve.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 100); do grep -q "RDMA listening" "$ROOT/serve.log" && break; sleep 0.1; done
