@@ -838,7 +838,7 @@ mod tests {
             "the example shows the defaults"
         );
         let c = Config::from_toml(
-            "[rdma]\ninline_io = false\ninline_sync = false\nbusy_poll = \"250us\"\nprogress = \"engine\"\nmax_write_size = 262144\nindicate_window = 32768",
+            "[rdma]\ninline_io = false\ninline_when_alone = false\nbusy_poll = \"250us\"\nprogress = \"engine\"\nmax_write_size = 262144\nindicate_window = 32768",
         )
         .unwrap();
         assert_eq!(
