@@ -17,7 +17,7 @@
 #
 # usage:  bench/pgbench.sh [-T SECS] [-s SCALE] [-c CLIENTS] [--systems "local bindfs lwio"]
 #                          [--lwio-opts OPTS] [--variant NAME=OPTS]... [--kill-at SECS]
-#                          [--server-config "SECTION.KEY = VALUE"]...
+#                          [--server-config "SECTION.KEY = VALUE"]... [--probe N]
 #   -T SECS          pgbench run time (default 30)
 #   -s SCALE         pgbench -i scale (default 10)
 #   -c CLIENTS       pgbench clients (and -j threads: min(CLIENTS, nproc)) (default 4)
@@ -27,6 +27,9 @@
 #                    @BIN mounts it with another lwio binary (e.g. an older build, for before/after)
 #   --server-config L one more line of `lwio serve`'s configuration (dotted TOML key, e.g.
 #                    "rdma.inline_when_alone = false"), after bench/one-host.toml's
+#   --probe N        instead of PostgreSQL, what one commit costs: N x (pwrite 8 KiB at the end of a
+#                    file, then fdatasync), a WAL commit's shape, run by python3 as postgres in each
+#                    system's data directory; prints write and fdatasync µs (mean, p50, p99)
 #   --kill-at SECS   on every lwio system, kill -9 `lwio serve` SECS into the pgbench run and
 #                    start it again 1 s later (same port, same export): the mount reconnects;
 #                    postgres is started again if it stopped, then the checks run as usual
@@ -41,7 +44,7 @@ REPO=$(cd "$HERE/.." && pwd)
 ROOT=${PG_ROOT:-/tmp/pg-bench}
 BASEPORT=${PG_PORT:-7600}
 LWIO=${LWIO_BIN:-$REPO/target/release/lwio}
-T=30 SCALE=10 CLIENTS=4 SYSTEMS="" LWIO_OPTS="" KILL_AT="" SERVER_EXTRA=""
+T=30 SCALE=10 CLIENTS=4 SYSTEMS="" LWIO_OPTS="" KILL_AT="" SERVER_EXTRA="" PROBE=""
 declare -A VARIANT=()
 VNAMES=()
 while [ $# -gt 0 ]; do
@@ -53,8 +56,9 @@ while [ $# -gt 0 ]; do
     --lwio-opts) LWIO_OPTS=$2; shift 2 ;;
     --variant) VARIANT[${2%%=*}]=${2#*=}; VNAMES+=("${2%%=*}"); shift 2 ;;
     --kill-at) KILL_AT=$2; shift 2 ;;
+    --probe) PROBE=$2; shift 2 ;;
     --server-config) SERVER_EXTRA+="$2"$'\n'; shift 2 ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "pgbench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -155,13 +159,51 @@ pg() { runuser -u postgres -- "$@"; }
 for s in $SYSTEMS; do
   case $s in local|bindfs) ;; *) [ -n "$SERVER" ] || start_server ;; esac
 done
-declare -A TPS LAT AMC CSUM NOTE
+declare -A TPS LAT AMC CSUM NOTE PROBED
+# probe DIR: --probe's commits in DIR, as postgres -> "w_mean w_p50 w_p99 s_mean s_p50 s_p99" (µs)
+probe() {
+  cmd "[$2] python3: $PROBE x (os.pwrite 8 KiB at the end of $1/wal, os.fdatasync)"
+  pg python3 - "$1/wal" "$PROBE" <<'PY'
+import os, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+buf = os.urandom(8192)
+w, s = [], []
+for i in range(n):
+    t0 = time.perf_counter_ns()
+    os.pwrite(fd, buf, i * 8192)
+    t1 = time.perf_counter_ns()
+    os.fdatasync(fd)
+    t2 = time.perf_counter_ns()
+    w.append((t1 - t0) / 1000)
+    s.append((t2 - t1) / 1000)
+os.close(fd)
+def st(v):
+    v2 = sorted(v)
+    return "%.0f %.0f %.0f" % (sum(v) / len(v), v2[len(v2) // 2], v2[int(len(v2) * 0.99)])
+print(st(w), st(s))
+PY
+}
+unmount_system() { # $1 system, $2 its base directory
+  if [[ $2 == "$ROOT"/m-* ]]; then
+    local m=${2%/"$1"}
+    [ "$1" = bindfs ] && m=$2
+    fusermount3 -u "$m" || umount "$m"
+    sleep 0.5
+  fi
+}
 i=0
 for s in $SYSTEMS; do
   i=$((i + 1))
   port=$((BASEPORT + i))
   base=$(setup "$s") || { echo "pgbench.sh: $s: setup failed" >&2; NOTE[$s]="setup failed"; continue; }
   D=$base/pgdata
+  if [ -n "$PROBE" ]; then
+    PROBED[$s]=$(probe "$D" "$s") || NOTE[$s]="probe failed"
+    unmount_system "$s" "$base"
+    echo "   $s: ${PROBED[$s]:-?}" >&2
+    continue
+  fi
   sock=$ROOT/sock/$s
   mkdir -p "$sock" && chown postgres: "$sock"
   echo "== $s: $D (port $port)" >&2
@@ -211,17 +253,34 @@ for s in $SYSTEMS; do
   if pg "$PGBIN/pg_checksums" -c -D "$D" >"$ROOT/checksums-$s.log" 2>&1; then
     CSUM[$s]="clean ($(sed -n 's/^Blocks scanned: *//p' "$ROOT/checksums-$s.log") blocks)"
   else CSUM[$s]="FAILED (checksums-$s.log)"; fi
-  if [[ $base == "$ROOT"/m-* ]]; then
-    m=${base%/"$s"}; [ "$s" = bindfs ] && m=$base
-    fusermount3 -u "$m" || umount "$m"
-    sleep 0.5
-  fi
+  unmount_system "$s" "$base"
   echo "   $s: ${TPS[$s]:-?} TPS, ${LAT[$s]:-?} ms; amcheck ${AMC[$s]}; checksums ${CSUM[$s]} ${NOTE[$s]:-}" >&2
 done
 
 # ---- report
 ratio() { python3 -c "a,b='$1','$2'
 print('%.2f' % (float(a)/float(b)) if a and b and float(b) else '-')" 2>/dev/null || echo -; }
+if [ -n "$PROBE" ]; then
+  echo "## One commit (8 KiB pwrite + fdatasync, as postgres): lwio mount vs bindfs vs local — $(date -u +%Y-%m-%d)"
+  echo
+  echo "Machine: $(nproc) vCPU, $(free -g | awk '/Mem:/{print $2}') GiB, $(uname -r); load before: $(cut -d' ' -f1-3 /proc/loadavg)."
+  echo "Produced by \`bench/pgbench.sh --probe $PROBE\` (lwio $(cd "$REPO" && git rev-parse --short HEAD)); $ROOT on $(df --output=fstype "$ROOT" | tail -1)."
+  echo
+  echo "| system | write µs mean / p50 / p99 | fdatasync µs mean / p50 / p99 | commit : local | note |"
+  echo "| --- | --- | --- | --- | --- |"
+  read -r lw _ _ ls _ _ <<<"${PROBED[local]:-0 0 0 0 0 0}"
+  for s in $SYSTEMS; do
+    read -r a b c d e f <<<"${PROBED[$s]:-- - - - - -}"
+    r=$(python3 -c "a,d,lw,ls='$a','$d','$lw','$ls'
+print('%.2f' % ((float(a)+float(d))/(float(lw)+float(ls))))" 2>/dev/null || echo -)
+    echo "| $s | $a / $b / $c | $d / $e / $f | $r | ${NOTE[$s]:-} |"
+  done
+  echo
+  echo "Commands:"
+  echo
+  sed 's/^/    /' "$ROOT/commands.txt"
+  exit 0
+fi
 echo "## PostgreSQL 15 pgbench: lwio mount vs bindfs vs local — $(date -u +%Y-%m-%d)"
 echo
 echo "Machine: $(nproc) vCPU, $(free -g | awk '/Mem:/{print $2}') GiB, $(uname -r); load before: $(cut -d' ' -f1-3 /proc/loadavg)."
