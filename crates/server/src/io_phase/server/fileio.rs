@@ -324,15 +324,6 @@ impl Conn {
         }
     }
 
-    /// The page-cache fast path: do the I/O on this thread when it cannot
-    /// block on a device. On tmpfs/ramfs a file's data is memory, so plain
-    /// `pread`/`pwrite` are memory copies; elsewhere the call carries
-    /// `RWF_NOWAIT` and fails with `EAGAIN` instead of blocking (data not
-    /// cached, writeback or locks needed). `Some(n)` = done, all of it;
-    /// `None` = hand it to the storage pool (which redoes a partial transfer
-    /// whole: reads and writes of the same bytes are idempotent). Skipped
-    /// for `O_DIRECT` files and when `inline_io` is off; a file system that
-    /// refuses `RWF_NOWAIT` is remembered per file and direction.
     /// Whether this thread may block for this connection's sync or small
     /// write (`inline_when_alone`): the connection is the only one its
     /// reactor drives, so no other client waits behind the device (its own
@@ -346,6 +337,17 @@ impl Conn {
                 .is_some_and(|n| n.load(Ordering::Relaxed) == 1)
     }
 
+    /// The page-cache fast path: do the I/O on this thread when it cannot
+    /// block on a device. On tmpfs/ramfs a file's data is memory, so plain
+    /// `pread`/`pwrite` are memory copies; elsewhere the call carries
+    /// `RWF_NOWAIT` and fails with `EAGAIN` instead of blocking (data not
+    /// cached, writeback or locks needed). `Some(n)` = done, all of it;
+    /// `None` = hand it to the storage pool (which redoes a partial transfer
+    /// whole: reads and writes of the same bytes are idempotent). Skipped
+    /// for `O_DIRECT` files and when `inline_io` is off; a file system that
+    /// refuses `RWF_NOWAIT` is remembered per file and direction. A
+    /// connection alone on its reactor (`alone_on_reactor`) has its
+    /// small writes made with a plain call even there.
     pub(super) fn try_inline(
         &mut self,
         f: &OpenFile,
