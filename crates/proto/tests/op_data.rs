@@ -4,24 +4,15 @@
 
 use std::time::Instant;
 
-use lwio_proto::client::{ClientConfig, ClientConn, RemoteBuf};
+use lwio_proto::client::{ClientConfig, ClientConn};
 use lwio_proto::server::*;
 use lwio_proto::status::*;
 use lwio_proto::wire::common::{CompletionMode, RequestOp};
-use lwio_proto::wire::{FidParamsRepr, Guid, RequestRepr, SrvResumeKey};
+use lwio_proto::wire::{FidParamsRepr, Guid, SrvResumeKey};
 use lwio_proto::NtStatus;
 
-const KEY: Guid = Guid::from_u128(0x1111_2222_3333_4444_5555_6666_7777_8888);
-const SECRET: &[u8] = b"negotiated session secret";
-const AUTH_BUF: RemoteBuf = RemoteBuf {
-    addr: 0x1000,
-    rkey: 1,
-};
-const RK: SrvResumeKey = SrvResumeKey {
-    resume_key: 77,
-    timestamp: 1,
-    pid: 2,
-};
+mod common;
+use common::{raw, AUTH_BUF, KEY, RK_PLAIN, SECRET};
 
 /// A stand-in for a driver's read buffer.
 #[derive(Debug, Default, PartialEq)]
@@ -47,17 +38,6 @@ impl ServerHooks for Hooks {
     }
 }
 
-fn raw(op: RequestOp<'_>) -> Vec<u8> {
-    RequestRepr {
-        credits: 1,
-        sequence: 0,
-        tid: 0,
-        op,
-    }
-    .to_bytes()
-    .unwrap()
-}
-
 fn drain<U: OpData>(s: &mut ServerConn<U>) -> Vec<ServerAction> {
     std::iter::from_fn(|| s.poll_action()).collect()
 }
@@ -78,7 +58,7 @@ fn ready(now: Instant) -> ServerConn<Data> {
         &raw(RequestOp::Register {
             cookie: 1,
             params: FidParamsRepr {
-                resume_key: RK,
+                resume_key: RK_PLAIN,
                 session_id,
                 flags_and_attributes: 0,
             },

@@ -10,28 +10,20 @@ use lwio_proto::server::*;
 use lwio_proto::status::*;
 use lwio_proto::wire::common::{CompletionMode, Opcode, RequestOp};
 use lwio_proto::wire::{
-    AuthParamsRepr, FidParamsRepr, Guid, IoStatusBlock, RdmaRegion, RequestRepr, SignatureAlg,
-    SrvResumeKey, StatusResponse, FILE_NO_INTERMEDIATE_BUFFERING, LWIO_REV_ID,
+    AuthParamsRepr, FidParamsRepr, Guid, IoStatusBlock, RdmaRegion, SignatureAlg, SrvResumeKey,
+    StatusResponse, FILE_NO_INTERMEDIATE_BUFFERING, LWIO_REV_ID,
 };
 
-const KEY: Guid = Guid::from_u128(0x1111_2222_3333_4444_5555_6666_7777_8888);
-const SECRET: &[u8] = b"negotiated session secret";
+mod common;
+use common::{raw, AUTH_BUF, KEY, RK_PLAIN, SECRET};
+
 const SESSION: u64 = 0x5e55_1011;
-const AUTH_BUF: RemoteBuf = RemoteBuf {
-    addr: 0x1000,
-    rkey: 1,
-};
 const DATA: RemoteBuf = RemoteBuf {
     addr: 0x10000,
     rkey: 2,
 };
 const IOS_BASE: u64 = 0x9_0000;
 const PAGES: u64 = 0xA_0000;
-const RK_PLAIN: SrvResumeKey = SrvResumeKey {
-    resume_key: 77,
-    timestamp: 1,
-    pid: 2,
-};
 const RK_NOBUF: SrvResumeKey = SrvResumeKey {
     resume_key: 78,
     timestamp: 1,
@@ -457,17 +449,6 @@ fn client_cfg() -> ClientConfig {
     });
     c.credits_wanted = 4;
     c
-}
-
-fn raw(op: RequestOp<'_>) -> Vec<u8> {
-    RequestRepr {
-        credits: 1,
-        sequence: 0,
-        tid: 0,
-        op,
-    }
-    .to_bytes()
-    .unwrap()
 }
 
 fn intr(cookie: u64) -> CompletionMode {
@@ -2797,9 +2778,7 @@ fn credits_hint_counts_requests_waiting_for_a_credit() {
     s.storage.defer = true;
     // Four credits: three reads, hints 1, 2, 3.
     for want in 1..=3u8 {
-        s.client
-            .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
-            .unwrap();
+        s.read(fid, 0, 8, Mode::Interrupt);
         s.pump();
         assert_eq!(s.server.credit_hint(), want);
         assert_eq!(s.client.last_hint(), want);
@@ -2819,9 +2798,7 @@ fn credits_hint_counts_requests_waiting_for_a_credit() {
     s.release_held();
     assert_eq!(s.client.outstanding(), 0);
     s.client.set_waiting(4);
-    s.client
-        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
-        .unwrap();
+    s.read(fid, 0, 8, Mode::Interrupt);
     s.pump();
     assert_eq!(s.server.credit_hint(), 5);
     // A backlog that cleared before the next request went out: 1 held and
@@ -2830,22 +2807,16 @@ fn credits_hint_counts_requests_waiting_for_a_credit() {
     s.client.set_waiting(2);
     s.release_held();
     s.client.set_waiting(0);
-    s.client
-        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
-        .unwrap();
+    s.read(fid, 0, 8, Mode::Interrupt);
     s.pump();
     assert_eq!(s.server.credit_hint(), 3);
     // ...and the one after it only what is pending then.
-    s.client
-        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
-        .unwrap();
+    s.read(fid, 0, 8, Mode::Interrupt);
     s.pump();
     assert_eq!(s.server.credit_hint(), 2);
     // At most 255 (a u8).
     s.client.set_waiting(1000);
-    s.client
-        .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
-        .unwrap();
+    s.read(fid, 0, 8, Mode::Interrupt);
     s.pump();
     assert_eq!(s.server.credit_hint(), 255);
     s.client.set_waiting(0);
@@ -2882,9 +2853,7 @@ fn unused_part_of_a_positive_grant_is_reported() {
         let fid = s.register(RK_PLAIN, 0);
         s.storage.defer = true;
         for _ in 0..3 {
-            s.client
-                .read(s.now, fid, 0, 8, DATA, Mode::Interrupt)
-                .unwrap();
+            s.read(fid, 0, 8, Mode::Interrupt);
         }
         s.client.set_waiting(waiting);
         s.client.interrupt(s.now).unwrap();
