@@ -20,7 +20,7 @@ use crate::memobj::MemOp;
 use super::conn::Conn;
 use super::inline::{inline_io, inline_io_vec};
 use super::shared::lock;
-use super::storage::{reopen_status, ring_job, slow_next_write_ms, Job, JobKind};
+use super::storage::{reopen_status, ring_job, slow_next_write_ms, sync_file, Job, JobKind};
 
 /// The right an operation needs on its file ([`Conn::file_for`]).
 #[derive(Debug, Clone, Copy)]
@@ -227,15 +227,10 @@ impl Conn {
         };
         if let JobKind::Sync { data_only } = kind {
             if self.alone_on_reactor() {
-                let r = if data_only {
-                    rustix::fs::fdatasync(&*fd)
-                } else {
-                    rustix::fs::fsync(&*fd)
-                };
-                self.shared.inline_syncs.fetch_add(1, Ordering::Relaxed);
-                let r = r
+                let r = sync_file(&*fd, data_only)
                     .map(|()| 0)
-                    .map_err(|e| crate::io_phase::io_error_status(&std::io::Error::from(e)));
+                    .map_err(|e| crate::io_phase::io_error_status(&e));
+                self.shared.inline_syncs.fetch_add(1, Ordering::Relaxed);
                 self.storage_done(op, r);
                 return;
             }

@@ -152,6 +152,17 @@ pub fn slow_storage_write_started_for_tests() -> bool {
     SLOW_NEXT_WRITE_MS.load(Ordering::Relaxed) == 0
 }
 
+/// A FLUSH's system call: `fdatasync(2)` with `data_only`, else `fsync(2)`
+/// (on a storage thread, or on the reactor: `Conn::dispatch`).
+pub(super) fn sync_file(fd: impl std::os::fd::AsFd, data_only: bool) -> std::io::Result<()> {
+    let r = if data_only {
+        rustix::fs::fdatasync(fd)
+    } else {
+        rustix::fs::fsync(fd)
+    };
+    r.map_err(std::io::Error::from)
+}
+
 /// A storage job as ring pieces: (iovecs, write, what keeps them alive).
 /// `O_DIRECT` (`align` > 1): a write whose bytes are not aligned in memory
 /// goes from an aligned copy; offsets and lengths must be aligned already.
@@ -247,14 +258,7 @@ pub(super) fn run_job(backend: &dyn Backend, job: &Job) -> Result<u32, NtStatus>
     };
     let fd = job.file.as_fd();
     let r = match &job.kind {
-        JobKind::Sync { data_only } => {
-            let r = if *data_only {
-                rustix::fs::fdatasync(fd)
-            } else {
-                rustix::fs::fsync(fd)
-            };
-            Some(r.map(|()| 0).map_err(std::io::Error::from))
-        }
+        JobKind::Sync { data_only } => Some(sync_file(fd, *data_only).map(|()| 0)),
         JobKind::Read { buf, len } => {
             let len = (*len).min(buf.len());
             let Ok(mut view) = buf.slice_mut(0, len) else {
