@@ -118,26 +118,24 @@ impl Conn {
         let fresh = self.sconn.data_requests() != self.requests_balanced;
         self.requests_balanced = self.sconn.data_requests();
         let hint = self.sconn.take_peak_hint();
+        let active = self.sconn.outstanding() > 0 || fresh;
         let round = Round {
             credits,
             base: self.base_credits,
             outstanding: self.sconn.outstanding(),
-            active: self.sconn.outstanding() > 0 || fresh,
+            active,
             message: self.sconn.take_largest_message(),
             hint,
             cap: self.client_cap,
             max_per_conn: self.shared.opts.max_credits_per_conn,
-            share: 0,
-        };
-        // The fair share of the budget bounds what a hint alone can get
-        // (counted only when a hint asks for more than the connection holds).
-        let round = if round.active && u16::from(hint) >= credits {
-            Round {
-                share: self.shared.fair_share(),
-                ..round
-            }
-        } else {
-            round
+            // The fair share of the budget bounds what a hint alone can
+            // get (counted only when a hint asks for more than the
+            // connection holds: otherwise it bounds nothing).
+            share: if active && u16::from(hint) >= credits {
+                self.shared.fair_share()
+            } else {
+                0
+            },
         };
         let busy = round.target().map(|(target, cap)| {
             self.client_cap = cap;
