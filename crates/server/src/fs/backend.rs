@@ -5,7 +5,8 @@
 //! writes either complete fully or fail. Operations on `O_DIRECT` files carry
 //! the file's alignment and are checked before anything is submitted.
 //!
-//! * [`UringBackend`] — io_uring. A bounded pool of rings (one per concurrent
+//! * [`UringBackend`] — io_uring through [`super::ring::Ring`], the driver the
+//!   reactors use. A bounded pool of rings (one per concurrent
 //!   caller, at most `max_rings`); a caller takes a ring, pushes its whole
 //!   batch (one `io_uring_enter` for many operations), reaps completions,
 //!   resubmits short transfers, and returns the ring.
@@ -32,7 +33,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use io_uring::{opcode, types, IoUring};
+use super::ring::{PushError, Ring};
 
 /// The buffer of one operation.
 #[derive(Debug)]
@@ -231,9 +232,11 @@ pub fn open_backend(choice: BackendChoice, workers: usize) -> io::Result<Arc<dyn
 
 // ---------------------------------------------------------------- io_uring
 
-/// io_uring backend: a bounded pool of rings.
+/// io_uring backend: a bounded pool of [`Ring`]s, the driver the reactors
+/// use too. A caller takes a ring, pushes its batch, and blocks in
+/// [`Ring::submit_and_wait`] until every operation has completed.
 pub struct UringBackend {
-    pool: Mutex<Vec<IoUring>>,
+    pool: Mutex<Vec<Ring>>,
     freed: Condvar,
     created: AtomicUsize,
     max_rings: usize,
@@ -252,10 +255,6 @@ impl fmt::Debug for UringBackend {
 /// Largest single read/write submitted (io_uring lengths are u32).
 const MAX_CHUNK: usize = 1 << 30;
 
-/// user_data bit of an `IORING_OP_ASYNC_CANCEL` entry (the rest: the index
-/// of the operation it cancels).
-const CANCEL_TAG: u64 = 1 << 63;
-
 /// How long a cancellable wait sleeps before it looks at its flag again:
 /// the longest a CANCEL waits for a running io_uring request to be asked to
 /// stop. I/O that completes sooner never wakes up for it.
@@ -266,25 +265,10 @@ fn cancelled() -> io::Error {
 }
 
 impl UringBackend {
-    /// Create the first ring and run a NOP through it: fails where io_uring
-    /// is not usable.
+    /// Create the first ring ([`Ring::new`] checks that io_uring works here
+    /// and has what the rings use): fails where io_uring is not usable.
     pub fn new(entries: u32, max_rings: usize) -> io::Result<UringBackend> {
-        let mut ring = IoUring::new(entries)?;
-        let nop = opcode::Nop::new().build().user_data(42);
-        // SAFETY: a NOP references no memory.
-        unsafe {
-            ring.submission()
-                .push(&nop)
-                .map_err(|_| io::Error::other("io_uring submission queue full"))?;
-        }
-        ring.submit_and_wait(1)?;
-        let ok = ring
-            .completion()
-            .next()
-            .map(|c| c.user_data() == 42 && c.result() >= 0);
-        if ok != Some(true) {
-            return Err(io::Error::other("io_uring NOP did not complete"));
-        }
+        let ring = Ring::new(entries)?;
         Ok(UringBackend {
             pool: Mutex::new(vec![ring]),
             freed: Condvar::new(),
@@ -294,7 +278,7 @@ impl UringBackend {
         })
     }
 
-    fn take(&self) -> io::Result<IoUring> {
+    fn take(&self) -> io::Result<Ring> {
         let mut g = self.pool.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(r) = g.pop() {
@@ -303,7 +287,7 @@ impl UringBackend {
             if self.created.load(Ordering::Relaxed) < self.max_rings {
                 self.created.fetch_add(1, Ordering::Relaxed);
                 drop(g);
-                return IoUring::new(self.entries).inspect_err(|_| {
+                return Ring::new(self.entries).inspect_err(|_| {
                     self.created.fetch_sub(1, Ordering::Relaxed);
                 });
             }
@@ -311,125 +295,95 @@ impl UringBackend {
         }
     }
 
-    fn give(&self, r: IoUring) {
+    fn give(&self, r: Ring) {
         self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(r);
         self.freed.notify_one();
     }
 
-    /// Run `ops` on `ring` to completion. With `cancel`, the waits time out
-    /// every [`CANCEL_CHECK`] to look at the flag (only where the kernel has
-    /// `IORING_FEAT_EXT_ARG`; elsewhere only between completions, so a
-    /// request that does not complete is not cancelled): once it is raised,
-    /// nothing more is submitted, and every request in flight gets an
-    /// `IORING_OP_ASYNC_CANCEL`; the ring is drained (its requests and the cancels' own completions) before return.
+    /// A ring that could not be waited on is dropped (its `Drop` waits for
+    /// what the kernel still has, or stops the process) and not reused.
+    fn discard(&self, r: Ring) {
+        drop(r);
+        self.created.fetch_sub(1, Ordering::Relaxed);
+        self.freed.notify_one();
+    }
+
+    /// Run `ops` on `ring` to completion; short transfers go on from where
+    /// they stopped. With `cancel`, the waits wake every [`CANCEL_CHECK`]
+    /// to look at the flag: once it is raised, nothing more is pushed and
+    /// every operation the ring has gets [`Ring::cancel`]. Returns only when
+    /// the ring has nothing of `ops` left; `Err` when the ring failed and
+    /// must be discarded (every unfinished result is then that error).
     fn run(
-        &self,
-        ring: &mut IoUring,
+        ring: &mut Ring,
         ops: &mut [IoOp<'_>],
         results: &mut [Option<io::Result<usize>>],
         cancel: Option<&AtomicBool>,
-    ) {
+    ) -> io::Result<()> {
         let mut done = vec![0usize; ops.len()];
         let mut queue: VecDeque<usize> = (0..ops.len()).filter(|&i| results[i].is_none()).collect();
-        let capacity = ring.submission().capacity();
-        // Without EXT_ARG the flag is still looked at between completions.
-        let timed = cancel.is_some() && ring.params().is_feature_ext_arg();
-        let tick = types::Timespec::new()
-            .sec(CANCEL_CHECK.as_secs())
-            .nsec(CANCEL_CHECK.subsec_nanos());
         let mut inflight = 0usize;
-        // ASYNC_CANCEL entries not yet completed.
-        let mut cancels_inflight = 0usize;
         let mut cancelling = false;
-        while !queue.is_empty() || inflight > 0 || cancels_inflight > 0 {
+        let mut reaped = Vec::new();
+        loop {
             if !cancelling && cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
                 cancelling = true;
                 for i in queue.drain(..) {
                     results[i] = Some(Err(cancelled()));
                 }
-                // Without a result and no longer queued: in flight.
-                let mut sq = ring.submission();
+                // Without a result and no longer queued: with the ring.
                 for i in (0..ops.len()).filter(|&i| results[i].is_none()) {
-                    let e = opcode::AsyncCancel::new(i as u64)
-                        .build()
-                        .user_data(CANCEL_TAG | i as u64);
-                    // SAFETY: an ASYNC_CANCEL entry references no memory.
-                    if unsafe { sq.push(&e) }.is_ok() {
-                        cancels_inflight += 1;
-                    }
+                    ring.cancel(i as u64);
                 }
             }
-            {
-                let mut sq = ring.submission();
-                while inflight < capacity && !cancelling {
-                    let Some(i) = queue.pop_front() else { break };
-                    let op = &mut ops[i];
-                    let len = (op.buf.len() - done[i]).min(MAX_CHUNK) as u32;
-                    let off = op.offset + done[i] as u64;
-                    let fd = types::Fd(op.fd.as_raw_fd());
-                    let e = match &mut op.buf {
-                        IoBuf::Read(b) => opcode::Read::new(fd, b[done[i]..].as_mut_ptr(), len)
-                            .offset(off)
-                            .build(),
-                        IoBuf::Write(b) => opcode::Write::new(fd, b[done[i]..].as_ptr(), len)
-                            .offset(off)
-                            .build(),
-                    };
-                    // SAFETY: the buffer and fd are borrowed by `ops` for the
-                    // whole call, and this function does not return before
-                    // every pushed entry has completed (inflight reaches 0),
-                    // so the kernel never touches memory we no longer own.
-                    if unsafe { sq.push(&e.user_data(i as u64)) }.is_err() {
-                        queue.push_front(i);
-                        break;
-                    }
-                    inflight += 1;
-                }
-            }
-            if inflight == 0 && cancels_inflight == 0 {
-                break;
-            }
-            let mut failures = 0;
-            loop {
-                let r = if timed && !cancelling {
-                    let args = types::SubmitArgs::new().timespec(&tick);
-                    ring.submitter().submit_with_args(1, &args)
-                } else {
-                    ring.submit_and_wait(1)
-                };
-                match r {
-                    Ok(_) => break,
-                    // The cancellable wait's tick: look at the flag.
-                    Err(e) if e.raw_os_error() == Some(libc::ETIME) => break,
-                    Err(e)
-                        if matches!(
-                            e.raw_os_error(),
-                            Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                        ) => {}
-                    Err(e) => {
-                        failures += 1;
-                        if failures > 1000 {
-                            // Entries referencing caller memory are in flight
-                            // and the ring cannot be waited on: returning now
-                            // could let the kernel write into freed memory.
-                            eprintln!("lwio: fatal: io_uring wait failed with I/O in flight: {e}");
-                            std::process::abort();
+            // Once cancelling, the queue is empty.
+            while let Some(&i) = queue.front() {
+                let op = &mut ops[i];
+                let len = (op.buf.len() - done[i]).min(MAX_CHUNK);
+                let off = op.offset + done[i] as u64;
+                // SAFETY: the buffer and fd are borrowed by `ops` for the
+                // whole call, and this function does not return before every
+                // pushed operation has been reaped (`inflight` reaches 0) or
+                // the ring is discarded, whose `Drop` waits for the kernel to
+                // finish with them: the kernel never touches memory or a
+                // descriptor the caller has taken back.
+                let pushed = unsafe {
+                    match &mut op.buf {
+                        IoBuf::Read(b) => {
+                            ring.read_fd(i as u64, op.fd, b[done[i]..].as_mut_ptr(), len, off)
                         }
-                        std::thread::yield_now();
+                        IoBuf::Write(b) => {
+                            ring.write_fd(i as u64, op.fd, b[done[i]..].as_ptr(), len, off)
+                        }
+                    }
+                };
+                match pushed {
+                    Ok(()) => {
+                        queue.pop_front();
+                        inflight += 1;
+                    }
+                    // The ring's cap: the rest waits for completions.
+                    Err(PushError::Full) => break,
+                    Err(e) => {
+                        queue.pop_front();
+                        results[i] = Some(Err(e.into()));
                     }
                 }
             }
-            for cqe in ring.completion() {
-                if cqe.user_data() & CANCEL_TAG != 0 {
-                    // The ASYNC_CANCEL's own answer (0, ENOENT: already
-                    // done, EALREADY: running, asked to stop): the request
-                    // itself completes separately.
-                    cancels_inflight -= 1;
-                    continue;
+            if inflight == 0 {
+                return Ok(());
+            }
+            let tick = (cancel.is_some() && !cancelling).then_some(CANCEL_CHECK);
+            if let Err(e) = ring.submit_and_wait(tick) {
+                for r in results.iter_mut().filter(|r| r.is_none()) {
+                    *r = Some(Err(io::Error::new(e.kind(), e.to_string())));
                 }
+                return Err(e);
+            }
+            ring.reap(&mut reaped);
+            for (ud, res) in reaped.drain(..) {
                 inflight -= 1;
-                let i = cqe.user_data() as usize;
-                let res = cqe.result();
+                let i = ud as usize;
                 let total = ops[i].buf.len();
                 if res < 0 {
                     match -res {
@@ -510,10 +464,13 @@ impl UringBackend {
         let mut results = prevalidate(ops);
         if results.iter().any(|r| r.is_none()) {
             match self.take() {
-                Ok(mut ring) => {
-                    self.run(&mut ring, ops, &mut results, cancel);
-                    self.give(ring);
-                }
+                Ok(mut ring) => match UringBackend::run(&mut ring, ops, &mut results, cancel) {
+                    Ok(()) => self.give(ring),
+                    Err(e) => {
+                        tracing::error!(error = %e, "io_uring wait failed; the ring is discarded");
+                        self.discard(ring);
+                    }
+                },
                 Err(e) => {
                     for r in results.iter_mut().filter(|r| r.is_none()) {
                         *r = Some(Err(io::Error::new(e.kind(), e.to_string())));

@@ -32,6 +32,7 @@
 pub mod backend;
 pub mod fdcache;
 pub mod ids;
+pub mod ring;
 pub mod table;
 
 mod fdops;

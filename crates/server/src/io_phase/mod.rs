@@ -10,7 +10,6 @@ pub mod memobj;
 pub mod pool;
 pub mod reactor;
 pub mod readbuf;
-pub mod ring;
 pub mod server;
 /// In-process servers for tests and examples (the `testkit` feature).
 #[cfg(any(test, feature = "testkit"))]

@@ -189,7 +189,7 @@ impl Reactors {
                 domains.push(dom);
             }
             let rio = if use_ring {
-                match super::ring::Ring::new(RING_ENTRIES) {
+                match crate::fs::ring::Ring::new(RING_ENTRIES) {
                     Ok(ring) => {
                         // SAFETY: the ring's eventfd lives as long as the
                         // ring, which the reactor holds as long as `ep`.
@@ -598,7 +598,7 @@ struct RingOp {
 /// The file I/O of one reactor's connections: its io_uring (issue 13: a
 /// page-cache miss costs no thread hand-off), submitted once per round.
 pub(super) struct RingIo {
-    ring: super::ring::Ring,
+    ring: crate::fs::ring::Ring,
     ops: std::collections::HashMap<u64, RingOp>,
     next: u64,
 }
@@ -612,7 +612,7 @@ pub(super) type RingDone = (
 );
 
 impl RingIo {
-    pub(super) fn new(ring: super::ring::Ring) -> RingIo {
+    pub(super) fn new(ring: crate::fs::ring::Ring) -> RingIo {
         RingIo {
             ring,
             ops: std::collections::HashMap::new(),
@@ -646,7 +646,11 @@ impl RingIo {
     ///
     /// # Safety
     /// As [`RingIo::push`].
-    unsafe fn submit_op(&mut self, id: u64, rop: &RingOp) -> Result<(), super::ring::PushError> {
+    unsafe fn submit_op(
+        &mut self,
+        id: u64,
+        rop: &RingOp,
+    ) -> Result<(), crate::fs::ring::PushError> {
         let j = &rop.job;
         let f = j.file.arc();
         if let Some(datasync) = j.sync {

@@ -38,8 +38,9 @@ use std::fmt;
 use std::fs::File;
 use std::io;
 use std::marker::PhantomData;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Arc;
+use std::time::Duration;
 
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use lwio_proto::status::{STATUS_INSUFFICIENT_RESOURCES, STATUS_INVALID_PARAMETER};
@@ -101,11 +102,19 @@ struct Live {
     /// An ASYNC_CANCEL for it has been queued or submitted.
     cancel_sent: bool,
     /// Kept until the completion is reaped: the fd stays open while the
-    /// kernel may use it.
-    _file: Arc<File>,
+    /// kernel may use it. `None` for an operation on a borrowed fd
+    /// ([`Ring::read_fd`], [`Ring::write_fd`]), whose caller keeps it open.
+    _file: Option<Arc<File>>,
     /// A writev's iovec array, which the kernel reads from this heap
     /// allocation (moving the `Live` does not move it).
     _iov: Option<Box<[libc::iovec]>>,
+}
+
+/// The descriptor of an operation: a file the ring holds until the
+/// completion is reaped, or a descriptor its caller keeps open until then.
+enum FdRef {
+    Owned(Arc<File>),
+    Borrowed(RawFd),
 }
 
 struct Slot {
@@ -389,15 +398,19 @@ impl Ring {
     ///
     /// # Safety
     /// The entry's memory must satisfy the contract of the public method
-    /// that built it, and `file` must be the file its fd belongs to.
+    /// that built it; a borrowed fd must stay open until the completion is
+    /// reaped.
     unsafe fn push_op(
         &mut self,
         user_data: u64,
-        file: Arc<File>,
+        file: FdRef,
         iov: Option<Box<[libc::iovec]>>,
         build: impl FnOnce(types::Fd, Option<&[libc::iovec]>) -> squeue::Entry,
     ) -> u64 {
-        let fd = types::Fd(file.as_raw_fd());
+        let (fd, file) = match file {
+            FdRef::Owned(f) => (types::Fd(f.as_raw_fd()), Some(f)),
+            FdRef::Borrowed(fd) => (types::Fd(fd), None),
+        };
         let entry = build(fd, iov.as_deref());
         let tag = self.slab.insert(Live {
             user_data,
@@ -420,7 +433,7 @@ impl Ring {
     unsafe fn push_buf(
         &mut self,
         user_data: u64,
-        file: Arc<File>,
+        file: FdRef,
         len: usize,
         build: impl FnOnce(types::Fd, u32) -> squeue::Entry,
     ) -> Result<(), PushError> {
@@ -498,7 +511,7 @@ impl Ring {
         // SAFETY: the caller keeps the buffer valid and unshared until the
         // completion is reaped.
         unsafe {
-            self.push_buf(user_data, file, len, |fd, len| {
+            self.push_buf(user_data, FdRef::Owned(file), len, |fd, len| {
                 opcode::Read::new(fd, ptr, len).offset(offset).build()
             })
         }
@@ -521,9 +534,62 @@ impl Ring {
         // SAFETY: the caller keeps the buffer valid and unwritten until the
         // completion is reaped.
         unsafe {
-            self.push_buf(user_data, file, len, |fd, len| {
+            self.push_buf(user_data, FdRef::Owned(file), len, |fd, len| {
                 opcode::Write::new(fd, ptr, len).offset(offset).build()
             })
+        }
+    }
+
+    /// [`Ring::read`] on a borrowed descriptor, for a caller that blocks
+    /// until the completion is reaped (the backend's pool of rings).
+    ///
+    /// # Safety
+    /// As [`Ring::read`]; and `fd` must stay open, naming the same file,
+    /// until this operation's completion has been returned by
+    /// [`Ring::reap`] (or the ring has been dropped).
+    pub unsafe fn read_fd(
+        &mut self,
+        user_data: u64,
+        fd: BorrowedFd<'_>,
+        ptr: *mut u8,
+        len: usize,
+        offset: u64,
+    ) -> Result<(), PushError> {
+        // SAFETY: the caller keeps the buffer valid and unshared, and the
+        // fd open, until the completion is reaped.
+        unsafe {
+            self.push_buf(
+                user_data,
+                FdRef::Borrowed(fd.as_raw_fd()),
+                len,
+                |fd, len| opcode::Read::new(fd, ptr, len).offset(offset).build(),
+            )
+        }
+    }
+
+    /// [`Ring::write`] on a borrowed descriptor.
+    ///
+    /// # Safety
+    /// As [`Ring::write`]; and `fd` must stay open, naming the same file,
+    /// until this operation's completion has been returned by
+    /// [`Ring::reap`] (or the ring has been dropped).
+    pub unsafe fn write_fd(
+        &mut self,
+        user_data: u64,
+        fd: BorrowedFd<'_>,
+        ptr: *const u8,
+        len: usize,
+        offset: u64,
+    ) -> Result<(), PushError> {
+        // SAFETY: the caller keeps the buffer valid and unwritten, and the
+        // fd open, until the completion is reaped.
+        unsafe {
+            self.push_buf(
+                user_data,
+                FdRef::Borrowed(fd.as_raw_fd()),
+                len,
+                |fd, len| opcode::Write::new(fd, ptr, len).offset(offset).build(),
+            )
         }
     }
 
@@ -551,7 +617,7 @@ impl Ring {
         // slab entry owns until then (its heap address does not change when
         // the box moves into the entry).
         unsafe {
-            self.push_op(user_data, file, Some(iov), |fd, iov| {
+            self.push_op(user_data, FdRef::Owned(file), Some(iov), |fd, iov| {
                 let p = iov.map_or(std::ptr::null(), |v| v.as_ptr());
                 opcode::Writev::new(fd, p, n).offset(offset).build()
             })
@@ -575,7 +641,7 @@ impl Ring {
         // SAFETY: an fsync references no memory; the slab entry holds the
         // file until the completion is reaped.
         unsafe {
-            self.push_op(user_data, file, None, |fd, _| {
+            self.push_op(user_data, FdRef::Owned(file), None, |fd, _| {
                 opcode::Fsync::new(fd).flags(flags).build()
             })
         };
@@ -637,6 +703,41 @@ impl Ring {
             Err(e) if is_transient(&e) => Ok(0),
             Err(e) => Err(e),
         }
+    }
+
+    /// [`Ring::submit`], then block until a completion can be reaped, or
+    /// for at most `timeout` (`None`: no limit). Returns at once when a
+    /// result is already waiting or nothing is with the kernel. For a
+    /// caller that owns the ring's thread (the backend's pool); a reactor
+    /// polls [`Ring::fd`] instead. Interrupted waits return early: callers
+    /// reap and wait again.
+    pub fn submit_and_wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        self.submit()?;
+        if !self.ready.is_empty() || self.with_kernel == 0 {
+            return Ok(());
+        }
+        let Some(timeout) = timeout else {
+            self.enters += 1;
+            return match self.uring.submit_and_wait(1) {
+                Err(e) if !is_transient(&e) => Err(e),
+                _ => Ok(()),
+            };
+        };
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        let mut pfd = libc::pollfd {
+            fd: self.efd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is one live pollfd for the duration of the call.
+        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// Append the completions available now to `out` as `(user_data, res)`
