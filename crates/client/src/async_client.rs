@@ -242,6 +242,14 @@ impl Drop for Inflight<'_> {
     }
 }
 
+/// What a request's wait says when `op_timeout` passes.
+const WAITED: &str = "request";
+
+/// The error of a request whose answer did not come within `op_timeout`.
+fn timed_out(req: ReqId) -> Error {
+    Error::TimedOut(format!("{}: request {req}", Error::TimedOut(WAITED.into())))
+}
+
 impl AsyncFile {
     /// CANCELs issued because futures were dropped.
     pub fn dropped_futures(&self) -> u64 {
@@ -309,10 +317,18 @@ impl AsyncFile {
             .await
     }
 
-    /// Wait for `req`'s completion: (information, status). `polled`: the
-    /// request completes through its status block in polling mode (an
-    /// I/O; not a CANCEL).
-    async fn complete(&self, e: &Arc<Engine>, req: ReqId, polled: bool) -> Result<(u32, NtStatus)> {
+    /// Wait until `done` says the awaited completion has come, as the
+    /// engine's completion mode wants: polled (`polled` and the engine
+    /// polls), spin on the status block for `poll_spin`, then arm the
+    /// interrupt and sleep with a backoff of 1 to 64 ms; else sleep until
+    /// the next completion, looking again every 50 ms. `Ok(false)` once
+    /// `op_timeout` has passed without it; `done`'s error at once.
+    async fn wait_until(
+        &self,
+        e: &Engine,
+        polled: bool,
+        mut done: impl FnMut() -> Result<bool>,
+    ) -> Result<bool> {
         let deadline = Instant::now() + e.config().op_timeout;
         let poll = e.completion_mode() == Completion::Poll && polled;
         let spin_until = Instant::now() + e.config().poll_spin;
@@ -321,8 +337,8 @@ impl AsyncFile {
             let notified = self.shared.wakeup.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(r) = e.try_wait(req, true)? {
-                return Ok(r);
+            if done()? {
+                return Ok(true);
             }
             if poll && Instant::now() < spin_until {
                 // Polling: the status block lands with no event; look again
@@ -337,9 +353,28 @@ impl AsyncFile {
             } else {
                 Duration::from_millis(50)
             };
-            if let Err(err) = self.sleep(notified, step, deadline, "request").await {
+            if self.sleep(notified, step, deadline, WAITED).await.is_err() {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Wait for `req`'s completion: (information, status). `polled`: the
+    /// request completes through its status block in polling mode (an
+    /// I/O; not a CANCEL).
+    async fn complete(&self, e: &Arc<Engine>, req: ReqId, polled: bool) -> Result<(u32, NtStatus)> {
+        let mut answer = None;
+        let came = self
+            .wait_until(e, polled, || {
+                answer = e.try_wait(req, true)?;
+                Ok(answer.is_some())
+            })
+            .await?;
+        match answer {
+            Some(a) if came => Ok(a),
+            _ => {
                 e.abandon_req(req);
-                return Err(Error::TimedOut(format!("{err}: request {req}")));
+                Err(timed_out(req))
             }
         }
     }
@@ -349,35 +384,10 @@ impl AsyncFile {
     /// [`Batch::try_reap`]; a timeout is the part's outcome.
     async fn complete_front(&self, b: &mut Batch) {
         let e = b.engine().clone();
-        let deadline = Instant::now() + e.config().op_timeout;
-        let poll = e.completion_mode() == Completion::Poll;
-        let spin_until = Instant::now() + e.config().poll_spin;
-        let mut sleeps = 0u32;
-        loop {
-            let notified = self.shared.wakeup.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if b.poll_front(true) {
-                return;
-            }
-            if poll && Instant::now() < spin_until {
-                // Polling: the status block lands with no event; look again
-                // after the other tasks of this thread had their turn.
-                tokio::task::yield_now().await;
-                continue;
-            }
-            let step = if poll {
-                e.arm_interrupt();
-                sleeps += 1;
-                Duration::from_millis(1 << (sleeps - 1).min(6))
-            } else {
-                Duration::from_millis(50)
-            };
-            if let Err(err) = self.sleep(notified, step, deadline, "request").await {
-                let req = b.front_req().unwrap_or_default();
-                b.give_up_front(Error::TimedOut(format!("{err}: request {req}")));
-                return;
-            }
+        // `poll_front` cannot fail: its failures are the part's outcome.
+        if let Ok(false) = self.wait_until(&e, true, || Ok(b.poll_front(true))).await {
+            let req = b.front_req().unwrap_or_default();
+            b.give_up_front(timed_out(req));
         }
     }
 

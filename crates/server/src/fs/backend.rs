@@ -33,7 +33,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use super::ring::{PushError, Ring};
+use super::ring::{FdRef, PushError, Ring};
 
 /// The buffer of one operation.
 #[derive(Debug)]
@@ -349,12 +349,20 @@ impl UringBackend {
                 // descriptor the caller has taken back.
                 let pushed = unsafe {
                     match &mut op.buf {
-                        IoBuf::Read(b) => {
-                            ring.read_fd(i as u64, op.fd, b[done[i]..].as_mut_ptr(), len, off)
-                        }
-                        IoBuf::Write(b) => {
-                            ring.write_fd(i as u64, op.fd, b[done[i]..].as_ptr(), len, off)
-                        }
+                        IoBuf::Read(b) => ring.read(
+                            i as u64,
+                            FdRef::Borrowed(op.fd),
+                            b[done[i]..].as_mut_ptr(),
+                            len,
+                            off,
+                        ),
+                        IoBuf::Write(b) => ring.write(
+                            i as u64,
+                            FdRef::Borrowed(op.fd),
+                            b[done[i]..].as_ptr(),
+                            len,
+                            off,
+                        ),
                     }
                 };
                 match pushed {

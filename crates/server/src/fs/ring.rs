@@ -110,11 +110,19 @@ struct Live {
     _iov: Option<Box<[libc::iovec]>>,
 }
 
-/// The descriptor of an operation: a file the ring holds until the
-/// completion is reaped, or a descriptor its caller keeps open until then.
-enum FdRef {
+/// The descriptor of a read or write: a file the ring holds until the
+/// completion is reaped (the reactors'), or a descriptor borrowed from a
+/// caller that keeps it open until then (the backend's pool, whose callers
+/// block until their operations are reaped).
+pub enum FdRef<'a> {
     Owned(Arc<File>),
-    Borrowed(RawFd),
+    Borrowed(BorrowedFd<'a>),
+}
+
+impl From<Arc<File>> for FdRef<'_> {
+    fn from(f: Arc<File>) -> Self {
+        FdRef::Owned(f)
+    }
 }
 
 struct Slot {
@@ -403,13 +411,13 @@ impl Ring {
     unsafe fn push_op(
         &mut self,
         user_data: u64,
-        file: FdRef,
+        file: FdRef<'_>,
         iov: Option<Box<[libc::iovec]>>,
         build: impl FnOnce(types::Fd, Option<&[libc::iovec]>) -> squeue::Entry,
     ) -> u64 {
         let (fd, file) = match file {
             FdRef::Owned(f) => (types::Fd(f.as_raw_fd()), Some(f)),
-            FdRef::Borrowed(fd) => (types::Fd(fd), None),
+            FdRef::Borrowed(fd) => (types::Fd(fd.as_raw_fd()), None),
         };
         let entry = build(fd, iov.as_deref());
         let tag = self.slab.insert(Live {
@@ -433,7 +441,7 @@ impl Ring {
     unsafe fn push_buf(
         &mut self,
         user_data: u64,
-        file: FdRef,
+        file: FdRef<'_>,
         len: usize,
         build: impl FnOnce(types::Fd, u32) -> squeue::Entry,
     ) -> Result<(), PushError> {
@@ -499,11 +507,11 @@ impl Ring {
     /// `[ptr, ptr + len)` must stay valid for writes, and must not be read
     /// or written by anyone else, until this operation's completion has been
     /// returned by [`Ring::reap`] (or the ring has been dropped, which waits
-    /// for it).
-    pub unsafe fn read(
+    /// for it); a [`FdRef::Borrowed`] descriptor must stay open as long.
+    pub unsafe fn read<'a>(
         &mut self,
         user_data: u64,
-        file: Arc<File>,
+        file: impl Into<FdRef<'a>>,
         ptr: *mut u8,
         len: usize,
         offset: u64,
@@ -511,7 +519,7 @@ impl Ring {
         // SAFETY: the caller keeps the buffer valid and unshared until the
         // completion is reaped.
         unsafe {
-            self.push_buf(user_data, FdRef::Owned(file), len, |fd, len| {
+            self.push_buf(user_data, file.into(), len, |fd, len| {
                 opcode::Read::new(fd, ptr, len).offset(offset).build()
             })
         }
@@ -522,11 +530,12 @@ impl Ring {
     /// # Safety
     /// `[ptr, ptr + len)` must stay valid for reads, and must not be written
     /// by anyone else, until this operation's completion has been returned
-    /// by [`Ring::reap`] (or the ring has been dropped).
-    pub unsafe fn write(
+    /// by [`Ring::reap`] (or the ring has been dropped); a
+    /// [`FdRef::Borrowed`] descriptor must stay open as long.
+    pub unsafe fn write<'a>(
         &mut self,
         user_data: u64,
-        file: Arc<File>,
+        file: impl Into<FdRef<'a>>,
         ptr: *const u8,
         len: usize,
         offset: u64,
@@ -534,62 +543,9 @@ impl Ring {
         // SAFETY: the caller keeps the buffer valid and unwritten until the
         // completion is reaped.
         unsafe {
-            self.push_buf(user_data, FdRef::Owned(file), len, |fd, len| {
+            self.push_buf(user_data, file.into(), len, |fd, len| {
                 opcode::Write::new(fd, ptr, len).offset(offset).build()
             })
-        }
-    }
-
-    /// [`Ring::read`] on a borrowed descriptor, for a caller that blocks
-    /// until the completion is reaped (the backend's pool of rings).
-    ///
-    /// # Safety
-    /// As [`Ring::read`]; and `fd` must stay open, naming the same file,
-    /// until this operation's completion has been returned by
-    /// [`Ring::reap`] (or the ring has been dropped).
-    pub unsafe fn read_fd(
-        &mut self,
-        user_data: u64,
-        fd: BorrowedFd<'_>,
-        ptr: *mut u8,
-        len: usize,
-        offset: u64,
-    ) -> Result<(), PushError> {
-        // SAFETY: the caller keeps the buffer valid and unshared, and the
-        // fd open, until the completion is reaped.
-        unsafe {
-            self.push_buf(
-                user_data,
-                FdRef::Borrowed(fd.as_raw_fd()),
-                len,
-                |fd, len| opcode::Read::new(fd, ptr, len).offset(offset).build(),
-            )
-        }
-    }
-
-    /// [`Ring::write`] on a borrowed descriptor.
-    ///
-    /// # Safety
-    /// As [`Ring::write`]; and `fd` must stay open, naming the same file,
-    /// until this operation's completion has been returned by
-    /// [`Ring::reap`] (or the ring has been dropped).
-    pub unsafe fn write_fd(
-        &mut self,
-        user_data: u64,
-        fd: BorrowedFd<'_>,
-        ptr: *const u8,
-        len: usize,
-        offset: u64,
-    ) -> Result<(), PushError> {
-        // SAFETY: the caller keeps the buffer valid and unwritten, and the
-        // fd open, until the completion is reaped.
-        unsafe {
-            self.push_buf(
-                user_data,
-                FdRef::Borrowed(fd.as_raw_fd()),
-                len,
-                |fd, len| opcode::Write::new(fd, ptr, len).offset(offset).build(),
-            )
         }
     }
 
