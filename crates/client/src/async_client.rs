@@ -467,6 +467,7 @@ impl AsyncFile {
                     b.copy_kept(collect.get_or_insert_with(|| vec![0u8; buf.len()]));
                     continue;
                 }
+                let _counted = e.credit_waiter();
                 self.credit_wait(notified, deadline).await?;
                 continue;
             }
@@ -538,6 +539,7 @@ impl AsyncFile {
                 if b.ended() || b.issued() >= data.len() {
                     break;
                 }
+                let _counted = e.credit_waiter();
                 self.credit_wait(notified, deadline).await?;
                 continue;
             }

@@ -1602,10 +1602,33 @@ fn a_backlog_is_granted_toward_its_demand_and_given_back_when_idle() {
             })
         })
         .collect();
+    settles_toward_demand(&c, &s);
+    assert!(c.stats().max_outstanding >= 32, "{:?}", c.stats());
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    // Idle: back to what an idle connection keeps (one credit with the
+    // shared receive pool, else its initial 8).
+    wait_for(
+        || {
+            let n = s.rdma.connection_credits();
+            n.len() == 1 && n[0] <= 8 && usize::from(c.credits()) == n[0]
+        },
+        "the idle connection gives its credits back",
+    );
+    assert_eq!(s.rdma.stats().credit_overruns, 0);
+    assert_eq!(s.rdma.stats().closed_by_protocol, 0);
+}
+
+/// Wait until the connection's credits settle, the same on both sides,
+/// within [33, 65] for 300 ms, and check that some grant was not one of the
+/// balancer's steps of 8 for a saturated connection: it granted toward the
+/// backlog the Credits hint reported.
+fn settles_toward_demand(c: &Client, s: &LocalServer) {
     let at = |n: u16| c.credits() == n && s.rdma.connection_credits() == vec![usize::from(n)];
     let t = Instant::now();
     let settled = loop {
-        // Settled: the same on both sides, within [33, 65], for 300 ms.
         let n = c.credits();
         let since = Instant::now();
         while (33..=65).contains(&n) && at(n) && since.elapsed() < Duration::from_millis(300) {
@@ -1628,22 +1651,78 @@ fn a_backlog_is_granted_toward_its_demand_and_given_back_when_idle() {
         history.iter().any(|&h| h % 8 != 0),
         "every grant was a step of 8 (settled at {settled}): {history:?}"
     );
-    assert!(c.stats().max_outstanding >= 32, "{:?}", c.stats());
-    stop.store(true, Ordering::Relaxed);
-    for t in threads {
-        t.join().unwrap();
-    }
-    // Idle: back to what an idle connection keeps (one credit with the
-    // shared receive pool, else its initial 8).
-    wait_for(
-        || {
-            let n = s.rdma.connection_credits();
-            n.len() == 1 && n[0] <= 8 && usize::from(c.credits()) == n[0]
+}
+
+/// The Credits hint counts async futures waiting for a credit as it counts
+/// threads blocked in an issue: 32 tasks on one thread, each keeping a
+/// 4 KiB read going, on a connection that starts with 8 credits, are
+/// granted toward their backlog as the 32 threads above are (without the
+/// futures in the hint, the balancer only sees a saturated connection and
+/// steps by 8).
+#[test]
+fn async_futures_waiting_for_a_credit_count_in_the_hint() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(10, 1 << 20);
+    std::fs::write(dir.path().join("b.bin"), &data).unwrap();
+    let s = server(dir.path(), RdmaServerOptions::default());
+    let blocking = connect_with(
+        &s,
+        ClientOptions {
+            completion: Completion::Interrupt,
+            credits: 8,
+            stage_slots: 64,
+            op_timeout: Duration::from_secs(20),
+            ..ClientOptions::default()
         },
-        "the idle connection gives its credits back",
     );
+    let stop = Arc::new(AtomicBool::new(false));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let c = rt.block_on(async { AsyncClient::from_client(blocking).unwrap() });
+    let watcher = {
+        let (bc, flag) = (c.blocking().clone(), stop.clone());
+        let s = &s;
+        std::thread::scope(|sc| {
+            let w = sc.spawn(move || {
+                assert_eq!(bc.credits(), 8);
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    settles_toward_demand(&bc, s)
+                }));
+                flag.store(true, Ordering::Relaxed);
+                r
+            });
+            rt.block_on(async {
+                let f = c.open("b.bin", &OpenOptions::read_only()).await.unwrap();
+                let mut set = tokio::task::JoinSet::new();
+                for i in 0..32u64 {
+                    let (f, stop, want) = (f.clone(), stop.clone(), data.clone());
+                    set.spawn(async move {
+                        let mut b = vec![0u8; 4096];
+                        let mut k = 0u64;
+                        while !stop.load(Ordering::Relaxed) {
+                            let off = ((i * 37 + k * 11) % 256) * 4096;
+                            assert_eq!(f.read_at(&mut b, off).await.unwrap(), 4096);
+                            assert_eq!(&b[..], &want[off as usize..off as usize + 4096]);
+                            k += 1;
+                        }
+                    });
+                }
+                while let Some(r) = set.join_next().await {
+                    r.unwrap();
+                }
+            });
+            w.join().unwrap()
+        })
+    };
+    if let Err(p) = watcher {
+        std::panic::resume_unwind(p);
+    }
+    assert!(c.stats().max_outstanding >= 32, "{:?}", c.stats());
     assert_eq!(s.rdma.stats().credit_overruns, 0);
-    assert_eq!(s.rdma.stats().closed_by_protocol, 0);
 }
 
 /// Polling with no spin budget: every wait goes straight to the automatic

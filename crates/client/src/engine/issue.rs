@@ -84,6 +84,16 @@ impl Engine {
         }
     }
 
+    /// Count the caller among the requests waiting for a credit until the
+    /// guard is dropped: an async future that sleeps until a completion
+    /// frees one (a thread blocked in an issue is counted there). It is in
+    /// the Credits hint of the requests that go out meanwhile.
+    pub(crate) fn credit_waiter(self: &Arc<Self>) -> CreditWaiter {
+        let mut queued = false;
+        Self::set_queued(&mut lock(&self.st), &mut queued, true);
+        CreditWaiter(self.clone())
+    }
+
     /// Count a request just issued and carry out its actions.
     pub(super) fn issued(&self, st: &mut Locked) {
         let out = st.conn.outstanding();
@@ -800,5 +810,17 @@ impl Engine {
                     .map_err(client_err),
             )
         }
+    }
+}
+
+/// A future counted among the requests waiting for a credit
+/// ([`Engine::credit_waiter`]); dropping it (the wait ended, or the future
+/// was dropped) stops counting it.
+pub(crate) struct CreditWaiter(Arc<Engine>);
+
+impl Drop for CreditWaiter {
+    fn drop(&mut self) {
+        let mut queued = true;
+        Engine::set_queued(&mut lock(&self.0.st), &mut queued, false);
     }
 }
