@@ -421,6 +421,9 @@ pub struct QpEngine {
     /// The registration (and window) `dest` lies in, for a tagged segment:
     /// every write into it is fenced against revocation (`mem` docs).
     dest_keep: Option<PlaceKeep>,
+    /// The start of the payload's last aligned word, held back until the
+    /// segment's next bytes complete it (`qp_rx::place_bytes`).
+    held: Option<rx::HeldWord>,
     ctl: Box<[u8; TERM_MAX]>,
     cur_send: Option<CurSend>,
     tagged: Option<TaggedCtx>,
@@ -514,6 +517,7 @@ impl QpEngine {
             dest: Vec::with_capacity(8),
             dest_idx: 0,
             dest_keep: None,
+            held: None,
             dest_off: 0,
             ctl: Box::new([0; TERM_MAX]),
             cur_send: None,

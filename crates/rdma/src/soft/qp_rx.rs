@@ -76,15 +76,13 @@ impl Stage {
 /// (earlier segments of the connection, placed in order, and the bytes of
 /// this piece before the word): the data the status block vouches for.
 ///
-/// What this does not cover: a polled word placed in two pieces (TCP
-/// delivered the segment's payload in two reads) or in the middle of a
-/// longer piece is written by plain copies, and a concurrent load of it is
-/// a data race in the Rust memory model; the reader's protocol recognises a
-/// half-placed block (`lwio_proto::wire::small::poll_block_written`) and
-/// the hardware makes an aligned word load a single access, which is what
-/// that case relies on: an open defect (docs/architecture.md, "Unsafe
-/// code"), to be fixed by holding back a partial aligned word until it is
-/// complete. Bytes after the word (fewer than 8) follow it.
+/// A word whose bytes arrive in two pieces (TCP delivered the segment's
+/// payload in two reads) is not placed by halves: the receive path holds
+/// the first piece's part of it back ([`HeldWord`]) and places the word
+/// whole, with this store, once the next piece completes it. A word in the
+/// middle of a longer piece is placed by plain copies: nothing polls such a
+/// word (a status block is an RDMA Write of its own; docs/architecture.md,
+/// "Unsafe code"). Bytes after the word (fewer than 8) follow it.
 ///
 /// # Safety
 /// `dst..dst + src.len()` must be valid for writes, not overlap `src`, and
@@ -112,6 +110,20 @@ unsafe fn place_bytes(dst: *mut u8, src: &[u8]) {
         }
         None => std::ptr::copy_nonoverlapping(src.as_ptr(), dst, n),
     }
+}
+
+/// The bytes of a payload's last aligned word that arrived before the rest
+/// of it, held back so that the word is placed whole by one atomic store
+/// ([`place_bytes`]) when the segment's next bytes complete it, rather than
+/// by halves that a concurrent poller of the word could see (and race
+/// with).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct HeldWord {
+    /// The word's address (8-aligned, in the current destination piece).
+    addr: u64,
+    bytes: [u8; 8],
+    /// How many of `bytes` have arrived.
+    len: usize,
 }
 
 /// Copy bytes into a scatter list at `off`.
@@ -276,6 +288,7 @@ impl QpEngine {
     fn direct_read(&mut self, io: &mut dyn Io) -> io::Result<bool> {
         if self.stage.all_staged
             || self.stage.avail() > 0
+            || self.held.is_some()
             || !DIRECT_PLACEMENT.load(std::sync::atomic::Ordering::Relaxed)
         {
             return Ok(false);
@@ -367,12 +380,49 @@ impl QpEngine {
                     let Some(p) = self.dest.get(self.dest_idx).copied() else {
                         break;
                     };
-                    let n = ((p.len - self.dest_off) as usize).min(data.len());
-                    if p.addr != 0 && n > 0 {
+                    let mut n = ((p.len - self.dest_off) as usize).min(data.len());
+                    if let Some(h) = &mut self.held {
+                        // The rest of a held word: it lies in this piece,
+                        // where the held bytes ended.
+                        n = n.min(8 - h.len);
+                        h.bytes[h.len..h.len + n].copy_from_slice(&data[..n]);
+                        h.len += n;
+                        if h.len == 8 {
+                            // SAFETY: the word lies inside this validated,
+                            // live destination piece (checked when it was
+                            // held back), which no Rust reference covers;
+                            // the source is our own array.
+                            unsafe { place_bytes(h.addr as *mut u8, &h.bytes) };
+                            self.held = None;
+                        }
+                        self.stats.copied += n as u64;
+                    } else if p.addr != 0 && n > 0 {
+                        let start = p.addr + self.dest_off;
+                        let end = start + n as u64;
+                        let word = end & !7;
+                        // Hold back the start of the last aligned word when
+                        // this piece covers it from its start, the word
+                        // lies in the piece, and the segment's payload
+                        // still to come completes it.
+                        let hold = n == data.len()
+                            && end != word
+                            && word >= start
+                            && word + 8 <= p.addr + p.len
+                            && u64::from(self.fpdu.payload_remaining()) >= word + 8 - end;
+                        let now = if hold { (word - start) as usize } else { n };
                         // SAFETY: as in `direct_read`: a validated, live
                         // destination that no Rust reference covers; the
                         // source is our own stage.
-                        unsafe { place_bytes((p.addr + self.dest_off) as *mut u8, &data[..n]) };
+                        unsafe { place_bytes(start as *mut u8, &data[..now]) };
+                        if hold {
+                            let mut h = HeldWord {
+                                addr: word,
+                                bytes: [0; 8],
+                                len: n - now,
+                            };
+                            h.bytes[..h.len].copy_from_slice(&data[now..n]);
+                            self.held = Some(h);
+                        }
                         self.stats.copied += n as u64;
                     }
                     data = &data[n..];
@@ -420,6 +470,7 @@ impl QpEngine {
     /// key from the start.
     fn placement_revoked(&mut self) {
         self.dest_keep = None;
+        self.held = None;
         self.fatal(TermKind::DdpTaggedInvalidStag, true);
     }
 
@@ -470,6 +521,7 @@ impl QpEngine {
         self.dest_idx = 0;
         self.dest_off = 0;
         self.dest_keep = None;
+        self.held = None;
         self.anon_seg_open = false;
         let s = self.seg;
         let n = s.paylen as u64;

@@ -376,13 +376,14 @@ impl<'a> MrSlice<'a> {
     /// inside the Rust abstract machine, places the last whole aligned
     /// 8-byte word of each piece of payload with an `AtomicU64` `Release`
     /// store (`soft::qp_rx::place_bytes`): a status block written by an
-    /// 8-byte RDMA Write and placed in one piece is then an atomic store
-    /// and load of the same word (no data race), and seeing the new value
-    /// orders every byte placed before it on the connection (the data the
-    /// block vouches for) before the caller's later reads. A block placed
-    /// in two pieces is still a plain-copy race (see `place_bytes`); the
-    /// protocol tolerates a torn block (the peer's placement of 8 bytes is
-    /// not atomic: `lwio_proto::wire::small::poll_block_written`). With a
+    /// 8-byte RDMA Write is then an atomic store and load of the same word
+    /// (no data race) — also when TCP delivers its bytes in two reads: the
+    /// soft provider holds the first read's part back and stores the word
+    /// whole — and seeing the new value orders every byte placed before it
+    /// on the connection (the data the block vouches for) before the
+    /// caller's later reads. The protocol still tolerates a torn block,
+    /// for peers whose placement of 8 bytes is not atomic
+    /// (`lwio_proto::wire::small::poll_block_written`). With a
     /// hardware provider the writer is the NIC's DMA, outside the abstract
     /// machine; an atomic load is not elided or hoisted out of a polling
     /// loop either, and the data's visibility before the block is the
