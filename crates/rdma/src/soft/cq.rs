@@ -9,7 +9,16 @@
 //! its fd is an epoll fd over the eventfd and the context's epoll fd, so
 //! readable means "call poll": either a CQ event is pending or a socket has
 //! protocol work that polling will do.
+//!
+//! Under `Progress::Manual`, a thread blocked in [`CompChannelOps::wait`]
+//! runs the context's progress itself; an event its own progress raises on
+//! that channel is handed to it directly (`ChanShared::local`), not through
+//! the eventfd: no `write` and `read` of the eventfd per completion for the
+//! caller that drives its own I/O (the mount's FUSE threads, a blocking
+//! `lwio_client::File`). Other channels, and events raised by other
+//! threads, go through the eventfd as before.
 
+use std::cell::Cell;
 use std::collections::{HashSet, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -142,8 +151,19 @@ impl CqOps for SoftCq {
     }
 }
 
+thread_local! {
+    /// The channel (its address) whose `wait` this thread is running the
+    /// context's progress for; 0 when none.
+    static DRIVING: Cell<usize> = const { Cell::new(0) };
+}
+
 pub struct ChanShared {
     efd: OwnedFd,
+    /// An event raised by the progress of the thread blocked in this
+    /// channel's `wait`, for that thread to take without the eventfd.
+    local: AtomicBool,
+    /// Eventfd writes made (tests count them).
+    fd_writes: std::sync::atomic::AtomicU64,
     /// Tags of tagged CQs that fired and were not yet taken (each once).
     fired: Mutex<(Vec<u64>, HashSet<u64>)>,
     /// Manual progress: epoll over `efd` and the context's epoll fd.
@@ -164,6 +184,8 @@ impl ChanShared {
         };
         Ok(ChanShared {
             efd,
+            local: AtomicBool::new(false),
+            fd_writes: std::sync::atomic::AtomicU64::new(0),
             fired: Mutex::new((Vec::new(), HashSet::new())),
             epfd,
             ctx,
@@ -175,8 +197,36 @@ impl ChanShared {
         &self.ctx
     }
 
+    /// Signal an event: to the thread that raised it if that thread is
+    /// blocked in this channel's `wait` (it takes the event when its
+    /// progress returns), else through the eventfd.
     pub fn notify(&self) {
+        if DRIVING.with(Cell::get) == self as *const ChanShared as usize {
+            self.local.store(true, Ordering::Release);
+            return;
+        }
+        self.fd_writes.fetch_add(1, Ordering::Relaxed);
         sys::eventfd_write(&self.efd);
+    }
+
+    /// Eventfd writes made since creation.
+    pub fn fd_writes(&self) -> u64 {
+        self.fd_writes.load(Ordering::Relaxed)
+    }
+
+    /// Run the context's progress once as this channel's waiter: events it
+    /// raises on this channel are kept for this thread ([`Self::notify`]).
+    fn progress_as_waiter(&self) -> Result<usize> {
+        /// Puts back the thread's previous channel, also on unwinding.
+        struct Restore(usize);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                DRIVING.with(|d| d.set(self.0));
+            }
+        }
+        let me = self as *const ChanShared as usize;
+        let _restore = Restore(DRIVING.with(|d| d.replace(me)));
+        self.ctx.progress_once(0)
     }
 
     /// Record that the CQ tagged `tag` fired (before `notify`).
@@ -187,9 +237,11 @@ impl ChanShared {
         }
     }
 
-    /// Consume a pending event; true if there was one.
+    /// Consume a pending event; true if there was one. A local event is
+    /// taken without reading the eventfd (an eventfd event left with it is
+    /// taken next time: one spurious wake-up at most).
     fn consume(&self) -> bool {
-        sys::eventfd_read(&self.efd)
+        self.local.swap(false, Ordering::Acquire) || sys::eventfd_read(&self.efd)
     }
 }
 
@@ -207,7 +259,7 @@ impl CompChannelOps for SoftChannel {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             if self.0.ctx.manual {
-                self.0.ctx.progress_once(0)?;
+                self.0.progress_as_waiter()?;
             }
             if self.0.consume() {
                 return Ok(true);

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
+use super::cq::SoftChannel;
 use super::fuzzing::{ctx, drain, mr_bytes, rx_all, tx_bytes, Pipe, Side};
 use super::mem::SoftMw;
 use super::{CtxShared, QpState};
@@ -1582,4 +1583,70 @@ fn a_word_split_across_reads_is_placed_whole() {
             assert_eq!(rx.side.core.state, QpState::Rts, "at {at}, split {split}");
         }
     }
+}
+
+/// Under manual progress, a thread blocked in `Cq::wait` runs the
+/// context's progress itself, and the completions that progress produces
+/// for it are handed to it without the eventfd: ten Sends, each sent while
+/// the receiver is blocked in its wait, arrive byte for byte with no
+/// eventfd write (the old code wrote it, and read it back, for each:
+/// ten writes). A completion raised by another thread still goes through
+/// the eventfd (the channel tests of `tests/async_channel.rs`).
+#[test]
+fn a_waiter_running_its_own_progress_takes_its_events_without_the_eventfd() {
+    const LEN: usize = 100;
+    let (s, c) = (open_soft(Progress::Manual), open_soft(Progress::Auto));
+    let l = s
+        .listen("127.0.0.1:0".parse().expect("addr"), 4)
+        .expect("listen");
+    let chan = s.create_comp_channel().expect("channel");
+    let spd = s.alloc_pd().expect("pd");
+    let scq = s.create_cq(64, Some(&chan)).expect("cq");
+    let smr = spd.alloc_mr(10 * LEN, Access::LOCAL_WRITE).expect("mr");
+    let cpd = c.alloc_pd().expect("pd");
+    let ccq = c.create_cq(64, None).expect("cq");
+    let data = pattern(17, 10 * LEN);
+    let cmr = cpd.alloc_mr(10 * LEN, Access::LOCAL_WRITE).expect("mr");
+    cmr.write_at(0, &data).expect("fill");
+    let (sqp, cqp) = accept_and_connect(&l, &QpInit::new(&spd, &scq), &c, &QpInit::new(&cpd, &ccq));
+    let soft_chan = (*chan.0)
+        .as_any()
+        .downcast_ref::<SoftChannel>()
+        .expect("soft channel");
+    let mut b = [Wc::BLANK; 4];
+    for i in 0..10usize {
+        sqp.post_recv(&[RecvWr {
+            wr_id: i as u64,
+            sg_list: &[smr.sge(i * LEN, LEN as u32)],
+        }])
+        .expect("post recv");
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                // Sent once the receiver is asleep in its wait.
+                std::thread::sleep(std::time::Duration::from_millis(30));
+                let sg = [cmr.sge(i * LEN, LEN as u32)];
+                cqp.post_send(&[SendWr::new(i as u64, SendOp::Send, &sg)])
+                    .expect("post send");
+            });
+            let n = scq
+                .wait(&chan, &mut b, Some(std::time::Duration::from_secs(10)))
+                .expect("wait");
+            assert_eq!(n, 1, "send {i}: {:?}", &b[..n]);
+            assert_eq!(b[0].status, WcStatus::Success, "{:?}", b[0]);
+            assert_eq!((b[0].wr_id, b[0].byte_len), (i as u64, LEN as u32));
+        });
+        let mut sent = [Wc::BLANK; 4];
+        let t = std::time::Instant::now();
+        while ccq.poll(&mut sent).expect("poll") == 0 {
+            assert!(t.elapsed().as_secs() < 10, "the client's send {i}");
+        }
+    }
+    let mut got = vec![0u8; 10 * LEN];
+    smr.read_at(0, &mut got).expect("read");
+    assert!(got == data, "the ten Sends, byte for byte");
+    assert_eq!(
+        soft_chan.0.fd_writes(),
+        0,
+        "the waiter's own completions went through the eventfd"
+    );
 }
