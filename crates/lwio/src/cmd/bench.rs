@@ -453,9 +453,11 @@ pub fn job(
         if io.read {
             staged -= io.parts;
         }
+        // A read's staged part is copied out (a part is at most one read
+        // request: `scratch`); a write's has nothing to copy, and may be a
+        // whole fragmented message, longer than `scratch`.
         while let Some(l) = io.batch.reap() {
-            let n = l.len();
-            l.copy_to(&mut scratch[..n]);
+            l.copy_to(&mut scratch);
         }
         let ok = match io.batch.finish().1 {
             None | Some(End::Short) => true,
