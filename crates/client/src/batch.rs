@@ -336,6 +336,23 @@ impl Batch {
         self.fence_src = fence;
     }
 
+    /// Fragmented writes of this batch send from `buf` through its cached
+    /// registration on this batch's connection (no copy; the registration
+    /// keeps the memory alive, so nothing to fence). False when `buf` is
+    /// not registered there (its writes are then copied).
+    pub fn send_from_buffer(&mut self, buf: &crate::RegisteredBuf) -> Result<bool> {
+        // SAFETY: without `per_call` only the buffer's cached registration
+        // is used, which keeps its memory alive whatever becomes of the
+        // borrow (`Engine::write_source`'s contract).
+        match unsafe { self.engine.write_source(buf, false) }? {
+            Some(src) => {
+                self.send_from(src, false);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
     /// Whether writes send from registered caller memory.
     pub(crate) fn sends_from_caller(&self) -> bool {
         self.src.is_some()

@@ -314,7 +314,10 @@ impl Client {
         self.0.channel_count()
     }
 
-    /// Every RDMA channel's engine, channel 0 first.
+    /// Every RDMA channel's engine, channel 0 first (tests only: the
+    /// `test-support` feature).
+    #[cfg(feature = "test-support")]
+    #[doc(hidden)]
     pub fn engines(&self) -> Vec<Arc<Engine>> {
         self.0.channels()
     }
@@ -351,8 +354,11 @@ impl Client {
         self.0.channel(0).cfg.completion
     }
 
-    /// The RDMA engine of channel 0 (for tools and tests that issue raw
-    /// requests): the current connection (a reconnect replaces it).
+    /// The RDMA engine of channel 0, for tests that issue raw requests
+    /// (the `test-support` feature): the current connection (a reconnect
+    /// replaces it).
+    #[cfg(feature = "test-support")]
+    #[doc(hidden)]
     pub fn engine(&self) -> Arc<Engine> {
         self.0.channel(0)
     }

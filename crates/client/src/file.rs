@@ -132,6 +132,19 @@ impl File {
         self.now().engine
     }
 
+    /// The limits of one request on the connection this file is
+    /// registered on now, for callers that split their calls into
+    /// requests themselves ([`File::batch`]).
+    pub fn request_limits(&self) -> RequestLimits {
+        let e = self.channel_engine();
+        RequestLimits {
+            max_read: e.max_read(),
+            max_write: e.max_write(),
+            max_write_message: e.max_write_message(true),
+            stage_slots: e.config().stage_slots,
+        }
+    }
+
     /// A [`Batch`] for a call at `offset` of this file, on the channel it
     /// is registered on now (no re-registration: after a lost connection
     /// its requests fail with it), for callers that issue and reap the
@@ -724,4 +737,19 @@ pub(crate) fn close_once(client: &Client, r: &reconnect::Route) {
     if let Err(e) = client.0.side_once(|s| s.close(r.handle)) {
         debug!(error = %e, "closing a dropped file (side channel)");
     }
+}
+
+/// The limits of one request on a connection ([`File::request_limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// The most one READ request returns.
+    pub max_read: usize,
+    /// The most one WRITE request carries.
+    pub max_write: usize,
+    /// The longest write sent as one fragmented message from registered
+    /// memory ([`Batch::send_from_buffer`], [`Batch::write_message`]).
+    pub max_write_message: usize,
+    /// Staging buffers: the most staged requests (reads into plain memory)
+    /// outstanding at once.
+    pub stage_slots: usize,
 }

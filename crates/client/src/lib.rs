@@ -50,7 +50,7 @@ mod file;
 mod unstable;
 pub use client::Client;
 pub(crate) use client::{dial_all, Inner};
-pub use file::{File, RegisteredBuf};
+pub use file::{File, RegisteredBuf, RequestLimits};
 pub use unstable::PendingWrite;
 
 use std::io::{IoSlice, IoSliceMut};

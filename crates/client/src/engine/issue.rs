@@ -273,6 +273,7 @@ impl Engine {
 
     /// Issue a READ (or VEC_READ with `vec_pages`) of `len` bytes into a
     /// staging buffer. Returns the request and its stage.
+    #[cfg(feature = "test-support")]
     pub fn issue_read(
         &self,
         fid: u16,

@@ -778,12 +778,14 @@ impl Engine {
 
     /// The RDMA provider's count of what this connection's protection
     /// domain holds: regions, those with a remote right, windows.
+    #[cfg(feature = "test-support")]
     pub fn census(&self) -> lwio_rdma::PdCensus {
         self.pd.census()
     }
 
     /// Whether the progress thread runs (it ends only with the engine, a
     /// stop, or a lost connection, and says which in the log).
+    #[cfg(feature = "test-support")]
     pub fn progress_running(&self) -> bool {
         self.progress
             .lock()

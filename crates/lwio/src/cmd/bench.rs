@@ -335,8 +335,8 @@ pub fn job(
     stop: &AtomicBool,
 ) -> anyhow::Result<JobResult> {
     start.wait();
-    let e = client.engine();
-    let (max_r, max_w) = (e.max_read(), e.max_write());
+    let limits = file.request_limits();
+    let (max_r, max_w) = (limits.max_read, limits.max_write);
     let blocks = (plan.size / plan.bs as u64).max(1);
     let mut rng = Rng::random();
     let mut wbuf = vec![0u8; plan.bs];
@@ -346,7 +346,7 @@ pub fn job(
     }
     // A write larger than one request goes as one fragmented message
     // (docs/protocol.md §5.12), sent from a registered buffer: no copy.
-    let wreg = if plan.bs > max_w && e.max_write_message(true) >= plan.bs {
+    let wreg = if plan.bs > max_w && limits.max_write_message >= plan.bs {
         let mut r = client
             .register_buffer(plan.bs)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -355,17 +355,21 @@ pub fn job(
     } else {
         None
     };
-    // SAFETY: without `per_call` only the buffer's cached registration is
-    // used, which keeps its memory alive.
+    // Writes go as one fragmented message from the registered buffer when
+    // its cached registration is on the file's connection.
     let wsrc = match &wreg {
-        Some(r) => unsafe { e.write_source(r, false) }.map_err(|e| anyhow::anyhow!("{e}"))?,
+        Some(r) => file
+            .batch(0, Short::Counts)
+            .send_from_buffer(r)
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .then_some(r),
         None => None,
     };
     let mut scratch = vec![0u8; max_r];
     let mut hist = Histogram::<u64>::new_with_bounds(1, 120_000_000_000, 3)
         .map_err(|e| anyhow::anyhow!("histogram: {e}"))?;
     // Requests outstanding at most: what the staging slots hold.
-    let budget = e.config().stage_slots.max(1);
+    let budget = limits.stage_slots.max(1);
     let mut inflight: std::collections::VecDeque<InFlight> = Default::default();
     // Read requests outstanding (each holds a staging slot).
     let mut staged = 0usize;
@@ -413,10 +417,13 @@ pub fn job(
             let start = Instant::now();
             let mut batch = file.batch(off, Short::Counts);
             if !read {
-                if let Some(src) = &wsrc {
+                if let Some(r) = wsrc {
                     // The cached registration keeps the buffer's memory
                     // alive: no fence per I/O.
-                    batch.send_from(src.at(0), false);
+                    if let Err(err) = batch.send_from_buffer(r) {
+                        failure = Some(anyhow::anyhow!(describe(&err)));
+                        break;
+                    }
                 }
             }
             while batch.issued() < plan.bs {
