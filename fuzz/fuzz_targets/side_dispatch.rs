@@ -14,7 +14,7 @@ use std::time::Duration;
 use libfuzzer_sys::fuzz_target;
 use lwio_server::config::{IoConfig, Limits, ProviderChoice};
 use lwio_server::fs::{ExportSpec, ResolveMode};
-use lwio_server::server::AuthPolicy;
+use lwio_server::state::AuthPolicy;
 use lwio_server::{Server, ServerOptions, ServerState, Shutdown};
 use lwio_side::auth;
 use lwio_side::codec::{

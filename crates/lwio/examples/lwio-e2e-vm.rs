@@ -23,7 +23,7 @@ use std::time::Duration;
 use lwio_client::{Client, ClientOptions, Completion, OpenOptions};
 use lwio_rdma::conformance::pattern;
 use lwio_server::config::{Limits, ProviderChoice};
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "lwio-e2e-vm-token-0123456789";

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use lwio_client::{Client, ClientOptions, Completion, OpenOptions};
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "read-bench-token-0123456789";

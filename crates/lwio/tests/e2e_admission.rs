@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use lwio_client::{Client, ClientOptions, Error, OpenOptions};
 use lwio_rdma::conformance::pattern;
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "e2e-admission-token-0123456789";

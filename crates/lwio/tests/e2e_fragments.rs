@@ -15,7 +15,7 @@ use lwio_proto::wire::fragment::{FragmentRepr, FRAGMENT_HEADER_LEN};
 use lwio_proto::wire::{FidParamsRepr, Guid, SrvResumeKey, COMMON_HEADER_LEN};
 use lwio_rdma::*;
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 mod common;

@@ -12,7 +12,7 @@ use lwio_proto::wire::{
 };
 use lwio_rdma::*;
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 mod common;
@@ -327,7 +327,7 @@ fn hostile_cases() {
 fn md5_auth_only_with_compat_md5_auth() {
     for (toml, accepted) in [("", false), ("compat_md5_auth = true\n", true)] {
         let cfg = lwio_server::config::Config::from_toml(toml).unwrap();
-        let mut rdma = lwio_server::io_phase::server::RdmaServerOptions::from_config(
+        let mut rdma = lwio_server::io_phase::driver::RdmaServerOptions::from_config(
             &cfg,
             "127.0.0.1:0".parse().unwrap(),
         );
@@ -457,7 +457,7 @@ fn negotiate_flood_is_bounded_and_the_latest_key_authenticates() {
     }
     eprintln!("100 000 negotiates in {:?}", t0.elapsed());
     // This session's newest 16, and the good client's.
-    let bound = lwio_server::server::MAX_NEGOTIATIONS_PER_SESSION;
+    let bound = lwio_server::state::MAX_NEGOTIATIONS_PER_SESSION;
     assert!(
         e.s.state.negotiation_count() <= bound + 1,
         "{}",

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use lwio::scale::raise_nofile;
 use lwio_client::{Client, ClientOptions, File, OpenOptions};
 use lwio_server::config::Config;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 #[path = "common/child.rs"]

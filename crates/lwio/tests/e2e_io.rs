@@ -13,7 +13,7 @@ use lwio_client::{AsyncClient, Client, ClientOptions, Completion, Error, OpenOpt
 use lwio_proto::status::{STATUS_ACCESS_DENIED, STATUS_INVALID_PARAMETER, STATUS_SUCCESS};
 use lwio_rdma::conformance::pattern;
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "e2e-test-token-0123456789";

@@ -38,7 +38,7 @@ use lwio_client::{Client, ClientOptions, Completion, Error, File, OpenOptions, R
 use lwio_proto::status::*;
 use lwio_rdma::QpState;
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 mod common;

@@ -12,7 +12,7 @@ use lwio_client::{Client, ClientOptions, Completion, Error, MemRights, OpenOptio
 use lwio_proto::status::{STATUS_DISK_FULL, STATUS_FILE_DELETED};
 use lwio_rdma::conformance::pattern;
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "e2e-memobj-token-0123456789";

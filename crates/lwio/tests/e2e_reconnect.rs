@@ -134,12 +134,12 @@ fn wrong_secret_cannot_claim_durable_handles() {
     forged.secret = lwio_side::SessionSecret([0x55; 32]);
     let e = thief.resume(&forged).unwrap_err();
     assert_eq!(e.code, ErrorCode::PermissionDenied);
-    assert_eq!(e.message, lwio_server::server::RESUME_REFUSED);
+    assert_eq!(e.message, lwio_server::state::RESUME_REFUSED);
     // Its own session id with the victim's id is no better; nothing moved.
     let e = thief
         .resume(&lwio_client::side::Session { id: 999, ..forged })
         .unwrap_err();
-    assert_eq!(e.message, lwio_server::server::RESUME_REFUSED);
+    assert_eq!(e.message, lwio_server::state::RESUME_REFUSED);
     let e = thief.rekey(f.handle()).unwrap_err();
     assert_eq!(e.code, ErrorCode::BadHandle, "{e}");
     f.write_at(b"MINE", 0).unwrap();

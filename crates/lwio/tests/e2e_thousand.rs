@@ -21,7 +21,7 @@ use lwio::scale::{qd1_reads, raise_nofile, ProcStatus};
 use lwio_client::{Client, ClientOptions, File, OpenOptions};
 use lwio_rdma::conformance::pattern;
 use lwio_server::config::Config;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 #[path = "common/child.rs"]

@@ -11,7 +11,7 @@ use lwio_client::{Client, ClientOptions, Completion, OpenOptions};
 use lwio_rdma::conformance::pattern;
 use lwio_server::config::{IoConfig, Limits};
 use lwio_server::fs::backend::BackendChoice;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "e2e-threads-backend-token-0123";

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use lwio_client::{ClientOptions, OpenOptions};
-use lwio_server::io_phase::server::{
+use lwio_server::io_phase::driver::{
     slow_next_storage_write_for_tests, slow_storage_write_started_for_tests,
 };
 

@@ -19,7 +19,7 @@ use lwio_proto::wire::common::RequestOp;
 use lwio_proto::wire::{Guid, RequestRepr, COMMON_HEADER_LEN};
 use lwio_rdma::*;
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 mod common;

@@ -19,7 +19,7 @@ use lwio_client::{Client, ClientOptions, Completion};
 use lwio_mount::{MountConfig, Mounted};
 use lwio_rdma::conformance::pattern;
 use lwio_server::config::Limits;
-use lwio_server::io_phase::server::RdmaServerOptions;
+use lwio_server::io_phase::driver::RdmaServerOptions;
 use lwio_server::io_phase::testkit::LocalServer;
 
 const TOKEN: &str = "mount-test-token-0123456789";

@@ -236,7 +236,7 @@ impl Default for RdmaConfig {
             progress: ProgressChoice::Connection,
             max_write_size: 64 * 1024,
             indicate_window: 128 * 1024,
-            max_message: crate::io_phase::server::DEFAULT_MAX_MESSAGE,
+            max_message: crate::io_phase::driver::DEFAULT_MAX_MESSAGE,
             auth_timeout: Duration::from_secs(10),
             credit_timeout: Duration::from_secs(10),
             dead_peer_timeout: Duration::from_secs(30),
@@ -851,7 +851,7 @@ mod tests {
                 progress: ProgressChoice::Engine,
                 max_write_size: 262144,
                 indicate_window: 32768,
-                max_message: crate::io_phase::server::DEFAULT_MAX_MESSAGE,
+                max_message: crate::io_phase::driver::DEFAULT_MAX_MESSAGE,
                 ..RdmaConfig::default()
             }
         );
@@ -859,7 +859,7 @@ mod tests {
             "[rdma]\nauth_timeout = \"3s\"\ncredit_timeout = \"1s\"\ndead_peer_timeout = \"5s\"",
         )
         .unwrap();
-        let o = crate::io_phase::server::RdmaServerOptions::from_config(
+        let o = crate::io_phase::driver::RdmaServerOptions::from_config(
             &t,
             "127.0.0.1:0".parse().unwrap(),
         );
@@ -868,7 +868,7 @@ mod tests {
         assert_eq!(o.rdma.dead_peer_timeout, Some(Duration::from_secs(5)));
         let e = Config::from_toml("[rdma]\nprogress = \"threads\"").unwrap_err();
         assert!(e.0.contains("unknown variant"), "{e}");
-        let o = crate::io_phase::server::RdmaServerOptions::from_config(
+        let o = crate::io_phase::driver::RdmaServerOptions::from_config(
             &c,
             "127.0.0.1:0".parse().unwrap(),
         );

@@ -2,7 +2,7 @@
 //! side channel's server ([`side`]: login, users and rights, admission, TLS
 //! identity), the LWIO I/O phase over RDMA ([`io_phase`]), the
 //! configuration ([`config`]), the process that ties them together
-//! ([`server`]) and the whole server started with one call ([`service`]).
+//! ([`state`]) and the whole server started with one call ([`service`]).
 //! Clients link `lwio-client`, not this crate.
 
 pub mod config;
@@ -10,9 +10,9 @@ pub mod fs;
 pub mod io_phase;
 pub mod memobj;
 pub mod metrics;
-pub mod server;
 pub mod service;
 pub mod side;
+pub mod state;
 
-pub use server::{Server, ServerOptions, ServerState, Shutdown};
 pub use service::{Service, ServiceParts};
+pub use state::{Server, ServerOptions, ServerState, Shutdown};

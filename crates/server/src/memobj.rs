@@ -4,7 +4,7 @@
 //! channel (`Publish`); the server lists it as `EXPORT/.lwio-mem/NAME` while
 //! the publisher's RDMA channel lives, and serves other clients' READs and
 //! WRITEs of it with RDMA Reads and Writes on the publisher's connection
-//! (`io_phase::memobj`). This module is the registry both halves share: the
+//! (`io_phase::memobj_io`). This module is the registry both halves share: the
 //! objects, and the publishers' RDMA channels by negotiate Key.
 
 use std::collections::HashMap;

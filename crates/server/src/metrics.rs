@@ -20,8 +20,8 @@ use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::io_phase::server::ServerStats;
-use crate::server::{ServerState, Shutdown};
+use crate::io_phase::driver::ServerStats;
+use crate::state::{ServerState, Shutdown};
 
 /// What the RDMA phase reports at a scrape.
 #[derive(Debug, Clone, Default)]

@@ -28,9 +28,9 @@ use lwio_side::error::{Error, ErrorCode, Result};
 use lwio_side::Token;
 
 use crate::config::{default_token_file, Config, ProviderChoice};
-use crate::io_phase::server::{RdmaServer, RdmaServerOptions, ServerHandle};
-use crate::server::{Security, Server, ServerOptions, ServerState, Shutdown};
+use crate::io_phase::driver::{RdmaServer, RdmaServerOptions, ServerHandle};
 use crate::side::tls::ServerIdentity;
+use crate::state::{Security, Server, ServerOptions, ServerState, Shutdown};
 
 /// The pieces [`Service::start_with`] serves.
 #[derive(Debug, Clone)]

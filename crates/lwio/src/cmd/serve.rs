@@ -45,7 +45,7 @@ pub fn print_listening(service: &Service) -> anyhow::Result<()> {
 }
 
 /// `STATUS=` text: what the server holds now.
-pub fn status_line(state: &lwio_server::server::ServerState) -> String {
+pub fn status_line(state: &lwio_server::state::ServerState) -> String {
     let conns = state
         .rdma_snapshot()
         .map(|s| s.states.0 + s.states.1 + s.states.2)
@@ -146,14 +146,14 @@ const RELOAD_REFUSED: &str =
 /// SIGHUP: re-read and check the configuration file (and the flags of the
 /// command line, which still override it); if it is sound, serve its
 /// exports, access lists and users from now on
-/// ([`lwio_server::server::ServerState::reload`]: one info line per change
+/// ([`lwio_server::state::ServerState::reload`]: one info line per change
 /// applied, one warning per setting that needs a restart) and return it as
 /// the configuration in force. With a problem, nothing changes: one
 /// warning per problem, `None`.
 pub fn reload(
     args: &ServeArgs,
     running: &Config,
-    state: &lwio_server::server::ServerState,
+    state: &lwio_server::state::ServerState,
 ) -> Option<Config> {
     let Some(path) = &args.config else {
         tracing::info!("SIGHUP: no --config file; nothing to re-read");

@@ -23,7 +23,7 @@ use lwio_proto::wire::common::{CompletionMode, RequestOp};
 use lwio_proto::wire::{Guid, IoStatusBlock, RequestRepr, SrvResumeKey, StatusResponse};
 use lwio_proto::NtStatus;
 use lwio_rdma::*;
-use lwio_server::server::ServerState;
+use lwio_server::state::ServerState;
 
 /// The content of the file the malicious server claims to serve.
 pub fn file_byte(off: u64) -> u8 {

@@ -35,10 +35,10 @@ pub fn storage_thread_server(
         "ex",
         token,
         lwio_server::config::Limits::default(),
-        lwio_server::io_phase::server::RdmaServerOptions {
+        lwio_server::io_phase::driver::RdmaServerOptions {
             inline_io: false,
             storage_threads: 4,
-            ..lwio_server::io_phase::server::RdmaServerOptions::default()
+            ..lwio_server::io_phase::driver::RdmaServerOptions::default()
         },
     )
     .expect("server starts")

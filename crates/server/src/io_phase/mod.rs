@@ -1,4 +1,4 @@
-//! The LWIO RDMA phase: the server's connection driver ([`server`]) and the
+//! The LWIO RDMA phase: the server's connection driver ([`driver`]) and the
 //! pieces the client data path shares with it (provider selection, wake-up
 //! plumbing, status mapping).
 //!
@@ -6,11 +6,11 @@
 //! (`ServerConn`, `ClientConn`); this module carries out their actions on the
 //! verbs API of `lwio-rdma` and on the file backends of [`crate::fs`].
 
-pub mod memobj;
+pub mod driver;
+pub mod memobj_io;
 pub mod pool;
 pub mod reactor;
 pub mod readbuf;
-pub mod server;
 /// In-process servers for tests and examples (the `testkit` feature).
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;

@@ -38,7 +38,7 @@ use lwio_proto::wrid;
 use lwio_rdma::{Access, Mr, Pd, RecvWr, Srq};
 use tracing::{debug, warn};
 
-use super::server::{lock, Shared};
+use super::driver::{lock, Shared};
 
 /// Buffers per registered chunk.
 const CHUNK: usize = 16;
@@ -392,7 +392,7 @@ impl RecvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io_phase::server::RdmaServerOptions;
+    use crate::io_phase::driver::RdmaServerOptions;
     use std::sync::atomic::Ordering;
 
     const SLOT: usize = 256;

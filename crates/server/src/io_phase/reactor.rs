@@ -12,7 +12,7 @@
 //! request is served entirely on the thread that received it. When no
 //! connection is hot it arms their CQs (re-polling once to close the race)
 //! and sleeps in `epoll_wait` until an event or the next timer. Every
-//! [`super::server::STATS_FLUSH`] it runs each idle connection's timers,
+//! [`super::driver::STATS_FLUSH`] it runs each idle connection's timers,
 //! credit balancing and counters without touching its queues, in slices
 //! of [`TICK_SLICE`] connections or more spread over that period (up to 25
 //! of them), so that no round stops for a thousand connections at once.
@@ -29,7 +29,7 @@ use lwio_rdma::Wc;
 use rustix::event::epoll::{self, Event, EventData, EventFlags};
 use tracing::{info, warn};
 
-use super::server::{lock, Conn, Shared, STATS_FLUSH};
+use super::driver::{lock, Conn, Shared, STATS_FLUSH};
 use super::Waker;
 
 /// The token of a reactor's own waker in its epoll set (connection slots

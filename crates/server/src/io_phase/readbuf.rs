@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use lwio_proto::NtStatus;
 use lwio_rdma::{Access, Mr, MrSliceMut, Pd, Sge};
 
-use super::server::{lock, Shared};
+use super::driver::{lock, Shared};
 
 /// Bytes of a slot of each of a reactor's slabs.
 pub(super) const SLOTS: [usize; 2] = [4 << 10, 64 << 10];
@@ -287,7 +287,7 @@ impl ReadSlab {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io_phase::server::RdmaServerOptions;
+    use crate::io_phase::driver::RdmaServerOptions;
     use std::sync::atomic::Ordering;
 
     fn slab(max_memory: usize, slot: usize) -> (Arc<ReadSlab>, Arc<Shared>) {

@@ -5,11 +5,11 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::server::{RdmaServerOptions, ServerHandle};
+use super::driver::{RdmaServerOptions, ServerHandle};
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, ResolveMode};
-use crate::server::{AuthPolicy, Security, ServerOptions, ServerState};
 use crate::service::{Service, ServiceParts};
+use crate::state::{AuthPolicy, Security, ServerOptions, ServerState};
 use lwio_side::Token;
 
 /// The one read-write export `export` of `root`.

@@ -10,7 +10,7 @@ use tracing::debug;
 use super::{check, page, Principal, READ, WRITE};
 use crate::fs::table::Rights;
 use crate::memobj::{classify, PublishReq, Reserved, MEM_DIR};
-use crate::server::ServerState;
+use crate::state::ServerState;
 
 fn reserved(export: &str) -> Error {
     Error::new(

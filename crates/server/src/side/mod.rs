@@ -32,7 +32,7 @@ mod tests;
 use crate::fs::ids::{as_caller, Caller, Creds};
 use crate::fs::table::Rights;
 use crate::fs::{Export, OpenOptions};
-use crate::server::{NegotiatedClient, ServerState, SessionInfo, Shutdown};
+use crate::state::{NegotiatedClient, ServerState, SessionInfo, Shutdown};
 use access::Principal;
 use admission::ConnGuard;
 use leases::Change;

@@ -11,7 +11,7 @@ use super::tls::ServerIdentity;
 use super::*;
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, OpenOptions, ResolveMode};
-use crate::server::{AuthPolicy, Security, Server, ServerOptions, ServerState, Shutdown};
+use crate::state::{AuthPolicy, Security, Server, ServerOptions, ServerState, Shutdown};
 use lwio_client::side::{AsyncSideClient, SideOptions};
 use lwio_side::codec::{self, LoginRequest, Request, Response};
 use lwio_side::error::ErrorCode;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::*;
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, FileKind, OpenOptions, ResolveMode};
-use crate::server::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
+use crate::state::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
 use lwio_client::side::{AsyncSideClient, SideClient, SideOptions};
 use lwio_side::error::ErrorCode;
 use lwio_side::negotiate::NegotiateRequestRepr;

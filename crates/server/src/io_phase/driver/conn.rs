@@ -27,7 +27,7 @@ use crate::io_phase::pool::RecvPool;
 use crate::io_phase::reactor::RingIo;
 use crate::io_phase::readbuf::{ReadBuffer, ReadSlab};
 use crate::io_phase::Waker;
-use crate::server::ServerState;
+use crate::state::ServerState;
 
 use super::inline::InlineMode;
 use super::shared::{lock, ConnState, Control, Shared, STATS_FLUSH};
@@ -131,7 +131,7 @@ pub(in crate::io_phase) struct Conn {
     /// domain).
     pub(super) reads: Option<[Arc<ReadSlab>; 2]>,
     /// Memory-object I/O this connection carries for its publisher.
-    pub(super) mem: crate::io_phase::memobj::PubSide,
+    pub(super) mem: crate::io_phase::memobj_io::PubSide,
     pub(super) files: HashMap<u64, OpenFile>,
     pub(super) next_file: u64,
     pub(super) session: Option<SessionId>,

@@ -15,7 +15,7 @@ use lwio_rdma::Context;
 use tracing::{debug, info, warn};
 
 use crate::io_phase::reactor::{DomainSpec, Reactors};
-use crate::server::{RdmaPhase, ServerState, Shutdown};
+use crate::state::{RdmaPhase, ServerState, Shutdown};
 
 use super::conn::Conn;
 use super::options::RdmaServerOptions;

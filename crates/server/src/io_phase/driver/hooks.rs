@@ -13,7 +13,7 @@ use lwio_proto::NtStatus;
 use tracing::{debug, info, warn};
 
 use crate::fs::table::{Denied, OpenFile, SessionId};
-use crate::server::ServerState;
+use crate::state::ServerState;
 
 use super::shared::Shared;
 
@@ -27,7 +27,7 @@ pub(super) struct Hooks<'a> {
     pub(super) next_file: &'a mut u64,
     pub(super) peer: SocketAddr,
     /// Memory objects this connection may carry (docs/memory-objects.md).
-    pub(super) mem: &'a mut crate::io_phase::memobj::PubSide,
+    pub(super) mem: &'a mut crate::io_phase::memobj_io::PubSide,
 }
 
 impl ServerHooks for Hooks<'_> {

@@ -103,7 +103,7 @@ impl Conn {
                 }
                 self.maybe_free_buf(v);
             }
-            crate::io_phase::memobj::WRID_MEMOBJ => {
+            crate::io_phase::memobj_io::WRID_MEMOBJ => {
                 self.sq_inflight = self.sq_inflight.saturating_sub(1);
                 if let Some(mr) = self.mem.complete(v, w.is_ok()) {
                     self.shared.unregister(mr);

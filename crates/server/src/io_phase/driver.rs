@@ -1,9 +1,9 @@
 //! The server side of the RDMA phase.
 //!
 //! [`RdmaServer`] listens on each provider instance the options select and
-//! implements [`crate::server::RdmaPhase`]: `lwio serve` builds it, attaches
+//! implements [`crate::state::RdmaPhase`]: `lwio serve` builds it, attaches
 //! it with `Server::set_rdma_phase`, and `Server::run` calls
-//! [`RdmaPhase::serve`](crate::server::RdmaPhase::serve) on a dedicated
+//! [`RdmaPhase::serve`](crate::state::RdmaPhase::serve) on a dedicated
 //! thread.
 //!
 //! Each accepted connection has its own QP and CQ and runs one
@@ -44,7 +44,7 @@
 //! the provider terminates the connection.
 //!
 //! Auth: the AUTH Key is resolved through the side channel's negotiate table
-//! ([`ServerState::lookup_negotiate_key`](crate::server::ServerState::lookup_negotiate_key));
+//! ([`ServerState::lookup_negotiate_key`](crate::state::ServerState::lookup_negotiate_key));
 //! each Key is accepted **once** (consumed on first use) and only while
 //! fresh. The secret is
 //! `derive_session_secret(session secret, Key)`. The side-channel session

@@ -211,7 +211,7 @@ impl Conn {
                 }
             };
             let reply = (self.done_tx.clone(), self.waker.clone());
-            if let Some(r) = crate::io_phase::memobj::submit(obj, op, offset, kind, reply) {
+            if let Some(r) = crate::io_phase::memobj_io::submit(obj, op, offset, kind, reply) {
                 self.storage_done(op, r);
             }
             return;

@@ -28,7 +28,7 @@ use tracing::{debug, warn};
 use super::Waker;
 use crate::fs::table::SessionId;
 use crate::memobj::{read_len, write_check, MemJob, MemLink, MemObj, MemOp, Reply};
-use crate::server::ServerState;
+use crate::state::ServerState;
 
 /// Work-request id kind of a memory-object RDMA Read or Write.
 pub const WRID_MEMOBJ: u64 = 6 << 56;

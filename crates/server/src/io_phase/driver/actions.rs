@@ -30,10 +30,10 @@ impl Conn {
         if self.dead || self.closing.is_some() {
             return;
         }
-        if self
-            .mem
-            .overdue(Instant::now(), crate::io_phase::memobj::PUBLISHER_DEADLINE)
-        {
+        if self.mem.overdue(
+            Instant::now(),
+            crate::io_phase::memobj_io::PUBLISHER_DEADLINE,
+        ) {
             self.close_conn(
                 "the publisher left an RDMA operation on its memory object unanswered \
                  past the deadline",

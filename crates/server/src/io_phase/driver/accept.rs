@@ -16,7 +16,7 @@ use tracing::info;
 
 use crate::io_phase::reactor::Domain;
 use crate::io_phase::Waker;
-use crate::server::ServerState;
+use crate::state::ServerState;
 
 use super::conn::{Conn, RecvSrc, MIN_READ_REGION, SEND_CHUNK, SEND_SLOT};
 use super::listener::Listening;
