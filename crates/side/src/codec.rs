@@ -282,11 +282,11 @@ impl From<DecodeError> for Error {
 // ---------------------------------------------------------------- writer
 
 #[derive(Default)]
-pub(crate) struct W(pub(crate) Vec<u8>);
+pub(crate) struct Writer(pub(crate) Vec<u8>);
 
-impl W {
-    fn head(t: u16, id: u32) -> W {
-        let mut w = W(Vec::with_capacity(64));
+impl Writer {
+    fn head(t: u16, id: u32) -> Writer {
+        let mut w = Writer(Vec::with_capacity(64));
         w.u16(t);
         w.u16(0);
         w.u32(id);
@@ -377,11 +377,11 @@ impl W {
 
 // ---------------------------------------------------------------- reader
 
-pub(crate) struct R<'a> {
+pub(crate) struct Reader<'a> {
     pub(crate) b: &'a [u8],
 }
 
-impl<'a> R<'a> {
+impl<'a> Reader<'a> {
     pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if self.b.len() < n {
             return Err(DecodeError("truncated"));
@@ -516,7 +516,7 @@ type Head<'a> = (u16, u32, Option<Creds>, &'a [u8]);
 
 /// Body header with its optional credentials.
 fn split_head(body: &[u8]) -> Result<Head<'_>, DecodeError> {
-    let mut r = R { b: body };
+    let mut r = Reader { b: body };
     let t = r.u16()?;
     let flags = r.u16()?;
     if flags & !FLAG_CREDS != 0 {
@@ -558,13 +558,13 @@ impl Request {
                 version,
                 client_name,
             } => {
-                w = W::head(ty::HELLO, id);
+                w = Writer::head(ty::HELLO, id);
                 w.raw(&MAGIC);
                 w.u16(*version);
                 w.str(client_name);
             }
             Request::Login(l) => {
-                w = W::head(ty::LOGIN, id);
+                w = Writer::head(ty::LOGIN, id);
                 match l {
                     LoginRequest::Anonymous => w.u8(0),
                     LoginRequest::Token {
@@ -609,7 +609,7 @@ impl Request {
         let body = self.encode(id);
         let Some(c) = creds else { return body };
         let groups = &c.groups[..c.groups.len().min(MAX_GROUPS)];
-        let mut w = W(Vec::with_capacity(body.len() + 10 + 4 * groups.len()));
+        let mut w = Writer(Vec::with_capacity(body.len() + 10 + 4 * groups.len()));
         w.raw(&body[..2]);
         w.u16(FLAG_CREDS);
         w.raw(&body[4..BODY_HEADER_LEN]);
@@ -633,7 +633,7 @@ impl Request {
     /// carries them, request). What the server runs.
     pub fn decode_as(body: &[u8]) -> Result<(u32, Option<Creds>, Request), DecodeError> {
         let (t, id, creds, payload) = split_head(body)?;
-        let mut r = R { b: payload };
+        let mut r = Reader { b: payload };
         let req = match t {
             ty::HELLO => {
                 if r.arr::<4>()? != MAGIC {
@@ -703,9 +703,9 @@ impl Response {
     pub fn encode(&self, id: u32) -> Vec<u8> {
         let mut w;
         match self {
-            Response::Ok => w = W::head(ty::OK, id),
+            Response::Ok => w = Writer::head(ty::OK, id),
             Response::Error(e) => {
-                w = W::head(ty::ERROR, id);
+                w = Writer::head(ty::ERROR, id);
                 w.u16(e.code as u16);
                 w.str(&e.message);
             }
@@ -716,7 +716,7 @@ impl Response {
                 auth_methods,
                 max_frame,
             } => {
-                w = W::head(ty::HELLO_OK, id);
+                w = Writer::head(ty::HELLO_OK, id);
                 w.raw(&MAGIC);
                 w.u16(*version);
                 w.str(server_name);
@@ -728,12 +728,12 @@ impl Response {
                 session_id,
                 server_proof,
             } => {
-                w = W::head(ty::LOGIN_OK, id);
+                w = Writer::head(ty::LOGIN_OK, id);
                 w.u64(*session_id);
                 w.raw(server_proof);
             }
             Response::Exports(list) => {
-                w = W::head(ty::EXPORTS, id);
+                w = Writer::head(ty::EXPORTS, id);
                 w.u32(list.len() as u32);
                 for e in list {
                     w.str(&e.name);
@@ -744,7 +744,7 @@ impl Response {
                 entries,
                 next_cookie,
             } => {
-                w = W::head(ty::DIR_PAGE, id);
+                w = Writer::head(ty::DIR_PAGE, id);
                 w.u64(*next_cookie);
                 w.u32(entries.len() as u32);
                 for e in entries {
@@ -753,7 +753,7 @@ impl Response {
                 }
             }
             Response::Attr(a) => {
-                w = W::head(ty::ATTR, id);
+                w = Writer::head(ty::ATTR, id);
                 w.attr(a);
             }
             Response::Opened {
@@ -763,7 +763,7 @@ impl Response {
                 resume_key,
                 file_id,
             } => {
-                w = W::head(ty::OPENED, id);
+                w = Writer::head(ty::OPENED, id);
                 w.u64(*handle);
                 w.u64(*size);
                 w.u32(*align);
@@ -771,44 +771,44 @@ impl Response {
                 w.u64(*file_id);
             }
             Response::Resumed { files } => {
-                w = W::head(ty::RESUMED, id);
+                w = Writer::head(ty::RESUMED, id);
                 w.u64(*files);
             }
             Response::Negotiated { response } => {
-                w = W::head(ty::NEGOTIATED, id);
+                w = Writer::head(ty::NEGOTIATED, id);
                 w.bytes(response);
             }
             Response::AttrX(a) => {
-                w = W::head(ty::ATTRX, id);
+                w = Writer::head(ty::ATTRX, id);
                 w.attrx(a);
             }
             Response::Target(t) => {
-                w = W::head(ty::TARGET, id);
+                w = Writer::head(ty::TARGET, id);
                 w.str(t);
             }
             Response::Metrics(t) => {
-                w = W::head(ty::METRICS, id);
+                w = Writer::head(ty::METRICS, id);
                 w.bytes(t.as_bytes());
             }
             Response::Offset(o) => {
-                w = W::head(ty::OFFSET, id);
+                w = Writer::head(ty::OFFSET, id);
                 w.u64(*o);
             }
             Response::Copied(n) => {
-                w = W::head(ty::COPIED, id);
+                w = Writer::head(ty::COPIED, id);
                 w.u64(*n);
             }
             Response::LeaseGranted { lease_id, granted } => {
-                w = W::head(ty::LEASE_GRANTED, id);
+                w = Writer::head(ty::LEASE_GRANTED, id);
                 w.u64(*lease_id);
                 w.u8(*granted);
             }
             Response::Published { path } => {
-                w = W::head(ty::PUBLISHED, id);
+                w = Writer::head(ty::PUBLISHED, id);
                 w.str(path);
             }
             Response::Writes(n) => {
-                w = W::head(ty::WRITES, id);
+                w = Writer::head(ty::WRITES, id);
                 w.u64(*n);
             }
             Response::LeaseBreak {
@@ -816,13 +816,13 @@ impl Response {
                 export,
                 path,
             } => {
-                w = W::head(ty::LEASE_BREAK, id);
+                w = Writer::head(ty::LEASE_BREAK, id);
                 w.u64(*lease_id);
                 w.str(export);
                 w.str(path);
             }
             Response::LockInfo { kind, start, len } => {
-                w = W::head(ty::LOCK_INFO, id);
+                w = Writer::head(ty::LOCK_INFO, id);
                 w.u8(*kind);
                 w.u64(*start);
                 w.u64(*len);
@@ -831,7 +831,7 @@ impl Response {
                 entries,
                 next_cookie,
             } => {
-                w = W::head(ty::DIR_PAGE_X, id);
+                w = Writer::head(ty::DIR_PAGE_X, id);
                 w.u64(*next_cookie);
                 w.u32(entries.len() as u32);
                 for (name, a) in entries {
@@ -840,7 +840,7 @@ impl Response {
                 }
             }
             Response::StatFs(f) => {
-                w = W::head(ty::STATFS_OK, id);
+                w = Writer::head(ty::STATFS_OK, id);
                 w.u32(f.bsize);
                 w.u32(f.frsize);
                 w.u64(f.blocks);
@@ -861,7 +861,7 @@ impl Response {
         if creds.is_some() {
             return Err(DecodeError("credentials in a response"));
         }
-        let mut r = R { b: payload };
+        let mut r = Reader { b: payload };
         let resp = match t {
             ty::OK => Response::Ok,
             ty::ERROR => {

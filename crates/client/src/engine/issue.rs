@@ -9,7 +9,7 @@ impl Engine {
     /// `issue` under the lock.
     pub(super) fn issue<T>(
         &self,
-        issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
+        issue: impl FnMut(&Engine, &mut EngineState) -> Option<Result<T>>,
     ) -> Result<T> {
         self.issue_when(ClientConn::can_issue, issue)
     }
@@ -19,7 +19,7 @@ impl Engine {
     pub(super) fn issue_when<T>(
         &self,
         free: fn(&ClientConn<ReqData>) -> bool,
-        mut issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
+        mut issue: impl FnMut(&Engine, &mut EngineState) -> Option<Result<T>>,
     ) -> Result<T> {
         let _waiting = Waiting::new(self);
         let deadline = Instant::now() + self.cfg.op_timeout;
@@ -75,7 +75,7 @@ impl Engine {
 
     /// Count (`on`) or stop counting a caller among the requests waiting
     /// for a credit, which the connection reports in its Credits hint.
-    pub(super) fn set_queued(st: &mut Locked, queued: &mut bool, on: bool) {
+    pub(super) fn set_queued(st: &mut EngineState, queued: &mut bool, on: bool) {
         if *queued != on {
             *queued = on;
             let n = st.conn.waiting();
@@ -95,7 +95,7 @@ impl Engine {
     }
 
     /// Count a request just issued and carry out its actions.
-    pub(super) fn issued(&self, st: &mut Locked) {
+    pub(super) fn issued(&self, st: &mut EngineState) {
         let out = st.conn.outstanding();
         st.stats.requests += 1;
         st.stats.max_outstanding = st.stats.max_outstanding.max(out);
@@ -111,7 +111,7 @@ impl Engine {
     /// is posted at once.
     pub(super) fn issue_now<T>(
         &self,
-        issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
+        issue: impl FnMut(&Engine, &mut EngineState) -> Option<Result<T>>,
     ) -> Result<Option<T>> {
         self.issue_now_when(ClientConn::can_issue, issue)
     }
@@ -121,7 +121,7 @@ impl Engine {
     pub(super) fn issue_now_when<T>(
         &self,
         free: fn(&ClientConn<ReqData>) -> bool,
-        mut issue: impl FnMut(&Engine, &mut Locked) -> Option<Result<T>>,
+        mut issue: impl FnMut(&Engine, &mut EngineState) -> Option<Result<T>>,
     ) -> Result<Option<T>> {
         let mut st = lock(&self.st);
         for _ in 0..2 {
@@ -149,7 +149,7 @@ impl Engine {
     /// Polling mode, and every free status slot is waiting for its old
     /// window's invalidation to complete: a request waits (as for a credit)
     /// instead of failing.
-    pub(super) fn slots_fenced(&self, st: &Locked) -> bool {
+    pub(super) fn slots_fenced(&self, st: &EngineState) -> bool {
         self.cfg.completion == Completion::Poll
             && st.conn.next_status_slot().is_none()
             && st.conn.fenced_slots() > 0
@@ -159,7 +159,7 @@ impl Engine {
     /// in polling mode the one-shot window bound to exactly the status block
     /// it will use (the caller keeps it with the request's other windows,
     /// invalidated when it completes).
-    pub(super) fn req_mode(&self, st: &mut Locked) -> Result<(Mode, Option<(Mw, u32)>)> {
+    pub(super) fn req_mode(&self, st: &mut EngineState) -> Result<(Mode, Option<(Mw, u32)>)> {
         if self.cfg.completion == Completion::Interrupt {
             return Ok((Mode::Interrupt, None));
         }
@@ -180,7 +180,12 @@ impl Engine {
 
     /// Invalidate and free windows (of a completed request, or of one that
     /// was not issued); returns how many invalidations were posted.
-    pub(super) fn drop_windows(&self, st: &mut Locked, windows: Vec<(Mw, u32)>, group: u64) -> u64 {
+    pub(super) fn drop_windows(
+        &self,
+        st: &mut EngineState,
+        windows: Vec<(Mw, u32)>,
+        group: u64,
+    ) -> u64 {
         let mut posted = 0;
         for (mw, rkey) in windows {
             if let Some(slot) = st.status_keys.remove(&rkey) {
@@ -208,7 +213,7 @@ impl Engine {
     }
 
     /// Keep a status window with its request until the request completes.
-    pub(super) fn keep_window(st: &mut Locked, req: ReqId, w: Option<(Mw, u32)>) {
+    pub(super) fn keep_window(st: &mut EngineState, req: ReqId, w: Option<(Mw, u32)>) {
         if let (Some(w), Some(d)) = (w, st.conn.user_mut(req)) {
             d.windows.push(w);
         }
@@ -221,7 +226,7 @@ impl Engine {
     /// and is invalidated then, like every window.
     pub(super) fn bind_window(
         &self,
-        st: &mut Locked,
+        st: &mut EngineState,
         mr: &Mr,
         off: usize,
         len: usize,
@@ -262,7 +267,7 @@ impl Engine {
         }
     }
 
-    pub(super) fn take_stage(&self, st: &mut Locked, len: usize) -> Option<Stage> {
+    pub(super) fn take_stage(&self, st: &mut EngineState, len: usize) -> Option<Stage> {
         if len <= BOUNCE_SLOT {
             if let Some(i) = st.bounce_free.pop() {
                 return Some(Stage::Bounce(i));
@@ -337,7 +342,7 @@ impl Engine {
         len: usize,
         vec_page: Option<u16>,
         dst: Option<(&'a UserDst, usize)>,
-    ) -> impl FnMut(&Engine, &mut Locked) -> Option<Result<(ReqId, Stage)>> + 'a {
+    ) -> impl FnMut(&Engine, &mut EngineState) -> Option<Result<(ReqId, Stage)>> + 'a {
         move |e, st| {
             if e.slots_fenced(st) {
                 return None;
@@ -484,7 +489,7 @@ impl Engine {
     /// less one in polling mode, where a waiter's INTERRUPT holds a credit
     /// until the next I/O completion (a message needing every credit would
     /// wait for it, and it for the message).
-    pub(super) fn fragment_credits(&self, st: &Locked) -> usize {
+    pub(super) fn fragment_credits(&self, st: &EngineState) -> usize {
         let c = usize::from(st.conn.credits());
         if self.cfg.completion == Completion::Poll {
             c.saturating_sub(1).max(1)
@@ -682,7 +687,7 @@ impl Engine {
             Mode,
             &mut [u8],
         ) -> std::result::Result<(Issued, usize), ClientError>,
-    ) -> impl FnMut(&Engine, &mut Locked) -> Option<Result<ReqId>> {
+    ) -> impl FnMut(&Engine, &mut EngineState) -> Option<Result<ReqId>> {
         move |e, st| {
             e.fill_send_slots(st);
             if st.conn.transmit_pending() > 0 || st.send_free.is_empty() || e.slots_fenced(st) {
@@ -799,7 +804,7 @@ impl Engine {
     pub(super) fn cancel_issuer(
         fid: u16,
         req: ReqId,
-    ) -> impl FnMut(&Engine, &mut Locked) -> Option<Result<Option<ReqId>>> {
+    ) -> impl FnMut(&Engine, &mut EngineState) -> Option<Result<Option<ReqId>>> {
         move |_, st| {
             if !st.conn.is_outstanding(req) {
                 return Some(Ok(None));

@@ -80,7 +80,7 @@ impl Engine {
         if let Some(start) = hit {
             st.cache.tick += 1;
             let tick = st.cache.tick;
-            let Locked { cache, stats, .. } = &mut *st;
+            let EngineState { cache, stats, .. } = &mut *st;
             let need = cache
                 .entries
                 .get(&start)
@@ -150,7 +150,7 @@ impl Engine {
         let _waiting = Waiting::new(self);
         let deadline = Instant::now() + self.cfg.op_timeout;
         let mut st = lock(&self.st);
-        let kill = |st: &mut Locked, why: &str| {
+        let kill = |st: &mut EngineState, why: &str| {
             self.qp.set_error();
             st.inval_pending.remove(&group);
             if !why.is_empty() {

@@ -325,7 +325,7 @@ impl RegCache {
 
 /// The engine's state under its lock: the connection's state machine (every
 /// request, with its [`ReqData`]) and the transport resources it drives.
-struct Locked {
+struct EngineState {
     conn: ClientConn<ReqData>,
     recv_free: Vec<u32>,
     send_free: Vec<u32>,
@@ -354,12 +354,12 @@ struct Locked {
     notify: Option<Arc<std::os::fd::OwnedFd>>,
     /// How the progress thread sleeps now (set by it before it sleeps,
     /// cleared when it wakes or is woken).
-    nap: Nap,
+    nap: ProgressSleep,
 }
 
 /// The progress thread's sleep on the completion channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Nap {
+enum ProgressSleep {
     /// Not asleep on the channel (running a round, or standing by while a
     /// caller drives), or already woken.
     Awake,
@@ -386,7 +386,7 @@ pub struct Engine {
     status_off: usize,
     bounce_off: usize,
     stage_off: usize,
-    st: Mutex<Locked>,
+    st: Mutex<EngineState>,
     cv: Condvar,
     /// Threads asleep on `cv` (counted under `st`): see
     /// [`Engine::notify_sleepers`].
@@ -420,7 +420,7 @@ pub struct Engine {
     /// C APIs): the last waiter to leave wakes it, so that nobody's
     /// completions wait for the end of its nap.
     standby_wake: AtomicBool,
-    /// Set with `Locked::lost` (never cleared): [`Engine::lost`] checks it
+    /// Set with `EngineState::lost` (never cleared): [`Engine::lost`] checks it
     /// without the lock, on every call of a file.
     is_lost: AtomicBool,
     /// Set by the first file that moved off this lost channel to another
@@ -442,7 +442,7 @@ impl LocalMemory for AuthMem<'_> {
     }
 }
 
-fn lock(m: &Mutex<Locked>) -> MutexGuard<'_, Locked> {
+fn lock(m: &Mutex<EngineState>) -> MutexGuard<'_, EngineState> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -590,7 +590,7 @@ impl Engine {
         for _ in 0..(cfg.stage_slots * 4 + BOUNCE_SLOTS) {
             mw_free.push(pd.alloc_mw()?);
         }
-        let st = Locked {
+        let st = EngineState {
             conn: ClientConn::new(ccfg),
             recv_free,
             send_free: (0..send_slots as u32).rev().collect(),
@@ -607,7 +607,7 @@ impl Engine {
             auth: None,
             stats: ClientStats::default(),
             notify: None,
-            nap: Nap::Awake,
+            nap: ProgressSleep::Awake,
         };
         let wake = Arc::new(
             rustix::event::eventfd(
@@ -873,11 +873,11 @@ impl Engine {
 
 /// `req`'s completion, if it came: (information, status). Its stage (if
 /// any) stays the caller's, who got it at issue.
-fn take_done(st: &mut Locked, req: ReqId) -> Option<(u32, NtStatus)> {
+fn take_done(st: &mut EngineState, req: ReqId) -> Option<(u32, NtStatus)> {
     st.conn.take_done(req).map(|d| (d.information, d.status))
 }
 
-fn free_stage(st: &mut Locked, s: Stage) {
+fn free_stage(st: &mut EngineState, s: Stage) {
     match s {
         Stage::Bounce(i) => st.bounce_free.push(i),
         Stage::Slot(i) => st.stage_free.push(i),

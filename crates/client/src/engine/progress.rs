@@ -5,7 +5,7 @@
 use super::*;
 
 impl Engine {
-    pub(super) fn mark_lost(&self, st: &mut Locked, why: String) {
+    pub(super) fn mark_lost(&self, st: &mut EngineState, why: String) {
         if st.lost.is_none() {
             // Flushed receives and a dead QP say nothing of the cause; if
             // this client's provider refused what the server sent, say so.
@@ -45,7 +45,7 @@ impl Engine {
     }
 
     /// Carry out the state machine's actions and collect its events.
-    pub(super) fn run_actions(&self, st: &mut Locked) {
+    pub(super) fn run_actions(&self, st: &mut EngineState) {
         while let Some(a) = st.conn.poll_action() {
             match a {
                 ClientAction::PostRecv(n) => {
@@ -129,7 +129,7 @@ impl Engine {
     /// receive when the connection breaks), a send, bind or invalidation
     /// completion, and under the soft provider's manual progress any input
     /// or transmit room on its socket.
-    pub(super) fn next_wake(&self, st: &Locked, now: Instant) -> Option<Instant> {
+    pub(super) fn next_wake(&self, st: &EngineState, now: Instant) -> Option<Instant> {
         let deadline = st.conn.poll_timeout();
         if st.conn.polled_outstanding() > 0 {
             let scan = now + POLL_SCAN;
@@ -141,11 +141,11 @@ impl Engine {
     /// Wake the progress thread if it sleeps past what it now has to do
     /// (a request issued while it slept without a deadline). Cheap while it
     /// is awake; an eventfd write at most once per sleep.
-    pub(super) fn nudge_progress(&self, st: &mut Locked) {
+    pub(super) fn nudge_progress(&self, st: &mut EngineState) {
         let until = match st.nap {
-            Nap::Awake => return,
-            Nap::Until(t) => Some(t),
-            Nap::Forever => None,
+            ProgressSleep::Awake => return,
+            ProgressSleep::Until(t) => Some(t),
+            ProgressSleep::Forever => None,
         };
         let Some(next) = self.next_wake(st, Instant::now()) else {
             return;
@@ -153,7 +153,7 @@ impl Engine {
         if until.is_some_and(|t| t <= next) {
             return;
         }
-        st.nap = Nap::Awake;
+        st.nap = ProgressSleep::Awake;
         self.wake_progress();
     }
 
@@ -181,7 +181,7 @@ impl Engine {
     /// so that the next completion makes the channel readable. False once
     /// the connection is lost.
     pub(super) fn progress_round(&self) -> bool {
-        lock(&self.st).nap = Nap::Awake;
+        lock(&self.st).nap = ProgressSleep::Awake;
         if let Err(err) = self.chan.wait(Some(Duration::ZERO)) {
             let mut st = lock(&self.st);
             self.mark_lost(&mut st, format!("completion channel failed: {err}"));
@@ -202,7 +202,7 @@ impl Engine {
     pub(super) fn plan_nap(&self) -> Option<Instant> {
         let mut st = lock(&self.st);
         let until = self.next_wake(&st, Instant::now());
-        st.nap = until.map_or(Nap::Forever, Nap::Until);
+        st.nap = until.map_or(ProgressSleep::Forever, ProgressSleep::Until);
         until
     }
 
@@ -239,7 +239,7 @@ impl Engine {
 
     /// Move the state machine's queued request messages into free send
     /// slots (encoded there directly), in order, behind the backlog.
-    pub(super) fn fill_send_slots(&self, st: &mut Locked) {
+    pub(super) fn fill_send_slots(&self, st: &mut EngineState) {
         while st.conn.transmit_pending() > 0 {
             let Some(slot) = st.send_free.pop() else {
                 return;
@@ -264,7 +264,7 @@ impl Engine {
         }
     }
 
-    pub(super) fn flush_sends(&self, st: &mut Locked) {
+    pub(super) fn flush_sends(&self, st: &mut EngineState) {
         self.fill_send_slots(st);
         while !st.send_backlog.is_empty() {
             let n = st.send_backlog.len().min(SEND_BATCH);
@@ -305,7 +305,7 @@ impl Engine {
     /// `req` completed (its record waits in the state machine): invalidate
     /// its windows, and drop it when nobody will take it (abandoned, or an
     /// INTERRUPT, whose waiter only watches it leave).
-    pub(super) fn finish_req(&self, st: &mut Locked, req: ReqId, opcode: Opcode) {
+    pub(super) fn finish_req(&self, st: &mut EngineState, req: ReqId, opcode: Opcode) {
         let Some(r) = st.conn.user_mut(req) else {
             return;
         };
@@ -340,7 +340,7 @@ impl Engine {
         lock(&self.st).notify = fd;
     }
 
-    pub(super) fn completion(&self, st: &mut Locked, w: Wc) {
+    pub(super) fn completion(&self, st: &mut EngineState, w: Wc) {
         let v = wrid::value(w.wr_id);
         match wrid::kind(w.wr_id) {
             wrid::RECV => {
@@ -410,13 +410,13 @@ impl Engine {
     }
 
     /// Check the status blocks of outstanding polled requests.
-    pub(super) fn scan_slots(&self, st: &mut Locked) {
+    pub(super) fn scan_slots(&self, st: &mut EngineState) {
         for slot in st.conn.polled_slots() {
             self.check_slot(st, slot);
         }
     }
 
-    pub(super) fn check_slot(&self, st: &mut Locked, slot: u32) -> bool {
+    pub(super) fn check_slot(&self, st: &mut EngineState, slot: u32) -> bool {
         let Ok(v) = self.win_mr.load_u64(self.status_off + slot as usize * 8) else {
             return false;
         };

@@ -14,7 +14,7 @@ impl Engine {
         self.flush_sends(&mut st);
     }
 
-    pub(super) fn arm_interrupt_locked(&self, st: &mut Locked) {
+    pub(super) fn arm_interrupt_locked(&self, st: &mut EngineState) {
         if st.lost.is_none()
             && st.conn.interrupt_outstanding().is_none()
             && st.conn.can_interrupt()
@@ -222,7 +222,7 @@ impl Engine {
     /// Block for at most `wait`: as the driver if nobody is (the completion
     /// that ends the wait then wakes this thread directly), else on the
     /// condition variable the driver signals.
-    pub(super) fn sleep_or_drive(&self, mut st: MutexGuard<'_, Locked>, wait: Duration) {
+    pub(super) fn sleep_or_drive(&self, mut st: MutexGuard<'_, EngineState>, wait: Duration) {
         self.flush_sends(&mut st);
         if self.take_driver() {
             drop(st);
@@ -243,9 +243,9 @@ impl Engine {
     /// asleep, under the lock).
     pub(super) fn cv_wait<'a>(
         &self,
-        st: MutexGuard<'a, Locked>,
+        st: MutexGuard<'a, EngineState>,
         wait: Duration,
-    ) -> MutexGuard<'a, Locked> {
+    ) -> MutexGuard<'a, EngineState> {
         self.cv_sleepers.fetch_add(1, Ordering::Relaxed);
         let st = self
             .cv
@@ -257,14 +257,14 @@ impl Engine {
     }
 
     /// Wake the threads asleep on `cv`, if there are any. Only with the
-    /// state lock held (`st: &mut Locked`): a sleeper counts itself under
+    /// state lock held (`st: &mut EngineState`): a sleeper counts itself under
     /// that lock before it sleeps, and `Condvar::wait` releases it only
     /// once the sleeper is on the condition variable, so a notifier that
     /// holds the lock either sees the count or changed the state before
     /// the sleeper looked at it. std's condition variable makes a system
     /// call on every notify, sleepers or not, and this is on every
     /// completion's path (one `futex` per I/O before).
-    pub(super) fn notify_sleepers(&self, _st: &mut Locked) {
+    pub(super) fn notify_sleepers(&self, _st: &mut EngineState) {
         if self.cv_sleepers.load(Ordering::Relaxed) > 0 {
             self.cv.notify_all();
         }
@@ -332,7 +332,11 @@ impl Engine {
 
     /// `req`'s completion if it came; an error (and the request abandoned)
     /// if the connection is lost.
-    pub(super) fn take_done(&self, st: &mut Locked, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
+    pub(super) fn take_done(
+        &self,
+        st: &mut EngineState,
+        req: ReqId,
+    ) -> Result<Option<(u32, NtStatus)>> {
         // Completions the state machine has seen but whose events were not
         // carried out yet (another thread polled them and let go of the
         // lock before `run_actions`): carry them out first, so the request's
@@ -352,7 +356,7 @@ impl Engine {
 
     /// The waiter gives up: the engine frees the request's stage when (if)
     /// it completes. The stage must not be freed by the waiter.
-    pub(super) fn abandon(&self, st: &mut Locked, req: ReqId) {
+    pub(super) fn abandon(&self, st: &mut EngineState, req: ReqId) {
         if let Some(r) = st.conn.user_mut(req) {
             r.abandoned = true;
         }

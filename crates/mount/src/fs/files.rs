@@ -2,7 +2,7 @@
 //! (reopened after a reconnect), side-channel calls as the caller, and the
 //! attributes and entries the kernel is answered with.
 
-use super::leased::Own;
+use super::leased::OwnChange;
 use super::*;
 
 impl LwioFs {
@@ -572,7 +572,7 @@ impl LwioFs {
             let export = &self.export;
             self.side(|s| s.remove_kind(export, &path, kind))?;
             lock(&self.shared.inodes).unlinked(&path);
-            self.own_change(&path, Own::Removed);
+            self.own_change(&path, OwnChange::Removed);
             if kind == RemoveKind::Dir {
                 // Our lease on the removed directory: give it back.
                 let gone = lock(&self.shared.leases).drop_tree(&path);

@@ -5,7 +5,7 @@ use super::*;
 
 /// What this client itself did to an entry (its own changes keep its own
 /// lease cache right; they break only other clients' leases).
-pub(super) enum Own<'a> {
+pub(super) enum OwnChange<'a> {
     /// Created or changed, with the attributes the server answered.
     Is(&'a AttrX),
     Removed,
@@ -77,7 +77,7 @@ impl LwioFs {
         self.shared.leasing.load(Ordering::Relaxed)
     }
 
-    pub(super) fn own_change(&self, path: &str, what: Own) {
+    pub(super) fn own_change(&self, path: &str, what: OwnChange) {
         if !self.leasing() {
             return;
         }
@@ -86,10 +86,10 @@ impl LwioFs {
         };
         let mut c = lock(&self.shared.leases);
         match what {
-            Own::Is(a) => c.put(&dir, &name, a),
-            Own::Removed => c.del(&dir, &name),
-            Own::Stale => c.stale(&dir, &name),
-            Own::Wrote(end) => c.wrote(&dir, &name, end, epoch_ns(SystemTime::now())),
+            OwnChange::Is(a) => c.put(&dir, &name, a),
+            OwnChange::Removed => c.del(&dir, &name),
+            OwnChange::Stale => c.stale(&dir, &name),
+            OwnChange::Wrote(end) => c.wrote(&dir, &name, end, epoch_ns(SystemTime::now())),
         }
     }
 

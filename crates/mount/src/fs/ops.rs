@@ -75,13 +75,13 @@ impl Filesystem for LwioFs {
         match self.stat(&path) {
             Ok(a) => {
                 if self.leasing() {
-                    self.own_change(&path, Own::Is(&a));
+                    self.own_change(&path, OwnChange::Is(&a));
                 }
                 self.entry(&path, &a, reply)
             }
             Err(e) => {
                 if e == libc::ENOENT {
-                    self.own_change(&path, Own::Removed);
+                    self.own_change(&path, OwnChange::Removed);
                 }
                 reply.error(err(e))
             }
@@ -200,7 +200,7 @@ impl Filesystem for LwioFs {
                 }
             };
             if let Ok(p) = self.path(ino) {
-                self.own_change(&p, Own::Is(&a));
+                self.own_change(&p, OwnChange::Is(&a));
             }
             Ok(a)
         })();
@@ -223,7 +223,7 @@ impl Filesystem for LwioFs {
             let export = &self.export;
             self.side(|s| s.mkdir(export, &path, mode & !umask & 0o7777, false))?;
             let a = self.stat(&path)?;
-            self.own_change(&path, Own::Is(&a));
+            self.own_change(&path, OwnChange::Is(&a));
             Ok((path, a))
         })();
         match r {
@@ -259,7 +259,7 @@ impl Filesystem for LwioFs {
             let target = target.to_str().ok_or(libc::EILSEQ)?;
             let export = &self.export;
             let a = self.side(|s| s.symlink(export, &path, target))?;
-            self.own_change(&path, Own::Is(&a));
+            self.own_change(&path, OwnChange::Is(&a));
             Ok((path, a))
         })();
         match r {
@@ -292,9 +292,9 @@ impl Filesystem for LwioFs {
                     e
                 }
             })?;
-            self.own_change(&to, Own::Is(&a));
+            self.own_change(&to, OwnChange::Is(&a));
             // The source's link count changed too.
-            self.own_change(&from, Own::Stale);
+            self.own_change(&from, OwnChange::Stale);
             Ok((to, a))
         })();
         match r {
@@ -322,7 +322,7 @@ impl Filesystem for LwioFs {
             self.on_file(&f, |s, h| s.fallocate(h, mode as u32, offset, length))
         });
         if let Ok(p) = self.path(ino) {
-            self.own_change(&p, Own::Stale);
+            self.own_change(&p, OwnChange::Stale);
         }
         match r {
             Ok(()) => reply.ok(),
@@ -382,7 +382,7 @@ impl Filesystem for LwioFs {
             self.side(|s| s.copy_range(h_in, offset_in, h_out, offset_out, len))
         });
         if let Ok(p) = self.path(ino_out) {
-            self.own_change(&p, Own::Stale);
+            self.own_change(&p, OwnChange::Stale);
         }
         match r {
             Ok(n) => reply.written(n as u32),
@@ -526,11 +526,11 @@ impl Filesystem for LwioFs {
                 }
             }
             if exchange {
-                self.own_change(&from, Own::Stale);
+                self.own_change(&from, OwnChange::Stale);
             } else {
-                self.own_change(&from, Own::Removed);
+                self.own_change(&from, OwnChange::Removed);
             }
-            self.own_change(&to, Own::Stale);
+            self.own_change(&to, OwnChange::Stale);
             // Our leases at and below both paths named the old tree; the
             // server dropped them with the rename.
             let mut c = lock(&self.shared.leases);
@@ -551,7 +551,7 @@ impl Filesystem for LwioFs {
         let r = self.path(ino).and_then(|p| {
             let f = self.open_path(&p, flags.0, None)?;
             if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
-                self.own_change(&p, Own::Stale);
+                self.own_change(&p, OwnChange::Stale);
             }
             Ok((f, self.keep_cache(ino.0, &p)))
         });
@@ -581,7 +581,7 @@ impl Filesystem for LwioFs {
             let f = self.open_path(&path, flags, Some(mode & !umask & 0o7777))?;
             let a = self.stat(&path)?;
             // Written next, through the data path.
-            self.own_change(&path, Own::Stale);
+            self.own_change(&path, OwnChange::Stale);
             Ok((path, f, a))
         })();
         match r {
@@ -647,8 +647,8 @@ impl Filesystem for LwioFs {
         }
         if let (true, Ok(p)) = (self.leasing(), self.path(ino)) {
             match &r {
-                Ok(n) => self.own_change(&p, Own::Wrote(offset + u64::from(*n))),
-                Err(_) => self.own_change(&p, Own::Stale),
+                Ok(n) => self.own_change(&p, OwnChange::Wrote(offset + u64::from(*n))),
+                Err(_) => self.own_change(&p, OwnChange::Stale),
             }
         }
         match r {
@@ -962,7 +962,7 @@ impl Filesystem for LwioFs {
             let export = &self.export;
             let mode = mode & libc::S_IFMT | mode & !umask & 0o7777;
             let a = self.side(|s| s.mknod(export, &path, mode, u64::from(rdev)))?;
-            self.own_change(&path, Own::Is(&a));
+            self.own_change(&path, OwnChange::Is(&a));
             Ok((path, a))
         })();
         match r {

@@ -553,7 +553,7 @@ fn epoll_wait(ep: impl AsFd, out: &mut [Event], ms: i32) -> usize {
 /// the memory the kernel reads or writes (held, never read: dropping it is
 /// its only use).
 #[allow(dead_code)]
-pub(super) enum Keep {
+pub(super) enum KeptAlive {
     /// A read buffer.
     Mr(Arc<super::readbuf::ReadBuffer>),
     /// The receive regions a reassembled write is in.
@@ -581,7 +581,7 @@ pub(super) struct RingJob {
     pub(super) sync: Option<bool>,
     /// Held, never read: it keeps the memory `iov` points into alive.
     #[allow(dead_code)]
-    pub(super) keep: Keep,
+    pub(super) keep: KeptAlive,
 }
 
 // SAFETY: the raw pointers in `iov` point into `keep`, which the job owns

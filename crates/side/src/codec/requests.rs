@@ -11,25 +11,25 @@
 //! magic prefix and the login method switch), in `codec.rs`.
 
 use super::{
-    ty, DecodeError, LoginRequest, ACCESS_READ, ACCESS_WRITE, FALLOC_KNOWN, LEASE_KNOWN, MAC_LEN,
-    MEM_KNOWN, MEM_READ, OPEN_KNOWN, R, SEEK_DATA, SEEK_HOLE, W,
+    ty, DecodeError, LoginRequest, Reader, Writer, ACCESS_READ, ACCESS_WRITE, FALLOC_KNOWN,
+    LEASE_KNOWN, MAC_LEN, MEM_KNOWN, MEM_READ, OPEN_KNOWN, SEEK_DATA, SEEK_HOLE,
 };
 use crate::types::{RemoveKind, SetAttr, RENAME_EXCHANGE, RENAME_NOREPLACE};
 
 /// A value as a request carries it on the wire.
 pub(crate) trait Wire: Sized {
-    fn put(&self, w: &mut W);
-    fn get(r: &mut R<'_>) -> Result<Self, DecodeError>;
+    fn put(&self, w: &mut Writer);
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError>;
 }
 
 /// Integers little-endian, booleans as one byte 0 or 1.
 macro_rules! wire_by_method {
     ($($t:ident),*) => {$(
         impl Wire for $t {
-            fn put(&self, w: &mut W) {
+            fn put(&self, w: &mut Writer) {
                 w.$t(*self)
             }
-            fn get(r: &mut R<'_>) -> Result<Self, DecodeError> {
+            fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
                 r.$t()
             }
         }
@@ -40,48 +40,48 @@ wire_by_method!(u8, u32, u64, bool);
 
 /// u16 length + UTF-8.
 impl Wire for String {
-    fn put(&self, w: &mut W) {
+    fn put(&self, w: &mut Writer) {
         w.str(self)
     }
-    fn get(r: &mut R<'_>) -> Result<Self, DecodeError> {
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         r.str()
     }
 }
 
 /// u32 length + bytes.
 impl Wire for Vec<u8> {
-    fn put(&self, w: &mut W) {
+    fn put(&self, w: &mut Writer) {
         w.bytes(self)
     }
-    fn get(r: &mut R<'_>) -> Result<Self, DecodeError> {
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         r.bytes()
     }
 }
 
 /// Fixed size, no length (MACs, keys).
 impl<const N: usize> Wire for [u8; N] {
-    fn put(&self, w: &mut W) {
+    fn put(&self, w: &mut Writer) {
         w.raw(self)
     }
-    fn get(r: &mut R<'_>) -> Result<Self, DecodeError> {
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         r.arr()
     }
 }
 
 impl Wire for SetAttr {
-    fn put(&self, w: &mut W) {
+    fn put(&self, w: &mut Writer) {
         w.set_attr(self)
     }
-    fn get(r: &mut R<'_>) -> Result<Self, DecodeError> {
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         r.set_attr()
     }
 }
 
 impl Wire for RemoveKind {
-    fn put(&self, w: &mut W) {
+    fn put(&self, w: &mut Writer) {
         w.u8(*self as u8)
     }
-    fn get(r: &mut R<'_>) -> Result<Self, DecodeError> {
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         match r.u8()? {
             0 => Ok(RemoveKind::Any),
             1 => Ok(RemoveKind::NotDir),
@@ -119,12 +119,12 @@ macro_rules! requests {
 
         impl Request {
             /// The body of a table request (None: `Hello`, `Login`).
-            pub(super) fn encode_table(&self, id: u32) -> Option<W> {
+            pub(super) fn encode_table(&self, id: u32) -> Option<Writer> {
                 match self {
                     $(
                         Request::$name $({ $($f),* })? => {
                             #[allow(unused_mut)] // a request without payload
-                            let mut w = W::head(ty::$code, id);
+                            let mut w = Writer::head(ty::$code, id);
                             $($( $f.put(&mut w); )*)?
                             Some(w)
                         }
@@ -136,7 +136,7 @@ macro_rules! requests {
             /// The payload of a table request of type `t` (None: not one).
             pub(super) fn decode_table(
                 t: u16,
-                r: &mut R<'_>,
+                r: &mut Reader<'_>,
             ) -> Result<Option<Request>, DecodeError> {
                 Ok(Some(match t {
                     $(

@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 
 use crate::fs::backend::Backend;
 use crate::fs::table::OpenFile;
-use crate::io_phase::reactor::Keep;
+use crate::io_phase::reactor::KeptAlive;
 use crate::io_phase::readbuf::ReadBuffer;
 use crate::io_phase::{io_error_status, Waker};
 
@@ -170,7 +170,7 @@ pub(super) fn ring_job(
     offset: u64,
     align: u32,
     kind: JobKind,
-) -> Result<(Vec<libc::iovec>, bool, Keep), NtStatus> {
+) -> Result<(Vec<libc::iovec>, bool, KeptAlive), NtStatus> {
     let bad = |_| STATUS_INVALID_PARAMETER;
     let iov = |addr: usize, len: usize| libc::iovec {
         iov_base: addr as *mut libc::c_void,
@@ -187,23 +187,27 @@ pub(super) fn ring_job(
     };
     match kind {
         // An fsync: no memory, the ring op says which (`RingJob::sync`).
-        JobKind::Sync { .. } => Ok((Vec::new(), false, Keep::Nothing)),
+        JobKind::Sync { .. } => Ok((Vec::new(), false, KeptAlive::Nothing)),
         JobKind::Read { buf, len } => {
             let len = len.min(buf.len());
             crate::fs::backend::check_alignment(align, offset, buf.addr() as usize, len)
                 .map_err(bad)?;
-            Ok((vec![iov(buf.addr() as usize, len)], false, Keep::Mr(buf)))
+            Ok((
+                vec![iov(buf.addr() as usize, len)],
+                false,
+                KeptAlive::Mr(buf),
+            ))
         }
         JobKind::Write { data } => {
             let len = data.len();
             if a > 1 && !(data.as_ptr() as usize).is_multiple_of(a) {
                 let (at, b) = bounce(len, &mut |d| d.copy_from_slice(&data));
                 crate::fs::backend::check_alignment(align, offset, at, len).map_err(bad)?;
-                return Ok((vec![iov(at, len)], true, Keep::Bytes(b)));
+                return Ok((vec![iov(at, len)], true, KeptAlive::Bytes(b)));
             }
             let at = data.as_ptr() as usize;
             crate::fs::backend::check_alignment(align, offset, at, len).map_err(bad)?;
-            Ok((vec![iov(at, len)], true, Keep::Bytes(data)))
+            Ok((vec![iov(at, len)], true, KeptAlive::Bytes(data)))
         }
         JobKind::WriteParts { iov: parts } => {
             for (mr, at, len) in &parts {
@@ -222,7 +226,7 @@ pub(super) fn ring_job(
                     }
                 });
                 crate::fs::backend::check_alignment(align, offset, at, total).map_err(bad)?;
-                return Ok((vec![iov(at, total)], true, Keep::Bytes(b)));
+                return Ok((vec![iov(at, total)], true, KeptAlive::Bytes(b)));
             }
             let v = parts
                 .iter()
@@ -234,7 +238,7 @@ pub(super) fn ring_job(
                     regions.push(mr);
                 }
             }
-            Ok((v, true, Keep::Mrs(regions)))
+            Ok((v, true, KeptAlive::Mrs(regions)))
         }
     }
 }
