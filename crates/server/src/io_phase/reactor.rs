@@ -447,7 +447,7 @@ impl Reactor {
                 }
                 let slot = (token / 2) as usize;
                 if let Some(c) = self.slots.get(slot).and_then(|c| c.as_ref()) {
-                    c.consume((token % 2) as usize);
+                    c.consume_readiness((token % 2) as usize);
                     ready.push(slot);
                 }
             }
@@ -478,11 +478,11 @@ impl Reactor {
                     continue;
                 };
                 let now = Instant::now();
-                let busy = c.turn(now, &mut wcs);
+                let busy = c.process_events(now, &mut wcs);
                 worked |= busy;
                 if c.finished(now) {
                     self.remove(slot);
-                } else if busy || c.hot(now) || !c.arm(now, &mut wcs) {
+                } else if busy || c.wants_busy_poll(now) || !c.arm_for_sleep(now, &mut wcs) {
                     self.mark_hot(slot);
                 }
             }
@@ -506,7 +506,7 @@ impl Reactor {
                     };
                     // Its CQ stays armed from when it went cold: a
                     // completion of what this tick posts wakes the reactor.
-                    c.tick(now);
+                    c.run_timers(now);
                     if c.finished(now) {
                         self.remove(slot);
                     }

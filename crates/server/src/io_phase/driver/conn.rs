@@ -2,7 +2,8 @@
 //! buffers around one `lwio_proto::server::ServerConn<OpState>` (which
 //! keeps each storage operation's [`OpState`]: read buffer, kept receive
 //! buffers, cancel flag, ring id, read wait), and what its reactor calls:
-//! a turn, the timed tick, arming, close and teardown.
+//! processing its events, running its timers, arming before a sleep,
+//! close and teardown.
 //!
 //! Its other layers are `impl Conn` blocks of their own: admission
 //! (`accept.rs`), control messages and credits (`credits.rs`), completions
@@ -179,10 +180,10 @@ pub(in crate::io_phase) struct Conn {
 }
 
 impl Conn {
-    /// One turn of this connection on its reactor: control messages,
+    /// Process what woke this connection on its reactor: control messages,
     /// storage completions, RDMA completions, then the actions they caused.
     /// True if it did any I/O work (the reactor keeps polling a while).
-    pub(in crate::io_phase) fn turn(&mut self, now: Instant, wcs: &mut [Wc]) -> bool {
+    pub(in crate::io_phase) fn process_events(&mut self, now: Instant, wcs: &mut [Wc]) -> bool {
         let mut busy = false;
         while let Ok(c) = self.ctl_rx.try_recv() {
             self.control(c);
@@ -217,7 +218,7 @@ impl Conn {
             // balancing round.
             self.balance(now);
         }
-        self.tick(now);
+        self.run_timers(now);
         let polled = self.sconn.polled_completions();
         if polled != self.last_polled_count {
             self.last_polled_count = polled;
@@ -229,10 +230,11 @@ impl Conn {
         busy
     }
 
-    /// The timed part of a turn (also run alone on idle connections):
+    /// The timed part of [`Conn::process_events`] (also run alone on idle
+    /// connections):
     /// protocol timers, credit balancing and counters every
     /// [`STATS_FLUSH`], memory-object work, pending actions.
-    pub(in crate::io_phase) fn tick(&mut self, now: Instant) {
+    pub(in crate::io_phase) fn run_timers(&mut self, now: Instant) {
         let st = if self.closing.is_some() || self.draining.is_some() {
             ConnState::Closing
         } else if self.sconn.is_authenticated() {
@@ -273,7 +275,7 @@ impl Conn {
     /// Whether the reactor should keep polling this connection without
     /// sleeping: `busy_poll` after activity, `busy_poll_polled` after a
     /// completion its client polls for.
-    pub(in crate::io_phase) fn hot(&self, now: Instant) -> bool {
+    pub(in crate::io_phase) fn wants_busy_poll(&self, now: Instant) -> bool {
         now.duration_since(self.last_busy) < self.shared.opts.busy_poll
             || now.duration_since(self.last_polled) < self.shared.opts.busy_poll_polled
     }
@@ -281,7 +283,7 @@ impl Conn {
     /// Before its reactor sleeps: arm the CQ, then poll once to close the
     /// race with a completion that came in between. False if one did (it
     /// is carried out; the connection stays hot).
-    pub(in crate::io_phase) fn arm(&mut self, now: Instant, wcs: &mut [Wc]) -> bool {
+    pub(in crate::io_phase) fn arm_for_sleep(&mut self, now: Instant, wcs: &mut [Wc]) -> bool {
         if self.cq.arm(false).is_err() {
             self.dead = true;
             return true;
@@ -314,7 +316,7 @@ impl Conn {
     }
 
     /// Consume the readiness of the fds [`Conn::fds`] returned.
-    pub(in crate::io_phase) fn consume(&self, which: usize) {
+    pub(in crate::io_phase) fn consume_readiness(&self, which: usize) {
         if which == 0 {
             let _ = self.chan.wait(Some(Duration::ZERO));
         } else {
