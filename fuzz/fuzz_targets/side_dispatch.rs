@@ -95,7 +95,7 @@ fuzz_target!(|data: &[u8]| {
     e.rt.block_on(async move {
         let (mut c, s) = tokio::io::duplex(1 << 20);
         let peer = "127.0.0.1:9".parse().expect("address");
-        let server = tokio::spawn(lwio_server::side::serve_connection(
+        let server = tokio::spawn(lwio_server::side_service::serve_connection(
             state,
             s,
             peer,

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use lwio_client::side::SideOptions;
+use lwio_client::side_client::SideOptions;
 use lwio_client::{
     errno, Batch, Client, ClientOptions, Completion, ConnectArgs, Connection, End, File,
     OpenOptions, RegisteredBuf, Short, BOUNCE_THRESHOLD,

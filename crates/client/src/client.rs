@@ -4,7 +4,7 @@
 use super::*;
 
 pub(crate) struct Inner {
-    pub(crate) side: Mutex<Option<crate::side::SideClient>>,
+    pub(crate) side: Mutex<Option<crate::side_client::SideClient>>,
     /// The RDMA channels, channel 0 first ([`ClientOptions::channels`]);
     /// a reconnect replaces them all.
     pub(crate) engines: RwLock<Vec<Arc<Engine>>>,
@@ -15,7 +15,7 @@ pub(crate) struct Inner {
     /// Where and how the side channel was reached (for a second connection:
     /// the lease-break watcher).
     pub(crate) authority: String,
-    pub(crate) side_opts: crate::side::SideOptions,
+    pub(crate) side_opts: crate::side_client::SideOptions,
     /// How the data path was chosen (for a [`handoff::Handoff`]).
     pub(crate) provider_choice: ProviderChoice,
     pub(crate) device: Option<String>,
@@ -70,7 +70,7 @@ impl Inner {
     /// Run a side-channel call once (no reconnect).
     pub(crate) fn side_once<T>(
         &self,
-        f: impl FnOnce(&mut crate::side::SideClient) -> lwio_side::Result<T>,
+        f: impl FnOnce(&mut crate::side_client::SideClient) -> lwio_side::Result<T>,
     ) -> Result<T> {
         let mut g = self.side.lock().unwrap_or_else(|p| p.into_inner());
         match g.as_mut() {
@@ -138,7 +138,7 @@ impl Client {
     /// can then fail although their first try took effect).
     pub fn side<T>(
         &self,
-        f: impl FnMut(&mut crate::side::SideClient) -> lwio_side::Result<T>,
+        f: impl FnMut(&mut crate::side_client::SideClient) -> lwio_side::Result<T>,
     ) -> Result<T> {
         self.0.side(f)
     }
@@ -167,7 +167,7 @@ impl Client {
             connect_timeout: Some(opts.connect_timeout),
             ..connect::ConnectArgs::default()
         };
-        let mut so = crate::side::SideOptions::new(connect::resolve_login(&args)?);
+        let mut so = crate::side_client::SideOptions::new(connect::resolve_login(&args)?);
         so.tls = match &opts.tls {
             Some(t) => t.clone(),
             None => connect::resolve_tls(&args)?,
@@ -181,11 +181,11 @@ impl Client {
     /// what the `lwio` CLI uses.
     pub fn connect_with(
         target: &str,
-        so: &crate::side::SideOptions,
+        so: &crate::side_client::SideOptions,
         opts: ClientOptions,
     ) -> Result<Client> {
         let (authority, _, export) = parse_target(target)?;
-        let mut side = crate::side::SideClient::connect(&authority, so)?;
+        let mut side = crate::side_client::SideClient::connect(&authority, so)?;
         let (engines, server_name, channel_keys) = dial_all(&mut side, &authority, &opts)?;
         Ok(Client(Arc::new(Inner {
             side: Mutex::new(Some(side)),
@@ -210,12 +210,12 @@ impl Client {
     /// Open a second side-channel connection, logged in as this client,
     /// that carries this session's directory lease breaks
     /// (docs/leases.md). Read breaks with
-    /// [`side::SideClient::next_break`](crate::side::SideClient::next_break) and
+    /// [`side::SideClient::next_break`](crate::side_client::SideClient::next_break) and
     /// answer each with `ack_break`; leases are granted only while it is
     /// open.
-    pub fn watch_breaks(&self) -> Result<crate::side::SideClient> {
+    pub fn watch_breaks(&self) -> Result<crate::side_client::SideClient> {
         let main = self.0.side(|s| Ok(s.session().clone()))?;
-        let mut w = crate::side::SideClient::connect(&self.0.authority, &self.0.side_opts)?;
+        let mut w = crate::side_client::SideClient::connect(&self.0.authority, &self.0.side_opts)?;
         w.watch(&main)?;
         Ok(w)
     }
@@ -368,7 +368,7 @@ impl Client {
 /// channel: (channels, the server's name, each channel's negotiate Key).
 #[allow(clippy::type_complexity)]
 pub(crate) fn dial_all(
-    side: &mut crate::side::SideClient,
+    side: &mut crate::side_client::SideClient,
     authority: &str,
     opts: &ClientOptions,
 ) -> Result<(Vec<Arc<Engine>>, String, Vec<lwio_proto::wire::Guid>)> {
@@ -464,9 +464,9 @@ impl Dial<'_> {
     /// connects and authenticates.
     pub(crate) fn channel(
         &mut self,
-        side: &mut crate::side::SideClient,
+        side: &mut crate::side_client::SideClient,
         req: &NegotiateRequestRepr,
-        session: &crate::side::Session,
+        session: &crate::side_client::Session,
         n: usize,
     ) -> Result<(Arc<Engine>, String, lwio_proto::wire::Guid)> {
         let resp = match side.negotiate(req) {

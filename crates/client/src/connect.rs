@@ -28,7 +28,7 @@ use lwio_side::error::{Error, ErrorCode, Result};
 use lwio_side::tls::parse_fingerprint;
 use lwio_side::{ClientTls, Login, Token};
 
-use crate::side::SideOptions;
+use crate::side_client::SideOptions;
 
 /// What a caller says about login and TLS (the CLI's flags, the C API's
 /// options); what it leaves out is resolved by [`SideOptions::resolve`].

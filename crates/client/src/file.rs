@@ -651,7 +651,7 @@ impl File {
     /// server's answer, with its code.
     pub fn side<T>(
         &self,
-        mut f: impl FnMut(&mut crate::side::SideClient, u64) -> lwio_side::Result<T>,
+        mut f: impl FnMut(&mut crate::side_client::SideClient, u64) -> lwio_side::Result<T>,
     ) -> Result<lwio_side::Result<T>> {
         self.retry(|r| {
             self.client.0.side_once(|s| match f(s, r.handle) {

@@ -222,7 +222,7 @@ impl Handoff {
 
     /// Connect as the handoff says, with `opts` for the data path.
     pub fn connect(&self, mut opts: crate::ClientOptions) -> crate::Result<crate::Client> {
-        let mut so = crate::side::SideOptions::new(self.login.clone());
+        let mut so = crate::side_client::SideOptions::new(self.login.clone());
         so.tls = self.tls.clone();
         so.allow_plain_password = self.allow_plain_password;
         so.client_name = opts.client_name.clone();

@@ -42,7 +42,7 @@ pub mod errno;
 pub mod handoff;
 pub mod publish;
 pub mod reconnect;
-pub mod side;
+pub mod side_client;
 pub mod url;
 
 mod client;

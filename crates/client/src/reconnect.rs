@@ -79,7 +79,7 @@ pub(crate) fn lost_on(e: &Error, engine: &Engine) -> bool {
 pub(crate) fn register(
     inner: &Inner,
     channel: usize,
-    rf: &crate::side::RemoteFile,
+    rf: &crate::side_client::RemoteFile,
     no_buffering: bool,
     epoch: u64,
     reset: u64,
@@ -152,7 +152,7 @@ impl Inner {
     /// lost ([`Inner::retry`]).
     pub(crate) fn side<T>(
         &self,
-        mut f: impl FnMut(&mut crate::side::SideClient) -> lwio_side::Result<T>,
+        mut f: impl FnMut(&mut crate::side_client::SideClient) -> lwio_side::Result<T>,
     ) -> Result<T> {
         self.retry(|| self.side_once(&mut f))
     }
@@ -222,7 +222,7 @@ impl Inner {
                 None => return Err(Error::ConnectionLost("the client is closing".into())),
             }
         };
-        let mut side = crate::side::SideClient::connect(&self.authority, &self.side_opts)?;
+        let mut side = crate::side_client::SideClient::connect(&self.authority, &self.side_opts)?;
         let files = match side.resume(&old) {
             Ok(n) => Some(n),
             // Refused, whatever the reason (lost past its grace, a server
@@ -365,7 +365,7 @@ impl File {
 
     /// After a server restart: open the path again (same access; never
     /// create, truncate or exclusive) and check that it is the same file.
-    fn reopen(&self) -> Result<crate::side::RemoteFile> {
+    fn reopen(&self) -> Result<crate::side_client::RemoteFile> {
         let inner = &self.client.0;
         let what = format!("{}/{}", self.export, self.path);
         let mut o = self.open;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
-use lwio_client::side::{SideClient, SideOptions};
+use lwio_client::side_client::{SideClient, SideOptions};
 use lwio_client::url::LwioUrl;
 use lwio_client::{ConnectArgs, ProviderChoice};
 use lwio_server::config::Config;
@@ -674,7 +674,7 @@ fn read_secret(what: &str, confirm: bool) -> anyhow::Result<String> {
 }
 
 fn hash_password(a: HashPasswordArgs) -> CliResult {
-    use lwio_server::side::access::{self, TokenVerifier};
+    use lwio_server::side_service::access::{self, TokenVerifier};
     let mut out = std::io::stdout().lock();
     if a.new_token {
         let t = Token::generate();

@@ -141,7 +141,7 @@ impl Hostile {
 }
 
 /// Open f.bin over a side channel; its resume key.
-fn open_key(side: &mut lwio_client::side::SideClient) -> SrvResumeKey {
+fn open_key(side: &mut lwio_client::side_client::SideClient) -> SrvResumeKey {
     let o = lwio_side::types::OpenOptions {
         read: true,
         ..Default::default()

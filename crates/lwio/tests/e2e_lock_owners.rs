@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use lwio_client::side::SideClient as Side;
+use lwio_client::side_client::SideClient as Side;
 use lwio_side::types::OpenOptions;
 use lwio_side::{ErrorCode, Login, Token};
 
@@ -88,7 +88,9 @@ fn serve() -> Serve {
 
 impl Serve {
     fn session(&self) -> Side {
-        let o = lwio_client::side::SideOptions::new(Login::Token(Token::new(&self.token).unwrap()));
+        let o = lwio_client::side_client::SideOptions::new(Login::Token(
+            Token::new(&self.token).unwrap(),
+        ));
         Side::connect(&self.side, &o).unwrap()
     }
 

@@ -266,7 +266,7 @@ fn cp_r_refuses_entry_names_that_leave_the_destination() {
 #[test]
 fn library_listings_refuse_invalid_entry_names() {
     let e = env();
-    let opts = lwio_client::side::SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
+    let opts = lwio_client::side_client::SideOptions::new(Login::Token(Token::new(TOKEN).unwrap()));
     for name in bad_names(&e.local) {
         let addr = proxy(
             e.s.side_addr,
@@ -275,7 +275,8 @@ fn library_listings_refuse_invalid_entry_names() {
                 evil: name.clone(),
             },
         );
-        let mut c = lwio_client::side::SideClient::connect(&addr.to_string(), &opts).unwrap();
+        let mut c =
+            lwio_client::side_client::SideClient::connect(&addr.to_string(), &opts).unwrap();
         let want = format!("server listed an invalid entry name {name:?}");
         for x in [false, true] {
             let r = if x {
@@ -300,7 +301,7 @@ fn library_listings_refuse_invalid_entry_names() {
             evil: "renamed.txt".into(),
         },
     );
-    let mut c = lwio_client::side::SideClient::connect(&addr.to_string(), &opts).unwrap();
+    let mut c = lwio_client::side_client::SideClient::connect(&addr.to_string(), &opts).unwrap();
     let mut names: Vec<String> = c
         .list_dir("ex", "d")
         .unwrap()

@@ -137,7 +137,7 @@ fn wrong_secret_cannot_claim_durable_handles() {
     assert_eq!(e.message, lwio_server::state::RESUME_REFUSED);
     // Its own session id with the victim's id is no better; nothing moved.
     let e = thief
-        .resume(&lwio_client::side::Session { id: 999, ..forged })
+        .resume(&lwio_client::side_client::Session { id: 999, ..forged })
         .unwrap_err();
     assert_eq!(e.message, lwio_server::state::RESUME_REFUSED);
     let e = thief.rekey(f.handle()).unwrap_err();

@@ -639,7 +639,7 @@ fn log_format_json_is_one_object_per_line() {
 /// unknown one; a broken file changes nothing.
 #[test]
 fn sighup_applies_exports_and_users_without_dropping_sessions() {
-    use lwio_client::side::{Login, SideClient as Side, SideOptions, Token};
+    use lwio_client::side_client::{Login, SideClient as Side, SideOptions, Token};
     use lwio_client::{Client, ClientOptions, ClientTls, OpenOptions, ProviderChoice};
     use lwio_side::user_token::TokenVerifier;
 

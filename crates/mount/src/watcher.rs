@@ -59,7 +59,10 @@ pub(crate) fn restart(shared: &Arc<Shared>, client: &lwio_client::Client) {
 }
 
 /// Start watching on `w` (already turned into a watching connection).
-pub(crate) fn start(mut w: lwio_client::side::SideClient, shared: Arc<Shared>) -> io::Result<()> {
+pub(crate) fn start(
+    mut w: lwio_client::side_client::SideClient,
+    shared: Arc<Shared>,
+) -> io::Result<()> {
     let Some(notifier) = shared.notifier.get().cloned() else {
         return Err(io::Error::other("no FUSE session to notify"));
     };

@@ -9,7 +9,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::fs::backend::BackendChoice;
 use crate::fs::{validate_export_name, ExportSpec};
-use crate::side::access::{
+use crate::side_service::access::{
     check_password_hash, validate_user_name, Acl, TokenVerifier, UserCredentials, UserDb,
     ANONYMOUS, ANY_USER,
 };
@@ -816,8 +816,8 @@ mod tests {
         assert!(users["alice"].password.is_some());
         assert!(users["backup"].token.is_some());
         let acls = c.acls();
-        let alice = crate::side::access::Principal::User("alice".into());
-        let backup = crate::side::access::Principal::User("backup".into());
+        let alice = crate::side_service::access::Principal::User("alice".into());
+        let backup = crate::side_service::access::Principal::User("backup".into());
         assert!(acls["data"].rights(&alice).write);
         assert!(!acls["data"].rights(&backup).write);
         assert!(acls["data"].rights(&backup).read);

@@ -29,7 +29,7 @@ use lwio_side::Token;
 
 use crate::config::{default_token_file, Config, ProviderChoice};
 use crate::io_phase::driver::{RdmaServer, RdmaServerOptions, ServerHandle};
-use crate::side::tls::ServerIdentity;
+use crate::side_service::tls::ServerIdentity;
 use crate::state::{Security, Server, ServerOptions, ServerState, Shutdown};
 
 /// The pieces [`Service::start_with`] serves.
@@ -474,7 +474,7 @@ mod tests {
     /// nothing, other settings are only named.
     #[test]
     fn reload_swaps_exports_and_names_what_needs_a_restart() {
-        use crate::side::access::Principal;
+        use crate::side_service::access::Principal;
         let dir = tempfile::tempdir().unwrap();
         let (d, e) = (dir.path().join("d"), dir.path().join("e"));
         std::fs::create_dir(&d).unwrap();

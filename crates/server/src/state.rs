@@ -27,9 +27,9 @@ use crate::config::{Config, IoConfig, Limits, ProviderChoice};
 use crate::fs::backend::{open_backend, Backend};
 use crate::fs::table::{Denied, OpenFile, OpenFileTable, Rights, SessionId, SrvResumeKey};
 use crate::fs::{ExportSpec, Exports, ResolveMode};
-use crate::side::access::{Acl, Principal, UserDb};
-use crate::side::admission::Admission;
-use crate::side::tls::ServerIdentity;
+use crate::side_service::access::{Acl, Principal, UserDb};
+use crate::side_service::admission::Admission;
+use crate::side_service::tls::ServerIdentity;
 use lwio_proto::transport::Instance;
 use lwio_side::auth::Token;
 use lwio_side::error::{Error, ErrorCode, Result};
@@ -324,10 +324,10 @@ pub struct ServerState {
     pub(crate) revocations: Notify,
     pub open_files: OpenFileTable,
     /// Directory leases (docs/leases.md).
-    pub leases: Arc<crate::side::leases::Leases>,
+    pub leases: Arc<crate::side_service::leases::Leases>,
     /// Breaks for changes made on the server's own file system (None:
     /// fanotify not allowed here).
-    pub dir_watch: Option<Arc<crate::side::dirwatch::DirWatch>>,
+    pub dir_watch: Option<Arc<crate::side_service::dirwatch::DirWatch>>,
     /// Published memory objects (docs/memory-objects.md).
     pub mem_objects: Arc<crate::memobj::MemObjects>,
     pub backend: Arc<dyn Backend>,
@@ -565,7 +565,7 @@ impl ServerState {
     pub(crate) fn resume(
         &self,
         new: SessionId,
-        who: &crate::side::access::Principal,
+        who: &crate::side_service::access::Principal,
         old: SessionId,
         mac: &[u8],
     ) -> Result<usize, lwio_side::Error> {
@@ -832,7 +832,7 @@ impl Server {
         let listener = TcpListener::bind(&opts.listen)
             .await
             .map_err(|e| Error::from_io(&e, format!("cannot listen on {}", opts.listen)))?;
-        let leases = Arc::new(crate::side::leases::Leases::new(&opts.limits));
+        let leases = Arc::new(crate::side_service::leases::Leases::new(&opts.limits));
         let state = Arc::new(ServerState {
             server_name: opts.server_name.clone(),
             live,
@@ -850,7 +850,10 @@ impl Server {
                 opts.limits.max_lock_owners_per_session,
             ),
             leases: leases.clone(),
-            dir_watch: crate::side::dirwatch::DirWatch::start(leases, opts.limits.max_leases),
+            dir_watch: crate::side_service::dirwatch::DirWatch::start(
+                leases,
+                opts.limits.max_leases,
+            ),
             mem_objects: Arc::default(),
             backend,
             limits: opts.limits.clone(),
@@ -949,7 +952,7 @@ impl Server {
                 }
             })
         };
-        crate::side::accept_loop(listener, state.clone(), shutdown.clone()).await;
+        crate::side_service::accept_loop(listener, state.clone(), shutdown.clone()).await;
         reaper.abort();
         shutdown.trigger();
         if let Some(t) = rdma_thread {

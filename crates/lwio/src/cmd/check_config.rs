@@ -12,7 +12,7 @@ use std::path::Path;
 
 use lwio_server::config::{Config, ExportEntry, IdentityKey};
 use lwio_server::fs::{Exports, ResolveMode};
-use lwio_server::side::tls::ServerIdentity;
+use lwio_server::side_service::tls::ServerIdentity;
 use lwio_side::defaults::default_token_file;
 
 use crate::cli::{apply_serve_flags, Reported, ServeArgs, NOTHING_TO_SERVE};

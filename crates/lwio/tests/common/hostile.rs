@@ -16,7 +16,7 @@ use lwio_rdma::*;
 use lwio_server::io_phase::testkit::LocalServer;
 
 pub struct Hostile {
-    pub side: lwio_client::side::SideClient,
+    pub side: lwio_client::side_client::SideClient,
     pub key: Guid,
     pub secret: Vec<u8>,
     pub qp: Qp,
@@ -35,10 +35,12 @@ pub struct Hostile {
 /// and connect an RDMA QP (soft provider) to the server: a client that speaks
 /// LWIO only through the wire types, so it can say anything.
 pub fn connect(s: &LocalServer, token: &str, client_key: Guid) -> Hostile {
-    let login = lwio_client::side::Login::Token(lwio_client::side::Token::new(token).unwrap());
-    let mut side = lwio_client::side::SideClient::connect(
+    let login = lwio_client::side_client::Login::Token(
+        lwio_client::side_client::Token::new(token).unwrap(),
+    );
+    let mut side = lwio_client::side_client::SideClient::connect(
         &s.side_addr.to_string(),
-        &lwio_client::side::SideOptions::new(login),
+        &lwio_client::side_client::SideOptions::new(login),
     )
     .unwrap();
     let resp = side

@@ -97,8 +97,8 @@ impl Srv {
             .to_string()
     }
 
-    pub fn side_opts(&self) -> lwio_client::side::SideOptions {
-        lwio_client::side::SideOptions::new(Login::Token(Token::new(&self.token()).unwrap()))
+    pub fn side_opts(&self) -> lwio_client::side_client::SideOptions {
+        lwio_client::side_client::SideOptions::new(Login::Token(Token::new(&self.token()).unwrap()))
     }
 
     pub fn connect(&self, op_timeout: Duration) -> Client {
@@ -129,13 +129,13 @@ impl Srv {
     }
 
     /// A separate side-channel session (same token).
-    pub fn side_client(&self) -> lwio_client::side::SideClient {
-        lwio_client::side::SideClient::connect(&self.side, &self.side_opts()).unwrap()
+    pub fn side_client(&self) -> lwio_client::side_client::SideClient {
+        lwio_client::side_client::SideClient::connect(&self.side, &self.side_opts()).unwrap()
     }
 }
 
 /// `lwio_open_files` from the server's metrics, asked on `c`.
-pub fn open_files(c: &mut lwio_client::side::SideClient) -> u64 {
+pub fn open_files(c: &mut lwio_client::side_client::SideClient) -> u64 {
     let t = c.stats().unwrap();
     t.lines()
         .find_map(|l| l.strip_prefix("lwio_open_files "))

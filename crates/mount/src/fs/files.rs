@@ -62,7 +62,7 @@ impl LwioFs {
     /// before it are lost: their calls fail with EIO).
     pub(super) fn side<T>(
         &self,
-        f: impl Fn(&mut lwio_client::side::SideClient) -> lwio_side::Result<T>,
+        f: impl Fn(&mut lwio_client::side_client::SideClient) -> lwio_side::Result<T>,
     ) -> Res<T> {
         Stats::add(&self.stats.side_calls, 1);
         // Soft: one more try on a new connection. Hard: as many as it
@@ -205,7 +205,7 @@ impl LwioFs {
     pub(super) fn on_file<T>(
         &self,
         f: &File,
-        call: impl FnMut(&mut lwio_client::side::SideClient, u64) -> lwio_side::Result<T>,
+        call: impl FnMut(&mut lwio_client::side_client::SideClient, u64) -> lwio_side::Result<T>,
     ) -> Res<T> {
         Stats::add(&self.stats.side_calls, 1);
         match f.side(call) {

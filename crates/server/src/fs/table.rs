@@ -443,7 +443,7 @@ impl OpenFileTable {
             f.rights.write
                 && f.session != except
                 && f.export == export
-                && crate::side::leases::parent_key(export, &f.path)
+                && crate::side_service::leases::parent_key(export, &f.path)
                     .ok()
                     .flatten()
                     .is_some_and(|(_, d)| d == dir)

@@ -7,7 +7,7 @@ use super::*;
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, FileKind, OpenOptions, ResolveMode};
 use crate::state::{AuthPolicy, Server, ServerOptions, ServerState, Shutdown};
-use lwio_client::side::{AsyncSideClient, SideClient, SideOptions};
+use lwio_client::side_client::{AsyncSideClient, SideClient, SideOptions};
 use lwio_side::error::ErrorCode;
 use lwio_side::negotiate::NegotiateRequestRepr;
 use lwio_side::{codec, Login, Token};

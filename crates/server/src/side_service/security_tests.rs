@@ -12,7 +12,7 @@ use super::*;
 use crate::config::{IoConfig, Limits, ProviderChoice};
 use crate::fs::{ExportSpec, OpenOptions, ResolveMode};
 use crate::state::{AuthPolicy, Security, Server, ServerOptions, ServerState, Shutdown};
-use lwio_client::side::{AsyncSideClient, SideOptions};
+use lwio_client::side_client::{AsyncSideClient, SideOptions};
 use lwio_side::codec::{self, LoginRequest, Request, Response};
 use lwio_side::error::ErrorCode;
 use lwio_side::tls::{fingerprint, parse_fingerprint};
