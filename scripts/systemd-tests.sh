@@ -96,7 +96,17 @@ for _ in $(seq 100); do
 done
 [ -n "$CPID" ] || { cat "$W/console.log" >&2; die "no systemd in the container"; }
 inside() { nsenter -t "$CPID" -a -- env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 "$@"; }
-state=$(timeout 120 nsenter -t "$CPID" -a -- systemctl is-system-running --wait 2>&1 || true)
+# systemd is found as a process before it listens on its bus: until then
+# systemctl says "Failed to connect to bus" (seen on a loaded CI machine);
+# ask again until it answers, within the same two minutes.
+deadline=$((SECONDS + 120))
+while :; do
+    state=$(timeout 120 nsenter -t "$CPID" -a -- systemctl is-system-running --wait 2>&1 || true)
+    case $state in
+        *"Failed to connect to bus"*) [ "$SECONDS" -lt "$deadline" ] && { sleep 0.5; continue; } ;;
+    esac
+    break
+done
 case $state in
     running | degraded) say "container booted, systemd $(inside systemctl --version | head -1 | cut -d' ' -f2) is PID 1 ($state)" ;;
     *) inside systemctl --failed --no-pager || true; die "container did not come up: $state" ;;
