@@ -364,15 +364,15 @@ impl AsyncFile {
     /// I/O; not a CANCEL).
     async fn complete(&self, e: &Arc<Engine>, req: ReqId, polled: bool) -> Result<(u32, NtStatus)> {
         let mut answer = None;
-        let came = self
-            .wait_until(e, polled, || {
-                answer = e.try_wait(req, true)?;
-                Ok(answer.is_some())
-            })
-            .await?;
+        // `answer` is set exactly when the wait ended with it.
+        self.wait_until(e, polled, || {
+            answer = e.try_wait(req, true)?;
+            Ok(answer.is_some())
+        })
+        .await?;
         match answer {
-            Some(a) if came => Ok(a),
-            _ => {
+            Some(a) => Ok(a),
+            None => {
                 e.abandon_req(req);
                 Err(timed_out(req))
             }

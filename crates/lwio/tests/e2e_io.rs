@@ -1574,16 +1574,7 @@ fn a_backlog_is_granted_toward_its_demand_and_given_back_when_idle() {
             ..RdmaServerOptions::default()
         },
     );
-    let c = connect_with(
-        &s,
-        ClientOptions {
-            completion: Completion::Interrupt,
-            credits: 8,
-            stage_slots: 64,
-            op_timeout: Duration::from_secs(20),
-            ..ClientOptions::default()
-        },
-    );
+    let c = backlog_client(&s);
     let f = Arc::new(c.open("b.bin", &OpenOptions::read_only()).unwrap());
     assert_eq!(c.credits(), 8);
     let stop = Arc::new(AtomicBool::new(false));
@@ -1619,6 +1610,21 @@ fn a_backlog_is_granted_toward_its_demand_and_given_back_when_idle() {
     );
     assert_eq!(s.rdma.stats().credit_overruns, 0);
     assert_eq!(s.rdma.stats().closed_by_protocol, 0);
+}
+
+/// The client of the backlog tests: interrupts, 8 credits to start, room
+/// for 64 staged reads, time enough under load.
+fn backlog_client(s: &LocalServer) -> Client {
+    connect_with(
+        s,
+        ClientOptions {
+            completion: Completion::Interrupt,
+            credits: 8,
+            stage_slots: 64,
+            op_timeout: Duration::from_secs(20),
+            ..ClientOptions::default()
+        },
+    )
 }
 
 /// Wait until the connection's credits settle, the same on both sides,
@@ -1668,16 +1674,7 @@ fn async_futures_waiting_for_a_credit_count_in_the_hint() {
     let data = pattern(10, 1 << 20);
     std::fs::write(dir.path().join("b.bin"), &data).unwrap();
     let s = server(dir.path(), RdmaServerOptions::default());
-    let blocking = connect_with(
-        &s,
-        ClientOptions {
-            completion: Completion::Interrupt,
-            credits: 8,
-            stage_slots: 64,
-            op_timeout: Duration::from_secs(20),
-            ..ClientOptions::default()
-        },
-    );
+    let blocking = backlog_client(&s);
     let stop = Arc::new(AtomicBool::new(false));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -21,7 +21,7 @@
 use std::cell::Cell;
 use std::collections::{HashSet, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -163,7 +163,7 @@ pub struct ChanShared {
     /// channel's `wait`, for that thread to take without the eventfd.
     local: AtomicBool,
     /// Eventfd writes made (tests count them).
-    fd_writes: std::sync::atomic::AtomicU64,
+    fd_writes: AtomicU64,
     /// Tags of tagged CQs that fired and were not yet taken (each once).
     fired: Mutex<(Vec<u64>, HashSet<u64>)>,
     /// Manual progress: epoll over `efd` and the context's epoll fd.
@@ -185,7 +185,7 @@ impl ChanShared {
         Ok(ChanShared {
             efd,
             local: AtomicBool::new(false),
-            fd_writes: std::sync::atomic::AtomicU64::new(0),
+            fd_writes: AtomicU64::new(0),
             fired: Mutex::new((Vec::new(), HashSet::new())),
             epfd,
             ctx,
