@@ -9,17 +9,37 @@
 //! A segment's payload may arrive over many reads (a slow or stalling peer),
 //! so checking a key once at the segment's header is not enough: the
 //! receive path writes registered memory only inside [`PlaceKeep::enter`],
-//! which holds the region's (and the window's) placement fence for reading
-//! and checks the key is still live. Deregistration, window invalidation,
-//! deallocation and re-binding first make the key dead, then take the fence
-//! for writing: they return only once no write into the memory is running,
-//! and no later write starts (the rest of such a segment is refused with a
-//! Terminate, as an RNIC refuses the later packets of a write whose key was
-//! invalidated). They wait for one `read(2)` or copy at most, never for the
-//! peer, so a stalling peer cannot hold them up (issue 31).
+//! which holds the region's fence for writing (and the window's placement
+//! fence for reading) and checks the key is still live. Deregistration,
+//! window invalidation, deallocation and re-binding first make the key dead,
+//! then take the fence for writing: they return only once no write into the
+//! memory is running, and no later write starts (the rest of such a segment
+//! is refused with a Terminate, as an RNIC refuses the later packets of a
+//! write whose key was invalidated). They wait for one `read(2)` or copy at
+//! most, never for the peer, so a stalling peer cannot hold them up (issue
+//! 31).
+//!
+//! # The region fence is the region's reader-writer lock
+//! Every access this process makes to a soft region's bytes, by the engine
+//! or by the application, runs under [`MrState::fence`]: the receive path's
+//! placements (tagged and untagged: copies from the stage, `read(2)` into
+//! the region, a held word) take it for writing; the transmit path holds it
+//! for reading while `writev` or a copy reads payload from the region; the
+//! application's copies through `Mr`/`MrSlice` (`read_at`, `load_u64`, ...)
+//! take it for reading, its writes (`write_at`, `fill`, `store_*`) for
+//! writing ([`SoftMr`]'s `MrOps::cpu_lock`). So two accesses to the same
+//! byte from two threads, one of them a write, are never concurrent: each
+//! pair is ordered by the lock (a happens-before edge), whatever the peer
+//! sends and whenever the application copies. This is what makes the safe
+//! copies of `Mr` sound with `Progress::Auto`, where the engine is a thread
+//! of this process (a hardware provider's DMA is outside the Rust abstract
+//! machine). A thread takes several fences in address order
+//! ([`lock_order`]), and never a fence it already holds, so the lock cannot
+//! deadlock; every holder runs one copy or one non-blocking system call
+//! under it.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::verbs::*;
 use lwio_iwarp::wire::term::TermKind;
@@ -34,9 +54,11 @@ pub struct MrState {
     pub access: Access,
     pub pd: u32,
     pub valid: AtomicBool,
-    /// Held (read) by every write of the receive path into this region,
-    /// and by the copy of a Read Response's payload out of caller-owned
-    /// memory; taken (write) by deregistration after `valid` is cleared.
+    /// The region's reader-writer lock (module docs): held for writing by
+    /// every write of the receive path into this region and by the
+    /// application's writes; for reading by every read of the transmit path
+    /// and the application's copies; taken (write) by deregistration after
+    /// `valid` is cleared.
     pub fence: RwLock<()>,
     /// Keeps library-owned memory alive while any reference to this state lives.
     _owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
@@ -88,24 +110,61 @@ impl MwState {
     }
 }
 
-/// What a placement writes through: the region, and the window (with the
-/// epoch it resolved under) when the key was a window's.
+/// What a placement writes through: the region, the window (with the
+/// epoch it resolved under) when the key was a window's, and any further
+/// regions the destination spans (a receive's scatter list).
 #[derive(Clone)]
 pub struct PlaceKeep {
     pub mr: Arc<MrState>,
     pub mw: Option<(Arc<MwState>, u64)>,
+    pub more: Vec<Arc<MrState>>,
 }
 
 /// Fences held while one write of a placement runs.
 pub struct PlaceGuard<'a> {
     _mw: Option<RwLockReadGuard<'a, ()>>,
-    _mr: RwLockReadGuard<'a, ()>,
+    /// The one region of most placements (no allocation).
+    _mr: Option<RwLockWriteGuard<'a, ()>>,
+    /// Or all of them, when the destination spans several.
+    _more: Vec<RwLockWriteGuard<'a, ()>>,
+}
+
+/// The distinct regions of `mrs` in the one order in which a thread takes
+/// several region fences (by address), so that two threads each taking a
+/// set of them cannot deadlock, and a thread never takes one twice.
+pub fn lock_order<'a>(mrs: impl Iterator<Item = &'a Arc<MrState>>) -> Vec<&'a Arc<MrState>> {
+    let mut v: Vec<&Arc<MrState>> = mrs.collect();
+    v.sort_by_key(|m| Arc::as_ptr(m) as usize);
+    v.dedup_by_key(|m| Arc::as_ptr(m) as usize);
+    v
+}
+
+/// Read guards on the fences of `mrs` (distinct, in [`lock_order`]): held
+/// while the transmit path reads payload out of those regions.
+pub fn read_fences<'a>(
+    mrs: impl Iterator<Item = &'a Arc<MrState>>,
+) -> Vec<RwLockReadGuard<'a, ()>> {
+    lock_order(mrs)
+        .into_iter()
+        .map(|m| m.fence.read().unwrap_or_else(|e| e.into_inner()))
+        .collect()
 }
 
 impl PlaceKeep {
+    /// The regions of a receive's scatter list (`None` for an empty one).
+    pub fn regions(mrs: &[Arc<MrState>]) -> Option<PlaceKeep> {
+        let (first, rest) = mrs.split_first()?;
+        Some(PlaceKeep {
+            mr: first.clone(),
+            mw: None,
+            more: rest.to_vec(),
+        })
+    }
+
     /// Whether the key the placement resolved is still live.
     pub fn live(&self) -> bool {
         self.mr.valid.load(Ordering::Acquire)
+            && self.more.iter().all(|m| m.valid.load(Ordering::Acquire))
             && self
                 .mw
                 .as_ref()
@@ -113,14 +172,32 @@ impl PlaceKeep {
     }
 
     /// Enter one write: `None` when the key was revoked (write nothing);
-    /// otherwise revocation waits for the guard to drop.
+    /// otherwise revocation, and every other access to the regions, waits
+    /// for the guard to drop.
     pub fn enter(&self) -> Option<PlaceGuard<'_>> {
         let mw = self
             .mw
             .as_ref()
             .map(|(w, _)| w.fence.read().unwrap_or_else(|e| e.into_inner()));
-        let mr = self.mr.fence.read().unwrap_or_else(|e| e.into_inner());
-        let g = PlaceGuard { _mw: mw, _mr: mr };
+        fn write(m: &Arc<MrState>) -> RwLockWriteGuard<'_, ()> {
+            m.fence.write().unwrap_or_else(|e| e.into_inner())
+        }
+        let g = if self.more.is_empty() {
+            PlaceGuard {
+                _mw: mw,
+                _mr: Some(write(&self.mr)),
+                _more: Vec::new(),
+            }
+        } else {
+            PlaceGuard {
+                _mw: mw,
+                _mr: None,
+                _more: lock_order(std::iter::once(&self.mr).chain(self.more.iter()))
+                    .into_iter()
+                    .map(write)
+                    .collect(),
+            }
+        };
         self.live().then_some(g)
     }
 }
@@ -471,6 +548,10 @@ impl MrOps for SoftMr {
     }
     fn rkey(&self) -> u32 {
         self.state.stag
+    }
+    /// The region's fence (module docs).
+    fn cpu_lock(&self) -> Option<&RwLock<()>> {
+        Some(&self.state.fence)
     }
     /// Returns once no placement into the region is writing (module docs).
     fn deregister(&self) {

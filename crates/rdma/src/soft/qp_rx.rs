@@ -65,28 +65,26 @@ impl Stage {
 /// which is one `AtomicU64` store with `Release` ordering, after the bytes
 /// before it.
 ///
-/// Why: a local consumer may poll a word of registered memory while the
-/// engine thread places into it (`Progress::Auto`): a status block that
-/// the peer RDMA-Writes, loaded with [`crate::MrSlice::load_u64`], an
-/// `AtomicU64` `Acquire` load. lwio's server writes each status block with
-/// an 8-byte Write of its own; when its payload is placed in one piece it
-/// is exactly such a word, so the reader's load and this store are atomic
-/// accesses of the same size and location (no data race), and a load that
-/// sees the new value happens after every byte the engine placed before it
-/// (earlier segments of the connection, placed in order, and the bytes of
-/// this piece before the word): the data the status block vouches for.
-///
-/// A word whose bytes arrive in two pieces (TCP delivered the segment's
-/// payload in two reads) is not placed by halves: the receive path holds
-/// the first piece's part of it back ([`HeldWord`]) and places the word
-/// whole, with this store, once the next piece completes it. A word in the
-/// middle of a longer piece is placed by plain copies: nothing polls such a
-/// word (a status block is an RDMA Write of its own; docs/architecture.md,
-/// "Unsafe code"). Bytes after the word (fewer than 8) follow it.
+/// Soundness does not rest on the atomic store: the caller holds the write
+/// fence of the destination's regions, which every other access to their
+/// bytes from this process takes too (`soft::mem`, "The region fence is
+/// the region's reader-writer lock"), so nothing reads or writes these
+/// bytes concurrently. The store is for the protocol: a status block the
+/// peer RDMA-Writes with an 8-byte Write of its own is stored whole, and a
+/// word whose bytes arrive in two pieces (TCP delivered the segment's
+/// payload in two reads, placed under two holds of the fence) is not
+/// placed by halves either: the receive path holds the first piece's part
+/// of it back ([`HeldWord`]) and places the word whole once the next piece
+/// completes it, so a poller (`MrSlice::load_u64`) never sees a status
+/// block half new. A word in the middle of a longer piece is placed by
+/// plain copies (a status block is an RDMA Write of its own). Bytes after
+/// the word (fewer than 8) follow it.
 ///
 /// # Safety
-/// `dst..dst + src.len()` must be valid for writes, not overlap `src`, and
-/// not be covered by a Rust reference.
+/// `dst..dst + src.len()` must be valid for writes, not overlap `src`, not
+/// be covered by a Rust reference, and not be accessed by another thread
+/// during the call (registered memory: the caller holds its regions' write
+/// fences).
 unsafe fn place_bytes(dst: *mut u8, src: &[u8]) {
     use std::sync::atomic::{AtomicU64, Ordering};
     let n = src.len();
@@ -115,8 +113,7 @@ unsafe fn place_bytes(dst: *mut u8, src: &[u8]) {
 /// The bytes of a payload's last aligned word that arrived before the rest
 /// of it, held back so that the word is placed whole by one atomic store
 /// ([`place_bytes`]) when the segment's next bytes complete it, rather than
-/// by halves that a concurrent poller of the word could see (and race
-/// with).
+/// by halves that a poller of the word could see between the two reads.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct HeldWord {
     /// The word's address (8-aligned, in the current destination piece).
@@ -129,7 +126,9 @@ pub(super) struct HeldWord {
 /// Copy bytes into a scatter list at `off`.
 ///
 /// # Safety
-/// The pieces must describe valid, writable registered memory.
+/// The pieces must describe valid, writable registered memory that no
+/// other thread accesses during the call (the caller holds the regions'
+/// write fences).
 unsafe fn scatter(pieces: &[Piece], off: u64, data: &[u8]) {
     let mut v = Vec::new();
     map_pieces(pieces, off, data.len() as u64, &mut v);
@@ -167,10 +166,24 @@ impl QpEngine {
                 self.fatal(TermKind::DdpUntaggedMessageTooLong, false);
                 return;
             }
-            // SAFETY: the receive's pieces were validated against live
-            // registrations (kept alive by `_keep`) with LOCAL_WRITE; the
-            // source is our own heap buffer.
+            let keep = PlaceKeep::regions(&r._keep);
+            let guard = keep.as_ref().map(|k| k.enter());
+            if matches!(guard, Some(None)) {
+                // A region of the receive was deregistered since the post.
+                drop(guard);
+                self.p.rcq.push(
+                    wc(r.wr_id, WcStatus::LocProtErr, WcOpcode::Recv, self.p.qpn),
+                    true,
+                );
+                self.fatal(TermKind::RdmapLocalCatastrophic, false);
+                return;
+            }
+            // SAFETY: the receive's pieces were validated against
+            // registrations with LOCAL_WRITE, still live and write-fenced
+            // (the guard: no other access to their bytes runs meanwhile);
+            // the source is our own heap buffer.
             unsafe { scatter(&r.pieces, 0, &a.data) };
+            drop(guard);
             if a.complete {
                 let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
                 w.byte_len = a.data.len() as u32;
@@ -305,20 +318,23 @@ impl QpEngine {
         if p.addr == 0 || left < min {
             return Ok(false);
         }
-        // A tagged segment writes only while its key is live, fenced
-        // against revocation for the length of the read.
+        // Registered memory is written only while its key (or receive) is
+        // live, under the regions' fences for the length of the read
+        // (`PlaceKeep::enter`: revocation and every other access to those
+        // bytes wait); an anonymous buffer has no keep.
         let keep = self.dest_keep.take();
         let r = match keep.as_ref().map(|k| k.enter()) {
             Some(None) => None,
             g => {
                 let _g = g.flatten();
                 // SAFETY: `p` lies inside a registration validated for this
-                // segment (tagged: STag/PD/rights/bounds checked, and still
-                // live under the fence held; receive: lkey with LOCAL_WRITE;
-                // anonymous: our own heap buffer, kept in place while
-                // `anon_seg_open`) and kept alive by the WR/validation
-                // context. The kernel writes it; no Rust reference to it is
-                // formed, and the bytes are not read back (no CRC).
+                // segment (tagged: STag/PD/rights/bounds checked; receive:
+                // lkey with LOCAL_WRITE), still live and write-fenced by the
+                // guard held, so no other thread accesses these bytes during
+                // the read; or in our own anonymous heap buffer, kept in
+                // place while `anon_seg_open`. The kernel writes it on this
+                // thread's behalf; no Rust reference to it is formed, and the
+                // bytes are not read back (no CRC).
                 Some(unsafe { io.read((p.addr + self.dest_off) as *mut u8, left) })
             }
         };
@@ -371,8 +387,8 @@ impl QpEngine {
             }
             Some(FpduEvent::Payload { data, .. }) => {
                 let mut data = data;
-                // As in `direct_read`: the copies run under the fence of a
-                // tagged segment's key, and only while it is live.
+                // As in `direct_read`: the copies run under the write fences
+                // of the destination's regions, and only while it is live.
                 let keep = self.dest_keep.take();
                 let guard = keep.as_ref().map(|k| k.enter());
                 let revoked = matches!(guard, Some(None));
@@ -390,8 +406,9 @@ impl QpEngine {
                         if h.len == 8 {
                             // SAFETY: the word lies inside this validated,
                             // live destination piece (checked when it was
-                            // held back), which no Rust reference covers;
-                            // the source is our own array.
+                            // held back), write-fenced by `guard` (no other
+                            // thread accesses it meanwhile) and covered by
+                            // no Rust reference; the source is our own array.
                             unsafe { place_bytes(h.addr as *mut u8, &h.bytes) };
                             self.held = None;
                         }
@@ -411,7 +428,8 @@ impl QpEngine {
                             && u64::from(self.fpdu.payload_remaining()) >= word + 8 - end;
                         let now = if hold { (word - start) as usize } else { n };
                         // SAFETY: as in `direct_read`: a validated, live
-                        // destination that no Rust reference covers; the
+                        // destination, write-fenced by `guard`, that no Rust
+                        // reference covers (or our anonymous buffer); the
                         // source is our own stage.
                         unsafe { place_bytes(start as *mut u8, &data[..now]) };
                         if hold {
@@ -468,10 +486,16 @@ impl QpEngine {
     /// invalidated, re-bound) while its payload was arriving: nothing more
     /// is written, and the stream ends as for a segment that named a dead
     /// key from the start.
+    /// A receive's region deregistered while it was posted is a local
+    /// error: the stream ends without writing into it.
     fn placement_revoked(&mut self) {
         self.dest_keep = None;
         self.held = None;
-        self.fatal(TermKind::DdpTaggedInvalidStag, true);
+        if self.seg.tagged {
+            self.fatal(TermKind::DdpTaggedInvalidStag, true);
+        } else {
+            self.fatal(TermKind::RdmapLocalCatastrophic, false);
+        }
     }
 
     /// A segment header: validate it against the stream (lwio-iwarp's
@@ -565,7 +589,11 @@ impl QpEngine {
                                         stag: s.stag,
                                         next_to: s.to,
                                         end: r.end,
-                                        keep: PlaceKeep { mr: r.mr, mw: r.mw },
+                                        keep: PlaceKeep {
+                                            mr: r.mr,
+                                            mw: r.mw,
+                                            more: Vec::new(),
+                                        },
                                     });
                                     r.ptr
                                 }
@@ -595,7 +623,11 @@ impl QpEngine {
                         let keep = self
                             .sq_index(o.seq)
                             .and_then(|i| self.sq[i].keep.first().cloned())
-                            .map(|mr| PlaceKeep { mr, mw: None });
+                            .map(|mr| PlaceKeep {
+                                mr,
+                                mw: None,
+                                more: Vec::new(),
+                            });
                         match keep {
                             Some(k) if k.live() => self.dest_keep = Some(k),
                             _ => return self.fatal(TermKind::DdpTaggedInvalidStag, true),
@@ -646,6 +678,10 @@ impl QpEngine {
                             let mut v = std::mem::take(&mut self.dest);
                             map_pieces(&r.pieces, s.mo as u64, n, &mut v);
                             self.dest = v;
+                            // The receive's regions: placed under their
+                            // fences, and not at all once one of them is
+                            // deregistered (the memory may be gone).
+                            self.dest_keep = PlaceKeep::regions(&r._keep);
                         }
                         Target::Anon => {
                             let extra = if self.cur_send.is_none() {

@@ -32,11 +32,23 @@ fn untagged(opcode: Opcode, last: bool, inv: u32, qn: u32, msn: u32, mo: u32) ->
 }
 
 impl TxFrame {
-    /// A copy of the frame's payload. The pieces lie in live registrations
-    /// (kept alive by the WR or the frame: an SQ WR completes only once its
-    /// last frame is written, or in `enter_error`, which calls this first)
-    /// or in the frame's own inline/staged buffers.
-    fn payload_copy(&self) -> Vec<u8> {
+    /// A copy of the frame's payload, made under the read fences of the
+    /// regions it lies in (no other thread writes those bytes meanwhile:
+    /// `soft::mem`, "The region fence is the region's reader-writer
+    /// lock"). The pieces lie in registrations kept alive by the WR or the
+    /// frame (an SQ WR completes only once its last frame is written, or in
+    /// `enter_error`, which calls this first), or in the frame's own
+    /// inline/staged buffers. `None` when a region that does not own its
+    /// memory (`register_raw`) was deregistered: that memory may be gone.
+    fn payload_copy(&self) -> Option<Vec<u8>> {
+        let _fences = read_fences(self.keep.iter());
+        if self
+            .keep
+            .iter()
+            .any(|m| !m.owns_memory() && !m.valid.load(std::sync::atomic::Ordering::Acquire))
+        {
+            return None;
+        }
         let payload: usize = self.pieces[..self.npieces]
             .iter()
             .map(|p| p.len as usize)
@@ -45,9 +57,9 @@ impl TxFrame {
         for p in &self.pieces[..self.npieces] {
             let at = own.len();
             // SAFETY: the piece is readable memory that the frame may send
-            // from (above), and `own` has capacity for it; `set_len` follows
-            // the copy, and only initialised bytes are then exposed. No Rust
-            // reference to the source is formed.
+            // from (above), read-fenced, and `own` has capacity for it;
+            // `set_len` follows the copy, and only initialised bytes are
+            // then exposed. No Rust reference to the source is formed.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     p.addr as *const u8,
@@ -57,7 +69,24 @@ impl TxFrame {
                 own.set_len(at + p.len as usize);
             }
         }
-        own
+        Some(own)
+    }
+
+    /// [`TxFrame::payload_copy`], or zeros of its length when the source
+    /// was deregistered under a work request that still sends from it (the
+    /// caller broke `register_raw`'s contract; nothing is read from memory
+    /// that may be gone).
+    fn payload_copy_or_zeros(&self) -> Vec<u8> {
+        self.payload_copy().unwrap_or_else(|| {
+            tracing::debug!("send source deregistered before its work request completed");
+            vec![
+                0;
+                self.pieces[..self.npieces]
+                    .iter()
+                    .map(|p| p.len as usize)
+                    .sum()
+            ]
+        })
     }
 
     /// Send the payload from `own` (a copy of it) instead of its pieces.
@@ -76,11 +105,11 @@ impl TxFrame {
     /// already does (CRC on: staged; inline data). `enter_error` calls
     /// this for the partly written frame it keeps: the WRs it sends from
     /// are about to complete (flushed), after which the owner of
-    /// `register_raw` memory may free it, and the frame's `_keep` keeps
+    /// `register_raw` memory may free it, and the frame's `keep` keeps
     /// only the registration's bookkeeping alive, not that memory.
     pub(super) fn own_payload(&mut self) {
         if self._staged.is_none() && self._inline.is_none() {
-            let own = self.payload_copy();
+            let own = self.payload_copy_or_zeros();
             self.send_from(own);
         }
     }
@@ -101,7 +130,7 @@ impl QpEngine {
             // the consumer (or another QP placing into the same region)
             // writes the source meanwhile.
             if f._staged.is_none() {
-                let own = f.payload_copy();
+                let own = f.payload_copy_or_zeros();
                 f.send_from(own);
             }
             let own = f._staged.as_deref().unwrap_or_default();
@@ -122,7 +151,7 @@ impl QpEngine {
             total: 0,
             written: 0,
             owner,
-            _keep: None,
+            keep: Vec::new(),
             _inline: None,
             _staged: None,
         }
@@ -195,18 +224,14 @@ impl QpEngine {
             };
             f.npieces = 1;
         }
-        f._keep = e.mr.clone();
-        if let Some(mr) = e.mr.as_ref().filter(|m| n > 0 && !m.owns_memory()) {
+        f.keep = e.mr.iter().cloned().collect();
+        if e.mr.as_ref().is_some_and(|m| n > 0 && !m.owns_memory()) {
             // Caller-owned memory stays allocated only while its `Mr` lives
             // (`Pd::register_raw`), and the frame may wait in the send queue
             // longer than that: copy the payload now, under the region's
             // fence, which deregistration takes (after clearing `valid`)
             // before the `Mr`'s drop returns.
-            let _fence = mr.fence.read().unwrap_or_else(|e| e.into_inner());
-            if !mr.valid.load(std::sync::atomic::Ordering::Acquire) {
-                return None;
-            }
-            let own = f.payload_copy();
+            let own = f.payload_copy()?;
             f.send_from(own);
         }
         e.sent += n;
@@ -294,10 +319,9 @@ impl QpEngine {
                     f.pieces[i] = p;
                     f.npieces = i + 1;
                 }
-                // Keep the first registration alive for the frame; the others
-                // are kept by the WR, which outlives the frame unless the QP
-                // is flushed — then the frame is dropped too (see `drive`).
-                f._keep = w.keep.first().cloned();
+                // The frame keeps the WR's registrations alive, and names the
+                // regions whose fences its transmission holds.
+                f.keep = w.keep.clone();
                 f._inline = w.inline.clone();
                 w.sent += n;
                 w.built = last;
@@ -374,6 +398,14 @@ impl QpEngine {
                 }
                 push(f.trailer.as_ref().as_ptr(), f.trailer.as_ref().len());
             }
+            // Held for the call: every region a frame sends from (frames
+            // with a copy of their own read none).
+            let fences = read_fences(
+                self.txq
+                    .iter()
+                    .filter(|f| f._staged.is_none())
+                    .flat_map(|f| f.keep.iter()),
+            );
             // SAFETY: the iovecs cover the frames' own arrays, inline/staged
             // buffers owned by the frames, and payload pieces in registered
             // memory:
@@ -385,14 +417,18 @@ impl QpEngine {
             //   copy (`enter_error` → `own_payload`), not from memory whose
             //   WRs completed.
             // - an inbound Read's source: validated against a live
-            //   registration when the request came; the frame's `_keep`
+            //   registration when the request came; the frame's `keep`
             //   keeps a `RegBuf` mapped. A frame from `register_raw` memory
             //   sends from its own copy, taken when the frame was built
             //   under the region's fence while it was still registered
             //   (`irq_frame`), so it does not depend on the caller keeping
             //   that memory after dropping the `Mr`.
-            // The kernel only reads them.
-            match unsafe { io.writev(&iov) } {
+            // The kernel only reads them, on this thread's behalf, under the
+            // read fences of every region a frame sends from (`fences`: no
+            // other thread writes those bytes during the call).
+            let r = unsafe { io.writev(&iov) };
+            drop(fences);
+            match r {
                 Ok(mut w) => {
                     self.txq_bytes -= w;
                     while w > 0 {

@@ -1650,3 +1650,135 @@ fn a_waiter_running_its_own_progress_takes_its_events_without_the_eventfd() {
         "the waiter's own completions went through the eventfd"
     );
 }
+
+/// The region fence is the region's reader-writer lock for every access
+/// this process makes to its bytes: an application copy out of a region
+/// (`read_at`, `load_u64`) waits for a placement into it that is writing,
+/// and an application write (`write_at`) waits for a transmission reading
+/// from it, while a copy goes on beside a transmission. Before the lock,
+/// the copies ran at once, concurrently with the engine's writes (a data
+/// race under `Progress::Auto`).
+#[test]
+fn application_copies_and_engine_accesses_to_a_region_exclude_each_other() {
+    use super::mem::{read_fences, PlaceKeep, SoftMr};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+    let ctx = ctx();
+    let s = side(&ctx, 1, false, 100);
+    let mr = s.pd.alloc_mr(4096, Access::LOCAL_WRITE).expect("mr");
+    let state = (*mr.ops)
+        .as_any()
+        .downcast_ref::<SoftMr>()
+        .expect("soft mr")
+        .state
+        .clone();
+    fn waits<G>(held: G, act: impl Fn() + Sync, what: &str) {
+        let done = AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                act();
+                done.store(true, Ordering::SeqCst);
+            });
+            std::thread::sleep(Duration::from_millis(150));
+            let early = done.load(Ordering::SeqCst);
+            drop(held);
+            h.join().expect("join");
+            assert!(!early, "{what} ran while the engine held the region");
+        });
+        assert!(done.load(Ordering::SeqCst), "{what}");
+    }
+    let keep = PlaceKeep {
+        mr: state.clone(),
+        mw: None,
+        more: Vec::new(),
+    };
+    waits(
+        keep.enter().expect("live"),
+        || {
+            let mut b = [0u8; 16];
+            mr.read_at(0, &mut b).expect("read");
+        },
+        "read_at during a placement",
+    );
+    waits(
+        keep.enter().expect("live"),
+        || {
+            mr.load_u64(8).expect("load");
+        },
+        "load_u64 during a placement",
+    );
+    waits(
+        read_fences(std::iter::once(&state)),
+        || mr.write_at(0, &[7; 16]).expect("write"),
+        "write_at during a transmission",
+    );
+    // A copy beside a transmission: both only read.
+    let fences = read_fences(std::iter::once(&state));
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let mut b = [0u8; 16];
+            mr.read_at(0, &mut b).expect("read");
+            assert_eq!(b, [7; 16]);
+        })
+        .join()
+        .expect("a copy beside a transmission");
+    });
+    drop(fences);
+}
+
+/// A receive whose region was deregistered while it was posted gets
+/// nothing written (with `register_raw` memory, the memory may be the
+/// program's again): the receive fails, and the stream ends; placed from
+/// the socket (no CRC) and from the stage (CRC). Before, the bytes were
+/// written into the deregistered memory.
+#[test]
+fn a_receive_whose_region_was_deregistered_gets_nothing_written() {
+    for crc in [false, true] {
+        let what = format!("crc={crc}");
+        let ctx = ctx();
+        let mut rx = side(&ctx, 2, crc, 32 * 1024);
+        let len = 4096usize;
+        let mut mem = vec![0x5Au8; len];
+        let mut s = side(&ctx, 1, crc, 32 * 1024);
+        let smr = s.pd.alloc_mr(len, Access::LOCAL_WRITE).expect("mr");
+        smr.write_at(0, &[0x11; 4096]).expect("fill");
+        let sg = [smr.sge(0, len as u32)];
+        s.core
+            .post_send(&[SendWr::new(1, SendOp::Send, &sg)])
+            .expect("post send");
+        let mut p = Pipe {
+            input: tx_bytes(&mut s),
+            chunk: usize::MAX,
+            ..Pipe::default()
+        };
+        // SAFETY: `mem` outlives the region, which is dropped below before
+        // `mem` is touched through a reference; manual progress on this
+        // thread only.
+        let mr = unsafe {
+            rx.pd
+                .register_raw(mem.as_mut_ptr(), len, Access::LOCAL_WRITE)
+        }
+        .expect("register");
+        let rsg = [mr.sge(0, len as u32)];
+        rx.core
+            .post_recv(&[RecvWr {
+                wr_id: 7,
+                sg_list: &rsg,
+            }])
+            .expect("post recv");
+        drop(mr);
+        // The memory is the program's again.
+        mem.fill(0xEE);
+        rx_all(&mut rx.core, &mut p);
+        assert!(
+            mem.iter().all(|&b| b == 0xEE),
+            "{what}: written after deregistration"
+        );
+        let w = drain(&rx.cq);
+        assert!(
+            w.iter().any(|w| w.wr_id == 7 && !w.is_ok()),
+            "{what}: {w:?}"
+        );
+        assert_eq!(rx.core.stats.term_sent, 1, "{what}");
+    }
+}

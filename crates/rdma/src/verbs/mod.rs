@@ -38,11 +38,10 @@
 
 use std::any::Any;
 use std::fmt;
-use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::sync::atomic::{fence, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 /// A Terminate's error triple (RFC 5040 §7), lwio-iwarp's.
@@ -676,6 +675,7 @@ impl Pd {
             addr,
             len,
             _owner: Some(buf),
+            local: RwLock::new(()),
         })
     }
 
@@ -713,6 +713,7 @@ impl Pd {
             addr,
             len,
             _owner: None,
+            local: RwLock::new(()),
         })
     }
 
@@ -1006,6 +1007,7 @@ mod view_tests {
             addr: buf.as_ptr(),
             len,
             _owner: Some(buf),
+            local: RwLock::new(()),
         }
     }
 
@@ -1030,7 +1032,7 @@ mod view_tests {
         assert!(v.load_u64(12).is_err(), "word past the view's end");
         // SAFETY: the region is local to this test: no provider, no keys,
         // nothing writes it concurrently.
-        assert!(unsafe { v.load_u32(2) }.is_err(), "misaligned");
+        assert!(v.load_u32(2).is_err(), "misaligned");
         let w = m.slice_mut(16, 16).expect("view");
         assert!(w.write_at(15, &[1, 2]).is_err());
         assert!(w.fill(usize::MAX, 2, 0).is_err());
@@ -1056,7 +1058,7 @@ mod view_tests {
         assert_eq!(m.load_u64(16).expect("load"), 0x0102_0304_0506_0708);
         // SAFETY: the region is local to this test: nothing writes it
         // concurrently.
-        assert_eq!(unsafe { w.load_u32(8) }.expect("load"), 0x0506_0708);
+        assert_eq!(w.load_u32(8).expect("load"), 0x0506_0708);
         let v = w.as_view().slice(2, 3).expect("sub-view");
         let mut three = [0u8; 3];
         v.copy_to_slice(&mut three).expect("copy");
@@ -1068,6 +1070,6 @@ mod view_tests {
         // SAFETY: as above; no other view of [0, 4) exists.
         unsafe { w2.as_mut_slice() }.copy_from_slice(&[9, 9, 9, 9]);
         // SAFETY: as above; the slice `w2` is no longer used.
-        assert_eq!(unsafe { m.load_u32(0) }.expect("load"), 0x0909_0909);
+        assert_eq!(m.load_u32(0).expect("load"), 0x0909_0909);
     }
 }

@@ -1,6 +1,20 @@
 //! Registered memory: page-aligned buffers to register, memory regions,
 //! and bounded views of them ([`MrSlice`], [`MrSliceMut`]) that never form a
 //! Rust reference over bytes a peer may write.
+//!
+//! # Why the safe copies are sound
+//! Every copy and word access of [`Mr`], [`MrSlice`] and [`MrSliceMut`]
+//! runs under the region's CPU lock, shared to read the bytes and exclusive
+//! to write them. With the soft provider that lock is the region's fence,
+//! which the engine thread takes for every access it makes to the region's
+//! bytes (placements exclusive, transmission shared: `soft::mem`), so an
+//! application copy and an engine access to the same bytes are never
+//! concurrent, whenever the application copies and whatever the peer
+//! sends; with a hardware provider it is a lock of the `Mr`'s own, which
+//! orders the application's threads among themselves, and the device's
+//! DMA is outside the Rust abstract machine. A copy made before the
+//! completion that covers the bytes sees them old, new or partly placed
+//! (a protocol question), never a data race.
 
 use super::*;
 
@@ -82,13 +96,17 @@ pub struct Mr {
     pub(super) addr: *mut u8,
     pub(super) len: usize,
     pub(super) _owner: Option<Arc<RegBuf>>,
+    /// The CPU lock when the provider has none of its own (module docs).
+    pub(super) local: RwLock<()>,
 }
 
 // SAFETY: the region describes memory valid for its lifetime (owned buffer or
 // the `register_raw` contract), so the raw pointer may move between threads.
-// Access from any thread goes through raw-pointer copies and volatile word
-// accesses; Rust references over the memory come only from the `unsafe`
-// ranged slice methods, whose callers prove nothing else touches the range.
+// Access from any thread goes through raw-pointer copies and word accesses
+// under the region's CPU lock (module docs), which orders them against each
+// other and against the soft engine's accesses; Rust references over the
+// memory come only from the `unsafe` ranged slice methods, whose callers
+// prove nothing else touches the range.
 unsafe impl Send for Mr {}
 unsafe impl Sync for Mr {}
 
@@ -130,6 +148,11 @@ impl Mr {
         }
     }
 
+    /// The lock that orders CPU accesses to the bytes (module docs).
+    fn cpu_lock(&self) -> &RwLock<()> {
+        self.ops.cpu_lock().unwrap_or(&self.local)
+    }
+
     fn check(&self, off: usize, len: usize) -> Result<()> {
         match off.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
@@ -165,7 +188,7 @@ impl Mr {
             // mapping: `wrapping_add` never actually wraps here.
             ptr: self.addr.wrapping_add(off),
             len,
-            _mr: PhantomData,
+            lock: self.cpu_lock(),
         })
     }
 
@@ -177,25 +200,20 @@ impl Mr {
         Ok(MrSliceMut {
             ptr: v.ptr,
             len: v.len,
-            _mr: PhantomData,
+            lock: v.lock,
         })
     }
 
-    /// Load a little-endian u32 for a polled status word (see
-    /// [`MrSlice::load_u32`] for what this does and does not guarantee).
-    ///
-    /// # Safety
-    /// As for [`MrSlice::load_u32`].
-    pub unsafe fn load_u32(&self, off: usize) -> Result<u32> {
-        // SAFETY: the caller's contract, which is the view's.
-        unsafe { self.slice(off, 4)?.load_u32(0) }
+    /// Load a little-endian u32 (see [`MrSlice::load_u32`]).
+    pub fn load_u32(&self, off: usize) -> Result<u32> {
+        self.slice(off, 4)?.load_u32(0)
     }
     /// Store a little-endian u32 (see [`MrSliceMut::store_u32`]).
     pub fn store_u32(&self, off: usize, v: u32) -> Result<()> {
         self.slice_mut(off, 4)?.store_u32(0, v)
     }
     /// Load a little-endian u64 for a polled status block (see
-    /// [`MrSlice::load_u32`]).
+    /// [`MrSlice::load_u64`]).
     pub fn load_u64(&self, off: usize) -> Result<u64> {
         self.slice(off, 8)?.load_u64(0)
     }
@@ -215,7 +233,8 @@ impl Mr {
 pub struct MrSlice<'a> {
     ptr: *mut u8,
     len: usize,
-    _mr: PhantomData<&'a Mr>,
+    /// The region's CPU lock (module docs); borrowing it borrows the `Mr`.
+    lock: &'a RwLock<()>,
 }
 
 /// A bounds-checked range of a [`Mr`] that can also be written
@@ -226,13 +245,14 @@ pub struct MrSlice<'a> {
 pub struct MrSliceMut<'a> {
     ptr: *mut u8,
     len: usize,
-    _mr: PhantomData<&'a Mr>,
+    lock: &'a RwLock<()>,
 }
 
-// SAFETY: a view is a pointer into a registered region plus a length; it only
-// reaches the memory through raw-pointer copies and volatile word accesses (or
-// the `unsafe` slice methods, whose contracts exclude concurrent writers), as
-// `Mr` itself does, and `Mr` is Send + Sync for the same reason.
+// SAFETY: a view is a pointer into a registered region plus a length and the
+// region's CPU lock; it only reaches the memory through raw-pointer copies and
+// word accesses under that lock (or the `unsafe` slice methods, whose
+// contracts exclude concurrent writers), as `Mr` itself does, and `Mr` is
+// Send + Sync for the same reason.
 unsafe impl Send for MrSlice<'_> {}
 unsafe impl Sync for MrSlice<'_> {}
 // SAFETY: as for `MrSlice`.
@@ -288,27 +308,30 @@ impl<'a> MrSlice<'a> {
         Ok(MrSlice {
             ptr: self.at(off, len, 1)?,
             len,
-            _mr: PhantomData,
+            lock: self.lock,
         })
+    }
+
+    /// Shared hold of the CPU lock: no writer of these bytes in this
+    /// process runs while it lives.
+    fn shared(&self) -> RwLockReadGuard<'a, ()> {
+        self.lock.read().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Copy `dst.len()` bytes at `off` of the view into `dst`.
     pub fn read_at(&self, off: usize, dst: &mut [u8]) -> Result<()> {
         let p = self.at(off, dst.len(), 1)?;
+        let _g = self.shared();
         // SAFETY: the range is inside the registered region, which the
         // borrowed `Mr` keeps mapped. `dst` is a Rust allocation that cannot
         // overlap it: the only references ever formed over registered memory
         // come from the `unsafe` slice methods, whose contracts forbid any
         // other access to that range while they live. No reference is formed
-        // over the source. If the peer or the provider writes the range
-        // concurrently (the caller did not wait for the completion that
-        // covers it), the bytes may be torn, and for the soft provider's
-        // engine thread that is a data race in the Rust memory model; bytes
-        // have no invalid values, and callers read data only after the
-        // completion (CQ poll, or a status block observed by `load_u64`) that
-        // says it is placed. That this function is safe all the same is an
-        // open defect, with the two callers that copy memory a peer may be
-        // writing by design: docs/architecture.md, "Unsafe code".
+        // over the source, and no thread of this process writes it during
+        // the copy: every such writer (the soft engine's placements, the
+        // application's `write_at`) holds the region's CPU lock exclusively,
+        // and we hold it shared (module docs). A device's DMA is outside the
+        // abstract machine; bytes have no invalid values.
         unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
@@ -325,76 +348,55 @@ impl<'a> MrSlice<'a> {
         self.read_at(0, dst)
     }
 
-    /// Load a little-endian u32 at `off` (4-byte aligned) of a word that
-    /// another agent writes while we poll it (a status word placed by the
-    /// peer's RDMA Write), then an `Acquire` fence.
-    ///
-    /// Why volatile and not an `AtomicU32`: the writer is never a Rust atomic
-    /// store. With a hardware provider it is the NIC's DMA, outside the Rust
-    /// abstract machine, which is what volatile accesses are for: the load is
-    /// one aligned access that the compiler may not elide, merge or hoist out
-    /// of a polling loop. Viewing the bytes as an `AtomicU32` would instead
-    /// promise that every concurrent access is atomic, which is false. The
+    /// Load a little-endian u32 at `off` (4-byte aligned), then an
+    /// `Acquire` fence: one aligned volatile access, which the compiler may
+    /// not elide, merge or hoist out of a polling loop, made under the
+    /// region's CPU lock (so no writer in this process runs meanwhile). The
     /// fence keeps later reads of the data the word vouches for after this
-    /// load (compiler and CPU); that the NIC made the data visible before the
-    /// word is the transport's ordering (one connection places in order),
-    /// not something Rust can check.
-    ///
-    /// With the soft provider under `Progress::Auto` the writer is instead
-    /// the engine thread of this process, storing with plain copies
-    /// (`copy_nonoverlapping`, or `read(2)` into the region) except for the
-    /// last whole aligned 8-byte word of each piece, an `AtomicU64` store
-    /// that pairs with [`MrSlice::load_u64`] only: a 4-byte load of a word
-    /// it may be placing is a data race whatever the load is made of, hence
-    /// the contract below. Poll such words with [`MrSlice::load_u64`].
-    ///
-    /// # Safety
-    /// Nothing inside this process may write the word during the call: its
-    /// writer is a hardware provider's DMA (outside the Rust abstract
-    /// machine: a stale value is possible, a data race is not), or the soft
-    /// provider under `Progress::Manual` (it places only inside this
-    /// thread's `progress` calls), or the write that places it has
-    /// completed and nothing else writes it (its completion was polled, or
-    /// no receive, Read or remote-write key covers it).
-    pub unsafe fn load_u32(&self, off: usize) -> Result<u32> {
+    /// load; that a device made the data visible before the word is the
+    /// transport's ordering (one connection places in order). Poll status
+    /// blocks with [`MrSlice::load_u64`], which the soft provider stores
+    /// whole.
+    pub fn load_u32(&self, off: usize) -> Result<u32> {
         let p = self.at(off, 4, 4)?;
+        let g = self.shared();
         // SAFETY: in bounds of the mapped region (which the borrowed `Mr`
         // keeps mapped) and 4-byte aligned (checked by `at`); any bit
         // pattern is a valid u32; no writer in this process runs
-        // concurrently (the contract above), so the load races with nothing
-        // the Rust memory model governs.
+        // concurrently (the lock is held shared, writers hold it
+        // exclusively), and a device's DMA is outside the abstract machine.
         let v = unsafe { std::ptr::read_volatile(p as *const u32) };
+        drop(g);
         fence(Ordering::Acquire);
         Ok(u32::from_le(v))
     }
 
     /// Load a little-endian u64 at `off` (8-byte aligned) of a polled
-    /// status block: one `AtomicU64` load with `Acquire` ordering.
+    /// status block: one `AtomicU64` load with `Acquire` ordering, under
+    /// the region's CPU lock held shared.
     ///
-    /// Unlike [`MrSlice::load_u32`] this is an atomic load, because the
-    /// soft provider's engine thread (`Progress::Auto`), the one writer
-    /// inside the Rust abstract machine, places the last whole aligned
-    /// 8-byte word of each piece of payload with an `AtomicU64` `Release`
-    /// store (`soft::qp_rx::place_bytes`): a status block written by an
-    /// 8-byte RDMA Write is then an atomic store and load of the same word
-    /// (no data race) — also when TCP delivers its bytes in two reads: the
-    /// soft provider holds the first read's part back and stores the word
-    /// whole — and seeing the new value orders every byte placed before it
-    /// on the connection (the data the block vouches for) before the
-    /// caller's later reads. The protocol still tolerates a torn block,
+    /// The lock makes it sound: no writer of the word in this process (the
+    /// soft provider's engine placing a peer's Write, the application's
+    /// `store_u64`) runs meanwhile, and releasing the lock after a
+    /// placement orders everything the engine placed before (earlier
+    /// segments of the connection, placed in order: the data the block
+    /// vouches for) before this load. The soft provider stores a status
+    /// block written by an 8-byte RDMA Write whole, also when TCP delivers
+    /// its bytes in two reads (`soft::qp_rx::place_bytes`), so the load
+    /// never sees it half new. The protocol still tolerates a torn block,
     /// for peers whose placement of 8 bytes is not atomic
-    /// (`lwio_proto::wire::small::poll_block_written`). With a
-    /// hardware provider the writer is the NIC's DMA, outside the abstract
-    /// machine; an atomic load is not elided or hoisted out of a polling
-    /// loop either, and the data's visibility before the block is the
-    /// transport's ordering, as for `load_u32`.
+    /// (`lwio_proto::wire::small::poll_block_written`). With a hardware
+    /// provider the writer is the device's DMA, outside the abstract
+    /// machine: the atomic load is one aligned access that is not elided
+    /// or hoisted out of a polling loop, and the data's visibility before
+    /// the block is the transport's ordering.
     pub fn load_u64(&self, off: usize) -> Result<u64> {
         let p = self.at(off, 8, 8)?;
+        let _g = self.shared();
         // SAFETY: in bounds of the mapped region, which stays mapped while
         // the view borrows its `Mr`, and 8-byte aligned (checked by `at`),
-        // as `AtomicU64::from_ptr` requires; every access a concurrent
-        // writer in this process makes to such a word is atomic or a race
-        // described above, never a Rust reference.
+        // as `AtomicU64::from_ptr` requires; no thread of this process
+        // writes the word while the lock is held shared.
         let v = unsafe { std::sync::atomic::AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire);
         Ok(u64::from_le(v))
     }
@@ -420,8 +422,14 @@ impl<'a> MrSliceMut<'a> {
         MrSlice {
             ptr: self.ptr,
             len: self.len,
-            _mr: PhantomData,
+            lock: self.lock,
         }
+    }
+
+    /// Exclusive hold of the CPU lock: no other access to the region's
+    /// bytes from this process runs while it lives.
+    fn exclusive(&self) -> RwLockWriteGuard<'a, ()> {
+        self.lock.write().unwrap_or_else(|e| e.into_inner())
     }
     pub fn len(&self) -> usize {
         self.len
@@ -441,12 +449,8 @@ impl<'a> MrSliceMut<'a> {
         self.as_view().copy_to_slice(dst)
     }
     /// See [`MrSlice::load_u32`].
-    ///
-    /// # Safety
-    /// As for [`MrSlice::load_u32`].
-    pub unsafe fn load_u32(&self, off: usize) -> Result<u32> {
-        // SAFETY: the caller's contract, which is the view's.
-        unsafe { self.as_view().load_u32(off) }
+    pub fn load_u32(&self, off: usize) -> Result<u32> {
+        self.as_view().load_u32(off)
     }
     /// See [`MrSlice::load_u64`].
     pub fn load_u64(&self, off: usize) -> Result<u64> {
@@ -456,14 +460,14 @@ impl<'a> MrSliceMut<'a> {
     /// Copy `src` into the view at `off`.
     pub fn write_at(&self, off: usize, src: &[u8]) -> Result<()> {
         let p = self.as_view().at(off, src.len(), 1)?;
+        let _g = self.exclusive();
         // SAFETY: in bounds of the mapped region; `src` cannot overlap it (as
         // in `MrSlice::read_at`). No reference is formed over the
-        // destination. Writing a range that a posted send or the peer's RDMA
-        // Read is reading, or that is being written, garbles that transfer
-        // (a protocol bug, and a data race for the soft provider's engine
-        // thread); the callers write only ranges they own at the time. That
-        // this function is safe all the same is the open defect of
-        // `MrSlice::read_at` (docs/architecture.md, "Unsafe code").
+        // destination, and no other thread of this process reads or writes
+        // it during the copy: the region's CPU lock is held exclusively
+        // (module docs). A range that a posted send or the peer's RDMA Read
+        // is reading is then sent old or new (a protocol question), never
+        // raced.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len()) };
         Ok(())
     }
@@ -483,7 +487,9 @@ impl<'a> MrSliceMut<'a> {
     /// Fill `len` bytes at `off` with `byte`.
     pub fn fill(&self, off: usize, len: usize, byte: u8) -> Result<()> {
         let p = self.as_view().at(off, len, 1)?;
-        // SAFETY: as in `write_at`.
+        let _g = self.exclusive();
+        // SAFETY: as in `write_at` (in bounds, the CPU lock held
+        // exclusively).
         unsafe { std::ptr::write_bytes(p, byte, len) };
         Ok(())
     }
@@ -496,7 +502,9 @@ impl<'a> MrSliceMut<'a> {
     pub fn store_u32(&self, off: usize, v: u32) -> Result<()> {
         let p = self.as_view().at(off, 4, 4)?;
         fence(Ordering::Release);
-        // SAFETY: in bounds and aligned; any u32 is valid.
+        let _g = self.exclusive();
+        // SAFETY: in bounds and aligned; any u32 is valid; the CPU lock is
+        // held exclusively (no other access from this process meanwhile).
         unsafe { std::ptr::write_volatile(p as *mut u32, v.to_le()) };
         Ok(())
     }
@@ -505,7 +513,8 @@ impl<'a> MrSliceMut<'a> {
     pub fn store_u64(&self, off: usize, v: u64) -> Result<()> {
         let p = self.as_view().at(off, 8, 8)?;
         fence(Ordering::Release);
-        // SAFETY: in bounds and aligned; any u64 is valid.
+        let _g = self.exclusive();
+        // SAFETY: as in `store_u32`.
         unsafe { std::ptr::write_volatile(p as *mut u64, v.to_le()) };
         Ok(())
     }

@@ -125,6 +125,15 @@ pub trait MrOps: AsAny {
     /// once no write into the region by the provider is running (a
     /// placement half done is not finished later).
     fn deregister(&self);
+    /// The lock that orders the application's CPU accesses to the region's
+    /// bytes (`Mr`'s copies and word accesses) against the provider's own
+    /// accesses from threads of this process: `None` when the provider has
+    /// none (a device or the kernel places and reads the bytes, outside the
+    /// Rust abstract machine). Readers of the bytes take it shared, writers
+    /// exclusive.
+    fn cpu_lock(&self) -> Option<&std::sync::RwLock<()>> {
+        None
+    }
 }
 
 pub trait MwOps: AsAny {
