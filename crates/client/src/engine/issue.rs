@@ -23,13 +23,13 @@ impl Engine {
     ) -> Result<T> {
         let _waiting = Waiting::new(self);
         let deadline = Instant::now() + self.cfg.op_timeout;
-        let mut st = lock(&self.st);
+        let mut state = lock(&self.state);
         // Counted among the requests waiting for a credit (the Credits
         // hint: seed 000) from the first attempt that fails until this
         // one is issued or given up.
         let mut queued = false;
         let r = loop {
-            if let Some(l) = &st.lost {
+            if let Some(l) = &state.lost {
                 break Err(Error::ConnectionLost(l.clone()));
             }
             // A credit but not the resources (staging buffer, window, send
@@ -38,20 +38,20 @@ impl Engine {
             // letting go of it (polling once spun here holding it while 32
             // AIO threads waited to give their buffers back).
             let mut short = false;
-            if free(&st.conn) {
+            if free(&state.conn) {
                 // Not waiting any more when its own request is stamped.
-                Self::set_queued(&mut st, &mut queued, false);
-                if let Some(r) = issue(self, &mut st) {
-                    self.issued(&mut st);
+                Self::set_queued(&mut state, &mut queued, false);
+                if let Some(r) = issue(self, &mut state) {
+                    self.issued(&mut state);
                     break r;
                 }
                 short = true;
             }
-            Self::set_queued(&mut st, &mut queued, true);
+            Self::set_queued(&mut state, &mut queued, true);
             if self.cfg.completion == Completion::Poll {
-                self.scan_slots(&mut st);
-                self.run_actions(&mut st);
-                if !short && free(&st.conn) {
+                self.scan_slots(&mut state);
+                self.run_actions(&mut state);
+                if !short && free(&state.conn) {
                     continue;
                 }
             }
@@ -66,20 +66,21 @@ impl Engine {
                     50
                 },
             ));
-            self.sleep_or_drive(st, wait);
-            st = lock(&self.st);
+            self.sleep_or_drive(state, wait);
+            state = lock(&self.state);
         };
-        Self::set_queued(&mut st, &mut queued, false);
+        Self::set_queued(&mut state, &mut queued, false);
         r
     }
 
     /// Count (`on`) or stop counting a caller among the requests waiting
     /// for a credit, which the connection reports in its Credits hint.
-    pub(super) fn set_queued(st: &mut EngineState, queued: &mut bool, on: bool) {
+    pub(super) fn set_queued(state: &mut EngineState, queued: &mut bool, on: bool) {
         if *queued != on {
             *queued = on;
-            let n = st.conn.waiting();
-            st.conn
+            let n = state.conn.waiting();
+            state
+                .conn
                 .set_waiting(if on { n + 1 } else { n.saturating_sub(1) });
         }
     }
@@ -90,19 +91,19 @@ impl Engine {
     /// the Credits hint of the requests that go out meanwhile.
     pub(crate) fn credit_waiter(self: &Arc<Self>) -> CreditWaiter {
         let mut queued = false;
-        Self::set_queued(&mut lock(&self.st), &mut queued, true);
+        Self::set_queued(&mut lock(&self.state), &mut queued, true);
         CreditWaiter(self.clone())
     }
 
     /// Count a request just issued and carry out its actions.
-    pub(super) fn issued(&self, st: &mut EngineState) {
-        let out = st.conn.outstanding();
-        st.stats.requests += 1;
-        st.stats.max_outstanding = st.stats.max_outstanding.max(out);
-        if out > usize::from(st.conn.credits()) {
-            st.stats.credit_violations += 1;
+    pub(super) fn issued(&self, state: &mut EngineState) {
+        let out = state.conn.outstanding();
+        state.stats.requests += 1;
+        state.stats.max_outstanding = state.stats.max_outstanding.max(out);
+        if out > usize::from(state.conn.credits()) {
+            state.stats.credit_violations += 1;
         }
-        self.run_actions(st);
+        self.run_actions(state);
     }
 
     /// [`Engine::issue`] without waiting: `Ok(None)` when no credit or
@@ -123,15 +124,15 @@ impl Engine {
         free: fn(&ClientConn<ReqData>) -> bool,
         mut issue: impl FnMut(&Engine, &mut EngineState) -> Option<Result<T>>,
     ) -> Result<Option<T>> {
-        let mut st = lock(&self.st);
+        let mut state = lock(&self.state);
         for _ in 0..2 {
-            if let Some(l) = &st.lost {
+            if let Some(l) = &state.lost {
                 return Err(Error::ConnectionLost(l.clone()));
             }
-            if free(&st.conn) {
-                if let Some(r) = issue(self, &mut st) {
-                    self.issued(&mut st);
-                    self.flush_sends(&mut st);
+            if free(&state.conn) {
+                if let Some(r) = issue(self, &mut state) {
+                    self.issued(&mut state);
+                    self.flush_sends(&mut state);
                     return r.map(Some);
                 }
                 return Ok(None);
@@ -140,8 +141,8 @@ impl Engine {
                 break;
             }
             // Completions polled now may return a credit.
-            self.scan_slots(&mut st);
-            self.run_actions(&mut st);
+            self.scan_slots(&mut state);
+            self.run_actions(&mut state);
         }
         Ok(None)
     }
@@ -149,32 +150,32 @@ impl Engine {
     /// Polling mode, and every free status slot is waiting for its old
     /// window's invalidation to complete: a request waits (as for a credit)
     /// instead of failing.
-    pub(super) fn slots_fenced(&self, st: &EngineState) -> bool {
+    pub(super) fn slots_fenced(&self, state: &EngineState) -> bool {
         self.cfg.completion == Completion::Poll
-            && st.conn.next_status_slot().is_none()
-            && st.conn.fenced_slots() > 0
+            && state.conn.next_status_slot().is_none()
+            && state.conn.fenced_slots() > 0
     }
 
-    /// The completion mode of a request about to be issued under `st`, and
+    /// The completion mode of a request about to be issued under `state`, and
     /// in polling mode the one-shot window bound to exactly the status block
     /// it will use (the caller keeps it with the request's other windows,
     /// invalidated when it completes).
-    pub(super) fn req_mode(&self, st: &mut EngineState) -> Result<(Mode, Option<(Mw, u32)>)> {
+    pub(super) fn req_mode(&self, state: &mut EngineState) -> Result<(Mode, Option<(Mw, u32)>)> {
         if self.cfg.completion == Completion::Interrupt {
             return Ok((Mode::Interrupt, None));
         }
-        let (slot, _) = st
+        let (slot, _) = state
             .conn
             .next_status_slot()
             .ok_or_else(|| client_err(ClientError::NoStatusBlock))?;
         let (mw, rkey) = self.bind_window(
-            st,
+            state,
             &self.win_mr,
             self.status_off + slot as usize * 8,
             8,
             false,
         )?;
-        st.status_keys.insert(rkey, slot);
+        state.status_keys.insert(rkey, slot);
         Ok((Mode::PolledWindow(rkey), Some((mw, rkey))))
     }
 
@@ -182,13 +183,13 @@ impl Engine {
     /// was not issued); returns how many invalidations were posted.
     pub(super) fn drop_windows(
         &self,
-        st: &mut EngineState,
+        state: &mut EngineState,
         windows: Vec<(Mw, u32)>,
         group: u64,
     ) -> u64 {
         let mut posted = 0;
         for (mw, rkey) in windows {
-            if let Some(slot) = st.status_keys.remove(&rkey) {
+            if let Some(slot) = state.status_keys.remove(&rkey) {
                 // A status block's window: its slot serves again once the
                 // invalidation has completed (`release_slot` at its
                 // completion), never while the old key may still reach it.
@@ -199,22 +200,22 @@ impl Engine {
                 {
                     posted += 1;
                 } else {
-                    st.conn.release_slot(slot);
+                    state.conn.release_slot(slot);
                 }
             } else if self.qp.invalidate(rkey, wrid::INVAL | group, true).is_ok() {
                 posted += 1;
                 if group != 0 {
-                    *st.inval_pending.entry(group).or_default() += 1;
+                    *state.inval_pending.entry(group).or_default() += 1;
                 }
             }
-            st.mw_free.push(mw);
+            state.mw_free.push(mw);
         }
         posted
     }
 
     /// Keep a status window with its request until the request completes.
-    pub(super) fn keep_window(st: &mut EngineState, req: ReqId, w: Option<(Mw, u32)>) {
-        if let (Some(w), Some(d)) = (w, st.conn.user_mut(req)) {
+    pub(super) fn keep_window(state: &mut EngineState, req: ReqId, w: Option<(Mw, u32)>) {
+        if let (Some(w), Some(d)) = (w, state.conn.user_mut(req)) {
             d.windows.push(w);
         }
     }
@@ -226,13 +227,13 @@ impl Engine {
     /// and is invalidated then, like every window.
     pub(super) fn bind_window(
         &self,
-        st: &mut EngineState,
+        state: &mut EngineState,
         mr: &Mr,
         off: usize,
         len: usize,
         multi: bool,
     ) -> Result<(Mw, u32)> {
-        let mw = match st.mw_free.pop() {
+        let mw = match state.mw_free.pop() {
             Some(m) => m,
             None => self.pd.alloc_mw()?,
         };
@@ -249,11 +250,11 @@ impl Engine {
             true,
         ) {
             Ok(rkey) => {
-                st.stats.windows_bound += 1;
+                state.stats.windows_bound += 1;
                 Ok((mw, rkey))
             }
             Err(e) => {
-                st.mw_free.push(mw);
+                state.mw_free.push(mw);
                 Err(e.into())
             }
         }
@@ -267,13 +268,13 @@ impl Engine {
         }
     }
 
-    pub(super) fn take_stage(&self, st: &mut EngineState, len: usize) -> Option<Stage> {
+    pub(super) fn take_stage(&self, state: &mut EngineState, len: usize) -> Option<Stage> {
         if len <= BOUNCE_SLOT {
-            if let Some(i) = st.bounce_free.pop() {
+            if let Some(i) = state.bounce_free.pop() {
                 return Some(Stage::Bounce(i));
             }
         }
-        st.stage_free.pop().map(Stage::Slot)
+        state.stage_free.pop().map(Stage::Slot)
     }
 
     /// Issue a READ (or VEC_READ with `vec_pages`) of `len` bytes into a
@@ -343,34 +344,35 @@ impl Engine {
         vec_page: Option<u16>,
         dst: Option<(&'a UserDst, usize)>,
     ) -> impl FnMut(&Engine, &mut EngineState) -> Option<Result<(ReqId, Stage)>> + 'a {
-        move |e, st| {
-            if e.slots_fenced(st) {
+        move |e, state| {
+            if e.slots_fenced(state) {
                 return None;
             }
             let (stage, mr, off, group) = match dst {
                 Some((d, at)) => (Stage::User, &d.reg.mr, d.off + at, d.group),
                 None => {
-                    let stage = e.take_stage(st, len)?;
+                    let stage = e.take_stage(state, len)?;
                     (stage, &e.win_mr, e.stage_off(stage)?, 0)
                 }
             };
             let mut windows = Vec::new();
             let r = (|| -> Result<Issued> {
-                let (mode, status) = e.req_mode(st)?;
+                let (mode, status) = e.req_mode(state)?;
                 windows.extend(status);
                 match vec_page {
                     None => {
-                        let window = st
+                        let window = state
                             .conn
                             .server_params()
                             .map_or(0, |p| p.max_rdma_window_size as usize);
-                        let (mw, rkey) = e.bind_window(st, mr, off, len, len > window)?;
+                        let (mw, rkey) = e.bind_window(state, mr, off, len, len > window)?;
                         windows.push((mw, rkey));
                         let dst = RemoteBuf {
                             addr: mr.addr() + off as u64,
                             rkey,
                         };
-                        st.conn
+                        state
+                            .conn
                             .read(Instant::now(), fid, offset, len as u32, dst, mode)
                             .map_err(client_err)
                     }
@@ -380,7 +382,7 @@ impl Engine {
                         let mut o = 0;
                         while o < len {
                             let l = ps_u.min(len - o);
-                            let (mw, rkey) = e.bind_window(st, mr, off + o, l, false)?;
+                            let (mw, rkey) = e.bind_window(state, mr, off + o, l, false)?;
                             windows.push((mw, rkey));
                             regions.push(RdmaRegion {
                                 data_va: mr.addr() + (off + o) as u64,
@@ -389,7 +391,8 @@ impl Engine {
                             });
                             o += l;
                         }
-                        st.conn
+                        state
+                            .conn
                             .vec_read(Instant::now(), fid, offset, len as u32, ps, &regions, mode)
                             .map_err(client_err)
                     }
@@ -397,7 +400,7 @@ impl Engine {
             })();
             match r {
                 Ok(Issued { req, .. }) => {
-                    if let Some(d) = st.conn.user_mut(req) {
+                    if let Some(d) = state.conn.user_mut(req) {
                         *d = ReqData {
                             windows,
                             stage: Some(stage),
@@ -408,8 +411,8 @@ impl Engine {
                     Some(Ok((req, stage)))
                 }
                 Err(err) => {
-                    e.drop_windows(st, windows, group);
-                    free_stage(st, stage);
+                    e.drop_windows(state, windows, group);
+                    free_stage(state, stage);
                     Some(Err(err))
                 }
             }
@@ -427,9 +430,9 @@ impl Engine {
             // the data visible (Mr::read_at copies, no reference is formed).
             let _ = self.win_mr.read_at(off, dst);
         }
-        let mut st = lock(&self.st);
-        free_stage(&mut st, stage);
-        self.notify_sleepers(&mut st);
+        let mut state = lock(&self.state);
+        free_stage(&mut state, stage);
+        self.notify_sleepers(&mut state);
     }
 
     pub fn release_stage(&self, stage: Stage) {
@@ -478,9 +481,10 @@ impl Engine {
     /// `zero_copy`: the data goes out from registered memory (else each
     /// fragment's data is copied into a send slot, which bounds it).
     pub fn max_write_message(&self, zero_copy: bool) -> usize {
-        let st = lock(&self.st);
-        let slots = self.send_slots.min(self.fragment_credits(&st));
-        st.conn
+        let state = lock(&self.state);
+        let slots = self.send_slots.min(self.fragment_credits(&state));
+        state
+            .conn
             .max_fragmented_write(slots as u32, self.fragment_cap(zero_copy))
             .min(u32::MAX - 1) as usize
     }
@@ -489,8 +493,8 @@ impl Engine {
     /// less one in polling mode, where a waiter's INTERRUPT holds a credit
     /// until the next I/O completion (a message needing every credit would
     /// wait for it, and it for the message).
-    pub(super) fn fragment_credits(&self, st: &EngineState) -> usize {
-        let c = usize::from(st.conn.credits());
+    pub(super) fn fragment_credits(&self, state: &EngineState) -> usize {
+        let c = usize::from(state.conn.credits());
         if self.cfg.completion == Completion::Poll {
             c.saturating_sub(1).max(1)
         } else {
@@ -543,20 +547,23 @@ impl Engine {
     pub fn fence_sends(&self, src: &UserSrc) {
         let _waiting = Waiting::new(self);
         let deadline = Instant::now() + self.cfg.op_timeout;
-        let mut st = lock(&self.st);
+        let mut state = lock(&self.state);
         loop {
-            if !st.slot_pins.values().any(|r| Arc::ptr_eq(r, &src.reg)) {
+            if !state.slot_pins.values().any(|r| Arc::ptr_eq(r, &src.reg)) {
                 return;
             }
             let now = Instant::now();
             if now >= deadline {
-                self.mark_lost(&mut st, "sends from caller memory did not complete".into());
+                self.mark_lost(
+                    &mut state,
+                    "sends from caller memory did not complete".into(),
+                );
                 self.qp.set_error();
-                st.slot_pins.retain(|_, r| !Arc::ptr_eq(r, &src.reg));
+                state.slot_pins.retain(|_, r| !Arc::ptr_eq(r, &src.reg));
                 return;
             }
-            self.sleep_or_drive(st, (deadline - now).min(Duration::from_millis(5)));
-            st = lock(&self.st);
+            self.sleep_or_drive(state, (deadline - now).min(Duration::from_millis(5)));
+            state = lock(&self.state);
         }
     }
 
@@ -577,37 +584,37 @@ impl Engine {
     ) -> Result<ReqId> {
         let len = u32::try_from(data.len())
             .map_err(|_| Error::InvalidArgument("write larger than 4 GiB".into()))?;
-        self.issue(|e, st| {
-            e.fill_send_slots(st);
+        self.issue(|e, state| {
+            e.fill_send_slots(state);
             let cap = e.fragment_cap(src.is_some());
-            let n = st.conn.fragments_for(len, cap) as usize;
+            let n = state.conn.fragments_for(len, cap) as usize;
             if n == 0 || n > e.send_slots {
                 return Some(Err(Error::InvalidArgument(format!(
                     "a write of {len} bytes cannot be one message here"
                 ))));
             }
-            let credits = usize::from(st.conn.credits());
-            if n > e.fragment_credits(st) {
+            let credits = usize::from(state.conn.credits());
+            if n > e.fragment_credits(state) {
                 return Some(Err(client_err(ClientError::TooManyFragments {
                     fragments: n as u32,
-                    credits: st.conn.credits(),
+                    credits: state.conn.credits(),
                 })));
             }
             // Every resource first (a credit and a send slot per fragment),
             // then the status window of polling mode: nothing is bound for
             // an attempt that has to wait.
-            if st.conn.transmit_pending() > 0
-                || st.send_free.len() < n
-                || st.conn.credits_held() + n > credits
-                || e.slots_fenced(st)
+            if state.conn.transmit_pending() > 0
+                || state.send_free.len() < n
+                || state.conn.credits_held() + n > credits
+                || e.slots_fenced(state)
             {
                 return None;
             }
-            let (mode, status) = match e.req_mode(st) {
+            let (mode, status) = match e.req_mode(state) {
                 Ok(m) => m,
                 Err(err) => return Some(Err(err)),
             };
-            let plan = match st.conn.write_fragmented(
+            let plan = match state.conn.write_fragmented(
                 Instant::now(),
                 fid,
                 offset,
@@ -618,18 +625,18 @@ impl Engine {
             ) {
                 Ok(p) => p,
                 Err(ClientError::NoCredits) => {
-                    e.drop_windows(st, status.into_iter().collect(), 0);
+                    e.drop_windows(state, status.into_iter().collect(), 0);
                     return None;
                 }
                 Err(err) => {
-                    e.drop_windows(st, status.into_iter().collect(), 0);
+                    e.drop_windows(state, status.into_iter().collect(), 0);
                     return Some(Err(client_err(err)));
                 }
             };
             for f in &plan.fragments {
-                let Some(slot) = st.send_free.pop() else {
+                let Some(slot) = state.send_free.pop() else {
                     // Checked above: n slots were free under this lock.
-                    e.mark_lost(st, "no send slot for a fragment".into());
+                    e.mark_lost(state, "no send slot for a fragment".into());
                     return Some(Err(Error::ConnectionLost("no send slot".into())));
                 };
                 let (h, d) = lwio_proto::client::FragmentedWrite::pieces(f);
@@ -649,29 +656,29 @@ impl Engine {
                     Some(used)
                 });
                 let Some(Some(used)) = wrote else {
-                    st.send_free.push(slot);
-                    e.mark_lost(st, "a fragment does not fit its send slot".into());
+                    state.send_free.push(slot);
+                    e.mark_lost(state, "a fragment does not fit its send slot".into());
                     return Some(Err(Error::ConnectionLost("send slot too small".into())));
                 };
                 let sge = match src {
                     Some(u) if !d.is_empty() => {
-                        st.slot_pins.insert(slot, u.reg.clone());
+                        state.slot_pins.insert(slot, u.reg.clone());
                         Some(u.reg.mr.sge(u.off + d.start, d.len() as u32))
                     }
                     _ => None,
                 };
                 if copy {
-                    st.stats.send_copy_bytes += d.len() as u64;
+                    state.stats.send_copy_bytes += d.len() as u64;
                 }
-                st.send_backlog.push_back(Outgoing {
+                state.send_backlog.push_back(Outgoing {
                     slot,
                     len: used,
                     data: sge,
                 });
             }
-            st.stats.fragmented_writes += 1;
-            st.stats.fragments_sent += plan.fragments.len() as u64;
-            Self::keep_window(st, plan.issued.req, status);
+            state.stats.fragmented_writes += 1;
+            state.stats.fragments_sent += plan.fragments.len() as u64;
+            Self::keep_window(state, plan.issued.req, status);
             Some(Ok(plan.issued.req))
         })
     }
@@ -688,36 +695,39 @@ impl Engine {
             &mut [u8],
         ) -> std::result::Result<(Issued, usize), ClientError>,
     ) -> impl FnMut(&Engine, &mut EngineState) -> Option<Result<ReqId>> {
-        move |e, st| {
-            e.fill_send_slots(st);
-            if st.conn.transmit_pending() > 0 || st.send_free.is_empty() || e.slots_fenced(st) {
+        move |e, state| {
+            e.fill_send_slots(state);
+            if state.conn.transmit_pending() > 0
+                || state.send_free.is_empty()
+                || e.slots_fenced(state)
+            {
                 return None;
             }
-            let slot = st.send_free.pop()?;
-            let (mode, status) = match e.req_mode(st) {
+            let slot = state.send_free.pop()?;
+            let (mode, status) = match e.req_mode(state) {
                 Ok(m) => m,
                 Err(err) => {
-                    st.send_free.push(slot);
+                    state.send_free.push(slot);
                     return Some(Err(err));
                 }
             };
             let r = e
-                .with_send_slot(slot, |out| encode(&mut st.conn, mode, out))
+                .with_send_slot(slot, |out| encode(&mut state.conn, mode, out))
                 .unwrap_or(Err(ClientError::InvalidArgument));
             match r {
                 Ok((issued, len)) => {
-                    st.stats.send_copy_bytes += len.saturating_sub(COMMON_HEADER_LEN) as u64;
-                    st.send_backlog.push_back(Outgoing {
+                    state.stats.send_copy_bytes += len.saturating_sub(COMMON_HEADER_LEN) as u64;
+                    state.send_backlog.push_back(Outgoing {
                         slot,
                         len,
                         data: None,
                     });
-                    Self::keep_window(st, issued.req, status);
+                    Self::keep_window(state, issued.req, status);
                     Some(Ok(issued.req))
                 }
                 Err(err) => {
-                    st.send_free.push(slot);
-                    e.drop_windows(st, status.into_iter().collect(), 0);
+                    state.send_free.push(slot);
+                    e.drop_windows(state, status.into_iter().collect(), 0);
                     Some(Err(client_err(err)))
                 }
             }
@@ -725,9 +735,10 @@ impl Engine {
     }
 
     pub fn issue_register(&self, key: SrvResumeKey, flags: u32) -> Result<ReqId> {
-        self.issue(|_, st| {
+        self.issue(|_, state| {
             Some(
-                st.conn
+                state
+                    .conn
                     .register(Instant::now(), key, flags)
                     .map_err(client_err),
             )
@@ -736,9 +747,10 @@ impl Engine {
 
     /// FLUSH `fid`: fsync (fdatasync with `data_only`) on the server.
     pub fn issue_flush(&self, fid: u16, data_only: bool) -> Result<ReqId> {
-        self.issue(|_, st| {
+        self.issue(|_, state| {
             Some(
-                st.conn
+                state
+                    .conn
                     .flush(Instant::now(), fid, data_only)
                     .map_err(client_err),
             )
@@ -746,7 +758,14 @@ impl Engine {
     }
 
     pub fn issue_close(&self, fid: u16) -> Result<ReqId> {
-        self.issue(|_, st| Some(st.conn.close_file(Instant::now(), fid).map_err(client_err)))
+        self.issue(|_, state| {
+            Some(
+                state
+                    .conn
+                    .close_file(Instant::now(), fid)
+                    .map_err(client_err),
+            )
+        })
     }
 
     /// An ordering barrier on this connection: returns once every RDMA
@@ -773,22 +792,22 @@ impl Engine {
     }
 
     pub fn issue_cancel(&self, fid: u16) -> Result<ReqId> {
-        self.issue_when(ClientConn::can_interrupt, |_, st| {
-            Some(st.conn.cancel(Instant::now(), fid).map_err(client_err))
+        self.issue_when(ClientConn::can_interrupt, |_, state| {
+            Some(state.conn.cancel(Instant::now(), fid).map_err(client_err))
         })
     }
 
     /// [`Engine::issue_cancel`] without waiting (`Ok(None)`: no credit now).
     pub fn try_issue_cancel(&self, fid: u16) -> Result<Option<ReqId>> {
-        self.issue_now_when(ClientConn::can_interrupt, |_, st| {
-            Some(st.conn.cancel(Instant::now(), fid).map_err(client_err))
+        self.issue_now_when(ClientConn::can_interrupt, |_, state| {
+            Some(state.conn.cancel(Instant::now(), fid).map_err(client_err))
         })
     }
 
     /// CANCEL just the I/O `req` of `fid`; `None` (nothing sent) when it
     /// is no longer outstanding.
     pub fn issue_cancel_request(&self, fid: u16, req: ReqId) -> Result<Option<ReqId>> {
-        if !lock(&self.st).conn.is_outstanding(req) {
+        if !lock(&self.state).conn.is_outstanding(req) {
             return Ok(None);
         }
         self.issue_when(ClientConn::can_interrupt, Self::cancel_issuer(fid, req))
@@ -805,12 +824,13 @@ impl Engine {
         fid: u16,
         req: ReqId,
     ) -> impl FnMut(&Engine, &mut EngineState) -> Option<Result<Option<ReqId>>> {
-        move |_, st| {
-            if !st.conn.is_outstanding(req) {
+        move |_, state| {
+            if !state.conn.is_outstanding(req) {
                 return Some(Ok(None));
             }
             Some(
-                st.conn
+                state
+                    .conn
                     .cancel_request(Instant::now(), fid, req)
                     .map(Some)
                     .map_err(client_err),
@@ -827,6 +847,6 @@ pub(crate) struct CreditWaiter(Arc<Engine>);
 impl Drop for CreditWaiter {
     fn drop(&mut self) {
         let mut queued = true;
-        Engine::set_queued(&mut lock(&self.0.st), &mut queued, false);
+        Engine::set_queued(&mut lock(&self.0.state), &mut queued, false);
     }
 }

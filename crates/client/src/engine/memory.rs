@@ -69,18 +69,18 @@ impl Engine {
         // Caller memory, like the engine's: no remote right of its own, only
         // the windows bound per read.
         let access = Access::LOCAL_WRITE | Access::MW_BIND;
-        let mut st = lock(&self.st);
-        let group = st.next_group;
-        st.next_group += 1;
+        let mut state = lock(&self.state);
+        let group = state.next_group;
+        state.next_group += 1;
         let hit = if cached {
-            st.cache.find(ptr as usize, len).map(|(k, _)| k)
+            state.cache.find(ptr as usize, len).map(|(k, _)| k)
         } else {
             None
         };
         if let Some(start) = hit {
-            st.cache.tick += 1;
-            let tick = st.cache.tick;
-            let EngineState { cache, stats, .. } = &mut *st;
+            state.cache.tick += 1;
+            let tick = state.cache.tick;
+            let EngineState { cache, stats, .. } = &mut *state;
             let need = cache
                 .entries
                 .get(&start)
@@ -132,7 +132,7 @@ impl Engine {
         // SAFETY: the caller's contract (exclusively held, allocated until
         // the group is fenced and this registration dropped).
         let mr = unsafe { self.pd.register_raw(ptr, len, access)? };
-        st.stats.call_registrations += 1;
+        state.stats.call_registrations += 1;
         Ok(Some(UserDst {
             reg: Arc::new(UserReg { mr, _mem: None }),
             off: 0,
@@ -149,37 +149,37 @@ impl Engine {
     pub fn fence_group(&self, group: u64) {
         let _waiting = Waiting::new(self);
         let deadline = Instant::now() + self.cfg.op_timeout;
-        let mut st = lock(&self.st);
-        let kill = |st: &mut EngineState, why: &str| {
+        let mut state = lock(&self.state);
+        let kill = |state: &mut EngineState, why: &str| {
             self.qp.set_error();
-            st.inval_pending.remove(&group);
+            state.inval_pending.remove(&group);
             if !why.is_empty() {
-                self.mark_lost(st, why.into());
+                self.mark_lost(state, why.into());
             }
         };
-        if st.conn.outstanding_users().any(|r| r.group == group) {
+        if state.conn.outstanding_users().any(|r| r.group == group) {
             kill(
-                &mut st,
+                &mut state,
                 "a read into caller memory did not complete; the connection is closed so that \
                  no late write can reach the buffer",
             );
             return;
         }
         loop {
-            if !st.inval_pending.contains_key(&group) {
+            if !state.inval_pending.contains_key(&group) {
                 return;
             }
-            if st.lost.is_some() || self.qp.state() == QpState::Error {
-                kill(&mut st, "");
+            if state.lost.is_some() || self.qp.state() == QpState::Error {
+                kill(&mut state, "");
                 return;
             }
             let now = Instant::now();
             if now >= deadline {
-                kill(&mut st, "invalidating caller-memory windows timed out");
+                kill(&mut state, "invalidating caller-memory windows timed out");
                 return;
             }
-            self.sleep_or_drive(st, (deadline - now).min(Duration::from_millis(50)));
-            st = lock(&self.st);
+            self.sleep_or_drive(state, (deadline - now).min(Duration::from_millis(50)));
+            state = lock(&self.state);
         }
     }
 
@@ -194,8 +194,8 @@ impl Engine {
                 self.cfg.reg_cache_bytes
             )));
         }
-        let mut st = lock(&self.st);
-        st.cache.entries.insert(
+        let mut state = lock(&self.state);
+        state.cache.entries.insert(
             start,
             CacheEntry {
                 mem,
@@ -204,7 +204,7 @@ impl Engine {
                 last_use: 0,
             },
         );
-        drop(st);
+        drop(state);
         // Register now (so the first read does not pay for it).
         // SAFETY: no read runs here: with `per_call` false and the entry just
         // inserted this takes the cached path, which only registers the
@@ -217,7 +217,7 @@ impl Engine {
         match first {
             Ok(_) => Ok(start),
             Err(e) => {
-                lock(&self.st).cache.entries.remove(&start);
+                lock(&self.state).cache.entries.remove(&start);
                 Err(e)
             }
         }
@@ -226,11 +226,11 @@ impl Engine {
     /// Explicit release of a registered buffer: its registration is
     /// deregistered and the entry forgotten.
     pub(crate) fn cache_release(&self, start: usize) {
-        let mut st = lock(&self.st);
-        if let Some(e) = st.cache.entries.remove(&start) {
+        let mut state = lock(&self.state);
+        if let Some(e) = state.cache.entries.remove(&start) {
             if e.reg.is_some() {
-                st.cache.reg_entries -= 1;
-                st.cache.reg_bytes -= e.len;
+                state.cache.reg_entries -= 1;
+                state.cache.reg_bytes -= e.len;
             }
         }
     }

@@ -386,9 +386,9 @@ pub struct Engine {
     status_off: usize,
     bounce_off: usize,
     stage_off: usize,
-    st: Mutex<EngineState>,
+    state: Mutex<EngineState>,
     cv: Condvar,
-    /// Threads asleep on `cv` (counted under `st`): see
+    /// Threads asleep on `cv` (counted under `state`): see
     /// [`Engine::notify_sleepers`].
     cv_sleepers: std::sync::atomic::AtomicUsize,
     stop: AtomicBool,
@@ -590,7 +590,7 @@ impl Engine {
         for _ in 0..(cfg.stage_slots * 4 + BOUNCE_SLOTS) {
             mw_free.push(pd.alloc_mw()?);
         }
-        let st = EngineState {
+        let state = EngineState {
             conn: ClientConn::new(ccfg),
             recv_free,
             send_free: (0..send_slots as u32).rev().collect(),
@@ -630,7 +630,7 @@ impl Engine {
             status_off,
             bounce_off,
             stage_off,
-            st: Mutex::new(st),
+            state: Mutex::new(state),
             cv: Condvar::new(),
             cv_sleepers: std::sync::atomic::AtomicUsize::new(0),
             stop: AtomicBool::new(false),
@@ -668,8 +668,8 @@ impl Engine {
                         .unwrap_or_else(|| "a panic".into());
                     tracing::error!(panic = %msg, "client progress thread ended by a panic");
                     if let Some(e) = w.upgrade() {
-                        let mut st = lock(&e.st);
-                        e.mark_lost(&mut st, format!("the progress thread panicked: {msg}"));
+                        let mut state = lock(&e.state);
+                        e.mark_lost(&mut state, format!("the progress thread panicked: {msg}"));
                     }
                 }
             })
@@ -677,21 +677,21 @@ impl Engine {
         *e.progress.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
         // AUTH.
         {
-            let mut st = lock(&e.st);
-            st.conn.start(Instant::now()).map_err(client_err)?;
-            e.run_actions(&mut st);
+            let mut state = lock(&e.state);
+            state.conn.start(Instant::now()).map_err(client_err)?;
+            e.run_actions(&mut state);
             let deadline = Instant::now() + e.cfg.auth_timeout;
             loop {
-                if let Some(r) = st.auth {
+                if let Some(r) = state.auth {
                     drop(auth_mw);
                     return match r {
                         Ok((session, credits)) => {
                             info!(%addr, provider, session, credits, "RDMA channel authenticated");
-                            drop(st);
+                            drop(state);
                             Ok(e)
                         }
                         Err(status) => {
-                            drop(st);
+                            drop(state);
                             e.shutdown();
                             Err(Error::AccessDenied(format!(
                                 "the server refused the RDMA authentication ({})",
@@ -700,9 +700,9 @@ impl Engine {
                         }
                     };
                 }
-                if let Some(l) = &st.lost {
+                if let Some(l) = &state.lost {
                     let l = l.clone();
-                    drop(st);
+                    drop(state);
                     e.shutdown();
                     return Err(Error::ConnectionLost(format!(
                         "during RDMA authentication: {l}"
@@ -710,11 +710,11 @@ impl Engine {
                 }
                 let now = Instant::now();
                 if now >= deadline {
-                    drop(st);
+                    drop(state);
                     e.shutdown();
                     return Err(Error::TimedOut("RDMA authentication".into()));
                 }
-                st = e.cv_wait(st, deadline - now);
+                state = e.cv_wait(state, deadline - now);
             }
         }
     }
@@ -730,7 +730,7 @@ impl Engine {
         if !self.is_lost.load(Ordering::Acquire) {
             return None;
         }
-        lock(&self.st).lost.clone()
+        lock(&self.state).lost.clone()
     }
 
     /// [`Engine::lost`], after asking the provider whether the queue pair
@@ -738,11 +738,11 @@ impl Engine {
     /// failed with an RDMA error (posting on a dead queue pair) before the
     /// completions said so. A system call on verbs devices: errors only.
     pub(crate) fn check_lost(&self) -> Option<String> {
-        let mut st = lock(&self.st);
-        if st.lost.is_none() && self.qp.state() == QpState::Error {
-            self.mark_lost(&mut st, "the queue pair is in the error state".into());
+        let mut state = lock(&self.state);
+        if state.lost.is_none() && self.qp.state() == QpState::Error {
+            self.mark_lost(&mut state, "the queue pair is in the error state".into());
         }
-        st.lost.clone()
+        state.lost.clone()
     }
 
     /// True for the first caller only: it counts (and logs) the failover
@@ -757,9 +757,9 @@ impl Engine {
         self.wake_progress();
         let _ = self.qp.disconnect();
         {
-            let mut st = lock(&self.st);
-            if st.lost.is_none() {
-                st.lost = Some("the client closed the connection".into());
+            let mut state = lock(&self.state);
+            if state.lost.is_none() {
+                state.lost = Some("the client closed the connection".into());
                 self.is_lost.store(true, Ordering::Release);
             }
         }
@@ -795,9 +795,9 @@ impl Engine {
     }
 
     pub fn stats(&self) -> ClientStats {
-        let st = lock(&self.st);
-        let mut s = st.stats.clone();
-        s.credits = st.conn.credits();
+        let state = lock(&self.state);
+        let mut s = state.stats.clone();
+        s.credits = state.conn.credits();
         s.progress_wakeups = self.wakeups.load(Ordering::Relaxed);
         s.busy_poll_hits = self.busy_poll_hits.load(Ordering::Relaxed);
         s
@@ -805,23 +805,23 @@ impl Engine {
 
     /// Restart the `max_outstanding` high-water mark from the current count.
     pub fn reset_peak(&self) {
-        let mut st = lock(&self.st);
-        st.stats.max_outstanding = st.conn.outstanding();
+        let mut state = lock(&self.state);
+        state.stats.max_outstanding = state.conn.outstanding();
     }
 
     /// Whether the server serves FLUSH on this connection.
     pub fn server_flushes(&self) -> bool {
-        lock(&self.st).conn.server_flushes()
+        lock(&self.state).conn.server_flushes()
     }
 
     pub fn credits(&self) -> u16 {
-        lock(&self.st).conn.credits()
+        lock(&self.state).conn.credits()
     }
 
     /// Payload limit of one WRITE / VEC_WRITE.
     pub fn max_write(&self) -> usize {
-        let st = lock(&self.st);
-        let server = st
+        let state = lock(&self.state);
+        let server = state
             .conn
             .server_params()
             .map_or(0, |p| p.max_recv_buffer_size as usize);
@@ -830,8 +830,8 @@ impl Engine {
 
     /// Largest read per request.
     pub fn max_read(&self) -> usize {
-        let st = lock(&self.st);
-        let server = st
+        let state = lock(&self.state);
+        let server = state
             .conn
             .server_params()
             .map_or(0, |p| p.max_rdma_window_size as usize);
@@ -844,8 +844,9 @@ impl Engine {
     /// status; docs/protocol.md §5.12), else [`Engine::max_read`].
     pub fn max_read_direct(&self) -> usize {
         let m = {
-            let st = lock(&self.st);
-            st.conn
+            let state = lock(&self.state);
+            state
+                .conn
                 .server_params()
                 .map_or(0, |p| p.max_message as usize)
         };
@@ -858,7 +859,7 @@ impl Engine {
 
     /// Server page size (for VEC_* and COLLAPSE legality).
     pub fn server_page_size(&self) -> u16 {
-        lock(&self.st)
+        lock(&self.state)
             .conn
             .server_params()
             .map_or(4096, |p| p.page_size)
@@ -873,14 +874,14 @@ impl Engine {
 
 /// `req`'s completion, if it came: (information, status). Its stage (if
 /// any) stays the caller's, who got it at issue.
-fn take_done(st: &mut EngineState, req: ReqId) -> Option<(u32, NtStatus)> {
-    st.conn.take_done(req).map(|d| (d.information, d.status))
+fn take_done(state: &mut EngineState, req: ReqId) -> Option<(u32, NtStatus)> {
+    state.conn.take_done(req).map(|d| (d.information, d.status))
 }
 
-fn free_stage(st: &mut EngineState, s: Stage) {
+fn free_stage(state: &mut EngineState, s: Stage) {
     match s {
-        Stage::Bounce(i) => st.bounce_free.push(i),
-        Stage::Slot(i) => st.stage_free.push(i),
+        Stage::Bounce(i) => state.bounce_free.push(i),
+        Stage::Slot(i) => state.stage_free.push(i),
         Stage::User => {}
     }
 }

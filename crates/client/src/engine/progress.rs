@@ -5,15 +5,15 @@
 use super::*;
 
 impl Engine {
-    pub(super) fn mark_lost(&self, st: &mut EngineState, why: String) {
-        if st.lost.is_none() {
+    pub(super) fn mark_lost(&self, state: &mut EngineState, why: String) {
+        if state.lost.is_none() {
             // Flushed receives and a dead QP say nothing of the cause; if
             // this client's provider refused what the server sent, say so.
             let why = self.refused_by_us().unwrap_or(why);
             info!(reason = %why, "RDMA connection lost");
-            st.lost = Some(why);
+            state.lost = Some(why);
             self.is_lost.store(true, Ordering::Release);
-            if let Some(fd) = &st.notify {
+            if let Some(fd) = &state.notify {
                 // Wake the completion fd's sleepers too: they find the loss.
                 let _ = rustix::io::write(&**fd, &1u64.to_ne_bytes());
             }
@@ -24,7 +24,7 @@ impl Engine {
             // says why, so log it too.
             info!(reason = %why, "RDMA connection lost: also");
         }
-        self.notify_sleepers(st);
+        self.notify_sleepers(state);
     }
 
     /// Why the connection broke if this client's RDMA provider refused the
@@ -45,12 +45,12 @@ impl Engine {
     }
 
     /// Carry out the state machine's actions and collect its events.
-    pub(super) fn run_actions(&self, st: &mut EngineState) {
-        while let Some(a) = st.conn.poll_action() {
+    pub(super) fn run_actions(&self, state: &mut EngineState) {
+        while let Some(a) = state.conn.poll_action() {
             match a {
                 ClientAction::PostRecv(n) => {
                     for _ in 0..n {
-                        let Some(slot) = st.recv_free.pop() else {
+                        let Some(slot) = state.recv_free.pop() else {
                             warn!("no free receive buffer");
                             break;
                         };
@@ -61,8 +61,8 @@ impl Engine {
                             wr_id: wrid::RECV | u64::from(slot),
                             sg_list: &sge,
                         }]) {
-                            st.recv_free.push(slot);
-                            self.mark_lost(st, format!("posting a receive failed: {}", e.error));
+                            state.recv_free.push(slot);
+                            self.mark_lost(state, format!("posting a receive failed: {}", e.error));
                             break;
                         }
                     }
@@ -73,19 +73,19 @@ impl Engine {
                 }
                 ClientAction::CloseConnection(reason) => {
                     let _ = self.qp.disconnect();
-                    self.mark_lost(st, format!("{reason:?}"));
+                    self.mark_lost(state, format!("{reason:?}"));
                 }
             }
         }
-        self.fill_send_slots(st);
+        self.fill_send_slots(state);
         // Request messages wait for the caller to block (`wait`, a credit
         // wait, the driver's sleep), so a burst of requests leaves in one
         // post and one system call; before AUTH completes they go at once.
-        if !matches!(st.auth, Some(Ok(_))) || st.send_backlog.len() >= SEND_BATCH {
-            self.flush_sends(st);
+        if !matches!(state.auth, Some(Ok(_))) || state.send_backlog.len() >= SEND_BATCH {
+            self.flush_sends(state);
         }
         let mut notify = false;
-        while let Some(ev) = st.conn.poll_event() {
+        while let Some(ev) = state.conn.poll_event() {
             notify = true;
             match ev {
                 ClientEvent::Authenticated {
@@ -93,28 +93,28 @@ impl Engine {
                     credits,
                     ..
                 } => {
-                    st.auth = Some(Ok((session_id, credits)));
-                    st.stats.credit_history.push(credits);
+                    state.auth = Some(Ok((session_id, credits)));
+                    state.stats.credit_history.push(credits);
                 }
-                ClientEvent::AuthFailed { status } => st.auth = Some(Err(status)),
+                ClientEvent::AuthFailed { status } => state.auth = Some(Err(status)),
                 ClientEvent::CreditsChanged { credits } => {
                     debug!(credits, "credit limit changed");
-                    st.stats.credit_history.push(credits);
+                    state.stats.credit_history.push(credits);
                 }
                 ClientEvent::Completed { req, opcode, .. } => {
-                    self.finish_req(st, req, opcode);
+                    self.finish_req(state, req, opcode);
                 }
                 // Its waiter (woken below) returns TimedOut and abandons it.
                 ClientEvent::TimedOut { req, opcode } => {
                     debug!(req, ?opcode, "request timed out");
-                    st.stats.timed_out += 1;
+                    state.stats.timed_out += 1;
                 }
             }
         }
         if notify {
-            self.notify_sleepers(st);
+            self.notify_sleepers(state);
         }
-        self.nudge_progress(st);
+        self.nudge_progress(state);
     }
 
     /// When the progress thread must run next, asleep on the completion
@@ -129,9 +129,9 @@ impl Engine {
     /// receive when the connection breaks), a send, bind or invalidation
     /// completion, and under the soft provider's manual progress any input
     /// or transmit room on its socket.
-    pub(super) fn next_wake(&self, st: &EngineState, now: Instant) -> Option<Instant> {
-        let deadline = st.conn.poll_timeout();
-        if st.conn.polled_outstanding() > 0 {
+    pub(super) fn next_wake(&self, state: &EngineState, now: Instant) -> Option<Instant> {
+        let deadline = state.conn.poll_timeout();
+        if state.conn.polled_outstanding() > 0 {
             let scan = now + POLL_SCAN;
             return Some(deadline.map_or(scan, |d| d.min(scan)));
         }
@@ -141,19 +141,19 @@ impl Engine {
     /// Wake the progress thread if it sleeps past what it now has to do
     /// (a request issued while it slept without a deadline). Cheap while it
     /// is awake; an eventfd write at most once per sleep.
-    pub(super) fn nudge_progress(&self, st: &mut EngineState) {
-        let until = match st.nap {
+    pub(super) fn nudge_progress(&self, state: &mut EngineState) {
+        let until = match state.nap {
             ProgressSleep::Awake => return,
             ProgressSleep::Until(t) => Some(t),
             ProgressSleep::Forever => None,
         };
-        let Some(next) = self.next_wake(st, Instant::now()) else {
+        let Some(next) = self.next_wake(state, Instant::now()) else {
             return;
         };
         if until.is_some_and(|t| t <= next) {
             return;
         }
-        st.nap = ProgressSleep::Awake;
+        state.nap = ProgressSleep::Awake;
         self.wake_progress();
     }
 
@@ -181,10 +181,10 @@ impl Engine {
     /// so that the next completion makes the channel readable. False once
     /// the connection is lost.
     pub(super) fn progress_round(&self) -> bool {
-        lock(&self.st).nap = ProgressSleep::Awake;
+        lock(&self.state).nap = ProgressSleep::Awake;
         if let Err(err) = self.chan.wait(Some(Duration::ZERO)) {
-            let mut st = lock(&self.st);
-            self.mark_lost(&mut st, format!("completion channel failed: {err}"));
+            let mut state = lock(&self.state);
+            self.mark_lost(&mut state, format!("completion channel failed: {err}"));
             return false;
         }
         loop {
@@ -200,9 +200,9 @@ impl Engine {
     /// What the progress thread sleeps until ([`Engine::next_wake`]),
     /// recorded for [`Engine::nudge_progress`].
     pub(super) fn plan_nap(&self) -> Option<Instant> {
-        let mut st = lock(&self.st);
-        let until = self.next_wake(&st, Instant::now());
-        st.nap = until.map_or(ProgressSleep::Forever, ProgressSleep::Until);
+        let mut state = lock(&self.state);
+        let until = self.next_wake(&state, Instant::now());
+        state.nap = until.map_or(ProgressSleep::Forever, ProgressSleep::Until);
         until
     }
 
@@ -213,8 +213,8 @@ impl Engine {
     /// AIO, whose completions another thread reaps) calls this so they go
     /// on the wire at once.
     pub fn flush(&self) {
-        let mut st = lock(&self.st);
-        self.flush_sends(&mut st);
+        let mut state = lock(&self.state);
+        self.flush_sends(&mut state);
     }
 
     /// The send slot `slot` as a slice, for the state machine to encode a
@@ -239,36 +239,36 @@ impl Engine {
 
     /// Move the state machine's queued request messages into free send
     /// slots (encoded there directly), in order, behind the backlog.
-    pub(super) fn fill_send_slots(&self, st: &mut EngineState) {
-        while st.conn.transmit_pending() > 0 {
-            let Some(slot) = st.send_free.pop() else {
+    pub(super) fn fill_send_slots(&self, state: &mut EngineState) {
+        while state.conn.transmit_pending() > 0 {
+            let Some(slot) = state.send_free.pop() else {
                 return;
             };
-            let Some(n) = self.with_send_slot(slot, |out| st.conn.poll_transmit(out)) else {
-                st.send_free.push(slot);
-                return self.mark_lost(st, "a send slot lies outside the send region".into());
+            let Some(n) = self.with_send_slot(slot, |out| state.conn.poll_transmit(out)) else {
+                state.send_free.push(slot);
+                return self.mark_lost(state, "a send slot lies outside the send region".into());
             };
             match n {
-                Some(len) => st.send_backlog.push_back(Outgoing {
+                Some(len) => state.send_backlog.push_back(Outgoing {
                     slot,
                     len,
                     data: None,
                 }),
                 None => {
-                    st.send_free.push(slot);
+                    state.send_free.push(slot);
                     // The state machine closed the connection (a message
                     // larger than a send slot): carry that out.
-                    return self.run_actions(st);
+                    return self.run_actions(state);
                 }
             }
         }
     }
 
-    pub(super) fn flush_sends(&self, st: &mut EngineState) {
-        self.fill_send_slots(st);
-        while !st.send_backlog.is_empty() {
-            let n = st.send_backlog.len().min(SEND_BATCH);
-            let batch: Vec<Outgoing> = st.send_backlog.drain(..n).collect();
+    pub(super) fn flush_sends(&self, state: &mut EngineState) {
+        self.fill_send_slots(state);
+        while !state.send_backlog.is_empty() {
+            let n = state.send_backlog.len().min(SEND_BATCH);
+            let batch: Vec<Outgoing> = state.send_backlog.drain(..n).collect();
             let sges: Vec<([lwio_rdma::Sge; 2], usize)> = batch
                 .iter()
                 .map(|o| {
@@ -292,39 +292,39 @@ impl Engine {
                 // Those before the failed one were posted: their slots come
                 // back with their (flushed) completions.
                 for o in batch.iter().skip(e.index) {
-                    st.send_free.push(o.slot);
-                    st.slot_pins.remove(&o.slot);
+                    state.send_free.push(o.slot);
+                    state.slot_pins.remove(&o.slot);
                 }
-                self.mark_lost(st, format!("posting a send failed: {}", e.error));
+                self.mark_lost(state, format!("posting a send failed: {}", e.error));
                 return;
             }
-            self.fill_send_slots(st);
+            self.fill_send_slots(state);
         }
     }
 
     /// `req` completed (its record waits in the state machine): invalidate
     /// its windows, and drop it when nobody will take it (abandoned, or an
     /// INTERRUPT, whose waiter only watches it leave).
-    pub(super) fn finish_req(&self, st: &mut EngineState, req: ReqId, opcode: Opcode) {
-        let Some(r) = st.conn.user_mut(req) else {
+    pub(super) fn finish_req(&self, state: &mut EngineState, req: ReqId, opcode: Opcode) {
+        let Some(r) = state.conn.user_mut(req) else {
             return;
         };
         let (windows, group, abandoned) = (std::mem::take(&mut r.windows), r.group, r.abandoned);
         // One-shot windows are already disabled by the server's write (when
         // it happened); invalidate regardless — a short or failed read
         // leaves the window armed otherwise.
-        st.stats.windows_invalidated += self.drop_windows(st, windows, group);
+        state.stats.windows_invalidated += self.drop_windows(state, windows, group);
         if abandoned {
-            if let Some(s) = st.conn.take_done(req).and_then(|d| d.user.stage) {
-                free_stage(st, s);
+            if let Some(s) = state.conn.take_done(req).and_then(|d| d.user.stage) {
+                free_stage(state, s);
             }
             return;
         }
         if opcode == Opcode::Interrupt {
-            st.stats.interrupts_answered += 1;
-            st.conn.take_done(req);
+            state.stats.interrupts_answered += 1;
+            state.conn.take_done(req);
         }
-        if let Some(fd) = &st.notify {
+        if let Some(fd) = &state.notify {
             // An eventfd counter: +1. Non-blocking; a full counter (2^64-2
             // unread completions) cannot happen in practice, and EAGAIN
             // would only mean it is readable already.
@@ -337,52 +337,52 @@ impl Engine {
     /// Completions are seen when the engine runs its completion queue: by a
     /// waiting caller, else by the progress thread (interrupt mode).
     pub fn set_notify(&self, fd: Option<Arc<std::os::fd::OwnedFd>>) {
-        lock(&self.st).notify = fd;
+        lock(&self.state).notify = fd;
     }
 
-    pub(super) fn completion(&self, st: &mut EngineState, w: Wc) {
+    pub(super) fn completion(&self, state: &mut EngineState, w: Wc) {
         let v = wrid::value(w.wr_id);
         match wrid::kind(w.wr_id) {
             wrid::RECV => {
-                st.recv_free.push(v as u32);
+                state.recv_free.push(v as u32);
                 if !w.is_ok() {
-                    self.mark_lost(st, format!("receive completed with {:?}", w.status));
+                    self.mark_lost(state, format!("receive completed with {:?}", w.status));
                     return;
                 }
                 let now = Instant::now();
                 match (w.opcode, w.imm) {
                     (WcOpcode::RecvRdmaWithImm, Some(imm)) => {
-                        st.stats.interrupt_completions += 1;
-                        st.stats.immediate_completions += 1;
-                        st.conn.handle_immediate(now, imm);
+                        state.stats.interrupt_completions += 1;
+                        state.stats.immediate_completions += 1;
+                        state.conn.handle_immediate(now, imm);
                     }
                     _ => {
                         let len = (w.byte_len as usize).min(RECV_SLOT);
                         let mut msg = vec![0u8; len];
                         let _ = self.recv_mr.read_at(v as usize * RECV_SLOT, &mut msg);
-                        st.stats.interrupt_completions += 1;
-                        st.conn.handle_recv(now, &msg, &AuthMem(&self.win_mr));
+                        state.stats.interrupt_completions += 1;
+                        state.conn.handle_recv(now, &msg, &AuthMem(&self.win_mr));
                     }
                 }
             }
             wrid::SEND => {
-                st.send_free.push(v as u32);
-                st.slot_pins.remove(&(v as u32));
+                state.send_free.push(v as u32);
+                state.slot_pins.remove(&(v as u32));
                 if !w.is_ok() {
                     self.mark_lost(
-                        st,
+                        state,
                         format!("send completed with {:?} ({:#x})", w.status, w.vendor_err),
                     );
                 }
             }
             wrid::INVAL_SLOT => {
                 // Done (or flushed: the QP is dead, nothing can write).
-                st.conn.release_slot(v as u32);
-                self.notify_sleepers(st);
+                state.conn.release_slot(v as u32);
+                self.notify_sleepers(state);
                 if !w.is_ok() && w.status != WcStatus::WrFlushErr {
                     warn!(status = ?w.status, "status window invalidation failed");
                     self.mark_lost(
-                        st,
+                        state,
                         format!("window invalidation completed with {:?}", w.status),
                     );
                 }
@@ -390,18 +390,18 @@ impl Engine {
             _ => {
                 if wrid::kind(w.wr_id) == wrid::INVAL && v != 0 {
                     // Done (or flushed: the QP is dead, nothing can write).
-                    if let Some(n) = st.inval_pending.get_mut(&v) {
+                    if let Some(n) = state.inval_pending.get_mut(&v) {
                         *n -= 1;
                         if *n == 0 {
-                            st.inval_pending.remove(&v);
+                            state.inval_pending.remove(&v);
                         }
                     }
-                    self.notify_sleepers(st);
+                    self.notify_sleepers(state);
                 }
                 if !w.is_ok() && w.status != WcStatus::WrFlushErr {
                     warn!(status = ?w.status, opcode = ?w.opcode, "window operation failed");
                     self.mark_lost(
-                        st,
+                        state,
                         format!("window operation completed with {:?}", w.status),
                     );
                 }
@@ -410,13 +410,13 @@ impl Engine {
     }
 
     /// Check the status blocks of outstanding polled requests.
-    pub(super) fn scan_slots(&self, st: &mut EngineState) {
-        for slot in st.conn.polled_slots() {
-            self.check_slot(st, slot);
+    pub(super) fn scan_slots(&self, state: &mut EngineState) {
+        for slot in state.conn.polled_slots() {
+            self.check_slot(state, slot);
         }
     }
 
-    pub(super) fn check_slot(&self, st: &mut EngineState, slot: u32) -> bool {
+    pub(super) fn check_slot(&self, state: &mut EngineState, slot: u32) -> bool {
         let Ok(v) = self.win_mr.load_u64(self.status_off + slot as usize * 8) else {
             return false;
         };
@@ -424,8 +424,9 @@ impl Engine {
             return false;
         }
         let (info, status) = (v as u32, (v >> 32) as u32);
-        st.stats.polled_completions += 1;
-        st.conn
+        state.stats.polled_completions += 1;
+        state
+            .conn
             .status_block_updated(Instant::now(), slot, info, status);
         true
     }
@@ -441,35 +442,35 @@ impl Engine {
         let n = match self.cq.wait(&self.chan, &mut wcs, Some(timeout)) {
             Ok(n) => n,
             Err(err) => {
-                let mut st = lock(&self.st);
-                self.mark_lost(&mut st, format!("completion channel failed: {err}"));
+                let mut state = lock(&self.state);
+                self.mark_lost(&mut state, format!("completion channel failed: {err}"));
                 return None;
             }
         };
         if n > 0 {
-            let mut st = lock(&self.st);
+            let mut state = lock(&self.state);
             for w in wcs[..n].iter().copied() {
-                self.completion(&mut st, w);
+                self.completion(&mut state, w);
             }
             // Their events (windows invalidated, waiters woken) before the
             // lock goes: a waiter must not find a request done whose
             // windows are still bound.
-            self.run_actions(&mut st);
-            drop(st);
+            self.run_actions(&mut state);
+            drop(state);
             self.poll_cq();
         }
-        let mut st = lock(&self.st);
+        let mut state = lock(&self.state);
         if self.cfg.completion == Completion::Poll {
-            self.scan_slots(&mut st);
+            self.scan_slots(&mut state);
         }
-        st.conn.handle_timeout(Instant::now());
-        self.run_actions(&mut st);
-        self.flush_sends(&mut st);
-        if st.lost.is_none() && self.qp.state() == QpState::Error {
-            self.mark_lost(&mut st, "the server closed the connection".into());
+        state.conn.handle_timeout(Instant::now());
+        self.run_actions(&mut state);
+        self.flush_sends(&mut state);
+        if state.lost.is_none() && self.qp.state() == QpState::Error {
+            self.mark_lost(&mut state, "the server closed the connection".into());
         }
-        let lost = st.lost.is_some();
-        drop(st);
+        let lost = state.lost.is_some();
+        drop(state);
         if lost {
             self.cv.notify_all();
             // Keep draining flushes so resources are accounted, then stop.
@@ -486,8 +487,8 @@ impl Engine {
             let n = match self.cq.poll(&mut wcs) {
                 Ok(n) => n,
                 Err(e) => {
-                    let mut st = lock(&self.st);
-                    self.mark_lost(&mut st, format!("completion queue failed: {e}"));
+                    let mut state = lock(&self.state);
+                    self.mark_lost(&mut state, format!("completion queue failed: {e}"));
                     return false;
                 }
             };
@@ -495,12 +496,12 @@ impl Engine {
                 break;
             }
             any = true;
-            let mut st = lock(&self.st);
+            let mut state = lock(&self.state);
             for w in wcs[..n].iter().copied() {
-                self.completion(&mut st, w);
+                self.completion(&mut state, w);
             }
-            self.scan_slots(&mut st);
-            self.run_actions(&mut st);
+            self.scan_slots(&mut state);
+            self.run_actions(&mut state);
         }
         any
     }
@@ -562,7 +563,7 @@ pub(super) fn progress_loop(
             if busy || !e.take_driver() {
                 let nap = standby;
                 standby = (standby * 2).min(STANDBY_MAX);
-                let reapers = lock(&e.st).notify.is_some();
+                let reapers = lock(&e.state).notify.is_some();
                 e.standby_wake.store(reapers, Ordering::Release);
                 if reapers && busy && e.waiters.load(Ordering::Acquire) == 0 {
                     // The last caller left before the flag was up. (Not
@@ -582,7 +583,7 @@ pub(super) fn progress_loop(
         woken = false;
         if !e.progress_round() {
             e.release_driver();
-            let why = lock(&e.st).lost.clone().unwrap_or_default();
+            let why = lock(&e.state).lost.clone().unwrap_or_default();
             info!(reason = %why, "client progress thread ends: the connection is lost");
             return;
         }

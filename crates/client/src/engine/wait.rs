@@ -9,42 +9,42 @@ impl Engine {
     /// on the completion fd is woken even though a polled completion posts
     /// nothing. Never waits; a no-op when no credit is free.
     pub fn arm_interrupt(&self) {
-        let mut st = lock(&self.st);
-        self.arm_interrupt_locked(&mut st);
-        self.flush_sends(&mut st);
+        let mut state = lock(&self.state);
+        self.arm_interrupt_locked(&mut state);
+        self.flush_sends(&mut state);
     }
 
-    pub(super) fn arm_interrupt_locked(&self, st: &mut EngineState) {
-        if st.lost.is_none()
-            && st.conn.interrupt_outstanding().is_none()
-            && st.conn.can_interrupt()
-            && st.conn.interrupt(Instant::now()).is_ok()
+    pub(super) fn arm_interrupt_locked(&self, state: &mut EngineState) {
+        if state.lost.is_none()
+            && state.conn.interrupt_outstanding().is_none()
+            && state.conn.can_interrupt()
+            && state.conn.interrupt(Instant::now()).is_ok()
         {
-            st.stats.interrupts_sent += 1;
-            self.run_actions(st);
+            state.stats.interrupts_sent += 1;
+            self.run_actions(state);
         }
     }
 
     /// Send INTERRUPT (or join the one outstanding) and wait until the
     /// server answers it — after the next I/O completion.
     pub fn interrupt(&self) -> Result<()> {
-        let existing = lock(&self.st).conn.interrupt_outstanding();
+        let existing = lock(&self.state).conn.interrupt_outstanding();
         let req = match existing {
             Some(r) => r,
             None => {
-                let r = self.issue_when(ClientConn::can_interrupt, |_, st| {
-                    if st.conn.interrupt_outstanding().is_some() {
+                let r = self.issue_when(ClientConn::can_interrupt, |_, state| {
+                    if state.conn.interrupt_outstanding().is_some() {
                         return Some(Err(Error::Busy("INTERRUPT already outstanding".into())));
                     }
-                    let r = st.conn.interrupt(Instant::now()).map_err(client_err);
+                    let r = state.conn.interrupt(Instant::now()).map_err(client_err);
                     if r.is_ok() {
-                        st.stats.interrupts_sent += 1;
+                        state.stats.interrupts_sent += 1;
                     }
                     Some(r)
                 });
                 match r {
                     Ok(r) => r,
-                    Err(Error::Busy(_)) => match lock(&self.st).conn.interrupt_outstanding() {
+                    Err(Error::Busy(_)) => match lock(&self.state).conn.interrupt_outstanding() {
                         Some(r) => r,
                         None => return Ok(()),
                     },
@@ -55,21 +55,21 @@ impl Engine {
         // Wait for the interrupt's answer: it is a normal status response.
         let _waiting = Waiting::new(self);
         let deadline = Instant::now() + self.cfg.op_timeout;
-        let mut st = lock(&self.st);
+        let mut state = lock(&self.state);
         loop {
             // Its completion is dropped as it comes (`finish_req`).
-            if st.conn.interrupt_outstanding() != Some(req) {
+            if state.conn.interrupt_outstanding() != Some(req) {
                 return Ok(());
             }
-            if let Some(l) = &st.lost {
+            if let Some(l) = &state.lost {
                 return Err(Error::ConnectionLost(l.clone()));
             }
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::TimedOut("INTERRUPT".into()));
             }
-            self.sleep_or_drive(st, (deadline - now).min(Duration::from_millis(50)));
-            st = lock(&self.st);
+            self.sleep_or_drive(state, (deadline - now).min(Duration::from_millis(50)));
+            state = lock(&self.state);
         }
     }
 
@@ -81,12 +81,12 @@ impl Engine {
         let slot = {
             // Done already (its completion came in a batch)? Then the
             // requests queued since stay queued for the next real wait.
-            let mut st = lock(&self.st);
-            if let Some(r) = take_done(&mut st, req) {
+            let mut state = lock(&self.state);
+            if let Some(r) = take_done(&mut state, req) {
                 return Ok(r);
             }
-            self.flush_sends(&mut st);
-            st.conn.slot_of(req)
+            self.flush_sends(&mut state);
+            state.conn.slot_of(req)
         };
         let spin_until = Instant::now() + self.cfg.poll_spin;
         let mut sleeps = 0u32;
@@ -116,41 +116,41 @@ impl Engine {
                     continue;
                 }
             }
-            let mut st = lock(&self.st);
+            let mut state = lock(&self.state);
             if let Some(s) = slot {
-                if self.cfg.completion == Completion::Poll && self.check_slot(&mut st, s) {
-                    self.run_actions(&mut st);
+                if self.cfg.completion == Completion::Poll && self.check_slot(&mut state, s) {
+                    self.run_actions(&mut state);
                 }
             }
-            if let Some(r) = take_done(&mut st, req) {
+            if let Some(r) = take_done(&mut state, req) {
                 return Ok(r);
             }
-            if let Some(l) = &st.lost {
+            if let Some(l) = &state.lost {
                 let l = l.clone();
-                self.abandon(&mut st, req);
+                self.abandon(&mut state, req);
                 return Err(Error::ConnectionLost(l));
             }
             // Its deadline is the state machine's (op timeout from issue).
             let now = Instant::now();
-            st.conn.handle_timeout(now);
-            self.run_actions(&mut st);
-            if st.conn.is_timed_out(req) {
-                self.abandon(&mut st, req);
+            state.conn.handle_timeout(now);
+            self.run_actions(&mut state);
+            if state.conn.is_timed_out(req) {
+                self.abandon(&mut state, req);
                 return Err(Error::TimedOut(format!("request {req}")));
             }
-            if !st.conn.is_outstanding(req) {
+            if !state.conn.is_outstanding(req) {
                 return Err(Error::InvalidArgument(format!(
                     "request {req} is not outstanding (taken already, or never issued)"
                 )));
             }
-            let until = st
+            let until = state
                 .conn
                 .poll_timeout()
                 .map_or(Duration::MAX, |t| t.saturating_duration_since(now));
             let mut wait = Duration::from_millis(50);
             if self.cfg.completion == Completion::Poll && slot.is_some() {
                 // Spin budget spent: ask to be woken by the next completion.
-                self.arm_interrupt_locked(&mut st);
+                self.arm_interrupt_locked(&mut state);
                 // Sleep until the INTERRUPT's answer wakes us (it follows
                 // the server's next completion). A polled completion itself
                 // wakes nobody, and ours may have landed just before the
@@ -168,14 +168,14 @@ impl Engine {
             {
                 spun = true;
                 if let Some(_spinner) = self.busy_poll_turn().then(Spinner::enter).flatten() {
-                    drop(st);
+                    drop(state);
                     if let Some(r) = self.busy_poll(req)? {
                         return Ok(r);
                     }
                     continue;
                 }
             }
-            self.sleep_or_drive(st, wait.min(until));
+            self.sleep_or_drive(state, wait.min(until));
         }
     }
 
@@ -222,10 +222,10 @@ impl Engine {
     /// Block for at most `wait`: as the driver if nobody is (the completion
     /// that ends the wait then wakes this thread directly), else on the
     /// condition variable the driver signals.
-    pub(super) fn sleep_or_drive(&self, mut st: MutexGuard<'_, EngineState>, wait: Duration) {
-        self.flush_sends(&mut st);
+    pub(super) fn sleep_or_drive(&self, mut state: MutexGuard<'_, EngineState>, wait: Duration) {
+        self.flush_sends(&mut state);
         if self.take_driver() {
-            drop(st);
+            drop(state);
             let driving = Driving(self);
             self.drive(wait);
             drop(driving);
@@ -236,28 +236,28 @@ impl Engine {
             }
             return;
         }
-        drop(self.cv_wait(st, wait));
+        drop(self.cv_wait(state, wait));
     }
 
     /// Sleep on `cv` for at most `wait` (counted in `cv_sleepers` while
     /// asleep, under the lock).
     pub(super) fn cv_wait<'a>(
         &self,
-        st: MutexGuard<'a, EngineState>,
+        state: MutexGuard<'a, EngineState>,
         wait: Duration,
     ) -> MutexGuard<'a, EngineState> {
         self.cv_sleepers.fetch_add(1, Ordering::Relaxed);
-        let st = self
+        let state = self
             .cv
-            .wait_timeout(st, wait)
+            .wait_timeout(state, wait)
             .unwrap_or_else(|p| p.into_inner())
             .0;
         self.cv_sleepers.fetch_sub(1, Ordering::Relaxed);
-        st
+        state
     }
 
     /// Wake the threads asleep on `cv`, if there are any. Only with the
-    /// state lock held (`st: &mut EngineState`): a sleeper counts itself under
+    /// state lock held (`state: &mut EngineState`): a sleeper counts itself under
     /// that lock before it sleeps, and `Condvar::wait` releases it only
     /// once the sleeper is on the condition variable, so a notifier that
     /// holds the lock either sees the count or changed the state before
@@ -275,10 +275,10 @@ impl Engine {
     /// (the C batch API) issues staged reads only while this is enough:
     /// staging buffers come back only when their reads are finished.
     pub fn free_stages(&self, len: usize) -> usize {
-        let st = lock(&self.st);
-        st.stage_free.len()
+        let state = lock(&self.state);
+        state.stage_free.len()
             + if len <= BOUNCE_SLOT {
-                st.bounce_free.len()
+                state.bounce_free.len()
             } else {
                 0
             }
@@ -304,28 +304,28 @@ impl Engine {
     /// looked up as by [`Engine::wait`].
     pub fn try_wait(&self, req: ReqId, drive: bool) -> Result<Option<(u32, NtStatus)>> {
         let slot = {
-            let mut st = lock(&self.st);
-            if let Some(r) = take_done(&mut st, req) {
+            let mut state = lock(&self.state);
+            if let Some(r) = take_done(&mut state, req) {
                 return Ok(Some(r));
             }
-            self.flush_sends(&mut st);
-            st.conn.slot_of(req)
+            self.flush_sends(&mut state);
+            state.conn.slot_of(req)
         };
         if drive {
             self.poll_cq();
         }
-        let mut st = lock(&self.st);
+        let mut state = lock(&self.state);
         if let Some(s) = slot {
-            if self.cfg.completion == Completion::Poll && self.check_slot(&mut st, s) {
-                self.run_actions(&mut st);
+            if self.cfg.completion == Completion::Poll && self.check_slot(&mut state, s) {
+                self.run_actions(&mut state);
             }
         }
-        self.take_done(&mut st, req)
+        self.take_done(&mut state, req)
     }
 
     pub(super) fn peek_done(&self, req: ReqId) -> Result<Option<(u32, NtStatus)>> {
-        match self.st.try_lock() {
-            Ok(mut st) => self.take_done(&mut st, req),
+        match self.state.try_lock() {
+            Ok(mut state) => self.take_done(&mut state, req),
             Err(_) => Ok(None),
         }
     }
@@ -334,7 +334,7 @@ impl Engine {
     /// if the connection is lost.
     pub(super) fn take_done(
         &self,
-        st: &mut EngineState,
+        state: &mut EngineState,
         req: ReqId,
     ) -> Result<Option<(u32, NtStatus)>> {
         // Completions the state machine has seen but whose events were not
@@ -342,13 +342,13 @@ impl Engine {
         // lock before `run_actions`): carry them out first, so the request's
         // windows are invalidated (`finish_req`) before its record is taken
         // away. Taking it first left them bound (lwio-e2e-rxe, 1 run in 6).
-        self.run_actions(st);
-        if let Some(r) = take_done(st, req) {
+        self.run_actions(state);
+        if let Some(r) = take_done(state, req) {
             return Ok(Some(r));
         }
-        if let Some(l) = &st.lost {
+        if let Some(l) = &state.lost {
             let l = l.clone();
-            self.abandon(st, req);
+            self.abandon(state, req);
             return Err(Error::ConnectionLost(l));
         }
         Ok(None)
@@ -356,8 +356,8 @@ impl Engine {
 
     /// The waiter gives up: the engine frees the request's stage when (if)
     /// it completes. The stage must not be freed by the waiter.
-    pub(super) fn abandon(&self, st: &mut EngineState, req: ReqId) {
-        if let Some(r) = st.conn.user_mut(req) {
+    pub(super) fn abandon(&self, state: &mut EngineState, req: ReqId) {
+        if let Some(r) = state.conn.user_mut(req) {
             r.abandoned = true;
         }
     }
@@ -365,14 +365,14 @@ impl Engine {
     /// A waiter gave up on `req` (async future dropped): free its resources
     /// when it completes.
     pub fn abandon_req(&self, req: ReqId) {
-        let mut st = lock(&self.st);
-        if let Some(d) = st.conn.take_done(req) {
+        let mut state = lock(&self.state);
+        if let Some(d) = state.conn.take_done(req) {
             if let Some(s) = d.user.stage {
-                free_stage(&mut st, s);
+                free_stage(&mut state, s);
             }
             return;
         }
-        self.abandon(&mut st, req);
+        self.abandon(&mut state, req);
     }
 
     // ------------------------------------------------------ caller memory
