@@ -139,15 +139,82 @@ pub fn lock_order<'a>(mrs: impl Iterator<Item = &'a Arc<MrState>>) -> Vec<&'a Ar
     v
 }
 
+/// The registrations a frame's payload lies in (kept alive with it, and
+/// read-fenced while it is read from them): almost always one, held
+/// without an allocation.
+#[derive(Default)]
+pub struct FrameRegions {
+    first: Option<Arc<MrState>>,
+    rest: Vec<Arc<MrState>>,
+}
+
+impl FrameRegions {
+    pub fn of(mrs: &[Arc<MrState>]) -> FrameRegions {
+        match mrs.split_first() {
+            None => FrameRegions::default(),
+            Some((first, rest)) => FrameRegions {
+                first: Some(first.clone()),
+                rest: rest.to_vec(),
+            },
+        }
+    }
+    pub fn one(mr: Option<Arc<MrState>>) -> FrameRegions {
+        FrameRegions {
+            first: mr,
+            rest: Vec::new(),
+        }
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<MrState>> {
+        self.first.iter().chain(self.rest.iter())
+    }
+}
+
+/// Read guards on region fences ([`read_fences`]); up to four without an
+/// allocation (a transmit batch's frames name one or two regions).
+pub struct ReadFences<'a> {
+    _few: [Option<RwLockReadGuard<'a, ()>>; 4],
+    _more: Vec<RwLockReadGuard<'a, ()>>,
+}
+
 /// Read guards on the fences of `mrs` (distinct, in [`lock_order`]): held
 /// while the transmit path reads payload out of those regions.
-pub fn read_fences<'a>(
-    mrs: impl Iterator<Item = &'a Arc<MrState>>,
-) -> Vec<RwLockReadGuard<'a, ()>> {
-    lock_order(mrs)
-        .into_iter()
-        .map(|m| m.fence.read().unwrap_or_else(|e| e.into_inner()))
-        .collect()
+pub fn read_fences<'a>(mrs: impl Iterator<Item = &'a Arc<MrState>>) -> ReadFences<'a> {
+    fn read(m: &Arc<MrState>) -> RwLockReadGuard<'_, ()> {
+        m.fence.read().unwrap_or_else(|e| e.into_inner())
+    }
+    let mut few: [Option<&'a Arc<MrState>>; 4] = [None; 4];
+    let mut n = 0;
+    let mut spill: Vec<&'a Arc<MrState>> = Vec::new();
+    for m in mrs {
+        if !spill.is_empty() {
+            spill.push(m);
+        } else if few[..n].iter().flatten().any(|f| Arc::ptr_eq(f, m)) {
+            continue;
+        } else if n < few.len() {
+            few[n] = Some(m);
+            n += 1;
+        } else {
+            spill.extend(few.iter().flatten());
+            spill.push(m);
+        }
+    }
+    let mut g = ReadFences {
+        _few: [None, None, None, None],
+        _more: Vec::new(),
+    };
+    if spill.is_empty() {
+        let few = &mut few[..n];
+        few.sort_by_key(|m| m.map_or(0, |m| Arc::as_ptr(m) as usize));
+        for (slot, m) in g._few.iter_mut().zip(few.iter().flatten()) {
+            *slot = Some(read(m));
+        }
+    } else {
+        g._more = lock_order(spill.into_iter())
+            .into_iter()
+            .map(read)
+            .collect();
+    }
+    g
 }
 
 impl PlaceKeep {

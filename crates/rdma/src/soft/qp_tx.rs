@@ -151,7 +151,7 @@ impl QpEngine {
             total: 0,
             written: 0,
             owner,
-            keep: Vec::new(),
+            keep: FrameRegions::default(),
             _inline: None,
             _staged: None,
         }
@@ -224,7 +224,7 @@ impl QpEngine {
             };
             f.npieces = 1;
         }
-        f.keep = e.mr.iter().cloned().collect();
+        f.keep = FrameRegions::one(e.mr.clone());
         if e.mr.as_ref().is_some_and(|m| n > 0 && !m.owns_memory()) {
             // Caller-owned memory stays allocated only while its `Mr` lives
             // (`Pd::register_raw`), and the frame may wait in the send queue
@@ -321,7 +321,7 @@ impl QpEngine {
                 }
                 // The frame keeps the WR's registrations alive, and names the
                 // regions whose fences its transmission holds.
-                f.keep = w.keep.clone();
+                f.keep = FrameRegions::of(&w.keep);
                 f._inline = w.inline.clone();
                 w.sent += n;
                 w.built = last;
