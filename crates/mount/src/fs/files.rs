@@ -31,6 +31,7 @@ impl LwioFs {
             lockers: Mutex::new(HashMap::new()),
             cached: Mutex::new(HashMap::new()),
             unstable: Default::default(),
+            handed_off: Mutex::new(Default::default()),
         };
         // The server's own message ("data/x: No such file or directory",
         // "no such export: nosuch") is the one line the user sees.
@@ -443,9 +444,9 @@ impl LwioFs {
     }
 
     /// A write(2) of node `ino` through `fh`: sent and answered at once when
-    /// the mount's writes are unstable and the file is not O_SYNC/O_DSYNC
-    /// (its answer is collected later: `unstable`), else written and
-    /// waited for.
+    /// the mount's writes are unstable, the file is not O_SYNC/O_DSYNC and
+    /// the node was not handed to the preload (its answer is collected
+    /// later: `unstable`), else written and waited for.
     pub(super) fn write(&self, ino: u64, fh: FileHandle, offset: u64, data: &[u8]) -> Res<u32> {
         let o = self.entry_of(fh)?;
         // Every write: the per-mount bounds hold across files too (a node
@@ -455,7 +456,10 @@ impl LwioFs {
                 self.resend(fh, off, d)
             });
         let sync = o.flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
-        if self.cfg.unstable_writes && !sync {
+        // A node a program also reaches through the preload: its reads
+        // there go to the server at once, so this write must be there first.
+        let shared = lock(&self.handed_off).contains(&ino);
+        if self.cfg.unstable_writes && !sync && !shared {
             self.fresh(&o)?;
             match o.current().start_write(data, offset) {
                 Ok(Some(pw)) => {

@@ -176,6 +176,11 @@ pub struct LwioFs {
     cached: Mutex<HashMap<u64, (u64, u64, std::time::Instant)>>,
     /// Writes answered before the server's answer (`unstable_writes`).
     unstable: unstable::Unstable,
+    /// Nodes handed to liblwio_preload.so (its handoff ioctl): a program
+    /// reads and writes them over its own connection, which cannot wait
+    /// for this mount's unstable writes, so the mount's writes of them are
+    /// waited for. Dropped when the kernel forgets the node.
+    handed_off: Mutex<std::collections::HashSet<u64>>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

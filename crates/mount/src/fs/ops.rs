@@ -89,7 +89,11 @@ impl Filesystem for LwioFs {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        lock(&self.shared.inodes).forget(ino.0, nlookup);
+        let mut inodes = lock(&self.shared.inodes);
+        inodes.forget(ino.0, nlookup);
+        if inodes.path(ino.0).is_none() {
+            lock(&self.handed_off).remove(&ino.0);
+        }
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -723,6 +727,7 @@ impl Filesystem for LwioFs {
         })();
         match r {
             Ok(text) if text.len() < HANDOFF_MAX.min(out_size as usize) => {
+                lock(&self.handed_off).insert(ino.0);
                 let mut out = text.into_bytes();
                 out.push(0);
                 reply.ioctl(0, &out);
