@@ -41,7 +41,7 @@ cleanup() {
 trap cleanup EXIT
 [ -f "$ROOT/data/file.bin" ] || head -c 256M /dev/urandom >"$ROOT/data/file.bin"
 
-PORT=$(( 20000 + RANDOM % 20000 ))
+PORT=$(( 10000 + RANDOM % 22000 ))
 "$LWIO" serve --export "data=$ROOT/data" --listen "127.0.0.1:$PORT" --provider soft >"$ROOT/serve.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 1 100); do grep -q "RDMA listening" "$ROOT/serve.log" && break; sleep 0.1; done

@@ -19,7 +19,7 @@ chmod 755 "$W"
 export HOME=$W/home LWIO_KNOWN_HOSTS=$W/kh
 mkdir -p "$HOME" "$W/srv" "$W/cli" "$W/m-srv" "$W/m-cli"
 chmod 777 "$W/srv" "$W/cli"
-PORT=$(( 20000 + RANDOM % 20000 ))
+PORT=$(( 10000 + RANDOM % 22000 ))
 cat >"$W/lwio.toml" <<EOF
 listen = "127.0.0.1:$PORT"
 token_file = "$W/token"

@@ -44,7 +44,7 @@ chmod 777 "$W/data" "$W/squash"
 SERVER_PID=
 FAILS=0
 RUN=0
-PORT=$(( 20000 + RANDOM % 20000 ))
+PORT=$(( 10000 + RANDOM % 22000 ))
 URL=lwio://127.0.0.1:$PORT
 
 cleanup() {
