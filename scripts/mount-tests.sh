@@ -43,27 +43,11 @@ trap cleanup EXIT
 pass() { echo "PASS $1 ($(( $(date +%s) - T0 ))s)"; }
 fail() { echo "FAIL $1: $2"; FAILS=$((FAILS + 1)); }
 
+. scripts/lib/serve.sh
 start_server() { # [port: the same one again]
-  local try
-  # A random port below the ephemeral range (no client socket holds it);
-  # another if a listener does (the RDMA listener takes PORT + 1).
-  for try in 1 2 3 4 5; do
-    PORT=${1:-$(( 10000 + RANDOM % 22000 ))}
-    "$LWIO" serve --export "data=$W/export" --listen "127.0.0.1:$PORT" --provider soft \
-      >"$W/serve.log" 2>&1 3>&- &
-    SERVER_PID=$!
-    for _ in $(seq 1 100); do
-      grep -q "RDMA listening" "$W/serve.log" && break
-      grep -q "Address already in use" "$W/serve.log" && break
-      sleep 0.1
-    done
-    [ -z "${1:-}" ] && grep -q "Address already in use" "$W/serve.log" || break
-    kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null
-  done
-  FP=$(grep -o 'sha256:[0-9A-F:]*' "$W/serve.log" | head -1)
-  [ -n "$FP" ] || { echo "FAIL: server did not start"; cat "$W/serve.log"; exit 1; }
+  SERVE_PORT=${1:-} serve_data "$W/export" "$W/serve.log" 3>&- ||
+    { echo "FAIL: server did not start"; exit 1; }
   export LWIO_FINGERPRINT=$FP
-  URL=lwio://127.0.0.1:$PORT/data
 }
 
 # unmount_side_calls MOUNTPOINT: unmount it, and print how many side-channel
