@@ -34,7 +34,7 @@
 //! copies of `Mr` sound with `Progress::Auto`, where the engine is a thread
 //! of this process (a hardware provider's DMA is outside the Rust abstract
 //! machine). A thread takes several fences in address order
-//! ([`lock_order`]), and never a fence it already holds, so the lock cannot
+//! ([`read_fences`], and the placements' write fences), and never a fence it already holds, so the lock cannot
 //! deadlock; every holder runs one copy or one non-blocking system call
 //! under it.
 
@@ -110,78 +110,70 @@ impl MwState {
     }
 }
 
-/// What a placement writes through: the region, the window (with the
-/// epoch it resolved under) when the key was a window's, and any further
-/// regions the destination spans (a receive's scatter list).
-#[derive(Clone)]
-pub struct PlaceKeep {
-    pub mr: Arc<MrState>,
-    pub mw: Option<(Arc<MwState>, u64)>,
-    pub more: Vec<Arc<MrState>>,
-}
-
-/// Fences held while one write of a placement runs.
-pub struct PlaceGuard<'a> {
-    _mw: Option<RwLockReadGuard<'a, ()>>,
-    /// The one region of most placements (no allocation).
-    _mr: Option<RwLockWriteGuard<'a, ()>>,
-    /// Or all of them, when the destination spans several.
-    _more: Vec<RwLockWriteGuard<'a, ()>>,
-}
-
-/// The distinct regions of `mrs` in the one order in which a thread takes
-/// several region fences (by address), so that two threads each taking a
-/// set of them cannot deadlock, and a thread never takes one twice.
-pub fn lock_order<'a>(mrs: impl Iterator<Item = &'a Arc<MrState>>) -> Vec<&'a Arc<MrState>> {
-    let mut v: Vec<&Arc<MrState>> = mrs.collect();
-    v.sort_by_key(|m| Arc::as_ptr(m) as usize);
-    v.dedup_by_key(|m| Arc::as_ptr(m) as usize);
-    v
-}
-
-/// The registrations a frame's payload lies in (kept alive with it, and
-/// read-fenced while it is read from them): almost always one, held
+/// The registrations a payload lies in, kept alive with it and fenced
+/// while it is read or written: a frame's to send, a placement's to write
+/// (a receive's scatter list may span several). Almost always one, held
 /// without an allocation.
-#[derive(Default)]
-pub struct FrameRegions {
+#[derive(Clone, Default)]
+pub struct Regions {
     first: Option<Arc<MrState>>,
     rest: Vec<Arc<MrState>>,
 }
 
-impl FrameRegions {
-    pub fn of(mrs: &[Arc<MrState>]) -> FrameRegions {
+impl Regions {
+    pub fn of(mrs: &[Arc<MrState>]) -> Regions {
         match mrs.split_first() {
-            None => FrameRegions::default(),
-            Some((first, rest)) => FrameRegions {
+            None => Regions::default(),
+            Some((first, rest)) => Regions {
                 first: Some(first.clone()),
                 rest: rest.to_vec(),
             },
         }
     }
-    pub fn one(mr: Option<Arc<MrState>>) -> FrameRegions {
-        FrameRegions {
+    pub fn one(mr: Option<Arc<MrState>>) -> Regions {
+        Regions {
             first: mr,
             rest: Vec::new(),
         }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.first.is_none()
     }
     pub fn iter(&self) -> impl Iterator<Item = &Arc<MrState>> {
         self.first.iter().chain(self.rest.iter())
     }
 }
 
-/// Read guards on region fences ([`read_fences`]); up to four without an
-/// allocation (a transmit batch's frames name one or two regions).
-pub struct ReadFences<'a> {
-    _few: [Option<RwLockReadGuard<'a, ()>>; 4],
-    _more: Vec<RwLockReadGuard<'a, ()>>,
+/// What a placement writes through: its regions, and the window (with the
+/// epoch it resolved under) when the key was a window's.
+#[derive(Clone)]
+pub struct PlaceKeep {
+    regions: Regions,
+    mw: Option<(Arc<MwState>, u64)>,
 }
 
-/// Read guards on the fences of `mrs` (distinct, in [`lock_order`]): held
-/// while the transmit path reads payload out of those regions.
-pub fn read_fences<'a>(mrs: impl Iterator<Item = &'a Arc<MrState>>) -> ReadFences<'a> {
-    fn read(m: &Arc<MrState>) -> RwLockReadGuard<'_, ()> {
-        m.fence.read().unwrap_or_else(|e| e.into_inner())
-    }
+/// Fences held while one write of a placement runs.
+pub struct PlaceGuard<'a> {
+    _mw: Option<RwLockReadGuard<'a, ()>>,
+    _mr: Fences<RwLockWriteGuard<'a, ()>>,
+}
+
+/// Guards on several region fences ([`read_fences`], [`write_fences`]); up
+/// to four without an allocation (a transmit batch's frames or a
+/// placement's destination name one or two regions).
+pub struct Fences<G> {
+    _few: [Option<G>; 4],
+    _more: Vec<G>,
+}
+
+/// `take` on each distinct region of `mrs`, in the one order in which a
+/// thread takes several region fences (by address), so that two threads
+/// each taking a set of them cannot deadlock, and a thread never takes one
+/// twice.
+fn fences<'a, G>(
+    mrs: impl Iterator<Item = &'a Arc<MrState>>,
+    take: impl Fn(&'a MrState) -> G,
+) -> Fences<G> {
     let mut few: [Option<&'a Arc<MrState>>; 4] = [None; 4];
     let mut n = 0;
     let mut spill: Vec<&'a Arc<MrState>> = Vec::new();
@@ -198,7 +190,7 @@ pub fn read_fences<'a>(mrs: impl Iterator<Item = &'a Arc<MrState>>) -> ReadFence
             spill.push(m);
         }
     }
-    let mut g = ReadFences {
+    let mut g = Fences {
         _few: [None, None, None, None],
         _more: Vec::new(),
     };
@@ -206,32 +198,50 @@ pub fn read_fences<'a>(mrs: impl Iterator<Item = &'a Arc<MrState>>) -> ReadFence
         let few = &mut few[..n];
         few.sort_by_key(|m| m.map_or(0, |m| Arc::as_ptr(m) as usize));
         for (slot, m) in g._few.iter_mut().zip(few.iter().flatten()) {
-            *slot = Some(read(m));
+            *slot = Some(take(m));
         }
     } else {
-        g._more = lock_order(spill.into_iter())
-            .into_iter()
-            .map(read)
-            .collect();
+        spill.sort_by_key(|m| Arc::as_ptr(m) as usize);
+        spill.dedup_by_key(|m| Arc::as_ptr(m) as usize);
+        g._more = spill.into_iter().map(|m| take(m)).collect();
     }
     g
 }
 
+/// Read guards on the fences of `mrs`: held while the transmit path reads
+/// payload out of those regions.
+pub fn read_fences<'a>(
+    mrs: impl Iterator<Item = &'a Arc<MrState>>,
+) -> Fences<RwLockReadGuard<'a, ()>> {
+    fences(mrs, |m| m.fence.read().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Write guards on the fences of `mrs`: held while the receive path places
+/// into those regions.
+fn write_fences<'a>(
+    mrs: impl Iterator<Item = &'a Arc<MrState>>,
+) -> Fences<RwLockWriteGuard<'a, ()>> {
+    fences(mrs, |m| m.fence.write().unwrap_or_else(|e| e.into_inner()))
+}
+
 impl PlaceKeep {
+    /// A placement into one region, through a window when `mw` is set.
+    pub fn new(mr: Arc<MrState>, mw: Option<(Arc<MwState>, u64)>) -> PlaceKeep {
+        PlaceKeep {
+            regions: Regions::one(Some(mr)),
+            mw,
+        }
+    }
+
     /// The regions of a receive's scatter list (`None` for an empty one).
     pub fn regions(mrs: &[Arc<MrState>]) -> Option<PlaceKeep> {
-        let (first, rest) = mrs.split_first()?;
-        Some(PlaceKeep {
-            mr: first.clone(),
-            mw: None,
-            more: rest.to_vec(),
-        })
+        let regions = Regions::of(mrs);
+        (!regions.is_empty()).then_some(PlaceKeep { regions, mw: None })
     }
 
     /// Whether the key the placement resolved is still live.
     pub fn live(&self) -> bool {
-        self.mr.valid.load(Ordering::Acquire)
-            && self.more.iter().all(|m| m.valid.load(Ordering::Acquire))
+        self.regions.iter().all(|m| m.valid.load(Ordering::Acquire))
             && self
                 .mw
                 .as_ref()
@@ -246,24 +256,9 @@ impl PlaceKeep {
             .mw
             .as_ref()
             .map(|(w, _)| w.fence.read().unwrap_or_else(|e| e.into_inner()));
-        fn write(m: &Arc<MrState>) -> RwLockWriteGuard<'_, ()> {
-            m.fence.write().unwrap_or_else(|e| e.into_inner())
-        }
-        let g = if self.more.is_empty() {
-            PlaceGuard {
-                _mw: mw,
-                _mr: Some(write(&self.mr)),
-                _more: Vec::new(),
-            }
-        } else {
-            PlaceGuard {
-                _mw: mw,
-                _mr: None,
-                _more: lock_order(std::iter::once(&self.mr).chain(self.more.iter()))
-                    .into_iter()
-                    .map(write)
-                    .collect(),
-            }
+        let g = PlaceGuard {
+            _mw: mw,
+            _mr: write_fences(self.regions.iter()),
         };
         self.live().then_some(g)
     }

@@ -22,7 +22,7 @@ use std::io;
 use std::sync::Arc;
 
 use super::cq::CqShared;
-use super::mem::{read_fences, FrameRegions, MemTable, MrState, PlaceKeep, SoftMw};
+use super::mem::{read_fences, MemTable, MrState, PlaceKeep, Regions, SoftMw};
 use super::srq::SrqBinding;
 use crate::verbs::*;
 use lwio_iwarp::fpdu_rx::{FpduConfig, FpduEvent, FpduReceiver, RxError};
@@ -247,7 +247,7 @@ struct TxFrame {
     owner: FrameOwner,
     /// The registrations the payload lies in (kept alive, and fenced
     /// while the frame is read from them).
-    keep: FrameRegions,
+    keep: Regions,
     _inline: Option<Arc<[u8]>>,
     /// CRC on: the payload copied into the frame (the pieces point here).
     _staged: Option<Vec<u8>>,

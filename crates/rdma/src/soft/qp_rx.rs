@@ -589,11 +589,7 @@ impl QpEngine {
                                         stag: s.stag,
                                         next_to: s.to,
                                         end: r.end,
-                                        keep: PlaceKeep {
-                                            mr: r.mr,
-                                            mw: r.mw,
-                                            more: Vec::new(),
-                                        },
+                                        keep: PlaceKeep::new(r.mr, r.mw),
                                     });
                                     r.ptr
                                 }
@@ -623,11 +619,7 @@ impl QpEngine {
                         let keep = self
                             .sq_index(o.seq)
                             .and_then(|i| self.sq[i].keep.first().cloned())
-                            .map(|mr| PlaceKeep {
-                                mr,
-                                mw: None,
-                                more: Vec::new(),
-                            });
+                            .map(|mr| PlaceKeep::new(mr, None));
                         match keep {
                             Some(k) if k.live() => self.dest_keep = Some(k),
                             _ => return self.fatal(TermKind::DdpTaggedInvalidStag, true),

@@ -32,6 +32,14 @@ fn untagged(opcode: Opcode, last: bool, inv: u32, qn: u32, msn: u32, mo: u32) ->
 }
 
 impl TxFrame {
+    /// The payload's length (the sum of its pieces).
+    fn payload_len(&self) -> usize {
+        self.pieces[..self.npieces]
+            .iter()
+            .map(|p| p.len as usize)
+            .sum()
+    }
+
     /// A copy of the frame's payload, made under the read fences of the
     /// regions it lies in (no other thread writes those bytes meanwhile:
     /// `soft::mem`, "The region fence is the region's reader-writer
@@ -49,11 +57,7 @@ impl TxFrame {
         {
             return None;
         }
-        let payload: usize = self.pieces[..self.npieces]
-            .iter()
-            .map(|p| p.len as usize)
-            .sum();
-        let mut own: Vec<u8> = Vec::with_capacity(payload);
+        let mut own: Vec<u8> = Vec::with_capacity(self.payload_len());
         for p in &self.pieces[..self.npieces] {
             let at = own.len();
             // SAFETY: the piece is readable memory that the frame may send
@@ -79,13 +83,7 @@ impl TxFrame {
     fn payload_copy_or_zeros(&self) -> Vec<u8> {
         self.payload_copy().unwrap_or_else(|| {
             tracing::debug!("send source deregistered before its work request completed");
-            vec![
-                0;
-                self.pieces[..self.npieces]
-                    .iter()
-                    .map(|p| p.len as usize)
-                    .sum()
-            ]
+            vec![0; self.payload_len()]
         })
     }
 
@@ -119,7 +117,7 @@ impl QpEngine {
     /// Emit the header area of `f` for `h` (+ a Terminate's `body`), the
     /// payload being `f`'s pieces, and add the trailer (pad, CRC).
     fn seal_frame(&self, f: &mut TxFrame, h: &SegmentHeader, body: Option<&TerminateRepr>) {
-        let payload: usize = f.pieces[..f.npieces].iter().map(|p| p.len as usize).sum();
+        let payload = f.payload_len();
         f.hdr_len = emit_fpdu_header(h, body, payload, &mut f.hdr)
             .expect("TX_HDR holds every header and max_payload bounds the ULPDU");
         let ulpdu = f.hdr_len - MPA_HDR_LEN + payload;
@@ -151,7 +149,7 @@ impl QpEngine {
             total: 0,
             written: 0,
             owner,
-            keep: FrameRegions::default(),
+            keep: Regions::default(),
             _inline: None,
             _staged: None,
         }
@@ -224,7 +222,7 @@ impl QpEngine {
             };
             f.npieces = 1;
         }
-        f.keep = FrameRegions::one(e.mr.clone());
+        f.keep = Regions::one(e.mr.clone());
         if e.mr.as_ref().is_some_and(|m| n > 0 && !m.owns_memory()) {
             // Caller-owned memory stays allocated only while its `Mr` lives
             // (`Pd::register_raw`), and the frame may wait in the send queue
@@ -321,7 +319,7 @@ impl QpEngine {
                 }
                 // The frame keeps the WR's registrations alive, and names the
                 // regions whose fences its transmission holds.
-                f.keep = FrameRegions::of(&w.keep);
+                f.keep = Regions::of(&w.keep);
                 f._inline = w.inline.clone();
                 w.sent += n;
                 w.built = last;

@@ -1687,11 +1687,7 @@ fn application_copies_and_engine_accesses_to_a_region_exclude_each_other() {
         });
         assert!(done.load(Ordering::SeqCst), "{what}");
     }
-    let keep = PlaceKeep {
-        mr: state.clone(),
-        mw: None,
-        more: Vec::new(),
-    };
+    let keep = PlaceKeep::new(state.clone(), None);
     waits(
         keep.enter().expect("live"),
         || {
