@@ -2,9 +2,10 @@
 # one `lwio serve` of a directory on loopback (run from the repository root).
 #
 # serve_data DIR LOG [ARGS...]: start "$LWIO" serving DIR as export "data" on
-# a random port of 127.0.0.1 (another if it is taken) with the soft provider (ARGS go to `lwio serve`;
-# redirections on the call reach the server too), wait up to 10 s for its
-# RDMA listener, and set SERVER_PID, PORT, FP (its TLS fingerprint) and URL.
+# a random port of 127.0.0.1 (another if it is taken) with the soft provider
+# (ARGS go to `lwio serve`; redirections on the call reach the server too),
+# wait up to 10 s for its RDMA listener, and set SERVER_PID, PORT, FP (its
+# TLS fingerprint) and URL.
 # SERVE_PORT=N: that port (a server started again where it was), never another.
 # Returns 1, with the server's log on stderr, if it did not start.
 serve_data() {
