@@ -7,8 +7,8 @@
 use crate::fpdu_rx::{FpduConfig, FpduEvent, FpduReceiver, RxError};
 use crate::wire::ddp::Kind;
 use crate::wire::rdmap::{
-    Opcode, ReadRequest, TerminatePacket, TerminateRepr, QN_READ_REQUEST, QN_TERMINATE,
-    TERMINATE_HDR_LEN, TERMINATE_MAX_COPIED,
+    Opcode, ReadRequest, TerminatePacket, TerminateRepr, IMMEDIATE_DATA_LEN, QN_READ_REQUEST,
+    QN_TERMINATE, TERMINATE_HDR_LEN, TERMINATE_MAX_COPIED,
 };
 use crate::wire::segment::SegmentHeader;
 use crate::wire::term::{TermError, TermKind};
@@ -139,7 +139,8 @@ impl DdpRxState {
     /// * MO not 0 for a new message or not contiguous → DDP Invalid MO
     ///   (siw requires in-order MO, as TCP delivers in order);
     /// * MO + len overflowing, multi-segment or oversized Read Request or
-    ///   Terminate → DDP Message too long;
+    ///   Terminate, an Immediate Data message (RFC 7306) that is not one
+    ///   segment of 8 bytes → DDP Message too long;
     /// * a different opcode continuing an unfinished message of the same
     ///   kind (siw's "packet intersection") → RDMAP Unexpected OpCode;
     /// * TO + len wrapping 2^64 → DDP tagged TO wrap.
@@ -203,6 +204,11 @@ impl DdpRxState {
                     return Err(TermKind::DdpUntaggedMessageTooLong.into());
                 }
                 if qn == QN_TERMINATE && (end as usize > MAX_TERMINATE_PAYLOAD || !h.last) {
+                    return Err(TermKind::DdpUntaggedMessageTooLong.into());
+                }
+                // RFC 7306: an Immediate Data message is one segment of
+                // exactly 8 bytes.
+                if h.opcode.is_immediate() && (end != IMMEDIATE_DATA_LEN || !h.last) {
                     return Err(TermKind::DdpUntaggedMessageTooLong.into());
                 }
                 Ok(Segment::Untagged(UntaggedSegment {

@@ -292,6 +292,27 @@ fn ddp_validation_errors() {
             100,
             DdpUntaggedMessageTooLong,
         ),
+        // RFC 7306 Immediate Data: one segment of exactly 8 bytes, on QN 0.
+        (
+            seg(Opcode::ImmediateData, true, ut(0, 1, 0)),
+            4,
+            DdpUntaggedMessageTooLong,
+        ),
+        (
+            seg(Opcode::ImmediateDataSe, true, ut(0, 1, 0)),
+            9,
+            DdpUntaggedMessageTooLong,
+        ),
+        (
+            seg(Opcode::ImmediateData, false, ut(0, 1, 0)),
+            8,
+            DdpUntaggedMessageTooLong,
+        ),
+        (
+            seg(Opcode::ImmediateData, true, ut(1, 1, 0)),
+            8,
+            DdpUntaggedInvalidQn,
+        ),
         (
             seg(
                 Opcode::Write,
@@ -308,6 +329,10 @@ fn ddp_validation_errors() {
     for (h, len, want) in fresh {
         assert_eq!(k(&s, h, len), Some(want), "{h:?}");
     }
+    let imm = s
+        .validate(&seg(Opcode::ImmediateDataSe, true, ut(0, 1, 0)), 8)
+        .unwrap();
+    assert!(matches!(imm, Segment::Untagged(u) if u.qn == 0 && u.len == 8 && u.last));
     // In-progress messages.
     let mut s2 = DdpRxState::new();
     let first = s2
@@ -324,6 +349,11 @@ fn ddp_validation_errors() {
     );
     assert_eq!(
         k(&s2, seg(Opcode::SendSe, true, ut(0, 1, 8)), 0),
+        Some(RdmapOpUnexpectedOpcode)
+    );
+    // An Immediate Data message cannot continue an unfinished Send.
+    assert_eq!(
+        k(&s2, seg(Opcode::ImmediateData, true, ut(0, 1, 8)), 8),
         Some(RdmapOpUnexpectedOpcode)
     );
     // A Read Request may interleave with an unfinished Send.

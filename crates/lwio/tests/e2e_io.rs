@@ -187,8 +187,16 @@ fn io_suite(completion: Completion) {
         "requests beyond the credits granted"
     );
     match completion {
-        Completion::Poll => assert!(stats.polled_completions > 0, "{stats:?}"),
-        Completion::Interrupt => assert_eq!(stats.polled_completions, 0, "{stats:?}"),
+        Completion::Poll => {
+            assert!(stats.polled_completions > 0, "{stats:?}");
+            assert_eq!(stats.immediate_completions, 0, "{stats:?}");
+        }
+        Completion::Interrupt => {
+            assert_eq!(stats.polled_completions, 0, "{stats:?}");
+            // Full reads complete by RDMA Write with Immediate (the soft
+            // provider's RFC 7306 Immediate Data), with no status message.
+            assert!(stats.immediate_completions > 0, "{stats:?}");
+        }
     }
     let ss = s.rdma.stats();
     assert_eq!(
@@ -201,6 +209,29 @@ fn io_suite(completion: Completion) {
 #[test]
 fn io_interrupt_mode() {
     io_suite(Completion::Interrupt);
+}
+
+/// A server told not to use RDMA Write with Immediate completes every
+/// read by its status message: the same bytes, no immediate completion.
+#[test]
+fn io_interrupt_mode_without_write_with_immediate() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = no_auto();
+    opts.proto.use_write_with_imm = false;
+    let s = server(dir.path(), opts);
+    let c = client(&s, Completion::Interrupt);
+    let f = c
+        .open("d.bin", &OpenOptions::read_write().create(true))
+        .expect("open");
+    let data = pattern(5, 200_003);
+    assert_eq!(f.write_at(&data, 0).unwrap(), data.len());
+    for (off, len) in [(0u64, 100usize), (7, 65_537), (0, 200_003)] {
+        let mut buf = vec![0u8; len];
+        assert_eq!(f.read_at(&mut buf, off).unwrap(), len);
+        assert_eq!(&buf[..], &data[off as usize..off as usize + len]);
+    }
+    let st = c.stats();
+    assert_eq!(st.immediate_completions, 0, "{st:?}");
 }
 
 #[test]

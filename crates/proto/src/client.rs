@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::server::CloseReason;
 use crate::status::*;
-use crate::wire::auth::{ENDIAN_64, FEATURE_FLUSH};
+use crate::wire::auth::{ENDIAN_64, FEATURE_FLUSH, FEATURE_IMMEDIATE};
 use crate::wire::common::{CancelTarget, CompletionMode, HeaderPacket, Opcode, RequestOp};
 use crate::wire::fragment::{FragmentRepr, FRAGMENT_HEADER_LEN};
 use crate::wire::{
@@ -123,6 +123,10 @@ pub struct ClientConfig {
     /// fragmented message (docs/protocol.md §5.12) when the server
     /// announces MAX_MESSAGE.
     pub fragments: bool,
+    /// This client's device receives RDMA Writes with Immediate: say so
+    /// in AUTH (FEATURES bit 1, docs/protocol.md §5.2), and a server whose
+    /// device sends them completes full interrupt-mode reads with one.
+    pub accepts_immediate: bool,
 }
 
 impl ClientConfig {
@@ -144,6 +148,7 @@ impl ClientConfig {
             recvs_preposted: 0,
             op_timeout: None,
             fragments: true,
+            accepts_immediate: false,
         }
     }
 }
@@ -606,7 +611,11 @@ impl<U: Default> ClientConn<U> {
             signature: None,
             // Servers send this client only 16-byte status responses.
             max_message: 0,
-            features: 0,
+            features: if self.cfg.accepts_immediate {
+                FEATURE_IMMEDIATE
+            } else {
+                0
+            },
         };
         let bytes = params
             .to_signed_bytes(self.cfg.signature, &self.cfg.secret)

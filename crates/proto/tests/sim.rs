@@ -179,6 +179,8 @@ struct Sim {
     to_client: VecDeque<ToClient>,
     client_recvs: u32,
     recv_overrun: bool,
+    /// RDMA Writes with Immediate the server issued.
+    imms: u32,
     server_closed: Option<CloseReason>,
     client_closed: Option<CloseReason>,
     events: Vec<ClientEvent>,
@@ -242,6 +244,7 @@ impl Sim {
             to_client: VecDeque::new(),
             client_recvs: 0,
             recv_overrun: false,
+            imms: 0,
             server_closed: None,
             client_closed: None,
             events: Vec::new(),
@@ -342,6 +345,7 @@ impl Sim {
                     "RDMA write out of bounds"
                 );
                 if let Some(i) = imm {
+                    self.imms += 1;
                     self.deliver(ToClient::Imm(i));
                 }
             }
@@ -448,6 +452,9 @@ fn client_cfg() -> ClientConfig {
         slots: 16,
     });
     c.credits_wanted = 4;
+    // An lwio client on a device that receives RDMA Writes with Immediate
+    // (FEATURES bit 1); `use_write_with_imm` decides per server.
+    c.accepts_immediate = true;
     c
 }
 
@@ -1741,6 +1748,40 @@ fn polled_sentinel_is_ignored_and_immediate_only_on_last_region() {
         "no status response"
     );
     assert_eq!(acts.last(), Some(&ServerAction::ReleaseReadBuffer { op }));
+}
+
+/// A server whose device sends RDMA Writes with Immediate completes a full
+/// interrupt-mode read with one only for a client that said in AUTH
+/// (FEATURES bit 1) that its device receives them; any other client (a
+/// seed-only one, or lwio on Linux siw, which would answer the RFC 7306
+/// Immediate Data with a Terminate) gets its status message.
+#[test]
+fn immediate_completion_only_for_a_client_that_accepts_it() {
+    for accepts in [false, true] {
+        let mut scfg = server_cfg();
+        scfg.use_write_with_imm = true;
+        let mut ccfg = client_cfg();
+        ccfg.accepts_immediate = accepts;
+        let mut s = Sim::with(scfg, ccfg);
+        s.connect();
+        let fid = s.register(RK_PLAIN, 0);
+        let file = file_pattern(10_000);
+        for i in 0..3u64 {
+            let r = s.read(fid, 1000 * i, 500, Mode::Interrupt);
+            s.pump();
+            assert_eq!(
+                s.completion(r),
+                Some((500, STATUS_SUCCESS)),
+                "accepts {accepts}"
+            );
+            assert_eq!(
+                s.mem.read_at(DATA.addr, 500),
+                file[1000 * i as usize..1000 * i as usize + 500]
+            );
+        }
+        assert_eq!(s.imms, if accepts { 3 } else { 0 }, "accepts {accepts}");
+        assert!(!s.recv_overrun && s.server_closed.is_none());
+    }
 }
 
 #[test]

@@ -48,10 +48,7 @@ fn run(progress: Progress, crc: bool, name: &str) {
 }
 
 /// Cases the soft provider skips, and why.
-const SOFT_SKIPS: &[(&str, &str)] = &[(
-    "write_with_imm",
-    "RDMA Write with Immediate (RFC 7306) is not implemented by the soft provider",
-)];
+const SOFT_SKIPS: &[(&str, &str)] = &[];
 
 macro_rules! cases {
     ($($name:ident),* $(,)?) => {

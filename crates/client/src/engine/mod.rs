@@ -586,6 +586,10 @@ impl Engine {
         ccfg.tid = std::process::id();
         ccfg.recvs_preposted = pre.len() as u32;
         ccfg.op_timeout = Some(cfg.op_timeout);
+        // Full interrupt-mode reads may complete by RDMA Write with
+        // Immediate where this device receives them (rxe, the soft
+        // provider; not siw).
+        ccfg.accepts_immediate = ctx.device().caps.as_ref().is_some_and(|c| c.write_with_imm);
         let mut mw_free = Vec::new();
         for _ in 0..(cfg.stage_slots * 4 + BOUNCE_SLOTS) {
             mw_free.push(pd.alloc_mw()?);

@@ -1,5 +1,9 @@
 //! RDMAP (RFC 5040): control field, opcodes, RDMA Read Request header,
-//! Terminate header.
+//! Terminate header; and RFC 7306's Immediate Data message (opcodes 0x8,
+//! 0x9: an untagged message on QN 0 whose payload is 8 bytes of data for
+//! the receiver's completion; an RDMA Write with Immediate is an RDMA
+//! Write followed by one). RFC 7306's atomic operations (0xa, 0xb) stay
+//! reserved here, as in siw.
 //!
 //! ```text
 //! RDMAP control field (first RsvdULP byte of the DDP header):
@@ -61,11 +65,18 @@ pub enum Opcode {
     SendSeInvalidate = 0x6,
     /// Terminate (QN 2).
     Terminate = 0x7,
+    /// Immediate Data (RFC 7306; QN 0, 8-byte payload, consumes a receive).
+    ImmediateData = 0x8,
+    /// Immediate Data with Solicited Event (RFC 7306).
+    ImmediateDataSe = 0x9,
 }
+
+/// Payload length of an Immediate Data message (RFC 7306).
+pub const IMMEDIATE_DATA_LEN: u32 = 8;
 
 impl Opcode {
     /// From the 4-bit field; `None` for reserved values (RFC 7306's
-    /// extensions 0x8..=0xc included: not supported, like siw).
+    /// atomic operations 0xa..=0xc included: not supported, like siw).
     pub fn from_raw(v: u8) -> Option<Opcode> {
         Some(match v & 0xf {
             0 => Opcode::Write,
@@ -76,6 +87,8 @@ impl Opcode {
             5 => Opcode::SendSe,
             6 => Opcode::SendSeInvalidate,
             7 => Opcode::Terminate,
+            8 => Opcode::ImmediateData,
+            9 => Opcode::ImmediateDataSe,
             _ => return None,
         })
     }
@@ -94,9 +107,16 @@ impl Opcode {
     pub fn is_invalidate(self) -> bool {
         matches!(self, Opcode::SendInvalidate | Opcode::SendSeInvalidate)
     }
-    /// Whether a Send requests a solicited event.
+    /// Whether a Send (or Immediate Data) requests a solicited event.
     pub fn is_solicited(self) -> bool {
-        matches!(self, Opcode::SendSe | Opcode::SendSeInvalidate)
+        matches!(
+            self,
+            Opcode::SendSe | Opcode::SendSeInvalidate | Opcode::ImmediateDataSe
+        )
+    }
+    /// Whether this is an Immediate Data message (RFC 7306).
+    pub fn is_immediate(self) -> bool {
+        matches!(self, Opcode::ImmediateData | Opcode::ImmediateDataSe)
     }
     /// Untagged queue number for untagged opcodes.
     pub fn queue(self) -> Option<u32> {
@@ -498,9 +518,13 @@ mod tests {
                     assert_eq!(op as u8, v);
                     assert_eq!(op.is_tagged(), op.queue().is_none());
                 }
-                None => assert!(v >= 8),
+                None => assert!(v >= 10),
             }
         }
+        assert_eq!(control_byte(Opcode::ImmediateData), 0x48);
+        assert_eq!(Opcode::ImmediateDataSe.queue(), Some(QN_SEND));
+        assert!(Opcode::ImmediateDataSe.is_solicited() && Opcode::ImmediateData.is_immediate());
+        assert!(!Opcode::ImmediateData.is_send() && !Opcode::ImmediateData.is_solicited());
         assert_eq!(control_byte(Opcode::Send), 0x43);
         assert_eq!(control_byte(Opcode::Terminate), 0x47);
         assert_eq!(control_version(0x43), 1);

@@ -206,7 +206,10 @@ mod tests {
         assert_eq!(k([0xc0, 0x40]), DdpTaggedInvalidVersion);
         assert_eq!(k([0x42, 0x43]), DdpUntaggedInvalidVersion);
         assert_eq!(k([0x41, 0x83]), RdmapOpInvalidVersion);
-        assert_eq!(k([0x41, 0x48]), RdmapOpUnexpectedOpcode);
+        // RFC 7306's atomics stay reserved; Immediate Data is untagged.
+        assert_eq!(k([0x41, 0x4a]), RdmapOpUnexpectedOpcode);
+        assert_eq!(k([0xc1, 0x48]), RdmapOpUnexpectedOpcode);
+        assert_eq!(header_len([0x41, 0x48]), Ok(18));
         assert_eq!(k([0xc1, 0x43]), RdmapOpUnexpectedOpcode);
         assert_eq!(k([0x41, 0x40]), RdmapOpUnexpectedOpcode);
         assert_eq!(header_len([0xc1, 0x40]), Ok(14));

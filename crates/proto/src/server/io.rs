@@ -480,11 +480,26 @@ impl<U: OpData> ServerConn<U> {
         self.maybe_finish_close(p.fid);
     }
 
+    /// The client said in AUTH that its device receives RDMA Writes with
+    /// Immediate (FEATURES bit 1): a seed-only client, or one on a device
+    /// without them (Linux siw), is completed by status messages.
+    fn peer_accepts_immediate(&self) -> bool {
+        self.client
+            .as_ref()
+            .is_some_and(|c| c.features & FEATURE_IMMEDIATE != 0)
+    }
+
     pub(super) fn imm_for(&self, mode: &CompletionMode, n: u32, requested: u32) -> Option<u32> {
         match *mode {
             CompletionMode::Interrupt {
                 immediate_cookie, ..
-            } if self.cfg.use_write_with_imm && n == requested && n > 0 => Some(immediate_cookie),
+            } if self.cfg.use_write_with_imm
+                && self.peer_accepts_immediate()
+                && n == requested
+                && n > 0 =>
+            {
+                Some(immediate_cookie)
+            }
             _ => None,
         }
     }

@@ -16,7 +16,7 @@ use crate::wire::fragment::{FragmentPacket, FragmentRepr, FRAGMENT_HEADER_LEN, O
 
 use crate::stats::RequestStats;
 use crate::status::*;
-use crate::wire::auth::{AuthParamsPacket, ENDIAN_64, FEATURE_FLUSH};
+use crate::wire::auth::{AuthParamsPacket, ENDIAN_64, FEATURE_FLUSH, FEATURE_IMMEDIATE};
 use crate::wire::common::{CancelTarget, CompletionMode, Opcode, RequestOp};
 use crate::wire::{
     AuthParamsRepr, FidParamsRepr, Guid, IoStatusBlock, RdmaRegion, RequestRepr, SignatureAlg,
@@ -42,7 +42,8 @@ pub struct ServerConfig {
     pub max_credits: u16,
     /// Backend sector size; VEC_READ's last region must be a multiple.
     pub sector_size: u32,
-    /// Complete successful full reads with RDMA write with immediate.
+    /// Complete successful full reads with RDMA write with immediate (this
+    /// device sends them), for clients that accept them (FEATURES bit 1).
     pub use_write_with_imm: bool,
     /// Accept the seed's MD5 signature (compatibility mode).
     pub allow_md5: bool,

@@ -17,12 +17,16 @@ pub const OPTION_SIGNATURE: u8 = 3;
 /// fragmented message the sender accepts (u32 LE).
 pub const OPTION_MAX_MESSAGE: u8 = 4;
 pub const OPTION_MAX_MESSAGE_LENGTH: u8 = 4;
-/// lwio extension (docs/protocol.md §5.13): the requests beyond the
-/// seed's that the sender serves, a bit mask (u32 LE, [`FEATURE_FLUSH`]).
+/// lwio extension (docs/protocol.md §5.13): what the sender does beyond
+/// the seed, a bit mask (u32 LE, [`FEATURE_FLUSH`], [`FEATURE_IMMEDIATE`]).
 pub const OPTION_FEATURES: u8 = 5;
 pub const OPTION_FEATURES_LENGTH: u8 = 4;
 /// The sender serves FLUSH (opcode 11).
 pub const FEATURE_FLUSH: u32 = 1;
+/// The sender (a client) accepts read completions by RDMA Write with
+/// Immediate: its device receives them (an RFC 7306 Immediate Data message
+/// on iWARP, which Linux siw would answer with a Terminate).
+pub const FEATURE_IMMEDIATE: u32 = 2;
 pub const OPTION_KEY_LENGTH: u8 = 16;
 pub const OPTION_SESSION_ID_LENGTH: u8 = 8;
 /// MD5 signature length (seed compatibility).

@@ -708,6 +708,24 @@ mod deviation_tests {
     }
 
     #[test]
+    fn case_result_lines() {
+        let r = |outcome| CaseResult {
+            name: "write_with_imm",
+            outcome,
+            elapsed: Duration::ZERO,
+        };
+        assert_eq!(r(Outcome::Pass).to_string(), "PASS write_with_imm");
+        assert_eq!(
+            r(Outcome::Fail("x".into())).to_string(),
+            "FAIL write_with_imm: x"
+        );
+        assert_eq!(
+            r(Outcome::Skip("no caps".into())).to_string(),
+            "SKIP write_with_imm: no caps"
+        );
+    }
+
+    #[test]
     fn soft_pair_has_no_deviations() {
         let p = crate::provider("soft").unwrap();
         let a = p.open(None, &Config::default()).unwrap();

@@ -20,8 +20,13 @@
 //! MPA enhanced mode (IRD/ORD), markers off, CRC32c negotiated; DDP tagged
 //! and untagged (QN 0 Send, 1 Read Request, 2 Terminate) with MSN/MO
 //! checks; RDMAP Send, Send with Invalidate (± solicited), RDMA Write, RDMA
-//! Read Request/Response, Terminate. No RFC 7306 (Write with Immediate):
-//! `caps.write_with_imm` is false.
+//! Read Request/Response, Terminate, and RFC 7306's Immediate Data (an
+//! RDMA Write with Immediate is the Write followed by an Immediate Data
+//! message on QN 0: 8 bytes, the value big-endian then zeros; it consumes a
+//! receive, which completes as `RecvRdmaWithImm` with nothing written into
+//! it). Linux siw has no Immediate Data: a consumer sends it only to a
+//! peer that said it accepts it (LWIO: FEATURES bit 1, docs/protocol.md
+//! §5.2). No Send with Immediate, no RFC 7306 atomics.
 //!
 //! The receive path runs on lwio-iwarp: its `FpduReceiver` deframes the
 //! stream (MPA length, header, pad, CRC) and its `DdpRxState` validates each
@@ -175,7 +180,7 @@ pub fn caps() -> DeviceCaps {
         max_msg_size: u32::MAX as u64,
         mw_kind: MwKind::Native,
         one_shot_mw: true,
-        write_with_imm: false,
+        write_with_imm: true,
         send_with_invalidate: true,
         max_srq_wr: 16 * 1024,
         max_srq_sge: MAX_SGE,

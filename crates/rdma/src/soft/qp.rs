@@ -31,7 +31,8 @@ use lwio_iwarp::tx::{emit_fpdu_header, Trailer, TxState};
 use lwio_iwarp::wire::ddp::Kind as DdpKind;
 use lwio_iwarp::wire::mpa::MPA_HDR_LEN;
 use lwio_iwarp::wire::rdmap::{
-    self, Opcode, ReadRequest, TerminateRepr, QN_READ_REQUEST, QN_SEND, QN_TERMINATE,
+    self, Opcode, ReadRequest, TerminateRepr, IMMEDIATE_DATA_LEN, QN_READ_REQUEST, QN_SEND,
+    QN_TERMINATE,
 };
 use lwio_iwarp::wire::segment::SegmentHeader;
 use lwio_iwarp::wire::term::{TermError, TermKind};
@@ -116,9 +117,21 @@ pub const ANON_OVERHEAD: usize = 64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
-    Send { inv: Option<u32>, se: bool },
-    Write { stag: u32, to: u64 },
-    Read { stag: u32, to: u64 },
+    Send {
+        inv: Option<u32>,
+        se: bool,
+    },
+    /// RDMA Write; with `imm` (value, solicited), followed by an RFC 7306
+    /// Immediate Data message carrying it (RDMA Write with Immediate).
+    Write {
+        stag: u32,
+        to: u64,
+        imm: Option<(u32, bool)>,
+    },
+    Read {
+        stag: u32,
+        to: u64,
+    },
     Local,
 }
 
@@ -204,6 +217,9 @@ struct AnonMsg {
     complete: bool,
     inv: Option<u32>,
     solicited: bool,
+    /// An Immediate Data message's value (no `data`): completes its
+    /// receive as `RecvRdmaWithImm`.
+    imm: Option<u32>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -427,6 +443,8 @@ pub struct QpEngine {
     /// segment's next bytes complete it (`qp_rx::place_bytes`).
     held: Option<rx::HeldWord>,
     ctl: Box<[u8; TERM_MAX]>,
+    /// The payload of an arriving Immediate Data message (RFC 7306).
+    imm_in: Box<[u8; IMMEDIATE_DATA_LEN as usize]>,
     cur_send: Option<CurSend>,
     tagged: Option<TaggedCtx>,
     pub peer_closed: bool,
@@ -522,6 +540,7 @@ impl QpEngine {
             held: None,
             dest_off: 0,
             ctl: Box::new([0; TERM_MAX]),
+            imm_in: Box::new([0; IMMEDIATE_DATA_LEN as usize]),
             cur_send: None,
             tagged: None,
             peer_closed: false,
@@ -559,48 +578,61 @@ impl QpEngine {
             if self.sq.len() >= self.p.cap.max_send_wr as usize {
                 return Err(err(Error::QueueFull));
             }
-            let (kind, opcode) = match w.op {
-                SendOp::Send => (
-                    Kind::Send {
-                        inv: None,
-                        se: w.solicited,
-                    },
-                    WcOpcode::Send,
-                ),
-                SendOp::SendWithInvalidate { rkey } => (
-                    Kind::Send {
-                        inv: Some(rkey),
-                        se: w.solicited,
-                    },
-                    WcOpcode::Send,
-                ),
-                SendOp::Write { remote_addr, rkey } => (
-                    Kind::Write {
-                        stag: rkey,
-                        to: remote_addr,
-                    },
-                    WcOpcode::RdmaWrite,
-                ),
-                SendOp::Read { remote_addr, rkey } => {
-                    if w.sg_list.iter().filter(|s| s.length > 0).count() > 1 {
-                        return Err(err(Error::NotSupported(
-                            "RDMA Read into more than one SGE".into(),
-                        )));
-                    }
-                    (
-                        Kind::Read {
+            let (kind, opcode) =
+                match w.op {
+                    SendOp::Send => (
+                        Kind::Send {
+                            inv: None,
+                            se: w.solicited,
+                        },
+                        WcOpcode::Send,
+                    ),
+                    SendOp::SendWithInvalidate { rkey } => (
+                        Kind::Send {
+                            inv: Some(rkey),
+                            se: w.solicited,
+                        },
+                        WcOpcode::Send,
+                    ),
+                    SendOp::Write { remote_addr, rkey } => (
+                        Kind::Write {
                             stag: rkey,
                             to: remote_addr,
+                            imm: None,
                         },
-                        WcOpcode::RdmaRead,
-                    )
-                }
-                SendOp::SendWithImm { .. } | SendOp::WriteWithImm { .. } => {
-                    return Err(err(Error::NotSupported(
-                        "immediate data (not in iWARP RDMAP without RFC 7306)".into(),
-                    )))
-                }
-            };
+                        WcOpcode::RdmaWrite,
+                    ),
+                    SendOp::WriteWithImm {
+                        remote_addr,
+                        rkey,
+                        imm,
+                    } => (
+                        Kind::Write {
+                            stag: rkey,
+                            to: remote_addr,
+                            imm: Some((imm, w.solicited)),
+                        },
+                        WcOpcode::RdmaWrite,
+                    ),
+                    SendOp::Read { remote_addr, rkey } => {
+                        if w.sg_list.iter().filter(|s| s.length > 0).count() > 1 {
+                            return Err(err(Error::NotSupported(
+                                "RDMA Read into more than one SGE".into(),
+                            )));
+                        }
+                        (
+                            Kind::Read {
+                                stag: rkey,
+                                to: remote_addr,
+                            },
+                            WcOpcode::RdmaRead,
+                        )
+                    }
+                    SendOp::SendWithImm { .. } => return Err(err(Error::NotSupported(
+                        "Send with immediate (RFC 7306 has Immediate Data, not a Send carrying it)"
+                            .into(),
+                    ))),
+                };
             let total: u64 = w.sg_list.iter().map(|s| s.length as u64).sum();
             if total > u32::MAX as u64 {
                 return Err(err(Error::InvalidArgument(

@@ -139,6 +139,20 @@ unsafe fn scatter(pieces: &[Piece], off: u64, data: &[u8]) {
     }
 }
 
+/// The completion of a receive that a whole message filled: a Send of
+/// `len` bytes (that invalidated `inv`), or an Immediate Data message
+/// (`imm`; IB's `RECV_RDMA_WITH_IMM`, no bytes written into the receive).
+fn recv_wc(wr_id: u64, qpn: u32, len: u64, inv: Option<u32>, imm: Option<u32>) -> Wc {
+    let mut w = match imm {
+        Some(_) => wc(wr_id, WcStatus::Success, WcOpcode::RecvRdmaWithImm, qpn),
+        None => wc(wr_id, WcStatus::Success, WcOpcode::Recv, qpn),
+    };
+    w.byte_len = if imm.is_some() { 0 } else { len as u32 };
+    w.invalidated_rkey = inv;
+    w.imm = imm;
+    w
+}
+
 impl QpEngine {
     /// Deliver buffered (anonymous) messages to posted receives, in order.
     /// A message still arriving moves to a receive only between its
@@ -185,9 +199,7 @@ impl QpEngine {
             unsafe { scatter(&r.pieces, 0, &a.data) };
             drop(guard);
             if a.complete {
-                let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
-                w.byte_len = a.data.len() as u32;
-                w.invalidated_rkey = a.inv;
+                let w = recv_wc(r.wr_id, self.p.qpn, a.data.len() as u64, a.inv, a.imm);
                 self.p.rcq.push(w, a.solicited);
             } else {
                 // The message still arriving continues into this receive.
@@ -692,6 +704,7 @@ impl QpEngine {
                                     complete: false,
                                     inv: None,
                                     solicited: false,
+                                    imm: None,
                                 });
                             }
                             self.stats.anon_bytes += n as usize + extra;
@@ -711,6 +724,47 @@ impl QpEngine {
                     if self.cur_send.is_none() {
                         self.cur_send = Some(CurSend { mo: 0, target });
                     }
+                }
+                (QN_SEND, Opcode::ImmediateData | Opcode::ImmediateDataSe) => {
+                    // RFC 7306 Immediate Data: one segment of 8 bytes
+                    // (checked by `DdpRxState`), read into `imm_in`. It
+                    // consumes the next receive, in order with the Sends
+                    // around it, without writing into the receive's memory
+                    // (`finish_segment` completes it as RecvRdmaWithImm);
+                    // with no receive posted it waits among the anonymous
+                    // messages like a Send (seed 003), for its overhead.
+                    let target = match self.anon.is_empty() {
+                        true => match self.take_recv() {
+                            Some(r) => {
+                                self.cur_recv = Some(r);
+                                Target::Recv
+                            }
+                            None => Target::Anon,
+                        },
+                        false => Target::Anon,
+                    };
+                    if target == Target::Anon {
+                        if self.stats.anon_bytes + ANON_OVERHEAD > self.p.indicate_window {
+                            self.stats.paused += 1;
+                            self.rx = RxState::Place;
+                            return;
+                        }
+                        self.anon.push_back(AnonMsg {
+                            data: Vec::new(),
+                            complete: false,
+                            inv: None,
+                            solicited: false,
+                            imm: None,
+                        });
+                        self.stats.anon_bytes += ANON_OVERHEAD;
+                        self.stats.anon_peak = self.stats.anon_peak.max(self.stats.anon_bytes);
+                        self.anon_seg_open = true;
+                    }
+                    self.dest.push(Piece {
+                        addr: self.imm_in.as_mut_ptr() as u64,
+                        len: n,
+                    });
+                    self.cur_send = Some(CurSend { mo: 0, target });
                 }
                 (QN_READ_REQUEST, Opcode::ReadRequest) => {
                     if self.irq.len() >= self.p.ird.max(1) as usize {
@@ -833,22 +887,29 @@ impl QpEngine {
                     None
                 };
                 let solicited = s.opcode.is_solicited();
+                // Immediate Data (RFC 7306): the value is the first 4 of
+                // its 8 bytes, big-endian; nothing was written into the
+                // receive.
+                let imm = s.opcode.is_immediate().then(|| {
+                    let [a, b, c, d, ..] = *self.imm_in;
+                    u32::from_be_bytes([a, b, c, d])
+                });
                 match target {
                     Target::Recv => {
                         let Some(r) = self.cur_recv.take() else {
                             // Not reached (see `place`).
                             return self.fatal(TermKind::RdmapOpUnspecified, false);
                         };
-                        let mut w = wc(r.wr_id, WcStatus::Success, WcOpcode::Recv, self.p.qpn);
-                        w.byte_len = total as u32;
-                        w.invalidated_rkey = inv;
-                        self.p.rcq.push(w, solicited);
+                        self.p
+                            .rcq
+                            .push(recv_wc(r.wr_id, self.p.qpn, total, inv, imm), solicited);
                     }
                     Target::Anon => {
                         if let Some(a) = self.anon.back_mut() {
                             a.complete = true;
                             a.inv = inv;
                             a.solicited = solicited;
+                            a.imm = imm;
                         }
                         self.drain_anon();
                     }

@@ -292,12 +292,42 @@ impl QpEngine {
                 });
                 self.seal_frame(&mut f, &h, None);
             }
+            Kind::Write {
+                imm: Some((imm, se)),
+                ..
+            } if w.sent == w.len => {
+                // RDMA Write with Immediate: after the Write's last segment
+                // (none for an empty Write), the RFC 7306 Immediate Data
+                // message, which consumes a receive at the peer (with a
+                // solicited event if the WR asked). 8 bytes: the value
+                // big-endian, then zeros.
+                f = Self::new_frame(FrameOwner::Sq {
+                    seq: w.seq,
+                    last: true,
+                });
+                let msn = self.msns.start_message(QN_SEND).unwrap_or_default();
+                let opc = match se {
+                    false => Opcode::ImmediateData,
+                    true => Opcode::ImmediateDataSe,
+                };
+                let h = untagged(opc, true, 0, QN_SEND, msn, 0);
+                let mut payload = vec![0u8; IMMEDIATE_DATA_LEN as usize];
+                payload[..4].copy_from_slice(&imm.to_be_bytes());
+                f.send_from(payload);
+                w.built = true;
+                self.seal_frame(&mut f, &h, None);
+            }
             Kind::Send { .. } | Kind::Write { .. } => {
                 let n = (w.len - w.sent).min(maxp);
                 let last = w.sent + n == w.len;
-                f = Self::new_frame(FrameOwner::Sq { seq: w.seq, last });
+                // A Write with Immediate ends with its Immediate Data frame.
+                let imm_follows = matches!(w.kind, Kind::Write { imm: Some(_), .. });
+                f = Self::new_frame(FrameOwner::Sq {
+                    seq: w.seq,
+                    last: last && !imm_follows,
+                });
                 let h = match w.kind {
-                    Kind::Write { stag, to } => {
+                    Kind::Write { stag, to, .. } => {
                         tagged(Opcode::Write, last, stag, to.wrapping_add(w.sent))
                     }
                     Kind::Send { inv, se } => {
@@ -322,7 +352,7 @@ impl QpEngine {
                 f.keep = Regions::of(&w.keep);
                 f._inline = w.inline.clone();
                 w.sent += n;
-                w.built = last;
+                w.built = last && !imm_follows;
                 self.seal_frame(&mut f, &h, None);
             }
             Kind::Local => unreachable!("local WRs are skipped"),

@@ -1815,3 +1815,145 @@ fn read_fences_hold_each_region_once_and_release_it() {
         );
     }
 }
+
+/// RDMA Write with Immediate (RFC 7306 Immediate Data after the Write):
+/// the data lands byte for byte, each Immediate Data message consumes the
+/// next receive in order with the Sends around it and completes it as
+/// `RecvRdmaWithImm` with the value and nothing written into the receive's
+/// memory; with no receive posted it waits (anonymously) like a Send and
+/// goes to the receive posted later. An empty Write with Immediate sends
+/// the Immediate Data alone; a solicited one keeps its flag. A Send with
+/// Immediate stays refused.
+#[test]
+fn write_with_immediate_consumes_receives_in_order_and_writes_nothing_into_them() {
+    let rig = SrqRig::new();
+    let (sqp, cqp, cpd, ccq) = rig.connect(Some(64 * 1024));
+    let target = rig
+        .spd
+        .alloc_mr(256 * 1024, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .expect("mr");
+    let big = pattern(91, 200 * 1024);
+    let cmr = cpd.alloc_mr(256 * 1024, Access::LOCAL_WRITE).expect("mr");
+    cmr.write_at(0, &big).expect("fill");
+    cmr.write_at(210 * 1024, b"first send").expect("fill");
+    cmr.write_at(220 * 1024, b"second send").expect("fill");
+    fn wi<'a>(target: &Mr, wr_id: u64, imm: u32, sg: &'a [Sge], solicited: bool) -> SendWr<'a> {
+        let mut w = SendWr::new(
+            wr_id,
+            SendOp::WriteWithImm {
+                remote_addr: target.addr(),
+                rkey: target.rkey(),
+                imm,
+            },
+            sg,
+        );
+        w.solicited = solicited;
+        w
+    }
+    let sg_big = [cmr.sge(0, big.len() as u32)];
+    let sg_a = [cmr.sge(210 * 1024, 10)];
+    let sg_b = [cmr.sge(220 * 1024, 11)];
+
+    // Receives posted first: each message takes the next one.
+    let recvs = rig.post_numbered(3);
+    cqp.post_send(&[
+        SendWr::new(1, SendOp::Send, &sg_a),
+        wi(&target, 2, 0xDEAD_BEEF, &sg_big, false),
+        SendWr::new(3, SendOp::Send, &sg_b),
+    ])
+    .expect("post");
+    let w = rig.wait(3);
+    assert_eq!(
+        w.iter().map(|c| c.wr_id).collect::<Vec<_>>(),
+        [10, 11, 12],
+        "{w:?}"
+    );
+    assert!(w
+        .iter()
+        .all(|c| c.status == WcStatus::Success && c.qp_num == sqp.qp_num()));
+    assert_eq!(
+        (w[0].opcode, w[0].byte_len, w[0].imm),
+        (WcOpcode::Recv, 10, None)
+    );
+    assert_eq!(
+        (w[1].opcode, w[1].byte_len, w[1].imm),
+        (WcOpcode::RecvRdmaWithImm, 0, Some(0xDEAD_BEEF))
+    );
+    assert_eq!(
+        (w[2].opcode, w[2].byte_len, w[2].imm),
+        (WcOpcode::Recv, 11, None)
+    );
+    let mut got = vec![0u8; 3 * 64];
+    recvs.read_at(0, &mut got).expect("read");
+    assert_eq!(&got[..10], b"first send");
+    assert!(
+        got[64..128].iter().all(|&b| b == 0xEE),
+        "the immediate's receive was written"
+    );
+    assert_eq!(&got[128..139], b"second send");
+    let mut placed = vec![0u8; big.len()];
+    target.read_at(0, &mut placed).expect("read");
+    assert!(placed == big, "the Write's data differs");
+
+    // No receive posted: the messages wait, then go to the receives in
+    // order. An empty, solicited Write with Immediate.
+    target.fill(0, 256 * 1024, 0).expect("fill");
+    cqp.post_send(&[
+        SendWr::new(4, SendOp::Send, &sg_a),
+        wi(&target, 5, 7, &[], true),
+        wi(&target, 6, 0x0102_0304, &sg_big[..], false),
+    ])
+    .expect("post");
+    assert!(rig.run(100).is_empty(), "completed with no receive posted");
+    let st = super::qp_stats(&sqp).expect("soft QP");
+    assert!(st.anon_bytes > 0, "held anonymously: {st:?}");
+    let recvs2 = rig.post_numbered(3);
+    let w = rig.wait(3);
+    assert_eq!(
+        w.iter().map(|c| c.wr_id).collect::<Vec<_>>(),
+        [10, 11, 12],
+        "{w:?}"
+    );
+    assert_eq!((w[0].opcode, w[0].byte_len), (WcOpcode::Recv, 10));
+    assert_eq!(
+        (w[1].opcode, w[1].imm),
+        (WcOpcode::RecvRdmaWithImm, Some(7))
+    );
+    assert_eq!(
+        (w[2].opcode, w[2].imm),
+        (WcOpcode::RecvRdmaWithImm, Some(0x0102_0304))
+    );
+    recvs2.read_at(0, &mut got).expect("read");
+    assert!(
+        got[64..].iter().all(|&b| b == 0xEE),
+        "an immediate's receive was written"
+    );
+    target.read_at(0, &mut placed).expect("read");
+    assert!(placed == big, "the Write's data differs");
+    assert_eq!(super::qp_stats(&sqp).expect("soft").anon_bytes, 0);
+
+    // The sender: six completions, the writes as RdmaWrite.
+    let mut b = [Wc::BLANK; 8];
+    let mut sent = Vec::new();
+    let t = std::time::Instant::now();
+    while sent.len() < 6 && t.elapsed().as_secs() < 30 {
+        let k = ccq.poll(&mut b).expect("poll");
+        sent.extend_from_slice(&b[..k]);
+    }
+    let ops: Vec<_> = sent.iter().map(|c| (c.wr_id, c.opcode, c.status)).collect();
+    assert_eq!(
+        ops,
+        [
+            (1, WcOpcode::Send, WcStatus::Success),
+            (2, WcOpcode::RdmaWrite, WcStatus::Success),
+            (3, WcOpcode::Send, WcStatus::Success),
+            (4, WcOpcode::Send, WcStatus::Success),
+            (5, WcOpcode::RdmaWrite, WcStatus::Success),
+            (6, WcOpcode::RdmaWrite, WcStatus::Success),
+        ]
+    );
+    let e = cqp
+        .post_send(&[SendWr::new(9, SendOp::SendWithImm { imm: 1 }, &sg_a)])
+        .expect_err("Send with Immediate");
+    assert!(matches!(e.error, Error::NotSupported(_)), "{e:?}");
+}
