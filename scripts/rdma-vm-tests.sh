@@ -33,6 +33,8 @@ VM_ORDER="main netns"
 #          one makes the case SKIP. target/release/* come from `cargo build --release --bins`
 #          (looked up in $CARGO_TARGET_DIR/release when CARGO_TARGET_DIR is set),
 #          target/release/examples/NAME from `cargo build --release --example NAME`,
+#          target/release/tests/NAME: the integration test binary tests/NAME.rs of
+#          the workspace (`cargo test --release --no-run --test NAME`), copied there,
 #          target/rdma-vm/* from scripts/vm/*.c.
 #   guard: host shell command (run in the repo root); non-zero -> SKIP. `-` for none.
 #   guest command: busybox sh in /test with scripts/vm/guest-lib.sh sourced (pair,
@@ -61,6 +63,8 @@ lwio-xprov-siw-server-soft-client | main | 240 | target/release/lwio scripts/vm/
 lwio-xprov-soft-server-siw-client | main | 240 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh soft-server-siw-client
 lwio-xprov-both                   | main | 300 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh both
 lwio-xprov-rxe-server-soft-client | main | 120 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh rxe-server-soft-client
+malicious-server-rxe | main | 400 | target/release/tests/e2e_malicious_server | - | ulimit -l unlimited; LWIO_MALICIOUS_PROVIDER=verbs LWIO_MALICIOUS_DEVICE=$RXE_DEV LWIO_MALICIOUS_IP=$RXE_IP ./e2e_malicious_server --test-threads=1
+malicious-server-siw | main | 400 | target/release/tests/e2e_malicious_server | - | ulimit -l unlimited; LWIO_MALICIOUS_PROVIDER=verbs LWIO_MALICIOUS_DEVICE=$SIW_DEV LWIO_MALICIOUS_IP=$SIW_IP ./e2e_malicious_server --test-threads=1
 rdma-bench-send-siw | main | 120 | target/release/lwio | - | ulimit -l unlimited; pair "./lwio rdma-bench --provider verbs --op send --size 65536 --iters 3000 --listen $SIW_IP:7177" "./lwio rdma-bench --provider verbs --op send --size 65536 --iters 3000 --connect $SIW_IP:7177"
 rdma-bench-send-rxe | main | 120 | target/release/lwio | - | ulimit -l unlimited; pair "./lwio rdma-bench --provider verbs --op send --size 65536 --iters 3000 --listen $RXE_IP:7178" "./lwio rdma-bench --provider verbs --op send --size 65536 --iters 3000 --connect $RXE_IP:7178"
 mpa-tcp-to-siw      | netns | 30  | - | - | rping -s -a $SIW_IP -C 1 & wait_tcp $SIW_IP 7174 && { (printf 'MPA ID Req Frame\000\001\000\000'; sleep 2) | timeout 5 inpeer nc $SIW_IP 7174 > /tmp/rep; }; head -c 16 /tmp/rep | grep -x 'MPA ID Rep Frame'
@@ -131,10 +135,11 @@ host_path() {
 T0=$(date +%s)
 BUILD_FAIL=()   # needs prefixes whose build failed -> FAIL, not SKIP
 if [ $NOBUILD = 0 ] && [ $LIST = 0 ]; then
-  want_cargo=0 want_c=0 EXAMPLES=()
+  want_cargo=0 want_c=0 EXAMPLES=() TESTS=()
   for n in "${NAMES[@]}"; do for x in $(needs_of "$n"); do
     case $x in
       target/release/examples/*) [[ " ${EXAMPLES[*]-} " == *" ${x##*/} "* ]] || EXAMPLES+=(--example "${x##*/}") ;;
+      target/release/tests/*) [[ " ${TESTS[*]-} " == *" ${x##*/} "* ]] || TESTS+=("${x##*/}") ;;
       target/release/*) want_cargo=1 ;; target/rdma-vm/*) want_c=1 ;;
     esac; done; done
   if [ ${#EXAMPLES[@]} -gt 0 ]; then
@@ -143,6 +148,17 @@ if [ $NOBUILD = 0 ] && [ $LIST = 0 ]; then
       log "cargo build failed: cases that need target/release/examples/* will FAIL"; BUILD_FAIL+=(target/release/examples/)
     fi
   fi
+  for t in ${TESTS[@]+"${TESTS[@]}"}; do
+    # The test harness binary has a hash in its name: take its path from
+    # cargo's JSON messages and copy it where the case table names it.
+    log "cargo test --release --no-run --test $t"
+    exe=$("$CARGO" test --release --workspace --no-run --test "$t" --message-format=json 2>/dev/null |
+      grep "\"name\":\"$t\"" | grep -o '"executable":"[^"]*"' | tail -n 1 | cut -d'"' -f4) || true
+    dest=$(host_path "target/release/tests/$t")
+    if [ -n "$exe" ] && [ -x "$exe" ] && mkdir -p "$(dirname "$dest")" && cp "$exe" "$dest"; then :; else
+      log "building test $t failed: cases that need it will FAIL"; BUILD_FAIL+=("target/release/tests/$t")
+    fi
+  done
   if [ $want_cargo = 1 ]; then
     log "cargo build --release --bins (workspace)"
     if ! "$CARGO" build --release --workspace --bins >&2; then

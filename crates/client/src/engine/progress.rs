@@ -31,17 +31,28 @@ impl Engine {
     /// server's traffic and terminated it (an access outside the windows
     /// this client bound — wrong key, out of bounds, a window already used
     /// or invalidated — or an RDMA protocol error). The soft provider
-    /// reports the Terminate it sent; other providers give `None`.
+    /// reports the Terminate it sent; a verbs device, the QP's affiliated
+    /// asynchronous error (an access violation or an invalid request).
     pub(super) fn refused_by_us(&self) -> Option<String> {
-        let term = self.qp.terminate_sent()?;
-        let code = term.vendor_err();
-        let what = if term.is_protection() {
-            "the server tried to write client memory it was not given (a key or range \
-             outside the one-shot windows of its outstanding requests)"
-        } else {
-            "the server broke the RDMA protocol"
+        const ACCESS: &str = "the server tried to write client memory it was not given (a key \
+                              or range outside the one-shot windows of its outstanding requests)";
+        const PROTOCOL: &str = "the server broke the RDMA protocol";
+        if let Some(term) = self.qp.terminate_sent() {
+            let code = term.vendor_err();
+            let what = if term.is_protection() {
+                ACCESS
+            } else {
+                PROTOCOL
+            };
+            return Some(format!("{what}; {REFUSED} (iWARP Terminate {code:#06x})"));
+        }
+        let (what, event) = match self.qp.device_refusal()? {
+            lwio_rdma::DeviceRefusal::Access => (ACCESS, "a local access violation"),
+            lwio_rdma::DeviceRefusal::InvalidRequest => (PROTOCOL, "an invalid request"),
         };
-        Some(format!("{what}; {REFUSED} (iWARP Terminate {code:#06x})"))
+        Some(format!(
+            "{what}; {REFUSED} (the RDMA device reported {event})"
+        ))
     }
 
     /// Carry out the state machine's actions and collect its events.

@@ -25,6 +25,43 @@ use lwio_proto::NtStatus;
 use lwio_rdma::*;
 use lwio_server::state::ServerState;
 
+/// Where the malicious server and the client meet: the soft provider on
+/// loopback (`cargo test`), or a verbs device, chosen by the environment
+/// as the RDMA VM suite does (`LWIO_MALICIOUS_PROVIDER=verbs`,
+/// `LWIO_MALICIOUS_DEVICE=rxe0`, `LWIO_MALICIOUS_IP=10.0.0.1`).
+#[derive(Debug, Clone)]
+pub struct Transport {
+    /// "soft" or "verbs".
+    pub provider: String,
+    pub device: Option<String>,
+    pub ip: std::net::IpAddr,
+}
+
+impl Transport {
+    pub fn from_env() -> Transport {
+        let provider = std::env::var("LWIO_MALICIOUS_PROVIDER").unwrap_or_else(|_| "soft".into());
+        let device = std::env::var("LWIO_MALICIOUS_DEVICE").ok();
+        let ip = std::env::var("LWIO_MALICIOUS_IP")
+            .ok()
+            .map(|s| s.parse().expect("LWIO_MALICIOUS_IP: an IP address"))
+            .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        assert!(
+            provider == "soft" || device.is_some(),
+            "LWIO_MALICIOUS_PROVIDER={provider} needs LWIO_MALICIOUS_DEVICE"
+        );
+        Transport {
+            provider,
+            device,
+            ip,
+        }
+    }
+
+    /// The soft provider, whose Terminates the tests can read.
+    pub fn is_soft(&self) -> bool {
+        self.provider == "soft"
+    }
+}
+
 /// The content of the file the malicious server claims to serve.
 pub fn file_byte(off: u64) -> u8 {
     (off.wrapping_mul(7) ^ (off >> 9)) as u8 ^ 0x5a
@@ -125,8 +162,9 @@ pub struct Report {
     /// The malicious server's QP at the end (Error after a Terminate).
     pub qp_state: QpState,
     /// Terminates the malicious server's QP received, and the last code
-    /// (`layer << 12 | etype << 8 | ecode`, as `Wc::vendor_err`).
-    pub term_recv: u64,
+    /// (`layer << 12 | etype << 8 | ecode`, as `Wc::vendor_err`); `None`
+    /// on a verbs device, which does not tell.
+    pub term_recv: Option<u64>,
     pub last_term: u32,
     /// I/O requests received.
     pub ios: usize,
@@ -268,7 +306,8 @@ impl Evil {
 /// A script: called for every READ / WRITE the client sends.
 pub type Script = Box<dyn FnMut(&mut Evil, &Io) + Send>;
 
-/// A malicious RDMA listener (soft provider) serving one connection.
+/// A malicious RDMA listener (the provider of [`Transport::from_env`])
+/// serving one connection.
 pub struct MaliciousServer {
     pub addr: SocketAddr,
     go: Sender<()>,
@@ -281,12 +320,15 @@ impl MaliciousServer {
     /// this listener (instead of the real RDMA server) in its negotiate
     /// answers; serve one connection with `script`.
     pub fn start(state: &Arc<ServerState>, script: Script) -> MaliciousServer {
-        let ctx = provider("soft")
+        let tr = Transport::from_env();
+        let ctx = provider(&tr.provider)
             .unwrap()
-            .open(None, &Config::default())
+            .open(tr.device.as_deref(), &Config::default())
             .unwrap();
-        let listener = ctx.listen("127.0.0.1:0".parse().unwrap(), 4).unwrap();
+        let listener = ctx.listen(SocketAddr::new(tr.ip, 0), 4).unwrap();
         let addr = listener.local_addr();
+        let transport = lwio_server::io_phase::driver::wire_transport(ctx.device().transport)
+            .expect("an RDMA transport");
         // The real RDMA phase sets its endpoints when the server thread
         // starts; replace them once it has.
         let t = Instant::now();
@@ -297,6 +339,10 @@ impl MaliciousServer {
         let mut eps = state.rdma_endpoints();
         for e in &mut eps {
             e.addr = addr;
+        }
+        if !tr.is_soft() {
+            // The device's transport (RoCE for rxe), one endpoint.
+            eps = vec![lwio_proto::transport::Instance::new(transport, addr)];
         }
         state.set_rdma_endpoints(eps);
         let (go, go_rx) = std::sync::mpsc::channel();
@@ -470,11 +516,11 @@ fn serve(
             std::thread::sleep(Duration::from_millis(1));
         }
     }
-    let st = lwio_rdma::soft::qp_stats(&ev.qp).unwrap_or_default();
+    let st = lwio_rdma::soft::qp_stats(&ev.qp);
     Report {
         qp_state: ev.qp.state(),
-        term_recv: st.term_recv,
-        last_term: st.last_term,
+        term_recv: st.as_ref().map(|s| s.term_recv),
+        last_term: st.map_or(0, |s| s.last_term),
         ios: ev.seen.len(),
         evil_wcs: ev.evil_wcs,
     }

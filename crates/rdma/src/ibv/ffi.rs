@@ -207,6 +207,23 @@ pub struct ibv_context {
     pub abi_compat: *mut c_void,
 }
 
+/// `struct ibv_async_event`: the element (a union of the CQ, QP, SRQ or WQ
+/// pointer and the port number, pointer-sized) and `enum ibv_event_type`.
+#[repr(C)]
+pub struct ibv_async_event {
+    pub element: *mut c_void,
+    pub event_type: c_int,
+}
+
+/// `IBV_EVENT_QP_FATAL`: an error that put the QP in the error state.
+pub const IBV_EVENT_QP_FATAL: c_int = 1;
+/// `IBV_EVENT_QP_REQ_ERR`: the responder found an invalid request (a
+/// protocol error of the peer).
+pub const IBV_EVENT_QP_REQ_ERR: c_int = 2;
+/// `IBV_EVENT_QP_ACCESS_ERR`: the responder found a local access violation
+/// (the peer used a key, range or right this side did not grant).
+pub const IBV_EVENT_QP_ACCESS_ERR: c_int = 3;
+
 #[repr(C)]
 pub struct ibv_device_attr {
     pub fw_ver: [c_char; 64],
@@ -663,6 +680,8 @@ pub struct Lib {
     pub ibv_modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
     pub ibv_query_qp:
         unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int, *mut ibv_qp_init_attr) -> c_int,
+    pub ibv_get_async_event: unsafe extern "C" fn(*mut ibv_context, *mut ibv_async_event) -> c_int,
+    pub ibv_ack_async_event: unsafe extern "C" fn(*mut ibv_async_event),
 
     pub rdma_create_event_channel: unsafe extern "C" fn() -> *mut rdma_event_channel,
     pub rdma_destroy_event_channel: unsafe extern "C" fn(*mut rdma_event_channel),
@@ -755,6 +774,8 @@ impl Lib {
             ibv_ack_cq_events: sym!(i, ibv, ibv_ack_cq_events),
             ibv_modify_qp: sym!(i, ibv, ibv_modify_qp),
             ibv_query_qp: sym!(i, ibv, ibv_query_qp),
+            ibv_get_async_event: sym!(i, ibv, ibv_get_async_event),
+            ibv_ack_async_event: sym!(i, ibv, ibv_ack_async_event),
             rdma_create_event_channel: sym!(c, cm, rdma_create_event_channel),
             rdma_destroy_event_channel: sym!(c, cm, rdma_destroy_event_channel),
             rdma_create_id: sym!(c, cm, rdma_create_id),

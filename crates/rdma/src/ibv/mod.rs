@@ -20,6 +20,7 @@
 
 pub mod ffi;
 
+mod async_events;
 mod cm;
 mod sys;
 

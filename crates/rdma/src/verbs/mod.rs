@@ -963,6 +963,26 @@ impl Qp {
             .terminate_sent()
             .map(|c| TermError::from_vendor_err(c.into()))
     }
+    /// What a device that does not tell its Terminates (the verbs
+    /// provider) reported when it refused the peer's traffic and failed
+    /// the QP: `IBV_EVENT_QP_ACCESS_ERR` or `IBV_EVENT_QP_REQ_ERR`. `None`
+    /// if it reported neither within a few milliseconds (the event can
+    /// follow the flushed completions; ask once, when the QP has failed),
+    /// or the provider has [`Qp::terminate_sent`].
+    pub fn device_refusal(&self) -> Option<DeviceRefusal> {
+        self.0.device_refusal()
+    }
+}
+
+/// A refusal of the peer's traffic, as a verbs device reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceRefusal {
+    /// A local access violation: a key, range or right this side did not
+    /// grant (`IBV_EVENT_QP_ACCESS_ERR`).
+    Access,
+    /// An invalid request: the peer broke the protocol
+    /// (`IBV_EVENT_QP_REQ_ERR`).
+    InvalidRequest,
 }
 
 /// iWARP STag helpers (RFC 5040 §2.1: a 24-bit index and an 8-bit key).

@@ -218,4 +218,10 @@ pub trait QpOps: AsAny {
     fn terminate_sent(&self) -> Option<u16> {
         None
     }
+    /// What the device reported when it refused the peer's traffic, where
+    /// it reports it but not the Terminate (the verbs provider: the QP's
+    /// affiliated asynchronous error). `None` if it did not (the default).
+    fn device_refusal(&self) -> Option<DeviceRefusal> {
+        None
+    }
 }

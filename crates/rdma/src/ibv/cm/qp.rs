@@ -363,5 +363,6 @@ impl Drop for CmQp {
             (lib.rdma_destroy_qp)(self.id);
             (lib.rdma_destroy_id)(self.id);
         }
+        crate::ibv::async_events::forget_qp(self.qp);
     }
 }

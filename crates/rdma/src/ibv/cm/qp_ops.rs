@@ -508,6 +508,26 @@ impl QpOps for VerbsQp {
         Ok(())
     }
 
+    fn device_refusal(&self) -> Option<DeviceRefusal> {
+        let q = &self.0;
+        // The event may be queued a little after the flushed completions
+        // that made the consumer ask: look again for up to 20 ms (this is
+        // asked once, when a connection was lost).
+        for i in 0..10 {
+            if let Some(ev) = crate::ibv::async_events::qp_refusal(q.ctx.lib, q.ctx.ctx, q.qp) {
+                return match ev {
+                    IBV_EVENT_QP_ACCESS_ERR => Some(DeviceRefusal::Access),
+                    IBV_EVENT_QP_REQ_ERR => Some(DeviceRefusal::InvalidRequest),
+                    _ => None,
+                };
+            }
+            if i < 9 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        None
+    }
+
     fn set_error(&self) {
         let q = &self.0;
         q.modify_err();
