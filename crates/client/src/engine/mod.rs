@@ -145,6 +145,10 @@ pub struct ClientStats {
     /// Every credit limit the server set, in order.
     pub credit_history: Vec<u16>,
     pub requests: u64,
+    /// Posts of request messages to the QP (each carries one or more: one
+    /// system call on the soft provider). Requests wait for their issuer's
+    /// next real wait, so a burst leaves in one post.
+    pub send_posts: u64,
     pub windows_bound: u64,
     pub windows_invalidated: u64,
     pub interrupts_sent: u64,

@@ -299,6 +299,7 @@ impl Engine {
                     SendWr::new(wrid::SEND | u64::from(o.slot), SendOp::Send, &sge[..*n])
                 })
                 .collect();
+            state.stats.send_posts += 1;
             if let Err(e) = self.qp.post_send(&wrs) {
                 // Those before the failed one were posted: their slots come
                 // back with their (flushed) completions.
