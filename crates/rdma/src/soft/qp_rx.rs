@@ -510,6 +510,46 @@ impl QpEngine {
         }
     }
 
+    /// Where a new message on the Send queue goes: the next posted
+    /// receive, unless earlier messages wait for one (they keep their
+    /// order) or none is posted — then it is held anonymously (seed 003).
+    fn new_message_target(&mut self) -> Target {
+        if !self.anon.is_empty() {
+            return Target::Anon;
+        }
+        match self.take_recv() {
+            Some(r) => {
+                self.cur_recv = Some(r);
+                Target::Recv
+            }
+            None => Target::Anon,
+        }
+    }
+
+    /// Account `bytes` more of anonymously held messages (a new one, empty,
+    /// queued first if `new`), or, past the indicate window, pause reading
+    /// the stream (`false`: the segment is placed later).
+    fn hold_anon(&mut self, bytes: usize, new: bool) -> bool {
+        if self.stats.anon_bytes + bytes > self.p.indicate_window {
+            self.stats.paused += 1;
+            self.rx = RxState::Place;
+            return false;
+        }
+        if new {
+            self.anon.push_back(AnonMsg {
+                data: Vec::new(),
+                complete: false,
+                inv: None,
+                solicited: false,
+                imm: None,
+            });
+        }
+        self.stats.anon_bytes += bytes;
+        self.stats.anon_peak = self.stats.anon_peak.max(self.stats.anon_bytes);
+        self.anon_seg_open = true;
+        true
+    }
+
     /// A segment header: validate it against the stream (lwio-iwarp's
     /// DDP/RDMAP rules), then find where its payload goes.
     fn on_header(&mut self, h: SegmentHeader, ulpdu_len: u16, paylen: u32) {
@@ -653,14 +693,7 @@ impl QpEngine {
                     // MSN and message offset were checked by `DdpRxState`.
                     let target = match self.cur_send.as_ref().map(|c| c.target) {
                         Some(t) => t,
-                        None if self.anon.is_empty() => match self.take_recv() {
-                            Some(r) => {
-                                self.cur_recv = Some(r);
-                                Target::Recv
-                            }
-                            None => Target::Anon,
-                        },
-                        None => Target::Anon,
+                        None => self.new_message_target(),
                     };
                     match target {
                         Target::Recv => {
@@ -693,24 +726,11 @@ impl QpEngine {
                             } else {
                                 0
                             };
-                            if self.stats.anon_bytes + n as usize + extra > self.p.indicate_window {
-                                self.stats.paused += 1;
-                                self.rx = RxState::Place;
+                            let first = self.cur_send.is_none();
+                            if !self.hold_anon(n as usize + extra, first) {
                                 return;
                             }
-                            if self.cur_send.is_none() {
-                                self.anon.push_back(AnonMsg {
-                                    data: Vec::new(),
-                                    complete: false,
-                                    inv: None,
-                                    solicited: false,
-                                    imm: None,
-                                });
-                            }
-                            self.stats.anon_bytes += n as usize + extra;
-                            self.stats.anon_peak = self.stats.anon_peak.max(self.stats.anon_bytes);
                             let a = self.anon.back_mut().expect("anon message");
-                            self.anon_seg_open = true;
                             let old = a.data.len();
                             a.data.resize(old + n as usize, 0);
                             if n > 0 {
@@ -733,32 +753,9 @@ impl QpEngine {
                     // (`finish_segment` completes it as RecvRdmaWithImm);
                     // with no receive posted it waits among the anonymous
                     // messages like a Send (seed 003), for its overhead.
-                    let target = match self.anon.is_empty() {
-                        true => match self.take_recv() {
-                            Some(r) => {
-                                self.cur_recv = Some(r);
-                                Target::Recv
-                            }
-                            None => Target::Anon,
-                        },
-                        false => Target::Anon,
-                    };
-                    if target == Target::Anon {
-                        if self.stats.anon_bytes + ANON_OVERHEAD > self.p.indicate_window {
-                            self.stats.paused += 1;
-                            self.rx = RxState::Place;
-                            return;
-                        }
-                        self.anon.push_back(AnonMsg {
-                            data: Vec::new(),
-                            complete: false,
-                            inv: None,
-                            solicited: false,
-                            imm: None,
-                        });
-                        self.stats.anon_bytes += ANON_OVERHEAD;
-                        self.stats.anon_peak = self.stats.anon_peak.max(self.stats.anon_bytes);
-                        self.anon_seg_open = true;
+                    let target = self.new_message_target();
+                    if target == Target::Anon && !self.hold_anon(ANON_OVERHEAD, true) {
+                        return;
                     }
                     self.dest.push(Piece {
                         addr: self.imm_in.as_mut_ptr() as u64,
