@@ -102,6 +102,25 @@ dl() { # pkg[=ver] destdir : apt-get download + unpack (no installation on the h
   rm -rf "$t" "$t.log"
 }
 
+dl_kv() { # pkg version destdir: that version, or -- when the archive no longer has it
+  # (a Debian upload can supersede a kernel's linux-kbuild before the image it belongs to:
+  # linux-kbuild-6.1 6.1.192-3 beside linux-image-6.1.0-56-amd64 6.1.192-2, 2026-11-29) --
+  # the candidate of the same upstream version, as apt itself would install beside it
+  local cand
+  if apt-cache madison "$1" 2>/dev/null | awk -v v="$2" '$3 == v {f = 1} END {exit !f}'; then
+    dl "$1=$2" "$3"; return
+  fi
+  cand=$(apt-cache policy "$1" 2>/dev/null | awk '/Candidate:/{print $2}')
+  if [ -z "$cand" ] || [ "$cand" = "(none)" ] || [ "${cand%-*}" != "${2%-*}" ]; then
+    apt_update
+    cand=$(apt-cache policy "$1" 2>/dev/null | awk '/Candidate:/{print $2}')
+  fi
+  [ -n "$cand" ] && [ "$cand" != "(none)" ] && [ "${cand%-*}" = "${2%-*}" ] \
+    || die "$1: neither $2 nor another upload of ${2%-*} is in the archive (candidate: ${cand:-none})"
+  log "$1=$2 is no longer in the archive: using $cand (same upstream ${2%-*})"
+  dl "$1=$cand" "$3"
+}
+
 # Everything up to the assembled per-run initrd happens under an exclusive lock on the
 # cache, so a concurrent second invocation waits instead of racing on apt / the builds.
 mkdir -p "$CACHE"
@@ -156,12 +175,12 @@ if [[ $DRIVERS == *siw* ]]; then
       log "kernel has no siw.ko (CONFIG_RDMA_SIW unset): building it from linux-source-$MM=$KV (~1 min)"
       B=$CACHE/siw-build-$KVER; rm -rf "$B"; mkdir -p "$B/root" "$B/src"
       for p in $(apt-cache depends "linux-headers-$KVER" | awk '/Depends: linux-(headers|kbuild)/{print $2}') "linux-headers-$KVER"; do
-        dl "$p=$KV" "$B/root"; done
+        dl_kv "$p" "$KV" "$B/root"; done
       H=$B/root/usr/src/linux-headers-$KVER
       # the compiler the kernel was built with (gcc-12 on bookworm), installed if missing
       CC=$(sed -n 's/^CONFIG_CC_VERSION_TEXT="\(gcc-[0-9]*\) .*/\1/p' "$H/.config" 2>/dev/null || true)
       [ -z "$CC" ] || command -v "$CC" >/dev/null || apt_install "$CC"
-      dl "linux-source-$MM=$KV" "$B/srcdeb"
+      dl_kv "linux-source-$MM" "$KV" "$B/srcdeb"
       tar -xJf "$B"/srcdeb/usr/src/linux-source-*.tar.xz -C "$B/src" --wildcards '*/drivers/infiniband/sw/siw'
       rm -rf "$B/srcdeb"
       sed -i "s|include /usr/src/|include $B/root/usr/src/|" "$H/Makefile"   # absolute path in Debian's stub
