@@ -34,9 +34,9 @@
 //! copies of `Mr` sound with `Progress::Auto`, where the engine is a thread
 //! of this process (a hardware provider's DMA is outside the Rust abstract
 //! machine). A thread takes several fences in address order
-//! ([`read_fences`], and the placements' write fences), and never a fence it already holds, so the lock cannot
-//! deadlock; every holder runs one copy or one non-blocking system call
-//! under it.
+//! ([`read_fences`], and the placements' write fences), and never a fence
+//! it already holds, so the lock cannot deadlock; every holder runs one
+//! copy or one non-blocking system call under it.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};

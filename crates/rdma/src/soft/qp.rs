@@ -578,61 +578,60 @@ impl QpEngine {
             if self.sq.len() >= self.p.cap.max_send_wr as usize {
                 return Err(err(Error::QueueFull));
             }
-            let (kind, opcode) =
-                match w.op {
-                    SendOp::Send => (
-                        Kind::Send {
-                            inv: None,
-                            se: w.solicited,
-                        },
-                        WcOpcode::Send,
-                    ),
-                    SendOp::SendWithInvalidate { rkey } => (
-                        Kind::Send {
-                            inv: Some(rkey),
-                            se: w.solicited,
-                        },
-                        WcOpcode::Send,
-                    ),
-                    SendOp::Write { remote_addr, rkey } => (
-                        Kind::Write {
-                            stag: rkey,
-                            to: remote_addr,
-                            imm: None,
-                        },
-                        WcOpcode::RdmaWrite,
-                    ),
-                    SendOp::WriteWithImm {
-                        remote_addr,
-                        rkey,
-                        imm,
-                    } => (
-                        Kind::Write {
-                            stag: rkey,
-                            to: remote_addr,
-                            imm: Some((imm, w.solicited)),
-                        },
-                        WcOpcode::RdmaWrite,
-                    ),
-                    SendOp::Read { remote_addr, rkey } => {
-                        if w.sg_list.iter().filter(|s| s.length > 0).count() > 1 {
-                            return Err(err(Error::NotSupported(
-                                "RDMA Read into more than one SGE".into(),
-                            )));
-                        }
-                        (
-                            Kind::Read {
-                                stag: rkey,
-                                to: remote_addr,
-                            },
-                            WcOpcode::RdmaRead,
-                        )
+            let (kind, opcode) = match w.op {
+                SendOp::Send => (
+                    Kind::Send {
+                        inv: None,
+                        se: w.solicited,
+                    },
+                    WcOpcode::Send,
+                ),
+                SendOp::SendWithInvalidate { rkey } => (
+                    Kind::Send {
+                        inv: Some(rkey),
+                        se: w.solicited,
+                    },
+                    WcOpcode::Send,
+                ),
+                SendOp::Write { remote_addr, rkey } => (
+                    Kind::Write {
+                        stag: rkey,
+                        to: remote_addr,
+                        imm: None,
+                    },
+                    WcOpcode::RdmaWrite,
+                ),
+                SendOp::WriteWithImm {
+                    remote_addr,
+                    rkey,
+                    imm,
+                } => (
+                    Kind::Write {
+                        stag: rkey,
+                        to: remote_addr,
+                        imm: Some((imm, w.solicited)),
+                    },
+                    WcOpcode::RdmaWrite,
+                ),
+                SendOp::Read { remote_addr, rkey } => {
+                    if w.sg_list.iter().filter(|s| s.length > 0).count() > 1 {
+                        return Err(err(Error::NotSupported(
+                            "RDMA Read into more than one SGE".into(),
+                        )));
                     }
-                    SendOp::SendWithImm { .. } => return Err(err(Error::NotSupported(
-                        "Send with immediate (RFC 7306 has Immediate Data, not a Send carrying it)"
-                            .into(),
-                    ))),
-                };
+                    (
+                        Kind::Read {
+                            stag: rkey,
+                            to: remote_addr,
+                        },
+                        WcOpcode::RdmaRead,
+                    )
+                }
+                // RFC 7306 has Immediate Data, not a Send carrying it.
+                SendOp::SendWithImm { .. } => {
+                    return Err(err(Error::NotSupported("Send with immediate".into())))
+                }
+            };
             let total: u64 = w.sg_list.iter().map(|s| s.length as u64).sum();
             if total > u32::MAX as u64 {
                 return Err(err(Error::InvalidArgument(
