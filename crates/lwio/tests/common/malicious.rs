@@ -327,8 +327,6 @@ impl MaliciousServer {
             .unwrap();
         let listener = ctx.listen(SocketAddr::new(tr.ip, 0), 4).unwrap();
         let addr = listener.local_addr();
-        let transport = lwio_server::io_phase::driver::wire_transport(ctx.device().transport)
-            .expect("an RDMA transport");
         // The real RDMA phase sets its endpoints when the server thread
         // starts; replace them once it has.
         let t = Instant::now();
@@ -342,6 +340,8 @@ impl MaliciousServer {
         }
         if !tr.is_soft() {
             // The device's transport (RoCE for rxe), one endpoint.
+            let transport = lwio_server::io_phase::driver::wire_transport(ctx.device().transport)
+                .expect("an RDMA transport");
             eps = vec![lwio_proto::transport::Instance::new(transport, addr)];
         }
         state.set_rdma_endpoints(eps);
