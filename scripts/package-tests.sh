@@ -89,7 +89,7 @@ for page in "1 lwio" "1 lwio-serve" "1 lwio-mount" "5 lwio.toml" "3 liblwio"; do
     p=$(man -w "$1" "$2" 2>/dev/null || true)
     [ "$p" = "/usr/share/man/man$1/$2.$1.gz" ] && pass "man -w $1 $2: $p" || fail "man -w $1 $2: '$p'"
 done
-MANPAGER=cat MANWIDTH=80 man 1 lwio 2>/dev/null | grep -q 'lwio-serve(1)' && pass "man lwio names lwio-serve(1)" || fail "man lwio"
+MANPAGER=cat MANWIDTH=80 man 1 lwio 2>/dev/null | grep 'lwio-serve(1)' >/dev/null && pass "man lwio names lwio-serve(1)" || fail "man lwio"
 getent passwd lwio >/dev/null && pass "system user lwio" || fail "no lwio user"
 [ "$(stat -c '%U %a' /var/lib/lwio 2>/dev/null)" = "lwio 700" ] && pass "/var/lib/lwio lwio 700" || fail "/var/lib/lwio: $(stat -c '%U %a' /var/lib/lwio 2>&1)"
 grep -qx /etc/lwio/lwio.toml /var/lib/dpkg/info/lwio.conffiles && pass "conffile /etc/lwio/lwio.toml" || fail "not a conffile"
@@ -172,7 +172,7 @@ EOF
     done
     systemctl show -p StatusText --value lwio.service | grep -q '^serving: ' && pass "STATUS= in systemctl status" || fail "no STATUS="
     # Under the unit's SystemCallFilter= the server still has io_uring.
-    journalctl -u lwio --no-pager | grep -q 'file I/O backend: io_uring' && pass "io_uring backend under the unit's system-call filter" ||
+    journalctl -u lwio --no-pager | grep 'file I/O backend: io_uring' >/dev/null && pass "io_uring backend under the unit's system-call filter" ||
         fail "file I/O backend under the unit: $(journalctl -u lwio --no-pager | grep -o 'file I/O backend.*' | tail -1)"
 else
     MODE=direct
@@ -239,7 +239,7 @@ else
     FP=$(sed -n 's/^lwio: TLS fingerprint \(sha256:[0-9A-F:]*\)$/\1/p' "$W/server.out")
 fi
 [ -n "$FP" ] && pass "server fingerprint $FP" || fail "no fingerprint"
-curl -sf "http://127.0.0.1:$METRICS/metrics" | grep -q '^lwio_sessions ' && pass "metrics on $METRICS" || fail "no metrics"
+curl -sf "http://127.0.0.1:$METRICS/metrics" | grep '^lwio_sessions ' >/dev/null && pass "metrics on $METRICS" || fail "no metrics"
 
 # 5. An fstab line through mount -t fuse.lwio (mount.fuse.lwio → mount.fuse3 → lwio).
 mkdir -p "$MNT"

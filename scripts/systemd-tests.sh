@@ -141,7 +141,7 @@ printf '%s\n' 'listen = "127.0.0.1:7420"' 'provider = "soft"' 'token_file = "/va
 if systemctl start lwio-root.service; then ok "systemctl start lwio-root (READY=1)"; else
     bad "start: $(journalctl -u lwio-root -n 20 --no-pager)"; exit 1
 fi
-journalctl -u lwio-root --no-pager | grep -q 'file I/O backend: io_uring' && ok "io_uring backend under lwio-root's filter" ||
+journalctl -u lwio-root --no-pager | grep 'file I/O backend: io_uring' >/dev/null && ok "io_uring backend under lwio-root's filter" ||
     bad "backend: $(journalctl -u lwio-root --no-pager | grep -o 'file I/O backend.*')"
 FP=$(journalctl -u lwio-root --no-pager | sed -n 's/.*lwio: TLS fingerprint \(sha256:[0-9A-F:]*\).*/\1/p' | tail -1)
 mkdir -p /mnt/db
