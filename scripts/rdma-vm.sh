@@ -21,6 +21,8 @@
 #   -f SRC[:DST]  extra host file or directory for the guest (default DST=/test/<basename>);
 #             ELF files get their shared libraries (ldd closure) too. Repeatable.
 #   -e K=V    environment variable for PROGRAM. Repeatable.
+#   -M MOD    extra kernel module of the guest kernel (with its dependencies), loaded
+#             after the base ones (e.g. -M nfsd -M rpcrdma -M fuse). Repeatable.
 #   -v        stream the guest kernel console (ttyS0) to stderr
 #   -P        only prepare (host packages, kernel, siw.ko, base initramfs); don't boot
 # PROGRAM may be an ELF binary (its ldd closure is copied) or a busybox-sh script.
@@ -47,12 +49,12 @@ set -euo pipefail
 
 TIMEOUT=300 MEM=1024 ACCEL=auto VERBOSE=0 DRIVERS=rxe NETNS=0 PREPARE_ONLY=0
 CPUS=$(nproc); [ "$CPUS" -gt 4 ] && CPUS=4
-EXTRA=() ENVS=() KPARAMS=()
-while getopts "d:t:m:c:a:f:e:k:nvPh" o; do
+EXTRA=() ENVS=() KPARAMS=() XMODS=()
+while getopts "d:t:m:c:a:f:e:k:M:nvPh" o; do
   case $o in
     d) DRIVERS=$OPTARG ;; t) TIMEOUT=$OPTARG ;; m) MEM=$OPTARG ;; c) CPUS=$OPTARG ;;
     a) ACCEL=$OPTARG ;; f) EXTRA+=("$OPTARG") ;; e) ENVS+=("$OPTARG") ;; v) VERBOSE=1 ;;
-    k) KPARAMS+=("$OPTARG") ;; n) NETNS=1 ;; P) PREPARE_ONLY=1 ;;
+    k) KPARAMS+=("$OPTARG") ;; M) XMODS+=("$OPTARG") ;; n) NETNS=1 ;; P) PREPARE_ONLY=1 ;;
     h) sed -n '2,/^set -e/p' "$0" | sed '$d'; exit 0 ;;
     *) exit 2 ;;
   esac
@@ -343,6 +345,18 @@ add_any() { # src dest ; directories recursively
   else [ -e "$1" ] || die "no such file: $1"; add_file "$1" "$2"; fi
 }
 add_file "$BIN" "/test/$(basename "$BIN")"
+if [ ${#XMODS[@]} -gt 0 ]; then   # -M: the base order plus the new modules, in load order
+  mkdir -p "$T/modules"; gzip -dc "$BASE" | cpio -i --quiet --to-stdout modules/order > "$T/modules/order"
+  [ -s "$T/modules/order" ] || die "base image $BASE has no modules/order"
+  for m in "${XMODS[@]}"; do
+    deps=$(modprobe -d "$KDIR" -S "$KVER" --show-depends "$m" 2>&1) || die "-M $m: $deps"
+    while read -r kw path _; do
+      [ "$kw" = insmod ] || continue
+      n=$(basename "$path"); n=${n%.xz}; n=${n%.zst}; n=${n%.gz}
+      grep -qx "$n" "$T/modules/order" || { unz "$path" > "$T/modules/$n"; echo "$n" >> "$T/modules/order"; }
+    done <<<"$deps"
+  done
+fi
 for x in ${EXTRA[@]+"${EXTRA[@]}"}; do
   src=${x%%:*} dst=${x#*:}; [ "$dst" = "$x" ] && dst=/test/$(basename "$src"); add_any "$(readlink -f "$src")" "$dst"; done
 q() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
