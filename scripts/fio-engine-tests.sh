@@ -102,6 +102,11 @@ run randwrite-verify 1 "j['read']['io_bytes'] == 16 << 20" "${E[@]}" "${RW4K[@]}
 run readback-verify 1 "j['read']['io_bytes'] == 16 << 20" "${E[@]}" "${RW4K[@]}" --verify_only
 run local-verify-rw4k 1 "j['read']['io_bytes'] == 16 << 20" --ioengine=psync \
   "${RW4K[@]/--filename=rw4k.dat/--filename=$W/export/rw4k.dat}" --iodepth=1 --verify_only
+# The same read-back with no size=: the engine stats the file (in a child
+# of fio's parent process, or in-process with thread) and fio covers it.
+OWN=(); for a in "${RW4K[@]}"; do [ "$a" = --size=16M ] || OWN+=("$a"); done
+run readback-own-size 1 "j['read']['io_bytes'] == 16 << 20" "${E[@]}" "${OWN[@]}" --verify_only
+run readback-own-size-thread 1 "j['read']['io_bytes'] == 16 << 20" "${E[@]}" "${OWN[@]}" --verify_only --thread
 
 # 2. Sequential 1 MiB writes with verify (several requests per I/O), and
 # the same job with a pattern of offsets run locally: byte for byte equal.

@@ -35,7 +35,9 @@ VM_ORDER="main netns"
 #          target/release/examples/NAME from `cargo build --release --example NAME`,
 #          target/release/tests/NAME: the integration test binary tests/NAME.rs of
 #          the workspace (`cargo test --release --no-run --test NAME`), copied there,
-#          target/rdma-vm/* from scripts/vm/*.c.
+#          target/release/liblwio_fio.so from crates/capi/fio/build.sh (against the
+#          host's fio), target/rdma-vm/* from scripts/vm/*.c; an absolute path is a
+#          host program taken as it is (with its shared libraries).
 #   guard: host shell command (run in the repo root); non-zero -> SKIP. `-` for none.
 #   guest command: busybox sh in /test with scripts/vm/guest-lib.sh sourced (pair,
 #          wait_tcp, siw_param, mpa_flags, inpeer); may contain '|'. Exit 0 = PASS.
@@ -59,6 +61,8 @@ conformance-soft-to-siw-crc | main | 600 | target/release/lwio-conformance | - |
 conformance-siw-to-soft-crc | main | 600 | target/release/lwio-conformance | - | siw_param mpa_crc_required Y; ./lwio-conformance --client-provider verbs --client-device $SIW_DEV --server-provider soft --addr $SIW_IP:7475 --crc on; r=$?; siw_param mpa_crc_required N; exit $r
 lwio-e2e-rxe        | main  | 180 | target/release/examples/lwio-e2e-vm scripts/vm/lwio-e2e.sh | - | sh ./lwio-e2e.sh $RXE_DEV $RXE_IP
 lwio-e2e-siw        | main  | 180 | target/release/examples/lwio-e2e-vm scripts/vm/lwio-e2e.sh | - | sh ./lwio-e2e.sh $SIW_DEV $SIW_IP
+fio-engine-rxe      | main  | 240 | target/release/lwio target/release/liblwio_fio.so /usr/bin/fio scripts/vm/fio-engine-vm.sh | - | sh ./fio-engine-vm.sh $RXE_DEV $RXE_IP
+fio-engine-siw      | main  | 240 | target/release/lwio target/release/liblwio_fio.so /usr/bin/fio scripts/vm/fio-engine-vm.sh | - | sh ./fio-engine-vm.sh $SIW_DEV $SIW_IP
 lwio-xprov-siw-server-soft-client | main | 240 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh siw-server-soft-client
 lwio-xprov-soft-server-siw-client | main | 240 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh soft-server-siw-client
 lwio-xprov-both                   | main | 300 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh both
@@ -126,6 +130,7 @@ needs_of() { local x; for x in ${C_NEEDS[$1]}; do [ "$x" = - ] || echo "$x"; don
 # (where `cargo build` puts them), else in target/release relative to the repo root
 host_path() {
   case $1 in
+    /*) echo "$1"; return ;;   # a host program (e.g. /usr/bin/fio), with its libraries
     target/release/*) [ -n "${CARGO_TARGET_DIR:-}" ] && { case $CARGO_TARGET_DIR in /*) echo "$CARGO_TARGET_DIR/release/${1#target/release/}" ;; *) echo "$ROOT/$CARGO_TARGET_DIR/release/${1#target/release/}" ;; esac; return; } ;;
   esac
   echo "$ROOT/$1"
@@ -135,11 +140,12 @@ host_path() {
 T0=$(date +%s)
 BUILD_FAIL=()   # needs prefixes whose build failed -> FAIL, not SKIP
 if [ $NOBUILD = 0 ] && [ $LIST = 0 ]; then
-  want_cargo=0 want_c=0 EXAMPLES=() TESTS=()
+  want_cargo=0 want_c=0 want_fio=0 EXAMPLES=() TESTS=()
   for n in "${NAMES[@]}"; do for x in $(needs_of "$n"); do
     case $x in
       target/release/examples/*) [[ " ${EXAMPLES[*]-} " == *" ${x##*/} "* ]] || EXAMPLES+=(--example "${x##*/}") ;;
       target/release/tests/*) [[ " ${TESTS[*]-} " == *" ${x##*/} "* ]] || TESTS+=("${x##*/}") ;;
+      target/release/liblwio_fio.so) want_cargo=1 want_fio=1 ;;
       target/release/*) want_cargo=1 ;; target/rdma-vm/*) want_c=1 ;;
     esac; done; done
   if [ ${#EXAMPLES[@]} -gt 0 ]; then
@@ -163,6 +169,14 @@ if [ $NOBUILD = 0 ] && [ $LIST = 0 ]; then
     log "cargo build --release --bins (workspace)"
     if ! "$CARGO" build --release --workspace --bins >&2; then
       log "cargo build failed: cases that need target/release/* will FAIL"; BUILD_FAIL+=(target/release/)
+    fi
+  fi
+  if [ $want_fio = 1 ]; then
+    # fio's external engine, against the headers of the host's fio (the one
+    # the cases copy into the guest).
+    log "crates/capi/fio/build.sh (release)"
+    if ! PROFILE=release crates/capi/fio/build.sh >&2; then
+      log "building liblwio_fio.so failed: cases that need it will FAIL"; BUILD_FAIL+=(target/release/liblwio_fio.so)
     fi
   fi
   if [ $want_c = 1 ]; then

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "fio.h"
@@ -277,63 +278,150 @@ static uint64_t lwio_fio_real_size(struct thread_data *td, uint64_t size)
 	return size;
 }
 
-/* Size every file of the job (fio calls this before its I/O, in the
- * parent process when create_serialize is on, before init): with its own
- * short connection unless the job is connected already. */
-static int fio_lwio_setup(struct thread_data *td)
+/* Whether this job's sizes need the server: not when the job gives its
+ * size (lwio_fio_real_size ignores the file's own then). */
+static bool lwio_fio_needs_stat(struct thread_data *td)
 {
-	struct lwio_fio_data *d = td->io_ops_data;
-	struct lwio_client *c = d ? d->c : lwio_fio_connect(td);
-	struct fio_file *f;
-	unsigned int i;
-	int err = 0;
-
-	if (!c) {
-		td_verror(td, EINVAL, "lwio_connect");
-		return 1;
-	}
-	for_each_file(td, f, i) {
-		uint64_t size;
-		int r;
-
-		if (fio_file_size_known(f))
-			continue;
-		r = lwio_fio_stat(c, f, &size);
-		if (r < 0) {
-			td_verror(td, -r, "lwio_fstat");
-			err = 1;
-			break;
-		}
-		f->real_file_size = lwio_fio_real_size(td, size);
-		fio_file_set_size_known(f);
-	}
-	if (!d)
-		lwio_disconnect(c);
-	return err;
+	return !(td->o.size || td->o.file_size_low);
 }
 
-static int fio_lwio_get_file_size(struct thread_data *td, struct fio_file *f)
+/* Stat the files of the job that have no known size yet, on one short
+ * connection, into sizes[i]; 0 or a negative errno. */
+static int lwio_fio_stat_files(struct thread_data *td, uint64_t *sizes)
+{
+	struct lwio_client *c = lwio_fio_connect(td);
+	struct fio_file *f;
+	unsigned int i;
+	int r = 0;
+
+	if (!c)
+		return -EINVAL;
+	for_each_file(td, f, i) {
+		if (fio_file_size_known(f))
+			continue;
+		r = lwio_fio_stat(c, f, &sizes[i]);
+		if (r < 0)
+			break;
+	}
+	lwio_disconnect(c);
+	return r;
+}
+
+/* The same in a child process, the sizes back through a pipe. fio sizes
+ * files in its parent process and, unless the job says thread, runs the
+ * job in a process forked after that; verbs resources (librdmacm's device
+ * contexts, opened once per process at its first use) do not survive a
+ * fork, so a parent that had connected over a verbs device leaves the job
+ * a librdmacm whose contexts are not its own (its sends fail with "invalid
+ * key or access"). A stat made in a child of its own leaves the parent
+ * untouched. */
+static int lwio_fio_stat_files_forked(struct thread_data *td, uint64_t *sizes, size_t n)
+{
+	size_t want = n * sizeof(*sizes), got = 0;
+	int p[2], status, r;
+	pid_t pid;
+
+	if (pipe(p) < 0)
+		return -errno;
+	pid = fork();
+	if (pid < 0) {
+		r = -errno;
+		close(p[0]);
+		close(p[1]);
+		return r;
+	}
+	if (pid == 0) {
+		ssize_t w = 0;
+
+		close(p[0]);
+		r = lwio_fio_stat_files(td, sizes);
+		if (r == 0)
+			w = write(p[1], sizes, want);
+		_exit(r == 0 && w == (ssize_t)want ? 0 : 1);
+	}
+	close(p[1]);
+	while (got < want) {
+		ssize_t k = read(p[0], (char *)sizes + got, want - got);
+
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			break;
+		got += k;
+	}
+	close(p[0]);
+	while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+		;
+	return got == want ? 0 : -EIO;
+}
+
+/* Size every file of the job that fio does not know the size of (fio asks
+ * before the I/O, in its parent process, before init): without
+ * a connection when the job gives its size; with the job's own connection
+ * if it has one (init ran); in thread mode, on a short connection; else in
+ * a child process (lwio_fio_stat_files_forked says why). */
+static int lwio_fio_size_files(struct thread_data *td)
 {
 	struct lwio_fio_data *d = td->io_ops_data;
-	struct lwio_client *c;
-	uint64_t size;
-	int r;
+	struct fio_file *f;
+	uint64_t *sizes;
+	unsigned int i;
+	int r = 0;
 
-	if (fio_file_size_known(f))
+	if (!lwio_fio_needs_stat(td)) {
+		for_each_file(td, f, i) {
+			if (fio_file_size_known(f))
+				continue;
+			f->real_file_size = -1ULL;
+			fio_file_set_size_known(f);
+		}
 		return 0;
-	c = d ? d->c : lwio_fio_connect(td);
-	if (!c)
-		return 1;
-	r = lwio_fio_stat(c, f, &size);
-	if (!d)
-		lwio_disconnect(c);
+	}
+	sizes = calloc(td->files_index ? td->files_index : 1, sizeof(*sizes));
+	if (!sizes)
+		return -ENOMEM;
+	if (d && d->c) {
+		for_each_file(td, f, i) {
+			if (fio_file_size_known(f))
+				continue;
+			r = lwio_fio_stat(d->c, f, &sizes[i]);
+			if (r < 0)
+				break;
+		}
+	} else if (td->o.use_thread) {
+		r = lwio_fio_stat_files(td, sizes);
+	} else {
+		r = lwio_fio_stat_files_forked(td, sizes, td->files_index ? td->files_index : 1);
+		if (r < 0)
+			log_err(ENGINE ": sizing the job's files failed\n");
+	}
+	if (r == 0) {
+		for_each_file(td, f, i) {
+			if (fio_file_size_known(f))
+				continue;
+			f->real_file_size = lwio_fio_real_size(td, sizes[i]);
+			fio_file_set_size_known(f);
+		}
+	}
+	free(sizes);
+	return r;
+}
+
+static int fio_lwio_setup(struct thread_data *td)
+{
+	int r = lwio_fio_size_files(td);
+
 	if (r < 0) {
 		td_verror(td, -r, "lwio_fstat");
 		return 1;
 	}
-	f->real_file_size = lwio_fio_real_size(td, size);
-	fio_file_set_size_known(f);
 	return 0;
+}
+
+static int fio_lwio_get_file_size(struct thread_data *td, struct fio_file *f)
+{
+	(void)f;
+	return fio_lwio_setup(td);
 }
 
 static void fio_lwio_cleanup(struct thread_data *td)
