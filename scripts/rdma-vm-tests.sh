@@ -22,7 +22,7 @@ CARGO=${CARGO:-cargo}
 # ---------------------------------------------------------------- VM flavours
 # One VM is booted per flavour that has runnable cases; all its cases run in it, in order.
 declare -A VM_ARGS=(
-  [main]="-d rxe,siw"   # rxe0 on veth0 = 10.0.0.1 (RXE_IP), siw0 on veth1 = 10.0.0.2 (SIW_IP)
+  [main]="-d rxe,siw -M fuse"   # rxe0 on veth0 = 10.0.0.1 (RXE_IP), siw0 on veth1 = 10.0.0.2 (SIW_IP); FUSE for the mount cases
   [netns]="-n -d siw"   # siw0 on veth1 = 10.0.0.2 (SIW_IP); veth0 = 10.0.0.1 (PEER_IP) in netns "peer"
 )
 VM_ORDER="main netns"
@@ -61,6 +61,8 @@ conformance-soft-to-siw-crc | main | 600 | target/release/lwio-conformance | - |
 conformance-siw-to-soft-crc | main | 600 | target/release/lwio-conformance | - | siw_param mpa_crc_required Y; ./lwio-conformance --client-provider verbs --client-device $SIW_DEV --server-provider soft --addr $SIW_IP:7475 --crc on; r=$?; siw_param mpa_crc_required N; exit $r
 lwio-e2e-rxe        | main  | 180 | target/release/examples/lwio-e2e-vm scripts/vm/lwio-e2e.sh | - | sh ./lwio-e2e.sh $RXE_DEV $RXE_IP
 lwio-e2e-siw        | main  | 180 | target/release/examples/lwio-e2e-vm scripts/vm/lwio-e2e.sh | - | sh ./lwio-e2e.sh $SIW_DEV $SIW_IP
+mount-readers-rxe   | main  | 240 | target/release/lwio /usr/bin/fio /usr/bin/fusermount3 scripts/vm/mount-readers.sh | - | sh ./mount-readers.sh $RXE_DEV $RXE_IP
+mount-readers-siw   | main  | 240 | target/release/lwio /usr/bin/fio /usr/bin/fusermount3 scripts/vm/mount-readers.sh | - | sh ./mount-readers.sh $SIW_DEV $SIW_IP
 fio-engine-rxe      | main  | 240 | target/release/lwio target/release/liblwio_fio.so /usr/bin/fio scripts/vm/fio-engine-vm.sh | - | sh ./fio-engine-vm.sh $RXE_DEV $RXE_IP
 fio-engine-siw      | main  | 240 | target/release/lwio target/release/liblwio_fio.so /usr/bin/fio scripts/vm/fio-engine-vm.sh | - | sh ./fio-engine-vm.sh $SIW_DEV $SIW_IP
 lwio-xprov-siw-server-soft-client | main | 240 | target/release/lwio scripts/vm/lwio-xprov.sh | - | sh ./lwio-xprov.sh siw-server-soft-client

@@ -130,6 +130,20 @@ impl Engine {
             self.run_actions(&mut state);
             if state.conn.is_timed_out(req) {
                 self.abandon(&mut state, req);
+                // What the request may have waited for: a credit, a send
+                // slot, its send, a completion nobody reaped.
+                warn!(
+                    req,
+                    credits = state.conn.credits(),
+                    credits_held = state.conn.credits_held(),
+                    outstanding = state.conn.outstanding(),
+                    unsent = state.conn.transmit_pending() + state.send_backlog.len(),
+                    free_send_slots = state.send_free.len(),
+                    posted_recvs = state.conn.posted_recvs(),
+                    waiters = self.waiters.load(Ordering::Relaxed),
+                    driver = self.driver.load(Ordering::Relaxed),
+                    "request timed out"
+                );
                 return Err(Error::TimedOut(format!("request {req}")));
             }
             if !state.conn.is_outstanding(req) {
