@@ -88,6 +88,15 @@ mod tests {
         assert_eq!(s(STATUS_DISK_FULL), ENOSPC);
         assert_eq!(s(0xC000_0185), EIO);
         assert_eq!(client(&crate::Error::ConnectionLost("gone".into())), EIO);
+        // A refusal of the server's file system keeps its errno through
+        // the client's error type (an O_DIRECT open on a file system
+        // without it, a held lock), where it used to become EIO.
+        let via = |c| client(&crate::Error::from(lwio_side::Error::new(c, "x")));
+        assert_eq!(via(C::Unsupported), EOPNOTSUPP);
+        assert_eq!(via(C::Locked), EAGAIN);
+        assert_eq!(via(C::BadHandle), EBADF);
+        assert_eq!(via(C::NoSuchOffset), ENXIO);
+        assert_eq!(via(C::NameTooLong), ENAMETOOLONG);
         assert_eq!(client(&crate::Error::Stale("replaced".into())), ESTALE);
     }
 }

@@ -183,7 +183,14 @@ impl From<lwio_side::Error> for Error {
             | ErrorCode::TooManyLinks
             | ErrorCode::Loop
             | ErrorCode::FileTooLarge
-            | ErrorCode::TextBusy => Error::Fs(e),
+            | ErrorCode::TextBusy
+            // The file system's own refusals that an errno names:
+            // EOPNOTSUPP, EAGAIN (a lock held), EBADF, ENXIO (SEEK_DATA
+            // past the end), not a generic EIO.
+            | ErrorCode::Unsupported
+            | ErrorCode::Locked
+            | ErrorCode::BadHandle
+            | ErrorCode::NoSuchOffset => Error::Fs(e),
             _ => Error::Side(m),
         }
     }

@@ -201,6 +201,56 @@ fn files_written_and_read_through_the_mount_are_byte_exact() {
     assert_eq!(fs::read(f.srv("log.txt")).unwrap(), b"one\ntwo\n");
 }
 
+/// An export's file system without O_DIRECT (ramfs; tmpfs before Linux
+/// 6.6): an O_DIRECT open through the mount fails as the local open does,
+/// EINVAL, not EIO, and a buffered open of the same file still reads it.
+#[test]
+fn o_direct_on_a_file_system_without_it_is_einval_as_locally() {
+    let f = Fixture::new();
+    let ram = f.srv("ram");
+    fs::create_dir(&ram).unwrap();
+    let c = std::ffi::CString::new(ram.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: valid NUL-terminated strings; the mount tests run as root.
+    let r = unsafe {
+        libc::mount(
+            c"ramfs".as_ptr(),
+            c.as_ptr(),
+            c"ramfs".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "mounting a ramfs: {}",
+        std::io::Error::last_os_error()
+    );
+    struct Umount(std::ffi::CString);
+    impl Drop for Umount {
+        fn drop(&mut self) {
+            // SAFETY: valid path.
+            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+    let _u = Umount(c);
+    fs::write(ram.join("f"), b"ramfs bytes").unwrap();
+    let direct = |p: &Path| {
+        fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(p)
+            .map(|_| ())
+            .map_err(errno)
+    };
+    // The referee: the local open.
+    assert_eq!(direct(&ram.join("f")), Err(libc::EINVAL));
+    let m = f.mount(&MountConfig::default());
+    assert_eq!(direct(&f.m("ram/f")), Err(libc::EINVAL));
+    assert_eq!(fs::read(f.m("ram/f")).unwrap(), b"ramfs bytes");
+    drop(m);
+}
+
 #[test]
 fn directories_listing_rename_and_exact_errnos() {
     let f = Fixture::new();

@@ -368,6 +368,9 @@ impl LwioFs {
                 o.0.read = false;
                 open(&o)
             }
+            // open(2): "EINVAL: the file system does not support the
+            // O_DIRECT flag" (the server says which file system refused).
+            Err(libc::EOPNOTSUPP) if o.0.no_buffering => Err(libc::EINVAL),
             r => r,
         }
     }
