@@ -93,12 +93,19 @@ case_sqlite() {
 
 case_fio() {
   local eng out
-  for eng in psync io_uring; do
-    out=$(fio --name="verify-$eng" --directory="$M" --filename="fio-$eng.dat" --size=64M --bs=64k \
-      --rw=randwrite --ioengine=$eng --iodepth=8 --verify=crc32c --do_verify=1 --verify_fatal=1 \
+  # libaio with O_DIRECT: FUSE's async direct I/O, 32 requests in flight
+  # (random, then sequential into a new file: writes that extend it).
+  for eng in psync io_uring libaio-direct libaio-direct-seq; do
+    local args=(--ioengine=$eng --iodepth=8 --rw=randwrite --bs=64k)
+    case $eng in
+      libaio-direct) args=(--ioengine=libaio --direct=1 --iodepth=32 --rw=randwrite --bs=4k) ;;
+      libaio-direct-seq) args=(--ioengine=libaio --direct=1 --iodepth=32 --rw=write --bs=16k) ;;
+    esac
+    out=$(fio --name="verify-$eng" --directory="$M" --filename="fio-$eng.dat" --size=64M "${args[@]}" \
+      --verify=crc32c --do_verify=1 --verify_fatal=1 \
       --verify_backlog=64 --verify_state_save=0 2>&1)
     if [ $? -eq 0 ] && grep -q "err= 0" <<<"$out" && ! grep -qi "verify.*bad\|crc32c.*fail" <<<"$out"; then
-      pass "fio $eng randwrite 64M bs=64k --verify=crc32c"
+      pass "fio $eng 64M ${args[*]} --verify=crc32c"
     else
       fail "fio $eng" "$(grep -i "err=\|verify\|error" <<<"$out" | head -3)"
     fi

@@ -19,7 +19,11 @@ impl Filesystem for LwioFs {
             // flock(2) locks too, as whole-file locks of their open file
             // (as NFS does: they conflict with fcntl locks of others).
             | InitFlags::FUSE_POSIX_LOCKS
-            | InitFlags::FUSE_FLOCK_LOCKS;
+            | InitFlags::FUSE_FLOCK_LOCKS
+            // O_DIRECT aio (libaio, io_uring) as asynchronous FUSE
+            // requests, several in flight as the caller queued them, not
+            // one at a time: the `threads` serve them side by side.
+            | InitFlags::FUSE_ASYNC_DIO;
         if let Err(missing) = config.add_capabilities(want) {
             debug!(?missing, "kernel lacks FUSE capabilities");
         }
