@@ -9,12 +9,8 @@
 DEV=$1 IP=$2
 ulimit -l unlimited 2>/dev/null || ulimit -l 1048576   # siw charges MRs to MEMLOCK
 EXP=/tmp/fe-exp; rm -rf $EXP /tmp/fe-ready; mkdir -p $EXP
-./lwio serve --no-tls --listen $IP:7560 --rdma-listen $IP:7561 --token-file /tmp/fe-token \
-  --export data=$EXP --provider verbs --device $DEV --ready-file /tmp/fe-ready > /tmp/fe-serve.out 2> /tmp/fe-serve.err &
-SP=$!
-i=0; until [ -s /tmp/fe-ready ]; do
-  i=$((i + 1)); [ $i -gt 300 ] && { echo "FAIL: server: $(tail -n 5 /tmp/fe-serve.err)"; exit 1; }; usleep 100000
-done
+. ./guest-lib.sh
+serve_verbs fe $DEV $IP 7560 $EXP || exit 1
 FAILS=0
 E="--ioengine=external:/test/liblwio_fio.so --lwio_url=lwio://$IP:7560/data --lwio_token_file=/tmp/fe-token --lwio_no_tls=1 --lwio_provider=verbs"
 J="--name=rw4k --filename=rw4k.dat --rw=randwrite --bs=4k --iodepth=16 --verify=crc32c"

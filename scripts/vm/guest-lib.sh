@@ -46,3 +46,17 @@ kill_leftovers() {
   done
   return 0
 }
+
+# serve_verbs TAG DEV IP PORT EXPORT-DIR: `./lwio serve` (plain TCP side channel
+# on IP:PORT, RDMA on IP:PORT+1, the verbs provider on DEV) exporting `data`,
+# token /tmp/TAG-token; waits until it is ready (SP = its pid). Output in
+# /tmp/TAG-serve.{out,err}. Non-zero, with a FAIL line, if it did not start.
+serve_verbs() {
+  ./lwio serve --no-tls --listen $3:$4 --rdma-listen $3:$(($4 + 1)) --token-file /tmp/$1-token \
+    --export data=$5 --provider verbs --device $2 --ready-file /tmp/$1-ready \
+    > /tmp/$1-serve.out 2> /tmp/$1-serve.err &
+  SP=$!
+  _i=0; until [ -s /tmp/$1-ready ]; do
+    _i=$((_i + 1)); [ $_i -gt 300 ] && { echo "FAIL: server: $(tail -n 5 /tmp/$1-serve.err)"; return 1; }; usleep 100000
+  done
+}

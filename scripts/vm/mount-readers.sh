@@ -15,12 +15,8 @@ ulimit -l unlimited 2>/dev/null || ulimit -l 1048576   # siw charges MRs to MEML
 EXP=/tmp/mr-exp M=/tmp/mr-mnt
 rm -rf $EXP /tmp/mr-ready; mkdir -p $EXP $M
 ln -sf /proc/self/mounts /etc/mtab
-./lwio serve --no-tls --listen $IP:7580 --rdma-listen $IP:7581 --token-file /tmp/mr-token \
-  --export data=$EXP --provider verbs --device $DEV --ready-file /tmp/mr-ready > /tmp/mr-serve.out 2> /tmp/mr-serve.err &
-SP=$!
-i=0; until [ -s /tmp/mr-ready ]; do
-  i=$((i + 1)); [ $i -gt 300 ] && { echo "FAIL: server: $(tail -n 5 /tmp/mr-serve.err)"; exit 1; }; usleep 100000
-done
+. ./guest-lib.sh
+serve_verbs mr $DEV $IP 7580 $EXP || exit 1
 ./lwio mount --daemon --log /tmp/mr-mount.log --token-file /tmp/mr-token --no-tls --provider verbs \
   --device $DEV -o direct_io,completion=interrupt lwio://$IP:7580/data $M || { echo "FAIL: mount: $(tail -n 3 /tmp/mr-mount.log)"; exit 1; }
 FAILS=0

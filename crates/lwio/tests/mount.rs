@@ -99,6 +99,39 @@ impl Fixture {
     }
 }
 
+/// A file system of type `fstype` mounted on `at` (the mount tests run as
+/// root), detached when the guard drops.
+struct Umount(std::ffi::CString);
+
+impl Drop for Umount {
+    fn drop(&mut self) {
+        // SAFETY: a valid NUL-terminated path.
+        unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+fn mount_fs(fstype: &std::ffi::CStr, at: &Path) -> Umount {
+    let c = std::ffi::CString::new(at.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: valid NUL-terminated strings; no data argument.
+    let r = unsafe {
+        libc::mount(
+            fstype.as_ptr(),
+            c.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "mounting a {fstype:?} on {}: {}",
+        at.display(),
+        std::io::Error::last_os_error()
+    );
+    Umount(c)
+}
+
 fn errno(e: std::io::Error) -> i32 {
     e.raw_os_error()
         .unwrap_or_else(|| panic!("not an OS error: {e}"))
@@ -209,31 +242,7 @@ fn o_direct_on_a_file_system_without_it_is_einval_as_locally() {
     let f = Fixture::new();
     let ram = f.srv("ram");
     fs::create_dir(&ram).unwrap();
-    let c = std::ffi::CString::new(ram.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: valid NUL-terminated strings; the mount tests run as root.
-    let r = unsafe {
-        libc::mount(
-            c"ramfs".as_ptr(),
-            c.as_ptr(),
-            c"ramfs".as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    assert_eq!(
-        r,
-        0,
-        "mounting a ramfs: {}",
-        std::io::Error::last_os_error()
-    );
-    struct Umount(std::ffi::CString);
-    impl Drop for Umount {
-        fn drop(&mut self) {
-            // SAFETY: valid path.
-            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
-    let _u = Umount(c);
+    let _u = mount_fs(c"ramfs", &ram);
     fs::write(ram.join("f"), b"ramfs bytes").unwrap();
     let direct = |p: &Path| {
         fs::OpenOptions::new()
@@ -1130,31 +1139,7 @@ fn read_only_export_and_rename_across_file_systems() {
 
     // A tmpfs mounted inside the rw export: a second file system.
     let other = rw.join("other");
-    let c = std::ffi::CString::new(other.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: valid NUL-terminated strings; the tests run as root.
-    let r = unsafe {
-        libc::mount(
-            c"tmpfs".as_ptr(),
-            c.as_ptr(),
-            c"tmpfs".as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    assert_eq!(
-        r,
-        0,
-        "mounting a tmpfs for the EXDEV case: {}",
-        std::io::Error::last_os_error()
-    );
-    struct Umount(std::ffi::CString);
-    impl Drop for Umount {
-        fn drop(&mut self) {
-            // SAFETY: valid path.
-            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
-    let _u = Umount(c);
+    let _u = mount_fs(c"tmpfs", &other);
     let rw_mount =
         lwio_mount::mount(client(), "rw", "", m_rw.path(), &MountConfig::default()).unwrap();
     let q = |r: &str| rw_mount.mountpoint().join(r);
