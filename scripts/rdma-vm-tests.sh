@@ -22,7 +22,7 @@ CARGO=${CARGO:-cargo}
 # ---------------------------------------------------------------- VM flavours
 # One VM is booted per flavour that has runnable cases; all its cases run in it, in order.
 declare -A VM_ARGS=(
-  [main]="-d rxe,siw -M fuse"   # rxe0 on veth0 = 10.0.0.1 (RXE_IP), siw0 on veth1 = 10.0.0.2 (SIW_IP); FUSE for the mount cases
+  [main]="-d rxe,siw -M fuse -m 2048"   # 2 GiB: the initramfs holds every case's binaries, the mount cases fio and its engine; rxe0 on veth0 = 10.0.0.1 (RXE_IP), siw0 on veth1 = 10.0.0.2 (SIW_IP); FUSE for the mount cases
   [netns]="-n -d siw"   # siw0 on veth1 = 10.0.0.2 (SIW_IP); veth0 = 10.0.0.1 (PEER_IP) in netns "peer"
 )
 VM_ORDER="main netns"
