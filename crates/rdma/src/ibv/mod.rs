@@ -372,7 +372,6 @@ impl ContextOps for VerbsContext {
             chan,
             tag,
             side: Mutex::new(VecDeque::new()),
-            polling: Mutex::new(()),
             qps: Mutex::new(HashMap::new()),
         }))))
     }
@@ -1019,21 +1018,21 @@ pub(crate) struct CqInner {
     tag: Option<u64>,
     /// Synthetic completions (fallback window binds/invalidations, flushes of
     /// requests posted after the QP failed); drained before the hardware CQ.
+    /// Its lock is also the CQ's poll lock: whoever takes completions from
+    /// the device (`poll`, `drain_into`) holds it from `ibv_poll_cq` to the
+    /// end of translating them. A completion is matched to its work request
+    /// by its place in the QP's queue of posted requests, in order
+    /// (`CmQp::translate`), so the completions must be translated in the
+    /// order the device gave them. Two threads polling at once (a caller
+    /// busy-polling beside the thread that drives the queue) could
+    /// otherwise translate a later batch first: its match dropped the
+    /// earlier requests' records as completed unsignaled, and their
+    /// completions, translated next, found no record and were lost (reads
+    /// that never completed, send slots never freed: `lwio mount` with four
+    /// readers on rxe and siw, scripts/vm/mount-readers.sh).
     side: Mutex<VecDeque<Wc>>,
     /// QPs whose completions land here, by QP number (to translate wr_ids).
     qps: Mutex<HashMap<u32, Weak<CmQp>>>,
-    /// Held by a poll from its `ibv_poll_cq` to the end of translating what
-    /// it took. A completion is matched to its work request by its place
-    /// in the QP's queue of posted requests, in order (`CmQp::translate`),
-    /// so the completions must be translated in the order the device gave
-    /// them. Two threads polling at once (a caller busy-polling beside the
-    /// thread that drives the queue) could otherwise translate a later
-    /// batch first: its match dropped the earlier requests' records as
-    /// completed unsignaled, and their completions, translated next, found
-    /// no record and were lost (reads that never completed, send slots
-    /// never freed: `lwio mount` with four readers on rxe and siw,
-    /// scripts/vm/mount-readers.sh).
-    polling: Mutex<()>,
 }
 
 // SAFETY: ibv_cq polling/arming is thread-safe in libibverbs providers; the
@@ -1047,8 +1046,6 @@ impl CqInner {
     /// completed on this CQ (those are moved to the side queue first, so
     /// completion order is kept).
     fn push_synthetic(&self, wc: Wc) {
-        // `polling` before `side`, as `poll` takes them.
-        let _polling = lock(&self.polling);
         let mut side = lock(&self.side);
         self.drain_into(&mut side);
         side.push_back(wc);
@@ -1060,7 +1057,6 @@ impl CqInner {
 
     /// Several synthetic completions, queued the same way.
     fn push_synthetic_all(&self, wcs: impl IntoIterator<Item = Wc>) {
-        let _polling = lock(&self.polling);
         let mut side = lock(&self.side);
         self.drain_into(&mut side);
         let before = side.len();
@@ -1075,7 +1071,7 @@ impl CqInner {
     }
 
     /// Move everything the device has completed so far to the side queue
-    /// (the caller holds `polling`).
+    /// (whose lock the caller holds: `side`).
     fn drain_into(&self, side: &mut VecDeque<Wc>) {
         loop {
             // SAFETY: ibv_wc is plain old data; all-zero is a valid value.
@@ -1124,18 +1120,16 @@ const POLL_BATCH: usize = 32;
 impl CqOps for VerbsCq {
     fn poll(&self, out: &mut [Wc]) -> Result<usize> {
         let c = &self.0;
-        let _polling = lock(&c.polling);
+        // Held to the end: the poll lock (see `side`).
+        let mut side = lock(&c.side);
         let mut n = 0;
-        {
-            let mut side = lock(&c.side);
-            while n < out.len() {
-                match side.pop_front() {
-                    Some(wc) => {
-                        out[n] = wc;
-                        n += 1;
-                    }
-                    None => break,
+        while n < out.len() {
+            match side.pop_front() {
+                Some(wc) => {
+                    out[n] = wc;
+                    n += 1;
                 }
+                None => break,
             }
         }
         while n < out.len() {

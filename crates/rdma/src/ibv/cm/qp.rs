@@ -120,7 +120,6 @@ impl CmQp {
     pub(in crate::ibv) fn sweep(&self) {
         // bring the records up to date with what the device completed
         let drain = |cq: &CqInner| {
-            let _polling = lock(&cq.polling);
             let mut side = lock(&cq.side);
             cq.drain_into(&mut side);
         };
