@@ -224,6 +224,20 @@ SUM=$( { echo "$MODS|$TOOLS|$DLOPEN_LIBS"; sed -n '/^# >>> base-image-start/,/^#
 VARIANT=$([ -n "$SIWKO" ] && echo siw || echo nosiw)   # -d rxe runs do not need (nor build) siw.ko
 BASE=$CACHE/base-$KVER-$VARIANT-$SUM.cpio.gz
 # >>> base-image-start
+# add_modules ROOT MOD...: the modules and their dependencies, decompressed
+# (busybox insmod: plain .ko), into ROOT/modules, appended to
+# ROOT/modules/order in load order (those listed there already are kept).
+add_modules() {
+  local root=$1 m deps kw path n; shift
+  for m in "$@"; do
+    deps=$(modprobe -d "$KDIR" -S "$KVER" --show-depends "$m" 2>&1) || die "module $m: $deps"
+    while read -r kw path _; do
+      [ "$kw" = insmod ] || continue
+      n=$(basename "$path"); n=${n%.xz}; n=${n%.zst}; n=${n%.gz}
+      grep -qx "$n" "$root/modules/order" || { unz "$path" > "$root/modules/$n"; echo "$n" >> "$root/modules/order"; }
+    done <<<"$deps"
+  done
+}
 build_base() {
   log "building base initramfs $BASE"
   local R; R=$(mktemp -d "$CACHE/root.XXXXXX")
@@ -246,13 +260,7 @@ build_base() {
   ls "$R$ML"/libibverbs/librxe-rdmav*.so "$R$ML"/libibverbs/libsiw-rdmav*.so >/dev/null || die "base image lacks provider plugins"
   # kernel modules, dependency-closed, in load order, decompressed (busybox insmod: plain .ko)
   : > "$R/modules/order"
-  for m in $MODS; do
-    modprobe -d "$KDIR" -S "$KVER" --show-depends "$m" | while read -r kw path args; do
-      [ "$kw" = insmod ] || continue
-      n=$(basename "$path"); n=${n%.xz}; n=${n%.zst}; n=${n%.gz}
-      grep -qx "$n" "$R/modules/order" || { unz "$path" > "$R/modules/$n"; echo "$n" >> "$R/modules/order"; }
-    done
-  done
+  add_modules "$R" $MODS
   [ -n "$SIWKO" ] && { unz "$SIWKO" > "$R/modules/siw.ko"; echo siw.ko >> "$R/modules/order"; }
   echo "root:x:0:0:root:/root:/bin/sh" > "$R/etc/passwd"; echo "root:x:0:" > "$R/etc/group"
   printf '127.0.0.1 localhost\n10.0.0.1 rdma-guest\n' > "$R/etc/hosts"
@@ -348,14 +356,7 @@ add_file "$BIN" "/test/$(basename "$BIN")"
 if [ ${#XMODS[@]} -gt 0 ]; then   # -M: the base order plus the new modules, in load order
   mkdir -p "$T/modules"; gzip -dc "$BASE" | cpio -i --quiet --to-stdout modules/order > "$T/modules/order"
   [ -s "$T/modules/order" ] || die "base image $BASE has no modules/order"
-  for m in "${XMODS[@]}"; do
-    deps=$(modprobe -d "$KDIR" -S "$KVER" --show-depends "$m" 2>&1) || die "-M $m: $deps"
-    while read -r kw path _; do
-      [ "$kw" = insmod ] || continue
-      n=$(basename "$path"); n=${n%.xz}; n=${n%.zst}; n=${n%.gz}
-      grep -qx "$n" "$T/modules/order" || { unz "$path" > "$T/modules/$n"; echo "$n" >> "$T/modules/order"; }
-    done <<<"$deps"
-  done
+  add_modules "$T" "${XMODS[@]}"
 fi
 for x in ${EXTRA[@]+"${EXTRA[@]}"}; do
   src=${x%%:*} dst=${x#*:}; [ "$dst" = "$x" ] && dst=/test/$(basename "$src"); add_any "$(readlink -f "$src")" "$dst"; done
