@@ -285,17 +285,14 @@ static bool lwio_fio_needs_stat(struct thread_data *td)
 	return !(td->o.size || td->o.file_size_low);
 }
 
-/* Stat the files of the job that have no known size yet, on one short
- * connection, into sizes[i]; 0 or a negative errno. */
-static int lwio_fio_stat_files(struct thread_data *td, uint64_t *sizes)
+/* Stat the files of the job that have no known size yet over `c`, into
+ * sizes[i]; 0 or a negative errno. */
+static int lwio_fio_stat_unknown(struct thread_data *td, struct lwio_client *c, uint64_t *sizes)
 {
-	struct lwio_client *c = lwio_fio_connect(td);
 	struct fio_file *f;
 	unsigned int i;
 	int r = 0;
 
-	if (!c)
-		return -EINVAL;
 	for_each_file(td, f, i) {
 		if (fio_file_size_known(f))
 			continue;
@@ -303,6 +300,18 @@ static int lwio_fio_stat_files(struct thread_data *td, uint64_t *sizes)
 		if (r < 0)
 			break;
 	}
+	return r;
+}
+
+/* The same on a short connection of its own. */
+static int lwio_fio_stat_files(struct thread_data *td, uint64_t *sizes)
+{
+	struct lwio_client *c = lwio_fio_connect(td);
+	int r;
+
+	if (!c)
+		return -EINVAL;
+	r = lwio_fio_stat_unknown(td, c, sizes);
 	lwio_disconnect(c);
 	return r;
 }
@@ -363,11 +372,17 @@ static int lwio_fio_stat_files_forked(struct thread_data *td, uint64_t *sizes, s
 static int lwio_fio_size_files(struct thread_data *td)
 {
 	struct lwio_fio_data *d = td->io_ops_data;
+	size_t n = td->files_index ? td->files_index : 1;
 	struct fio_file *f;
 	uint64_t *sizes;
-	unsigned int i;
+	unsigned int i, unknown = 0;
 	int r = 0;
 
+	for_each_file(td, f, i)
+		unknown += !fio_file_size_known(f);
+	/* fio asks once per file: the first call sized them all. */
+	if (!unknown)
+		return 0;
 	if (!lwio_fio_needs_stat(td)) {
 		for_each_file(td, f, i) {
 			if (fio_file_size_known(f))
@@ -377,21 +392,15 @@ static int lwio_fio_size_files(struct thread_data *td)
 		}
 		return 0;
 	}
-	sizes = calloc(td->files_index ? td->files_index : 1, sizeof(*sizes));
+	sizes = calloc(n, sizeof(*sizes));
 	if (!sizes)
 		return -ENOMEM;
 	if (d && d->c) {
-		for_each_file(td, f, i) {
-			if (fio_file_size_known(f))
-				continue;
-			r = lwio_fio_stat(d->c, f, &sizes[i]);
-			if (r < 0)
-				break;
-		}
+		r = lwio_fio_stat_unknown(td, d->c, sizes);
 	} else if (td->o.use_thread) {
 		r = lwio_fio_stat_files(td, sizes);
 	} else {
-		r = lwio_fio_stat_files_forked(td, sizes, td->files_index ? td->files_index : 1);
+		r = lwio_fio_stat_files_forked(td, sizes, n);
 		if (r < 0)
 			log_err(ENGINE ": sizing the job's files failed\n");
 	}
