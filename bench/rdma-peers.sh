@@ -18,7 +18,8 @@
 # The guest runs under qemu's TCG emulation here: every figure is indicative
 # only, a ratio between rows of one run, never a target (docs/vm-tests.md).
 #
-# usage: bench/rdma-peers.sh            (env: PEERS_SECS=5 per run, PEERS_SIZE_MB=128)
+# usage: bench/rdma-peers.sh            (env: PEERS_SECS=5 per run, PEERS_SIZE_MB=128,
+#        PEERS_JOBS="randread-qd1 randread-qd32 read-1m write-1m" to run some of them)
 # needs: the RDMA VM's host packages (scripts/rdma-vm.sh installs them) and
 #        nfs-kernel-server nfs-common fio fuse3 on the host: their programs are
 #        copied into the guest (on a systemd host, installing nfs-kernel-server
@@ -54,7 +55,7 @@ VMCMD=(scripts/rdma-vm.sh -d rxe,siw -m 3072 -t $((SECS * 7 * 4 * 2 + 600))
   -M nfsd -M rpcrdma -M nfsv4 -M fuse -M loop -M ext4
   -f "$W/etc-passwd" -f "$W/etc-group" -f /etc/netconfig -f /etc/services -f /etc/protocols
   -f "$(s rpcbind)" -f "$(s exportfs)" -f "$(s rpc.mountd)" -f "$(s rpc.nfsd)" -f "$(s mount.nfs)"
-  -f "$(s fio)" -f "$(s mke2fs)" -f "$(s fusermount3):/usr/bin/fusermount3" -f "$LWIO" -f "$ENG"
+  -f "$(s fio)" -f "$(s mke2fs)" -f "$(s fusermount3):/usr/bin/fusermount3" -f "$LWIO" -f "$ENG" -f scripts/vm/guest-lib.sh
   -e PEERS_SECS="$SECS" -e PEERS_SIZE_MB="$SIZE" bench/vm/rdma-peers-guest.sh)
 [ -n "${PEERS_JOBS:-}" ] && VMCMD=("${VMCMD[@]:0:${#VMCMD[@]}-1}" -e PEERS_JOBS="$PEERS_JOBS" "${VMCMD[@]: -1}")
 echo "command: ${VMCMD[*]}" >&2
@@ -72,9 +73,9 @@ if ! grep -q '^@@RUN ' "$W/guest.log"; then
 fi
 # The table has every run; a failed one says how it failed (and the exit
 # status is 1).
-python3 - "$W/guest.log" "$SECS" "$SIZE" "$(git rev-parse --short HEAD)" "$(fio --version)" "$smbd" "${VMCMD[*]}" <<'PY'
+python3 - "$W/guest.log" "$SECS" "$SIZE" "$(git rev-parse --short HEAD)" "$(fio --version)" "$smbd" "${VMCMD[*]}" "${PEERS_JOBS:-}" <<'PY'
 import json, sys, re, datetime
-log, secs, size, rev, fiov, smbd, cmd = sys.argv[1:8]
+log, secs, size, rev, fiov, smbd, cmd, only = sys.argv[1:9]
 runs, cpu, cur, buf, failed = {}, {}, None, [], {}
 for line in open(log, errors="replace"):
     line = line.rstrip("\r\n")
@@ -98,6 +99,8 @@ jobs = [("randread-qd1", "4 KiB random read, QD1 (psync)", "read"),
         ("randread-qd32", "4 KiB random read, QD32 (libaio)", "read"),
         ("read-1m", "1 MiB sequential read, QD8", "read"),
         ("write-1m", "1 MiB sequential write, QD8", "write")]
+if only.split():
+    jobs = [j for j in jobs if j[0] in only.split()]
 print(f"## RDMA peers in the VM (bench/rdma-peers.sh) — {datetime.date.today()}")
 print()
 print(f"Guest: Debian 6.1 kernel under qemu TCG (emulated; indicative only, ratios within this run), "

@@ -53,20 +53,12 @@ NFSD_UP=$(cut -d. -f1 /proc/uptime)
 
 # ---------------------------------------------------------------- lwio servers
 # One per device, each on the device's own address (side channel and RDMA).
-start_lwio() { # NAME DEV IP PORT
-  rm -f /tmp/ready-$1
-  RUST_LOG=warn $L serve --no-tls --listen $3:$4 --rdma-listen $3:$(($4 + 1)) \
-    --token-file /tmp/token --export data=$DATA --provider verbs --device $2 \
-    --ready-file /tmp/ready-$1 > /tmp/serve-$1.out 2> /tmp/serve-$1.err &
-  i=0
-  until [ -s /tmp/ready-$1 ]; do
-    i=$((i + 1)); [ $i -gt 300 ] && { fail "lwio serve on $2: $(tail -n 5 /tmp/serve-$1.err)"; return 1; }
-    usleep 100000
-  done
-  grep 'RDMA listening' /tmp/serve-$1.out
-}
-start_lwio rxe $RXE_DEV $RXE_IP 7460
-start_lwio siw $SIW_DEV $SIW_IP 7470
+# Token /tmp/rxe-token resp. /tmp/siw-token (guest-lib.sh, serve_verbs).
+. $T/guest-lib.sh
+for dev in rxe siw; do
+  if [ $dev = rxe ]; then serve_verbs rxe $RXE_DEV $RXE_IP 7460 $DATA; else serve_verbs siw $SIW_DEV $SIW_IP 7470 $DATA; fi &&
+    grep 'RDMA listening' /tmp/$dev-serve.out || fail "lwio serve on $dev"
+done
 
 # ---------------------------------------------------------------- mounts
 # The NFS client sees one server behind 10.0.0.1 and 10.0.0.2 (NFSv4.1+
@@ -87,7 +79,7 @@ nfs_mount() { # DIR SERVER-IP OPTS
   same_bytes $1
 }
 lwio_mount() { # DIR DEV URL
-  $L mount --daemon --log /tmp/$(basename $1).log --token-file /tmp/token --no-tls \
+  $L mount --daemon --log /tmp/$(basename $1).log --token-file /tmp/${1##*-}-token --no-tls \
     --provider verbs --device $2 $3 $1 || { fail "lwio mount $3 on $2: $(tail -n 3 /tmp/$(basename $1).log)"; return 1; }
   grep " $1 " /proc/mounts
   [ -e /tmp/checked-${1##*/} ] || { same_bytes $1; touch /tmp/checked-${1##*/}; }
@@ -140,9 +132,9 @@ phase() { # DEV-SUFFIX NFS-IP NFS-OPTS ROWS...
           run $row $job "$(mount_pid $d)" --directory=$d $eng
         umount $d 2>/dev/null || umount -l $d ;;
       liblwio-rxe) run $row $job "" --lwio_url=lwio://$RXE_IP:7460/data --ioengine=external:$ENG \
-        --lwio_token_file=/tmp/token --lwio_no_tls=1 --lwio_provider=verbs ;;
+        --lwio_token_file=/tmp/rxe-token --lwio_no_tls=1 --lwio_provider=verbs ;;
       liblwio-siw) run $row $job "" --lwio_url=lwio://$SIW_IP:7470/data --ioengine=external:$ENG \
-        --lwio_token_file=/tmp/token --lwio_no_tls=1 --lwio_provider=verbs ;;
+        --lwio_token_file=/tmp/siw-token --lwio_no_tls=1 --lwio_provider=verbs ;;
       esac
     done
   done
