@@ -5,7 +5,10 @@
 #
 # usage: bench/rdma-compare.sh [--record] [--reps N]
 #   --record   append the table to bench/RESULTS.md (with date, machine, commands)
-#   --reps N   repetitions of each measurement; the median is reported (default 3)
+#   --reps N   rounds; each round runs every measurement once, in turn, so
+#              that lwio and its peer are measured side by side in the same
+#              minute; the medians and the range of the per-round ratios are
+#              reported (default 3)
 # env: LWIO_BIN (default target/release/lwio, built if missing)
 #
 # Everything runs on 127.0.0.1 and stops by itself. Installs iperf3 and
@@ -69,32 +72,44 @@ print(bw, l.group(1) if l else 'nan')
 PY
 }
 
-declare -A R
-run() { # key cmd... ; collects REPS samples of field 1 (and field 2 as KEY_lat)
-  local key=$1; shift
-  local a=() b=() i out
-  for i in $(seq "$REPS"); do
-    out=$("$@")
-    a+=("$(echo "$out" | awk '{print $1}')"); b+=("$(echo "$out" | awk '{print $2}')")
-  done
-  R[$key]=$(printf '%s\n' "${a[@]}" | median)
-  R[${key}_2]=$(printf '%s\n' "${b[@]}" | median)
+declare -A S   # key -> samples of field 1, one per round; key_2 -> field 2
+sample() { # key cmd...
+  local key=$1 out; shift
+  out=$("$@")
+  S[$key]+="$(echo "$out" | awk '{print $1}') "
+  S[${key}_2]+="$(echo "$out" | awk '{print $2}') "
 }
 
-echo "measuring ($REPS reps each, medians) ..." >&2
-run iperf     iperf_bw
-run fi_64     fi_pp 64 20000
-run fi_1m     fi_pp 1048576 2000
-run lw_send64 lwio_rb send 64 20000 --poll
-run lw_write  lwio_rb write 1048576 2000
+# Rounds, not blocks: the host's vCPU placement changes from minute to
+# minute (the 64 B half round trip of either program swings between ~4 and
+# ~6.3 µs), so a block of lwio runs and a block of fi_pingpong runs compare
+# two placements. Each round measures everything once, back to back.
+echo "measuring ($REPS rounds, medians) ..." >&2
+for round in $(seq "$REPS"); do
+  sample iperf     iperf_bw
+  sample fi_64     fi_pp 64 20000
+  sample lw_send64 lwio_rb send 64 20000 --poll
+  sample fi_1m     fi_pp 1048576 2000
+  sample lw_write  lwio_rb write 1048576 2000
+  echo "  round $round: 64 B lwio $(echo ${S[lw_send64_2]} | awk '{print $NF}') µs, fi_pingpong $(echo ${S[fi_64_2]} | awk '{print $NF}') µs" >&2
+done
+declare -A R
+for k in "${!S[@]}"; do R[$k]=$(printf '%s\n' ${S[$k]} | median); done
+# per-round ratios a/b of two sample lists: "median (min–max)"
+round_ratios() {
+  paste <(printf '%s\n' $1) <(printf '%s\n' $2) |
+    awk '$2 > 0 {print $1 / $2}' | sort -g |
+    awk '{a[NR]=$1} END {if (!NR) {print "n/a"; exit}
+         m = (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2
+         printf "%.2f (%.2f–%.2f)", m, a[1], a[NR]}'
+}
 
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 gbs() { awk -v a="$1" 'BEGIN { printf "%.2f GB/s", a / 1e9 }'; }
 table=$(cat <<EOF
 | measurement | lwio (soft, loopback) | fi_pingpong (tcp) | iperf3 (1 stream) | ratio lwio : fi_pingpong | ratio lwio : iperf3 | target |
 | --- | --- | --- | --- | --- | --- | --- |
-| 1 MiB RDMA write, bandwidth | $(gbs "${R[lw_write]}") | $(gbs "${R[fi_1m]}") | $(gbs "${R[iperf]}") | $(ratio "${R[lw_write]}" "${R[fi_1m]}") | $(ratio "${R[lw_write]}" "${R[iperf]}") | ≥ 1.0 and ≥ 0.9 |
-| 64 B send, polling, latency per transfer (half RTT, p50) | ${R[lw_send64_2]} µs | ${R[fi_64_2]} µs | — | $(ratio "${R[lw_send64_2]}" "${R[fi_64_2]}") | — | ≤ 1.0 |
+| 1 MiB RDMA write, bandwidth | $(gbs "${R[lw_write]}") | $(gbs "${R[fi_1m]}") | $(gbs "${R[iperf]}") | $(round_ratios "${S[lw_write]}" "${S[fi_1m]}") | $(round_ratios "${S[lw_write]}" "${S[iperf]}") | ≥ 1.0 and ≥ 0.9 |
+| 64 B send, polling, latency per transfer (half RTT, p50) | ${R[lw_send64_2]} µs | ${R[fi_64_2]} µs | — | $(round_ratios "${S[lw_send64_2]}" "${S[fi_64_2]}") | — | ≤ 1.0 |
 EOF
 )
 cmds=$(cat <<EOF
@@ -107,7 +122,7 @@ EOF
 )
 echo "$table"
 echo
-echo "commands (median of $REPS runs each):"
+echo "commands (medians of $REPS rounds; ratios: median of the per-round ratios, and their range):"
 echo "$cmds"
 if [ $RECORD = 1 ]; then
   load=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -116,7 +131,7 @@ if [ $RECORD = 1 ]; then
     echo "## RDMA layer vs iperf3 and fi_pingpong — $(date -u +%Y-%m-%d)"
     echo
     echo "Machine: $(nproc) vCPU, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -r); load average before the run: $load."
-    echo "Produced by \`bench/rdma-compare.sh --record --reps $REPS\` (lwio $(git rev-parse --short HEAD))."
+    echo "Produced by \`bench/rdma-compare.sh --record --reps $REPS\` (lwio $(git rev-parse --short HEAD)); absolute figures are medians of the $REPS rounds, ratios the median (and range) of the per-round ratios."
     echo
     echo "$table"
     echo

@@ -57,6 +57,14 @@ pub trait Io {
     /// # Safety
     /// Every iovec must describe memory valid for reads during the call.
     unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize>;
+    /// Whether a read that returns fewer bytes than asked means that
+    /// nothing more is buffered now and that bytes arriving later will be
+    /// announced anew. Then the receive path stops after a short read
+    /// instead of making the read that would answer `WouldBlock` (one
+    /// system call per message saved on a ping-pong). Default: no.
+    fn short_read_drains(&self) -> bool {
+        false
+    }
 }
 
 /// A socket as an [`Io`], borrowed for as long as the engine uses it.
@@ -71,6 +79,16 @@ impl Io for SockIo<'_> {
     }
     unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize> {
         super::sys::writev_raw(self.0, iov)
+    }
+    /// Yes: the socket is a TCP stream under edge-triggered epoll. Linux's
+    /// `tcp_recvmsg` returns fewer bytes than asked only once its receive
+    /// queue is empty (packets that came in during the call sit in the
+    /// backlog and are queued when the call releases the socket, which
+    /// raises the readiness edge for them), and every later arrival wakes
+    /// the epoll entry again: a new edge. (tokio clears a TCP stream's read
+    /// readiness on a short read for the same reason.)
+    fn short_read_drains(&self) -> bool {
+        true
     }
 }
 
@@ -330,6 +348,10 @@ struct Stage {
     end: usize,
     /// Reads in a row that brought less than `STAGE_MIN` (see `fill`).
     quiet: u32,
+    /// A read of this `rx_process` call came back short from an input
+    /// that says a short read drains it ([`Io::short_read_drains`]): the
+    /// next read would only answer `WouldBlock`, so it is not made.
+    drained: bool,
 }
 
 /// Counters for tests and benchmarks.
@@ -526,6 +548,7 @@ impl QpEngine {
                 start: 0,
                 end: 0,
                 quiet: 0,
+                drained: false,
             },
             fpdu: FpduReceiver::new(FpduConfig {
                 crc,
