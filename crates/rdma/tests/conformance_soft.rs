@@ -252,6 +252,65 @@ fn soft_disconnect_drains_queued_sends_manual() {
     disconnect_drains(Progress::Manual);
 }
 
+/// The peer's last message and its end of stream are both in the socket
+/// before the receiver reads: the short read that takes the message stops
+/// at the FIN, which raises no later edge, so the receive pass must not end
+/// there. Both ends under manual progress: nothing reads the server's
+/// socket until `wait` drives its context, after the client has sent the
+/// message and closed. Before the pass honoured EPOLLRDHUP, the second
+/// receive was never flushed (the wait timed out).
+fn end_of_stream_behind_a_message(crc: bool) {
+    let (s, c) = (open(Progress::Manual, crc), open(Progress::Manual, crc));
+    let k = connect(&s, &c);
+    let smr = k.spd.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let cmr = k.cpd.alloc_mr(100, Access::LOCAL_WRITE).unwrap();
+    let data = conformance::pattern(7, 100);
+    cmr.write_at(0, &data).unwrap();
+    k.sqp
+        .post_recv(&[
+            RecvWr {
+                wr_id: 1,
+                sg_list: &[smr.sge(0, 4096)],
+            },
+            RecvWr {
+                wr_id: 2,
+                sg_list: &[smr.sge(0, 16)],
+            },
+        ])
+        .unwrap();
+    k.cqp
+        .post_send(&[SendWr::new(7, SendOp::Send, &[cmr.sge(0, 100)])])
+        .unwrap();
+    k.cqp.disconnect().unwrap();
+    // The message and the FIN reach the server's socket (loopback) before
+    // its first read.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let r = wait(&[&s], &k.scq, 2);
+    assert_eq!(
+        (r[0].wr_id, r[0].status, r[0].byte_len),
+        (1, WcStatus::Success, 100),
+        "{r:?}"
+    );
+    assert_eq!(
+        (r[1].wr_id, r[1].status),
+        (2, WcStatus::WrFlushErr),
+        "{r:?}"
+    );
+    let mut got = vec![0u8; 100];
+    smr.read_at(0, &mut got).unwrap();
+    assert_eq!(got, data);
+}
+
+#[test]
+fn soft_end_of_stream_behind_a_message_is_seen() {
+    end_of_stream_behind_a_message(false);
+}
+
+#[test]
+fn soft_end_of_stream_behind_a_message_is_seen_crc() {
+    end_of_stream_behind_a_message(true);
+}
+
 /// Several connections on the same two contexts, each driven by its own
 /// thread posting sends, writes and reads concurrently with the engine.
 fn many_qps(progress: Progress) {

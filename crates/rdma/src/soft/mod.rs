@@ -324,6 +324,10 @@ impl CtxShared {
                 continue;
             }
             if let Some(qp) = self.qp(token) {
+                let flags = ev.flags; // a copy: `Event` is packed
+                if flags.intersects(EventFlags::RDHUP | EventFlags::HUP | EventFlags::ERR) {
+                    qp.closing.store(true, std::sync::atomic::Ordering::Release);
+                }
                 n += self.drive_qp(&qp);
             }
         }
@@ -440,6 +444,9 @@ fn engine(weak: Weak<CtxShared>, ep: Arc<OwnedFd>, _wake: Arc<OwnedFd>) {
 pub struct QpShared {
     core: Mutex<QpEngine>,
     fd: OwnedFd,
+    /// The socket reported the peer's end of stream, a hang-up or an error
+    /// (set before the drive that answers the event; see `SockIo::closing`).
+    closing: std::sync::atomic::AtomicBool,
     token: u64,
     local: SocketAddr,
     peer: SocketAddr,
@@ -459,7 +466,10 @@ impl QpShared {
     }
 
     fn drive_locked(&self, c: &mut QpEngine, rx: bool) -> usize {
-        let mut io = SockIo(self.fd.as_fd());
+        let mut io = SockIo {
+            fd: self.fd.as_fd(),
+            closing: self.closing.load(std::sync::atomic::Ordering::Acquire),
+        };
         let mut n = 0;
         if rx {
             n += c.rx_process(&mut io).unwrap_or(0);
@@ -709,6 +719,7 @@ pub(crate) fn create_qp(
     let sh = Arc::new(QpShared {
         core: Mutex::new(QpEngine::new(params)),
         fd,
+        closing: std::sync::atomic::AtomicBool::new(false),
         token,
         local,
         peer,

@@ -68,27 +68,39 @@ pub trait Io {
 }
 
 /// A socket as an [`Io`], borrowed for as long as the engine uses it.
-pub struct SockIo<'a>(pub std::os::fd::BorrowedFd<'a>);
+pub struct SockIo<'a> {
+    pub fd: std::os::fd::BorrowedFd<'a>,
+    /// Whether the socket has reported the peer's end of stream, a hang-up
+    /// or an error (EPOLLRDHUP, EPOLLHUP, EPOLLERR): then a short read
+    /// does not mean drained (see [`Io::short_read_drains`] below).
+    pub closing: bool,
+}
 
 // SAFETY: both methods forward the caller's guarantees (the trait's
 // `# Safety` contract) unchanged to the system call wrappers, whose contracts
 // are the same; the descriptor is borrowed, so it is open for the call.
 impl Io for SockIo<'_> {
     unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
-        super::sys::read_raw(self.0, dst, len)
+        super::sys::read_raw(self.fd, dst, len)
     }
     unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize> {
-        super::sys::writev_raw(self.0, iov)
+        super::sys::writev_raw(self.fd, iov)
     }
-    /// Yes: the socket is a TCP stream under edge-triggered epoll. Linux's
-    /// `tcp_recvmsg` returns fewer bytes than asked only once its receive
-    /// queue is empty (packets that came in during the call sit in the
-    /// backlog and are queued when the call releases the socket, which
-    /// raises the readiness edge for them), and every later arrival wakes
-    /// the epoll entry again: a new edge. (tokio clears a TCP stream's read
-    /// readiness on a short read for the same reason.)
+    /// Yes while the peer has not closed: the socket is a TCP stream under
+    /// edge-triggered epoll. Linux's `tcp_recvmsg` returns fewer bytes than
+    /// asked with data left only at a FIN (urgent data aside, which iWARP
+    /// never sends); otherwise its receive queue is empty (packets that
+    /// came in during the call sit in the backlog and are queued when the
+    /// call releases the socket, which raises the readiness edge for them),
+    /// and every later arrival wakes the epoll entry again: a new edge.
+    /// (tokio clears a TCP stream's read readiness on a short read for the
+    /// same reason, and keeps its read-closed bit.) A FIN already queued
+    /// behind the bytes a short read took raises no later edge: its edge,
+    /// with EPOLLRDHUP, is the one being handled or one still to come, and
+    /// from then on `closing` is set and the receive path reads to the end
+    /// of stream.
     fn short_read_drains(&self) -> bool {
-        true
+        !self.closing
     }
 }
 
