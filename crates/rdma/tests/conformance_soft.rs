@@ -193,6 +193,22 @@ fn wait(ctxs: &[&Context], cq: &Cq, n: usize) -> Vec<Wc> {
     v
 }
 
+/// Two receives on `qp`: wr 1 for a message of up to `n` bytes of `mr`,
+/// then wr 2, which the peer's close is to flush.
+fn recv_then_flushed(qp: &Qp, mr: &Mr, n: usize) {
+    qp.post_recv(&[
+        RecvWr {
+            wr_id: 1,
+            sg_list: &[mr.sge(0, n as u32)],
+        },
+        RecvWr {
+            wr_id: 2,
+            sg_list: &[mr.sge(0, 16)],
+        },
+    ])
+    .unwrap();
+}
+
 fn disconnect_drains(progress: Progress) {
     let (s, c) = (open(progress, false), open(progress, false));
     let k = connect(&s, &c);
@@ -201,18 +217,7 @@ fn disconnect_drains(progress: Progress) {
     let cmr = k.cpd.alloc_mr(n, Access::LOCAL_WRITE).unwrap();
     let data = conformance::pattern(42, n);
     cmr.write_at(0, &data).unwrap();
-    k.sqp
-        .post_recv(&[
-            RecvWr {
-                wr_id: 1,
-                sg_list: &[smr.sge(0, n as u32)],
-            },
-            RecvWr {
-                wr_id: 2,
-                sg_list: &[smr.sge(0, 16)],
-            },
-        ])
-        .unwrap();
+    recv_then_flushed(&k.sqp, &smr, n);
     k.cqp
         .post_send(&[SendWr::new(7, SendOp::Send, &[cmr.sge(0, n as u32)])])
         .unwrap();
@@ -266,18 +271,7 @@ fn end_of_stream_behind_a_message(crc: bool) {
     let cmr = k.cpd.alloc_mr(100, Access::LOCAL_WRITE).unwrap();
     let data = conformance::pattern(7, 100);
     cmr.write_at(0, &data).unwrap();
-    k.sqp
-        .post_recv(&[
-            RecvWr {
-                wr_id: 1,
-                sg_list: &[smr.sge(0, 4096)],
-            },
-            RecvWr {
-                wr_id: 2,
-                sg_list: &[smr.sge(0, 16)],
-            },
-        ])
-        .unwrap();
+    recv_then_flushed(&k.sqp, &smr, 4096);
     k.cqp
         .post_send(&[SendWr::new(7, SendOp::Send, &[cmr.sge(0, 100)])])
         .unwrap();
