@@ -12,9 +12,13 @@
 //! without blocking (no engine thread, no cross-thread wake-up). In both
 //! models a posting thread transmits directly (`writev` under the QP lock),
 //! so a post never waits for a wake-up; a transmit that hits a full socket
-//! is finished by the next `EPOLLOUT` edge. A completion channel's fd is an
-//! eventfd (Auto) or an epoll fd over the eventfd and the context's epoll fd
-//! (Manual: readable = "call poll").
+//! is finished by the next `EPOLLOUT` edge. A receive pass ends at
+//! `WouldBlock`, or at a short read while the socket has not reported the
+//! peer's close (a short read from TCP means its queue is empty, and the
+//! next arrival raises a new edge; a FIN behind it would not, so once
+//! EPOLLRDHUP is seen the pass reads to the end of stream). A completion
+//! channel's fd is an eventfd (Auto) or an epoll fd over the eventfd and
+//! the context's epoll fd (Manual: readable = "call poll").
 //!
 //! # Data path (`qp.rs`: queues, state, errors; `qp_tx.rs`: transmit; `qp_rx.rs`: receive)
 //! MPA enhanced mode (IRD/ORD), markers off, CRC32c negotiated; DDP tagged
