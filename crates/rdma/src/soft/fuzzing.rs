@@ -31,8 +31,6 @@ pub struct Pipe {
     /// Largest write accepted per call (0 = everything).
     pub wchunk: usize,
     pub output: Vec<u8>,
-    /// Reads answered `WouldBlock` (nothing left of the input).
-    pub would_block: usize,
 }
 
 // SAFETY: `read` writes at most `len` bytes to `dst` (the caller's
@@ -42,7 +40,6 @@ impl Io for Pipe {
     unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
         let n = len.min(self.input.len() - self.pos).min(self.chunk.max(1));
         if n == 0 {
-            self.would_block += 1;
             return Err(io::ErrorKind::WouldBlock.into());
         }
         std::ptr::copy_nonoverlapping(self.input.as_ptr().add(self.pos), dst, n);
@@ -67,14 +64,6 @@ impl Io for Pipe {
             }
         }
         Ok(t)
-    }
-    /// With reads not cut by `chunk`, a short read took every byte the
-    /// input holds, and the caller's next `rx_process` comes with new
-    /// input (each `rx_all` of a schedule step is that edge): a socket's
-    /// contract, so the fuzz target and the tests run the receive path's
-    /// stop-on-short-read branch as a socket does.
-    fn short_read_drains(&self) -> bool {
-        self.chunk == usize::MAX
     }
 }
 

@@ -12,13 +12,9 @@
 //! without blocking (no engine thread, no cross-thread wake-up). In both
 //! models a posting thread transmits directly (`writev` under the QP lock),
 //! so a post never waits for a wake-up; a transmit that hits a full socket
-//! is finished by the next `EPOLLOUT` edge. A receive pass ends at
-//! `WouldBlock`, or at a short read while the socket has not reported the
-//! peer's close (a short read from TCP means its queue is empty, and the
-//! next arrival raises a new edge; a FIN behind it would not, so once
-//! EPOLLRDHUP is seen the pass reads to the end of stream). A completion
-//! channel's fd is an eventfd (Auto) or an epoll fd over the eventfd and
-//! the context's epoll fd (Manual: readable = "call poll").
+//! is finished by the next `EPOLLOUT` edge. A completion channel's fd is an
+//! eventfd (Auto) or an epoll fd over the eventfd and the context's epoll fd
+//! (Manual: readable = "call poll").
 //!
 //! # Data path (`qp.rs`: queues, state, errors; `qp_tx.rs`: transmit; `qp_rx.rs`: receive)
 //! MPA enhanced mode (IRD/ORD), markers off, CRC32c negotiated; DDP tagged
@@ -328,10 +324,6 @@ impl CtxShared {
                 continue;
             }
             if let Some(qp) = self.qp(token) {
-                let flags = ev.flags; // a copy: `Event` is packed
-                if flags.intersects(EventFlags::RDHUP | EventFlags::HUP | EventFlags::ERR) {
-                    qp.closing.store(true, std::sync::atomic::Ordering::Release);
-                }
                 n += self.drive_qp(&qp);
             }
         }
@@ -448,9 +440,6 @@ fn engine(weak: Weak<CtxShared>, ep: Arc<OwnedFd>, _wake: Arc<OwnedFd>) {
 pub struct QpShared {
     core: Mutex<QpEngine>,
     fd: OwnedFd,
-    /// The socket reported the peer's end of stream, a hang-up or an error
-    /// (set before the drive that answers the event; see `SockIo::closing`).
-    closing: std::sync::atomic::AtomicBool,
     token: u64,
     local: SocketAddr,
     peer: SocketAddr,
@@ -470,10 +459,7 @@ impl QpShared {
     }
 
     fn drive_locked(&self, c: &mut QpEngine, rx: bool) -> usize {
-        let mut io = SockIo {
-            fd: self.fd.as_fd(),
-            closing: self.closing.load(std::sync::atomic::Ordering::Acquire),
-        };
+        let mut io = SockIo(self.fd.as_fd());
         let mut n = 0;
         if rx {
             n += c.rx_process(&mut io).unwrap_or(0);
@@ -723,7 +709,6 @@ pub(crate) fn create_qp(
     let sh = Arc::new(QpShared {
         core: Mutex::new(QpEngine::new(params)),
         fd,
-        closing: std::sync::atomic::AtomicBool::new(false),
         token,
         local,
         peer,

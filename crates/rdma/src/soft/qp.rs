@@ -57,50 +57,20 @@ pub trait Io {
     /// # Safety
     /// Every iovec must describe memory valid for reads during the call.
     unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize>;
-    /// Whether a read that returns fewer bytes than asked means that
-    /// nothing more is buffered now and that bytes arriving later will be
-    /// announced anew. Then the receive path stops after a short read
-    /// instead of making the read that would answer `WouldBlock` (one
-    /// system call per message saved on a ping-pong). Default: no.
-    fn short_read_drains(&self) -> bool {
-        false
-    }
 }
 
 /// A socket as an [`Io`], borrowed for as long as the engine uses it.
-pub struct SockIo<'a> {
-    pub fd: std::os::fd::BorrowedFd<'a>,
-    /// Whether the socket has reported the peer's end of stream, a hang-up
-    /// or an error (EPOLLRDHUP, EPOLLHUP, EPOLLERR): then a short read
-    /// does not mean drained (see [`Io::short_read_drains`] below).
-    pub closing: bool,
-}
+pub struct SockIo<'a>(pub std::os::fd::BorrowedFd<'a>);
 
 // SAFETY: both methods forward the caller's guarantees (the trait's
 // `# Safety` contract) unchanged to the system call wrappers, whose contracts
 // are the same; the descriptor is borrowed, so it is open for the call.
 impl Io for SockIo<'_> {
     unsafe fn read(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
-        super::sys::read_raw(self.fd, dst, len)
+        super::sys::read_raw(self.0, dst, len)
     }
     unsafe fn writev(&mut self, iov: &[libc::iovec]) -> io::Result<usize> {
-        super::sys::writev_raw(self.fd, iov)
-    }
-    /// Yes while the peer has not closed: the socket is a TCP stream under
-    /// edge-triggered epoll. Linux's `tcp_recvmsg` returns fewer bytes than
-    /// asked with data left only at a FIN (urgent data aside, which iWARP
-    /// never sends); otherwise its receive queue is empty (packets that
-    /// came in during the call sit in the backlog and are queued when the
-    /// call releases the socket, which raises the readiness edge for them),
-    /// and every later arrival wakes the epoll entry again: a new edge.
-    /// (tokio clears a TCP stream's read readiness on a short read for the
-    /// same reason, and keeps its read-closed bit.) A FIN already queued
-    /// behind the bytes a short read took raises no later edge: its edge,
-    /// with EPOLLRDHUP, is the one being handled or one still to come, and
-    /// from then on `closing` is set and the receive path reads to the end
-    /// of stream.
-    fn short_read_drains(&self) -> bool {
-        !self.closing
+        super::sys::writev_raw(self.0, iov)
     }
 }
 
@@ -360,10 +330,6 @@ struct Stage {
     end: usize,
     /// Reads in a row that brought less than `STAGE_MIN` (see `fill`).
     quiet: u32,
-    /// A read of this `rx_process` call came back short from an input
-    /// that says a short read drains it ([`Io::short_read_drains`]): the
-    /// next read would only answer `WouldBlock`, so it is not made.
-    drained: bool,
 }
 
 /// Counters for tests and benchmarks.
@@ -560,7 +526,6 @@ impl QpEngine {
                 start: 0,
                 end: 0,
                 quiet: 0,
-                drained: false,
             },
             fpdu: FpduReceiver::new(FpduConfig {
                 crc,

@@ -15,9 +15,6 @@ impl Stage {
     /// [`STAGE`] when a read fills it, and goes back to the small size once
     /// [`STAGE_QUIET`] reads in a row on an empty stage brought little.
     fn fill(&mut self, io: &mut dyn Io, limit: usize) -> io::Result<usize> {
-        if self.drained {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
@@ -37,7 +34,6 @@ impl Stage {
         // SAFETY: the range is inside our own boxed buffer; no reference to it
         // is live during the call.
         let n = unsafe { io.read(self.buf.as_mut_ptr().add(self.end), room)? };
-        self.drained = n > 0 && n < room && io.short_read_drains();
         self.end += n;
         if n == room && self.end == self.buf.len() {
             self.grow();
@@ -216,15 +212,11 @@ impl QpEngine {
         }
     }
 
-    /// Process incoming bytes until the stream is drained (`WouldBlock`, or
-    /// a short read from an input whose short reads mean drained: a
-    /// socket, [`Io::short_read_drains`]), paused by flow control, or
-    /// closed. Returns segments processed.
+    /// Process incoming bytes until the stream is drained (WouldBlock),
+    /// paused by flow control, or closed. Returns segments processed.
     pub fn rx_process(&mut self, io: &mut dyn Io) -> io::Result<usize> {
         let mut segs = 0;
         self.rx_more = false;
-        // Called on a new edge (or to resume): the input may hold bytes.
-        self.stage.drained = false;
         if self.p.srq.is_some() {
             // Receives may have been posted to the SRQ since the last drive
             // (which is why the SRQ scheduled this QP).
@@ -338,9 +330,6 @@ impl QpEngine {
         if p.addr == 0 || left < min {
             return Ok(false);
         }
-        if self.stage.drained {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
         // Registered memory is written only while its key (or receive) is
         // live, under the regions' fences for the length of the read
         // (`PlaceKeep::enter`: revocation and every other access to those
@@ -370,7 +359,6 @@ impl QpEngine {
         if n == 0 {
             return Err(Self::eof());
         }
-        self.stage.drained = n < left && io.short_read_drains();
         self.stats.direct += n as u64;
         self.dest_off += n as u64;
         if let Err(e) = self.fpdu.advance_len(n as u32) {

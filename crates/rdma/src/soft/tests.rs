@@ -196,36 +196,6 @@ fn receive_path_every_split_point() {
     }
 }
 
-/// A read that came back short from a socket means the socket is empty:
-/// the receive path stops there instead of reading again for a
-/// `WouldBlock` (one system call per message on a ping-pong). An input
-/// that cuts its reads short for other reasons (`chunk`) is read until it
-/// says `WouldBlock`, as before. Both place the same bytes.
-#[test]
-fn a_short_read_from_a_socket_ends_the_receive_pass_without_another_read() {
-    for crc in [false, true] {
-        for (chunk, drains) in [(usize::MAX, true), (64, false)] {
-            let ctx = ctx();
-            let mut rx = receiver(&ctx, crc);
-            let (_s, _mr, stream) = sender_stream(&ctx, &rx, crc);
-            let mut p = Pipe {
-                input: stream,
-                chunk,
-                ..Pipe::default()
-            };
-            use super::qp::Io;
-            assert_eq!(p.short_read_drains(), drains);
-            rx.side.core.rx_process(&mut p).expect("rx");
-            let what = format!("crc={crc} chunk={chunk}");
-            assert!(!rx.side.core.rx_more, "{what}");
-            assert_eq!(p.pos, p.input.len(), "{what}: bytes left unread");
-            let expect = usize::from(!drains);
-            assert_eq!(p.would_block, expect, "{what}: reads that found nothing");
-            check_receiver(&mut rx, &what);
-        }
-    }
-}
-
 #[test]
 fn partial_writes_of_batched_frames_give_the_same_stream() {
     for crc in [false, true] {
