@@ -55,10 +55,8 @@ NFSD_UP=$(cut -d. -f1 /proc/uptime)
 # One per device, each on the device's own address (side channel and RDMA).
 # Token /tmp/rxe-token resp. /tmp/siw-token (guest-lib.sh, serve_verbs).
 . $T/guest-lib.sh
-for dev in rxe siw; do
-  if [ $dev = rxe ]; then serve_verbs rxe $RXE_DEV $RXE_IP 7460 $DATA; else serve_verbs siw $SIW_DEV $SIW_IP 7470 $DATA; fi &&
-    grep 'RDMA listening' /tmp/$dev-serve.out || fail "lwio serve on $dev"
-done
+serve_verbs rxe $RXE_DEV $RXE_IP 7460 $DATA && grep 'RDMA listening' /tmp/rxe-serve.out || fail "lwio serve on rxe"
+serve_verbs siw $SIW_DEV $SIW_IP 7470 $DATA && grep 'RDMA listening' /tmp/siw-serve.out || fail "lwio serve on siw"
 
 # ---------------------------------------------------------------- mounts
 # The NFS client sees one server behind 10.0.0.1 and 10.0.0.2 (NFSv4.1+

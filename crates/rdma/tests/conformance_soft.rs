@@ -258,12 +258,13 @@ fn soft_disconnect_drains_queued_sends_manual() {
 }
 
 /// The peer's last message and its end of stream are both in the socket
-/// before the receiver reads: the short read that takes the message stops
-/// at the FIN, which raises no later edge, so the receive pass must not end
-/// there. Both ends under manual progress: nothing reads the server's
+/// before the receiver reads: one readiness edge reports both, and no later
+/// edge comes, so the receive pass must read on to the end of stream after
+/// the message (a read that comes back short stops at the FIN with it still
+/// unread). Both ends under manual progress: nothing reads the server's
 /// socket until `wait` drives its context, after the client has sent the
-/// message and closed. Before the pass honoured EPOLLRDHUP, the second
-/// receive was never flushed (the wait timed out).
+/// message and closed. A receive pass that stopped at that short read (the
+/// reverted 1774dd6) never flushed the second receive: the wait timed out.
 fn end_of_stream_behind_a_message(crc: bool) {
     let (s, c) = (open(Progress::Manual, crc), open(Progress::Manual, crc));
     let k = connect(&s, &c);
